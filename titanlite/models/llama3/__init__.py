@@ -1,0 +1,15 @@
+"""Llama 3 family: registers itself with the model registry on import."""
+from titanlite.models.llama3.args import LLAMA3_FLAVORS, Llama3ModelArgs
+from titanlite.models.llama3.model import Transformer
+from titanlite.models.registry import ModelSpec, register_model
+
+register_model(
+    ModelSpec(
+        name="llama3",
+        args_cls=Llama3ModelArgs,
+        flavors=LLAMA3_FLAVORS,
+        model_cls=Transformer,
+    )
+)
+
+__all__ = ["Llama3ModelArgs", "LLAMA3_FLAVORS", "Transformer"]

@@ -1,0 +1,92 @@
+"""Model-family registry.
+
+A family (llama3 in core, others from ``torchtitan_ext``) registers one :class:`ModelSpec`. Core
+code looks families up by name and never imports a family module directly, so a new family plugs
+in without touching core.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything core needs to know about one model family.
+
+    - ``args_cls``: dataclass of architecture hyper-parameters (``dim``, ``n_layers``, ``vocab_size`` ...).
+    - ``flavors``: preset name -> args instance.
+    - ``model_cls``: ``model_cls(args)`` builds the module; it must provide ``init_weights()``
+      and ``forward(tokens) -> logits [batch, seq, vocab]``.
+    - ``parallelize_fn``: ``parallelize_fn(model, parallel_dims, job_config) -> model`` (on meta).
+    - ``hf_adapter``: object converting state dicts to and from Hugging Face (or None).
+    - ``tokenizer_builder``: ``tokenizer_builder(path) -> tokenizer`` ("" = built-in default).
+    """
+
+    name: str
+    args_cls: type
+    flavors: dict[str, Any]
+    model_cls: type
+    parallelize_fn: Optional[Callable[..., nn.Module]] = None
+    hf_adapter: Any = None
+    tokenizer_builder: Optional[Callable[[str], Any]] = None
+
+
+_REGISTRY: dict[str, ModelSpec] = {}
+
+
+def register_model(spec: ModelSpec) -> ModelSpec:
+    """Register a family; registering the same name twice is an error."""
+    if spec.name in _REGISTRY and _REGISTRY[spec.name] is not spec:
+        raise ValueError(f"model family {spec.name!r} is already registered")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def model_names() -> list[str]:
+    _ensure_builtin()
+    return sorted(_REGISTRY)
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    _ensure_builtin()
+    if name not in _REGISTRY:
+        raise KeyError(f"unknown model family {name!r}; registered: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]
+
+
+def make_model_args(name: str, flavor: str, **overrides: Any) -> Any:
+    """The flavor's args with ``overrides`` applied (each must be a field of the args class)."""
+    spec = get_model_spec(name)
+    if flavor not in spec.flavors:
+        raise KeyError(f"unknown flavor {flavor!r} for model {name!r}; available: {', '.join(spec.flavors)}")
+    fields = {f.name for f in dataclasses.fields(spec.args_cls)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise KeyError(f"unknown model args for {name!r}: {', '.join(unknown)}")
+    return dataclasses.replace(spec.flavors[flavor], **overrides)
+
+
+def build_model(name: str, flavor: str, device: str | torch.device = "meta", **overrides: Any) -> nn.Module:
+    """Build a model of a registered family.
+
+    On ``device="meta"`` (the default) no memory is allocated: materialize it with
+    ``model.to_empty(device=...)`` and then call ``model.init_weights()``. On any other device the
+    weights are allocated there and initialized.
+    """
+    spec = get_model_spec(name)
+    args = make_model_args(name, flavor, **overrides)
+    with torch.device(device):
+        model = spec.model_cls(args)
+    if torch.device(device).type != "meta":
+        model.init_weights()
+    return model
+
+
+def _ensure_builtin() -> None:
+    # Core families register on import of their package.
+    import titanlite.models.llama3  # noqa: F401
