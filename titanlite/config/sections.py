@@ -19,6 +19,18 @@ def opt(default: Any, help: str, **checks: Any) -> Any:
     return field(default=default, metadata=meta)
 
 
+def section(cls: type, toml_name: str | None = None) -> Any:
+    """A ``JobConfig`` attribute holding one section.
+
+    The TOML table name is the attribute name unless ``toml_name`` is given; a dotted name declares
+    a nested table, e.g. ``quantize_linear_float8: QuantizeLinearFloat8 = section(QuantizeLinearFloat8,
+    "quantize.linear.float8")`` is read from ``[quantize.linear.float8]`` and set on the command line
+    with ``--quantize.linear.float8.<key>``. A plain ``field(default_factory=cls)`` also works (TOML
+    name = attribute name).
+    """
+    return field(default_factory=cls, metadata={"toml": toml_name} if toml_name else {})
+
+
 @dataclass
 class Job:
     dump_folder: str = opt("./outputs", "Folder for config.toml, metrics.jsonl, TensorBoard events and checkpoints.")
@@ -91,7 +103,9 @@ class Validation:
 class JobConfig:
     """The whole run configuration: one attribute per TOML section, in TOML order.
 
-    Later features add their section here (a dataclass above plus one line below).
+    Later features add their section here (a dataclass above plus one line below). The TOML table
+    name is the attribute name; declare a different (e.g. dotted, nested) one with
+    ``section(cls, "a.b.c")``.
     """
 
     job: Job = field(default_factory=Job)

@@ -1,0 +1,5 @@
+"""Optimizers and learning-rate schedules."""
+from titanlite.optim.lr_scheduler import build_lr_scheduler, lr_factor
+from titanlite.optim.optimizer import build_optimizer, param_groups
+
+__all__ = ["build_lr_scheduler", "build_optimizer", "lr_factor", "param_groups"]

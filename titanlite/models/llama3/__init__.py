@@ -1,6 +1,8 @@
 """Llama 3 family: registers itself with the model registry on import."""
+from titanlite.data.tokenizer import build_tokenizer
 from titanlite.models.llama3.args import LLAMA3_FLAVORS, Llama3ModelArgs
 from titanlite.models.llama3.model import Transformer
+from titanlite.models.llama3.parallelize import parallelize_llama
 from titanlite.models.registry import ModelSpec, register_model
 
 register_model(
@@ -9,7 +11,9 @@ register_model(
         args_cls=Llama3ModelArgs,
         flavors=LLAMA3_FLAVORS,
         model_cls=Transformer,
+        parallelize_fn=parallelize_llama,
+        tokenizer_builder=build_tokenizer,
     )
 )
 
-__all__ = ["Llama3ModelArgs", "LLAMA3_FLAVORS", "Transformer"]
+__all__ = ["Llama3ModelArgs", "LLAMA3_FLAVORS", "Transformer", "parallelize_llama"]

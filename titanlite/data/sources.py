@@ -1,0 +1,243 @@
+"""Raw-text document sources: plain text, Markdown, JSON Lines, JSON and Parquet files or folders.
+
+:func:`iter_documents` yields documents (``str``) in a deterministic order:
+
+* A **folder** is walked recursively; files are taken in sorted order of their relative POSIX path.
+  Only files ending in ``.txt``, ``.md``, ``.jsonl``, ``.json``, ``.parquet`` (or ``.txt.gz``,
+  ``.md.gz``, ``.jsonl.gz``, ``.json.gz``) are read; names starting with ``.`` are skipped.
+* A **plain-text / Markdown file** (``.txt``, ``.md``, or any other suffix when a file is named
+  directly) is ONE document by default (``txt_split="file"``): the whole file. With
+  ``txt_split="paragraphs"`` it is split into paragraphs: runs of lines separated by one or more
+  blank (empty or whitespace-only) lines; each paragraph is one document, its lines joined with
+  ``"\\n"`` plus a final ``"\\n"``. One document per file suits books and code; paragraphs suit
+  corpora such as tinyshakespeare where a held-out split needs many documents.
+* A **JSON Lines file** (``.jsonl``; also a ``.json`` file that does not start with ``[``) has one
+  JSON object per line; the document is the string in ``text_field``. Blank lines are skipped. A
+  line that is not JSON, not an object, or lacks the field (or whose field is not a string) is a
+  ``ValueError("<file>:<line>: ...")``.
+* A **JSON file** starting with ``[`` is an array of such objects (or of plain strings).
+* A **Parquet file** needs the ``pyarrow`` package; the document is column ``text_field``.
+
+Files must be UTF-8 (``.gz`` files are decompressed on the fly). Empty documents (``""``) are
+skipped. Errors are one-line ``ValueError``\\ s naming the file (and line where there is one); a
+missing ``pyarrow`` is an ``ImportError`` naming the package.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import zlib
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence, Union
+
+PathLike = Union[str, os.PathLike]
+
+FORMATS = ("auto", "text", "jsonl", "json", "parquet")
+TXT_SPLITS = ("file", "paragraphs")
+_SUFFIX_FORMAT = {".txt": "text", ".md": "text", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
+
+
+def _strip_gz(name: str) -> tuple[str, bool]:
+    return (name[:-3], True) if name.endswith(".gz") else (name, False)
+
+
+def file_format_of(path: PathLike) -> str | None:
+    """The format of a file from its suffix (``None`` when the suffix is not a known one)."""
+    name, gz = _strip_gz(Path(path).name.lower())
+    fmt = _SUFFIX_FORMAT.get(os.path.splitext(name)[1])
+    if gz and fmt == "parquet":
+        return None
+    return fmt
+
+
+def list_files(paths: Union[PathLike, Sequence[PathLike]]) -> list[Path]:
+    """The files :func:`iter_documents` reads, in order (folders expanded recursively, sorted)."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    out: list[Path] = []
+    for p in paths:
+        p = Path(p)
+        if p.is_dir():
+            found = []
+            for root, dirs, files in os.walk(p):
+                dirs[:] = [d for d in dirs if not d.startswith(".")]
+                for f in files:
+                    if not f.startswith(".") and file_format_of(f) is not None:
+                        found.append(Path(root, f))
+            out.extend(sorted(found, key=lambda f: f.relative_to(p).as_posix()))
+        elif p.is_file():
+            out.append(p)
+        elif p.exists():
+            raise ValueError(f"{p}: not a regular file or folder")
+        else:
+            raise ValueError(f"{p}: input not found")
+    return out
+
+
+def _open_binary(path: Path):
+    f = open(path, "rb")
+    if path.name.endswith(".gz"):
+        return gzip.GzipFile(fileobj=f, mode="rb"), f
+    return f, f
+
+
+def _decode(data: bytes, path: Path, line: int | None = None) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        where = f"{path}:{line}" if line is not None else f"{path}"
+        raise ValueError(f"{where}: not valid UTF-8 (byte {e.start}{' of the line' if line else ''})") from None
+
+
+def _paragraphs(text: str) -> Iterator[str]:
+    para: list[str] = []
+    for line in text.splitlines():
+        if line.strip():
+            para.append(line)
+        elif para:
+            yield "\n".join(para) + "\n"
+            para = []
+    if para:
+        yield "\n".join(para) + "\n"
+
+
+def _text_docs(path: Path, txt_split: str) -> Iterator[tuple[str, int]]:
+    size = path.stat().st_size
+    stream, raw = _open_binary(path)
+    with raw:
+        text = _decode(stream.read(), path)
+    if txt_split == "file":
+        if text:
+            yield text, size
+        return
+    for para in _paragraphs(text):
+        yield para, size
+
+
+def _record_text(obj, where: str, text_field: str) -> str:
+    if isinstance(obj, str):
+        return obj
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: expected a JSON object with a {text_field!r} field, "
+                         f"got {type(obj).__name__}")
+    if text_field not in obj:
+        keys = ", ".join(list(obj)[:8])
+        raise ValueError(f"{where}: no {text_field!r} field (keys: {keys or 'none'}); "
+                         f"choose the field with --text-field")
+    value = obj[text_field]
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: field {text_field!r} is {type(value).__name__}, not a string")
+    return value
+
+
+def _jsonl_docs(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
+    stream, raw = _open_binary(path)
+    with raw:
+        for lineno, line in enumerate(stream, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(_decode(line, path, lineno))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+            text = _record_text(obj, f"{path}:{lineno}", text_field)
+            if text:
+                yield text, raw.tell()
+
+
+def _json_docs(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
+    stream, raw = _open_binary(path)
+    with raw:
+        head = stream.read(4096).lstrip()
+        if head[:1] != b"[":
+            is_array = False
+        else:
+            is_array = True
+            data = head + stream.read()
+    if not is_array:
+        # Not an array: JSON Lines with a .json suffix (as C4's and many Hugging Face dumps are).
+        yield from _jsonl_docs(path, text_field)
+        return
+    try:
+        records = json.loads(_decode(data, path))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e.msg} at line {e.lineno} column {e.colno} of the array)") from None
+    size = path.stat().st_size
+    for i, obj in enumerate(records):
+        text = _record_text(obj, f"{path}: record {i}", text_field)
+        if text:
+            yield text, size
+
+
+def _parquet_docs(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(f"{path}: reading Parquet files needs the 'pyarrow' package (pip install pyarrow)") from None
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises its own error types
+        raise ValueError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    names = pf.schema_arrow.names
+    if text_field not in names:
+        raise ValueError(f"{path}: no {text_field!r} column (columns: {', '.join(names[:8])}); "
+                         f"choose the column with --text-field")
+    size = path.stat().st_size
+    groups = pf.num_row_groups or 1
+    for g in range(pf.num_row_groups):
+        column = pf.read_row_group(g, columns=[text_field]).column(0)
+        done = size * (g + 1) // groups
+        for value in column.to_pylist():
+            if value is None:
+                continue
+            if not isinstance(value, str):
+                raise ValueError(f"{path}: column {text_field!r} holds {type(value).__name__}, not strings")
+            if value:
+                yield value, done
+
+
+def iter_file_documents(path: PathLike, text_field: str = "text", file_format: str = "auto",
+                        txt_split: str = "file") -> Iterator[tuple[str, int]]:
+    """Documents of ONE file as ``(text, bytes of the file consumed so far)`` (for progress/ETA)."""
+    path = Path(path)
+    if file_format not in FORMATS:
+        raise ValueError(f"unknown file format {file_format!r} (choose from {', '.join(FORMATS)})")
+    if txt_split not in TXT_SPLITS:
+        raise ValueError(f"unknown txt_split {txt_split!r} (choose from {', '.join(TXT_SPLITS)})")
+    fmt = file_format if file_format != "auto" else (file_format_of(path) or "text")
+    try:
+        if fmt == "text":
+            yield from _text_docs(path, txt_split)
+        elif fmt == "jsonl":
+            yield from _jsonl_docs(path, text_field)
+        elif fmt == "json":
+            yield from _json_docs(path, text_field)
+        else:
+            yield from _parquet_docs(path, text_field)
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise ValueError(f"{path}: corrupt gzip data ({e})") from None
+    except FileNotFoundError:
+        raise ValueError(f"{path}: input not found") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path}: is a folder") from None
+    except PermissionError:
+        raise ValueError(f"{path}: permission denied") from None
+
+
+def iter_documents(path: Union[PathLike, Sequence[PathLike]], text_field: str = "text",
+                   file_format: str = "auto", txt_split: str = "file") -> Iterator[str]:
+    """Documents of a file, a folder (recursive, sorted), or a list of them, in a deterministic order.
+
+    ``file_format``: "auto" (from each file's suffix; an explicitly named file with an unknown
+    suffix is plain text), or one of "text", "jsonl", "json", "parquet" for every file.
+    ``txt_split``: "file" (a plain-text file is one document) or "paragraphs" (blank-line separated).
+    """
+    for f in list_files(path):
+        for text, _ in iter_file_documents(f, text_field, file_format, txt_split):
+            yield text
+
+
+def total_bytes(files: Iterable[Path]) -> int:
+    """Total size on disk of ``files`` (the denominator of progress/ETA)."""
+    return sum(Path(f).stat().st_size for f in files)

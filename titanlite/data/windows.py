@@ -1,0 +1,104 @@
+"""Training windows cut from one long token stream, shuffled, split per data-parallel rank, resumable.
+
+The stream is any object with ``len(store)`` (tokens) and ``store[a:b]`` returning a 1-D integer
+tensor: an in-memory tensor, or memory-mapped shards (:class:`titanlite.data.shards.ShardedTokens`).
+It is cut into ``num_windows = len // (seq_len + 1)`` non-overlapping windows; window ``w`` gives
+``input = tokens[w*(L+1) : w*(L+1)+L]`` and ``labels`` shifted by one.
+
+Order: each epoch draws a permutation of the windows from ``(seed, epoch)``. A global cursor ``pos``
+walks that permutation ``dp_world`` windows at a time and rank ``r`` takes ``perm[pos + r]``, so the
+ranks read disjoint windows that together cover the epoch (up to ``dp_world - 1`` left-over windows,
+different ones each epoch). Because the cursor is global, a resume with another data-parallel degree
+continues exactly where the old run stopped: nothing is repeated or skipped.
+
+With DataLoader worker processes, worker ``w`` of ``n`` produces the batches ``b`` with ``b % n == w``
+of the rank's stream, which is the order in which the (Stateful)DataLoader hands batches out, so the
+sequence is the same as with no workers.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator, Optional
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+logger = logging.getLogger(__name__)
+
+
+def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Per-token document index within a window: a new document starts after every EOS."""
+    starts = torch.zeros_like(tokens)
+    starts[..., 1:] = (tokens[..., :-1] == eos_id).to(tokens.dtype)
+    return starts.cumsum(-1)
+
+
+class TokenWindows(IterableDataset):
+    """Stateful iterable over ``{"input_ids", "labels"[, "document_ids"]}`` windows of one rank."""
+
+    def __init__(self, store: Any, seq_len: int, *, dp_rank: int = 0, dp_world: int = 1, seed: int = 0,
+                 shuffle: bool = True, infinite: bool = True, batch_size: int = 1,
+                 eos_id: Optional[int] = None, name: str = "train"):
+        self.store, self.seq_len, self.name = store, seq_len, name
+        self.dp_rank, self.dp_world, self.seed = dp_rank, dp_world, seed
+        self.shuffle, self.infinite, self.batch_size, self.eos_id = shuffle, infinite, batch_size, eos_id
+        self.num_windows = len(store) // (seq_len + 1)
+        if self.num_windows < dp_world:
+            raise ValueError(
+                f"{name} data has {len(store)} tokens: fewer than one window of seq_len+1={seq_len + 1} "
+                f"tokens per data-parallel rank ({dp_world} ranks)")
+        self.epoch, self.pos, self.sample = 0, 0, 0  # the cursor; `sample` counts this rank's samples
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.num_windows)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.num_windows, generator=g)
+
+    def _window(self, w: int) -> dict[str, torch.Tensor]:
+        start = w * (self.seq_len + 1)
+        tokens = self.store[start:start + self.seq_len + 1].to(torch.int64)
+        item = {"input_ids": tokens[:-1], "labels": tokens[1:]}
+        if self.eos_id is not None:
+            item["document_ids"] = document_ids(item["input_ids"], self.eos_id)
+        return item
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        info = get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        order = self._order(self.epoch)
+        while True:
+            if self.pos + self.dp_world > self.num_windows:
+                if not self.infinite:
+                    return
+                self.epoch, self.pos = self.epoch + 1, 0
+                order = self._order(self.epoch)
+                if worker == 0:
+                    logger.info("%s data: starting epoch %d (%d windows)", self.name, self.epoch, self.num_windows)
+            w = int(order[self.pos + self.dp_rank])
+            mine = (self.sample // self.batch_size) % num_workers == worker
+            self.pos += self.dp_world
+            self.sample += 1
+            if mine:
+                yield self._window(w)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "pos": self.pos, "sample": self.sample, "dp_world": self.dp_world,
+                "num_windows": self.num_windows, "seq_len": self.seq_len, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("num_windows", "seq_len", "seed"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"cannot resume {self.name} data: checkpoint has {key}={state[key]}, this run has "
+                    f"{getattr(self, key)} (the data or its windowing changed)")
+        if state["dp_world"] != self.dp_world:
+            if get_worker_info() is not None:
+                raise ValueError(f"cannot re-partition {self.name} data from {state['dp_world']} to "
+                                 f"{self.dp_world} ranks with DataLoader workers; resume with num_workers=0")
+            if state["sample"] % self.batch_size:
+                raise ValueError(f"cannot re-partition {self.name} data from {state['dp_world']} to "
+                                 f"{self.dp_world} ranks in the middle of a batch")
+            logger.info("%s data: re-partitioning from %d to %d data-parallel ranks at epoch %d, window %d",
+                        self.name, state["dp_world"], self.dp_world, state["epoch"], state["pos"])
+        self.epoch, self.pos, self.sample = state["epoch"], state["pos"], state["sample"]

@@ -1,0 +1,115 @@
+"""Llama 3 architecture hyper-parameters and the published model sizes ("flavors")."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Attention-mask kinds the model understands. Add a name here (and handle it in
+# ``Attention.attention``) to support a new one, e.g. "block_causal" for document masking.
+ATTN_MASK_TYPES: tuple[str, ...] = ("causal",)
+
+
+@dataclass
+class Llama3ModelArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None  # None = n_heads (plain multi-head attention)
+    vocab_size: int = 128256
+    multiple_of: int = 256  # SwiGLU hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    # Llama 3.1 RoPE frequency scaling; a factor of 0 disables it.
+    rope_scaling_factor: float = 0.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
+    max_seq_len: int = 8192  # length of the precomputed rotary table
+    tie_word_embeddings: bool = False
+    depth_init: bool = True  # scale output-projection init by layer depth
+    attn_mask_type: str = "causal"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"Llama3ModelArgs.{name} must be a positive integer, got {value!r}")
+        if self.n_kv_heads is not None and (not isinstance(self.n_kv_heads, int) or self.n_kv_heads <= 0):
+            raise ValueError(f"Llama3ModelArgs.n_kv_heads must be a positive integer or None, got {self.n_kv_heads!r}")
+        if self.dim % self.n_heads != 0:
+            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+        if self.n_heads % self.kv_heads != 0:
+            raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.kv_heads})")
+        if self.ffn_dim_multiplier is not None and self.ffn_dim_multiplier <= 0:
+            raise ValueError(f"ffn_dim_multiplier must be positive or None, got {self.ffn_dim_multiplier}")
+        if self.norm_eps <= 0:
+            raise ValueError(f"norm_eps must be positive, got {self.norm_eps}")
+        if self.rope_theta <= 0:
+            raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
+        if self.rope_scaling_factor < 0:
+            raise ValueError(f"rope_scaling_factor must be >= 0 (0 = off), got {self.rope_scaling_factor}")
+        if self.rope_scaling_factor > 0:
+            if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+                raise ValueError(
+                    "RoPE scaling needs 0 < rope_low_freq_factor < rope_high_freq_factor, got "
+                    f"{self.rope_low_freq_factor} and {self.rope_high_freq_factor}"
+                )
+            if self.rope_original_max_position <= 0:
+                raise ValueError(f"rope_original_max_position must be positive, got {self.rope_original_max_position}")
+        if self.attn_mask_type not in ATTN_MASK_TYPES:
+            raise ValueError(f"attn_mask_type must be one of {ATTN_MASK_TYPES}, got {self.attn_mask_type!r}")
+
+    @property
+    def kv_heads(self) -> int:
+        """Number of key/value heads (``n_kv_heads`` with None resolved to ``n_heads``)."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """SwiGLU hidden size, Meta's formula: 2/3 of 4*dim, times the multiplier, rounded up."""
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+
+_LLAMA31_ROPE = dict(rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_position=8192)
+
+LLAMA3_FLAVORS: dict[str, Llama3ModelArgs] = {
+    "debugmodel": Llama3ModelArgs(
+        dim=256, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=512, multiple_of=256,
+        rope_theta=500000.0, max_seq_len=2048, tie_word_embeddings=False,
+    ),
+    # Llama 3.2 1B
+    "1B": Llama3ModelArgs(
+        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
+        rope_scaling_factor=32.0, **_LLAMA31_ROPE, max_seq_len=131072, tie_word_embeddings=True,
+    ),
+    # Llama 3.2 3B
+    "3B": Llama3ModelArgs(
+        dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0, multiple_of=256,
+        rope_scaling_factor=32.0, **_LLAMA31_ROPE, max_seq_len=131072, tie_word_embeddings=True,
+    ),
+    # Llama 3.1 8B / 70B / 405B
+    "8B": Llama3ModelArgs(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
+        rope_scaling_factor=8.0, **_LLAMA31_ROPE, max_seq_len=131072,
+    ),
+    "70B": Llama3ModelArgs(
+        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096,
+        rope_scaling_factor=8.0, **_LLAMA31_ROPE, max_seq_len=131072,
+    ),
+    "405B": Llama3ModelArgs(
+        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2, multiple_of=4096,
+        rope_scaling_factor=8.0, **_LLAMA31_ROPE, max_seq_len=131072,
+    ),
+}

@@ -1,0 +1,249 @@
+"""Llama 3 decoder-only transformer.
+
+    tokens [B, S]
+      -> tok_embeddings                                   [B, S, dim]
+      -> N x TransformerBlock:
+             h = x + attention(attention_norm(x), rope)   grouped-query, causal, rotary q/k
+             h = h + feed_forward(ffn_norm(h))            SwiGLU: w2(silu(w1 h) * w3 h)
+      -> norm (RMSNorm) -> output (Linear)                [B, S, vocab]
+
+Details that matter for checkpoints and parallelism:
+
+* Parameter names follow Meta's / torchtitan's Llama 3 code (``tok_embeddings``,
+  ``layers.<i>.attention.wq`` ...), and ``layers`` is an ``nn.ModuleDict`` keyed "0".."N-1" so
+  each block can be wrapped separately (FSDP, activation checkpointing, compile) and pipeline
+  stages can drop blocks while keeping the names.
+* RoPE uses Meta's *interleaved* layout: features (2i, 2i+1) of each head form one rotated pair.
+  (Hugging Face checkpoints use a half-split layout; their wq/wk rows are permuted on conversion.)
+  Llama 3.1 frequency scaling is applied when ``rope_scaling_factor > 0``. The cos/sin table is a
+  non-persistent buffer computed by :func:`precompute_rope` with real arithmetic (no complex
+  tensors, friendlier to compile and DTensor).
+* Attention infers the number of local heads from the projection outputs, so the same code runs
+  with tensor-parallel sharded ``wq/wk/wv`` (each rank holds a subset of heads).
+* The model can be built on the meta device; ``to_empty`` + ``init_weights()`` then materialize it.
+  ``init_weights`` only uses in-place ops so it also works on FSDP2-sharded (DTensor) parameters.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titanlite.models.llama3.args import Llama3ModelArgs
+
+# ----------------------------------------------------------------------------- rotary embeddings
+
+
+def rope_frequencies(
+    head_dim: int,
+    theta: float = 500000.0,
+    scaling_factor: float = 0.0,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_max_position: int = 8192,
+) -> torch.Tensor:
+    """Rotation frequency of each of the ``head_dim // 2`` feature pairs (fp32), optionally with
+    Llama 3.1 scaling: wavelengths shorter than ``original_max_position / high_freq_factor`` are
+    kept, those longer than ``original_max_position / low_freq_factor`` are slowed down by
+    ``scaling_factor``, and the band in between interpolates smoothly between the two."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if scaling_factor <= 0:
+        return freqs
+    wavelen = 2 * math.pi / freqs
+    # smooth = 1 keeps the frequency, smooth = 0 divides it by the factor; clamped to [0, 1] it
+    # reproduces the three bands (high: wavelen < high_freq_wavelen, low: > low_freq_wavelen).
+    smooth = (original_max_position / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smooth = smooth.clamp(0.0, 1.0)
+    return (1 - smooth) * freqs / scaling_factor + smooth * freqs
+
+
+def precompute_rope(
+    head_dim: int,
+    max_seq_len: int,
+    theta: float = 500000.0,
+    scaling_factor: float = 0.0,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_max_position: int = 8192,
+) -> torch.Tensor:
+    """Rotary table ``[max_seq_len, head_dim]`` (fp32): ``cat([cos, sin], -1)`` where row ``p``
+    holds the angles ``p * freq_i`` of the ``head_dim // 2`` pairs."""
+    freqs = rope_frequencies(head_dim, theta, scaling_factor, low_freq_factor, high_freq_factor, original_max_position)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
+    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [B, S, H, head_dim]`` in the interleaved layout, using rows ``[:S]`` of the table."""
+    bsz, seqlen, n_heads, head_dim = x.shape
+    cos, sin = rope_cache[:seqlen].view(1, seqlen, 1, 2, head_dim // 2).unbind(dim=3)
+    pairs = x.float().view(bsz, seqlen, n_heads, head_dim // 2, 2)
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+    return out.flatten(3).type_as(x)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """``[B, S, n_kv, D] -> [B, S, n_kv * n_rep, D]``; kv head ``j`` serves query heads ``j*n_rep ...``."""
+    if n_rep == 1:
+        return x
+    bsz, seqlen, n_kv, head_dim = x.shape
+    return x.unsqueeze(3).expand(bsz, seqlen, n_kv, n_rep, head_dim).reshape(bsz, seqlen, n_kv * n_rep, head_dim)
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with rotary position embeddings."""
+
+    def __init__(self, args: Llama3ModelArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.n_rep = args.n_heads // args.kv_heads  # stays the same when TP shards the heads
+        self.attn_mask_type = args.attn_mask_type
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def init_weights(self, init_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            _trunc_normal_(linear.weight, 0.02)
+        _trunc_normal_(self.wo.weight, init_std)
+
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        # -1: the number of (local) heads comes from the projection, not from args (TP shards it)
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        q, k = apply_rope(q, rope_cache), apply_rope(k, rope_cache)
+        k, v = repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
+        out = self.attention(q, k, v, attn_mask)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+    def attention(self, q, k, v, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Scaled dot-product attention. ``attn_mask`` (boolean, True = attend), when given,
+        replaces the built-in causal mask (hook for document masking)."""
+        if attn_mask is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        if self.attn_mask_type == "causal":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        raise ValueError(f"attn_mask_type {self.attn_mask_type!r} needs an explicit attn_mask")
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def init_weights(self, init_std: float) -> None:
+        _trunc_normal_(self.w1.weight, 0.02)
+        for linear in (self.w2, self.w3):
+            _trunc_normal_(linear.weight, init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: attention then SwiGLU, each with a residual connection."""
+
+    def __init__(self, layer_id: int, args: Llama3ModelArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        depth = (layer_id + 1) if args.depth_init else args.n_layers
+        self.weight_init_std = 0.02 / math.sqrt(2 * depth)
+
+    def init_weights(self) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(self.weight_init_std)
+        self.feed_forward.init_weights(self.weight_init_std)
+
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope_cache, attn_mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """The Llama 3 language model: ``forward(tokens [B, S]) -> logits [B, S, vocab]``."""
+
+    def __init__(self, args: Llama3ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("rope_cache", self._precompute_rope(), persistent=False)
+
+    def _precompute_rope(self) -> torch.Tensor:
+        a = self.args
+        return precompute_rope(
+            a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling_factor,
+            a.rope_low_freq_factor, a.rope_high_freq_factor, a.rope_original_max_position,
+        )
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        """(Re)initialize every parameter and the rotary table; deterministic given torch's seed."""
+        buffer_device = buffer_device or self.rope_cache.device
+        with torch.device(buffer_device):
+            self.rope_cache = self._precompute_rope()
+        tied = self.args.tie_word_embeddings
+        if tied and self.tok_embeddings is not None and self.output is not None:
+            if self.output.weight is not self.tok_embeddings.weight:  # re-tie if a conversion split them
+                self.output.weight = self.tok_embeddings.weight
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight, std=self.args.dim**-0.5 if tied else 1.0)
+        for layer in self.layers.values():
+            if layer is not None:
+                layer.init_weights()
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None and not tied:
+            _trunc_normal_(self.output.weight, self.args.dim**-0.5)
+
+    def forward(self, tokens: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        # Any of the stages may be None on a pipeline stage that does not own it.
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if h.shape[1] > self.rope_cache.shape[0]:
+            raise ValueError(f"sequence length {h.shape[1]} exceeds max_seq_len {self.rope_cache.shape[0]}")
+        for layer in self.layers.values():
+            h = layer(h, self.rope_cache, attn_mask)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _trunc_normal_(weight: torch.Tensor, std: float, cutoff: float = 3.0) -> None:
+    """In-place truncated normal (mean 0) cut at ``cutoff`` standard deviations."""
+    nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-cutoff * std, b=cutoff * std)
+
+
+def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
+    """Number of parameters, counting shared (tied) tensors once; optionally without the input
+    embedding table (when tied, the shared table is excluded)."""
+    total = sum(p.numel() for p in model.parameters())  # parameters() de-duplicates shared tensors
+    if exclude_embedding:
+        emb = getattr(model, "tok_embeddings", None)
+        if emb is not None:
+            total -= emb.weight.numel()
+    return total

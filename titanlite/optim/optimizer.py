@@ -1,0 +1,38 @@
+"""AdamW with weight decay on matrices only.
+
+Weight-decay groups: parameters with two or more dimensions that are not embeddings get
+``weight_decay`` (the linear weights, which hold almost all parameters); norms, biases and the token
+embedding get none. Decaying norm gains pulls them towards zero for no benefit, and decaying the
+embedding shrinks rare tokens' rows that receive few gradient updates. A tied output shares the
+embedding tensor and so follows the embedding (no decay).
+
+Kernel: ``fused`` on CUDA (one kernel for all parameters), ``foreach`` elsewhere; both also work on
+DTensor parameters (FSDP2 / TP).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    decay, no_decay, seen = [], [], set()
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    for p in model.parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (decay if p.ndim >= 2 and id(p) not in embeddings else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
+    """The optimizer of the ``[optimizer]`` section for ``model``'s parameters (after parallelize)."""
+    on_cuda = any(p.device.type == "cuda" for p in model.parameters())
+    impl = cfg.implementation
+    if impl == "auto":
+        impl = "fused" if on_cuda else "foreach"
+    kwargs = {"fused": impl == "fused", "foreach": impl == "foreach"}
+    cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[cfg.name]
+    wd = cfg.weight_decay if cfg.name == "AdamW" else 0.0
+    return cls(param_groups(model, wd), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kwargs)
