@@ -97,8 +97,9 @@ def test_resume_refuses_changed_data():
     ld = build_dataloader(make_store(12), seq_len=SEQ, batch_size=2)
     state = ld.state_dict()
     other = build_dataloader(make_store(20), seq_len=SEQ, batch_size=2)
-    with pytest.raises(ValueError, match="num_windows"):
-        other.load_state_dict(state)
+    other.load_state_dict(state)  # applied when iteration starts
+    with pytest.raises(ValueError, match="checkpoint has num_windows=12, this run has 20"):
+        next(iter(other))
 
 
 def test_too_little_data_is_a_clear_error():

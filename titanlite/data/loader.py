@@ -1,6 +1,7 @@
 """Building resumable data loaders from the ``[training]`` / ``[validation]`` config."""
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -28,5 +29,7 @@ def build_dataloader(store: Any, *, seq_len: int, batch_size: int, dp_rank: int 
     """
     windows = TokenWindows(store, seq_len, dp_rank=dp_rank, dp_world=dp_world, seed=seed, shuffle=train,
                            infinite=train, batch_size=batch_size, eos_id=eos_id, name=name)
+    # torchdata 0.11 calls the deprecated torch.set_vital when a loader is created; harmless.
+    warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
     return StatefulDataLoader(windows, batch_size=batch_size, num_workers=num_workers, drop_last=True,
                               persistent_workers=False, pin_memory=torch.cuda.is_available())

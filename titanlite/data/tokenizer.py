@@ -12,6 +12,7 @@ the file and, where there is one, the line.
 
 :class:`ParallelEncoder` runs a pool of worker processes that each build the tokenizer once and turn
 batches of documents into ``BOS + tokens + EOS`` arrays (used by ``scripts/prepare_data.py``).
+``Tokenizer.encode_batch`` uses tiktoken's own thread pool.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import base64
 import binascii
 import multiprocessing
 import os
+import sys
 from typing import Optional, Sequence
 
 import numpy as np
@@ -97,6 +99,13 @@ def build_byte_tokenizer() -> Tokenizer:
 _UTF8_BYTES = [b for b in range(256) if b not in (0xC0, 0xC1) and b < 0xF5]
 
 
+def _b64decode(data: bytes) -> bytes:
+    """Strict base64 decoding (rejects stray characters and bad padding)."""
+    if sys.version_info >= (3, 11):
+        return binascii.a2b_base64(data, strict_mode=True)
+    return base64.b64decode(data, validate=True)
+
+
 def _show(line: bytes, limit: int = 60) -> str:
     text = line.decode("utf-8", errors="replace")
     return repr(text if len(text) <= limit else text[:limit] + "...")
@@ -121,24 +130,20 @@ def load_tiktoken_ranks(path: str) -> dict[bytes, int]:
     if path.endswith(".json"):
         hint = " (this looks like a Hugging Face tokenizer.json; only tiktoken BPE files are supported)"
     ranks: dict[bytes, int] = {}
-    line_of_token: dict[bytes, int] = {}
-    line_of_rank: list[int] = []
+    line_of_rank: list[int] = []  # ranks are the line order, so this maps rank -> line number
     for lineno, raw in enumerate(data.split(b"\n"), start=1):
-        line = raw.strip()
-        if not line:
-            continue
-        parts = line.split()
+        parts = raw.split()
         if len(parts) != 2:
-            raise ValueError(f"{path}:{lineno}: expected '<base64 token> <rank>', got {_show(line)}{hint}")
+            if not parts:
+                continue  # blank line
+            raise ValueError(f"{path}:{lineno}: expected '<base64 token> <rank>', got {_show(raw.strip())}{hint}")
         tok_b64, rank_s = parts
         try:
-            token = base64.b64decode(tok_b64, validate=True)
+            token = _b64decode(tok_b64)
         except (binascii.Error, ValueError):
             raise ValueError(f"{path}:{lineno}: invalid base64 token {_show(tok_b64)}{hint}") from None
         if not rank_s.isdigit():
             raise ValueError(f"{path}:{lineno}: rank {_show(rank_s)} is not a non-negative integer{hint}")
-        if not token:
-            raise ValueError(f"{path}:{lineno}: empty token")
         rank = int(rank_s)
         expected = len(line_of_rank)
         if rank != expected:
@@ -146,10 +151,12 @@ def load_tiktoken_ranks(path: str) -> dict[bytes, int]:
                 raise ValueError(f"{path}:{lineno}: duplicate rank {rank} (first on line {line_of_rank[rank]})")
             raise ValueError(f"{path}:{lineno}: rank {rank} is not contiguous: expected {expected} "
                              f"(ranks must be 0, 1, 2, ... in line order)")
+        if not token:
+            raise ValueError(f"{path}:{lineno}: empty token")
         if token in ranks:
-            raise ValueError(f"{path}:{lineno}: duplicate token {_show(tok_b64)} (first on line {line_of_token[token]})")
+            raise ValueError(f"{path}:{lineno}: duplicate token {_show(tok_b64)} "
+                             f"(first on line {line_of_rank[ranks[token]]})")
         ranks[token] = rank
-        line_of_token[token] = lineno
         line_of_rank.append(lineno)
     if not ranks:
         raise ValueError(f"{path}: empty tokenizer file (no '<base64 token> <rank>' lines){hint}")
@@ -207,11 +214,15 @@ def encode_documents(tokenizer: Tokenizer, texts: Sequence[str], dtype: np.dtype
 # --- worker processes: each builds the tokenizer once -------------------------------------------
 
 _WORKER: Optional[tuple[Tokenizer, np.dtype]] = None
+_INHERIT: Optional[tuple[Tokenizer, np.dtype]] = None  # set in the parent just before a "fork" pool starts
 
 
 def _worker_init(path: str, dtype: str) -> None:
     global _WORKER
-    _WORKER = (build_tokenizer(path), np.dtype(dtype))
+    if _INHERIT is not None and _INHERIT[0].path == path and _INHERIT[1] == np.dtype(dtype):
+        _WORKER = _INHERIT  # forked: the parent's tokenizer is already in memory
+    else:
+        _WORKER = (build_tokenizer(path), np.dtype(dtype))
 
 
 def _worker_encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -220,14 +231,25 @@ def _worker_encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return encode_documents(tokenizer, texts, dtype)
 
 
+def default_start_method() -> str:
+    """"fork" on Linux (instant start, nothing re-imported, as torch's DataLoader does), else "spawn".
+
+    ``TITANLITE_MP_START`` overrides it (e.g. "spawn" or "forkserver").
+    """
+    env = os.environ.get("TITANLITE_MP_START", "")
+    if env:
+        return env
+    return "fork" if sys.platform.startswith("linux") else "spawn"
+
+
 class ParallelEncoder:
     """Encode batches of documents to ``(flat BOS+tokens+EOS array, lengths)`` in worker processes.
 
-    ``workers <= 1`` encodes in the calling process (no pool). Worker processes are started with
-    "spawn" (safe when the parent already runs threads) and each builds the tokenizer once from
-    ``tokenizer.path``. ``submit`` returns an object with ``.get()``; results come back exactly as
-    the in-process path would produce them, so the worker count never changes the output.
-    Use as a context manager.
+    ``workers <= 1`` encodes in the calling process (no pool). Each worker gets the tokenizer once
+    (inherited from the parent with "fork", rebuilt from ``tokenizer.path`` with "spawn"); see
+    :func:`default_start_method`. ``submit`` returns an object with ``.get()``; results are exactly
+    what the in-process path produces, so the worker count never changes the output. Use as a
+    context manager.
     """
 
     class _Done:
@@ -237,13 +259,20 @@ class ParallelEncoder:
         def get(self):
             return self._value
 
-    def __init__(self, tokenizer: Tokenizer, dtype: np.dtype, workers: int = 1):
+    def __init__(self, tokenizer: Tokenizer, dtype: np.dtype, workers: int = 1,
+                 start_method: Optional[str] = None):
+        global _INHERIT
         self.tokenizer, self.dtype, self.workers = tokenizer, np.dtype(dtype), max(1, int(workers))
         self._pool = None
         if self.workers > 1:
-            ctx = multiprocessing.get_context("spawn")
-            self._pool = ctx.Pool(self.workers, initializer=_worker_init,
-                                  initargs=(tokenizer.path, self.dtype.str))
+            method = start_method or default_start_method()
+            ctx = multiprocessing.get_context(method)
+            _INHERIT = (tokenizer, self.dtype) if method == "fork" else None
+            try:
+                self._pool = ctx.Pool(self.workers, initializer=_worker_init,
+                                      initargs=(tokenizer.path, self.dtype.str))
+            finally:
+                _INHERIT = None
 
     def submit(self, texts: list[str]):
         if self._pool is None:

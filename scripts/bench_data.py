@@ -1,0 +1,174 @@
+#!/usr/bin/env python
+"""Data pipeline throughput, printed as one JSON object on stdout.
+
+* ``tokenize``: ``prepare_data`` tokens/s per worker process (end to end: read, hash for the split,
+  tokenize, write shards) vs tiktoken's own ``encode_ordinary_batch`` on the same documents (1
+  thread, and its default 8 threads). Tokenizer: cl100k from the shared test data when present
+  (``$TITANLITE_SHARED_DATA`` or ``<repo>/../shared/data``), else the built-in byte tokenizer; text:
+  the shared C4 sample + tinyshakespeare, else Python standard-library sources.
+* ``read``: tokens/s reading random ``seq_len+1`` windows (batches of ``--batch`` windows) through
+  :class:`ShardedTokens`, both one ``store[a:b]`` per window + ``torch.stack`` (what the windowed
+  loader does) and ``store.gather``; on the shards prepared above and on synthetic uint32 shards
+  of ``--synthetic-tokens`` tokens.
+
+Default run: well under a minute on 2 CPU cores.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+try:
+    import titanlite  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from titanlite.data.shards import MANIFEST, ShardedTokens, build_manifest, write_json_atomic, write_shard_flat
+from titanlite.data.sources import iter_documents
+from titanlite.data.tokenizer import build_tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import prepare_data  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def shared_data() -> Path:
+    return Path(os.environ.get("TITANLITE_SHARED_DATA") or REPO.parent / "shared" / "data")
+
+
+def pick_inputs(tmp: Path, max_chars: int) -> tuple[str, list[Path], str]:
+    data = shared_data()
+    tok = data / "tokenizers" / "cl100k_base.tiktoken"
+    texts = [data / "text" / "c4_sample.jsonl", data / "text" / "tinyshakespeare.txt"]
+    tok_path = str(tok) if tok.is_file() else ""
+    if all(t.is_file() for t in texts):
+        return tok_path, texts, "shared: c4_sample.jsonl + tinyshakespeare.txt"
+    # Fallback: standard-library sources, one document per file, into a temporary folder.
+    src = Path(sysconfig.get_paths()["stdlib"])
+    folder = tmp / "stdlib_text"
+    folder.mkdir()
+    total = 0
+    for i, f in enumerate(sorted(src.glob("*.py"))):
+        text = f.read_text(encoding="utf-8", errors="replace")
+        (folder / f"{i:05d}.txt").write_text(text, encoding="utf-8")
+        total += len(text)
+        if total >= max_chars:
+            break
+    return tok_path, [folder], f"python stdlib sources ({total:,} chars)"
+
+
+def bench_tokenize(tok_path: str, inputs: list[Path], out: Path, workers: int, repeats: int) -> dict:
+    """Best of ``repeats`` timings (the machine is shared: the minimum is the least disturbed run)."""
+    t = time.perf_counter()
+    tok = build_tokenizer(tok_path)
+    load_s = time.perf_counter() - t
+    docs = list(iter_documents(inputs))
+    chars = sum(len(d) for d in docs)
+    res: dict = {"tokenizer": tok_path or "bytes", "vocab_size": tok.vocab_size, "documents": len(docs),
+                 "chars": chars, "tokenizer_load_seconds": round(load_s, 3)}
+    tok.encoding.encode_ordinary_batch(docs[:8], num_threads=1)  # warm up
+    for threads in (1, 8):
+        el = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            batch = tok.encoding.encode_ordinary_batch(docs, num_threads=threads)
+            el = min(el, time.perf_counter() - t)
+        n = sum(len(b) for b in batch)
+        res[f"tiktoken_encode_ordinary_batch_{threads}thread_tokens_per_s"] = round(n / el)
+    res["tokens"] = n
+    for w in sorted({1, workers}):
+        el = float("inf")
+        for r in range(repeats):
+            folder = out / f"prepared_w{w}" if r == 0 else out / f"prepared_w{w}_{r}"
+            t = time.perf_counter()
+            m = prepare_data.prepare(inputs, folder, tok_path, val_fraction=0.01, workers=w,
+                                     shard_tokens=250_000, log=None)
+            el = min(el, time.perf_counter() - t)
+        total = sum(s["tokens"] for s in m["shards"])  # includes BOS/EOS
+        res[f"prepare_data_{w}worker_tokens_per_s"] = round(total / el)
+        res[f"prepare_data_{w}worker_tokens_per_s_per_worker"] = round(total / el / w)
+        res[f"prepare_data_{w}worker_tokens_per_s_excl_tokenizer_load"] = round(total / max(el - load_s, 1e-9))
+        res[f"prepare_data_{w}worker_seconds"] = round(el, 3)
+    res["prepare_1worker_vs_tiktoken_1thread_excl_load"] = round(
+        res["prepare_data_1worker_tokens_per_s_excl_tokenizer_load"]
+        / res["tiktoken_encode_ordinary_batch_1thread_tokens_per_s"], 3)
+    return res
+
+
+def make_synthetic(folder: Path, tokens: int, shards: int, vocab: int = 128256) -> None:
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    entries = []
+    per = tokens // shards
+    for i in range(shards):
+        flat = rng.integers(0, vocab, size=per, dtype=np.uint32)
+        lengths = np.full(per // 1000, 1000, dtype=np.int64)
+        lengths[-1] += per - int(lengths.sum())
+        info = write_shard_flat(folder / f"train-{i:05d}.bin", flat, lengths, "uint32", fsync=False)
+        entries.append({**info, "split": "train"})
+    tok = {"path": "", "name": "synthetic", "vocab_size": vocab, "bos_id": vocab - 256, "eos_id": vocab - 255}
+    write_json_atomic(folder / MANIFEST, build_manifest(entries, "uint32", tok))
+
+
+def bench_read(folder: Path, seq_len: int, batch: int, seconds: float) -> dict:
+    store = ShardedTokens(folder, "train")
+    L = seq_len + 1
+    hi = len(store) - L
+    rng = random.Random(0)
+    res = {"tokens_in_store": len(store), "shards": len(store.shards), "dtype": store.dtype,
+           "window": L, "batch": batch}
+    for mode in ("slice_stack", "gather"):
+        n_batches = 0
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            for _ in range(50):
+                starts = [rng.randint(0, hi) for _ in range(batch)]
+                if mode == "slice_stack":
+                    x = torch.stack([store[s:s + L] for s in starts])
+                else:
+                    x = store.gather(starts, L)
+            n_batches += 50
+        el = time.perf_counter() - t0
+        assert x.shape == (batch, L) and x.dtype == torch.int64
+        res[f"{mode}_tokens_per_s"] = round(n_batches * batch * L / el)
+        res[f"{mode}_us_per_batch"] = round(1e6 * el / n_batches, 1)
+    return res
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workers", type=int, default=2, help="Also time prepare_data with this many workers.")
+    p.add_argument("--repeats", type=int, default=2, help="Tokenization timings: best of this many runs.")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--read-seconds", type=float, default=2.0, help="Time per read measurement.")
+    p.add_argument("--synthetic-tokens", type=int, default=16_000_000)
+    p.add_argument("--fallback-chars", type=int, default=2_000_000, help="Text size when shared data is absent.")
+    args = p.parse_args()
+    result: dict = {"torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
+    with tempfile.TemporaryDirectory(prefix="titanlite_bench_") as tmp:
+        tmp = Path(tmp)
+        tok_path, inputs, desc = pick_inputs(tmp, args.fallback_chars)
+        result["text"] = desc
+        result["tokenize"] = bench_tokenize(tok_path, inputs, tmp, args.workers, args.repeats)
+        result["read_prepared"] = bench_read(tmp / "prepared_w1", args.seq_len, args.batch, args.read_seconds)
+        if args.synthetic_tokens > 0:
+            make_synthetic(tmp / "synthetic", args.synthetic_tokens, 4)
+            result["read_synthetic"] = bench_read(tmp / "synthetic", args.seq_len, args.batch, args.read_seconds)
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

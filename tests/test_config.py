@@ -1,0 +1,547 @@
+"""Tests for the strict config loader (titanlite.config)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+
+import pytest
+
+from titanlite.config import (
+    ConfigError,
+    JobConfig,
+    config_to_dict,
+    config_to_toml,
+    dump_config,
+    format_help,
+    load_config,
+    parse_args_or_exit,
+    validate,
+)
+from titanlite.config.sections import opt, section
+from titanlite.models import ModelSpec, register_model
+from titanlite.models import registry
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# ------------------------------------------------------------------ a tiny fake model family
+
+FAMILY = "cfgtest_tiny"
+
+
+@dataclass
+class TinyArgs:
+    dim: int = 16
+    n_layers: int = 2
+    n_kv_heads: int | None = None
+    ffn_dim_multiplier: float | None = None
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    attn_mask_type: str = "causal"
+    stages: list[int] = dataclasses.field(default_factory=lambda: [1, 2])
+    bounded: int = opt(3, "a field with checks", min=1, max=8)
+
+
+class _TinyModel:  # never built in these tests
+    def __init__(self, args):
+        self.args = args
+
+
+register_model(
+    ModelSpec(
+        name=FAMILY,
+        args_cls=TinyArgs,
+        flavors={"debugmodel": TinyArgs(), "small": TinyArgs(dim=8, n_kv_heads=1)},
+        model_cls=_TinyModel,
+    )
+)
+
+
+@pytest.fixture(autouse=True)
+def _tolerate_missing_builtin_families(monkeypatch):
+    """The registry imports llama3 on lookup; keep these tests independent of that module."""
+    try:
+        import titanlite.models.llama3  # noqa: F401
+    except Exception:
+        monkeypatch.setattr(registry, "_ensure_builtin", lambda: None)
+
+
+def load(*args: str) -> JobConfig:
+    """load_config with the fake family selected (file values are applied before the CLI)."""
+    return load_config(["--model.name", FAMILY, *args])
+
+
+def write(tmp_path, text: str, name: str = "c.toml") -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def error_of(argv) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(argv)
+    msg = str(info.value)
+    assert "\n" not in msg
+    return msg
+
+
+# ------------------------------------------------------------------ defaults and round trip
+
+
+def test_defaults():
+    cfg = load()
+    expected = JobConfig()
+    expected.model.name = FAMILY
+    assert cfg == expected
+    assert cfg.model.overrides == {}
+
+
+def test_toml_file_values(tmp_path):
+    path = write(tmp_path, f"""
+        [job]
+        description = "a \\"quoted\\" run"
+        [model]
+        name = "{FAMILY}"
+        flavor = "small"
+        n_layers = 4
+        ffn_dim_multiplier = 1   # int for a float field
+        [optimizer]
+        lr = 3e-4
+        [training]
+        steps = 1e3              # integral float for an int field
+        local_batch_size = 2
+        global_batch_size = 8
+        deterministic = true
+        [lr_scheduler]
+        warmup_steps = 1_0
+    """)
+    cfg = load_config(["--config", path])
+    assert cfg.job.description == 'a "quoted" run'
+    assert cfg.model.name == FAMILY and cfg.model.flavor == "small"
+    assert cfg.model.overrides == {"n_layers": 4, "ffn_dim_multiplier": 1.0}
+    assert isinstance(cfg.model.overrides["ffn_dim_multiplier"], float)
+    assert cfg.optimizer.lr == 3e-4
+    assert cfg.training.steps == 1000 and isinstance(cfg.training.steps, int)
+    assert cfg.training.global_batch_size == 8
+    assert cfg.training.deterministic is True
+    assert cfg.lr_scheduler.warmup_steps == 10
+
+
+def test_round_trip(tmp_path):
+    cfg = load(
+        "--job.description", 'tricky "quotes" \\ back\nnewline\ttab é',
+        "--optimizer.lr", "3e-4",
+        "--optimizer.eps", "1e-12",
+        "--lr_scheduler.decay_ratio", "0.25",
+        "--training.steps", "1_000",
+        "--training.deterministic",
+        "--training.global_batch_size", "-1",
+        "--metrics.enable_tensorboard=true",
+        "--model.n_layers", "3",
+        "--model.ffn_dim_multiplier", "1.3",
+        "--model.tie_word_embeddings", "true",
+        "--model.stages", "4,5,6",
+        "--model.n_kv_heads", "none",
+        "--model.attn_mask_type", "block_causal",
+    )
+    path = tmp_path / "out" / "config.toml"
+    dump_config(cfg, path)
+    again = load_config(["--config", str(path)])
+    assert again == cfg
+    assert again.model.overrides == {
+        "n_layers": 3, "ffn_dim_multiplier": 1.3, "tie_word_embeddings": True,
+        "stages": [4, 5, 6], "n_kv_heads": None, "attn_mask_type": "block_causal",
+    }
+    text = config_to_toml(cfg)
+    for section in config_to_dict(cfg):
+        assert f"[{section}]" in text
+    assert "overrides" not in text
+    assert "lr = 0.0003" in text
+
+
+def test_config_to_dict():
+    cfg = load("--model.n_layers", "5")
+    d = config_to_dict(cfg)
+    assert list(d) == [f.name for f in dataclasses.fields(JobConfig)]
+    assert d["model"]["n_layers"] == 5 and "overrides" not in d["model"]
+    assert d["training"]["steps"] == cfg.training.steps
+    d["training"]["steps"] = 7  # a copy
+    assert cfg.training.steps != 7
+
+
+def test_none_field_omitted_and_restored(tmp_path):
+    # X | None section fields are written only when set; a None model override is written as "none".
+    cfg = load("--model.ffn_dim_multiplier", "none")
+    assert cfg.model.overrides == {"ffn_dim_multiplier": None}
+    path = tmp_path / "c.toml"
+    dump_config(cfg, path)
+    assert 'ffn_dim_multiplier = "none"' in path.read_text()
+    assert load_config(["--config", str(path)]) == cfg
+
+
+# ------------------------------------------------------------------ command-line overrides
+
+
+def test_override_forms(tmp_path):
+    path = write(tmp_path, """
+        [training]
+        steps = 10
+        deterministic = true
+        [metrics]
+        enable_tensorboard = true
+    """)
+    cfg = load(
+        "--config", path,
+        "--training.steps", "20",            # space form, overrides the file
+        "--training.seq_len=64",             # = form
+        "--validation.enable",               # bare bool followed by another flag
+        "--training.deterministic", "false",  # explicit false
+        "--metrics.enable_tensorboard=false",
+        "--optimizer.lr", "3e-4",            # float
+        "--optimizer.weight_decay", "0",     # int text for a float
+        "--training.seed", "1e3",            # integral float text for an int
+        "--training.local_batch_size", "2",
+        "--training.global_batch_size", "-1",  # negative value after a flag
+        "--model.n_layers", "6",             # model-args override
+        "--model.stages=7,8",                # list of ints
+        "--job.print_config",                # bare bool at the end
+    )
+    assert cfg.training.steps == 20
+    assert cfg.training.seq_len == 64
+    assert cfg.validation.enable is True
+    assert cfg.training.deterministic is False
+    assert cfg.metrics.enable_tensorboard is False
+    assert cfg.optimizer.lr == 3e-4
+    assert cfg.optimizer.weight_decay == 0.0 and isinstance(cfg.optimizer.weight_decay, float)
+    assert cfg.training.seed == 1000
+    assert cfg.training.global_batch_size == -1
+    assert cfg.model.overrides == {"n_layers": 6, "stages": [7, 8]}
+    assert cfg.job.print_config is True
+
+
+def test_overrides_apply_in_order():
+    cfg = load("--training.steps", "5", "--training.steps=7", "--model.dim", "4", "--model.dim", "12")
+    assert cfg.training.steps == 7
+    assert cfg.model.overrides == {"dim": 12}
+
+
+def test_model_name_from_cli_after_file(tmp_path):
+    # the args fields are checked against the family chosen last (here on the command line)
+    path = write(tmp_path, """
+        [model]
+        name = "no_such_family"
+        n_layers = 4
+    """)
+    cfg = load_config(["--config", path, "--model.name", FAMILY])
+    assert cfg.model.overrides == {"n_layers": 4}
+
+
+def test_bool_spellings():
+    for text, value in [("true", True), ("False", False), ("1", True), ("0", False), ("yes", True), ("off", False)]:
+        assert load("--training.deterministic", text).training.deterministic is value
+
+
+@dataclass
+class Float8:
+    enable: bool = opt(False, "Use float8 linears.")
+    filter_fqns: list[str] = opt([], "Modules to skip.")
+
+
+@dataclass
+class Extended(JobConfig):
+    quantize_linear_float8: Float8 = section(Float8, "quantize.linear.float8")
+
+
+def test_dotted_section_and_list_field(monkeypatch, tmp_path):
+    """A nested TOML section (declared with sections.section(cls, "a.b.c")) and a list[str] key."""
+    from titanlite.config import parser
+
+    monkeypatch.setattr(parser, "JobConfig", Extended)
+    cfg = load("--quantize.linear.float8.filter_fqns", "output,layers.0.attention.wq",
+               "--quantize.linear.float8.enable")
+    assert isinstance(cfg, Extended)
+    assert cfg.quantize_linear_float8.filter_fqns == ["output", "layers.0.attention.wq"]
+    assert cfg.quantize_linear_float8.enable is True
+    text = config_to_toml(cfg)
+    assert "[quantize.linear.float8]" in text
+    assert 'filter_fqns = ["output", "layers.0.attention.wq"]' in text
+    assert load_config(["--config", write(tmp_path, text)]) == cfg
+    assert "\n[quantize.linear.float8]\n" in format_help()
+    assert "--quantize.linear.float8.filter_fqns  (list[str], default [])" in format_help()
+    assert load("--quantize.linear.float8.filter_fqns", "").quantize_linear_float8.filter_fqns == []
+
+    path = write(tmp_path, f"""
+        [model]
+        name = "{FAMILY}"
+        [quantize.linear.float8]
+        filter_fqns = ["output"]
+    """)
+    assert load_config(["--config", path]).quantize_linear_float8.filter_fqns == ["output"]
+    msg = error_of(["--quantize.linear.float8.enabel"])
+    assert "unknown key 'quantize.linear.float8.enabel'" in msg
+    assert "did you mean 'quantize.linear.float8.enable'?" in msg
+    msg = error_of(["--config", write(tmp_path, "[quantize.linear.float9]\nenable = true\n")])
+    assert "unknown section 'quantize.linear.float9'" in msg and "did you mean 'quantize.linear.float8'?" in msg
+    msg = error_of(["--config", write(tmp_path, "[quantize]\nenable = true\n")])
+    assert "unknown key 'quantize.enable'" in msg
+    msg = error_of(["--config", write(tmp_path, "[quantize.linear.float8]\nfilter_fqns = \"output\"\n")])
+    assert "'quantize.linear.float8.filter_fqns'" in msg and "list" in msg
+
+
+# ------------------------------------------------------------------ unknown names
+
+
+def test_unknown_key_in_toml(tmp_path):
+    path = write(tmp_path, """
+        [training]
+        lrr = 0.1
+    """, name="x.toml")
+    msg = error_of(["--config", path])
+    assert "unknown key 'training.lrr'" in msg
+    assert path in msg
+    assert "did you mean 'optimizer.lr'?" in msg
+
+
+def test_unknown_key_in_section_suggests_same_section(tmp_path):
+    path = write(tmp_path, """
+        [training]
+        stpes = 3
+    """)
+    assert "did you mean 'training.steps'?" in error_of(["--config", path])
+
+
+def test_unknown_section_in_toml(tmp_path):
+    path = write(tmp_path, """
+        [trainig]
+        steps = 3
+    """)
+    msg = error_of(["--config", path])
+    assert "unknown section 'trainig'" in msg and path in msg
+    assert "did you mean 'training'?" in msg
+
+
+def test_unknown_top_level_key_in_toml(tmp_path):
+    path = write(tmp_path, "steps = 3\n")
+    msg = error_of(["--config", path])
+    assert "unknown top-level key 'steps'" in msg
+
+
+def test_unknown_key_on_cli():
+    msg = error_of(["--training.lrr", "0.1"])
+    assert "unknown key 'training.lrr' on the command line" in msg
+    assert "did you mean 'optimizer.lr'?" in msg
+    assert "did you mean 'training.seq_len'?" in error_of(["--training.seqlen", "4"])
+
+
+def test_unknown_section_on_cli():
+    msg = error_of(["--trainig.steps", "3"])
+    assert "unknown section 'trainig'" in msg
+    assert "did you mean 'training.steps'?" in msg
+
+
+def test_option_without_section():
+    msg = error_of(["--steps", "3"])
+    assert "--steps" in msg and "did you mean '--training.steps'?" in msg
+    assert "unexpected argument 'foo'" in error_of(["foo"])
+
+
+def test_unknown_model_arg():
+    msg = error_of(["--model.name", FAMILY, "--model.n_layerz", "4"])
+    assert "unknown key 'model.n_layerz'" in msg
+    assert "did you mean 'model.n_layers'?" in msg
+
+
+def test_unknown_model_arg_in_toml(tmp_path):
+    path = write(tmp_path, f"""
+        [model]
+        name = "{FAMILY}"
+        flavr = "small"
+    """)
+    msg = error_of(["--config", path])
+    assert "unknown key 'model.flavr'" in msg and path in msg and "did you mean 'model.flavor'?" in msg
+
+
+def test_unknown_model_family_and_flavor():
+    msg = error_of(["--model.name", "cfgtest_tinny"])
+    assert "unknown model family 'cfgtest_tinny'" in msg
+    assert f"did you mean '{FAMILY}'?" in msg
+    msg = error_of(["--model.name", FAMILY, "--model.flavor", "huge"])
+    assert "unknown flavor 'huge'" in msg and "debugmodel" in msg
+
+
+def test_overrides_not_settable_directly():
+    assert "cannot be set directly" in error_of(["--model.name", FAMILY, "--model.overrides", "x"])
+
+
+# ------------------------------------------------------------------ bad types and values
+
+
+def test_bad_int_on_cli():
+    msg = error_of(["--training.steps", "abc"])
+    assert "'training.steps'" in msg and "'abc'" in msg and "integer" in msg
+    assert "integer" in error_of(["--training.steps", "1.5"])
+    assert "integer" in error_of(["--training.steps", "1e-3"])
+
+
+def test_bad_bool_and_missing_value_on_cli():
+    msg = error_of(["--training.deterministic", "maybe"])
+    assert "'maybe'" in msg and "true or false" in msg
+    msg = error_of(["--training.steps"])
+    assert "'training.steps'" in msg and "expected a value" in msg
+    assert "expected a value" in error_of(["--training.steps", "--training.seed", "1"])
+
+
+def test_bad_types_in_toml(tmp_path):
+    msg = error_of(["--config", write(tmp_path, '[training]\nsteps = "10"\n')])
+    assert "'training.steps'" in msg and '"10"' in msg and "integer" in msg
+    msg = error_of(["--config", write(tmp_path, "[training]\nsteps = 1.5\n")])
+    assert "1.5" in msg and "integer" in msg
+    msg = error_of(["--config", write(tmp_path, "[training]\ndeterministic = 1\n")])
+    assert "'training.deterministic'" in msg and "true or false" in msg
+    msg = error_of(["--config", write(tmp_path, "[training]\nseq_len = true\n")])
+    assert "'training.seq_len'" in msg
+    msg = error_of(["--config", write(tmp_path, "[training.steps]\nx = 1\n")])
+    assert "'training.steps'" in msg and "table" in msg
+    msg = error_of(["--config", write(tmp_path, "training = 3\n")])
+    assert "'training'" in msg and "must be a table" in msg
+
+
+def test_bad_model_arg_type():
+    msg = error_of(["--model.name", FAMILY, "--model.n_layers", "four"])
+    assert "'model.n_layers'" in msg and "'four'" in msg and "integer" in msg
+    msg = error_of(["--model.name", FAMILY, "--model.bounded", "9"])
+    assert "'model.bounded'" in msg and "in [1, 8]" in msg
+    msg = error_of(["--model.name", FAMILY, "--model.dim"])
+    assert "expected a value" in msg
+
+
+def test_out_of_range_values():
+    msg = error_of(["--optimizer.lr", "-0.1"])
+    assert "'optimizer.lr'" in msg and "-0.1" in msg and "> 0.0" in msg
+    msg = error_of(["--training.seq_len", "0"])
+    assert "'training.seq_len'" in msg and "'0'" in msg and ">= 1" in msg
+    msg = error_of(["--optimizer.beta2", "1.5"])
+    assert "'optimizer.beta2'" in msg and "in [0.0, 1.0]" in msg
+
+
+def test_bad_choice():
+    msg = error_of(["--optimizer.name", "SGD"])
+    assert "'optimizer.name'" in msg and "'SGD'" in msg and "AdamW" in msg and "Adam" in msg
+
+
+def test_cross_field_checks():
+    msg = error_of(["--lr_scheduler.warmup_steps", "100", "--training.steps", "50"])
+    assert "lr_scheduler.warmup_steps (100)" in msg and "training.steps (50)" in msg
+    assert "decay_ratio" in error_of(["--lr_scheduler.decay_ratio", "1.5"])
+    assert load("--lr_scheduler.decay_ratio", "0.5").lr_scheduler.decay_ratio == 0.5
+    msg = error_of(["--training.local_batch_size", "4", "--training.global_batch_size", "6"])
+    assert "training.global_batch_size" in msg and "multiple" in msg and "(4)" in msg
+    assert "training.global_batch_size" in error_of(["--training.global_batch_size", "0"])
+    assert load("--training.local_batch_size", "4", "--training.global_batch_size", "12").training.global_batch_size == 12
+    assert "validation.steps" in error_of(["--validation.steps", "0"])
+    assert load("--validation.steps", "-1").validation.steps == -1
+    msg = error_of(["--training.dataset", "c4"])
+    assert "'training.dataset'" in msg and "shards" in msg
+    msg = error_of(["--validation.dataset", "shards"])
+    assert "validation.dataset_path" in msg
+    cfg = load("--training.dataset", "text", "--training.dataset_path", "data.txt")
+    assert cfg.training.dataset == "text"
+
+
+def test_validate_programmatic_config():
+    cfg = JobConfig()
+    cfg.optimizer.lr = -1.0
+    with pytest.raises(ConfigError, match="optimizer.lr"):
+        validate(cfg)
+
+
+# ------------------------------------------------------------------ files
+
+
+def test_missing_file(tmp_path):
+    missing = str(tmp_path / "nope.toml")
+    msg = error_of(["--config", missing])
+    assert missing in msg and "not found" in msg
+
+
+def test_malformed_toml(tmp_path):
+    path = write(tmp_path, "[training]\nsteps = = 3\n", name="bad.toml")
+    msg = error_of(["--config", path])
+    assert path in msg and "malformed TOML" in msg and "line 2" in msg
+
+
+def test_config_flag_errors(tmp_path):
+    assert "--config needs a file path" in error_of(["--config"])
+    path = write(tmp_path, "")
+    assert "--config given twice" in error_of(["--config", path, "--config", path])
+
+
+# ------------------------------------------------------------------ entry-point helper and help
+
+
+def test_parse_args_or_exit_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_args_or_exit(["--training.steps", "abc"])
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "training.steps" in lines[0]
+
+
+def test_parse_args_or_exit_subprocess():
+    code = "import sys; from titanlite.config import parse_args_or_exit; parse_args_or_exit(sys.argv[1:])"
+    proc = subprocess.run([sys.executable, "-c", code, "--training.lrr", "1"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0
+    assert proc.stderr.startswith("error: unknown key 'training.lrr'")
+    assert "Traceback" not in proc.stderr
+
+
+def test_parse_args_or_exit_ok():
+    cfg = parse_args_or_exit(["--model.name", FAMILY, "--training.steps", "3"])
+    assert cfg.training.steps == 3
+
+
+def test_help(capsys):
+    for flag in ("--help", "-h"):
+        with pytest.raises(SystemExit) as info:
+            parse_args_or_exit(["--training.steps", "abc", flag])
+        assert info.value.code == 0
+        out = capsys.readouterr().out
+        assert out == format_help()
+    assert out.startswith("usage: ")
+    for f in dataclasses.fields(JobConfig):
+        assert f"\n[{f.name}]\n" in out
+    assert "--training.steps  (int, default 50)" in out
+    assert '--job.dump_folder  (str, default "./outputs")' in out
+    assert "--optimizer.lr  (float, default 0.0008)" in out
+    assert "--training.deterministic  (bool, default false)" in out
+    assert "choices: AdamW, Adam" in out
+    assert "--model.<field>" in out
+    assert "--model.overrides" not in out
+
+
+def test_help_lists_llama3_args():
+    pytest.importorskip("titanlite.models.llama3")
+    out = format_help()
+    assert "llama3 args fields" in out
+    assert "--model.n_layers  (int, default" in out
+    assert "--model.n_kv_heads  (int | None, default" in out
+
+
+def test_llama3_overrides(tmp_path):
+    pytest.importorskip("titanlite.models.llama3")
+    cfg = load_config(["--model.n_layers", "4", "--model.n_kv_heads", "2", "--model.rope_theta", "1e4",
+                       "--model.tie_word_embeddings", "--model.ffn_dim_multiplier", "1.5"])
+    assert cfg.model.name == "llama3"
+    assert cfg.model.overrides == {"n_layers": 4, "n_kv_heads": 2, "rope_theta": 10000.0,
+                                   "tie_word_embeddings": True, "ffn_dim_multiplier": 1.5}
+    path = tmp_path / "c.toml"
+    dump_config(cfg, path)
+    assert load_config(["--config", str(path)]) == cfg
+    assert "did you mean 'model.n_heads'?" in error_of(["--model.n_head", "4"])

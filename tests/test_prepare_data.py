@@ -1,0 +1,234 @@
+"""Document sources and scripts/prepare_data.py: exact round trip through shards, splits, dtype,
+determinism across worker counts, restart behaviour and one-line errors."""
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from shared_data import shared_file
+from titanlite.data.shards import MANIFEST, ShardReader, ShardedTokens
+from titanlite.data.sources import iter_documents, list_files
+from titanlite.data.tokenizer import build_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "prepare_data.py"
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("prepare_data", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+prep = _load_script()
+
+
+def expected_stream(tok, docs, split, val_fraction):
+    ids = []
+    for d in docs:
+        if prep.split_of(d, val_fraction) == split:
+            ids += [tok.bos_id] + tok.encode(d) + [tok.eos_id]
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def shard_bytes(folder):
+    return {p.name: p.read_bytes() for p in sorted(Path(folder).iterdir()) if p.suffix in (".bin", ".json")}
+
+
+# --- sources -----------------------------------------------------------------------------------------
+
+def test_sources_formats_and_order(tmp_path):
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "z.txt").write_text("zed\n")
+    (tmp_path / "a.jsonl").write_text('{"text": "one"}\n\n{"text": ""}\n{"text": "two", "x": 1}\n')
+    (tmp_path / "c.json").write_text('[{"text": "three"}, "four"]')
+    (tmp_path / "d.md").write_text("para one\nline two\n\n  \npara two\n")
+    (tmp_path / "skip.csv").write_text("not read")
+    (tmp_path / ".hidden.txt").write_text("not read")
+    docs = list(iter_documents(tmp_path))
+    assert docs == ["one", "two", "zed\n", "three", "four", "para one\nline two\n\n  \npara two\n"]
+    assert list(iter_documents(tmp_path / "d.md", txt_split="paragraphs")) == ["para one\nline two\n", "para two\n"]
+    assert [p.name for p in list_files(tmp_path)] == ["a.jsonl", "z.txt", "c.json", "d.md"]
+    (tmp_path / "e.json").write_text('{"body": "jsonl with a .json suffix"}\n')
+    assert list(iter_documents(tmp_path / "e.json", text_field="body")) == ["jsonl with a .json suffix"]
+
+
+def test_sources_errors(tmp_path):
+    p = tmp_path / "x.jsonl"
+    p.write_text('{"text": "ok"}\n{"content": "no text"}\n')
+    with pytest.raises(ValueError, match=rf"^{p}:2: no 'text' field \(keys: content\)"):
+        list(iter_documents(p))
+    p.write_text('{"text": "ok"}\n{bad json\n')
+    with pytest.raises(ValueError, match=rf"^{p}:2: invalid JSON"):
+        list(iter_documents(p))
+    p.write_text('{"text": 5}\n')
+    with pytest.raises(ValueError, match=rf"^{p}:1: field 'text' is int"):
+        list(iter_documents(p))
+    with pytest.raises(ValueError, match="input not found"):
+        list(iter_documents(tmp_path / "missing.txt"))
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"ok \xff\xfe")
+    with pytest.raises(ValueError, match=rf"^{bad}: not valid UTF-8"):
+        list(iter_documents(bad))
+
+
+def test_parquet_needs_pyarrow(tmp_path):
+    try:
+        import pyarrow  # noqa: F401
+        pytest.skip("pyarrow is installed")
+    except ImportError:
+        pass
+    p = tmp_path / "x.parquet"
+    p.write_bytes(b"PAR1")
+    with pytest.raises(ImportError, match="'pyarrow' package"):
+        list(iter_documents(p))
+
+
+# --- prepare: exact round trip, splits, dtype, worker count ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def cl100k_inputs():
+    return [shared_file("text/c4_sample.jsonl"), shared_file("text/tinyshakespeare.txt"),
+            shared_file("tokenizers/cl100k_base.tiktoken")]
+
+
+@pytest.fixture(scope="module")
+def cl100k_prepared(tmp_path_factory, cl100k_inputs):
+    c4, shakespeare, tok_path = cl100k_inputs
+    out = tmp_path_factory.mktemp("cl100k_w1")
+    manifest = prep.prepare([c4, shakespeare], out, str(tok_path), val_fraction=0.1, workers=1,
+                            shard_tokens=60_000, log=None)
+    return out, manifest
+
+
+def test_round_trip_cl100k_exact(cl100k_prepared, cl100k_inputs):
+    out, manifest = cl100k_prepared
+    c4, shakespeare, tok_path = cl100k_inputs
+    tok = build_tokenizer(str(tok_path))
+    docs = list(iter_documents([c4, shakespeare]))
+    assert len(docs) == 1001
+    assert manifest["dtype"] == "uint32"  # > 65536 entries
+    assert manifest["tokenizer"]["vocab_size"] == 100512 and manifest["tokenizer"]["eos_id"] == 100257
+    assert json.loads((out / MANIFEST).read_text()) == manifest
+    for split in ("train", "val"):
+        store = ShardedTokens(out, split)
+        ref = expected_stream(tok, docs, split, 0.1)
+        assert len(store) == len(ref) == manifest["totals"][split]["tokens"]
+        assert torch.equal(store[0:len(store)], ref)
+        assert all(ShardReader(r.path).dtype.itemsize == 4 for r in store.shards)
+        assert (store.bos_id, store.eos_id) == (100256, 100257)
+    assert manifest["totals"]["train"]["shards"] > 3  # several shards: the stream crosses boundaries
+    n_val = manifest["totals"]["val"]["docs"]
+    assert 60 <= n_val <= 140 and n_val + manifest["totals"]["train"]["docs"] == 1001
+
+
+def test_two_workers_bitwise_equal(cl100k_prepared, cl100k_inputs, tmp_path):
+    out1, _ = cl100k_prepared
+    c4, shakespeare, tok_path = cl100k_inputs
+    prep.prepare([c4, shakespeare], tmp_path, str(tok_path), val_fraction=0.1, workers=2,
+                 shard_tokens=60_000, log=None)
+    a, b = shard_bytes(out1), shard_bytes(tmp_path)
+    assert a.keys() == b.keys() and all(a[k] == b[k] for k in a)
+
+
+def test_uint16_split_disjoint_and_deterministic(tmp_path):
+    text = shared_file("text/tinyshakespeare.txt")
+    tok_path = shared_file("tokenizers/test_tiktoken.model")
+    src = tmp_path / "small.txt"
+    src.write_text(text.read_text(encoding="utf-8")[:60_000], encoding="utf-8")
+    outs = []
+    for i in range(2):
+        out = tmp_path / f"out{i}"
+        m = prep.prepare(src, out, str(tok_path), val_fraction=0.2, shard_tokens=5_000,
+                         txt_split="paragraphs", log=None)
+        outs.append(out)
+        assert m["dtype"] == "uint16" and m["tokenizer"]["vocab_size"] == 2256
+    assert shard_bytes(outs[0]) == shard_bytes(outs[1])
+    tok = build_tokenizer(str(tok_path))
+
+    def doc_texts(split):
+        store = ShardedTokens(outs[0], split)
+        assert store.shards[0].dtype.itemsize == 2
+        offs = store.doc_offsets()
+        return [tok.decode(store[int(a) + 1:int(b) - 1].tolist()) for a, b in zip(offs[:-1], offs[1:])]
+
+    train, val = doc_texts("train"), doc_texts("val")
+    docs = list(iter_documents(src, txt_split="paragraphs"))
+    assert sorted(train + val) == sorted(docs)
+    assert not set(train) & set(val) and len(val) > 0.1 * len(docs)
+    assert val == [d for d in docs if prep.split_of(d, 0.2) == "val"]  # document order kept
+
+
+# --- restarts --------------------------------------------------------------------------------------------
+
+def test_rerun_skips_finished_shards_and_ignores_tmp(tmp_path):
+    c4 = shared_file("text/c4_sample.jsonl")
+    tok_path = str(shared_file("tokenizers/test_tiktoken.model"))
+    src = tmp_path / "part.jsonl"
+    src.write_text("".join(c4.read_text(encoding="utf-8").splitlines(keepends=True)[:150]), encoding="utf-8")
+    out = tmp_path / "out"
+    kw = dict(val_fraction=0.1, shard_tokens=20_000, log=None)
+    prep.prepare(src, out, tok_path, **kw)
+    full = shard_bytes(out)
+    shards = sorted(p for p in out.glob("train-*.bin"))
+    assert len(shards) >= 4
+    mtimes = {p.name: p.stat().st_mtime_ns for p in out.glob("*.bin")}
+
+    prep.prepare(src, out, tok_path, **kw)  # complete: everything is kept
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.bin")} == mtimes
+    assert shard_bytes(out) == full
+
+    # Simulate a run interrupted while writing train shard 2: no manifest, later shards missing,
+    # a half-written .tmp left behind.
+    (out / MANIFEST).unlink()
+    for p in shards[2:]:
+        p.unlink()
+    (out / (shards[2].name + ".tmp")).write_bytes(b"TLSHARD\0 half written garbage")
+    with pytest.raises(ValueError, match="manifest.json: not found"):
+        ShardedTokens(out)
+    import io
+    log = io.StringIO()
+    prep.prepare(src, out, tok_path, **{**kw, "log": log})
+    assert "resuming: keeping" in log.getvalue() and "skipped" in log.getvalue()
+    assert shard_bytes(out) == full
+    assert not list(out.glob("*.tmp"))
+    for p in shards[:2]:
+        assert p.stat().st_mtime_ns == mtimes[p.name]
+
+    # Different settings: refused (one line), unless --overwrite.
+    with pytest.raises(ValueError, match="different settings.*--overwrite"):
+        prep.prepare(src, out, tok_path, **{**kw, "shard_tokens": 30_000})
+    m = prep.prepare(src, out, tok_path, **{**kw, "shard_tokens": 30_000, "overwrite": True})
+    assert len([s for s in m["shards"] if s["split"] == "train"]) < len(shards)
+    assert sorted(p.name for p in out.glob("*.bin")) == sorted(s["name"] for s in m["shards"])
+
+
+# --- CLI errors -----------------------------------------------------------------------------------------
+
+def test_main_bad_inputs_one_line(tmp_path, capsys):
+    bad = tmp_path / "x.jsonl"
+    bad.write_text('{"text": "a"}\n{"body": "b"}\n')
+    cases = [
+        (["--input", str(tmp_path / "missing"), "--output", str(tmp_path / "o1")], "input not found"),
+        (["--input", str(bad), "--output", str(tmp_path / "o2")], f"{bad}:2: no 'text' field"),
+        (["--input", str(bad), "--output", str(tmp_path / "o3"), "--tokenizer", str(bad)], f"{bad}:1: invalid base64"),
+        (["--input", str(bad), "--output", str(tmp_path / "o4"), "--val-fraction", "2"], "--val-fraction"),
+    ]
+    for argv, needle in cases:
+        assert prep.main(argv + ["--workers", "1"]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("prepare_data: error: ") and needle in err[0], err
+
+
+def test_cli_subprocess_error_no_traceback(tmp_path):
+    r = subprocess.run([sys.executable, str(SCRIPT), "--input", str(tmp_path / "nope"), "--output",
+                        str(tmp_path / "o")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0
+    assert "input not found" in r.stderr

@@ -1,0 +1,109 @@
+"""Tokenizer files: tiktoken BPE loading, Llama 3 specials, round trips, one-line errors naming file:line."""
+import base64
+
+import pytest
+
+from shared_data import shared_file
+from titanlite.data.tokenizer import (Tokenizer, build_byte_tokenizer, build_tokenizer, llama3_special_tokens,
+                                      load_tiktoken_ranks, token_dtype)
+
+import numpy as np
+
+
+@pytest.fixture(scope="module")
+def cl100k():
+    return build_tokenizer(str(shared_file("tokenizers/cl100k_base.tiktoken")))
+
+
+def test_byte_tokenizer_default():
+    for spec in ("", "bytes"):
+        tok = build_tokenizer(spec)
+        assert tok.name == "bytes" and tok.vocab_size == 512
+        assert (tok.bos_id, tok.eos_id) == (256, 257)
+        assert tok.encode("hi", bos=True, eos=True) == [256, 104, 105, 257]
+
+
+def test_test_tiktoken_model():
+    path = shared_file("tokenizers/test_tiktoken.model")
+    tok = build_tokenizer(str(path))
+    assert isinstance(tok, Tokenizer)
+    assert tok.vocab_size == 2000 + 256
+    assert (tok.bos_id, tok.eos_id) == (2000, 2001)
+    assert tok.encoding.encode_single_token("<|eot_id|>") == 2000 + 9
+    text = "Hello world! This is a round-trip test, 1234567.\n\taccents é, CJK 漢字, emoji 🙂"
+    assert tok.decode(tok.encode(text)) == text
+    assert token_dtype(tok.vocab_size) == np.uint16
+
+
+def test_cl100k_ids_and_specials(cl100k):
+    assert cl100k.encode("hello world") == [15339, 1917]
+    assert cl100k.vocab_size == 100256 + 256
+    assert (cl100k.bos_id, cl100k.eos_id) == (100256, 100257)
+    assert cl100k.encode("hello", bos=True, eos=True) == [100256, 15339, 100257]
+    # Special-token text inside a document is ordinary text, never a control token.
+    ids = cl100k.encode("<|end_of_text|>")
+    assert cl100k.eos_id not in ids and cl100k.decode(ids) == "<|end_of_text|>"
+    assert token_dtype(cl100k.vocab_size) == np.uint32
+    assert len(llama3_special_tokens()) == 256
+
+
+def test_cl100k_round_trip_shakespeare(cl100k):
+    text = shared_file("text/tinyshakespeare.txt").read_text(encoding="utf-8")[:20000]
+    ids = cl100k.encode(text)
+    assert cl100k.decode(ids) == text
+    batch = cl100k.encode_batch([text[:5000], text[5000:]], bos=True, eos=True)
+    assert batch[0] == [cl100k.bos_id] + cl100k.encode(text[:5000]) + [cl100k.eos_id]
+    assert batch[1][1:-1] == cl100k.encode(text[5000:])
+
+
+def _write(tmp_path, lines, name="tok.model"):
+    p = tmp_path / name
+    p.write_bytes(b"".join(l + b"\n" for l in lines))
+    return p
+
+
+def _byte_lines(n=256):
+    return [base64.b64encode(bytes([i])) + b" " + str(i).encode() for i in range(n)]
+
+
+def test_small_valid_file(tmp_path):
+    lines = _byte_lines() + [base64.b64encode(b"ab") + b" 256", b""]
+    tok = build_tokenizer(str(_write(tmp_path, lines)))
+    assert tok.vocab_size == 257 + 256 and tok.bos_id == 257
+    assert tok.encode("ab") == [256]
+
+
+@pytest.mark.parametrize("bad_line, line_no, needle", [
+    (b"!!notbase64 256", 257, "invalid base64"),
+    (base64.b64encode(b"xy") + b" twelve", 257, "not a non-negative integer"),
+    (base64.b64encode(b"xy"), 257, "expected '<base64 token> <rank>'"),
+    (base64.b64encode(b"xy") + b" 5", 257, "duplicate rank 5 (first on line 6)"),
+    (base64.b64encode(b"xy") + b" 300", 257, "not contiguous: expected 256"),
+    (base64.b64encode(b"a") + b" 256", 257, "duplicate token"),
+])
+def test_malformed_lines_name_file_and_line(tmp_path, bad_line, line_no, needle):
+    p = _write(tmp_path, _byte_lines() + [bad_line])
+    with pytest.raises(ValueError) as e:
+        build_tokenizer(str(p))
+    msg = str(e.value)
+    assert msg.startswith(f"{p}:{line_no}: ") and needle in msg and "\n" not in msg
+
+
+def test_missing_empty_and_incomplete_files(tmp_path):
+    missing = tmp_path / "nope.model"
+    with pytest.raises(ValueError, match=f"^{missing}: tokenizer file not found$"):
+        build_tokenizer(str(missing))
+    empty = _write(tmp_path, [b""], name="empty.model")
+    with pytest.raises(ValueError, match="empty tokenizer file"):
+        load_tiktoken_ranks(str(empty))
+    few = _write(tmp_path, _byte_lines(100), name="few.model")
+    with pytest.raises(ValueError, match="no single-byte token for"):
+        build_tokenizer(str(few))
+    hf = shared_file("tokenizers/hf_test/tokenizer.json")
+    with pytest.raises(ValueError, match=r":1: .*Hugging Face tokenizer\.json"):
+        build_tokenizer(str(hf))
+
+
+def test_byte_tokenizer_unchanged():
+    tok = build_byte_tokenizer()
+    assert tok.path == "" and tok.decode(tok.encode("héllo")) == "héllo"
