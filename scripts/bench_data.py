@@ -149,7 +149,7 @@ def bench_read(folder: Path, seq_len: int, batch: int, seconds: float) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=2, help="Also time prepare_data with this many workers.")
-    p.add_argument("--repeats", type=int, default=2, help="Tokenization timings: best of this many runs.")
+    p.add_argument("--repeats", type=int, default=3, help="Tokenization timings: best of this many runs.")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--read-seconds", type=float, default=2.0, help="Time per read measurement.")

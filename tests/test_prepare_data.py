@@ -232,3 +232,17 @@ def test_cli_subprocess_error_no_traceback(tmp_path):
     assert r.returncode == 1
     assert "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0
     assert "input not found" in r.stderr
+
+
+def test_spawn_workers_match_in_process(tmp_path):
+    """The "spawn" start method (default off Linux) rebuilds the tokenizer in each worker: same output."""
+    from titanlite.data.tokenizer import ParallelEncoder, encode_documents
+    tok = build_tokenizer(str(shared_file("tokenizers/test_tiktoken.model")))
+    texts = ["hello world", "", "a second document\nwith two lines", "ünïcödé 🙂"] * 3
+    ref_flat, ref_len = encode_documents(tok, texts, np.dtype(np.uint16))
+    assert ref_len.tolist()[1] == 2 and ref_flat[:1].tolist() == [tok.bos_id]
+    with ParallelEncoder(tok, np.uint16, workers=2, start_method="spawn") as enc:
+        results = [enc.submit(texts[i:i + 4]) for i in range(0, len(texts), 4)]
+        flat = np.concatenate([r.get()[0] for r in results])
+        lengths = np.concatenate([r.get()[1] for r in results])
+    assert flat.dtype == np.uint16 and np.array_equal(flat, ref_flat) and np.array_equal(lengths, ref_len)
