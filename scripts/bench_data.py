@@ -37,8 +37,7 @@ from titanlite.data.shards import MANIFEST, ShardedTokens, build_manifest, write
 from titanlite.data.sources import iter_documents
 from titanlite.data.tokenizer import build_tokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import prepare_data  # noqa: E402
+from titanlite.data import prepare as prepare_data  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,6 @@
 """Document sources and scripts/prepare_data.py: exact round trip through shards, splits, dtype,
 determinism across worker counts, restart behaviour and one-line errors."""
-import importlib.util
+import io
 import json
 import subprocess
 import sys
@@ -19,14 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "prepare_data.py"
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("prepare_data", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-prep = _load_script()
+from titanlite.data import prepare as prep
 
 
 def expected_stream(tok, docs, split, val_fraction):
@@ -192,7 +185,6 @@ def test_rerun_skips_finished_shards_and_ignores_tmp(tmp_path):
     (out / (shards[2].name + ".tmp")).write_bytes(b"TLSHARD\0 half written garbage")
     with pytest.raises(ValueError, match="manifest.json: not found"):
         ShardedTokens(out)
-    import io
     log = io.StringIO()
     prep.prepare(src, out, tok_path, **{**kw, "log": log})
     assert "resuming: keeping" in log.getvalue() and "skipped" in log.getvalue()

@@ -1,13 +1,12 @@
 """Tokenizer files: tiktoken BPE loading, Llama 3 specials, round trips, one-line errors naming file:line."""
 import base64
 
+import numpy as np
 import pytest
 
 from shared_data import shared_file
 from titanlite.data.tokenizer import (Tokenizer, build_byte_tokenizer, build_tokenizer, llama3_special_tokens,
                                       load_tiktoken_ranks, token_dtype)
-
-import numpy as np
 
 
 @pytest.fixture(scope="module")

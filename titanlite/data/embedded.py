@@ -10,9 +10,10 @@ import sysconfig
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import torch
 
-from titanlite.data.tokenizer import Tokenizer
+from titanlite.data.tokenizer import Tokenizer, encode_documents
 
 VAL_EVERY = 20  # 5% of the documents are held out
 DEFAULT_MAX_BYTES = 6_000_000  # enough for debug runs; reading and tokenizing takes ~1 s
@@ -45,5 +46,5 @@ def embedded_token_stream(tokenizer: Tokenizer, split: str, max_bytes: int = DEF
     docs = list(iter_embedded_documents(split, max_bytes))
     if not docs:
         raise RuntimeError(f"no Python standard-library sources found for the embedded {split} split")
-    pieces = tokenizer.encode_batch(docs, bos=True, eos=True)
-    return torch.tensor([t for ids in pieces for t in ids], dtype=torch.int64)
+    flat, _ = encode_documents(tokenizer, docs, np.dtype(np.int64))
+    return torch.from_numpy(flat)

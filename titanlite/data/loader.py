@@ -4,19 +4,41 @@ from __future__ import annotations
 import warnings
 from typing import Any, Optional
 
+import numpy as np
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite.data.embedded import embedded_token_stream
-from titanlite.data.tokenizer import Tokenizer
+from titanlite.data.shards import ShardedTokens
+from titanlite.data.sources import iter_documents
+from titanlite.data.tokenizer import Tokenizer, encode_documents
 from titanlite.data.windows import TokenWindows
 
 
 def load_token_store(dataset: str, path: str, split: str, tokenizer: Tokenizer) -> Any:
-    """The token stream of a dataset kind ("embedded", "shards" or "text") and split."""
+    """The token stream of a dataset kind and split, as BOS + document + EOS runs.
+
+    - ``embedded``: the built-in standard-library corpus (train/val split by document);
+    - ``shards``: a folder written by ``scripts/prepare_data.py`` (memory-mapped, any size);
+    - ``text``: raw text / JSON Lines / Parquet files or folders, tokenized in memory at start (small
+      data only: the same document order and BOS/EOS layout as prepared shards). The whole of
+      ``path`` is used for the requested split, so give validation its own path.
+    """
     if dataset == "embedded":
         return embedded_token_stream(tokenizer, split)
-    raise ValueError(f"dataset {dataset!r} is not supported by this build")
+    if dataset == "shards":
+        store = ShardedTokens(path, split)
+        if store.vocab_size != tokenizer.vocab_size:
+            raise ValueError(f"shards in {path} were tokenized with a vocabulary of {store.vocab_size} "
+                             f"tokens but model.tokenizer_path gives {tokenizer.vocab_size}")
+        return store
+    if dataset == "text":
+        docs = list(iter_documents(path))
+        if not docs:
+            raise ValueError(f"no documents found in {path}")
+        flat, _ = encode_documents(tokenizer, docs, np.dtype(np.int64))
+        return torch.from_numpy(flat)
+    raise ValueError(f"unknown dataset kind {dataset!r}; expected embedded, shards or text")
 
 
 def build_dataloader(store: Any, *, seq_len: int, batch_size: int, dp_rank: int = 0, dp_world: int = 1,

@@ -39,7 +39,7 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Iterable, Sequence, Union
 
 import numpy as np
 import torch

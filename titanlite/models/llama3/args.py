@@ -5,7 +5,8 @@ from dataclasses import dataclass
 
 # Attention-mask kinds the model understands. Add a name here (and handle it in
 # ``Attention.attention``) to support a new one, e.g. "block_causal" for document masking.
-ATTN_MASK_TYPES: tuple[str, ...] = ("causal",)
+ATTN_MASK_TYPES: tuple[str, ...] = ("causal", "block_causal")
+ATTN_BACKENDS: tuple[str, ...] = ("auto", "sdpa", "flex")
 
 
 @dataclass
@@ -27,7 +28,8 @@ class Llama3ModelArgs:
     max_seq_len: int = 8192  # length of the precomputed rotary table
     tie_word_embeddings: bool = False
     depth_init: bool = True  # scale output-projection init by layer depth
-    attn_mask_type: str = "causal"
+    attn_mask_type: str = "causal"  # "block_causal": attend only within the token's own document
+    attn_backend: str = "auto"  # block_causal kernel: flex on CUDA, SDPA + boolean mask on CPU
 
     def __post_init__(self) -> None:
         self.validate()
@@ -61,6 +63,8 @@ class Llama3ModelArgs:
                 )
             if self.rope_original_max_position <= 0:
                 raise ValueError(f"rope_original_max_position must be positive, got {self.rope_original_max_position}")
+        if self.attn_backend not in ATTN_BACKENDS:
+            raise ValueError(f"attn_backend must be one of {ATTN_BACKENDS}, got {self.attn_backend!r}")
         if self.attn_mask_type not in ATTN_MASK_TYPES:
             raise ValueError(f"attn_mask_type must be one of {ATTN_MASK_TYPES}, got {self.attn_mask_type!r}")
 

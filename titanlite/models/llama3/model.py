@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titanlite.models.attention import AttentionMask, attention, build_attention_mask
 from titanlite.models.llama3.args import Llama3ModelArgs
 
 # ----------------------------------------------------------------------------- rotary embeddings
@@ -103,7 +104,6 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = args.head_dim
         self.n_rep = args.n_heads // args.kv_heads  # stays the same when TP shards the heads
-        self.attn_mask_type = args.attn_mask_type
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
@@ -114,7 +114,7 @@ class Attention(nn.Module):
             _trunc_normal_(linear.weight, 0.02)
         _trunc_normal_(self.wo.weight, init_std)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, attn_mask: AttentionMask = None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         # -1: the number of (local) heads comes from the projection, not from args (TP shards it)
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
@@ -123,17 +123,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, rope_cache), apply_rope(k, rope_cache)
         k, v = repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
-        out = self.attention(q, k, v, attn_mask)
+        out = attention(q, k, v, attn_mask)  # causal, or the document mask (models/attention.py)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
-
-    def attention(self, q, k, v, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Scaled dot-product attention. ``attn_mask`` (boolean, True = attend), when given,
-        replaces the built-in causal mask (hook for document masking)."""
-        if attn_mask is not None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
-        if self.attn_mask_type == "causal":
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        raise ValueError(f"attn_mask_type {self.attn_mask_type!r} needs an explicit attn_mask")
 
 
 class FeedForward(nn.Module):
@@ -173,7 +164,7 @@ class TransformerBlock(nn.Module):
         self.attention.init_weights(self.weight_init_std)
         self.feed_forward.init_weights(self.weight_init_std)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, attn_mask: AttentionMask = None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope_cache, attn_mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -219,11 +210,13 @@ class Transformer(nn.Module):
         if self.output is not None and not tied:
             _trunc_normal_(self.output.weight, self.args.dim**-0.5)
 
-    def forward(self, tokens: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[B, S, vocab]``; ``document_ids [B, S]`` is needed for ``block_causal`` masking."""
         # Any of the stages may be None on a pipeline stage that does not own it.
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if h.shape[1] > self.rope_cache.shape[0]:
             raise ValueError(f"sequence length {h.shape[1]} exceeds max_seq_len {self.rope_cache.shape[0]}")
+        attn_mask = build_attention_mask(self.args.attn_mask_type, document_ids, self.args.attn_backend)
         for layer in self.layers.values():
             h = layer(h, self.rope_cache, attn_mask)
         h = self.norm(h) if self.norm is not None else h

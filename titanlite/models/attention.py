@@ -1,0 +1,82 @@
+"""Attention kernels shared by model families: causal SDPA and document (block-causal) masking.
+
+``attn_mask_type = "causal"`` uses ``F.scaled_dot_product_attention(is_causal=True)``: the fast
+path, no mask tensor at all.
+
+``attn_mask_type = "block_causal"`` restricts every token to earlier tokens of its own document
+inside the packed window (documents are told apart by ``document_ids``, see
+:func:`titanlite.data.windows.document_ids`). Two implementations give the same result:
+
+* ``flex``: flex attention with a block mask built from the document ids. Sparse (skips blocks
+  that cross documents) and the choice on CUDA, where it is compiled.
+* ``sdpa``: SDPA with an explicit boolean ``[B, 1, S, S]`` mask. Dense, but has a backward pass on
+  CPU, where flex attention has none in torch 2.13. The choice on CPU.
+
+``backend = "auto"`` picks flex on CUDA and sdpa elsewhere. The mask is built once per forward by
+:func:`build_attention_mask` and handed to every layer.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Union
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+AttentionMask = Union[None, torch.Tensor, BlockMask]
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    if backend == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    if backend not in ("sdpa", "flex"):
+        raise ValueError(f"attention backend must be auto, sdpa or flex, got {backend!r}")
+    return backend
+
+
+def block_causal_bool_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, 1, S, S]`` boolean mask, True where query i may attend key j (j <= i, same document)."""
+    seq = document_ids.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
+    same_doc = document_ids[:, :, None] == document_ids[:, None, :]
+    return (same_doc & causal)[:, None]
+
+
+def block_causal_block_mask(document_ids: torch.Tensor) -> BlockMask:
+    """Flex-attention block mask equivalent to :func:`block_causal_bool_mask`."""
+    bsz, seq = document_ids.shape
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (document_ids[b, q_idx] == document_ids[b, kv_idx])
+
+    return create_block_mask(mask_mod, bsz, None, seq, seq, device=document_ids.device)
+
+
+def build_attention_mask(attn_mask_type: str, document_ids: torch.Tensor | None,
+                         backend: str = "auto") -> AttentionMask:
+    """The mask object every layer receives for one forward pass (None for plain causal)."""
+    if attn_mask_type == "causal":
+        return None
+    if attn_mask_type != "block_causal":
+        raise ValueError(f"unknown attn_mask_type {attn_mask_type!r}")
+    if document_ids is None:
+        raise ValueError("attn_mask_type 'block_causal' needs document_ids (from the data loader)")
+    if resolve_backend(backend, document_ids.device) == "flex":
+        return block_causal_block_mask(document_ids)
+    return block_causal_bool_mask(document_ids)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_flex():
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask = None) -> torch.Tensor:
+    """Attention over ``[B, H, S, D]`` q/k/v (k/v already repeated to H heads)."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if isinstance(mask, BlockMask):
+        fn = _compiled_flex() if q.device.type == "cuda" else flex_attention
+        return fn(q, k, v, block_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
