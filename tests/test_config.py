@@ -165,7 +165,7 @@ def test_round_trip(tmp_path):
 def test_config_to_dict():
     cfg = load("--model.n_layers", "5")
     d = config_to_dict(cfg)
-    assert list(d) == [f.name for f in dataclasses.fields(JobConfig)]
+    assert list(d) == [f.metadata.get("toml", f.name) for f in dataclasses.fields(JobConfig)]
     assert d["model"]["n_layers"] == 5 and "overrides" not in d["model"]
     assert d["training"]["steps"] == cfg.training.steps
     d["training"]["steps"] = 7  # a copy
@@ -516,7 +516,7 @@ def test_help(capsys):
         assert out == format_help()
     assert out.startswith("usage: ")
     for f in dataclasses.fields(JobConfig):
-        assert f"\n[{f.name}]\n" in out
+        assert f"\n[{f.metadata.get('toml', f.name)}]\n" in out
     assert "--training.steps  (int, default 50)" in out
     assert '--job.dump_folder  (str, default "./outputs")' in out
     assert "--optimizer.lr  (float, default 0.0008)" in out

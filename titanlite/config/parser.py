@@ -32,17 +32,6 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
 
 from titanlite.config.sections import JobConfig
 
-__all__ = [
-    "ConfigError",
-    "JobConfig",
-    "config_to_dict",
-    "config_to_toml",
-    "dump_config",
-    "format_help",
-    "load_config",
-    "parse_args_or_exit",
-    "validate",
-]
 
 # The section whose extra keys are model-args overrides, and the field that stores them.
 _MODEL_SECTION = "model"
@@ -619,29 +608,17 @@ def validate(cfg: JobConfig) -> None:
 # --------------------------------------------------------------------------- writing
 
 
+_TOML_ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r", "\b": "\\b", "\f": "\\f"}
+
+
+def _toml_escape(ch: str) -> str:
+    if ch in _TOML_ESCAPES:
+        return _TOML_ESCAPES[ch]
+    return f"\\u{ord(ch):04x}" if ord(ch) < 0x20 or ord(ch) == 0x7F else ch
+
+
 def _toml_string(s: str) -> str:
-    out = ['"']
-    for ch in s:
-        if ch == '"':
-            out.append('\\"')
-        elif ch == "\\":
-            out.append("\\\\")
-        elif ch == "\n":
-            out.append("\\n")
-        elif ch == "\t":
-            out.append("\\t")
-        elif ch == "\r":
-            out.append("\\r")
-        elif ch == "\b":
-            out.append("\\b")
-        elif ch == "\f":
-            out.append("\\f")
-        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-            out.append(f"\\u{ord(ch):04x}")
-        else:
-            out.append(ch)
-    out.append('"')
-    return "".join(out)
+    return '"' + "".join(_toml_escape(ch) for ch in s) + '"'
 
 
 def _toml_key(k: str) -> str:
