@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 from shared_data import shared_file
+from titanlite.data.shards import dtype_for_vocab
 from titanlite.data.tokenizer import (Tokenizer, build_byte_tokenizer, build_tokenizer, llama3_special_tokens,
-                                      load_tiktoken_ranks, token_dtype)
+                                      load_tiktoken_ranks)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def test_test_tiktoken_model():
     assert tok.encoding.encode_single_token("<|eot_id|>") == 2000 + 9
     text = "Hello world! This is a round-trip test, 1234567.\n\taccents é, CJK 漢字, emoji 🙂"
     assert tok.decode(tok.encode(text)) == text
-    assert token_dtype(tok.vocab_size) == np.uint16
+    assert dtype_for_vocab(tok.vocab_size) == "uint16"
 
 
 def test_cl100k_ids_and_specials(cl100k):
@@ -42,7 +43,7 @@ def test_cl100k_ids_and_specials(cl100k):
     # Special-token text inside a document is ordinary text, never a control token.
     ids = cl100k.encode("<|end_of_text|>")
     assert cl100k.eos_id not in ids and cl100k.decode(ids) == "<|end_of_text|>"
-    assert token_dtype(cl100k.vocab_size) == np.uint32
+    assert dtype_for_vocab(cl100k.vocab_size) == "uint32"
     assert len(llama3_special_tokens()) == 256
 
 

@@ -186,11 +186,6 @@ def build_tokenizer(path: str = "") -> Tokenizer:
     return build_tiktoken_tokenizer(str(path))
 
 
-def token_dtype(vocab_size: int) -> np.dtype:
-    """The smallest storage dtype for token ids below ``vocab_size``: uint16 up to 65536, else uint32."""
-    return np.dtype(np.uint16) if vocab_size <= 65536 else np.dtype(np.uint32)
-
-
 def encode_documents(tokenizer: Tokenizer, texts: Sequence[str], dtype: np.dtype,
                      num_threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """``BOS + tokens + EOS`` of each text, concatenated: ``(flat tokens as dtype, per-document lengths)``."""
