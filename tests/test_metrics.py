@@ -2,9 +2,11 @@
 import pytest
 import torch
 
-from titanlite.metrics import flops_per_token, peak_flops, peak_flops_for_name
+import math
+
+from titanlite.metrics import (flops_per_token, gpu_memory_bytes, matmul_dtype, num_params, peak_flops,
+                               peak_flops_for_name)
 from titanlite.models import build_model, make_model_args
-from titanlite.metrics import num_params
 
 
 def test_flops_per_token_1b_by_hand():
@@ -26,7 +28,8 @@ def test_flops_per_token_8b_by_hand():
 
 def test_peak_table():
     assert peak_flops_for_name("NVIDIA H100 80GB HBM3", "bfloat16") == 989.5e12
-    assert peak_flops_for_name("NVIDIA H100 PCIe", "bfloat16") == 756e12
+    # datasheet: 1,513 TFLOPS bf16 *with sparsity* -> 756.5 dense (the table had 756)
+    assert peak_flops_for_name("NVIDIA H100 PCIe", "bfloat16") == 756.5e12
     assert peak_flops_for_name("NVIDIA H200", "float8") == 1979e12
     assert peak_flops_for_name("NVIDIA A100-SXM4-80GB", "bfloat16") == 312e12
     assert peak_flops_for_name("NVIDIA A100-SXM4-80GB", "float8") is None  # no fp8 on Ampere
@@ -36,3 +39,67 @@ def test_peak_table():
 def test_cpu_peak_is_measured():
     rate = peak_flops(torch.device("cpu"), "float32")
     assert 1e8 < rate < 1e14
+
+
+@pytest.mark.parametrize("name,dtype,tflops", [
+    ("NVIDIA H100 80GB HBM3", "float8", 1979.0),  # SXM: 3,958 sparse
+    ("NVIDIA H100 NVL", "bfloat16", 835.5),  # 1,671 sparse
+    ("NVIDIA H100 PCIe", "float8", 1513.0),  # 3,026 sparse
+    ("NVIDIA H200", "bfloat16", 989.5),
+    ("NVIDIA H200 NVL", "bfloat16", 835.5),
+    ("NVIDIA GH200 480GB", "bfloat16", 989.5),
+    ("NVIDIA H20", "bfloat16", 148.0),  # not mistaken for an H200
+    ("NVIDIA B200", "bfloat16", 2250.0),  # HGX B200: 4.5 PF sparse
+    ("NVIDIA B200", "float8", 4500.0),
+    ("NVIDIA A100 80GB PCIe", "bfloat16", 312.0),
+    ("NVIDIA L40S", "bfloat16", 362.05),  # 733 sparse
+    ("NVIDIA L40S", "float8", 733.0),
+    ("AMD Instinct MI300X", "bfloat16", 1307.4),  # 2,614.9 sparse
+    ("AMD Instinct MI300X", "float8", 2614.9),
+    ("NVIDIA H100 80GB HBM3", "tfloat32", 494.5),
+    ("NVIDIA A100-SXM4-40GB", "float32", 19.5),
+])
+def test_peak_table_dense_figures(name, dtype, tflops):
+    assert peak_flops_for_name(name, dtype) == pytest.approx(tflops * 1e12)
+
+
+def test_unknown_devices_get_no_peak():
+    for name in ("NVIDIA L40", "NVIDIA A10G", "NVIDIA GeForce RTX 4090", "NVIDIA H1000", "Tesla V100-SXM2-16GB"):
+        assert peak_flops_for_name(name, "bfloat16") is None, name
+    assert peak_flops_for_name("NVIDIA A100-SXM4-80GB", "float8") is None
+    assert gpu_memory_bytes("NVIDIA H100 80GB HBM3") == 80e9
+    assert gpu_memory_bytes("NVIDIA A100-PCIE-40GB") == 40e9
+    assert gpu_memory_bytes("Some Future GPU") is None
+
+
+def test_matmul_dtype_selects_the_peak():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert matmul_dtype("bfloat16", False, cuda) == "bfloat16"
+    assert matmul_dtype("bfloat16", True, cuda) == "float8"  # float8 linears: the float8 peak
+    assert matmul_dtype("bfloat16", True, cpu) == "bfloat16"  # no float8 on CPU
+    assert matmul_dtype("float32", False, cuda) == ("tfloat32" if torch.backends.cuda.matmul.allow_tf32 else "float32")
+    assert matmul_dtype("float32", False, cpu) == "float32"
+
+
+TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+        "--training.seq_len", "32", "--training.local_batch_size", "4", "--training.steps", "1",
+        "--lr_scheduler.warmup_steps", "0"]
+
+
+def test_mfu_by_hand(tmp_path):
+    """MFU in a logged record = tokens/s per device x FLOPs/token / peak, FLOPs/token by hand."""
+    from titanlite.config import load_config
+    from titanlite.train import Trainer
+
+    t = Trainer(load_config(TINY + ["--job.dump_folder", str(tmp_path / "a")]))
+    d, L, V, F = 64, 2, 512, 256  # ffn: int(8 * 64 / 3) = 170, rounded up to a multiple of 256
+    params = V * d + L * (2 * d * d + 2 * d * 32 + 3 * d * F + 2 * d) + d + V * d  # kv dim 2 x 16
+    assert t.n_params == params
+    assert t.flops_per_token == 6 * (params - V * d) + 12 * L * 4 * 16 * 32
+    t.peak_flops = 1e9  # pretend a 1 GFLOP/s device
+    (r,) = t.train()
+    assert r["mfu"] == pytest.approx(r["tokens_per_s"] * t.flops_per_token / 1e9)
+    t2 = Trainer(load_config(TINY + ["--job.dump_folder", str(tmp_path / "b")]))
+    t2.peak_flops = None  # an unknown GPU: MFU unknown, not guessed
+    (r2,) = t2.train()
+    assert r2["mfu"] is None and math.isfinite(r2["tokens_per_s"])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from titanlite.models import build_model, make_model_args
-from titanlite.models.llama3 import LLAMA3_FLAVORS, Llama3ModelArgs, Transformer
+from titanlite.models.llama3 import LLAMA3_FLAVORS, Llama3HFAdapter, Llama3ModelArgs, Transformer
 from titanlite.models.llama3.model import apply_rope, num_params, precompute_rope, rope_frequencies
 
 
@@ -250,13 +250,6 @@ def test_init_deterministic_and_meta_equals_cpu():
 # ----------------------------------------------------------------------------- Hugging Face reference
 
 
-def interleaved_to_half_split(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Permute wq/wk output rows from Meta's interleaved RoPE layout to HF's rotate-half layout."""
-    out_dim, in_dim = w.shape
-    head_dim = out_dim // n_heads
-    return w.view(n_heads, head_dim // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
-
-
 @pytest.mark.parametrize("scaling", [0.0, 8.0])
 def test_logits_match_transformers_llama(scaling):
     transformers = pytest.importorskip("transformers")
@@ -287,23 +280,8 @@ def test_logits_match_transformers_llama(scaling):
     config._attn_implementation = "eager"
     hf = transformers.LlamaForCausalLM(config).eval()
 
-    sd = ours.state_dict()
-    hf_sd = {
-        "model.embed_tokens.weight": sd["tok_embeddings.weight"],
-        "model.norm.weight": sd["norm.weight"],
-        "lm_head.weight": sd["output.weight"],
-    }
-    for i in range(args.n_layers):
-        src, dst = f"layers.{i}.", f"model.layers.{i}."
-        hf_sd[dst + "self_attn.q_proj.weight"] = interleaved_to_half_split(sd[src + "attention.wq.weight"], args.n_heads)
-        hf_sd[dst + "self_attn.k_proj.weight"] = interleaved_to_half_split(sd[src + "attention.wk.weight"], args.n_kv_heads)
-        hf_sd[dst + "self_attn.v_proj.weight"] = sd[src + "attention.wv.weight"]
-        hf_sd[dst + "self_attn.o_proj.weight"] = sd[src + "attention.wo.weight"]
-        hf_sd[dst + "mlp.gate_proj.weight"] = sd[src + "feed_forward.w1.weight"]
-        hf_sd[dst + "mlp.down_proj.weight"] = sd[src + "feed_forward.w2.weight"]
-        hf_sd[dst + "mlp.up_proj.weight"] = sd[src + "feed_forward.w3.weight"]
-        hf_sd[dst + "input_layernorm.weight"] = sd[src + "attention_norm.weight"]
-        hf_sd[dst + "post_attention_layernorm.weight"] = sd[src + "ffn_norm.weight"]
+    adapter = Llama3HFAdapter(args)  # names and the wq/wk row order of HF's rotate-half RoPE
+    hf_sd = dict(adapter.to_hf(name, t) for name, t in ours.state_dict().items())
     missing, unexpected = hf.load_state_dict(hf_sd, strict=False)
     assert not unexpected and all("rotary_emb" in k for k in missing), (missing, unexpected)
 

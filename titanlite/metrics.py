@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import re
 import resource
 import time
 from pathlib import Path
@@ -28,19 +30,39 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-# Dense peak TFLOP/s by (device-name substring, dtype). Checked in order: more specific names first.
+# Dense peak TFLOP/s per GPU by matmul dtype, from the vendors' datasheets (NVIDIA prints 2:4
+# sparsity figures, with an asterisk, for the tensor-core rows: those are halved here, never used
+# as is). "float32" is the plain (non-tensor-core) FP32 rate, "tfloat32" the TF32 tensor-core rate.
+# Each entry: (pattern matched against torch.cuda.get_device_name(), a case-insensitive regex with
+# word boundaries, so "H20" does not match "H200" and "H200" does not match "GH200"), peaks.
+# Checked in order: the more specific variants (PCIe, NVL) come before the SXM default.
 PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
-    ("H100 PCIe", {"bfloat16": 756.0, "float8": 1513.0, "float32": 51.0}),
-    ("H100 NVL", {"bfloat16": 835.0, "float8": 1671.0, "float32": 60.0}),
-    ("H100", {"bfloat16": 989.5, "float8": 1979.0, "float32": 67.0}),  # SXM
-    ("H200", {"bfloat16": 989.5, "float8": 1979.0, "float32": 67.0}),
-    ("H20", {"bfloat16": 148.0, "float8": 296.0, "float32": 44.0}),
-    ("GH200", {"bfloat16": 989.5, "float8": 1979.0, "float32": 67.0}),
-    ("B200", {"bfloat16": 2250.0, "float8": 4500.0, "float32": 80.0}),
-    ("A100", {"bfloat16": 312.0, "float32": 19.5}),
-    ("L40S", {"bfloat16": 362.05, "float8": 733.0, "float32": 91.6}),
-    ("MI300X", {"bfloat16": 1307.4, "float8": 2614.9, "float32": 163.4}),
+    (r"H100.*PCIe", {"bfloat16": 756.5, "float8": 1513.0, "tfloat32": 378.0, "float32": 51.0}),
+    (r"H100.*NVL", {"bfloat16": 835.5, "float8": 1670.5, "tfloat32": 417.5, "float32": 60.0}),
+    (r"GH200", {"bfloat16": 989.5, "float8": 1979.0, "tfloat32": 494.5, "float32": 67.0}),
+    (r"H100", {"bfloat16": 989.5, "float8": 1979.0, "tfloat32": 494.5, "float32": 67.0}),  # SXM
+    (r"H200.*NVL", {"bfloat16": 835.5, "float8": 1670.5, "tfloat32": 417.5, "float32": 60.0}),
+    (r"H200", {"bfloat16": 989.5, "float8": 1979.0, "tfloat32": 494.5, "float32": 67.0}),  # SXM
+    (r"H20", {"bfloat16": 148.0, "float8": 296.0, "tfloat32": 74.0, "float32": 44.0}),
+    (r"B200", {"bfloat16": 2250.0, "float8": 4500.0, "tfloat32": 1100.0, "float32": 75.0}),  # HGX, 1000 W
+    (r"A100", {"bfloat16": 312.0, "tfloat32": 156.0, "float32": 19.5}),  # no float8 on Ampere
+    (r"L40S", {"bfloat16": 362.05, "float8": 733.0, "tfloat32": 183.0, "float32": 91.6}),
+    (r"MI300X", {"bfloat16": 1307.4, "float8": 2614.9, "tfloat32": 653.7, "float32": 163.4}),
 ]
+
+# GPU memory per device (GB = 1e9 bytes, as datasheets state it), for the run planner.
+GPU_MEMORY_GB: list[tuple[str, float]] = [
+    (r"H100.*NVL", 94.0), (r"GH200", 96.0), (r"H100", 80.0), (r"H200.*NVL", 141.0), (r"H200", 141.0),
+    (r"H20", 96.0), (r"B200", 180.0), (r"A100.*40GB", 40.0), (r"A100", 80.0), (r"L40S", 48.0),
+    (r"MI300X", 192.0),
+]
+
+
+def _match(table: list[tuple[str, Any]], name: str) -> Any:
+    for pattern, value in table:
+        if re.search(rf"(?<![A-Za-z0-9]){pattern}(?![A-Za-z0-9])", name, flags=re.IGNORECASE):
+            return value
+    return None
 
 
 def flops_per_token(model_args: Any, num_params_total: int, seq_len: int) -> int:
@@ -53,7 +75,7 @@ def flops_per_token(model_args: Any, num_params_total: int, seq_len: int) -> int
     matmul_params = num_params_total - embed
     if getattr(model_args, "tie_word_embeddings", False):
         matmul_params += embed  # the shared tensor is used as the output projection
-    head_dim = model_args.dim // model_args.n_heads
+    head_dim = getattr(model_args, "head_dim", None) or model_args.dim // model_args.n_heads
     attention = 12 * model_args.n_layers * model_args.n_heads * head_dim * seq_len
     return 6 * matmul_params + attention
 
@@ -72,11 +94,32 @@ def peak_flops(device: torch.device, dtype: str = "bfloat16") -> Optional[float]
 
 
 def peak_flops_for_name(name: str, dtype: str) -> Optional[float]:
-    for key, peaks in PEAK_TFLOPS:
-        if key in name:
-            tf = peaks.get(dtype)
-            return None if tf is None else tf * 1e12
-    return None
+    """Dense peak FLOP/s of the GPU called ``name`` in ``dtype``; None for an unknown GPU or a dtype
+    it has no tensor-core rate for (e.g. float8 on an A100): MFU is then reported as unknown."""
+    peaks = _match(PEAK_TFLOPS, name)
+    tf = None if peaks is None else peaks.get(dtype)
+    return None if tf is None else tf * 1e12
+
+
+def gpu_memory_bytes(name: str) -> Optional[float]:
+    """Memory of the GPU called ``name`` in bytes (datasheet figure), None when unknown."""
+    gb = _match(GPU_MEMORY_GB, name)
+    return None if gb is None else gb * 1e9
+
+
+def matmul_dtype(compute_dtype: str, float8: bool = False, device: Optional[torch.device] = None) -> str:
+    """The dtype the model's matmuls run in, which selects the peak MFU is measured against.
+
+    ``compute_dtype`` is ``[training] mixed_precision_param``; with float8 linears (on CUDA) most
+    FLOPs are float8 matmuls. float32 matmuls on CUDA use TF32 tensor cores when torch allows it
+    (``torch.backends.cuda.matmul.allow_tf32`` / ``set_float32_matmul_precision("high")``).
+    """
+    on_cuda = device is not None and device.type == "cuda"
+    if float8 and on_cuda:
+        return "float8"
+    if compute_dtype == "float32" and on_cuda and torch.backends.cuda.matmul.allow_tf32:
+        return "tfloat32"
+    return compute_dtype
 
 
 _CPU_PEAK_CACHE: dict[tuple[int, str], float] = {}
@@ -164,3 +207,169 @@ class MetricsLogger:
 def num_params(model: nn.Module) -> int:
     """Number of parameters, tied (shared) tensors counted once."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+# ----------------------------------------------------------------------------- update / parameter norms
+
+
+def _layer_of(name: str) -> str:
+    """Group a parameter name per transformer block (``layers.3``) or top-level module (``output``)."""
+    parts = name.split(".")
+    if parts[0] == "layers" and len(parts) > 1:
+        return f"layers.{parts[1]}"
+    return parts[0]
+
+
+def _global_square_sums(tensors: list[torch.Tensor]) -> list[float]:
+    """Squared L2 norm of each (possibly DTensor-sharded) tensor, over all its shards.
+
+    Local sums are stacked per (mesh, placements) group and made global with one reduction per group:
+    a dimension the tensors are sharded over is summed, a replicated one is not (it would count the
+    same values twice). Plain tensors need no communication. One host transfer per group.
+    """
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    out: list[Optional[float]] = [None] * len(tensors)
+    groups: dict[Any, list[int]] = {}
+    for i, t in enumerate(tensors):
+        key = (id(t.device_mesh), tuple(t.placements)) if isinstance(t, DTensor) else None
+        groups.setdefault(key, []).append(i)
+    for key, idx in groups.items():
+        locals_ = [tensors[i].to_local() if key is not None else tensors[i] for i in idx]
+        sq = torch.stack([t.detach().float().pow(2).sum() for t in locals_])
+        if key is not None:
+            first = tensors[idx[0]]
+            placements = [Replicate() if p.is_replicate() else Partial("sum") for p in first.placements]
+            sq = DTensor.from_local(sq, first.device_mesh, placements, run_check=False).full_tensor()
+        for i, v in zip(idx, sq.tolist()):
+            out[i] = v
+    return out  # type: ignore[return-value]
+
+
+class UpdateRatio:
+    """``||update|| / ||parameters||`` of one optimizer step, overall and optionally per layer.
+
+    :meth:`before_step` copies the (local shards of the) parameters, :meth:`after_step` measures the
+    difference. Call both only on logging steps: the copy costs one parameter-sized buffer and a few
+    reductions, nothing on the other steps. Healthy AdamW training shows ratios around 1e-3; a ratio
+    that jumps by orders of magnitude marks an unstable step. Works on FSDP/TP (DTensor) parameters.
+    """
+
+    def __init__(self, model: nn.Module, per_layer: bool = False):
+        self.named = list({id(p): (n, p) for n, p in model.named_parameters() if p.requires_grad}.values())
+        self.per_layer = per_layer
+        self._saved: Optional[list[torch.Tensor]] = None
+
+    @torch.no_grad()
+    def before_step(self) -> None:
+        self._saved = [p.detach().clone() for _, p in self.named]
+
+    @torch.no_grad()
+    def after_step(self) -> dict[str, float]:
+        if self._saved is None:
+            return {}
+        old = self._saved
+        diffs = [p.detach() - o for (_, p), o in zip(self.named, old)]
+        self._saved = None
+        sums = _global_square_sums(diffs + old)
+        upd, par = sums[:len(old)], sums[len(old):]  # relative to the parameters before the step
+        out = {"update_ratio": _ratio(sum(upd), sum(par))}
+        if self.per_layer:
+            per: dict[str, list[float]] = {}
+            for (name, _), u, w in zip(self.named, upd, par):
+                acc = per.setdefault(_layer_of(name), [0.0, 0.0])
+                acc[0] += u
+                acc[1] += w
+            for layer, (u, w) in per.items():
+                out[f"update_ratio/{layer}"] = _ratio(u, w)
+        return out
+
+
+def _ratio(update_sq: float, param_sq: float) -> float:
+    return math.sqrt(update_sq) / math.sqrt(param_sq) if param_sq > 0 else float("nan")
+
+
+# ----------------------------------------------------------------------------- progress and summary
+
+
+def format_duration(seconds: Optional[float]) -> str:
+    """``3h05m``, ``4m12s``, ``9.5s``; ``?`` when unknown."""
+    if seconds is None or not math.isfinite(seconds):
+        return "?"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, sec = divmod(int(round(seconds)), 60)
+    if minutes < 60:
+        return f"{minutes}m{sec:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 48:
+        return f"{hours}h{minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h"
+
+
+class RunProgress:
+    """Wall time, ETA to the configured steps and the end-of-run summary (rank 0 logs them).
+
+    The ETA uses the mean wall time per step since the first step of this process finished (that
+    step includes start-up and compilation), so validation and checkpoint time are part of it.
+    Means in the summary (tokens/s, MFU) are over the steps after the first, when there are any.
+    """
+
+    def __init__(self, total_steps: int, start_step: int = 0):
+        self.total_steps = total_steps
+        self.start_step = start_step
+        self.t_start = time.perf_counter()
+        self.t_first: Optional[float] = None  # end of the first step run by this process
+        self.step_first: Optional[int] = None
+        self.last_step = start_step
+        self.windows: list[tuple[float, float, Optional[float], int]] = []  # (seconds, tokens/s, mfu, steps)
+        self.last_loss: Optional[float] = None
+        self.last_val_loss: Optional[float] = None
+        self.tokens_seen = 0
+
+    def restart(self, step: int) -> None:
+        """After a rollback to ``step``: the ETA clock restarts from there."""
+        self.t_first, self.step_first, self.last_step = None, None, step
+
+    def step_done(self, step: int) -> None:
+        self.last_step = step
+        if self.t_first is None:
+            self.t_first, self.step_first = time.perf_counter(), step
+
+    def eta_seconds(self) -> Optional[float]:
+        if self.t_first is None or self.last_step <= self.step_first:
+            return None
+        per_step = (time.perf_counter() - self.t_first) / (self.last_step - self.step_first)
+        return per_step * max(self.total_steps - self.last_step, 0)
+
+    def record(self, r: dict[str, Any], window_s: float, window_steps: int) -> None:
+        """A logged step record (loss, tokens_per_s, mfu, tokens_seen) covering ``window_steps`` steps."""
+        self.windows.append((window_s, r.get("tokens_per_s", 0.0), r.get("mfu"), window_steps))
+        self.last_loss = r.get("loss", self.last_loss)
+        self.tokens_seen = r.get("tokens_seen", self.tokens_seen)
+
+    def validation(self, val_loss: float) -> None:
+        self.last_val_loss = val_loss
+
+    def summary(self) -> dict[str, Any]:
+        windows = self.windows[1:] if len(self.windows) > 1 else self.windows
+        secs = sum(w[0] for w in windows)
+        tps = sum(w[1] * w[0] for w in windows) / secs if secs > 0 else None
+        mfus = [(w[2], w[0]) for w in windows if w[2] is not None]
+        mfu = sum(m * s for m, s in mfus) / sum(s for _, s in mfus) if mfus and secs > 0 else None
+        return {"steps": self.last_step, "steps_this_run": self.last_step - self.start_step,
+                "tokens_seen": self.tokens_seen, "wall_s": time.perf_counter() - self.t_start,
+                "mean_tokens_per_s": tps, "mean_mfu": mfu, "last_loss": self.last_loss,
+                "last_val_loss": self.last_val_loss}
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    def num(v: Optional[float], fmt: str) -> str:
+        return "n/a" if v is None else format(v, fmt)
+
+    mfu = "unknown" if s["mean_mfu"] is None else f"{100 * s['mean_mfu']:.2f}%"
+    return (f"run summary: {s['steps']} steps ({s['steps_this_run']} in this run), {s['tokens_seen']:,} tokens, "
+            f"wall time {format_duration(s['wall_s'])}, mean {num(s['mean_tokens_per_s'], ',.0f')} tokens/s per "
+            f"device, mean MFU {mfu}, last loss {num(s['last_loss'], '.4f')}, "
+            f"last validation loss {num(s['last_val_loss'], '.4f')}")

@@ -1,0 +1,10 @@
+"""Extensions that plug into titanlite only through its public registries and hooks.
+
+- :mod:`torchtitan_ext.qwen3`: a second model family (Qwen3-style dense decoder with QK-norm),
+  registered with ``titanlite.models.register_model`` when imported.
+- :mod:`torchtitan_ext.compat`: run torchtitan's classic TOML train configs and resume from
+  torchtitan DCP checkpoints of Llama 3 models.
+
+Core titanlite never imports this package; a run activates an extension with ``[job] extensions``
+(see README, "Writing an extension"). Importing this package itself registers nothing.
+"""

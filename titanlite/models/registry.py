@@ -23,7 +23,12 @@ class ModelSpec:
     - ``model_cls``: ``model_cls(args)`` builds the module; it must provide ``init_weights()``
       and ``forward(tokens) -> logits [batch, seq, vocab]``.
     - ``parallelize_fn``: ``parallelize_fn(model, parallel_dims, job_config) -> model`` (on meta).
-    - ``hf_adapter``: object converting state dicts to and from Hugging Face (or None).
+    - ``hf_adapter``: class converting to and from Hugging Face (or None), e.g.
+      :class:`titanlite.models.llama3.hf_adapter.Llama3HFAdapter`: ``architecture``/``model_type``,
+      ``args_from_hf_config(config) -> args``, and per instance ``adapter(args)``:
+      ``to_hf(name, tensor)``, ``from_hf(hf_name, tensor)``, ``to_hf_name``, ``from_hf_name``,
+      ``expected_shapes()``, ``hf_config(dtype=..., bos_token_id=..., eos_token_id=...)`` and
+      ``generation_config(bos, eos)``; used by ``scripts/convert_*.py``.
     - ``tokenizer_builder``: ``tokenizer_builder(path) -> tokenizer`` ("" = built-in default).
     """
 

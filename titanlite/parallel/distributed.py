@@ -1,9 +1,16 @@
-"""Process-group set-up from torchrun's environment (gloo on CPU, NCCL on CUDA)."""
+"""Process-group set-up from torchrun's environment (gloo on CPU, NCCL on CUDA), and timeouts.
+
+Two timeouts (``[comm]``): ``init_timeout_seconds`` covers the start-up and the first step, which
+may include minutes of compilation on some ranks while others already wait in a collective;
+``train_timeout_seconds`` then applies to every collective, so a rank that dies or hangs makes the
+others fail with a timeout error (gloo raises, the NCCL watchdog aborts) instead of waiting forever.
+"""
 from __future__ import annotations
 
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -33,19 +40,45 @@ def world_from_env() -> WorldInfo:
     return WorldInfo(rank, local_rank, world_size, device)
 
 
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
 def init_distributed(world: WorldInfo, timeout_seconds: float = 300.0) -> None:
-    """Join the process group when there is more than one process (no-op otherwise)."""
+    """Join the process group when there is more than one process (no-op otherwise or when joined).
+
+    ``timeout_seconds`` bounds the rendezvous and every collective until :func:`set_collective_timeout`
+    changes it.
+    """
     if world.world_size == 1 or dist.is_initialized():
         return
     if world.device.type == "cuda":
         torch.cuda.set_device(world.device)
-    backend = "nccl" if world.device.type == "cuda" else "gloo"
+    backend = backend_for(world.device)
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_seconds),
                             device_id=world.device if backend == "nccl" else None)
 
 
+def set_collective_timeout(timeout_seconds: float, groups: Iterable[Optional[dist.ProcessGroup]] = ()) -> None:
+    """Set the timeout of the default group and of ``groups`` (e.g. the device mesh's groups).
+
+    A barrier first, so that no rank is still inside a collective started under the old timeout.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    timeout = datetime.timedelta(seconds=timeout_seconds)
+    dist.barrier()
+    seen = set()
+    for group in [None, *groups]:
+        key = id(group)
+        if key in seen:
+            continue
+        seen.add(key)
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
 def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
-    """Sum of ``t`` over ``group`` (the tensor itself when not distributed)."""
+    """Sum of ``t`` over ``group`` (the default group when None; ``t`` itself when not distributed)."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         t = t.clone()
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)

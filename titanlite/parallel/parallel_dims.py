@@ -1,24 +1,168 @@
-"""Parallel degrees of a run."""
+"""Parallel degrees of a run and the named device mesh they define.
+
+``WORLD_SIZE = dp_replicate x dp_shard x tp``. The mesh is laid out ``(dp_replicate, dp_shard, tp)``
+with ``tp`` innermost, so the ranks of one tensor-parallel group are adjacent (on one node, where
+their many small collectives use the fast intra-node links), and rank
+``r = (replicate * dp_shard + shard) * tp + tp_rank``.
+
+Named views of the mesh:
+
+- ``"dp_replicate"``, ``"dp_shard"``, ``"tp"``: the three dimensions (size-1 dimensions included,
+  so every name always exists once the mesh is built);
+- ``"dp"``: ``dp_replicate x dp_shard`` flattened. It is both the *data* view (each of its ranks
+  reads its own slice of the data; the TP ranks of one DP rank read the same batch) and the *loss*
+  view (the logged loss is summed over it). With context parallelism these two would differ.
+- ``"dp_shard_tp"`` (FSDP x TP only): ``dp_shard x tp`` flattened, which DTensor uses to reduce
+  values sharded over both (the gradient norm) in one collective.
+- :attr:`ParallelDims.fsdp_mesh`: ``dp_shard``, or the 2-D ``(dp_replicate, dp_shard)`` for HSDP.
+
+Every degree problem raises ``ValueError`` with a one-line message naming the config keys.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+_KEYS = {"dp_replicate": "parallelism.data_parallel_replicate_degree",
+         "dp_shard": "parallelism.data_parallel_shard_degree",
+         "tp": "parallelism.tensor_parallel_degree"}
 
 
 @dataclass
 class ParallelDims:
     dp_replicate: int = 1
-    dp_shard: int = -1
+    dp_shard: int = -1  # -1: whatever is left of the world after dp_replicate and tp
     tp: int = 1
     world_size: int = 1
+    enable_loss_parallel: bool = True
+    mesh: Optional[DeviceMesh] = field(default=None, repr=False, compare=False)
+    _dp_mesh: Optional[DeviceMesh] = field(default=None, init=False, repr=False, compare=False)
+    _dp_shard_tp_mesh: Optional[DeviceMesh] = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        for name in MESH_DIMS:
+            value = getattr(self, name)
+            if value < 1 and not (name == "dp_shard" and value == -1):
+                raise ValueError(f"{_KEYS[name]}={value} must be >= 1"
+                                 + (" (or -1 for the rest of the world)" if name == "dp_shard" else ""))
+        if self.world_size < 1:
+            raise ValueError(f"WORLD_SIZE={self.world_size} must be >= 1")
         if self.dp_shard == -1:
-            self.dp_shard = self.world_size // (self.dp_replicate * self.tp)
-        if self.dp_replicate * self.dp_shard * self.tp != self.world_size:
+            other = self.dp_replicate * self.tp
+            if self.world_size % other:
+                raise ValueError(
+                    f"{_KEYS['dp_replicate']} ({self.dp_replicate}) x {_KEYS['tp']} ({self.tp}) = {other} "
+                    f"does not divide the number of processes (WORLD_SIZE={self.world_size})")
+            self.dp_shard = self.world_size // other
+        product = self.dp_replicate * self.dp_shard * self.tp
+        if product != self.world_size:
             raise ValueError(
-                f"parallelism degrees dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x "
-                f"tp={self.tp} must multiply to the world size {self.world_size}")
+                f"parallelism degrees must multiply to the number of processes: data_parallel_replicate_degree "
+                f"({self.dp_replicate}) x data_parallel_shard_degree ({self.dp_shard}) x tensor_parallel_degree "
+                f"({self.tp}) = {product}, but WORLD_SIZE={self.world_size}")
 
+    @classmethod
+    def from_config(cls, pcfg, world_size: int) -> "ParallelDims":
+        """From the ``[parallelism]`` section."""
+        return cls(dp_replicate=pcfg.data_parallel_replicate_degree, dp_shard=pcfg.data_parallel_shard_degree,
+                   tp=pcfg.tensor_parallel_degree, world_size=world_size,
+                   enable_loss_parallel=pcfg.enable_loss_parallel)
+
+    # ---- degrees
     @property
     def dp_degree(self) -> int:
+        """Data-parallel ranks (distinct batches per micro-step)."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp_degree > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """FSDP (or HSDP) wraps the model: there is more than one data-parallel rank."""
+        return self.dp_degree > 1
+
+    @property
+    def hsdp_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def loss_parallel_enabled(self) -> bool:
+        return self.tp_enabled and self.enable_loss_parallel
+
+    # ---- model checks
+    def check_tp_divides(self, **sizes: int) -> None:
+        """Raise when ``tp`` does not divide one of the named model sizes (e.g. ``n_kv_heads=4``)."""
+        if not self.tp_enabled:
+            return
+        for name, size in sizes.items():
+            if size % self.tp:
+                raise ValueError(f"{_KEYS['tp']}={self.tp} must divide {name} ({size})")
+
+    # ---- mesh
+    def build_mesh(self, device_type: str) -> Optional[DeviceMesh]:
+        """Build (once) the named mesh on ``device_type`` ("cpu" -> gloo, "cuda" -> NCCL).
+
+        Needs the default process group when ``world_size > 1``; a single process gets no mesh.
+        """
+        if self.mesh is not None or self.world_size == 1:
+            return self.mesh
+        if not dist.is_initialized():
+            raise RuntimeError("build_mesh needs the process group (init_distributed) first")
+        mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIMS)
+        self._dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")  # kept: slicing it back is deprecated
+        if self.dp_shard > 1 and self.tp > 1:
+            # FSDP x TP gradients are sharded over both; with this flattened view DTensor reduces
+            # their norms (gradient clipping) in one all-reduce instead of one per dimension
+            self._dp_shard_tp_mesh = mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
+        self.mesh = mesh
+        return mesh
+
+    def _sub(self, *names: str) -> Optional[DeviceMesh]:
+        return None if self.mesh is None else self.mesh[names if len(names) > 1 else names[0]]
+
+    @property
+    def tp_mesh(self) -> Optional[DeviceMesh]:
+        return self._sub("tp")
+
+    @property
+    def dp_mesh(self) -> Optional[DeviceMesh]:
+        """The flattened data-parallel view (data slicing and the loss reduction)."""
+        return self._dp_mesh
+
+    data_mesh = dp_mesh
+    loss_mesh = dp_mesh
+
+    @property
+    def fsdp_mesh(self) -> Optional[DeviceMesh]:
+        """The mesh FSDP shards over: ``dp_shard``, or ``(dp_replicate, dp_shard)`` for HSDP."""
+        if self.hsdp_enabled:
+            return self._sub("dp_replicate", "dp_shard")
+        return self._sub("dp_shard")
+
+    @property
+    def dp_group(self) -> Optional[dist.ProcessGroup]:
+        """Process group of the data-parallel ranks, or None when there is only one."""
+        return self.dp_mesh.get_group() if self.dp_enabled and self.mesh is not None else None
+
+    def dp_rank(self, global_rank: int) -> int:
+        """This rank's index among the data-parallel ranks (``tp`` is the innermost dimension)."""
+        if self.mesh is not None:
+            return self.dp_mesh.get_local_rank()
+        return global_rank // self.tp
+
+    def all_groups(self) -> list[dist.ProcessGroup]:
+        """Every process group of the mesh (for timeouts)."""
+        if self.mesh is None:
+            return []
+        groups = [self.mesh.get_group(name) for name in MESH_DIMS]
+        return groups + [self.dp_mesh.get_group()]

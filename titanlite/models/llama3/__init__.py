@@ -1,6 +1,7 @@
 """Llama 3 family: registers itself with the model registry on import."""
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.models.llama3.args import LLAMA3_FLAVORS, Llama3ModelArgs
+from titanlite.models.llama3.hf_adapter import Llama3HFAdapter
 from titanlite.models.llama3.model import Transformer
 from titanlite.models.llama3.parallelize import parallelize_llama
 from titanlite.models.registry import ModelSpec, register_model
@@ -12,8 +13,9 @@ register_model(
         flavors=LLAMA3_FLAVORS,
         model_cls=Transformer,
         parallelize_fn=parallelize_llama,
+        hf_adapter=Llama3HFAdapter,
         tokenizer_builder=build_tokenizer,
     )
 )
 
-__all__ = ["Llama3ModelArgs", "LLAMA3_FLAVORS", "Transformer", "parallelize_llama"]
+__all__ = ["Llama3HFAdapter", "Llama3ModelArgs", "LLAMA3_FLAVORS", "Transformer", "parallelize_llama"]

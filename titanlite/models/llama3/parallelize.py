@@ -1,10 +1,156 @@
-"""Applying parallelism and training wrappers to a Llama 3 model (single process for now)."""
+"""Applying parallelism and training wrappers to a Llama 3 model: ``parallelize_llama``.
+
+Called by the Trainer on the model built on the *meta* device (no memory), before it is
+materialized; the Trainer then allocates each rank's shards (``to_empty``) and initializes them, so
+the full parameters never exist on one device. The steps run in this order, and the order matters:
+
+1. **Float8** (``[quantize.linear.float8]``): eligible ``nn.Linear`` modules are swapped for
+   :class:`~titanlite.parallel.float8.Float8Linear` first, while the model is a plain module tree:
+   module swaps are simple on meta, and every later step must see the final modules (TP shards
+   the Float8Linear's weight like any linear; compile traces the float8 casts; FSDP groups its
+   parameters). Float8Linear subclasses ``nn.Linear``, so the TP plan below applies unchanged.
+2. **Tensor parallel** (``[parallelism] tensor_parallel_degree``): turns parameters into DTensors on
+   the ``tp`` mesh and adds the input/output redistribution hooks. It must come before AC and
+   compile, so that the recomputed and the compiled code include the DTensor collectives, and
+   before FSDP, which shards the TP shards again along the data-parallel mesh (2-D parameters).
+   Plan (Megatron-style, with sequence parallelism):
+
+   - ``tok_embeddings``: row-wise (vocabulary-sharded table), output sharded along the sequence
+     (reduce-scattered synchronously, see ``SyncRowwiseParallel``);
+   - ``attention_norm`` / ``ffn_norm`` / ``norm``: sequence parallel (each rank normalizes its part
+     of the sequence, so activations between blocks are never replicated);
+   - ``attention`` / ``feed_forward`` inputs: all-gathered along the sequence; ``wq, wk, wv, w1,
+     w3`` column-wise (each rank computes a subset of heads / hidden units), ``wo, w2`` row-wise
+     with a reduce-scatter back to sequence shards;
+   - ``output``: column-wise; with ``enable_loss_parallel`` the logits stay sharded over the
+     vocabulary (the loss is computed from the shards, see ``titanlite.parallel.tensor_parallel``),
+     otherwise they are all-gathered.
+
+   The attention code infers the local head count from the projections, so it needs no change.
+   A tied output shares the embedding's DTensor (both are ``Shard(0)`` over the vocabulary).
+3. **Activation checkpointing** (``[activation_checkpoint]``): per block, after TP so recomputation
+   includes the TP communication, before compile so the checkpoint is traced into the graph, and
+   before FSDP so FSDP's all-gather/free hooks stay outside the checkpointed region.
+4. **torch.compile** (``[compile]``): per block, on the final block code (float8 + TP + AC), and
+   before FSDP, whose hooks must stay outside the compiled graph.
+5. **FSDP2** (``data_parallel_shard_degree`` / ``_replicate_degree``): ``fully_shard`` bottom-up,
+   one group per block, ``tok_embeddings`` alone, ``norm`` + ``output`` together (the last group,
+   not resharded after forward by default since backward needs it first), then the root. A tied
+   embedding/output is one tensor, so then embedding, norm and output form the root's group. HSDP
+   when the replicate degree is above 1. Gradients are *summed* over data-parallel ranks
+   (see ``titanlite.parallel.fsdp``). Last, because it wraps everything above.
+
+With a single data-parallel rank FSDP is not applied and the Trainer uses bf16 autocast when
+``mixed_precision_param = "bfloat16"`` (see ``Trainer.autocast`` for the measurement behind this).
+"""
 from __future__ import annotations
 
+import logging
+import warnings
+
+import torch
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
+
+from titanlite.parallel.activation_checkpoint import ActivationCheckpoint
+from titanlite.parallel.compile import CompilePolicy
+from titanlite.parallel.float8 import check_float8_device, convert_to_float8, dtensor_supports_scaled_mm
+from titanlite.parallel.fsdp import FSDPPolicy
+from titanlite.parallel.tensor_parallel import SyncRowwiseParallel
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def parallelize_llama(model: nn.Module, parallel_dims, job_config) -> nn.Module:
-    if parallel_dims.world_size > 1:
-        raise NotImplementedError("multi-process training needs the parallelism module")
+    """Float8 -> TP -> AC -> compile -> FSDP on a meta-device Llama 3 model (see module docstring)."""
+    args = model.args
+    check_llama_parallelism(args, parallel_dims, job_config)
+    ac = ActivationCheckpoint.from_config(job_config.activation_checkpoint)
+    compile_policy = CompilePolicy.from_config(job_config.compile, parallel_dims.tp_enabled)
+
+    f8 = job_config.quantize_linear_float8
+    if f8.enable:
+        if parallel_dims.tp_enabled and not dtensor_supports_scaled_mm():
+            raise ValueError(f"quantize.linear.float8 with tensor_parallel_degree={parallel_dims.tp} needs DTensor "
+                             f"support for torch._scaled_mm, which torch {torch.__version__} lacks; disable one of them")
+        if torch.cuda.is_available():
+            check_float8_device(torch.device("cuda", torch.cuda.current_device()))
+        convert_to_float8(model, f8.filter_fqns, shard_degree=parallel_dims.tp)
+
+    if parallel_dims.tp_enabled:
+        apply_tensor_parallel(model, parallel_dims.tp_mesh, parallel_dims.loss_parallel_enabled)
+        logger.info("tensor parallel over %d ranks (loss parallel: %s)", parallel_dims.tp,
+                    parallel_dims.loss_parallel_enabled)
+
+    checkpointed = ac.apply(model)
+    if checkpointed:
+        logger.info("activation checkpointing %s on blocks %s", ac, ",".join(checkpointed))
+
+    if compile_policy.apply(model):
+        logger.info("compiled each transformer block (fullgraph)")
+
+    if parallel_dims.fsdp_enabled:
+        t = job_config.training
+        policy = FSDPPolicy(parallel_dims.fsdp_mesh, DTYPES[t.mixed_precision_param], DTYPES[t.mixed_precision_reduce],
+                            job_config.parallelism.fsdp_reshard_after_forward)
+        apply_fsdp(model, policy)
+        logger.info("%s over %d ranks (param %s, reduce %s, gradients summed)",
+                    "HSDP" if parallel_dims.hsdp_enabled else "FSDP", parallel_dims.dp_degree,
+                    t.mixed_precision_param, t.mixed_precision_reduce)
     return model
+
+
+def check_llama_parallelism(args, parallel_dims, job_config) -> None:
+    """One-line ``ValueError`` for a model that cannot be split ``parallel_dims``' way."""
+    parallel_dims.check_tp_divides(**{
+        "model.n_heads": args.n_heads, "model.n_kv_heads": args.kv_heads,
+        "the SwiGLU hidden size": args.ffn_hidden_dim, "model.vocab_size": args.vocab_size,
+        "training.seq_len (sequence parallelism)": job_config.training.seq_len,
+    })
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
+    """The Llama TP + sequence-parallel plan (module docstring, step 2)."""
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": SyncRowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                  use_local_output=not loss_parallel),
+    })
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            # (x, rope_cache, attn_mask): gather x along the sequence; the rope table and mask are plain tensors
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                            desired_input_layouts=(Replicate(), None, None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        })
+    if model.args.tie_word_embeddings:  # TP replaced both parameters: share the embedding's again
+        model.output.weight = model.tok_embeddings.weight
+
+
+def apply_fsdp(model: nn.Module, policy: FSDPPolicy) -> None:
+    """FSDP groups bottom-up (module docstring, step 5)."""
+    # FSDP2 warns when a wrapped module returns a view (the TP embedding does) because an in-place op
+    # on it would skip FSDP's backward hook; Transformer.forward only uses it out of place.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor")
+    tied = model.args.tie_word_embeddings
+    if not tied:
+        policy.shard(model.tok_embeddings)
+    for block in model.layers.values():
+        policy.shard(block)
+    if not tied:
+        policy.shard([model.norm, model.output], last=True)
+    policy.finish(model)

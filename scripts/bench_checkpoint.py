@@ -1,0 +1,124 @@
+#!/usr/bin/env python
+"""How long does a checkpoint save block the training loop? disabled vs async vs async_with_pinned_mem.
+
+    python scripts/bench_checkpoint.py [--steps 40] [--interval 10] [--modes disabled,async,...] \\
+        [--json FILE] [--config FILE] [--section.key value ...]
+    python scripts/bench.py --checkpoint-modes disabled,async,async_with_pinned_mem [same options]
+
+Trains the same model once per ``[checkpoint] async_mode`` (fresh dump folder each time), saving
+full checkpoints (model + AdamW state + the rest) every ``--interval`` steps (long enough for one
+write to finish before the next save, as in real runs), and reports per save:
+
+- ``blocked``: time the loop spent in ``CheckpointManager.save`` plus ``wait_for_staging`` (the
+  wait before the next optimizer step); for ``disabled`` that is the whole save;
+- ``write``: the background write (async modes) or the inline save.
+
+The first save of each mode is reported separately (pinned buffers are allocated then). The ratio
+``blocked / disabled blocked`` is the figure of merit (target: <= 0.1). The model is the usual
+config (file + overrides; without any, a 28M-parameter Llama: dim 512, 8 layers); the device is
+whatever ``titanlite.train`` picks (CUDA when visible).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+try:
+    import titanlite  # noqa: F401
+except ImportError:  # running from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MODES = ("disabled", "async", "async_with_pinned_mem")
+DEFAULT_MODEL = ["--model.dim", "512", "--model.n_layers", "8", "--model.n_heads", "8", "--model.n_kv_heads", "8",
+                 "--training.seq_len", "64", "--training.local_batch_size", "2"]
+
+
+def bench_checkpoint(config_argv: Sequence[str] = (), *, modes: Sequence[str] = MODES, steps: int = 40,
+                     interval: int = 10, folder: Optional[str] = None) -> dict:
+    """Per mode: blocked / write seconds of every save, the state size and the mean step time."""
+    from titanlite.config import load_config
+    from titanlite.train import Trainer
+
+    root = Path(folder or tempfile.mkdtemp(prefix="bench_ckpt_"))
+    results: dict = {}
+    for mode in modes:
+        argv = [*config_argv, "--training.steps", str(steps), "--metrics.log_freq", str(steps),
+                "--validation.enable", "false", "--lr_scheduler.warmup_steps", "0",
+                "--job.dump_folder", str(root / mode), "--checkpoint.enable", "--checkpoint.interval", str(interval),
+                "--checkpoint.async_mode", mode, "--checkpoint.keep_latest_k", "2",
+                "--checkpoint.last_save_model_only", "false"]
+        trainer = Trainer(load_config(argv))
+        state_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters()) * 3  # + 2 Adam moments
+        t0 = time.perf_counter()
+        trainer.train()
+        wall = time.perf_counter() - t0
+        saves = [{"step": s.step, "blocked_s": s.blocked_s, "wait_prev_s": s.wait_prev_s, "write_s": s.write_s}
+                 for s in trainer.checkpointer.stats]
+        later = saves[1:] or saves
+        results[mode] = {
+            "params": trainer.n_params, "state_mb": state_bytes / 1e6, "device": str(trainer.device),
+            "saves": saves, "first_blocked_s": saves[0]["blocked_s"],
+            "blocked_median_s": statistics.median(s["blocked_s"] for s in later),
+            "write_median_s": statistics.median(s["write_s"] for s in later),
+            "wall_s": wall,
+            "step_s": (wall - sum(s["blocked_s"] for s in saves)) / steps,
+            "waited_for_previous_write_s": sum(s["wait_prev_s"] for s in saves),
+        }
+    base = results.get("disabled", {}).get("blocked_median_s")
+    for r in results.values():
+        r["blocked_vs_disabled"] = r["blocked_median_s"] / base if base else None
+    return results
+
+
+def print_table(res: dict) -> None:
+    first = next(iter(res.values()))
+    print(f"model: {first['params']:,} parameters, {first['state_mb']:.0f} MB of model + AdamW state per save, "
+          f"device {first['device']}")
+    print(f"{'mode':<24}{'blocked/save (median)':>24}{'first save':>12}{'write (median)':>16}{'vs disabled':>13}"
+          f"{'step':>10}")
+    for mode, r in res.items():
+        ratio = "" if r["blocked_vs_disabled"] is None else f"{r['blocked_vs_disabled']:.3f}"
+        print(f"{mode:<24}{1e3 * r['blocked_median_s']:>21.1f} ms{1e3 * r['first_blocked_s']:>9.1f} ms"
+              f"{1e3 * r['write_median_s']:>13.1f} ms{ratio:>13}{1e3 * r['step_s']:>7.0f} ms")
+        if r["waited_for_previous_write_s"] > 0.05:
+            print(f"  ({mode}: {r['waited_for_previous_write_s']:.2f} s of it waiting for a previous write; "
+                  "use a longer --interval)")
+
+
+def run(config_argv: Sequence[str], modes: Sequence[str], steps: int, interval: int,
+        json_out: Optional[str] = None, folder: Optional[str] = None) -> dict:
+    """Benchmark, print the table, optionally write the JSON (also used by ``scripts/bench.py``)."""
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        raise SystemExit(f"error: unknown checkpoint mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
+    if not any(a == "--config" or a.startswith("--model.") for a in config_argv):
+        config_argv = [*DEFAULT_MODEL, *config_argv]
+    res = bench_checkpoint(config_argv, modes=modes, steps=steps, interval=interval, folder=folder)
+    print_table(res)
+    if json_out:
+        Path(json_out).write_text(json.dumps(res, indent=2))
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--interval", type=int, default=10, help="long enough for a write to finish before the next save")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--folder", default=None, help="where the checkpoints go (default: a temporary folder)")
+    p.add_argument("--json", default=None, help="also write the results here")
+    a, rest = p.parse_known_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    run(rest, a.modes.split(","), a.steps, a.interval, a.json, a.folder)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Run a test function in N processes, torchrun-style, under a hard timeout.
+
+``run_workers(fn, nprocs, args)`` starts ``nprocs`` fresh Python processes with torchrun's
+variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT), each calling ``fn(args)`` where ``fn``
+is a module-level function of a test file; each rank's return value comes back (pickled) in a list
+ordered by rank. A rank that fails makes the others be killed at once (they would otherwise wait
+in a collective); if the whole launch exceeds ``timeout`` seconds every process group is killed and
+the test fails with each rank's log tail, so a hang can never stall the suite.
+
+Backends: tests are written once and parametrized with :func:`backends`: ``gloo`` (CPU; CUDA is
+hidden from the workers so they build CPU meshes) everywhere, plus ``nccl`` where there are enough
+GPUs. Workers run with ``OMP_NUM_THREADS=1``: several processes share the cores.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def backends(nprocs: int) -> list[str]:
+    """``["gloo"]``, plus ``"nccl"`` when at least ``nprocs`` GPUs are visible."""
+    out = ["gloo"]
+    if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs:
+        out.append("nccl")
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, n: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return "<no log>"
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # each worker leads its own session/process group
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def run_workers(fn: Callable[[dict], Any], nprocs: int, args: dict | None = None, *, backend: str = "gloo",
+                timeout: float = 240.0, threads: int = 1) -> list[Any]:
+    """Run ``fn(args)`` on ``nprocs`` ranks; returns the per-rank results (see module docstring)."""
+    module_file = Path(sys.modules[fn.__module__].__file__).resolve()
+    work = Path(tempfile.mkdtemp(prefix="titanlite_dist_"))
+    with open(work / "args.pkl", "wb") as f:
+        pickle.dump(args or {}, f)
+    port = _free_port()
+    procs, logs = [], []
+    for rank in range(nprocs):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs),
+                   LOCAL_WORLD_SIZE=str(nprocs), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS=str(threads), TITANLITE_TEST_BACKEND=backend,
+                   PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+        if backend == "gloo":
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        log = work / f"rank{rank}.log"
+        logs.append(log)
+        cmd = [sys.executable, __file__, str(module_file), fn.__name__, str(work)]
+        with open(log, "w") as out:
+            procs.append(subprocess.Popen(cmd, env=env, cwd=str(REPO), stdout=out, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+    deadline = time.monotonic() + timeout
+    failed = None
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                failed = bad[0]
+                break
+            if all(c == 0 for c in codes):
+                break
+            if time.monotonic() > deadline:
+                _kill(procs)
+                raise AssertionError(f"{fn.__name__} on {nprocs} ranks ({backend}) timed out after {timeout:.0f} s; "
+                                     + "".join(f"\n--- rank {r} log tail:\n{_tail(l)}" for r, l in enumerate(logs)))
+            time.sleep(0.05)
+    finally:
+        _kill(procs)
+    if failed is not None:
+        raise AssertionError(f"{fn.__name__}: rank {failed} of {nprocs} ({backend}) exited with "
+                             f"{procs[failed].returncode}:\n{_tail(logs[failed], 6000)}")
+    results = []
+    for rank in range(nprocs):
+        with open(work / f"result{rank}.pkl", "rb") as f:
+            results.append(pickle.load(f))
+    return results
+
+
+def cache_token_stores() -> None:
+    """Tokenize each (dataset, split) once per process: tests build many Trainers on the same data."""
+    import titanlite.train as train
+
+    if getattr(train.load_token_store, "_cached", False):
+        return
+    original, cache = train.load_token_store, {}
+
+    def cached(dataset, path, split, tokenizer):
+        key = (dataset, path, split, getattr(tokenizer, "vocab_size", None))
+        if key not in cache:
+            cache[key] = original(dataset, path, split, tokenizer)
+        return cache[key]
+
+    cached._cached = True
+    train.load_token_store = cached
+
+
+def _worker_main(module_file: str, fn_name: str, work: str) -> None:
+    import torch.distributed as dist
+
+    spec = importlib.util.spec_from_file_location(Path(module_file).stem, module_file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    with open(Path(work) / "args.pkl", "rb") as f:
+        args = pickle.load(f)
+    result = getattr(module, fn_name)(args)
+    rank = int(os.environ["RANK"])
+    with open(Path(work) / f"result{rank}.pkl", "wb") as f:
+        pickle.dump(result, f)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    _worker_main(*sys.argv[1:4])

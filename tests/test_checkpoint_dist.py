@@ -1,0 +1,151 @@
+"""Checkpointing across processes (gloo on CPU): exact resume under FSDP 2 (async save) and
+resharding a FSDP 2 checkpoint to one process and to TP 2.
+
+One FSDP 2 run of 20 steps saves step-10 and step-20 asynchronously (``fsdp_run``). Every resume
+starts from a copy of its step-10 folder and trains steps 11-20 again:
+
+- FSDP 2 again: the same layout, so the losses must be bitwise those of the uninterrupted run;
+- one process and TP 2: DCP re-partitions model and AdamW state, the data loader re-partitions its
+  global cursor from 2 ranks to 1, and the losses must match up to fp32 summation order
+  (``RTOL``, as in ``test_parallel_parity.py``: measured differences are ~1e-6).
+
+Every launch has a hard timeout (``dist_utils.run_workers``), so a hang fails instead of stalling.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_utils import cache_token_stores, run_workers
+from titanlite.config import JobConfig, load_config
+
+
+def _fsdp_and_tp_available() -> bool:
+    try:
+        import titanlite.parallel.fsdp  # noqa: F401
+        import titanlite.parallel.tensor_parallel  # noqa: F401
+    except ImportError:
+        return False
+    section = getattr(JobConfig(), "parallelism", None)
+    names = {f.name for f in dataclasses.fields(section)} if section is not None else set()
+    return {"data_parallel_shard_degree", "tensor_parallel_degree"} <= names
+
+
+pytestmark = pytest.mark.skipif(not _fsdp_and_tp_available(),
+                                reason="needs FSDP2 and TP ([parallelism] section, titanlite.parallel.fsdp)")
+
+STEPS = 20
+RTOL = 2e-5
+TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+        "--training.seq_len", "32", "--training.local_batch_size", "4", "--training.global_batch_size", "8",
+        "--training.steps", str(STEPS), "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "2",
+        "--metrics.log_freq", "1", "--checkpoint.enable", "--checkpoint.interval", "10",
+        "--checkpoint.keep_latest_k", "0", "--checkpoint.last_save_model_only", "false"]
+FSDP2 = ["--parallelism.data_parallel_shard_degree", "2"]
+TP2 = ["--parallelism.tensor_parallel_degree", "2"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models are overhead-bound: one intra-op thread is as fast and does not fight the
+    other processes of a busy machine (restored afterwards)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def train_worker(args: dict) -> dict:
+    import titanlite.train as train
+
+    # save start-up time: the tokens this test process already has, no CPU peak-FLOPs probe
+    tokens = torch.load(args["tokens"])
+    train.load_token_store = lambda dataset, path, split, tokenizer: tokens
+    train.peak_flops = lambda *a, **k: None
+    trainer = train.Trainer(load_config(args["argv"]))
+    trainer.train()
+    return {"stats": [(s.step, s.blocked_s, s.write_s) for s in trainer.checkpointer.stats]}
+
+
+def tokens_file(folder: Path) -> str:
+    import titanlite.train as train
+    from titanlite.data.tokenizer import build_tokenizer
+
+    path = folder / "train_tokens.pt"
+    if not path.exists():
+        cache_token_stores()
+        torch.save(train.load_token_store("embedded", "", "train", build_tokenizer("")), path)
+    return str(path)
+
+
+def metrics(dump: Path) -> list[dict]:
+    return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+
+
+def resume_copy(source: Path, dest: Path) -> Path:
+    (dest / "checkpoint").mkdir(parents=True)
+    shutil.copytree(source / "checkpoint" / "step-10", dest / "checkpoint" / "step-10")
+    lines = (source / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (dest / "metrics.jsonl").write_text("".join(lines[:10]))
+    return dest
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("fsdp2")
+    results = run_workers(train_worker, 2, {"argv": TINY + FSDP2 + ["--job.dump_folder", str(dump),
+                                                                      "--checkpoint.async_mode", "async"],
+                                            "tokens": tokens_file(dump.parent)}, timeout=240)
+    assert [s[0] for s in results[0]["stats"]] == [10, 20]
+    step10 = dump / "checkpoint" / "step-10"
+    assert sorted(p.name for p in step10.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    info = json.loads((step10 / "checkpoint.json").read_text())
+    assert info["world_size"] == 2 and not info["model_only"]
+    return dump, metrics(dump)
+
+
+def test_fsdp2_resume_is_bitwise_identical(fsdp_run, tmp_path):
+    source, reference = fsdp_run
+    dump = resume_copy(source, tmp_path / "resumed")
+    run_workers(train_worker, 2, {"argv": TINY + FSDP2 + ["--job.dump_folder", str(dump),
+                                                           "--checkpoint.async_mode", "async_with_pinned_mem"],
+                                  "tokens": tokens_file(source.parent)}, timeout=240)
+    got = metrics(dump)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for a, b in zip(got, reference):
+        assert (a["loss"], a["lr"], a["tokens_seen"], a["grad_norm"]) == (b["loss"], b["lr"], b["tokens_seen"], b["grad_norm"])
+
+
+def _assert_close_run(dump: Path, reference: list[dict]) -> None:
+    got = metrics(dump)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert got[:10] == reference[:10]
+    for a, b in zip(got[10:], reference[10:]):
+        assert a["lr"] == b["lr"] and a["tokens_seen"] == b["tokens_seen"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=RTOL), (a["step"], a["loss"], b["loss"])
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=10 * RTOL)
+
+
+def test_fsdp2_checkpoint_resumes_on_one_process(fsdp_run, tmp_path, caplog):
+    from titanlite.train import Trainer
+
+    source, reference = fsdp_run
+    dump = resume_copy(source, tmp_path / "one")
+    cache_token_stores()
+    with caplog.at_level("INFO", logger="titanlite"):
+        Trainer(load_config(TINY + ["--job.dump_folder", str(dump)])).train()
+    assert "RESUMED from" in caplog.text and "re-partitioning from 2 to 1" in caplog.text
+    _assert_close_run(dump, reference)
+
+
+def test_fsdp2_checkpoint_resumes_under_tp2(fsdp_run, tmp_path):
+    source, reference = fsdp_run
+    dump = resume_copy(source, tmp_path / "tp2")
+    run_workers(train_worker, 2, {"argv": TINY + TP2 + ["--job.dump_folder", str(dump)],
+                                  "tokens": tokens_file(source.parent)}, timeout=240)
+    _assert_close_run(dump, reference)

@@ -1,0 +1,379 @@
+"""torchtitan_ext.compat: torchtitan classic TOML configs and torchtitan DCP checkpoints on titanlite.
+
+- Translation: a torchtitan v0.2 file maps key by key (new and legacy locations: ``[training]
+  batch_size``, ``[training] tensor_parallel_degree``, ``[float8]`` + ``converters = ["float8"]``,
+  ``lr_min`` ...), keys the file omits take torchtitan's defaults (bf16, selective AC every 2nd block,
+  warmup 200 ...), unsupported keys warn exactly once (file + command line) and only when asked for,
+  and every feature that would change the math is refused with a one-line error (exit status 2).
+- Schedule: the compat trainer's LR factors are torchtitan v0.2's (values worked out by hand).
+- Resume: a checkpoint laid out as torchtitan writes it (model flattened to the top level, flattened
+  AdamW state under ``optimizer``, ``lr_scheduler``, ``dataloader``, ``train_state`` with ints; and
+  the older layout with ``model.`` keys and tensor/BytesIO train state) restores weights, AdamW
+  moments and step, the step counter, tokens seen and the LR position *exactly* (torch.equal), so
+  the next optimizer step equals the one the saving run takes on the same batch (max abs diff 0:
+  same ops in the same order). The same checkpoint resumes under FSDP 2 (DCP resharding): every
+  gathered weight and moment equals the saved one. Training then continues and its own titanlite
+  checkpoints (in ``checkpoint/titanlite``) take over on the next restart.
+"""
+from __future__ import annotations
+
+import io
+import json
+import logging
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+from dist_utils import run_workers
+from torchtitan_ext.compat import CompatError, load_translated, translate
+from torchtitan_ext.compat.checkpoint import is_torchtitan_checkpoint, load_torchtitan_checkpoint
+from torchtitan_ext.compat.train import CompatTrainer, main, torchtitan_lr_factor
+
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4"]  # titanlite overrides, passed through
+
+
+@pytest.fixture
+def no_peak_probe(monkeypatch):
+    """MFU is not under test: skip the trainer's CPU matmul-peak probe (seconds) during the test."""
+    import titanlite.train as train
+
+    monkeypatch.setattr(train, "peak_flops", lambda *args, **kwargs: 1e11)
+
+
+def skip_peak_measurement() -> None:  # in worker processes, for good
+    import titanlite.train as train
+
+    train.peak_flops = lambda *args, **kwargs: 1e11
+
+
+def write_data(folder: Path) -> Path:
+    """A local stand-in for torchtitan's c4_test: JSON lines with a "text" field."""
+    path = folder / "c4_test.json"
+    with open(path, "w") as f:
+        for i in range(200):
+            f.write(json.dumps({"text": f"Document {i}. " + "The quick brown fox jumps over the lazy dog. " * 6}) + "\n")
+    return path
+
+
+def torchtitan_toml(folder: Path, body: str = "", steps: int = 6, ckpt: bool = True) -> Path:
+    """A torchtitan v0.2-style llama3 debug config (the layout of torchtitan's debug_model.toml)."""
+    data = write_data(folder)
+    text = f"""
+[job]
+dump_folder = "{folder / 'out'}"
+description = "Llama 3 debug training"
+print_args = false
+use_for_integration_test = true
+
+[metrics]
+log_freq = 1
+disable_color_printing = false
+enable_tensorboard = false
+enable_wandb = false
+
+[model]
+name = "llama3"
+flavor = "debugmodel"
+tokenizer_path = ""
+converters = []
+
+[optimizer]
+name = "AdamW"
+lr = 3e-3
+eps = 1e-8
+
+[lr_scheduler]
+warmup_steps = 2
+decay_ratio = 0.8
+decay_type = "linear"
+min_lr_factor = 0.0
+
+[training]
+local_batch_size = 2
+seq_len = 32
+max_norm = 1.0
+steps = {steps}
+dataset = "c4_test"
+dataset_path = "{data}"
+mixed_precision_param = "float32"
+
+[parallelism]
+data_parallel_replicate_degree = 1
+data_parallel_shard_degree = -1
+fsdp_reshard_after_forward = "default"
+tensor_parallel_degree = 1
+pipeline_parallel_degree = 1
+context_parallel_degree = 1
+
+[checkpoint]
+enable_checkpoint = {'true' if ckpt else 'false'}
+folder = "checkpoint"
+interval = 100
+last_save_model_only = false
+async_mode = "disabled"
+
+[activation_checkpoint]
+mode = "none"
+
+[compile]
+enable = false
+components = ["model", "loss"]
+""" + body
+    path = folder / "torchtitan.toml"
+    path.write_text(text)
+    return path
+
+
+# ----------------------------------------------------------------------------- translation
+
+
+def test_legacy_and_current_keys_map_and_torchtitan_defaults_apply(tmp_path):
+    data = write_data(tmp_path)
+    toml = tmp_path / "old.toml"
+    toml.write_text(f"""
+[job]
+dump_folder = "{tmp_path / 'out'}"
+[model]
+name = "llama3"
+flavor = "8B"
+tokenizer_path = ""
+converters = ["float8"]
+[training]
+batch_size = 2
+seq_len = 8192
+steps = 1000
+warmup_steps = 50
+data_parallel_shard_degree = 8
+tensor_parallel_degree = 8
+enable_loss_parallel = false
+compile = true
+dataset_path = "{data}"
+[lr_scheduler]
+lr_min = 0.1
+[float8]
+filter_fqns = ["output", "attention.wk"]
+recipe_name = "tensorwise"
+[checkpoint]
+enable_checkpoint = true
+model_weights_only = false
+[validation]
+enabled = true
+dataset_path = "{data}"
+""")
+    tr = translate(str(toml))
+    cfg = load_translated(tr)
+    t, p = cfg.training, cfg.parallelism
+    assert (t.local_batch_size, t.seq_len, t.steps, t.dataset, t.dataset_path) == (2, 8192, 1000, "text", str(data))
+    assert (p.data_parallel_shard_degree, p.tensor_parallel_degree, p.enable_loss_parallel) == (8, 8, False)
+    assert cfg.lr_scheduler.warmup_steps == 50 and cfg.lr_scheduler.min_lr_factor == 0.1
+    assert cfg.lr_scheduler.decay_ratio == -1  # torchtitan's None: decay over every step after warmup
+    assert cfg.compile.enable and cfg.compile.components == ["model", "loss"]
+    assert cfg.quantize_linear_float8.enable and cfg.quantize_linear_float8.filter_fqns == ["output", "attention.wk"]
+    assert cfg.checkpoint.enable and not cfg.checkpoint.last_save_model_only
+    assert cfg.checkpoint.folder == "checkpoint/titanlite"
+    assert cfg.validation.enable and cfg.validation.dataset == "text" and cfg.validation.freq == 10
+    # what the file leaves out means what it means in torchtitan
+    assert t.mixed_precision_param == "bfloat16" and cfg.optimizer.lr == 8e-4 and cfg.optimizer.weight_decay == 0.1
+    assert (cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option) == ("selective", "2")
+    assert (cfg.model.name, cfg.model.flavor, cfg.model.overrides) == ("llama3", "8B", {})
+    assert cfg.metrics.log_freq == 10 and cfg.checkpoint.interval == 500 and cfg.checkpoint.keep_latest_k == 10
+    assert tr.settings.torchtitan_folder == str(tmp_path / "out" / "checkpoint")
+
+
+def test_debugmodel_flavor_is_torchtitans_architecture(tmp_path):
+    cfg = load_translated(translate(str(torchtitan_toml(tmp_path))))
+    o = cfg.model.overrides
+    assert (cfg.model.flavor, o["dim"], o["n_layers"], o["n_heads"], o["n_kv_heads"]) == ("debugmodel", 256, 6, 16, None)
+    assert o["rope_scaling_factor"] == 8.0 and o["rope_theta"] == 500000.0 and o["ffn_dim_multiplier"] is None
+
+
+def test_unsupported_keys_warn_once_and_only_when_asked_for(tmp_path, caplog):
+    toml = torchtitan_toml(tmp_path, body="""
+[comm]
+trace_buf_size = 0
+[memory_estimation]
+enabled = false
+""")
+    text = toml.read_text().replace("enable_wandb = false", "enable_wandb = true\nshiny_new_key = 1")
+    toml.write_text(text)
+    with caplog.at_level(logging.WARNING, logger="torchtitan_ext.compat"):
+        tr = translate(str(toml), ["--metrics.enable_wandb", "true", "--metrics.shiny_new_key", "2",
+                                   "--parallelism.enable_async_tensor_parallel"])
+    msgs = [r.getMessage() for r in caplog.records]
+    for key in ("metrics.enable_wandb", "metrics.shiny_new_key", "comm.trace_buf_size",
+                "parallelism.enable_async_tensor_parallel"):
+        assert sum(key + ":" in m for m in msgs) == 1, (key, msgs)
+    assert not any("memory_estimation" in m or "disable_color_printing" in m for m in msgs)  # defaults: silent
+    assert len(tr.settings.warnings) == 4
+
+
+REFUSED = {
+    "pipeline parallelism": ("[experimental]\npipeline_parallel_degree = 2", "pipeline_parallel_degree=2"),
+    "context parallelism": ("--parallelism.context_parallel_degree 2", "context_parallel_degree=2"),
+    "expert parallelism": ("--parallelism.expert_parallel_degree 4", "expert parallelism"),
+    "MoE model": ("--model.name deepseek_v3", "mixture-of-experts"),
+    "other family": ("--model.name flux", "llama3 only"),
+    "rowwise float8": ('[quantize.linear.float8]\nrecipe_name = "rowwise"\n--model.converters float8', "tensorwise"),
+    "MX converter": ("--model.converters quantize.linear.mx", "'quantize.linear.mx'"),
+    "fault tolerance": ("[fault_tolerance]\nenable = true", "TorchFT"),
+    "optimizer in backward": ("--optimizer.early_step_in_backward", "early_step_in_backward"),
+    "other optimizer": ("--optimizer.name Muon", "Muon"),
+    "plug-in code": ('[experimental]\ncustom_import = "my.model"', "custom_import"),
+    "a different loss": ("--training.label_smoothing 0.1", "loss / experts"),
+    "unknown loss section": ('[loss]\nname = "chunked_cross_entropy"', "loss / experts"),
+    "HF weights": ("--checkpoint.initial_load_in_hf", "convert_hf_to_dcp"),
+    "seed checkpoint": ("--checkpoint.create_seed_checkpoint", "seed checkpoint"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_math_changing_features_are_refused(case, tmp_path, capsys):
+    spec, message = REFUSED[case]
+    body = "\n".join(line for line in spec.splitlines() if not line.startswith("--"))
+    args = [tok for line in spec.splitlines() if line.startswith("--") for tok in line.split(" ", 1)]
+    toml = torchtitan_toml(tmp_path, body="\n" + body)
+    with pytest.raises(CompatError, match=message):
+        translate(str(toml), args)
+    with pytest.raises(SystemExit) as e:  # the entry point: one "error:" line, status 2
+        main(["--config", str(toml), *args, "--translate-only"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.startswith("error: ") and "\n" not in err
+
+
+def test_missing_data_and_tokenizer_are_explained(tmp_path):
+    toml = torchtitan_toml(tmp_path)
+    toml.write_text(toml.read_text().replace("dataset_path", "# dataset_path"))
+    with pytest.raises(CompatError, match="scripts/prepare_data.py"):
+        translate(str(toml))
+    assert load_translated(translate(str(toml), ["--training.dataset", "embedded"])).training.dataset == "embedded"
+    toml.write_text(torchtitan_toml(tmp_path).read_text().replace('tokenizer_path = ""', 'hf_assets_path = "/nope"'))
+    with pytest.raises(CompatError, match="tokenizer"):
+        translate(str(toml))
+
+
+def test_lr_schedule_is_torchtitans():
+    kw = dict(total_steps=10, warmup_steps=2, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0)
+    got = [torchtitan_lr_factor(i, **kw) for i in range(10)]
+    # warmup (i+1)/2; decay = 8 steps, stable = 10 + 1 - 2 - 8 = 1; decay progress (i+1-3)/8
+    want = [0.5, 1.0, 1.0, 0.875, 0.75, 0.625, 0.5, 0.375, 0.25, 0.125]
+    assert got == pytest.approx(want)
+    cos = [torchtitan_lr_factor(i, **{**kw, "decay_type": "cosine", "min_lr_factor": 0.1, "decay_ratio": None})
+           for i in range(10)]
+    assert cos[1] == 1.0 and cos[-1] > 0.1  # the virtual last step keeps the final lr above the minimum
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+def write_torchtitan_checkpoint(path: Path, trainer, legacy: bool = False) -> None:
+    """A DCP folder exactly as torchtitan's CheckpointManager lays it out (v0.2, or before flattening)."""
+    model_sd = get_model_state_dict(trainer.model)
+    optim_sd = get_optimizer_state_dict(trainer.model, trainer.optimizer, options=FLAT)
+    loader = {"world_size": 1, "dp_rank_0": pickle.dumps({"sample_idx": 123})}
+    if legacy:  # model under "model.", TrainState with a tensor step and BytesIO loss histories
+        hist = io.BytesIO()
+        torch.save([], hist)
+        states = {"model": model_sd, "train_state": {"step": torch.tensor(trainer.step, dtype=torch.int32),
+                                                     "global_avg_losses": hist, "global_max_losses": io.BytesIO(
+                                                         hist.getvalue()), "log_steps": io.BytesIO(hist.getvalue())}}
+    else:
+        states = {**model_sd, "train_state": {"step": trainer.step, "ntokens_seen": trainer.tokens_seen}}
+    states.update({"optimizer": optim_sd, "lr_scheduler": trainer.lr_scheduler.state_dict(), "dataloader": loader})
+    dcp.save(states, checkpoint_id=str(path), no_dist=True)
+
+
+def compat_trainer(toml: Path, extra=()) -> CompatTrainer:
+    tr = translate(str(toml), [*TINY, *extra])
+    return CompatTrainer(load_translated(tr), tr.settings)
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["v0.2_layout", "pre_flattening_layout"])
+def test_resume_from_a_torchtitan_checkpoint_continues_exactly(legacy, tmp_path, caplog, no_peak_probe):
+    toml = torchtitan_toml(tmp_path)
+    saver = compat_trainer(toml, ["--checkpoint.enable_checkpoint", "false"])
+    data = iter(saver.train_loader)
+    for _ in range(3):
+        saver.train_step(data)
+    ckpt = tmp_path / "out" / "checkpoint" / "step-3"
+    write_torchtitan_checkpoint(ckpt, saver, legacy)
+    assert is_torchtitan_checkpoint(ckpt)
+
+    resumed = compat_trainer(toml)
+    with caplog.at_level(logging.WARNING, logger="torchtitan_ext.compat"):
+        assert resumed.checkpointer.load() == 3
+    assert "RESUMED from torchtitan checkpoint" in caplog.text and "data position is not restored" in caplog.text
+    assert resumed.step == 3 and resumed.tokens_seen == (0 if legacy else saver.tokens_seen)
+    for (name, a), b in zip(saver.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    sa, sb = (get_optimizer_state_dict(t.model, t.optimizer, options=FLAT) for t in (saver, resumed))
+    for k in (k for k in sa if k.startswith("state.")):
+        assert torch.equal(sa[k], sb[k]), k
+    assert resumed.optimizer.param_groups[0]["lr"] == saver.optimizer.param_groups[0]["lr"]
+
+    batch = next(data)  # the next optimizer step on the same batch: identical weights afterwards
+    saver.train_step(iter([batch]))
+    resumed.train_step(iter([batch]))
+    worst = max((a - b).abs().max().item() for a, b in zip(saver.model.parameters(), resumed.model.parameters()))
+    assert worst == 0.0, worst
+    assert resumed.optimizer.param_groups[0]["lr"] == saver.optimizer.param_groups[0]["lr"]
+
+
+def test_entry_point_resumes_then_prefers_its_own_checkpoints(tmp_path, caplog, no_peak_probe):
+    toml = torchtitan_toml(tmp_path, steps=5)
+    saver = compat_trainer(toml, ["--checkpoint.enable_checkpoint", "false"])
+    saver.train_step(iter(saver.train_loader))
+    write_torchtitan_checkpoint(tmp_path / "out" / "checkpoint" / "step-1", saver)
+    with caplog.at_level(logging.WARNING):
+        main(["--config", str(toml), *TINY])
+    records = [json.loads(l) for l in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [2, 3, 4, 5]
+    own = tmp_path / "out" / "checkpoint" / "titanlite" / "step-5"
+    assert (own / "checkpoint.json").is_file() and (tmp_path / "out" / "checkpoint" / "step-1").is_dir()
+    again = compat_trainer(toml)
+    assert again.checkpointer.plan.kind == "resume" and again.checkpointer.load() == 5  # titanlite's own now
+
+
+def test_a_checkpoint_of_another_model_is_refused(tmp_path, no_peak_probe):
+    toml = torchtitan_toml(tmp_path)
+    small = compat_trainer(toml, ["--checkpoint.enable_checkpoint", "false"])
+    write_torchtitan_checkpoint(tmp_path / "ckpt", small)
+    tr = translate(str(toml), ["--model.dim", "128", "--model.n_layers", "2", "--model.n_heads", "4",
+                               "--checkpoint.enable_checkpoint", "false"])
+    bigger = CompatTrainer(load_translated(tr), tr.settings)
+    with pytest.raises(ValueError, match="tok_embeddings.weight is .* in the checkpoint but"):
+        load_torchtitan_checkpoint(tmp_path / "ckpt", bigger.model, bigger.optimizer)
+
+
+def fsdp_resume_worker(args: dict) -> dict:
+    skip_peak_measurement()
+    tr = translate(args["toml"], [*TINY, "--parallelism.data_parallel_shard_degree", "2",
+                                  "--training.local_batch_size", "1"])
+    trainer = CompatTrainer(load_translated(tr), tr.settings)
+    step = trainer.checkpointer.load()
+    full = lambda v: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()  # noqa: E731
+    osd = get_optimizer_state_dict(trainer.model, trainer.optimizer, options=FLAT)
+    return {"step": step, "model": {k: full(v) for k, v in trainer.model.state_dict().items()},
+            "moments": {k: full(v) for k, v in osd.items() if k.startswith("state.") and not k.endswith(".step")},
+            "lr": trainer.optimizer.param_groups[0]["lr"]}
+
+
+@pytest.mark.multiprocess
+def test_torchtitan_checkpoint_resumes_under_fsdp2(tmp_path, no_peak_probe):
+    toml = torchtitan_toml(tmp_path)
+    saver = compat_trainer(toml, ["--checkpoint.enable_checkpoint", "false"])
+    data = iter(saver.train_loader)
+    for _ in range(2):
+        saver.train_step(data)
+    write_torchtitan_checkpoint(tmp_path / "out" / "checkpoint" / "step-2", saver)
+    results = run_workers(fsdp_resume_worker, 2, {"toml": str(toml)}, timeout=180)
+    want = get_optimizer_state_dict(saver.model, saver.optimizer, options=FLAT)
+    for res in results:
+        assert res["step"] == 2 and res["lr"] == saver.optimizer.param_groups[0]["lr"]
+        for k, v in saver.model.state_dict().items():
+            assert torch.equal(res["model"][k], v), k
+        assert res["moments"] and all(torch.equal(v, want[k]) for k, v in res["moments"].items())

@@ -1,0 +1,175 @@
+"""NaN / loss-spike guard: detection, agreement across ranks, and each policy on an injected NaN."""
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from titanlite.config import load_config
+from titanlite.config.sections import Guard
+from titanlite.guard import SpikeDetector, StepGuard, TrainingDivergedError
+from titanlite.train import Trainer
+
+TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+        "--training.seq_len", "32", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
+        "--lr_scheduler.warmup_steps", "1", "--training.seed", "3"]
+
+
+class Recording(Trainer):
+    """Keeps the parameters after every step and the input batches, to compare runs."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.snapshots, self.batches = [], []
+
+    def forward_backward(self, batch):
+        self.batches.append(batch["input_ids"].clone())
+        return super().forward_backward(batch)
+
+    def train_step(self, data_iter):
+        out = super().train_step(data_iter)
+        self.snapshots.append({n: p.detach().clone() for n, p in self.model.named_parameters()})
+        return out
+
+
+def trainer(tmp_path, *args, cls=Recording):
+    return cls(load_config(TINY + ["--job.dump_folder", str(tmp_path)] + list(args)))
+
+
+# ----------------------------------------------------------------------------- detection
+
+
+def test_spike_detection_on_a_synthetic_series():
+    det = SpikeDetector(factor=2.0, window=10, min_history=5)
+    series = [6.0, 5.0, 4.2, 3.9, 3.7, 3.6, 3.5, 9.5, 3.4, 3.3, 8.0, 3.2]
+    flags = [det.check(x) for x in series]
+    # 9.5 > 2 x mean(6.0 .. 3.5) = 8.56: a spike. 8.0 later is below 2 x mean(6.0 .. 3.3, without 9.5) = 8.13
+    assert flags == [False] * 7 + [True] + [False] * 4
+    assert 9.5 not in det.history  # a spike does not raise the bar
+    assert det.threshold() == pytest.approx(2.0 * sum(det.history) / len(det.history))
+    quiet = SpikeDetector(factor=2.0, window=10, min_history=5)
+    assert [quiet.check(x) for x in [5.0, 50.0]] == [False, False]  # no verdict before min_history losses
+    assert not SpikeDetector(factor=0.0).enabled and SpikeDetector(factor=0.0).threshold() is None
+
+
+def test_step_guard_flags_nonfinite_and_spikes():
+    g = StepGuard(Guard(policy="skip_step", spike_factor=3.0, spike_window=4, spike_min_history=2), torch.device("cpu"))
+    t = torch.tensor
+    assert g.check(1, t(4.0), t(1.0)).action == "update"
+    assert g.check(2, t(4.0), t(1.0)).action == "update"
+    c = g.check(3, t(13.0), t(1.0))  # 13 > 3 x 4
+    assert (c.action, c.event.kind, c.event.threshold) == ("skip", "spike", 12.0)
+    c = g.check(4, t(4.0), t(float("inf")))  # finite loss, infinite grad norm
+    assert (c.action, c.event.kind) == ("skip", "nonfinite")
+    assert g.check(5, t(3.9), t(1.0), stop_requested=True).stop_requested
+    assert g.counters() == {"guard_nonfinite": 1, "guard_spikes": 1, "guard_skipped_steps": 2, "guard_rollbacks": 0}
+    g.policy.max_consecutive = 1
+    g.check(6, t(float("nan")), t(1.0))
+    with pytest.raises(TrainingDivergedError, match="2 consecutive steps skipped"):
+        g.check(7, t(float("nan")), t(1.0))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_verdict_is_agreed_across_ranks(tmp_path):
+    """Two gloo processes, only rank 1 sees a NaN (and only rank 0 a stop request): both decide alike."""
+    script = tmp_path / "agree.py"
+    script.write_text(textwrap.dedent("""
+        import json, os, sys, torch, torch.distributed as dist
+        from titanlite.config.sections import Guard
+        from titanlite.guard import StepGuard
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        g = StepGuard(Guard(policy="skip_step"), torch.device("cpu"))
+        loss = torch.tensor(float("nan") if rank == 1 else 2.0)
+        c = g.check(1, loss, torch.tensor(1.0), stop_requested=rank == 0)
+        print(json.dumps({"rank": rank, "action": c.action, "stop": c.stop_requested}))
+        dist.destroy_process_group()
+    """))
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=90)
+        assert p.returncode == 0, err[-2000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    assert [(o["action"], o["stop"]) for o in outs] == [("skip", True), ("skip", True)]
+
+
+# ----------------------------------------------------------------------------- policies on an injected NaN
+
+
+def test_raise_policy_stops_with_step_loss_and_grad_norm(tmp_path):
+    t = trainer(tmp_path, "--training.steps", "4", "--guard.debug_inject_nan_at_step", "2")
+    with pytest.raises(TrainingDivergedError,
+                       match=r"step 2: non-finite loss or gradient norm: loss nan, grad norm nan"):
+        t.train()
+    assert t.step == 1
+    for p in t.model.parameters():  # the poisoned update was never applied
+        assert torch.isfinite(p).all()
+
+
+def test_skip_step_leaves_parameters_unchanged(tmp_path):
+    """With 2 accumulated micro-batches per step, the whole step 2 is dropped: no optimizer or LR step."""
+    t = trainer(tmp_path, "--training.steps", "4", "--training.global_batch_size", "4", "--guard.policy", "skip_step",
+                "--guard.debug_inject_nan_at_step", "2")
+    assert t.accum == 2
+    records = t.train()
+    s1, s2, s3 = t.snapshots[:3]
+    for name in s1:
+        assert torch.equal(s1[name], s2[name]), name  # step 2 skipped: bit-identical parameters
+    assert any(not torch.equal(s2[n], s3[n]) for n in s2)  # step 3 trained again
+    assert all(torch.isfinite(p).all() for p in t.model.parameters())
+    adam_steps = {float(s["step"]) for s in t.optimizer.state.values()}
+    assert adam_steps == {3.0}  # 4 steps, one of them skipped
+    event = next(r for r in records if "guard_event" in r)
+    assert (event["step"], event["guard_event"], event["guard_action"]) == (2, "nonfinite", "skip")
+    losses = {r["step"]: r for r in records if "loss" in r}
+    assert math.isnan(losses[2]["loss"]) and losses[4]["guard_skipped_steps"] == 1
+    assert losses[3]["lr"] == losses[2]["lr"]  # the LR schedule did not advance on the skipped step
+
+
+def test_rollback_resumes_from_checkpoint_and_continues(tmp_path):
+    common = ["--training.steps", "6", "--checkpoint.interval", "2"]
+    ref = trainer(tmp_path / "ref", *common)
+    ref_records = ref.train()
+    t = trainer(tmp_path / "run", *common, "--checkpoint.enable", "true", "--guard.policy", "rollback",
+                "--guard.debug_inject_nan_at_step", "5", "--guard.rollback_lr_factor", "0.5",
+                "--guard.rollback_lr_steps", "1")
+    records = t.train()
+    ref_loss = {r["step"]: r for r in ref_records}
+    loss = {r["step"]: r for r in records if "loss" in r}
+    assert sorted(loss) == [1, 2, 3, 4, 5, 6] and t.step == 6
+    for s in (1, 2, 3, 4):  # before the NaN: the same run
+        assert loss[s]["loss"] == ref_loss[s]["loss"]
+    # the batch of step 5 was skipped: post-rollback step 5 trains on the reference's step-6 batch
+    assert len(ref.batches) == 6 and len(t.batches) == 7  # b1..b5 (NaN), rollback, b6, b7
+    assert torch.equal(t.batches[5], ref.batches[5])
+    assert loss[5]["lr"] == pytest.approx(0.5 * ref_loss[5]["lr"])  # LR factor for 1 step after the rollback
+    assert loss[6]["lr"] == pytest.approx(ref_loss[6]["lr"])
+    assert loss[6]["guard_rollbacks"] == 1 and loss[6]["guard_nonfinite"] == 1
+    assert all(math.isfinite(r["loss"]) for r in loss.values())
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if "loss" in x] == [1, 2, 3, 4, 5, 6]  # rewound: each step once
+    assert [(x["step"], x["guard_action"]) for x in lines if "guard_event" in x] == [(5, "rollback")]
+
+
+def test_rollback_without_a_checkpoint_stops(tmp_path):
+    t = trainer(tmp_path, "--training.steps", "3", "--guard.policy", "rollback",
+                "--guard.debug_inject_nan_at_step", "2")
+    with pytest.raises(TrainingDivergedError, match="no complete checkpoint to roll back to"):
+        t.train()

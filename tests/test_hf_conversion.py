@@ -1,0 +1,316 @@
+"""DCP <-> Hugging Face conversion against ``transformers``' ``LlamaForCausalLM`` (fp32, CPU).
+
+Debug-size configs with grouped-query attention, tied and untied embeddings, and Llama 3.1 RoPE
+scaling:
+
+- titanlite -> DCP -> HF: ``from_pretrained`` on the converted folder gives titanlite's logits
+  (within 1e-4), including a trainer-written bf16 model-only export;
+- HF -> DCP -> titanlite: a model built from the converted checkpoint gives HF's logits, also when
+  the checkpoint seeds a training run through ``[checkpoint] initial_load_path``;
+- HF -> DCP -> HF: every tensor comes back bit for bit (sharded output with an index included);
+- wrong inputs: one ``error:`` line, exit status 2, nothing written or overwritten.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from titanlite.checkpoint import layout
+from titanlite.checkpoint.hf import dcp_to_hf, hf_to_dcp
+from titanlite.models.llama3 import Llama3HFAdapter, Llama3ModelArgs, Transformer
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+ATOL = 1e-4
+CASES = {
+    "gqa_untied": dict(tie_word_embeddings=False),
+    "gqa_tied_rope_scaling": dict(tie_word_embeddings=True, rope_scaling_factor=8.0, rope_original_max_position=64),
+    "mha_tied": dict(tie_word_embeddings=True, n_kv_heads=None),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models are overhead-bound: one intra-op thread is as fast and does not fight the
+    other processes of a busy machine (restored afterwards)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_args(**overrides) -> Llama3ModelArgs:
+    base = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, multiple_of=256, rope_theta=500000.0,
+                max_seq_len=128)
+    return Llama3ModelArgs(**{**base, **overrides})
+
+
+def titanlite_model(args: Llama3ModelArgs, seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(args)
+    model.init_weights()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # break the all-ones init so the norms are exercised
+                p.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+def save_step_folder(model: Transformer, path: Path) -> Path:
+    """What a model-only titanlite checkpoint looks like (DCP + checkpoint.json)."""
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(path), no_dist=True)
+    layout.write_info(path, {"step": 7, "model_only": True, "dtype": "float32",
+                             "model": {"name": "llama3", "flavor": None, "args": dataclasses.asdict(model.args)},
+                             "tokenizer": {"bos_id": 1, "eos_id": 2}})
+    return path
+
+
+def hf_files(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def tokens(vocab: int = 512) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 48), generator=torch.Generator().manual_seed(1))
+
+
+def hf_logits(folder: Path, dtype=torch.float32) -> torch.Tensor:
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(folder), dtype=dtype, attn_implementation="eager").eval()
+    with torch.no_grad():
+        return hf(tokens()).logits
+
+
+def run_cli(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "scripts" / script), *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+# ----------------------------------------------------------------------------- titanlite -> HF
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_dcp_to_hf_loads_in_transformers_with_matching_logits(case, tmp_path):
+    args = tiny_args(**CASES[case])
+    model = titanlite_model(args)
+    step = save_step_folder(model, tmp_path / "step-7")
+    out = tmp_path / "hf"
+    if case == "gqa_untied":  # once through the command line, with a small shard size
+        proc = run_cli("convert_dcp_to_hf.py", str(step), str(out), "--max-shard-size", "100KB")
+        assert proc.returncode == 0, proc.stderr
+        assert "[21/21] lm_head.weight" in proc.stdout
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        shards = sorted(p.name for p in out.glob("*.safetensors"))
+        assert len(shards) > 1 and set(index["weight_map"].values()) == set(shards)
+        assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in hf_files(out).values())
+    else:
+        dcp_to_hf(step, out)
+        assert (out / "model.safetensors").is_file() and not (out / "model.safetensors.index.json").exists()
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["torch_dtype"] == "float32"
+    assert config["tie_word_embeddings"] == args.tie_word_embeddings and config["rope_theta"] == args.rope_theta
+    assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
+    assert config["num_key_value_heads"] == args.kv_heads and config["intermediate_size"] == args.ffn_hidden_dim
+    if args.rope_scaling_factor:
+        assert config["rope_scaling"]["rope_type"] == "llama3" and config["rope_scaling"]["factor"] == 8.0
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2
+    weights = hf_files(out)
+    assert "lm_head.weight" in weights  # written for tied models too
+    with torch.no_grad():
+        expected = model(tokens())
+    torch.testing.assert_close(hf_logits(out), expected, rtol=0, atol=ATOL)
+
+
+def test_trainer_bf16_export_converts(tmp_path):
+    from titanlite.config import load_config
+    from titanlite.train import Trainer
+
+    dump = tmp_path / "run"
+    cfg = load_config(["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+                       "--model.tie_word_embeddings", "true", "--training.seq_len", "32", "--training.local_batch_size", "2",
+                       "--training.steps", "2", "--lr_scheduler.warmup_steps", "0", "--job.dump_folder", str(dump),
+                       "--checkpoint.enable", "--checkpoint.export_dtype", "bfloat16"])
+    trainer = Trainer(cfg)
+    trainer.train()
+    out = tmp_path / "hf"
+    dcp_to_hf(dump / "checkpoint" / "step-2", out)
+    config = json.loads((out / "config.json").read_text())
+    assert config["torch_dtype"] == "bfloat16" and config["tie_word_embeddings"] is True
+    assert (config["bos_token_id"], config["eos_token_id"]) == (trainer.tokenizer.bos_id, trainer.tokenizer.eos_id)
+    assert {t.dtype for t in hf_files(out).values()} == {torch.bfloat16}
+    # the same bf16-rounded weights in both models, computed in fp32
+    model = trainer.model
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+        expected = model.eval()(tokens())
+    torch.testing.assert_close(hf_logits(out, torch.float32), expected, rtol=0, atol=ATOL)
+
+
+# ----------------------------------------------------------------------------- HF -> titanlite
+
+
+def hf_model_folder(tmp_path: Path, **case) -> Path:
+    args = tiny_args(**case)
+    rope = {"rope_type": "default", "rope_theta": args.rope_theta}
+    if args.rope_scaling_factor:
+        rope = {"rope_type": "llama3", "rope_theta": args.rope_theta, "factor": args.rope_scaling_factor,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": args.rope_original_max_position}
+    config = transformers.LlamaConfig(
+        vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.ffn_hidden_dim,
+        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads, num_key_value_heads=args.kv_heads,
+        max_position_embeddings=args.max_seq_len, rms_norm_eps=args.norm_eps, rope_parameters=rope,
+        tie_word_embeddings=args.tie_word_embeddings, bos_token_id=256, eos_token_id=257)
+    torch.manual_seed(3)
+    hf = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    folder = tmp_path / "hf_src"
+    hf.save_pretrained(str(folder))
+    return folder
+
+
+def load_titanlite_from_step(step: Path) -> Transformer:
+    info = layout.read_info(step)
+    model = Transformer(Llama3ModelArgs(**info["model"]["args"]))
+    model.init_weights()
+    dcp.load({"model": model.state_dict()}, checkpoint_id=str(step), no_dist=True)
+    return model.eval()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_hf_to_dcp_gives_titanlite_the_same_logits(case, tmp_path):
+    src = hf_model_folder(tmp_path, **CASES[case])
+    step = hf_to_dcp(src, tmp_path / "dcp")
+    info = layout.read_info(step)
+    assert info["model_only"] and info["tokenizer"] == {"path": "", "bos_id": 256, "eos_id": 257}
+    args = Llama3ModelArgs(**info["model"]["args"])
+    expected_args = tiny_args(**CASES[case])
+    assert args.ffn_hidden_dim == expected_args.ffn_hidden_dim and args.kv_heads == expected_args.kv_heads
+    assert args.tie_word_embeddings == expected_args.tie_word_embeddings
+    assert args.rope_scaling_factor == expected_args.rope_scaling_factor
+    model = load_titanlite_from_step(step)
+    with torch.no_grad():
+        got = model(tokens())
+    torch.testing.assert_close(got, hf_logits(src), rtol=0, atol=ATOL)
+
+
+def test_hf_checkpoint_seeds_a_training_run(tmp_path, caplog):
+    """HF -> DCP -> ``initial_load_path``: the trainer starts from exactly the HF weights."""
+    from titanlite.config import load_config
+    from titanlite.train import Trainer
+
+    src = hf_model_folder(tmp_path, tie_word_embeddings=False)
+    proc = run_cli("convert_hf_to_dcp.py", str(src), str(tmp_path / "dcp"))
+    assert proc.returncode == 0, proc.stderr
+    assert "initial_load_path" in proc.stdout.strip().splitlines()[-1]
+    cfg = load_config(["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+                       "--model.max_seq_len", "128", "--training.seq_len", "32", "--training.steps", "1",
+                       "--lr_scheduler.warmup_steps", "0", "--job.dump_folder", str(tmp_path / "run"),
+                       "--checkpoint.initial_load_path", str(tmp_path / "dcp")])
+    trainer = Trainer(cfg)
+    with caplog.at_level("INFO", logger="titanlite"):
+        trainer.checkpointer.load()
+    assert "loaded model weights only from initial_load_path" in caplog.text
+    with torch.no_grad():
+        got = trainer.model.eval()(tokens())
+    torch.testing.assert_close(got, hf_logits(src), rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("case", ["gqa_untied", "gqa_tied_rope_scaling"])
+def test_hf_dcp_hf_round_trip_is_bitwise(case, tmp_path):
+    src = hf_model_folder(tmp_path, **CASES[case])
+    step = hf_to_dcp(src, tmp_path / "dcp")
+    out = dcp_to_hf(step, tmp_path / "hf_out", max_shard_bytes=200_000)
+    a, b = hf_files(src), hf_files(out)
+    assert set(a) <= set(b) and set(b) - set(a) <= {"lm_head.weight"}
+    for name, t in a.items():
+        assert t.dtype == b[name].dtype and torch.equal(t, b[name]), name
+    if "lm_head.weight" not in a:  # a tied model's lm_head is the embedding
+        assert torch.equal(b["lm_head.weight"], a["model.embed_tokens.weight"])
+    src_cfg, out_cfg = (json.loads((d / "config.json").read_text()) for d in (src, out))
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "vocab_size", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "bos_token_id",
+                "eos_token_id"):
+        assert out_cfg[key] == src_cfg[key], key
+
+
+def test_adapter_permutation_round_trip():
+    args = tiny_args()
+    adapter = Llama3HFAdapter(args)
+    w = torch.randn(args.n_heads * args.head_dim, args.dim)
+    name, hf_w = adapter.to_hf("layers.1.attention.wq.weight", w)
+    assert name == "model.layers.1.self_attn.q_proj.weight" and not torch.equal(hf_w, w)
+    assert torch.equal(adapter.from_hf(name, hf_w)[1], w)
+    # HF row j of a head is native row 2j; HF row j + head_dim/2 is native row 2j + 1
+    hd = args.head_dim
+    assert torch.equal(hf_w[hd + 1], w[hd + 2]) and torch.equal(hf_w[hd + hd // 2 + 1], w[hd + 3])
+    assert adapter.from_hf("model.layers.0.self_attn.rotary_emb.inv_freq", torch.ones(2)) is None
+
+
+# ----------------------------------------------------------------------------- wrong inputs
+
+
+def test_errors_are_one_line_and_write_nothing(tmp_path):
+    model = titanlite_model(tiny_args())
+    step = save_step_folder(model, tmp_path / "step-7")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+
+    def cli_fails(script, *args, expect):
+        proc = run_cli(script, *args)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+        assert expect in lines[0], lines[0]
+
+    def fails(fn, *args, expect):
+        with pytest.raises((ValueError, FileNotFoundError)) as e:
+            fn(*args)
+        assert expect in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+    # command lines: one line on stderr, exit status 2
+    cli_fails("convert_dcp_to_hf.py", str(empty), str(tmp_path / "o1"), expect="is not a DCP checkpoint folder")
+    cli_fails("convert_hf_to_dcp.py", str(empty), str(tmp_path / "d1"), expect="not a Hugging Face model folder")
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "d1").exists()
+
+    fails(dcp_to_hf, tmp_path / "nope", tmp_path / "o1", expect="no such folder")
+    # an existing non-empty output is never overwritten
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "keep.txt").write_text("x")
+    fails(dcp_to_hf, step, tmp_path / "busy", expect="already exists and is not empty")
+    assert [p.name for p in (tmp_path / "busy").iterdir()] == ["keep.txt"]
+    # checkpoint.json args that do not match the stored tensors
+    info = json.loads((step / "checkpoint.json").read_text())
+    info["model"]["args"]["dim"] = 128
+    (step / "checkpoint.json").write_text(json.dumps(info))
+    fails(dcp_to_hf, step, tmp_path / "o2", expect="model.tok_embeddings.weight has shape [512, 64]")
+    (step / "checkpoint.json").unlink()
+    fails(dcp_to_hf, step, tmp_path / "o2", expect="has no checkpoint.json")
+    assert not (tmp_path / "o2").exists() and not list(tmp_path.glob("o2.partial-*"))
+
+    # HF side: not a Llama, a tensor whose shape disagrees with config.json, a missing tensor
+    gpt = tmp_path / "gpt"
+    gpt.mkdir()
+    (gpt / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    fails(hf_to_dcp, gpt, tmp_path / "d1", expect="unsupported Hugging Face model (model_type='gpt2'")
+    src = hf_model_folder(tmp_path, tie_word_embeddings=False)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 512}))
+    fails(hf_to_dcp, src, tmp_path / "d1", expect="but config.json implies [")
+    (src / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
+    fails(hf_to_dcp, src, tmp_path / "d1", expect="lacks model.layers.2.")
+    assert not (tmp_path / "d1").exists() and not list(tmp_path.glob("d1.partial-*"))

@@ -1,0 +1,99 @@
+"""Every shipped train config: it loads and validates, builds its model on the meta device, and its
+parallel layout is checked at its stated world size by the dry run (fake process group).
+
+Shipped configs: ``train_configs/*.toml`` and ``torchtitan_ext/configs/*.toml``. For each: the
+header comments say which hardware it is tuned for; ``[job] world_size`` states the world size;
+the dry run at that size must succeed with the expected degrees, the expected model size, every
+rank's parameters adding up to the model once per replica, the expected tokens per step, and a
+memory estimate that fits the stated GPU.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dist_utils import REPO
+from titanlite.config import load_config
+from titanlite.extensions import extensions_from_argv, load_extensions
+
+CONFIGS = sorted(str(p.relative_to(REPO)) for p in [*(REPO / "train_configs").glob("*.toml"),
+                                                     *(REPO / "torchtitan_ext" / "configs").glob("*.toml")])
+# config -> (dp_replicate, dp_shard, tp), parameters, tokens per optimizer step
+EXPECTED = {
+    "train_configs/debug_model.toml": ((1, 1, 1), 4_984_064, 16 * 256),
+    "train_configs/llama1b.toml": ((1, 8, 1), 1_235_814_400, 512 * 2048),
+    "train_configs/llama3b.toml": ((1, 8, 1), 3_212_749_824, 512 * 2048),
+    "train_configs/llama8b.toml": ((4, 8, 1), 8_030_261_248, 512 * 8192),
+    "train_configs/llama70b.toml": ((1, 8, 8), 70_553_706_496, 512 * 8192),
+    "torchtitan_ext/configs/qwen3_debug.toml": ((1, 1, 1), 4_066_048, 16 * 256),
+}
+
+DRY_RUN_ALL = """
+import json, sys
+from titanlite.config import load_config
+from titanlite.dry_run import dry_run
+from titanlite.extensions import extensions_from_argv, load_extensions
+out = {}
+for path in sys.argv[1:]:
+    argv = ["--config", path]
+    load_extensions(extensions_from_argv(argv))  # what titanlite.train.main does first
+    r = dry_run(load_config(argv), out=lambda line: None)
+    out[path] = {k: r[k] for k in ("world_size", "world_size_source", "degrees", "params", "per_rank", "fits",
+                                   "tokens_per_step", "groups")}
+print("REPORT" + json.dumps(out))
+"""
+
+
+def test_every_shipped_config_is_listed():
+    assert set(CONFIGS) == set(EXPECTED), "add new shipped configs to EXPECTED"
+
+
+def load(path: str):
+    argv = ["--config", str(REPO / path)]
+    load_extensions(extensions_from_argv(argv))  # e.g. the qwen3 family for its debug config
+    return load_config(argv)  # strict: unknown keys, bad values and cross-field rules raise
+
+
+@pytest.mark.parametrize("path", CONFIGS)
+def test_config_validates_and_says_what_it_is_tuned_for(path):
+    cfg = load(path)
+    assert cfg.job.world_size >= 1, f"{path}: state the world size it is tuned for ([job] world_size)"
+    header = []
+    for line in (REPO / path).read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line)
+    text = "\n".join(header)
+    assert len(header) >= 3 and ("H100" in text or "CPU" in text), f"{path}: header must say the hardware"
+    if cfg.job.world_size > 1:
+        assert "Tuned for" in text and "Why these numbers" in text, path
+
+
+@pytest.fixture(scope="module")
+def dry_runs():
+    proc = subprocess.run([sys.executable, "-c", DRY_RUN_ALL, *CONFIGS], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout.split("REPORT", 1)[1])
+
+
+@pytest.mark.parametrize("path", CONFIGS)
+def test_config_dry_runs_at_its_stated_world_size(path, dry_runs):
+    r = dry_runs[path]
+    degrees, params, tokens = EXPECTED[path]
+    stated = load(path).job.world_size
+    assert (r["world_size"], r["world_size_source"]) == (stated, "job.world_size")
+    assert (r["degrees"]["dp_replicate"], r["degrees"]["dp_shard"], r["degrees"]["tp"]) == degrees
+    assert r["params"] == params and r["tokens_per_step"] == tokens
+    assert r["fits"] is True
+    rep, shard, tp = degrees
+    assert len(r["per_rank"]) == stated
+    # each model replica (one dp_replicate group) holds every parameter exactly once, except the
+    # parameters TP replicates (the RMSNorm gains), held once per TP rank
+    replicated_by_tp = sum(g["numel"] for g in r["groups"] if g["placements"].endswith("tp:Replicate"))
+    per_replica = sum(r["per_rank"][: shard * tp])
+    assert per_replica == params + (tp - 1) * replicated_by_tp
+    assert sum(r["per_rank"]) == rep * per_replica

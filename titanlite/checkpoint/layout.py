@@ -1,0 +1,175 @@
+"""On-disk layout of a checkpoint folder, and what counts as a complete checkpoint.
+
+::
+
+    <dump_folder>/<checkpoint.folder>/
+        step-100/                  complete: renamed into place after every rank finished writing
+            .metadata              DCP index of every tensor / object and where its bytes are
+            __0_0.distcp ...       one data file per rank
+            checkpoint.json        step, tokens seen, model family and resolved args, model-only flag
+            config.toml            the resolved job config of the run that saved it
+        step-200.partial-1a2b3c/   a save in progress (or killed mid-way): never loaded, removed at start
+
+Atomicity is write-then-rename: a save writes into ``step-N.partial-<token>`` and rank 0 renames it
+to ``step-N`` only after DCP's ``.metadata`` (written by the coordinator once every rank's data is
+on disk) exists. ``rename`` is atomic on POSIX file systems, so a ``step-N`` folder is either
+absent or complete; a crash at any moment leaves at worst a ``.partial`` folder.
+
+:func:`problem_with` additionally checks a complete-looking folder cheaply (metadata readable, every
+data file present and long enough), so a truncated or deleted file is reported in one line before
+anything is loaded.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+METADATA_FILE = ".metadata"
+INFO_FILE = "checkpoint.json"
+CONFIG_FILE = "config.toml"
+FORMAT = "titanlite-dcp"
+FORMAT_VERSION = 1
+
+_STEP_RE = re.compile(r"^step-(\d+)$")
+_PARTIAL_RE = re.compile(r"^step-(\d+)\.(partial|replaced)-[0-9a-zA-Z]+$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step}"
+
+
+def partial_dir_name(step: int, token: str) -> str:
+    return f"step-{step}.partial-{token}"
+
+
+@dataclass(frozen=True)
+class StepFolder:
+    step: int
+    path: Path
+
+
+def list_step_folders(folder: str | os.PathLike) -> list[StepFolder]:
+    """The ``step-N`` folders (renamed into place, so complete unless damaged later), oldest first."""
+    root = Path(folder)
+    if not root.is_dir():
+        return []
+    out = []
+    for entry in root.iterdir():
+        m = _STEP_RE.match(entry.name)
+        if m and entry.is_dir():
+            out.append(StepFolder(int(m.group(1)), entry))
+    return sorted(out, key=lambda s: s.step)
+
+
+def list_partial_folders(folder: str | os.PathLike) -> list[Path]:
+    root = Path(folder)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if _PARTIAL_RE.match(p.name) and p.is_dir())
+
+
+def write_info(path: str | os.PathLike, info: dict[str, Any]) -> None:
+    data = {"format": FORMAT, "version": FORMAT_VERSION, **info}
+    with open(Path(path) / INFO_FILE, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def read_info(path: str | os.PathLike) -> dict[str, Any]:
+    """``checkpoint.json`` of a step folder; ValueError when missing or not ours."""
+    file = Path(path) / INFO_FILE
+    try:
+        with open(file, encoding="utf-8") as f:
+            info = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"{path} has no {INFO_FILE}") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file} is unreadable: {e}") from None
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        raise ValueError(f"{file} is not a titanlite checkpoint description")
+    return info
+
+
+def read_metadata(path: str | os.PathLike):
+    """DCP metadata of a step folder; ValueError (one line) when it is missing or unreadable."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta_file = Path(path) / METADATA_FILE
+    if not meta_file.is_file():
+        raise ValueError(f"{path} is not a DCP checkpoint folder (no {METADATA_FILE})")
+    try:
+        return FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # truncated pickle, wrong format ...
+        raise ValueError(f"{meta_file} is unreadable ({type(e).__name__}: {_one_line(e)})") from None
+
+
+def problem_with(path: str | os.PathLike, require_info: bool = True) -> Optional[str]:
+    """None when the folder looks complete, else a one-line description of what is wrong.
+
+    Checks: ``checkpoint.json`` (unless not ``require_info``: DCP folders written by other tools)
+    and ``.metadata`` readable, every data file the metadata points to present and at least as long
+    as the last byte range read from it.
+    """
+    try:
+        if require_info:
+            read_info(path)
+        metadata = read_metadata(path)
+    except ValueError as e:
+        return str(e)
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if rel is None:
+            continue
+        end = int(info.offset) + int(info.length)
+        needed[rel] = max(needed.get(rel, 0), end)
+    for rel, end in sorted(needed.items()):
+        file = Path(path) / rel
+        try:
+            size = file.stat().st_size
+        except FileNotFoundError:
+            return f"data file {rel} is missing"
+        if size < end:
+            return f"data file {rel} is truncated ({size} bytes, needs {end})"
+    return None
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def publish(partial: Path, final: Path, token: str) -> None:
+    """Rename a finished ``partial`` folder to ``final`` (atomically replacing an older one)."""
+    old = None
+    if final.exists():
+        old = final.with_name(f"{final.name}.replaced-{token}")
+        os.rename(final, old)
+    os.rename(partial, final)
+    fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def remove(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())

@@ -1,0 +1,292 @@
+"""Loss-spike and NaN guard: detect a bad optimizer step and raise, skip it or roll back.
+
+Configured by ``[guard]`` (see ``titanlite/config/sections.py``):
+
+- **Detection.** A step is bad when its loss or its (pre-clip) gradient norm is not finite, or, with
+  ``spike_factor = k > 0``, when its loss is above ``k`` times the mean of the last
+  ``spike_window`` accepted losses (checked once ``spike_min_history`` losses are known; only
+  accepted losses enter the mean, so a spike does not raise the bar for the next one).
+- **Agreement.** The loss is already summed over the data-parallel ranks and the gradient norm is
+  global, so every rank computes the same verdict; the flags are still all-reduced (MAX) over the
+  default process group, so that no rank can take a different branch (a rank that disagreed would
+  hang the next collective). The preemption request (:mod:`titanlite.preemption`) rides in the same
+  small tensor.
+- **Policies** (small classes below): ``raise`` stops with the step, loss and grad norm
+  (:class:`TrainingDivergedError`); ``skip_step`` drops the update (no optimizer or LR-scheduler
+  step; the batch is consumed and the step counter advances; with gradient accumulation the whole
+  step is dropped); ``rollback`` reloads the newest complete checkpoint, skips the batches from
+  there to the offending step (``rollback_skip_data``) and can scale the learning rate by
+  ``rollback_lr_factor`` for ``rollback_lr_steps`` steps. Too many consecutive skips or rollbacks
+  stop the run. Every event is logged and counted (``guard_*`` keys in every metrics record).
+
+Cost on the hot path (README "Loss-spike and NaN guard"): the verdict is computed on
+the device (``isfinite`` and a comparison with a threshold passed as a Python scalar: no host->device
+copy), all-reduced when there are several processes, and fetched together with the loss and grad
+norm in ONE device->host transfer, which replaces the ``loss.item()`` the loss logging already did.
+The only change is *where* that single sync sits: before ``optimizer.step()`` (the decision must
+precede the update) instead of after it, so the optimizer-step kernels are launched after the
+backward drains instead of being queued behind it. On CPU the check takes ~0.1 ms per step.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("titanlite.guard")
+
+POLICIES = ("raise", "skip_step", "rollback")
+
+
+class TrainingDivergedError(RuntimeError):
+    """A bad step under ``policy = raise``, or more bad steps than the policy tolerates."""
+
+
+class SpikeDetector:
+    """Rolling-mean loss-spike test on the host (pure Python, no tensors)."""
+
+    def __init__(self, factor: float, window: int = 50, min_history: int = 20):
+        self.factor = factor
+        self.history: collections.deque[float] = collections.deque(maxlen=window)
+        self.min_history = min(min_history, window)
+
+    @property
+    def enabled(self) -> bool:
+        return self.factor > 0
+
+    def threshold(self) -> Optional[float]:
+        """Loss above which the next step is a spike; None while disabled or warming up."""
+        if not self.enabled or len(self.history) < self.min_history:
+            return None
+        return self.factor * sum(self.history) / len(self.history)
+
+    def accept(self, loss: float) -> None:
+        """Add a loss that was not flagged to the rolling window."""
+        if math.isfinite(loss):
+            self.history.append(loss)
+
+    def check(self, loss: float) -> bool:
+        """Whether ``loss`` is a spike; a non-spike finite loss is accepted into the window."""
+        thr = self.threshold()
+        spike = thr is not None and loss > thr
+        if not spike:
+            self.accept(loss)
+        return spike
+
+
+@dataclasses.dataclass
+class GuardEvent:
+    step: int
+    kind: str  # "nonfinite" | "spike"
+    loss: float
+    grad_norm: float
+    threshold: Optional[float]
+    action: str = ""
+
+    def describe(self) -> str:
+        if self.kind == "nonfinite":
+            what = "non-finite loss or gradient norm"
+        else:
+            what = f"loss spike (loss above {self.threshold:.4f} = spike_factor x rolling mean)"
+        return f"step {self.step}: {what}: loss {self.loss:.6g}, grad norm {self.grad_norm:.6g}"
+
+    def record(self, counters: dict[str, int]) -> dict[str, Any]:
+        return {"step": self.step, "guard_event": self.kind, "guard_action": self.action, "event_loss": self.loss,
+                "event_grad_norm": self.grad_norm, **counters}
+
+
+@dataclasses.dataclass
+class StepCheck:
+    """What :meth:`StepGuard.check` found: host values and the agreed decision."""
+
+    loss: float
+    grad_norm: float
+    stop_requested: bool
+    event: Optional[GuardEvent] = None
+    action: str = "update"  # update | skip | rollback
+
+
+# ----------------------------------------------------------------------------- policies
+
+
+class RaisePolicy:
+    name = "raise"
+
+    def handle(self, event: GuardEvent, guard: "StepGuard") -> str:
+        raise TrainingDivergedError(
+            f"{event.describe()} ([guard] policy = raise). Lower the learning rate, or set [guard] policy = "
+            "skip_step or rollback to continue automatically.")
+
+
+class SkipStepPolicy:
+    name = "skip_step"
+
+    def __init__(self, max_consecutive: int):
+        self.max_consecutive = max_consecutive
+        self.consecutive = 0
+
+    def handle(self, event: GuardEvent, guard: "StepGuard") -> str:
+        self.consecutive += 1
+        if self.consecutive > self.max_consecutive:
+            raise TrainingDivergedError(
+                f"{event.describe()}; {self.consecutive} consecutive steps skipped (more than [guard] "
+                f"max_consecutive_skips = {self.max_consecutive}): the run is diverging")
+        return "skip"
+
+    def good_step(self) -> None:
+        self.consecutive = 0
+
+
+class RollbackPolicy:
+    name = "rollback"
+
+    def __init__(self, max_rollbacks: int):
+        self.max_rollbacks = max_rollbacks
+
+    def handle(self, event: GuardEvent, guard: "StepGuard") -> str:
+        if guard.counts["rollbacks"] >= self.max_rollbacks:
+            raise TrainingDivergedError(
+                f"{event.describe()}; already rolled back {guard.counts['rollbacks']} time(s) ([guard] "
+                f"max_rollbacks = {self.max_rollbacks})")
+        return "rollback"
+
+
+def make_policy(cfg) -> Any:
+    if cfg.policy == "raise":
+        return RaisePolicy()
+    if cfg.policy == "skip_step":
+        return SkipStepPolicy(cfg.max_consecutive_skips)
+    if cfg.policy == "rollback":
+        return RollbackPolicy(cfg.max_rollbacks)
+    raise ValueError(f"guard.policy={cfg.policy!r} must be one of {', '.join(POLICIES)}")
+
+
+# ----------------------------------------------------------------------------- the guard
+
+
+class StepGuard:
+    """Per-step check (see the module docstring); ``cfg`` is the ``[guard]`` section."""
+
+    def __init__(self, cfg, device: torch.device):
+        self.cfg = cfg
+        self.device = device
+        self.policy = make_policy(cfg)
+        self.spikes = SpikeDetector(cfg.spike_factor, cfg.spike_window, cfg.spike_min_history)
+        self.counts = {"nonfinite": 0, "spikes": 0, "skipped_steps": 0, "rollbacks": 0}
+        self._injected = False
+        self._lr_scale: tuple[int, int, float] = (0, 0, 1.0)  # (first step, last step, factor)
+
+    @property
+    def distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+    def counters(self) -> dict[str, int]:
+        return {f"guard_{k}": v for k, v in self.counts.items()}
+
+    # -- testing hook
+    @torch.no_grad()
+    def maybe_inject_nan(self, step: int, model: torch.nn.Module, loss_sum: torch.Tensor) -> torch.Tensor:
+        """``[guard] debug_inject_nan_at_step``: at that step (once per process) make the loss and one
+        gradient NaN, as a diverging forward pass would. Returns the (possibly poisoned) loss."""
+        if step != self.cfg.debug_inject_nan_at_step or self._injected:
+            return loss_sum
+        self._injected = True
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(float("nan"))
+                break
+        logger.warning("guard: TESTING: injected NaN into the loss and a gradient at step %d "
+                       "([guard] debug_inject_nan_at_step)", step)
+        return loss_sum * float("nan")
+
+    # -- the check
+    def check(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, stop_requested: bool = False) -> StepCheck:
+        """Verdict for optimizer step ``step`` from the global loss and gradient norm (device tensors).
+
+        One device->host transfer; one tiny all-reduce when distributed. Returns the action to take
+        (``update``, ``skip`` or ``rollback``); raises :class:`TrainingDivergedError` under ``raise``.
+        """
+        loss = loss.detach().reshape(()).float()
+        grad_norm = grad_norm.detach().reshape(()).float().to(loss.device)
+        nonfinite = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
+        threshold = self.spikes.threshold()
+        spike = loss > threshold if threshold is not None else torch.zeros((), dtype=torch.bool, device=loss.device)
+        flags = torch.stack([nonfinite.float(), spike.float(),
+                             torch.full((), float(stop_requested), device=loss.device)])
+        if self.distributed:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        loss_v, gn_v, bad, spiked, stop = torch.cat([loss.reshape(1), grad_norm.reshape(1), flags]).tolist()
+        out = StepCheck(loss_v, gn_v, stop > 0)
+        if bad > 0:
+            self.counts["nonfinite"] += 1
+            out.event = GuardEvent(step, "nonfinite", loss_v, gn_v, threshold)
+        elif spiked > 0:
+            self.counts["spikes"] += 1
+            out.event = GuardEvent(step, "spike", loss_v, gn_v, threshold)
+        if out.event is None:
+            self.spikes.accept(loss_v)
+            if isinstance(self.policy, SkipStepPolicy):
+                self.policy.good_step()
+            return out
+        logger.warning("guard: %s; policy %s", out.event.describe(), self.policy.name)
+        out.action = self.policy.handle(out.event, self)  # raises under "raise"
+        out.event.action = out.action
+        if out.action == "skip":
+            self.counts["skipped_steps"] += 1
+            logger.warning("guard: step %d skipped: no optimizer update (%d skipped so far)", step,
+                           self.counts["skipped_steps"])
+        return out
+
+    # -- learning-rate factor after a rollback
+    def lr_scale(self, step: int) -> float:
+        first, last, factor = self._lr_scale
+        return factor if first <= step <= last else 1.0
+
+    def rolled_back(self, to_step: int) -> None:
+        """Count a rollback to ``to_step`` and start the learning-rate window after it."""
+        self.counts["rollbacks"] += 1
+        if self.cfg.rollback_lr_steps > 0 and self.cfg.rollback_lr_factor != 1.0:
+            self._lr_scale = (to_step + 1, to_step + self.cfg.rollback_lr_steps, self.cfg.rollback_lr_factor)
+
+
+# ----------------------------------------------------------------------------- rollback
+
+
+def load_latest(checkpointer) -> Optional[int]:
+    """Reload the newest complete (resumable) checkpoint now; returns its step, None when none exists."""
+    if not getattr(checkpointer, "enabled", False):
+        return None
+    checkpointer.wait()  # an in-flight save may be the newest complete checkpoint
+    return checkpointer.load_latest()
+
+
+def rollback(guard: StepGuard, event: GuardEvent, checkpointer, loader, accum: int) -> tuple[int, Iterator]:
+    """Carry out ``policy = rollback`` for ``event``: reload, re-open the data, skip the bad batches.
+
+    Returns the step resumed from and a fresh iterator over ``loader`` (whose position the checkpoint
+    restored). With ``rollback_skip_data`` the micro-batches of the steps after the checkpoint up to
+    and including the offending one are read and dropped, so training does not see them again.
+    """
+    step = load_latest(checkpointer)
+    if step is None:
+        raise TrainingDivergedError(
+            f"{event.describe()}; [guard] policy = rollback but there is no complete checkpoint to roll back to "
+            "(enable [checkpoint] with an interval shorter than the time to a failure)")
+    guard.rolled_back(step)
+    data_iter = iter(loader)
+    skipped = 0
+    if guard.cfg.rollback_skip_data:
+        for _ in range((event.step - step) * accum):
+            next(data_iter)
+            skipped += 1
+    scale = guard.lr_scale(step + 1)
+    logger.warning("guard: ROLLED BACK from step %d to the checkpoint of step %d; skipped %d micro-batch(es)%s "
+                   "(rollback %d of at most %d)", event.step, step, skipped,
+                   f"; learning rate x{scale:g} for {guard.cfg.rollback_lr_steps} steps" if scale != 1.0 else "",
+                   guard.counts["rollbacks"], guard.cfg.max_rollbacks)
+    return step, data_iter

@@ -1,0 +1,56 @@
+"""``torch.compile`` policy (``[compile] enable, components``).
+
+- ``"model"``: each transformer block's forward is compiled separately with ``fullgraph=True``
+  (a graph break inside a block is then an error, not a silent slowdown). Blocks share one code
+  object, so the compiled graph is reused by every block (dynamo lifts the parameters as inputs)
+  and compile time does not grow with depth. The compiled function replaces ``block.forward`` on
+  the instance, so parameter names do not change (no ``_orig_mod.`` prefix in checkpoints) and
+  FSDP2's hooks, registered on the block later, stay outside the graph. Compiling after AC
+  traces the checkpoint closure as one higher-order op; compiling after TP traces the DTensor ops.
+- ``"loss"``: the loss function is compiled (the cross-entropy's log-softmax, gather and sum fuse
+  and the fp32 upcast of the logits is not materialized); not fullgraph.
+
+With tensor parallelism the graphs contain collectives that name their process group, and in this
+torch version the AOTAutograd on-disk cache does not key on those names: a graph cached by an
+earlier run whose groups were created in another order (another parallelism layout, or several
+Trainers in one process) is reused with a wrong group name and fails ("Could not resolve the
+process group"). That cache is therefore switched off when compiling TP graphs; inductor's own FX
+graph cache, whose key includes the group names, still makes recompilation cheap.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch._functorch.config
+from torch import nn
+
+
+class CompilePolicy:
+    def __init__(self, enable: bool = False, components: Sequence[str] = ("model", "loss"),
+                 tensor_parallel: bool = False):
+        unknown = sorted(set(components) - {"model", "loss"})
+        if unknown:
+            raise ValueError(f"compile.components: unknown component(s) {', '.join(unknown)}; use model, loss")
+        self.model = enable and "model" in components
+        self.loss = enable and "loss" in components
+        if enable and tensor_parallel:  # see the module docstring
+            torch._functorch.config.enable_autograd_cache = False
+
+    @classmethod
+    def from_config(cls, section, tensor_parallel: bool = False) -> "CompilePolicy":
+        return cls(section.enable, section.components, tensor_parallel)
+
+    def apply(self, model: nn.Module) -> int:
+        """Compile every block of ``model.layers`` in place; returns how many."""
+        if not self.model:
+            return 0
+        n = 0
+        for block in model.layers.values():
+            if block is not None:
+                block.forward = torch.compile(block.forward, fullgraph=True)
+                n += 1
+        return n
+
+    def compile_loss(self, fn: Callable) -> Callable:
+        return torch.compile(fn) if self.loss else fn

@@ -1,0 +1,198 @@
+"""Float8 training for ``nn.Linear``: a native ``Float8Linear`` built on ``torch._scaled_mm``.
+
+Why float8, and why this small
+------------------------------
+On H100-class GPUs a float8 matmul runs at twice the bf16 rate. Training stays stable if every
+matmul input is *scaled* into the narrow float8 range just before the matmul and the result is
+scaled back, keeping the master weights, the optimizer and everything outside the matmuls in high
+precision. torchao implements this with tensor subclasses, delayed scaling, float8 all-gather and
+many recipes; we need one recipe, so this module is one ``autograd.Function`` (~40 lines) and a
+module swap, with no dependency beyond PyTorch.
+
+The recipe ("dynamic tensorwise" scaling)
+-----------------------------------------
+For each matmul operand ``t`` (a whole tensor, hence *tensorwise*) we compute, every step
+(*dynamic*), ``scale = fp8_max / amax(|t|)``, cast ``t * scale`` to float8 (clamped, rounded to
+nearest) and pass ``1 / scale`` to ``_scaled_mm``, which multiplies it back into the fp32
+accumulator. Formats (OCP FP8):
+
+- activations and weights: ``float8_e4m3fn`` (4 exponent bits, 3 mantissa bits, max 448): more
+  precision, enough range for values that a norm keeps well-conditioned;
+- gradients: ``float8_e5m2`` (5 exponent, 2 mantissa bits, max 57344): gradients span more orders
+  of magnitude, so range matters more than precision.
+
+Forward ``y = x W^T`` uses e4m3 x e4m3; backward computes ``dx = dy W`` (e5m2 x e4m3) and
+``dW = dy^T x`` (e5m2 x e4m3), reusing the float8 copies of ``x`` and ``W`` saved by the forward
+(they are also what is kept for backward, at a quarter of the fp32 memory). Relative rounding
+error per element is at most 2^-4 for e4m3 and 2^-3 for e5m2 (half a unit in the last place),
+plus a tiny absolute error for values that fall into the subnormal range: that is the error the
+tests check against.
+
+``_scaled_mm`` wants its first operand row-major and its second column-major, which is why some
+operands are transposed with ``.t().contiguous().t()``; on CUDA both inner dimensions must be
+multiples of 16, so linears whose in/out features are not (after tensor-parallel sharding) are
+left in high precision, and the number of tokens per step must be a multiple of 16 too.
+
+Composition
+-----------
+- FSDP2: parameters are all-gathered in their (bf16/fp32) param dtype and cast to float8 inside the
+  matmul, so FSDP needs to know nothing about float8.
+- Tensor parallel: ``x``, ``W`` and ``dy`` are DTensors; ``amax`` then reduces over the shards, so
+  the scales are the global ones, as in one process, and ``_scaled_mm`` runs on the shards. This
+  needs DTensor to have a sharding rule for ``_scaled_mm``: :func:`dtensor_supports_scaled_mm`
+  checks it, and parallelize refuses float8 + TP when it is missing rather than silently running
+  in high precision.
+- ``torch.compile``: the function traces into the block graph (amax, scale and cast fuse).
+- Evaluation: ``with float8_disabled(model):`` runs the same modules as plain ``F.linear`` (high
+  precision), e.g. for validation.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+_AMAX_EPS = 1e-12  # an all-zero tensor gets a finite scale (and stays zero)
+
+
+def to_float8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(t * scale)`` cast to ``dtype`` and the fp32 inverse scale, with ``scale = max / amax(|t|)``."""
+    fp8_max = torch.finfo(dtype).max
+    amax = t.detach().abs().max().float()
+    scale = fp8_max / amax.clamp(min=_AMAX_EPS)
+    t8 = (t.float() * scale).clamp(-fp8_max, fp8_max).to(dtype)
+    return t8, scale.reciprocal()
+
+
+def _col_major(t: torch.Tensor) -> torch.Tensor:
+    return t.t().contiguous().t()
+
+
+class _Float8Matmul(torch.autograd.Function):
+    """``x [M, K] @ weight[N, K]^T`` with float8 operands in forward and backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        x8, x_inv = to_float8(x, E4M3)
+        w8, w_inv = to_float8(weight, E4M3)
+        ctx.save_for_backward(x8, x_inv, w8, w_inv)
+        ctx.dtypes = (x.dtype, weight.dtype)
+        # weight is [N, K] row-major, so w8.t() is the column-major [K, N] _scaled_mm wants
+        return torch._scaled_mm(x8, w8.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x8, x_inv, w8, w_inv = ctx.saved_tensors
+        x_dtype, w_dtype = ctx.dtypes
+        g8, g_inv = to_float8(grad_out, E5M2)
+        grad_x = torch._scaled_mm(g8, _col_major(w8), scale_a=g_inv, scale_b=w_inv, out_dtype=x_dtype)
+        grad_w = torch._scaled_mm(g8.t().contiguous(), _col_major(x8), scale_a=g_inv, scale_b=x_inv,
+                                  out_dtype=w_dtype)
+        return grad_x, grad_w, None
+
+
+class Float8Linear(nn.Linear):
+    """Drop-in ``nn.Linear`` whose matmul runs in float8 (see the module docstring).
+
+    Same parameters (and state-dict keys) as ``nn.Linear``; ``enabled = False`` makes it a plain
+    linear. Still an ``nn.Linear`` subclass, so tensor-parallel styles apply to it unchanged.
+    """
+
+    enabled: bool = True
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Float8Linear":
+        """A Float8Linear sharing ``linear``'s parameter objects (works on the meta device)."""
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+        new.weight = linear.weight
+        new.bias = linear.bias
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.enabled:
+            return F.linear(x, self.weight, self.bias)
+        # under autocast the output takes the autocast dtype, like a bf16 matmul's would
+        device_type = x.device.type
+        out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        out = _Float8Matmul.apply(x.reshape(-1, x.shape[-1]), self.weight, out_dtype)
+        out = out.reshape(*x.shape[:-1], out.shape[-1])
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", float8=tensorwise(e4m3 fwd, e5m2 grad)"
+
+
+@dataclass
+class Float8Report:
+    converted: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  # fqn -> reason
+
+
+def convert_to_float8(model: nn.Module, filter_fqns: Sequence[str] = ("output",), shard_degree: int = 1) -> Float8Report:
+    """Swap every eligible ``nn.Linear`` of ``model`` (in place) for a :class:`Float8Linear`.
+
+    A linear is skipped, and the skip logged with its reason, when its name contains one of
+    ``filter_fqns``, or when its in or out features are not multiples of ``16 * shard_degree``
+    (``shard_degree`` = the tensor-parallel degree, so every shard stays a multiple of 16).
+    """
+    report = Float8Report()
+    multiple = 16 * shard_degree
+    for fqn, module in list(model.named_modules()):
+        if type(module) is not nn.Linear:
+            continue
+        if any(f and f in fqn for f in filter_fqns):
+            report.skipped[fqn] = "filtered by quantize.linear.float8.filter_fqns"
+        elif module.in_features % multiple or module.out_features % multiple:
+            report.skipped[fqn] = (f"shape {module.out_features}x{module.in_features} is not a multiple of "
+                                   f"{multiple}" + (f" (16 x tensor_parallel_degree {shard_degree})" if shard_degree > 1 else ""))
+        else:
+            parent_name, _, child = fqn.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, Float8Linear.from_linear(module))
+            report.converted.append(fqn)
+    for fqn, reason in report.skipped.items():
+        logger.info("float8: keeping %s in high precision: %s", fqn, reason)
+    logger.info("float8: converted %d linear layers to Float8Linear (tensorwise scaling)", len(report.converted))
+    return report
+
+
+def float8_modules(model: nn.Module) -> Iterator[Float8Linear]:
+    return (m for m in model.modules() if isinstance(m, Float8Linear))
+
+
+@contextlib.contextmanager
+def float8_disabled(model: nn.Module):
+    """Run ``model``'s Float8Linear layers as plain high-precision linears inside the block."""
+    mods = list(float8_modules(model))
+    previous = [m.enabled for m in mods]
+    for m in mods:
+        m.enabled = False
+    try:
+        yield
+    finally:
+        for m, flag in zip(mods, previous):
+            m.enabled = flag
+
+
+def dtensor_supports_scaled_mm() -> bool:
+    """Whether this torch's DTensor has a sharding rule for ``aten._scaled_mm`` (float8 + TP)."""
+    from titanlite.parallel.tensor_parallel import dtensor_supports
+
+    return dtensor_supports(torch.ops.aten._scaled_mm.default)
+
+
+def check_float8_device(device: torch.device) -> None:
+    """Raise when ``device`` cannot run float8 matmuls (CUDA before SM 8.9)."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise ValueError(f"quantize.linear.float8 needs a GPU with float8 tensor cores (SM 8.9+: Ada, Hopper "
+                         f"or later); {name} has SM {'.'.join(map(str, torch.cuda.get_device_capability(device)))}")

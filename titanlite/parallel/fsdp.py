@@ -1,0 +1,71 @@
+"""FSDP2 (``fully_shard``) policy: mixed precision, resharding, and *summed* gradients.
+
+- Mixed precision: ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` from ``[training]
+  mixed_precision_param/reduce``. Sharded parameters (what the optimizer sees) stay fp32; the
+  all-gathered copies used by forward/backward are in ``param_dtype``, and gradients are
+  reduce-scattered in ``reduce_dtype``. This replaces autocast whenever FSDP is applied.
+- ``fsdp_reshard_after_forward``: ``default`` frees every group's gathered parameters after its
+  forward except the last group's (backward needs it at once); ``always``/``never`` apply to all.
+- Gradient reduction is a SUM, not FSDP2's default mean: our loss is already a token *sum* divided
+  by the global token count of the optimizer step (see ``titanlite.loss``), so each rank's gradient
+  is its share of the global-mean gradient and the shares must be added. ``gradient_divide_factor
+  = 1`` with ``force_sum_reduction_for_comms`` makes FSDP use plain ``ReduceOp.SUM`` for the
+  reduce-scatter (and the HSDP all-reduce) with no pre/post division: exact on NCCL, and also on
+  gloo, which has no ``PREMUL_SUM`` (what a divide factor alone would use).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+RESHARD_CHOICES = ("default", "always", "never")
+
+
+class FSDPPolicy:
+    """How the model is sharded; :meth:`shard` each group bottom-up, then :meth:`finish` the root."""
+
+    def __init__(self, mesh: DeviceMesh, param_dtype: torch.dtype = torch.float32,
+                 reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: str = "default"):
+        if reshard_after_forward not in RESHARD_CHOICES:
+            raise ValueError(f"parallelism.fsdp_reshard_after_forward={reshard_after_forward!r} must be one of "
+                             f"{', '.join(RESHARD_CHOICES)}")
+        self.mesh = mesh
+        self.mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        self.reshard = reshard_after_forward
+
+    def _reshard(self, last: bool) -> bool:
+        return {"default": not last, "always": True, "never": False}[self.reshard]
+
+    def shard(self, modules: Union[nn.Module, Sequence[nn.Module]], last: bool = False) -> None:
+        """One FSDP group (one all-gather / reduce-scatter) for ``modules``' not-yet-sharded params."""
+        fully_shard(modules, mesh=self.mesh, mp_policy=self.mp_policy, reshard_after_forward=self._reshard(last))
+
+    def finish(self, model: nn.Module) -> nn.Module:
+        """Shard the root (remaining parameters, lazy-init point) and switch every group to SUM."""
+        fully_shard(model, mesh=self.mesh, mp_policy=self.mp_policy, reshard_after_forward=self._reshard(False))
+        set_gradient_sum(model)
+        return model
+
+
+def set_gradient_sum(model: nn.Module) -> None:
+    """Make every FSDP group of ``model`` sum gradients over data-parallel ranks (no division)."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def fsdp_mixed_precision(model: nn.Module) -> Optional[MixedPrecisionPolicy]:
+    """The root's mixed-precision policy, or None when ``model`` is not FSDP-wrapped."""
+    if not is_fsdp(model):
+        return None
+    state = model._get_fsdp_state()
+    return state._mp_policy

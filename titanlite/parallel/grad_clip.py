@@ -1,0 +1,43 @@
+"""Gradient-norm clipping that is exact for sharded (DTensor) gradients.
+
+With FSDP each rank holds a slice of every gradient, with TP a slice of some and a replica of
+others (the sequence-parallel norm weights). The total norm is computed per group of gradients
+that share a mesh and placements (``DTensor`` norms then reduce over the sharded dimensions only,
+so replicated gradients are not counted twice), each group's norm is made a plain tensor with
+``full_tensor()``, and the groups' norms are combined. The result equals the norm of the full
+gradients in one process (up to summation order), on every rank.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def _key(g: torch.Tensor):
+    if isinstance(g, DTensor):
+        return (id(g.device_mesh), tuple(g.placements))
+    return None
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+                    foreach: bool = True) -> torch.Tensor:
+    """Total gradient norm (a plain tensor, before clipping); scales gradients when ``max_norm > 0``."""
+    params = [p for p in parameters if p.grad is not None]
+    groups: dict = defaultdict(list)
+    for p in params:
+        groups[_key(p.grad)].append(p)
+    norms = []
+    for members in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in members], norm_type, foreach=foreach)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:
+        return torch.zeros(())
+    device = norms[0].device
+    total = torch.nn.utils.get_total_norm([n.to(device) for n in norms], norm_type, foreach=False)
+    if max_norm > 0:
+        for members in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(members, max_norm, total.to(members[0].device), foreach=foreach)
+    return total

@@ -1,0 +1,43 @@
+"""Loading a full (unsharded) state dict into a possibly sharded model.
+
+``load_full_state_dict(model, full)`` takes a plain ``{name: tensor}`` state dict that only rank 0
+needs to hold (other ranks pass ``{}`` or None) and copies it into ``model``'s parameters and
+persistent buffers, whatever their sharding (FSDP2, TP or both as DTensors, or plain tensors): rank 0
+broadcasts each tensor and every rank keeps its own shard. Used for:
+
+- a *seed* state dict: identical starting weights for runs with different parallelisms (parity
+  tests, and ``[parallelism] weight_init = "rank0"``);
+- an initial checkpoint in Hugging Face or torch format (``initial_load_path``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor
+
+
+def _is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def has_dtensor_params(model: nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+@torch.no_grad()
+def load_full_state_dict(model: nn.Module, full_state_dict: Optional[dict[str, torch.Tensor]], strict: bool = True) -> None:
+    """Copy a full state dict (needed on rank 0 only) into ``model`` (sharded or not), in place.
+
+    Parameter objects keep their identity, so an optimizer built before the call stays valid.
+    """
+    if not _is_distributed() and not has_dtensor_params(model):
+        missing, unexpected = model.load_state_dict(full_state_dict or {}, strict=strict)
+        return
+    # a shallow copy: set_model_state_dict adds entries to the dict it is given
+    full_state_dict = dict(full_state_dict or {}) if dist.get_rank() == 0 else {}
+    set_model_state_dict(model, full_state_dict,
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict))

@@ -1,0 +1,54 @@
+"""Tensor-parallel helpers shared by the model families (the per-family plans live in
+``models/<family>/parallelize.py``).
+
+- :func:`loss_parallel_context`: with a vocabulary-sharded ``output`` (``Shard(-1)`` DTensor
+  logits), ``torch.distributed.tensor.parallel.loss_parallel`` computes the cross-entropy from the
+  shards (a max and a sum-exp all-reduced across the TP group, plus the target logit from the rank
+  that owns it), so the ``[tokens, vocab]`` logits are never gathered on one rank. Forward *and*
+  backward must run inside it.
+- :func:`dtensor_supports`: whether DTensor has a sharding rule for an aten op in this torch.
+- :func:`to_local_value`: a (replicated) DTensor result as a plain tensor, for logging.
+- :class:`SyncRowwiseParallel`: ``RowwiseParallel`` whose output reduction completes before the
+  module returns (for the embedding, whose output enters a compiled block).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import RowwiseParallel, loss_parallel
+
+
+def loss_parallel_context(enabled: bool):
+    """``loss_parallel()`` when ``enabled``, else a no-op context."""
+    return loss_parallel() if enabled else contextlib.nullcontext()
+
+
+def dtensor_supports(op: torch._ops.OpOverload) -> bool:
+    """True when DTensor can shard ``op`` (it has a strategy or rule registered for it)."""
+    prop = DTensor._op_dispatcher.sharding_propagator
+    tables = ("op_strategy_funcs", "op_single_dim_strategy_funcs", "op_to_rules")
+    return any(op in getattr(prop, name, {}) for name in tables)
+
+
+def to_local_value(t: torch.Tensor) -> torch.Tensor:
+    """``t.full_tensor()`` for a DTensor, ``t`` otherwise."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class SyncRowwiseParallel(RowwiseParallel):
+    """``RowwiseParallel`` with a synchronous output redistribution.
+
+    The stock style reduces the partial output with ``async_op=True``, handing the next module a
+    tensor whose collective is still in flight. When that next module is a ``torch.compile``d
+    transformer block, this torch version's compiled backward then returns a plain-tensor
+    gradient to the redistribution's backward, which expects a DTensor, and fails. The embedding
+    is followed at once by the first block's norm, so waiting here costs nothing measurable.
+    """
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts, async_op=False)
+        return outputs.to_local() if use_local_output else outputs

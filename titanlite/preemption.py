@@ -1,0 +1,87 @@
+"""Graceful shutdown on SIGTERM / SIGINT (preemption, ``scancel``, Ctrl-C).
+
+First signal: the handler only records the request and logs it. The training loop finishes the
+current optimizer step (a signal that arrives after a step's check, e.g. during validation or a
+checkpoint save, is acted on at the end of the next step), and every rank agrees on stopping after
+that same step (the request is all-reduced with the NaN guard's flags, see :mod:`titanlite.guard`,
+so ranks that received the signal at slightly different moments still stop together; torchrun
+forwards SIGTERM to every worker, but one rank alone suffices). The trainer then writes a full
+checkpoint of that step when checkpointing is on (:func:`save_now`), waits for asynchronous saves
+to finish, logs one line and returns, so the process exits with status 0. Restarting the same
+command resumes from that checkpoint and continues exactly (model, optimizer, LR schedule, data
+position and RNG are in it).
+
+Second signal: exit at once (status 128 + signal number) without waiting for anything; an
+interrupted checkpoint write leaves only a ``step-N.partial-*`` folder, removed at the next start.
+
+Handlers can only be installed from the main thread; elsewhere (a trainer driven from a worker
+thread) the handler is not installed and a message says so. ``python -m titanlite.train``
+installs it around ``Trainer.train()`` (``with trainer.preemption:``); a library user who wants
+the same behaviour does the same, and the previous handlers are restored on exit.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Callable, Iterable
+
+logger = logging.getLogger("titanlite.preemption")
+
+DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class PreemptionHandler:
+    """Records a stop request on the first signal, exits at once on the second."""
+
+    def __init__(self, signals: Iterable[int] = DEFAULT_SIGNALS, exit_fn: Callable[[int], None] = os._exit):
+        self.signals = tuple(signals)
+        self.exit_fn = exit_fn
+        self.requested = False
+        self.signal_name = ""
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> "PreemptionHandler":
+        if threading.current_thread() is not threading.main_thread():
+            logger.info("preemption: not on the main thread, so SIGTERM/SIGINT keep their default behaviour")
+            return self
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+    def __enter__(self) -> "PreemptionHandler":
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        self.uninstall()
+
+    def _handle(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.requested:
+            logger.warning("preemption: second signal (%s): exiting now without waiting", name)
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:  # noqa: BLE001 - exiting anyway
+                    pass
+            self.exit_fn(128 + signum)
+            return
+        self.requested = True
+        self.signal_name = name
+        logger.warning("preemption: received %s: finishing the current step, then saving a checkpoint and exiting "
+                       "(send it again to exit at once)", name)
+
+
+def save_now(checkpointer, step: int) -> bool:
+    """Write a full, resumable checkpoint of ``step`` now, whatever the interval; False when
+    checkpointing is off."""
+    if not getattr(checkpointer, "enabled", False):
+        return False
+    return bool(checkpointer.save(step, force=True))

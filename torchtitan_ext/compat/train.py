@@ -1,0 +1,217 @@
+"""Run a torchtitan classic TOML train config on titanlite.
+
+    python -m torchtitan_ext.compat.train --config torchtitan_llama3.toml [--section.key value ...]
+    torchrun --nproc-per-node 8 -m torchtitan_ext.compat.train --config torchtitan_llama3.toml
+    python -m torchtitan_ext.compat.train --config torchtitan_llama3.toml --translate-only   # print the titanlite TOML
+    python -m torchtitan_ext.compat.train --config torchtitan_llama3.toml --job.dry_run true --job.dry_run_world_size 64
+
+Overrides use torchtitan's key names (``--training.local_batch_size 4``, ``--checkpoint.no_initial_load_model_only``);
+titanlite-only keys (``--guard.policy skip_step``, ``--job.dry_run true``) pass through.
+
+:class:`CompatTrainer` is titanlite's :class:`~titanlite.train.Trainer` with the three pieces whose
+math differs between the two libraries set to torchtitan's:
+
+- optimizer: one parameter group, weight decay on *every* parameter (titanlite decays matrices
+  only); ``Adam`` keeps torchtitan's coupled L2 weight decay;
+- learning-rate schedule: torchtitan v0.2's ``linear_warmup_stable_decay`` (warmup ``(i+1)/warmup``,
+  a virtual last step so the decay never reaches ``min_lr_factor``), not titanlite's WSD formula;
+- resume: torchtitan DCP checkpoints in ``<dump_folder>/<checkpoint.folder>/step-N`` (or
+  ``checkpoint.initial_load_path``) are loaded by :mod:`torchtitan_ext.compat.checkpoint`;
+  titanlite's own checkpoints go to ``<checkpoint.folder>/titanlite/`` and take precedence once
+  they exist.
+
+The loss (token-mean cross-entropy over the optimizer step), gradient clipping, mixed precision,
+FSDP/HSDP/TP layouts, activation checkpointing, compile and tensorwise float8 already match.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from titanlite.config import ConfigError, JobConfig, dump_config
+from titanlite.train import Trainer, setup_logging
+from torchtitan_ext.compat.checkpoint import broadcast_from_rank0, choose_source, load_torchtitan_checkpoint
+from torchtitan_ext.compat.config import CompatError, CompatSettings, load_translated, translate
+
+logger = logging.getLogger("torchtitan_ext.compat")
+
+
+# --------------------------------------------------------------------------- torchtitan's schedule
+
+
+def torchtitan_lr_factor(i: int, *, total_steps: int, warmup_steps: int, decay_ratio: Optional[float],
+                         decay_type: str, min_lr_factor: float) -> float:
+    """torchtitan v0.2's LambdaLR factor at scheduler index ``i`` (used for optimizer step ``i + 1``)."""
+    warmup = min(warmup_steps, total_steps)
+    if decay_ratio is None:
+        decay = total_steps - warmup
+    else:
+        decay = round(total_steps * decay_ratio)
+        if warmup + decay > total_steps:
+            decay = total_steps - warmup
+    stable = total_steps + 1 - warmup - decay  # torchtitan's "virtual last step": the decay ends above min
+    if i < warmup:
+        return (i + 1) / warmup
+    if i < warmup + stable:
+        return 1.0
+    progress = (i + 1 - (warmup + stable)) / decay
+    if decay_type == "linear":
+        shape = 1 - progress
+    elif decay_type == "sqrt":
+        shape = 1 - math.sqrt(progress)
+    elif decay_type == "cosine":
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        raise ValueError(f"unknown decay_type {decay_type!r}")
+    return min_lr_factor + (1 - min_lr_factor) * shape
+
+
+def build_torchtitan_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: JobConfig) -> LambdaLR:
+    s = cfg.lr_scheduler
+    fn = functools.partial(torchtitan_lr_factor, total_steps=cfg.training.steps, warmup_steps=s.warmup_steps,
+                           decay_ratio=None if s.decay_ratio < 0 else s.decay_ratio, decay_type=s.decay_type,
+                           min_lr_factor=s.min_lr_factor)
+    return LambdaLR(optimizer, fn)
+
+
+def set_scheduler_position(scheduler: LambdaLR, step: int) -> None:
+    """Put a LambdaLR at index ``step`` (as after ``step`` calls of ``scheduler.step()``)."""
+    scheduler.last_epoch = step
+    scheduler._step_count = step + 1
+    lrs = [base * fn(step) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs
+
+
+def build_torchtitan_optimizer(model: torch.nn.Module, cfg: JobConfig) -> torch.optim.Optimizer:
+    """torchtitan's optimizer: one group over every trainable parameter (weight decay on all of them)."""
+    o = cfg.optimizer
+    on_cuda = any(p.device.type == "cuda" for p in model.parameters())
+    impl = o.implementation
+    if impl == "auto" or (impl == "fused" and not on_cuda):
+        impl = "fused" if on_cuda else "foreach"  # CPU runs (tests) use foreach: same update
+    kwargs = {"fused": impl == "fused", "foreach": impl == "foreach"}
+    cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[o.name]
+    params = [p for p in model.parameters() if p.requires_grad]
+    return cls(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, **kwargs)
+
+
+# --------------------------------------------------------------------------- trainer
+
+
+class _TorchtitanResume:
+    """Wraps titanlite's CheckpointManager: when titanlite has nothing of its own to resume, load()
+    starts from the torchtitan checkpoint chosen at start-up instead; everything else delegates."""
+
+    def __init__(self, manager, trainer: "CompatTrainer", source: Optional[dict[str, Any]]):
+        self._manager, self._trainer, self._source = manager, trainer, source
+
+    def __getattr__(self, name: str):
+        return getattr(self._manager, name)
+
+    def load(self, *args, **kwargs):
+        if self._source is None or self._manager.plan.kind == "resume":
+            return self._manager.load(*args, **kwargs)
+        t, src = self._trainer, self._source
+        out = load_torchtitan_checkpoint(src["path"], t.model, t.optimizer, model_only=src["model_only"],
+                                         exclude=t.compat.exclude_from_loading)
+        t.step, t.tokens_seen = out["step"], out["tokens_seen"]
+        if out["step"] and "lr_scheduler" not in t.compat.exclude_from_loading:
+            set_scheduler_position(t.lr_scheduler, out["step"])
+        logger.warning("torchtitan compat: RESUMED from torchtitan checkpoint %s (%s): step %d, %s tokens seen; "
+                       "loaded %s", src["path"], src["why"], out["step"], f"{out['tokens_seen']:,}",
+                       ", ".join(out["loaded"]))
+        if "dataloader" in out["skipped"]:
+            logger.warning("torchtitan compat: the data position is not restored (torchtitan's data-loader state "
+                           "describes its own datasets): titanlite's loader starts from the beginning of its order")
+        return out["step"] or None
+
+
+class CompatTrainer(Trainer):
+    """titanlite's Trainer with torchtitan's optimizer grouping, LR formula and checkpoint resume."""
+
+    def __init__(self, cfg: JobConfig, settings: Optional[CompatSettings] = None, world=None):
+        self.compat = settings or CompatSettings()
+        super().__init__(cfg, world)
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        return build_torchtitan_optimizer(self.model, self.cfg)
+
+    def build_lr_scheduler(self):
+        return build_torchtitan_lr_scheduler(self.optimizer, self.cfg)
+
+    def build_checkpointer(self):
+        manager = super().build_checkpointer()
+        c = self.compat
+        source = None
+        if manager.plan.kind != "resume":
+            source = broadcast_from_rank0(lambda: choose_source(c.torchtitan_folder, c.load_step, c.initial_load_path,
+                                                                c.initial_load_model_only))
+        return _TorchtitanResume(manager, self, source)
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    from titanlite.parallel.distributed import world_from_env
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)
+        raise SystemExit(0)
+    translate_only = "--translate-only" in argv
+    argv = [a for a in argv if a != "--translate-only"]
+    world = world_from_env()
+    setup_logging(world.rank)
+    if not world.is_main:
+        logging.getLogger("torchtitan_ext.compat").setLevel(logging.ERROR)  # rank 0 warns for everyone
+    try:
+        from torchtitan_ext.compat.config import parse_cli
+
+        path, _ = parse_cli(argv)
+        translation = translate(path, argv)
+        cfg = load_translated(translation)
+    except (CompatError, ConfigError) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if translate_only:
+        sys.stdout.write(translation.toml())
+        return
+    if cfg.job.dry_run:
+        from titanlite.dry_run import dry_run
+
+        try:
+            dry_run(cfg)
+        except (ValueError, KeyError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2)
+        return
+    if world.is_main:
+        Path(cfg.job.dump_folder).mkdir(parents=True, exist_ok=True)
+        dump_config(cfg, Path(cfg.job.dump_folder) / "config.toml")
+    try:
+        trainer = CompatTrainer(cfg, translation.settings, world)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2)
+    from titanlite.guard import TrainingDivergedError
+
+    with trainer.preemption:
+        try:
+            trainer.train()
+        except TrainingDivergedError as e:
+            logger.error("training stopped: %s", e)
+            raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

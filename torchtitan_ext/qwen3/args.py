@@ -1,0 +1,113 @@
+"""Qwen3 dense-decoder hyper-parameters and the published model sizes ("flavors").
+
+Differences from Llama 3 that the args have to express:
+
+- ``head_dim`` is its own number, not ``dim // n_heads`` (Qwen3-0.6B: dim 1024, 16 heads of 128,
+  so the attention width ``n_heads * head_dim = 2048`` is twice the model width);
+- the SwiGLU hidden size is published as a plain number (``intermediate_size``), so it is a field
+  (``ffn_hidden_dim``), not derived from ``multiple_of`` / ``ffn_dim_multiplier``;
+- RMSNorm on every query and key head before RoPE (``qk_norm``), with ``norm_eps = 1e-6``;
+- plain RoPE (theta 1e6, no Llama 3.1 frequency scaling) in Hugging Face's half-split layout.
+
+The flavors copy the ``config.json`` of the released Qwen3 dense checkpoints (hidden_size,
+intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim,
+vocab_size, max_position_embeddings, rope_theta, rms_norm_eps, tie_word_embeddings).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ATTN_MASK_TYPES: tuple[str, ...] = ("causal", "block_causal")
+ATTN_BACKENDS: tuple[str, ...] = ("auto", "sdpa", "flex")
+
+
+@dataclass
+class Qwen3ModelArgs:
+    dim: int = 1024
+    n_layers: int = 28
+    n_heads: int = 16
+    n_kv_heads: int | None = 8  # None = n_heads
+    head_dim: int = 128  # per-head width; Qwen3 sets it independently of dim / n_heads
+    ffn_hidden_dim: int = 3072  # SwiGLU hidden size (HF intermediate_size)
+    vocab_size: int = 151936
+    norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_seq_len: int = 40960  # length of the precomputed rotary table
+    tie_word_embeddings: bool = False
+    qk_norm: bool = True  # RMSNorm over head_dim on q and k, before RoPE
+    depth_init: bool = True  # scale output-projection init by layer depth (as titanlite's Llama)
+    attn_mask_type: str = "causal"
+    attn_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        for name in ("dim", "n_layers", "n_heads", "head_dim", "ffn_hidden_dim", "vocab_size", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"Qwen3ModelArgs.{name} must be a positive integer, got {value!r}")
+        if self.n_kv_heads is not None and (not isinstance(self.n_kv_heads, int) or self.n_kv_heads <= 0):
+            raise ValueError(f"Qwen3ModelArgs.n_kv_heads must be a positive integer or None, got {self.n_kv_heads!r}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.kv_heads})")
+        if self.norm_eps <= 0:
+            raise ValueError(f"norm_eps must be positive, got {self.norm_eps}")
+        if self.rope_theta <= 0:
+            raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
+        if self.attn_mask_type not in ATTN_MASK_TYPES:
+            raise ValueError(f"attn_mask_type must be one of {ATTN_MASK_TYPES}, got {self.attn_mask_type!r}")
+        if self.attn_backend not in ATTN_BACKENDS:
+            raise ValueError(f"attn_backend must be one of {ATTN_BACKENDS}, got {self.attn_backend!r}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the concatenated query heads (``wq`` output, ``wo`` input)."""
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+def num_params_from_args(a: Qwen3ModelArgs) -> int:
+    """Parameter count from the architecture alone (tied embedding counted once).
+
+    Per block: wq ``dim x q_dim``, wk/wv ``dim x kv_dim`` each, wo ``q_dim x dim``, SwiGLU
+    ``3 x dim x ffn``, two RMSNorm gains of ``dim`` and, with QK-norm, two of ``head_dim``.
+    """
+    attention = 2 * a.dim * a.q_dim + 2 * a.dim * a.kv_dim
+    norms = 2 * a.dim + (2 * a.head_dim if a.qk_norm else 0)
+    block = attention + 3 * a.dim * a.ffn_hidden_dim + norms
+    embed = a.vocab_size * a.dim
+    return embed + a.n_layers * block + a.dim + (0 if a.tie_word_embeddings else embed)
+
+
+_QWEN3 = dict(vocab_size=151936, norm_eps=1e-6, rope_theta=1_000_000.0, max_seq_len=40960, head_dim=128)
+
+QWEN3_FLAVORS: dict[str, Qwen3ModelArgs] = {
+    # Small enough to train on a CPU in minutes; head_dim (64) deliberately differs from
+    # dim / n_heads (256 / 8 = 32), as in the real sizes, so the decoupled head width is exercised.
+    "debugmodel": Qwen3ModelArgs(
+        dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=64, ffn_hidden_dim=768, vocab_size=512,
+        norm_eps=1e-6, rope_theta=1_000_000.0, max_seq_len=4096, tie_word_embeddings=True,
+    ),
+    "0.6B": Qwen3ModelArgs(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, ffn_hidden_dim=3072,
+                           tie_word_embeddings=True, **_QWEN3),
+    "1.7B": Qwen3ModelArgs(dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, ffn_hidden_dim=6144,
+                           tie_word_embeddings=True, **_QWEN3),
+    "4B": Qwen3ModelArgs(dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, ffn_hidden_dim=9728,
+                         tie_word_embeddings=True, **_QWEN3),
+    "8B": Qwen3ModelArgs(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn_hidden_dim=12288,
+                         tie_word_embeddings=False, **_QWEN3),
+    "14B": Qwen3ModelArgs(dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, ffn_hidden_dim=17408,
+                          tie_word_embeddings=False, **_QWEN3),
+    "32B": Qwen3ModelArgs(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, ffn_hidden_dim=25600,
+                          tie_word_embeddings=False, **_QWEN3),
+}

@@ -1,0 +1,125 @@
+"""``parallelize_qwen3``: float8 -> tensor parallel -> activation checkpointing -> compile -> FSDP2.
+
+Built only from titanlite's public parallel building blocks (``titanlite.parallel``: the AC and
+compile policies, :class:`~titanlite.parallel.fsdp.FSDPPolicy`,
+:class:`~titanlite.parallel.tensor_parallel.SyncRowwiseParallel`, the float8 swap) in the same
+order, and for the same reasons, as titanlite's Llama 3 plan (see
+``titanlite/models/llama3/parallelize.py``). Only the tensor-parallel plan differs, for QK-norm:
+
+- ``wq`` and ``wk`` keep their output as a DTensor sharded over the heads (``use_local_output=
+  False``), so that ``.view(B, S, -1, head_dim)`` yields a DTensor sharded on dimension 2 (heads);
+- ``q_norm`` / ``k_norm`` are ``SequenceParallel(sequence_dim=2)``: their ``head_dim``-sized gains
+  are replicated over the TP ranks, each rank normalizes its own heads, and because the gain is a
+  replicated DTensor, its gradient (a sum over every head) is all-reduced over the TP group by
+  DTensor. Keeping the gains as plain tensors would silently train each TP rank's copy on its own
+  heads only. Their outputs are plain local tensors again (``use_local_output=True``), so RoPE and
+  SDPA run on the local heads exactly as without TP.
+
+Everything else (sequence-parallel norms, all-gathered block inputs, column-wise ``wq/wk/wv/w1/w3``,
+row-wise ``wo/w2`` reduce-scattered back to sequence shards, vocabulary-parallel embedding and
+output with loss parallel) is the Llama plan.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
+
+from titanlite.parallel.activation_checkpoint import ActivationCheckpoint
+from titanlite.parallel.compile import CompilePolicy
+from titanlite.parallel.float8 import check_float8_device, convert_to_float8, dtensor_supports_scaled_mm
+from titanlite.parallel.fsdp import FSDPPolicy
+from titanlite.parallel.tensor_parallel import SyncRowwiseParallel
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def parallelize_qwen3(model: nn.Module, parallel_dims, job_config) -> nn.Module:
+    """Apply ``job_config``'s parallelism to a meta-device :class:`Qwen3Model` (in place)."""
+    args = model.args
+    parallel_dims.check_tp_divides(**{
+        "model.n_heads": args.n_heads, "model.n_kv_heads": args.kv_heads,
+        "model.ffn_hidden_dim": args.ffn_hidden_dim, "model.vocab_size": args.vocab_size,
+        "training.seq_len (sequence parallelism)": job_config.training.seq_len,
+    })
+    ac = ActivationCheckpoint.from_config(job_config.activation_checkpoint)
+    compile_policy = CompilePolicy.from_config(job_config.compile)
+
+    f8 = job_config.quantize_linear_float8
+    if f8.enable:
+        if parallel_dims.tp_enabled and not dtensor_supports_scaled_mm():
+            raise ValueError(f"quantize.linear.float8 with tensor_parallel_degree={parallel_dims.tp} needs DTensor "
+                             f"support for torch._scaled_mm, which torch {torch.__version__} lacks")
+        if torch.cuda.is_available():
+            check_float8_device(torch.device("cuda", torch.cuda.current_device()))
+        convert_to_float8(model, f8.filter_fqns, shard_degree=parallel_dims.tp)
+
+    if parallel_dims.tp_enabled:
+        apply_tensor_parallel(model, parallel_dims.tp_mesh, parallel_dims.loss_parallel_enabled)
+        logger.info("qwen3: tensor parallel over %d ranks", parallel_dims.tp)
+
+    checkpointed = ac.apply(model)
+    if checkpointed:
+        logger.info("qwen3: activation checkpointing %s on %d blocks", ac, len(checkpointed))
+    compile_policy.apply(model)
+
+    if parallel_dims.fsdp_enabled:
+        t = job_config.training
+        policy = FSDPPolicy(parallel_dims.fsdp_mesh, DTYPES[t.mixed_precision_param], DTYPES[t.mixed_precision_reduce],
+                            job_config.parallelism.fsdp_reshard_after_forward)
+        apply_fsdp(model, policy)
+        logger.info("qwen3: %s over %d ranks", "HSDP" if parallel_dims.hsdp_enabled else "FSDP", parallel_dims.dp_degree)
+    return model
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": SyncRowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                  use_local_output=not loss_parallel),
+    })
+    qk_norm = model.args.qk_norm
+    for block in model.layers.values():
+        plan = {
+            "attention_norm": SequenceParallel(),
+            # (x, rope table, mask): gather x along the sequence; the table and mask stay plain tensors
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                            desired_input_layouts=(Replicate(), None, None)),
+            "attention.wq": ColwiseParallel(use_local_output=not qk_norm),
+            "attention.wk": ColwiseParallel(use_local_output=not qk_norm),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        }
+        if qk_norm:
+            plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        parallelize_module(block, tp_mesh, plan)
+    if model.args.tie_word_embeddings:  # both were replaced by DTensors: share the embedding's again
+        model.output.weight = model.tok_embeddings.weight
+
+
+def apply_fsdp(model: nn.Module, policy: FSDPPolicy) -> None:
+    """One FSDP group per block, the embedding alone, norm + output together, then the root (a tied
+    embedding/output is one tensor, so then all three stay in the root's group)."""
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor")
+    tied = model.args.tie_word_embeddings
+    if not tied:
+        policy.shard(model.tok_embeddings)
+    for block in model.layers.values():
+        policy.shard(block)
+    if not tied:
+        policy.shard([model.norm, model.output], last=True)
+    policy.finish(model)
