@@ -21,10 +21,11 @@ Qwen3 checkpoints once the extension is imported.
 """
 from __future__ import annotations
 
-import re
 from typing import Any, Mapping, Optional
 
 import torch
+
+from titanlite.models.hf_names import HFNameMap
 
 from torchtitan_ext.qwen3.args import Qwen3ModelArgs
 
@@ -41,40 +42,19 @@ _BLOCK = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-_BLOCK_FROM_HF = {v: k for k, v in _BLOCK.items()}
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
-_TOP_FROM_HF = {v: k for k, v in _TOP.items()}
-_NATIVE_BLOCK_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_BLOCK_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_HF_IGNORED_RE = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 
-class Qwen3HFAdapter:
+class Qwen3HFAdapter(HFNameMap):
     architecture = "Qwen3ForCausalLM"
     model_type = "qwen3"
 
+    TOP = _TOP
+    BLOCK = _BLOCK
+
     def __init__(self, args: Qwen3ModelArgs):
         self.args = args
-
-    # ---- names
-    def to_hf_name(self, name: str) -> str:
-        if name in _TOP:
-            return _TOP[name]
-        m = _NATIVE_BLOCK_RE.match(name)
-        if m and m.group(2) in _BLOCK:
-            return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}"
-        raise KeyError(f"no Hugging Face name for parameter {name!r}")
-
-    def from_hf_name(self, hf_name: str) -> Optional[str]:
-        if _HF_IGNORED_RE.search(hf_name):
-            return None
-        if hf_name in _TOP_FROM_HF:
-            return _TOP_FROM_HF[hf_name]
-        m = _HF_BLOCK_RE.match(hf_name)
-        if m and m.group(2) in _BLOCK_FROM_HF:
-            return f"layers.{m.group(1)}.{_BLOCK_FROM_HF[m.group(2)]}"
-        raise KeyError(f"unexpected tensor {hf_name!r} for a {self.architecture}")
 
     # ---- tensors (same layout on both sides)
     def to_hf(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:

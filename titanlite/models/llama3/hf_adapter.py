@@ -14,10 +14,11 @@ Every conversion works on one tensor at a time, so converters can stream a check
 """
 from __future__ import annotations
 
-import re
 from typing import Any, Mapping, Optional
 
 import torch
+
+from titanlite.models.hf_names import HFNameMap
 
 from titanlite.models.llama3.args import LLAMA3_FLAVORS, Llama3ModelArgs
 
@@ -33,17 +34,11 @@ _BLOCK = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-_BLOCK_FROM_HF = {v: k for k, v in _BLOCK.items()}
 _TOP = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_TOP_FROM_HF = {v: k for k, v in _TOP.items()}
-_NATIVE_BLOCK_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_BLOCK_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-# HF keys that carry no weights (older exports store the rotary inverse frequencies)
-_HF_IGNORED_RE = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$|^model\.rotary_emb\.inv_freq$")
 
 
 def interleaved_to_half_split(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -60,34 +55,17 @@ def half_split_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, 2, head_dim // 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
 
 
-class Llama3HFAdapter:
+class Llama3HFAdapter(HFNameMap):
     """Converts one Llama 3 model's tensors and config to and from Hugging Face ``LlamaForCausalLM``."""
 
     architecture = "LlamaForCausalLM"
     model_type = "llama"
 
+    TOP = _TOP
+    BLOCK = _BLOCK
+
     def __init__(self, args: Llama3ModelArgs):
         self.args = args
-
-    # ---- names ----
-    def to_hf_name(self, name: str) -> str:
-        if name in _TOP:
-            return _TOP[name]
-        m = _NATIVE_BLOCK_RE.match(name)
-        if m and m.group(2) in _BLOCK:
-            return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}"
-        raise KeyError(f"no Hugging Face name for parameter {name!r}")
-
-    def from_hf_name(self, hf_name: str) -> Optional[str]:
-        """The native name of an HF tensor; None for tensors that hold no weights (rotary tables)."""
-        if _HF_IGNORED_RE.match(hf_name):
-            return None
-        if hf_name in _TOP_FROM_HF:
-            return _TOP_FROM_HF[hf_name]
-        m = _HF_BLOCK_RE.match(hf_name)
-        if m and m.group(2) in _BLOCK_FROM_HF:
-            return f"layers.{m.group(1)}.{_BLOCK_FROM_HF[m.group(2)]}"
-        raise KeyError(f"unexpected tensor {hf_name!r} for a {self.architecture}")
 
     def _heads(self, name: str) -> Optional[int]:
         if name.endswith("attention.wq.weight"):
