@@ -112,3 +112,13 @@ def test_cli_trains_and_writes_config(tmp_path):
     # the dumped config runs again as-is
     cfg = load_config(["--config", str(tmp_path / "config.toml")])
     assert cfg.training.steps == 3 and cfg.model.overrides["n_layers"] == 2
+
+
+def test_repeated_validation_reads_the_same_windows(tmp_path):
+    val = tmp_path / "val.jsonl"
+    val.write_text("\n".join(json.dumps({"text": f"held-out document {i} " * 30}) for i in range(30)))
+    t = make_trainer(tmp_path / "run", "--training.local_batch_size", "2", "--validation.enable", "true",
+                     "--validation.dataset", "text", "--validation.dataset_path", str(val),
+                     "--validation.steps", "-1")
+    first, second = t.validate()["val_loss"], t.validate()["val_loss"]
+    assert first == second and first == first  # equal and not NaN

@@ -110,3 +110,13 @@ def test_too_little_data_is_a_clear_error():
 def test_document_ids_start_after_eos():
     tokens = torch.tensor([5, 9, 2, 5, 7, 2, 5])  # eos = 2
     assert document_ids(tokens, eos_id=2).tolist() == [0, 0, 0, 1, 1, 1, 2]
+
+
+def test_finite_pass_restarts_from_first_window():
+    """Validation: every evaluation reads the same windows, whether the previous one stopped early or ran out."""
+    loader = build_dataloader(make_store(10), seq_len=SEQ, batch_size=2, train=False)
+    full = [window_ids(b) for b in loader]
+    assert sum(full, []) == list(range(10))
+    first_two = [window_ids(b) for b in itertools.islice(loader, 2)]
+    assert first_two == full[:2]
+    assert [window_ids(b) for b in loader] == full

@@ -14,6 +14,9 @@ continues exactly where the old run stopped: nothing is repeated or skipped.
 With DataLoader worker processes, worker ``w`` of ``n`` produces the batches ``b`` with ``b % n == w``
 of the rank's stream, which is the order in which the (Stateful)DataLoader hands batches out, so the
 sequence is the same as with no workers.
+
+A finite dataset (``infinite=False``, used for validation) restarts from its first window on every
+``iter()``, so each evaluation sees the same windows however far the previous one read.
 """
 from __future__ import annotations
 
@@ -66,6 +69,8 @@ class TokenWindows(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        if not self.infinite:  # a finite (validation) pass always covers the same windows, from the first
+            self.epoch, self.pos, self.sample = 0, 0, 0
         order = self._order(self.epoch)
         while True:
             if self.pos + self.dp_world > self.num_windows:

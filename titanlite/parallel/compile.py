@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 import torch
 import torch._functorch.config
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 class CompilePolicy:
@@ -45,6 +46,8 @@ class CompilePolicy:
         """Compile every block of ``model.layers`` in place; returns how many."""
         if not self.model:
             return 0
+        if any(isinstance(p, DTensor) for p in model.parameters()):  # TP applied (FSDP comes later)
+            torch._functorch.config.enable_autograd_cache = False  # see the module docstring
         n = 0
         for block in model.layers.values():
             if block is not None:
