@@ -252,7 +252,7 @@ def test_qwen3_trains_under_fsdp2_and_tp2_like_one_process(reference):
     for name, (dp, _) in CONFIGS.items():
         assert results[1][name]["loss"] == results[0][name]["loss"], f"{name}: ranks disagree"
         got_val, ref_val = results[0][name]["val_loss"], reference["val_loss"]
-        assert len(got_val) == len(ref_val) == 1, f"{name}: validation records {got_val} vs one process {ref_val}"
+        assert len(got_val) == len(ref_val) >= 1, f"{name}: validation records {got_val} vs one process {ref_val}"
         check(name, results[0][name], reference, {"loss": RTOL, "grad_norm": RTOL, "val_loss": RTOL}, report)
         check_data(name, results, 2 // dp, reference["inputs"])
         diffs = {k: (results[0][name]["final"][k] - v).abs().max().item() for k, v in reference["final"].items()}
