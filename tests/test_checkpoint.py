@@ -39,14 +39,7 @@ TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "-
         "--checkpoint.last_save_model_only", "false"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models are overhead-bound: one intra-op thread is as fast and does not fight the
-    other processes of a busy machine (restored afterwards)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run_trainer(dump: Path, *extra: str) -> Trainer:

@@ -13,7 +13,6 @@ Every launch has a hard timeout (``dist_utils.run_workers``), so a hang fails in
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -22,22 +21,8 @@ import pytest
 import torch
 
 from dist_utils import cache_token_stores, run_workers
-from titanlite.config import JobConfig, load_config
+from titanlite.config import load_config
 
-
-def _fsdp_and_tp_available() -> bool:
-    try:
-        import titanlite.parallel.fsdp  # noqa: F401
-        import titanlite.parallel.tensor_parallel  # noqa: F401
-    except ImportError:
-        return False
-    section = getattr(JobConfig(), "parallelism", None)
-    names = {f.name for f in dataclasses.fields(section)} if section is not None else set()
-    return {"data_parallel_shard_degree", "tensor_parallel_degree"} <= names
-
-
-pytestmark = pytest.mark.skipif(not _fsdp_and_tp_available(),
-                                reason="needs FSDP2 and TP ([parallelism] section, titanlite.parallel.fsdp)")
 
 STEPS = 20
 RTOL = 2e-5
@@ -49,15 +34,7 @@ TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "-
 FSDP2 = ["--parallelism.data_parallel_shard_degree", "2"]
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models are overhead-bound: one intra-op thread is as fast and does not fight the
-    other processes of a busy machine (restored afterwards)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def train_worker(args: dict) -> dict:

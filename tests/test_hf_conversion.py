@@ -39,14 +39,7 @@ CASES = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models are overhead-bound: one intra-op thread is as fast and does not fight the
-    other processes of a busy machine (restored afterwards)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_args(**overrides) -> Llama3ModelArgs:

@@ -7,6 +7,7 @@ from titanlite.config.parser import (
     format_help,
     load_config,
     parse_args_or_exit,
+    split_cli_args,
     validate,
 )
 from titanlite.config.sections import JobConfig
@@ -20,5 +21,6 @@ __all__ = [
     "format_help",
     "load_config",
     "parse_args_or_exit",
+    "split_cli_args",
     "validate",
 ]

@@ -408,9 +408,13 @@ class _Extra:
     where: str
 
 
-def _parse_argv(argv: Sequence[str]) -> tuple[str | None, list[tuple[str, Any]]]:
-    config_path: str | None = None
-    overrides: list[tuple[str, Any]] = []
+def split_cli_args(argv: Sequence[str], bare: Any = True) -> list[tuple[str, Any]]:
+    """``--name value`` / ``--name=value`` / bare ``--name`` (value ``bare``) into ``(name, value)`` pairs.
+
+    A token that does not start with ``--`` takes the place of a value, so ``--x.y -1`` works; a
+    value that itself starts with ``--`` needs the ``=`` form. Shared by every TOML-config front end.
+    """
+    pairs: list[tuple[str, Any]] = []
     i = 0
     argv = list(argv)
     while i < len(argv):
@@ -419,14 +423,21 @@ def _parse_argv(argv: Sequence[str]) -> tuple[str | None, list[tuple[str, Any]]]
             raise ConfigError(f"unexpected argument {tok!r}; options look like --section.key value (see --help)")
         body = tok[2:]
         if "=" in body:
-            name, value = body.split("=", 1)
+            pairs.append(tuple(body.split("=", 1)))
             i += 1
         elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            name, value = body, argv[i + 1]
+            pairs.append((body, argv[i + 1]))
             i += 2
         else:
-            name, value = body, _BARE
+            pairs.append((body, bare))
             i += 1
+    return pairs
+
+
+def _parse_argv(argv: Sequence[str]) -> tuple[str | None, list[tuple[str, Any]]]:
+    config_path: str | None = None
+    overrides: list[tuple[str, Any]] = []
+    for name, value in split_cli_args(argv, bare=_BARE):
         if name == "config":
             if value is _BARE or value == "":
                 raise ConfigError("--config needs a file path")

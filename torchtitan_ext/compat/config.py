@@ -39,6 +39,8 @@ try:  # Python >= 3.11
 except ModuleNotFoundError:  # pragma: no cover
     import tomli as tomllib  # type: ignore[no-redef]
 
+from titanlite.config import ConfigError, split_cli_args
+
 logger = logging.getLogger("torchtitan_ext.compat")
 
 TITANLITE_SUBFOLDER = "titanlite"  # titanlite's own checkpoints go to <checkpoint.folder>/titanlite
@@ -249,21 +251,12 @@ def _flatten(table: dict[str, Any], prefix: str = "") -> dict[tuple[str, str], A
 def parse_cli(argv: Sequence[str]) -> tuple[Optional[str], list[tuple[str, str, Any]]]:
     """``--config PATH`` and ``--section.key value`` / ``--section.key=value`` / bare ``--section.flag``
     / ``--section.no_flag`` (torchtitan's spelling of false). Values stay strings (``True`` for bare)."""
-    path, items, i, argv = None, [], 0, list(argv)
-    while i < len(argv):
-        tok = argv[i]
-        if not tok.startswith("--") or len(tok) == 2:
-            raise CompatError(f"unexpected argument {tok!r}; options look like --section.key value")
-        body = tok[2:]
-        if "=" in body:
-            name, value = body.split("=", 1)
-            i += 1
-        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            name, value = body, argv[i + 1]
-            i += 2
-        else:
-            name, value = body, True
-            i += 1
+    path, items = None, []
+    try:
+        pairs = split_cli_args(argv, bare=True)
+    except ConfigError as e:
+        raise CompatError(str(e)) from None
+    for name, value in pairs:
         if name == "config":
             path = value
             continue
