@@ -28,10 +28,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from titanlite.models.attention import AttentionMask, attention, build_attention_mask
+from titanlite.models.llama3.model import FeedForward, repeat_kv  # same SwiGLU MLP and GQA head repeat
 from torchtitan_ext.qwen3.args import Qwen3ModelArgs
 
 
@@ -51,14 +51,6 @@ def apply_rope_half(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     xf = x.float()
     x1, x2 = xf[..., :half], xf[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
-
-
-def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """``[B, S, n_kv, D] -> [B, S, n_kv * n_rep, D]``: kv head ``j`` serves query heads ``j*n_rep ...``."""
-    if n_rep == 1:
-        return x
-    b, s, n_kv, d = x.shape
-    return x.unsqueeze(3).expand(b, s, n_kv, n_rep, d).reshape(b, s, n_kv * n_rep, d)
 
 
 def _trunc_normal_(weight: torch.Tensor, std: float, cutoff: float = 3.0) -> None:
@@ -97,24 +89,6 @@ class Qwen3Attention(nn.Module):
         k, v = repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep)
         out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
-
-
-class FeedForward(nn.Module):
-    """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
-
-    def __init__(self, dim: int, hidden_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def init_weights(self, init_std: float) -> None:
-        _trunc_normal_(self.w1.weight, 0.02)
-        _trunc_normal_(self.w2.weight, init_std)
-        _trunc_normal_(self.w3.weight, init_std)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class Qwen3Block(nn.Module):
