@@ -141,9 +141,10 @@ def test_float8_with_tp_is_refused_without_dtensor_support(monkeypatch):
     from titanlite.config import load_config
     from titanlite.models import build_model
     from titanlite.models.llama3 import parallelize as par
+    from titanlite.parallel import float8
     from titanlite.parallel.parallel_dims import ParallelDims
 
-    monkeypatch.setattr(par, "dtensor_supports_scaled_mm", lambda: False)
+    monkeypatch.setattr(float8, "dtensor_supports_scaled_mm", lambda: False)
     cfg = load_config(["--quantize.linear.float8.enable", "true", "--parallelism.tensor_parallel_degree", "2"])
     model = build_model("llama3", "debugmodel")  # meta
     with pytest.raises(ValueError, match="float8 with tensor_parallel_degree=2 needs DTensor support for torch._scaled_mm"):

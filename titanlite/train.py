@@ -42,7 +42,7 @@ from titanlite.parallel.compile import CompilePolicy
 from titanlite.parallel.distributed import (WorldInfo, all_reduce_sum, init_distributed, set_collective_timeout,
                                             world_from_env)
 from titanlite.parallel.float8 import float8_disabled
-from titanlite.parallel.fsdp import is_fsdp
+from titanlite.parallel.fsdp import DTYPES, is_fsdp
 from titanlite.parallel.grad_clip import clip_grad_norm_
 from titanlite.parallel.parallel_dims import ParallelDims
 from titanlite.parallel.state_dict import load_full_state_dict
@@ -53,7 +53,6 @@ from titanlite.profiling import build_profiler
 
 logger = logging.getLogger("titanlite")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def set_seed(seed: int, deterministic: bool = False) -> None:

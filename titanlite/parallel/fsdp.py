@@ -25,6 +25,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 RESHARD_CHOICES = ("default", "always", "never")
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # [training] mixed_precision_* names
+
 class FSDPPolicy:
     """How the model is sharded; :meth:`shard` each group bottom-up, then :meth:`finish` the root."""
 

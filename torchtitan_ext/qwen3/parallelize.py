@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import warnings
 
-import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
@@ -32,13 +31,12 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 from titanlite.parallel.activation_checkpoint import ActivationCheckpoint
 from titanlite.parallel.compile import CompilePolicy
-from titanlite.parallel.float8 import check_float8_device, convert_to_float8, dtensor_supports_scaled_mm
-from titanlite.parallel.fsdp import FSDPPolicy
+from titanlite.parallel.float8 import apply_float8
+from titanlite.parallel.fsdp import DTYPES, FSDPPolicy
 from titanlite.parallel.tensor_parallel import SyncRowwiseParallel
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def parallelize_qwen3(model: nn.Module, parallel_dims, job_config) -> nn.Module:
@@ -52,14 +50,7 @@ def parallelize_qwen3(model: nn.Module, parallel_dims, job_config) -> nn.Module:
     ac = ActivationCheckpoint.from_config(job_config.activation_checkpoint)
     compile_policy = CompilePolicy.from_config(job_config.compile)
 
-    f8 = job_config.quantize_linear_float8
-    if f8.enable:
-        if parallel_dims.tp_enabled and not dtensor_supports_scaled_mm():
-            raise ValueError(f"quantize.linear.float8 with tensor_parallel_degree={parallel_dims.tp} needs DTensor "
-                             f"support for torch._scaled_mm, which torch {torch.__version__} lacks")
-        if torch.cuda.is_available():
-            check_float8_device(torch.device("cuda", torch.cuda.current_device()))
-        convert_to_float8(model, f8.filter_fqns, shard_degree=parallel_dims.tp)
+    apply_float8(model, job_config.quantize_linear_float8, parallel_dims)
 
     if parallel_dims.tp_enabled:
         apply_tensor_parallel(model, parallel_dims.tp_mesh, parallel_dims.loss_parallel_enabled)
