@@ -449,7 +449,8 @@ def _parse_argv(argv: Sequence[str]) -> tuple[str | None, list[tuple[str, Any]]]
     return config_path, overrides
 
 
-def _read_toml(path: str) -> dict[str, Any]:
+def read_toml(path: str) -> dict[str, Any]:
+    """A TOML file as a dict; ConfigError naming the file when it is missing or malformed."""
     if not os.path.exists(path):
         raise ConfigError(f"config file {path} not found")
     if not os.path.isfile(path):
@@ -578,7 +579,7 @@ def load_config(argv: Sequence[str]) -> JobConfig:
     cfg = JobConfig()
     extras: dict[str, _Extra] = {}
     if config_path is not None:
-        _apply_table(cfg, _read_toml(config_path), "", config_path, extras)
+        _apply_table(cfg, read_toml(config_path), "", config_path, extras)
     for name, raw in cli:
         _apply_cli(cfg, name, raw, extras)
     _resolve_model(cfg, extras)

@@ -34,12 +34,7 @@ import re
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-try:  # Python >= 3.11
-    import tomllib
-except ModuleNotFoundError:  # pragma: no cover
-    import tomli as tomllib  # type: ignore[no-redef]
-
-from titanlite.config import ConfigError, split_cli_args
+from titanlite.config.parser import ConfigError, read_toml, split_cli_args
 
 logger = logging.getLogger("torchtitan_ext.compat")
 
@@ -227,13 +222,10 @@ def titanlite_keys() -> dict[str, set[str]]:
 
 
 def read_torchtitan_toml(path: str) -> dict[str, Any]:
-    if not os.path.isfile(path):
-        raise CompatError(f"torchtitan config {path} not found")
     try:
-        with open(path, "rb") as fh:
-            return tomllib.load(fh)
-    except tomllib.TOMLDecodeError as e:
-        raise CompatError(f"malformed TOML in {path}: {e}") from None
+        return read_toml(path)
+    except ConfigError as e:
+        raise CompatError(str(e).replace("config file", "torchtitan config", 1)) from None
 
 
 def _flatten(table: dict[str, Any], prefix: str = "") -> dict[tuple[str, str], Any]:
