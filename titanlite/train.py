@@ -177,7 +177,7 @@ class Trainer:
         return build_dataloader(
             store, seq_len=self.cfg.training.seq_len, batch_size=self.cfg.training.local_batch_size,
             dp_rank=self.dp_rank, dp_world=self.parallel_dims.dp_degree, seed=self.cfg.training.seed,
-            train=split == "train", eos_id=self.tokenizer.eos_id, name=split)
+            train=split == "train", eos_id=self.tokenizer.eos_id if self._needs_document_ids else None, name=split)
 
     @property
     def dp_rank(self) -> int:
@@ -193,9 +193,13 @@ class Trainer:
     def _loss_impl(self):
         return CompilePolicy.from_config(self.cfg.compile, self.parallel_dims.tp_enabled).compile_loss(cross_entropy_sum)
 
+    @property
+    def _needs_document_ids(self) -> bool:
+        return getattr(self.model_args, "attn_mask_type", "causal") != "causal"
+
     def model_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Extra forward arguments: document ids when attention is masked per document."""
-        if getattr(self.model_args, "attn_mask_type", "causal") == "causal":
+        if not self._needs_document_ids:
             return {}
         return {"document_ids": batch["document_ids"].to(self.device, non_blocking=True)}
 
