@@ -1,13 +1,14 @@
 """Checkpointing across processes (gloo on CPU): exact resume under FSDP 2 (async save) and
-resharding a FSDP 2 checkpoint to one process and to TP 2.
+resharding a FSDP 2 checkpoint to one process, to TP 2 and to FSDP 2 x TP 2 (4 processes).
 
 One FSDP 2 run of 20 steps saves step-10 and step-20 asynchronously (``fsdp_run``). Every resume
 starts from a copy of its step-10 folder and trains steps 11-20 again:
 
 - FSDP 2 again: the same layout, so the losses must be bitwise those of the uninterrupted run;
-- one process and TP 2: DCP re-partitions model and AdamW state, the data loader re-partitions its
-  global cursor from 2 ranks to 1, and the losses must match up to fp32 summation order
-  (``RTOL``, as in ``test_parallel_parity.py``: measured differences are ~1e-6).
+- one process, TP 2 and FSDP 2 x TP 2: DCP re-partitions model and AdamW state, the data loader
+  re-partitions its global cursor when the data-parallel degree changes (2 -> 1 for one process
+  and TP 2), and the losses must match up to fp32 summation order (``RTOL``, as in
+  ``test_parallel_parity.py``: measured differences are ~1e-6).
 
 Every launch has a hard timeout (``dist_utils.run_workers``), so a hang fails instead of stalling.
 """
@@ -125,4 +126,14 @@ def test_fsdp2_checkpoint_resumes_under_tp2(fsdp_run, tmp_path):
     dump = resume_copy(source, tmp_path / "tp2")
     run_workers(train_worker, 2, {"argv": TINY + TP2 + ["--job.dump_folder", str(dump)],
                                   "tokens": tokens_file(source.parent)}, timeout=240)
+    _assert_close_run(dump, reference)
+
+
+def test_fsdp2_checkpoint_resumes_under_fsdp2_x_tp2(fsdp_run, tmp_path):
+    """A 1-D FSDP checkpoint loads into a 2-D (dp_shard x tp) layout: every parameter and AdamW
+    moment is re-sliced along both mesh dimensions by DCP."""
+    source, reference = fsdp_run
+    dump = resume_copy(source, tmp_path / "fsdp2_tp2")
+    run_workers(train_worker, 4, {"argv": TINY + FSDP2 + TP2 + ["--job.dump_folder", str(dump)],
+                                  "tokens": tokens_file(source.parent)}, timeout=300)
     _assert_close_run(dump, reference)
