@@ -22,9 +22,14 @@ def shape(flavor: str, **kw) -> ModelShape:
     return ModelShape.from_args(make_model_args("llama3", flavor, **kw))
 
 
-@pytest.mark.parametrize("flavor", ["debugmodel", "1B", "8B"])
-def test_param_count_matches_the_model(flavor):
-    assert param_count(shape(flavor)) == num_params(build_model("llama3", flavor))  # meta device: no memory
+@pytest.mark.parametrize("family,flavor", [("llama3", "debugmodel"), ("llama3", "1B"), ("llama3", "8B"),
+                                           ("qwen3", "debugmodel"), ("qwen3", "0.6B"), ("qwen3", "8B")])
+def test_param_count_matches_the_model(family, flavor):
+    """Exact also for Qwen3, whose head_dim is not dim / n_heads and whose blocks add QK-norm weights."""
+    if family == "qwen3":
+        import torchtitan_ext.qwen3  # noqa: F401  (registers the family, as [job] extensions would)
+    args = make_model_args(family, flavor)
+    assert param_count(ModelShape.from_args(args)) == num_params(build_model(family, flavor))  # meta: no memory
 
 
 def test_1b_on_8_h100_for_20b_tokens_by_hand():
@@ -119,12 +124,20 @@ def test_estimate_script(capsys):
     assert rc == 2 and "not divisible" in err
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_activation_formula_is_what_autograd_keeps(dtype):
+@pytest.mark.parametrize("family,dtype", [("llama3", "float32"), ("llama3", "bfloat16"), ("qwen3", "float32")])
+def test_activation_formula_is_what_autograd_keeps(family, dtype):
     """Count the bytes of every tensor autograd saves in the blocks' forward (unique storages, parameters
-    excluded); the per-token formula must match exactly (fp32, and bf16 under autocast)."""
+    excluded); the per-token formula must match exactly (fp32, and bf16 under autocast). The Qwen3 case
+    (QK-norm off) checks the head_dim terms: its attention is twice as wide as dim."""
     torch.manual_seed(0)
-    model = build_model("llama3", "debugmodel", device="cpu", n_layers=2, dim=128, n_heads=4, n_kv_heads=2)
+    if family == "llama3":
+        model = build_model("llama3", "debugmodel", device="cpu", n_layers=2, dim=128, n_heads=4, n_kv_heads=2)
+    else:
+        import torchtitan_ext.qwen3  # noqa: F401
+
+        model = build_model("qwen3", "debugmodel", device="cpu", n_layers=2, dim=128, n_heads=4, n_kv_heads=2,
+                            head_dim=64, qk_norm=False)
+        assert ModelShape.from_args(model.args).q_dim == 2 * model.args.dim
     model.init_weights()
     B, S = 2, 32
     tokens = torch.randint(0, 512, (B, S))

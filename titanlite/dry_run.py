@@ -258,7 +258,7 @@ def format_report(r: dict[str, Any], cfg) -> list[str]:
     lines.append(f"params     {r['params']:,} in the model ({r['params'] / 1e9:.3f} B); per rank: {spread} "
                  f"= 1/{share:.1f} of the model")
     if r["planner_params"] != r["params"]:
-        lines.append(f"note       the planner's Llama-shaped count is {r['planner_params']:,}: its memory estimate "
+        lines.append(f"note       the planner's count is {r['planner_params']:,}: its memory estimate "
                      "below is for that shape")
     if r.get("vocab_note"):
         lines.append(f"note       {r['vocab_note']}")

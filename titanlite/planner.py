@@ -27,15 +27,15 @@ micro-batches), the end of backward (gradients + the block being recomputed unde
 checkpointing) and the optimizer step (gradients + scratch).
 
 Activation bytes per token per transformer block without activation checkpointing, with ``d =
-dim``, ``F = ffn hidden``, ``h = n_heads``, ``c`` = compute-dtype bytes, ``r`` = residual-stream
+dim``, ``q = n_heads x head_dim`` (``= d`` for Llama), ``F = ffn hidden``, ``h = n_heads``, ``c`` = compute-dtype bytes, ``r`` = residual-stream
 bytes (fp32 under autocast, else ``c``), ``l`` = bytes of saved matmul inputs (``c``, or 1 for
-float8 linears), as counted with ``torch.autograd.graph.saved_tensors_hooks`` on this model (exact
-for fp32 and bf16 autocast, see tests/test_planner.py)::
+float8 linears), as counted with ``torch.autograd.graph.saved_tensors_hooks`` on titanlite's Llama 3
+block (exact for fp32 and bf16 autocast, see tests/test_planner.py)::
 
     2 RMSNorms (eager)    2 x 2 r d          input and normalized input of each norm
     matmul inputs         l d x (k_attn + k_ffn)   k = 1 when wq/wk/wv (w1/w3) share one saved input,
                                             3 (2) under autocast or float8 (each casts its own)
-    attention             3 c d + c d + 4 h  q, and k, v repeated to h heads; output (also the wo
+    attention             3 c q + c q + 4 h  q, and k, v repeated to h heads; output (also the wo
                                             input, plus an l-byte copy with float8); log-sum-exp
     SwiGLU                3 c F + l F       w1 out, w3 out, silu out; the w2 input
     norm statistics       8
@@ -46,8 +46,12 @@ activations: for large models this can outweigh the saving on the 1-byte matmul 
 
 Activation checkpointing: ``full`` keeps each block's input (``r d``) plus, during backward, one
 block's activations while it is recomputed; ``selective`` ``op`` keeps the block input and the
-outputs of the matmuls and attention (``r d + c (d + 2 d_kv) + c d + 4 h + c d + 2 c F + c d``)
+outputs of the matmuls and attention (``r d + c (q + 2 d_kv) + c q + 4 h + c d + 2 c F + c d``)
 plus one block's recomputed remainder; ``selective`` ``N`` applies full AC to every N-th block.
+
+Other families are modelled as that block with their own sizes: parameters and FLOPs stay exact
+(``head_dim``, QK-norm weights), activations are a lower bound where a block keeps more (Qwen3's
+QK-norm and fp32 half-split RoPE keep ~2x as much per token under bf16 autocast).
 
 Not modelled: the CUDA context and communication buffers and allocator fragmentation (the verdict
 keeps a reserve for them, :data:`RESERVE_BYTES` and :data:`FRAGMENTATION`), torch.compile's fusions
@@ -70,7 +74,9 @@ class ModelShape:
     """The sizes that determine parameters, FLOPs and activations (Llama-style decoder).
 
     Attribute names match the Llama 3 model args, so :func:`titanlite.metrics.flops_per_token`
-    accepts a shape directly.
+    accepts a shape directly. ``head_dim`` 0 (the default) means ``dim // n_heads`` (Llama); families that set
+    it on its own (Qwen3) and add RMSNorm weights on the query/key heads (``qk_norm``) are counted
+    exactly too.
     """
 
     dim: int
@@ -80,16 +86,24 @@ class ModelShape:
     ffn_hidden_dim: int
     vocab_size: int
     tie_word_embeddings: bool = False
+    head_dim: int = 0  # 0: dim // n_heads, filled in by __post_init__
+    qk_norm: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
 
     @classmethod
     def from_args(cls, args: Any) -> "ModelShape":
         kv = getattr(args, "kv_heads", None) or getattr(args, "n_kv_heads", None) or args.n_heads
         return cls(args.dim, args.n_layers, args.n_heads, kv, args.ffn_hidden_dim, args.vocab_size,
-                   bool(getattr(args, "tie_word_embeddings", False)))
+                   bool(getattr(args, "tie_word_embeddings", False)), int(getattr(args, "head_dim", 0) or 0),
+                   bool(getattr(args, "qk_norm", False)))
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def q_dim(self) -> int:
+        """Width of the concatenated query heads (``wq`` output, ``wo`` input); ``dim`` for Llama."""
+        return self.n_heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
@@ -97,10 +111,16 @@ class ModelShape:
 
 
 def block_params(s: ModelShape) -> int:
-    """Parameters of one transformer block: attention, SwiGLU and the two RMSNorm weights."""
-    attention = 2 * s.dim * s.dim + 2 * s.dim * s.kv_dim  # wq, wo; wk, wv
+    """Parameters of one transformer block: attention, SwiGLU, the two RMSNorm weights and, with
+    ``qk_norm``, the query and key RMSNorm weights."""
+    attention = 2 * s.dim * s.q_dim + 2 * s.dim * s.kv_dim  # wq, wo; wk, wv
     ffn = 3 * s.dim * s.ffn_hidden_dim
-    return attention + ffn + 2 * s.dim
+    return attention + ffn + 2 * s.dim + (2 * s.head_dim if s.qk_norm else 0)
+
+
+def _norm_params(s: ModelShape) -> int:
+    """Per-block norm weights (not used in matmuls)."""
+    return 2 * s.dim + (2 * s.head_dim if s.qk_norm else 0)
 
 
 def param_count(s: ModelShape) -> int:
@@ -112,7 +132,7 @@ def param_count(s: ModelShape) -> int:
 
 def matmul_param_count(s: ModelShape) -> int:
     """Parameters used in matmuls: the blocks' linear weights and the output projection."""
-    return s.n_layers * (block_params(s) - 2 * s.dim) + s.vocab_size * s.dim
+    return s.n_layers * (block_params(s) - _norm_params(s)) + s.vocab_size * s.dim
 
 
 def flops_per_token(s: ModelShape, seq_len: int) -> int:
@@ -198,12 +218,12 @@ def _bytes(setup: RunSetup) -> tuple[int, int, int]:
 def activation_bytes_per_token_layer(s: ModelShape, setup: RunSetup) -> float:
     """Bytes autograd keeps per token per block without activation checkpointing (before ``/ tp``)."""
     c, r, lin = _bytes(setup)
-    d, f = s.dim, s.ffn_hidden_dim
+    d, q, f = s.dim, s.q_dim, s.ffn_hidden_dim
     separate = setup.autocast or setup.float8  # every linear saves its own (cast) input
     k_attn, k_ffn = (3, 2) if separate else (1, 1)
     norms = 2 * 2 * r * d
     matmul_inputs = lin * d * (k_attn + k_ffn)
-    attention = 3 * c * d + c * d + 4 * s.n_heads + (lin * d if setup.float8 else 0)
+    attention = 3 * c * q + c * q + 4 * s.n_heads + (lin * q if setup.float8 else 0)
     ffn = 3 * c * f + lin * f
     return norms + matmul_inputs + attention + ffn + 8
 
@@ -211,8 +231,8 @@ def activation_bytes_per_token_layer(s: ModelShape, setup: RunSetup) -> float:
 def selective_op_bytes_per_token_layer(s: ModelShape, setup: RunSetup) -> float:
     """Bytes kept per token per block with per-op selective AC (block input + matmul/attention outputs)."""
     c, r, _ = _bytes(setup)
-    d = s.dim
-    return r * d + c * (d + 2 * s.kv_dim) + c * d + 4 * s.n_heads + c * d + 2 * c * s.ffn_hidden_dim + c * d
+    d, q = s.dim, s.q_dim
+    return r * d + c * (q + 2 * s.kv_dim) + c * q + 4 * s.n_heads + c * d + 2 * c * s.ffn_hidden_dim + c * d
 
 
 def activation_bytes(s: ModelShape, setup: RunSetup) -> float:
@@ -252,7 +272,7 @@ def memory_breakdown(s: ModelShape, setup: RunSetup) -> dict[str, Any]:
     optimizer = 8 * local
     activations = activation_bytes(s, setup)
     if setup.float8:  # float8 copies of the (converted) block weights, saved for backward
-        activations += s.n_layers * (block_params(s) - 2 * s.dim) / setup.tp
+        activations += s.n_layers * (block_params(s) - _norm_params(s)) / setup.tp
     logits = setup.micro_batch_tokens * s.vocab_size / setup.tp * (c + 12)
     scratch = 4 * local if setup.optimizer_impl == "foreach" else 0.0
     recomputed = 0.0 if setup.ac_mode == "none" else (
