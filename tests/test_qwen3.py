@@ -11,9 +11,10 @@
   data, same tolerances: loss / grad norm / validation loss within RTOL = 2e-5 relative); the final
   weights must also agree (1e-4 absolute; QK-norm gains 1e-5), which a QK-norm gain whose gradient
   is not summed over the TP ranks would break (it drifts by ~lr = 3e-3 per step).
-- Extension mechanics: core titanlite never imports ``torchtitan_ext``; ``[job] extensions`` (file or
-  command line) is imported before the config is checked, and ``titanlite.train.main`` trains the
-  shipped debug config through it (2 steps). The same hook, in a fresh process, runs under the
+- Extension mechanics: core titanlite never imports ``torchtitan_ext``; ``load_config`` imports
+  ``[job] extensions`` (file or command line) before it checks ``[model]``, so
+  ``scripts/estimate.py`` sees the family in a fresh interpreter, and ``titanlite.train.main``
+  trains the shipped debug config through it (2 steps). The same hook, in a fresh process, runs under the
   shipped-config dry runs of tests/test_train_configs.py.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ import copy
 import dataclasses
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -280,30 +282,44 @@ def test_core_never_imports_torchtitan_ext():
     assert not offenders, offenders
 
 
-def test_extensions_are_read_from_the_config_and_the_command_line(tmp_path):
-    from titanlite.extensions import extensions_from_argv, load_extensions
+def test_load_config_imports_the_extensions_from_the_file_and_the_command_line(tmp_path):
+    """``load_config`` imports ``[job] extensions`` before it looks up ``[model] name``, so any script
+    that loads a config sees the families they register; a command-line value replaces the file's."""
+    from titanlite.config import ConfigError, load_config
 
-    cfg = tmp_path / "run.toml"
-    cfg.write_text('[job]\nextensions = ["a.b", "c"]\n')
-    assert extensions_from_argv(["--config", str(cfg)]) == ["a.b", "c"]
-    assert extensions_from_argv(["--config", str(cfg), "--job.extensions", "x,y"]) == ["x", "y"]  # CLI replaces
-    assert extensions_from_argv([f"--config={cfg}", "--job.extensions="]) == []
-    assert extensions_from_argv(["--training.steps", "3"]) == []
-    # an extension module registers a family on import; a failing one is a one-line ValueError
+    # an extension module registers a family on import
     (tmp_path / "toy_ext_for_test.py").write_text(
-        "import dataclasses\n"
         "from titanlite.models import ModelSpec, register_model\n"
         "from torchtitan_ext.qwen3 import QWEN3_FLAVORS, Qwen3Model, Qwen3ModelArgs\n"
         "register_model(ModelSpec(name='toy_ext_family', args_cls=Qwen3ModelArgs, flavors=QWEN3_FLAVORS,\n"
         "                         model_cls=Qwen3Model))\n")
+    run = tmp_path / "run.toml"
+    run.write_text('[job]\nextensions = ["toy_ext_for_test"]\n[model]\nname = "toy_ext_family"\nhead_dim = 16\n')
     sys.path.insert(0, str(tmp_path))
     try:
-        assert load_extensions(["toy_ext_for_test"]) == ["toy_ext_for_test"]
+        with pytest.raises(ConfigError, match="unknown model family 'toy_ext_family'"):
+            load_config(["--config", str(run), "--job.extensions="])  # the override removes the extension
+        assert "toy_ext_for_test" not in sys.modules
+        cfg = load_config(["--config", str(run)])
+        assert "toy_ext_for_test" in sys.modules and cfg.job.extensions == ["toy_ext_for_test"]
         assert get_model_spec("toy_ext_family").model_cls is Qwen3Model
-        with pytest.raises(ValueError, match="cannot import 'torchtitan_ext.nope'"):
-            load_extensions(["torchtitan_ext.nope"])
+        assert cfg.model.overrides == {"head_dim": 16}  # checked against the extension family's args
+        with pytest.raises(ConfigError, match=r"^job.extensions: cannot import 'torchtitan_ext.nope' \(Module"):
+            load_config(["--config", str(run), "--job.extensions", "toy_ext_for_test,torchtitan_ext.nope"])
     finally:
         sys.path.remove(str(tmp_path))
+        sys.modules.pop("toy_ext_for_test", None)
+
+
+def test_estimate_script_sees_the_extension_family():
+    """``scripts/estimate.py`` on the qwen3 debug config in a fresh interpreter: nothing imported
+    beforehand, and the planner's parameter count is the model's exact one."""
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "estimate.py"), "--config",
+                          str(REPO / "torchtitan_ext" / "configs" / "qwen3_debug.toml"), "--gpu", "H100",
+                          "--num-gpus", "1", "--tokens", "1e9"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    expected = sum(p.numel() for p in build_model("qwen3", "debugmodel").parameters())  # meta device
+    assert f"qwen3/debugmodel: {expected:,} parameters" in out.stdout, out.stdout
 
 
 def test_debug_config_trains_through_the_trainer_entry_point(tmp_path, capsys, monkeypatch):

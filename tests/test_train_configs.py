@@ -17,7 +17,6 @@ import pytest
 
 from dist_utils import REPO
 from titanlite.config import load_config
-from titanlite.extensions import extensions_from_argv, load_extensions
 
 CONFIGS = sorted(str(p.relative_to(REPO)) for p in [*(REPO / "train_configs").glob("*.toml"),
                                                      *(REPO / "torchtitan_ext" / "configs").glob("*.toml")])
@@ -35,12 +34,9 @@ DRY_RUN_ALL = """
 import json, sys
 from titanlite.config import load_config
 from titanlite.dry_run import dry_run
-from titanlite.extensions import extensions_from_argv, load_extensions
 out = {}
 for path in sys.argv[1:]:
-    argv = ["--config", path]
-    load_extensions(extensions_from_argv(argv))  # what titanlite.train.main does first
-    r = dry_run(load_config(argv), out=lambda line: None)
+    r = dry_run(load_config(["--config", path]), out=lambda line: None)  # imports [job] extensions
     out[path] = {k: r[k] for k in ("world_size", "world_size_source", "degrees", "params", "per_rank", "fits",
                                    "tokens_per_step", "groups")}
 print("REPORT" + json.dumps(out))
@@ -52,9 +48,7 @@ def test_every_shipped_config_is_listed():
 
 
 def load(path: str):
-    argv = ["--config", str(REPO / path)]
-    load_extensions(extensions_from_argv(argv))  # e.g. the qwen3 family for its debug config
-    return load_config(argv)  # strict: unknown keys, bad values and cross-field rules raise
+    return load_config(["--config", str(REPO / path)])  # imports [job] extensions (qwen3); strict: unknown keys, bad values and cross-field rules raise
 
 
 @pytest.mark.parametrize("path", CONFIGS)

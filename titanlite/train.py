@@ -31,7 +31,6 @@ from torch import nn
 from titanlite.checkpoint import AttrState, CheckpointManager
 from titanlite.config import JobConfig, dump_config, parse_args_or_exit
 from titanlite.data.loader import build_dataloader, load_token_store
-from titanlite.extensions import load_extensions_or_exit
 from titanlite.loss import cross_entropy_sum
 from titanlite.guard import StepCheck, StepGuard, TrainingDivergedError, rollback
 from titanlite.metrics import (MetricsLogger, RunProgress, UpdateRatio, flops_per_token, format_duration,
@@ -440,7 +439,6 @@ def setup_logging(rank: int) -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    load_extensions_or_exit(argv)  # [job] extensions register their model families before the config is checked
     cfg = parse_args_or_exit(argv)
     if cfg.job.dry_run:  # check the layout at its stated scale with a fake process group, then exit
         from titanlite.dry_run import dry_run

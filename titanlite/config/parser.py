@@ -533,6 +533,15 @@ def _apply_cli(cfg: JobConfig, name: str, raw: Any, extras: dict[str, _Extra]) -
         raise ConfigError(f"unknown key '{name}' {where}{_suggest_key(sec.toml, key, list(settable))}")
 
 
+def _import_extensions(cfg: JobConfig) -> None:
+    from titanlite.extensions import load_extensions
+
+    try:
+        load_extensions(cfg.job.extensions)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _resolve_model(cfg: JobConfig, extras: Mapping[str, _Extra]) -> None:
     """Check model.name/flavor against the registry and convert the model-args overrides."""
     from titanlite.models import get_model_spec, model_names
@@ -582,6 +591,7 @@ def load_config(argv: Sequence[str]) -> JobConfig:
         _apply_table(cfg, read_toml(config_path), "", config_path, extras)
     for name, raw in cli:
         _apply_cli(cfg, name, raw, extras)
+    _import_extensions(cfg)  # they may register the model family that [model] names
     _resolve_model(cfg, extras)
     validate(cfg)
     return cfg
