@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from titanlite.config import parse_args_or_exit  # noqa: E402
+from titanlite.config import exit_with_error, parse_args_or_exit  # noqa: E402
 from titanlite.metrics import memory_stats, peak_flops  # noqa: E402
 from titanlite.train import Trainer, setup_logging  # noqa: E402
 from titanlite.parallel.distributed import world_from_env  # noqa: E402
@@ -156,8 +156,7 @@ def main(argv=None) -> dict:
     try:
         trainer = BenchTrainer(cfg, (args.warmup, not args.no_split))
     except (ValueError, KeyError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2)
+        exit_with_error(e, every_rank=True)
     trainer.train()
     elapsed = trainer.timer.elapsed()
     result = summarize(trainer, cfg, args, elapsed)

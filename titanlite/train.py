@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from titanlite.checkpoint import AttrState, CheckpointManager
-from titanlite.config import JobConfig, dump_config, parse_args_or_exit
+from titanlite.config import JobConfig, dump_config, exit_with_error, parse_args_or_exit
 from titanlite.data.loader import build_dataloader, load_token_store
 from titanlite.loss import cross_entropy_sum
 from titanlite.guard import StepCheck, StepGuard, TrainingDivergedError, rollback
@@ -446,8 +446,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         try:
             dry_run(cfg)
         except (ValueError, KeyError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            raise SystemExit(2)
+            exit_with_error(e)
         return
     world = world_from_env()
     setup_logging(world.rank)
@@ -460,8 +459,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     try:
         trainer = Trainer(cfg, world)
     except (ValueError, KeyError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2)
+        exit_with_error(e, every_rank=True)
     with trainer.preemption:  # SIGTERM/SIGINT: finish the step, checkpoint, exit 0 (titanlite.preemption)
         try:
             trainer.train()

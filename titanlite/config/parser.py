@@ -792,5 +792,23 @@ def parse_args_or_exit(argv: Sequence[str] | None = None, prog: str = _DEFAULT_P
     try:
         return load_config(args)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        exit_with_error(e)
+
+
+def exit_with_error(error: object, code: int = 2, every_rank: bool = False) -> typing.NoReturn:
+    """Print ``error: <one line>`` on stderr and exit with ``code`` (no traceback).
+
+    Under torchrun every process parses the same command line, so by default only local rank 0 of
+    each node prints (one line per node instead of one per GPU). ``every_rank=True`` is for
+    failures that may differ between ranks (building the model, reading a rank's data): each rank
+    prints, prefixed with its rank when there are several.
+    """
+    if isinstance(error, KeyError) and error.args:
+        error = error.args[0]
+    msg = " ".join(str(error).split())
+    rank, world = os.environ.get("RANK"), int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if every_rank:
+        print(f"error: {f'rank {rank}: ' if rank is not None and world > 1 else ''}{msg}", file=sys.stderr)
+    elif os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"error: {msg}", file=sys.stderr)
+    raise SystemExit(code)

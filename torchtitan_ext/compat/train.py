@@ -35,7 +35,7 @@ from typing import Any, Optional
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from titanlite.config import ConfigError, JobConfig, dump_config
+from titanlite.config import ConfigError, JobConfig, dump_config, exit_with_error
 from titanlite.train import Trainer, setup_logging
 from torchtitan_ext.compat.checkpoint import broadcast_from_rank0, choose_source, load_torchtitan_checkpoint
 from torchtitan_ext.compat.config import CompatError, CompatSettings, load_translated, translate
@@ -181,8 +181,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         translation = translate(path, argv)
         cfg = load_translated(translation)
     except (CompatError, ConfigError) as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        raise SystemExit(2) from None
+        exit_with_error(e)
     if translate_only:
         sys.stdout.write(translation.toml())
         return
@@ -192,8 +191,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         try:
             dry_run(cfg)
         except (ValueError, KeyError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            raise SystemExit(2)
+            exit_with_error(e)
         return
     if world.is_main:
         Path(cfg.job.dump_folder).mkdir(parents=True, exist_ok=True)
@@ -201,8 +199,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     try:
         trainer = CompatTrainer(cfg, translation.settings, world)
     except (ValueError, KeyError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2)
+        exit_with_error(e, every_rank=True)
     from titanlite.guard import TrainingDivergedError
 
     with trainer.preemption:
