@@ -307,3 +307,24 @@ def test_errors_are_one_line_and_write_nothing(tmp_path):
     (src / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
     fails(hf_to_dcp, src, tmp_path / "d1", expect="lacks model.layers.2.")
     assert not (tmp_path / "d1").exists() and not list(tmp_path.glob("d1.partial-*"))
+
+
+def test_llama_args_from_hf_config_round_trip_and_refusals():
+    """config.json written for a model maps back to the same args (3.1 RoPE scaling included); what
+    titanlite's Llama cannot express is a one-line ValueError naming the key."""
+    args = tiny_args(rope_scaling_factor=8.0)
+    config = Llama3HFAdapter(args).hf_config(dtype=torch.bfloat16, bos_token_id=1, eos_token_id=2)
+    assert config["torch_dtype"] == "bfloat16" and config["rope_scaling"]["rope_type"] == "llama3"
+    assert Llama3HFAdapter.args_from_hf_config(config) == args
+    v5 = {k: v for k, v in config.items() if k not in ("rope_theta", "rope_scaling")}  # transformers 5 layout
+    v5["rope_parameters"] = {**config["rope_scaling"], "rope_theta": args.rope_theta}
+    assert Llama3HFAdapter.args_from_hf_config(v5) == args
+    for change, message in (({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "not a Llama config"),
+                            ({"hidden_size": None}, "lacks an integer 'hidden_size'"),
+                            ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
+                            ({"attention_bias": True}, "unsupported attention_bias=true"),
+                            ({"mlp_bias": True}, "unsupported mlp_bias=true"),
+                            ({"head_dim": 2 * args.head_dim}, "unsupported head_dim="),
+                            ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope_type 'yarn'")):
+        with pytest.raises(ValueError, match=message):
+            Llama3HFAdapter.args_from_hf_config({**config, **change})

@@ -1,0 +1,184 @@
+"""What every Llama-style decoder's Hugging Face adapter shares: names, shapes, config.json basics.
+
+Decoder families share one layout: a few top-level tensors (embedding, final norm, output) and
+``layers.<i>.<suffix>`` blocks, which Hugging Face stores as ``model.layers.<i>.<hf suffix>``, and
+a ``config.json`` whose core keys (``hidden_size``, ``num_attention_heads``, ...) mean the same in
+every family. A family's adapter subclasses :class:`HFDecoderAdapter`, fills the two name tables
+(``TOP``: whole names, ``BLOCK``: suffixes inside a block) and adds only what differs:
+
+- tensor layout changes (``tensor_to_hf`` / ``tensor_from_hf``; identity by default),
+- extra per-block parameters (``extra_block_shapes``),
+- its own ``config.json`` keys (``hf_config`` = :meth:`HFDecoderAdapter.base_hf_config` + extras),
+- the args a ``config.json`` maps to (``args_from_hf_config``, after :meth:`check_hf_config`).
+
+The model args are expected to have ``dim, n_layers, n_heads, kv_heads, head_dim, ffn_hidden_dim,
+vocab_size, max_seq_len, norm_eps, tie_word_embeddings``. Every conversion works on one tensor at a
+time, so converters can stream a checkpoint.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping, Optional
+
+import torch
+
+_NATIVE_BLOCK_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
+_HF_BLOCK_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# HF keys that carry no weights (older exports store the rotary inverse frequencies)
+_HF_IGNORED_RE = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+# the names every Llama-style family shares (a family may add entries)
+DECODER_TOP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+DECODER_BLOCK = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_REQUIRED_INTS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+class HFDecoderAdapter:
+    """Converts one model's tensors and config to and from a Hugging Face ``*ForCausalLM``."""
+
+    architecture = "?"  # e.g. "LlamaForCausalLM"
+    model_type = "?"  # config.json "model_type", e.g. "llama"
+    family = "?"  # for messages, e.g. "Llama"
+    TOP: dict[str, str] = DECODER_TOP
+    BLOCK: dict[str, str] = DECODER_BLOCK
+
+    def __init__(self, args: Any):
+        self.args = args
+
+    # ---- names
+    def to_hf_name(self, name: str) -> str:
+        if name in self.TOP:
+            return self.TOP[name]
+        m = _NATIVE_BLOCK_RE.match(name)
+        if m and m.group(2) in self.BLOCK:
+            return f"model.layers.{m.group(1)}.{self.BLOCK[m.group(2)]}"
+        raise KeyError(f"no Hugging Face name for parameter {name!r}")
+
+    def from_hf_name(self, hf_name: str) -> Optional[str]:
+        """The native name of an HF tensor; None for tensors that hold no weights (rotary tables)."""
+        if _HF_IGNORED_RE.search(hf_name):
+            return None
+        for native, hf in self.TOP.items():
+            if hf == hf_name:
+                return native
+        m = _HF_BLOCK_RE.match(hf_name)
+        if m:
+            for native, hf in self.BLOCK.items():
+                if hf == m.group(2):
+                    return f"layers.{m.group(1)}.{native}"
+        raise KeyError(f"unexpected tensor {hf_name!r} for a {self.architecture}")
+
+    # ---- tensors
+    def tensor_to_hf(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A native tensor in HF's layout (override when the layouts differ)."""
+        return tensor
+
+    def tensor_from_hf(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """An HF tensor (``name`` is its native name) in the native layout."""
+        return tensor
+
+    def to_hf(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+        """``(hf_name, tensor)`` for one native tensor."""
+        return self.to_hf_name(name), self.tensor_to_hf(name, tensor)
+
+    def from_hf(self, hf_name: str, tensor: torch.Tensor) -> Optional[tuple[str, torch.Tensor]]:
+        """``(native_name, tensor)`` for one HF tensor, or None for tensors without weights."""
+        name = self.from_hf_name(hf_name)
+        return None if name is None else (name, self.tensor_from_hf(name, tensor))
+
+    def extra_block_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Block parameters beyond the shared decoder block (suffix -> shape)."""
+        return {}
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Native name -> shape of every parameter of a model with these args, in HF's usual order."""
+        a = self.args
+        q, kv, f = a.n_heads * a.head_dim, a.kv_heads * a.head_dim, a.ffn_hidden_dim
+        block = {"attention.wq.weight": (q, a.dim), "attention.wk.weight": (kv, a.dim),
+                 "attention.wv.weight": (kv, a.dim), "attention.wo.weight": (a.dim, q),
+                 **self.extra_block_shapes(),
+                 "feed_forward.w1.weight": (f, a.dim), "feed_forward.w2.weight": (a.dim, f),
+                 "feed_forward.w3.weight": (f, a.dim),
+                 "attention_norm.weight": (a.dim,), "ffn_norm.weight": (a.dim,)}
+        shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (a.vocab_size, a.dim)}
+        for i in range(a.n_layers):
+            shapes.update({f"layers.{i}.{suffix}": shape for suffix, shape in block.items()})
+        shapes["norm.weight"] = (a.dim,)
+        shapes["output.weight"] = (a.vocab_size, a.dim)
+        return shapes
+
+    # ---- config.json
+    def base_hf_config(self, dtype: torch.dtype, bos_token_id: Optional[int],
+                       eos_token_id: Optional[int]) -> dict[str, Any]:
+        """The ``config.json`` keys every Llama-style family writes the same way."""
+        a = self.args
+        return {
+            "architectures": [self.architecture],
+            "model_type": self.model_type,
+            "hidden_size": a.dim,
+            "intermediate_size": a.ffn_hidden_dim,
+            "num_hidden_layers": a.n_layers,
+            "num_attention_heads": a.n_heads,
+            "num_key_value_heads": a.kv_heads,
+            "head_dim": a.head_dim,
+            "vocab_size": a.vocab_size,
+            "max_position_embeddings": a.max_seq_len,
+            "rms_norm_eps": a.norm_eps,
+            "tie_word_embeddings": a.tie_word_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "initializer_range": 0.02,
+            "use_cache": True,
+            "bos_token_id": bos_token_id,
+            "eos_token_id": eos_token_id,
+            "torch_dtype": str(dtype).removeprefix("torch."),
+        }
+
+    def hf_config(self, *, dtype: torch.dtype, bos_token_id: Optional[int] = None,
+                  eos_token_id: Optional[int] = None) -> dict[str, Any]:
+        """``config.json`` of the equivalent HF model (families add their own keys)."""
+        return self.base_hf_config(dtype, bos_token_id, eos_token_id)
+
+    @staticmethod
+    def generation_config(bos_token_id: Optional[int], eos_token_id: Optional[int]) -> dict[str, Any]:
+        return {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "do_sample": False}
+
+    @classmethod
+    def check_hf_config(cls, config: Mapping[str, Any]) -> None:
+        """ValueError unless ``config`` is this family's, with the core integer sizes, SwiGLU (silu)
+        and no attention bias."""
+        archs = config.get("architectures") or []
+        if config.get("model_type") != cls.model_type and cls.architecture not in archs:
+            raise ValueError(f"not a {cls.family} config (model_type={config.get('model_type')!r}, "
+                             f"architectures={archs}); expected {cls.architecture}")
+        for key in _REQUIRED_INTS:
+            if not isinstance(config.get(key), int):
+                raise ValueError(f"{cls.family} config.json lacks an integer {key!r}")
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {config['hidden_act']!r} (titanlite's {cls.family} uses silu)")
+        if config.get("attention_bias"):
+            raise ValueError(f"unsupported attention_bias=true (titanlite's {cls.family} has no biases)")
+
+    @staticmethod
+    def rope_from_hf(config: Mapping[str, Any]) -> tuple[float, str, Mapping[str, Any]]:
+        """``(rope_theta, rope_type, scaling fields)`` from transformers 5 ``rope_parameters`` or 4.x
+        ``rope_theta`` + ``rope_scaling``; ``rope_type`` is ``"default"`` for plain RoPE."""
+        params = config.get("rope_parameters") or {}
+        rope = config.get("rope_scaling") or params
+        theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+        return float(theta), rope.get("rope_type", rope.get("type")) or "default", rope
