@@ -155,3 +155,32 @@ def test_this_torch_supports_float8_with_tp():
     from titanlite.parallel.float8 import dtensor_supports_scaled_mm
 
     assert dtensor_supports_scaled_mm()  # so float8 x TP runs (and is parity-tested in test_parallel_parity)
+
+
+def test_float8_model_meets_cuda_scaled_mm_layout_rules_on_meta():
+    """On the meta device ``_scaled_mm`` applies the CUDA kernel's checks (row-major first operand,
+    column-major second, every dimension divisible by 16), so a float8 debug model's forward and
+    backward there exercise the layouts a GPU would see, without one. A micro-batch whose token
+    count is not a multiple of 16 breaks the weight-gradient matmul, which the config refuses."""
+    from titanlite.config import ConfigError, load_config
+    from titanlite.loss import cross_entropy_sum
+    from titanlite.models import build_model
+
+    model = build_model("llama3", "debugmodel", device="meta").to(torch.bfloat16)  # as FSDP's bf16 params
+    report = convert_to_float8(model)
+    assert len(report.converted) == 7 * model.args.n_layers  # wq wk wv wo w1 w2 w3 of every block
+    tokens = torch.randint(0, 512, (2, 64), device="meta")
+    cross_entropy_sum(model(tokens), tokens).backward()
+    assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
+
+    from titanlite.parallel.float8 import _Float8Matmul
+
+    x = torch.empty(1000, 256, device="meta", requires_grad=True)  # 1000 tokens: not a multiple of 16
+    w = torch.empty(512, 256, device="meta", requires_grad=True)
+    out = _Float8Matmul.apply(x, w, torch.bfloat16)  # forward: [1000, 256] @ [256, 512] is fine
+    with pytest.raises(RuntimeError, match="divisible by 16"):
+        out.sum().backward()  # dW = dy^T x contracts over the 1000 tokens
+    with pytest.raises(ConfigError, match=r"^quantize.linear.float8.enable needs training.local_batch_size x "
+                                          r"training.seq_len \(5 x 200 = 1000 tokens"):
+        load_config(["--quantize.linear.float8.enable", "--training.local_batch_size", "5",
+                     "--training.seq_len", "200", "--training.global_batch_size", "-1"])

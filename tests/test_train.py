@@ -1,5 +1,6 @@
 """Trainer: learning on the embedded data, accumulation == big batch, bitwise reproducibility, CLI."""
 import json
+import os
 import subprocess
 import sys
 
@@ -122,3 +123,19 @@ def test_repeated_validation_reads_the_same_windows(tmp_path):
                      "--validation.steps", "-1")
     first, second = t.validate()["val_loss"], t.validate()["val_loss"]
     assert first == second and first == first  # equal and not NaN
+
+
+def test_deterministic_sets_the_cublas_workspace_before_any_matmul(monkeypatch):
+    """torch refuses deterministic CUDA matmuls unless CUBLAS_WORKSPACE_CONFIG is set before cuBLAS's
+    first use; set_seed(deterministic=True) sets it (keeping a value the user chose)."""
+    from titanlite.train import set_seed
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        set_seed(0, deterministic=True)
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and torch.are_deterministic_algorithms_enabled()
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+        set_seed(0, deterministic=True)
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    finally:
+        torch.use_deterministic_algorithms(False)

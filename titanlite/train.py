@@ -18,6 +18,7 @@ import itertools
 import json
 import logging
 import math
+import os
 import random
 import sys
 import time
@@ -40,7 +41,7 @@ from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallel.compile import CompilePolicy
 from titanlite.parallel.distributed import (WorldInfo, all_reduce_sum, init_distributed, set_collective_timeout,
                                             world_from_env)
-from titanlite.parallel.float8 import float8_disabled
+from titanlite.parallel.float8 import float8_disabled, float8_modules
 from titanlite.parallel.fsdp import DTYPES, is_fsdp
 from titanlite.parallel.grad_clip import clip_grad_norm_
 from titanlite.parallel.parallel_dims import ParallelDims
@@ -59,6 +60,9 @@ def set_seed(seed: int, deterministic: bool = False) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
     if deterministic:
+        # cuBLAS is deterministic only with a fixed workspace; torch raises at the first CUDA matmul
+        # without it. Read once, at cuBLAS's first use, so it must be set before any matmul.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=False)
         torch.backends.cudnn.benchmark = False
 
@@ -120,7 +124,8 @@ class Trainer:
         self.tokens_seen = 0
         self.n_params = num_params(self.model)
         self.flops_per_token = flops_per_token(self.model_args, self.n_params, tcfg.seq_len)
-        self.matmul_dtype = matmul_dtype(tcfg.mixed_precision_param, cfg.quantize_linear_float8.enable, self.device)
+        float8 = any(True for _ in float8_modules(self.model))  # enabled but every linear skipped: no fp8 peak
+        self.matmul_dtype = matmul_dtype(tcfg.mixed_precision_param, float8, self.device)
         self.peak_flops = peak_flops(self.device, self.matmul_dtype)  # None (MFU unknown) for an unknown GPU
         self.guard = StepGuard(cfg.guard, self.device)
         self.update_ratio = (UpdateRatio(self.model, cfg.metrics.update_ratio_per_layer)

@@ -35,8 +35,14 @@ class Stager:
         self.reuse_buffers = reuse_buffers
         self.pin_memory = pin_memory and torch.cuda.is_available()
         self._buffers: dict[str, torch.Tensor] = {}
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-stage") if background else None
         self._stream = torch.cuda.Stream() if background and torch.cuda.is_available() else None
+        # A new thread starts on CUDA device 0: leaving a stream context there would switch the
+        # thread to device 0 and create a CUDA context on GPU 0 for every rank, so the staging
+        # thread is put on this rank's device first.
+        init = {} if self._stream is None else {"initializer": torch.cuda.set_device,
+                                                "initargs": (self._stream.device,)}
+        self._executor = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-stage", **init)
+                          if background else None)
 
     def stage(self, state: Any) -> Any | Future:
         """A CPU copy of ``state`` (a future of it with ``background=True``).

@@ -617,6 +617,11 @@ def validate(cfg: JobConfig) -> None:
     if gbs != -1 and (gbs <= 0 or gbs % lbs != 0):
         raise ConfigError(f"invalid value {gbs} for 'training.global_batch_size': must be -1 or a positive "
                           f"multiple of training.local_batch_size ({lbs})")
+    tokens = lbs * t.seq_len
+    if cfg.quantize_linear_float8.enable and tokens % 16:
+        raise ConfigError(f"quantize.linear.float8.enable needs training.local_batch_size x training.seq_len "
+                          f"({lbs} x {t.seq_len} = {tokens} tokens per micro-batch) to be a multiple of 16: "
+                          "float8 matmuls (torch._scaled_mm) need every matrix dimension divisible by 16")
     if val.steps != -1 and val.steps < 1:
         raise ConfigError(f"invalid value {val.steps} for 'validation.steps': must be -1 (whole split) or >= 1")
     for section, obj in (("training", t), ("validation", val)):

@@ -140,7 +140,7 @@ class Parallelism:
     enable_loss_parallel: bool = opt(True, "With TP: compute the cross-entropy on vocabulary-sharded logits (never gathers the full logits).")
     fsdp_reshard_after_forward: str = opt("default", "Free gathered parameters after forward: default (every group but the last, which backward needs first), always or never (more memory, fewer all-gathers).",
                                           choices=["default", "always", "never"])
-    weight_init: str = opt("auto", "How sharded weights are initialized: sharded (init_weights on each shard; needs DTensor random support, i.e. CUDA), rank0 (rank 0 initializes a full CPU copy exactly like a single process and broadcasts it; same weights as a one-process run), auto (sharded on CUDA, rank0 elsewhere).",
+    weight_init: str = opt("auto", "How sharded weights are initialized: sharded (init_weights on each shard; needs DTensor random support, i.e. CUDA), rank0 (rank 0 initializes a full CPU copy exactly like a single CPU process and broadcasts it; same weights as a one-process CPU run), auto (sharded on CUDA, rank0 elsewhere).",
                            choices=["auto", "sharded", "rank0"])
 
 

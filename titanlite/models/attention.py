@@ -50,7 +50,9 @@ def block_causal_block_mask(document_ids: torch.Tensor) -> BlockMask:
     def mask_mod(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (document_ids[b, q_idx] == document_ids[b, kv_idx])
 
-    return create_block_mask(mask_mod, bsz, None, seq, seq, device=document_ids.device)
+    # eager create_block_mask materializes a dense [B, S, S] mask first; compiled it works block by block
+    make = _compiled_block_mask() if document_ids.device.type == "cuda" else create_block_mask
+    return make(mask_mod, bsz, None, seq, seq, device=document_ids.device)
 
 
 def build_attention_mask(attn_mask_type: str, document_ids: torch.Tensor | None,
@@ -65,6 +67,11 @@ def build_attention_mask(attn_mask_type: str, document_ids: torch.Tensor | None,
     if resolve_backend(backend, document_ids.device) == "flex":
         return block_causal_block_mask(document_ids)
     return block_causal_bool_mask(document_ids)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_block_mask():
+    return torch.compile(create_block_mask)
 
 
 @functools.lru_cache(maxsize=None)

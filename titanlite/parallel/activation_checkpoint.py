@@ -42,6 +42,9 @@ def _ops_to_save() -> set:
     for name in ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_attention_math"):
         if hasattr(aten, name):
             ops.add(getattr(aten, name).default)
+    flex = getattr(torch.ops.higher_order, "flex_attention", None)  # block-causal attention on CUDA
+    if flex is not None:
+        ops.add(flex)
     c10d = torch.ops._c10d_functional
     ops.update({c10d.reduce_scatter_tensor.default, c10d.all_reduce.default})
     return ops

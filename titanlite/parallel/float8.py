@@ -31,7 +31,9 @@ tests check against.
 ``_scaled_mm`` wants its first operand row-major and its second column-major, which is why some
 operands are transposed with ``.t().contiguous().t()``; on CUDA both inner dimensions must be
 multiples of 16, so linears whose in/out features are not (after tensor-parallel sharding) are
-left in high precision, and the number of tokens per step must be a multiple of 16 too.
+left in high precision, and the number of tokens per micro-batch (``local_batch_size x seq_len``,
+the inner dimension of the weight-gradient matmul) must be a multiple of 16 too: the config loader
+refuses it otherwise.
 
 Composition
 -----------
@@ -121,8 +123,9 @@ class Float8Linear(nn.Linear):
         if not self.enabled:
             return F.linear(x, self.weight, self.bias)
         # under autocast the output takes the autocast dtype, like a bf16 matmul's would
-        device_type = x.device.type
-        out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        device_type = x.device.type  # meta (shape-only runs) has no autocast state to ask
+        autocast = device_type != "meta" and torch.is_autocast_enabled(device_type)
+        out_dtype = torch.get_autocast_dtype(device_type) if autocast else x.dtype
         out = _Float8Matmul.apply(x.reshape(-1, x.shape[-1]), self.weight, out_dtype)
         out = out.reshape(*x.shape[:-1], out.shape[-1])
         return out if self.bias is None else out + self.bias.to(out.dtype)

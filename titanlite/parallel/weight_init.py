@@ -3,10 +3,11 @@
 - ``sharded``: ``init_weights()`` runs on every rank on its shards only. With CUDA meshes DTensor's
   RNG tracker gives each shard its own part of the random stream, so the full tensors are properly
   random, though not equal to a one-process init with the same seed.
-- ``rank0``: rank 0 builds and initializes a full copy on the CPU, exactly as a single process does
-  with the same seed, and every rank then loads its shards from it (a broadcast). Same weights as
-  a one-process run, at the cost of one full copy in rank 0's host memory (devices only ever hold
-  their shards). The only correct choice on CPU meshes: there DTensor has no RNG tracker and
+- ``rank0``: rank 0 builds and initializes a full copy on the CPU, exactly as a single CPU process
+  does with the same seed, and every rank then loads its shards from it (a broadcast). Same
+  weights as a one-process CPU run (a one-GPU run draws from the CUDA generator, so its numbers
+  differ), at the cost of one full copy in rank 0's host memory (devices only ever hold their
+  shards). The only correct choice on CPU meshes: there DTensor has no RNG tracker and
   every shard would get the *same* random values (TP heads identical, FSDP rows repeated).
 - ``auto``: ``sharded`` on CUDA, ``rank0`` elsewhere. Unsharded models always use ``init_weights``.
 """
