@@ -14,7 +14,8 @@
 - Extension mechanics: core titanlite never imports ``torchtitan_ext``; ``load_config`` imports
   ``[job] extensions`` (file or command line) before it checks ``[model]``, so
   ``scripts/estimate.py`` sees the family in a fresh interpreter, and ``titanlite.train.main``
-  trains the shipped debug config through it (2 steps). The same hook, in a fresh process, runs under the
+  trains the shipped debug config through it (2 steps); its checkpoint records the extension, so
+  the converter scripts (fresh interpreters) turn it into an HF folder and back (``--extensions``). The same hook, in a fresh process, runs under the
   shipped-config dry runs of tests/test_train_configs.py.
 """
 from __future__ import annotations
@@ -334,9 +335,27 @@ def test_debug_config_trains_through_the_trainer_entry_point(tmp_path, capsys, m
             "--training.global_batch_size", "2", "--lr_scheduler.warmup_steps", "1", "--validation.enable", "false",
             "--metrics.log_freq", "1", "--training.dataset", "text", "--training.dataset_path", str(data),
             "--model.n_layers", "2"]
-    train.main(argv)
+    train.main(argv + ["--checkpoint.enable", "--checkpoint.interval", "2"])
     records = [json.loads(l) for l in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2]
+
+    # the converters, each in a fresh interpreter: DCP -> HF finds the family through the extensions
+    # the checkpoint records; HF -> DCP needs --extensions (and records it for the way back)
+    def convert(script: str, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(REPO / "scripts" / script), "--quiet", *args],
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
+
+    step = tmp_path / "out" / "checkpoint" / "step-2"
+    assert layout.read_info(step)["extensions"] == ["torchtitan_ext.qwen3"]
+    out = convert("convert_dcp_to_hf.py", str(step), "hf")
+    assert out.returncode == 0, out.stderr
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    out = convert("convert_hf_to_dcp.py", "hf", "dcp")
+    assert out.returncode == 2 and out.stderr.startswith("error: unsupported Hugging Face model (model_type='qwen3'")
+    assert not (tmp_path / "dcp").exists()
+    out = convert("convert_hf_to_dcp.py", "--extensions", "torchtitan_ext.qwen3", "hf", "dcp")
+    assert out.returncode == 0, out.stderr
+    assert layout.read_info(tmp_path / "dcp")["extensions"] == ["torchtitan_ext.qwen3"]
     with pytest.raises(SystemExit) as e:
         train.main(argv + ["--job.extensions", "torchtitan_ext.nope"])
     assert e.value.code == 2 and "cannot import 'torchtitan_ext.nope'" in capsys.readouterr().err

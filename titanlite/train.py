@@ -317,6 +317,7 @@ class Trainer:
         model_info = {
             "model": {"name": self.cfg.model.name, "flavor": self.cfg.model.flavor,
                       "args": dataclasses.asdict(self.model_args)},
+            "extensions": list(self.cfg.job.extensions),  # what converters import to know the family
             "tokenizer": {"path": self.cfg.model.tokenizer_path, "bos_id": getattr(self.tokenizer, "bos_id", None),
                           "eos_id": getattr(self.tokenizer, "eos_id", None)},
         }

@@ -21,7 +21,7 @@ import secrets
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from titanlite.checkpoint import layout
 from titanlite.checkpoint.safetensors_stream import ShardedSafetensorsWriter, hf_tensor_files
+from titanlite.extensions import load_extensions
 from titanlite.models import get_model_spec, model_names
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
@@ -46,9 +47,15 @@ def _no_progress(i: int, n: int, name: str, shape: tuple, dtype: torch.dtype) ->
 
 
 def dcp_to_hf(step_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: Optional[torch.dtype] = None,
-              max_shard_bytes: int = 5 * 1000**3, progress: Progress = _no_progress) -> Path:
-    """Write ``model.safetensors`` (+ index), ``config.json`` and ``generation_config.json``."""
+              max_shard_bytes: int = 5 * 1000**3, progress: Progress = _no_progress,
+              extensions: Sequence[str] = ()) -> Path:
+    """Write ``model.safetensors`` (+ index), ``config.json`` and ``generation_config.json``.
+
+    The model family's extension modules, when it comes from one, are imported first: those that
+    ``checkpoint.json`` records (``[job] extensions`` of the run) and ``extensions``.
+    """
     step_dir, out_dir = Path(step_dir), Path(out_dir)
+    load_extensions(extensions)
     if not step_dir.is_dir():
         raise FileNotFoundError(f"{step_dir}: no such folder")
     metadata = layout.read_metadata(step_dir)
@@ -105,6 +112,7 @@ def dcp_to_hf(step_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype:
 
 
 def _model_from_info(info: dict[str, Any], where: Path):
+    load_extensions(info.get("extensions") or [])  # the family may come from a [job] extension
     model = info.get("model") or {}
     name = model.get("name")
     if name not in model_names():
@@ -167,11 +175,16 @@ def _family_for_hf(config: dict[str, Any]):
 
 
 def hf_to_dcp(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
-              progress: Progress = _no_progress) -> Path:
-    """A model-only titanlite DCP step folder with the weights of an HF model folder."""
+              progress: Progress = _no_progress, extensions: Sequence[str] = ()) -> Path:
+    """A model-only titanlite DCP step folder with the weights of an HF model folder.
+
+    ``extensions``: modules to import first when the family comes from one (as ``[job]
+    extensions``); they are recorded in ``checkpoint.json`` so that :func:`dcp_to_hf` finds them.
+    """
     from safetensors import safe_open
 
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    extensions = load_extensions(extensions)
     config = read_hf_config(hf_dir)
     spec = _family_for_hf(config)
     args = spec.hf_adapter.args_from_hf_config(config)
@@ -237,6 +250,7 @@ def hf_to_dcp(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             "step": 0, "tokens_seen": 0, "model_only": True,
             "dtype": str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else None,
             "model": {"name": spec.name, "flavor": None, "args": _asdict(args)},
+            "extensions": extensions,
             "tokenizer": {"path": "", "bos_id": _first(config.get("bos_token_id")),
                           "eos_id": _first(config.get("eos_token_id"))},
             "source": {"hugging_face": str(hf_dir.resolve())},
