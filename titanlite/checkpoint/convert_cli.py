@@ -69,8 +69,8 @@ def main_dcp_to_hf(argv: Optional[Sequence[str]] = None) -> int:
         max_bytes = parse_size(a.max_shard_size)
     except ValueError:
         p.error(f"--max-shard-size: cannot read {a.max_shard_size!r}")
-    rc = _run(dcp_to_hf, a.dcp_step_dir, a.hf_out_dir, extensions=_modules(a.extensions), dtype=DTYPES[a.dtype] if a.dtype else None,
-              max_shard_bytes=max_bytes, progress=_Printer(a.quiet))
+    rc = _run(dcp_to_hf, a.dcp_step_dir, a.hf_out_dir, dtype=DTYPES[a.dtype] if a.dtype else None,
+              max_shard_bytes=max_bytes, progress=_Printer(a.quiet), extensions=_modules(a.extensions))
     if rc == 0:
         print(f"wrote {a.hf_out_dir}")
     return rc
@@ -78,9 +78,9 @@ def main_dcp_to_hf(argv: Optional[Sequence[str]] = None) -> int:
 
 def main_hf_to_dcp(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="convert_hf_to_dcp.py", description=(
-        "Convert a Hugging Face Llama folder (or another registered family's, see --extensions: config.json + "
-        "safetensors) into a model-only titanlite DCP "
-        "step folder, loadable with [checkpoint] initial_load_path under any parallel layout."))
+        "Convert a Hugging Face model folder (config.json + safetensors; Llama, or a family from an "
+        "extension, see --extensions) into a model-only titanlite DCP step folder, loadable with "
+        "[checkpoint] initial_load_path under any parallel layout."))
     p.add_argument("hf_dir", help="a Hugging Face model folder")
     p.add_argument("dcp_out_dir", help="output folder (must not exist, or be empty)")
     _add_extensions_arg(p, "; recorded in checkpoint.json for the way back")
