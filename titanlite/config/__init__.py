@@ -9,6 +9,7 @@ from titanlite.config.parser import (
     load_config,
     parse_args_or_exit,
     split_cli_args,
+    toml_value,
     validate,
 )
 from titanlite.config.sections import JobConfig
@@ -24,5 +25,6 @@ __all__ = [
     "load_config",
     "parse_args_or_exit",
     "split_cli_args",
+    "toml_value",
     "validate",
 ]

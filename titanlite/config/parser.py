@@ -370,7 +370,7 @@ def _fmt(value: Any) -> str:
     if isinstance(value, dict) and value:
         return "a table"
     try:
-        return _toml_value(value)
+        return toml_value(value)
     except TypeError:
         return repr(value)
 
@@ -654,7 +654,8 @@ def _toml_key(k: str) -> str:
     return _toml_string(k)
 
 
-def _toml_value(v: Any) -> str:
+def toml_value(v: Any) -> str:
+    """``v`` (bool, int, float, str, list, dict) as a TOML value; TypeError for anything else."""
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, int):
@@ -668,9 +669,9 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, str):
         return _toml_string(v)
     if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
     if isinstance(v, dict):
-        items = [f"{_toml_key(str(k))} = {_toml_value(x)}" for k, x in v.items() if x is not None]
+        items = [f"{_toml_key(str(k))} = {toml_value(x)}" for k, x in v.items() if x is not None]
         return "{" + ", ".join(items) + "}" if items else "{}"
     raise TypeError(f"cannot write {type(v).__name__} value {v!r} as TOML")
 
@@ -709,13 +710,13 @@ def config_to_toml(cfg: JobConfig) -> str:
             v = getattr(obj, k)
             if sec.toml == _MODEL_SECTION and k == _OVERRIDES:
                 for ok, ov in v.items():
-                    lines.append(f"{_toml_key(ok)} = {_toml_value('none' if ov is None else ov)}")
+                    lines.append(f"{_toml_key(ok)} = {toml_value('none' if ov is None else ov)}")
                 continue
             if v is None:
                 if key.default is not None:
                     lines.append(f"{k} = \"none\"")
                 continue
-            lines.append(f"{k} = {_toml_value(v)}")
+            lines.append(f"{k} = {toml_value(v)}")
     return "\n".join(lines) + "\n"
 
 

@@ -26,15 +26,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import logging
-import math
 import os
 import re
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from titanlite.config.parser import ConfigError, read_toml, split_cli_args
+from titanlite.config.parser import ConfigError, read_toml, split_cli_args, toml_value
 
 logger = logging.getLogger("torchtitan_ext.compat")
 
@@ -565,27 +563,11 @@ def _build(tt: dict[str, dict[str, Any]], warn: _Warner) -> tuple[dict[str, dict
 # --------------------------------------------------------------------------- writing
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        if not math.isfinite(v):
-            raise CompatError(f"cannot write {v} to TOML")
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)  # a JSON string (ASCII, escaped) is a valid TOML basic string
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise CompatError(f"cannot write {type(v).__name__} value {v!r} to TOML")
-
-
 def to_toml(tables: dict[str, dict[str, Any]]) -> str:
     lines = ["# titanlite config translated from a torchtitan config by torchtitan_ext.compat"]
     for name, table in tables.items():
         lines += ["", f"[{name}]"]
-        lines += [f"{k} = {_toml_value(v)}" for k, v in table.items() if v is not None]
+        lines += [f"{k} = {toml_value(v)}" for k, v in table.items() if v is not None]
     return "\n".join(lines) + "\n"
 
 
