@@ -8,7 +8,8 @@ import torch
 
 from titanlite.models import build_model, make_model_args
 from titanlite.models.llama3 import LLAMA3_FLAVORS, Llama3HFAdapter, Llama3ModelArgs, Transformer
-from titanlite.models.llama3.model import apply_rope, num_params, precompute_rope, rope_frequencies
+from titanlite.metrics import num_params
+from titanlite.models.llama3.model import apply_rope, precompute_rope, rope_frequencies
 
 
 def tiny_args(**overrides) -> Llama3ModelArgs:

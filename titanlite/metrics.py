@@ -204,9 +204,12 @@ class MetricsLogger:
                 self.writer.close()
 
 
-def num_params(model: nn.Module) -> int:
-    """Number of parameters, tied (shared) tensors counted once."""
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
+    """Number of parameters, tied (shared) tensors counted once (``parameters()`` de-duplicates
+    them); optionally without the input embedding table (when tied, the shared table is excluded)."""
+    total = sum(p.numel() for p in model.parameters())
+    emb = getattr(model, "tok_embeddings", None) if exclude_embedding else None
+    return total - (emb.weight.numel() if emb is not None else 0)
 
 
 # ----------------------------------------------------------------------------- update / parameter norms

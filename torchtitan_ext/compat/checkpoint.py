@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -41,9 +40,10 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
+from titanlite.checkpoint.layout import list_step_folders
+
 logger = logging.getLogger("torchtitan_ext.compat")
 
-_STEP_RE = re.compile(r"^step-(\d+)$")
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -56,15 +56,7 @@ def is_torchtitan_checkpoint(path: str | os.PathLike) -> bool:
 def list_torchtitan_checkpoints(folder: str | os.PathLike) -> list[tuple[int, Path]]:
     """``(step, path)`` of torchtitan step folders in ``folder``, oldest first (torchtitan's own rule:
     ``step-N`` with a ``.metadata`` file)."""
-    root = Path(folder)
-    if not root.is_dir():
-        return []
-    out = []
-    for entry in root.iterdir():
-        m = _STEP_RE.match(entry.name)
-        if m and entry.is_dir() and is_torchtitan_checkpoint(entry):
-            out.append((int(m.group(1)), entry))
-    return sorted(out)
+    return [(f.step, f.path) for f in list_step_folders(folder) if is_torchtitan_checkpoint(f.path)]
 
 
 def describe(path: str | os.PathLike) -> dict[str, Any]:

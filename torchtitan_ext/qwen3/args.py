@@ -77,16 +77,11 @@ class Qwen3ModelArgs:
 
 
 def num_params_from_args(a: Qwen3ModelArgs) -> int:
-    """Parameter count from the architecture alone (tied embedding counted once).
+    """Parameter count from the architecture alone (tied embedding counted once): titanlite's
+    planner formula, which knows Qwen3's free ``head_dim`` and the QK-norm gains."""
+    from titanlite.planner import ModelShape, param_count
 
-    Per block: wq ``dim x q_dim``, wk/wv ``dim x kv_dim`` each, wo ``q_dim x dim``, SwiGLU
-    ``3 x dim x ffn``, two RMSNorm gains of ``dim`` and, with QK-norm, two of ``head_dim``.
-    """
-    attention = 2 * a.dim * a.q_dim + 2 * a.dim * a.kv_dim
-    norms = 2 * a.dim + (2 * a.head_dim if a.qk_norm else 0)
-    block = attention + 3 * a.dim * a.ffn_hidden_dim + norms
-    embed = a.vocab_size * a.dim
-    return embed + a.n_layers * block + a.dim + (0 if a.tie_word_embeddings else embed)
+    return param_count(ModelShape.from_args(a))
 
 
 _QWEN3 = dict(vocab_size=151936, norm_eps=1e-6, rope_theta=1_000_000.0, max_seq_len=40960, head_dim=128)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from titanlite.models.attention import AttentionMask, attention, build_attention_mask
-from titanlite.models.llama3.model import FeedForward, repeat_kv  # same SwiGLU MLP and GQA head repeat
+from titanlite.models.llama3.model import FeedForward, repeat_kv, trunc_normal_  # same MLP, GQA repeat, init
 from torchtitan_ext.qwen3.args import Qwen3ModelArgs
 
 
@@ -53,10 +53,6 @@ def apply_rope_half(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
 
 
-def _trunc_normal_(weight: torch.Tensor, std: float, cutoff: float = 3.0) -> None:
-    nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-cutoff * std, b=cutoff * std)
-
-
 class Qwen3Attention(nn.Module):
     def __init__(self, args: Qwen3ModelArgs):
         super().__init__()
@@ -71,8 +67,8 @@ class Qwen3Attention(nn.Module):
 
     def init_weights(self, init_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
-            _trunc_normal_(linear.weight, 0.02)
-        _trunc_normal_(self.wo.weight, init_std)
+            trunc_normal_(linear.weight, 0.02)
+        trunc_normal_(self.wo.weight, init_std)
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:
                 norm.reset_parameters()
@@ -140,7 +136,7 @@ class Qwen3Model(nn.Module):
             layer.init_weights()
         self.norm.reset_parameters()
         if not a.tie_word_embeddings:
-            _trunc_normal_(self.output.weight, a.dim**-0.5)
+            trunc_normal_(self.output.weight, a.dim**-0.5)
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens)

@@ -111,8 +111,8 @@ class Attention(nn.Module):
 
     def init_weights(self, init_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
-            _trunc_normal_(linear.weight, 0.02)
-        _trunc_normal_(self.wo.weight, init_std)
+            trunc_normal_(linear.weight, 0.02)
+        trunc_normal_(self.wo.weight, init_std)
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, attn_mask: AttentionMask = None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
@@ -137,9 +137,9 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
     def init_weights(self, init_std: float) -> None:
-        _trunc_normal_(self.w1.weight, 0.02)
+        trunc_normal_(self.w1.weight, 0.02)
         for linear in (self.w2, self.w3):
-            _trunc_normal_(linear.weight, init_std)
+            trunc_normal_(linear.weight, init_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -208,7 +208,7 @@ class Transformer(nn.Module):
         if self.norm is not None:
             self.norm.reset_parameters()
         if self.output is not None and not tied:
-            _trunc_normal_(self.output.weight, self.args.dim**-0.5)
+            trunc_normal_(self.output.weight, self.args.dim**-0.5)
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[B, S, vocab]``; ``document_ids [B, S]`` is needed for ``block_causal`` masking."""
@@ -226,17 +226,6 @@ class Transformer(nn.Module):
 # ----------------------------------------------------------------------------- helpers
 
 
-def _trunc_normal_(weight: torch.Tensor, std: float, cutoff: float = 3.0) -> None:
+def trunc_normal_(weight: torch.Tensor, std: float, cutoff: float = 3.0) -> None:
     """In-place truncated normal (mean 0) cut at ``cutoff`` standard deviations."""
     nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-cutoff * std, b=cutoff * std)
-
-
-def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
-    """Number of parameters, counting shared (tied) tensors once; optionally without the input
-    embedding table (when tied, the shared table is excluded)."""
-    total = sum(p.numel() for p in model.parameters())  # parameters() de-duplicates shared tensors
-    if exclude_embedding:
-        emb = getattr(model, "tok_embeddings", None)
-        if emb is not None:
-            total -= emb.weight.numel()
-    return total
