@@ -1,7 +1,9 @@
 #!/usr/bin/env python
-"""Convert a titanlite DCP checkpoint step folder to a Hugging Face LlamaForCausalLM folder.
+"""Convert a titanlite DCP checkpoint step folder to a Hugging Face folder (LlamaForCausalLM, or
+the model of a family from an extension that the checkpoint records).
 
     python scripts/convert_dcp_to_hf.py <dcp_step_dir> <hf_out_dir> [--dtype bfloat16|float32] [--max-shard-size 5GB]
+        [--extensions MODULES]
 
 See :mod:`titanlite.checkpoint.hf`. Wrong inputs print one ``error: ...`` line and exit with status 2.
 """

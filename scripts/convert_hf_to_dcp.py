@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""Convert a Hugging Face Llama folder to a model-only titanlite DCP step folder (for --checkpoint.initial_load_path).
+"""Convert a Hugging Face model folder (Llama, or a family from an extension named with --extensions)
+to a model-only titanlite DCP step folder (for --checkpoint.initial_load_path).
 
-    python scripts/convert_hf_to_dcp.py <hf_dir> <dcp_out_dir>
+    python scripts/convert_hf_to_dcp.py <hf_dir> <dcp_out_dir> [--extensions torchtitan_ext.qwen3]
 
 See :mod:`titanlite.checkpoint.hf`. Wrong inputs print one ``error: ...`` line and exit with status 2.
 """
