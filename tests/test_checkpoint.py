@@ -24,8 +24,7 @@ from torch.distributed.checkpoint import load as dcp_load
 
 from dist_utils import cache_token_stores
 from titanlite.checkpoint import layout
-from titanlite.checkpoint.metrics_log import rewind_metrics_log
-from titanlite.checkpoint.staging import Stager
+from titanlite.metrics import rewind_metrics_log
 from titanlite.config import load_config
 import titanlite.train as train
 from titanlite.train import Trainer, main
@@ -71,13 +70,15 @@ DRIVER = textwrap.dedent("""
     import os, signal, sys
     import torch
     import torch.distributed.checkpoint.filesystem as fs
+    import titanlite.metrics as metrics
     import titanlite.train as train
     from titanlite.config import load_config
+    from titanlite.hooks import Hook
     from titanlite.train import Trainer
 
     tokens = torch.load(os.environ["TOKENS_FILE"])
     train.load_token_store = lambda dataset, path, split, tokenizer: tokens
-    train.peak_flops = lambda *a, **k: None
+    metrics.peak_flops = lambda *a, **k: None
 
     kill_at = int(os.environ.get("KILL_AT_STEP", "0"))
     kill_in = os.environ.get("KILL_IN_WRITE_OF")
@@ -92,12 +93,14 @@ DRIVER = textwrap.dedent("""
             return original(transforms, stream, data, write_item, storage_key, fmt)
         fs._write_item = write_item
 
-    class Killed(Trainer):
-        def train_step(self, it):
-            out = super().train_step(it)
-            if self.step == kill_at:
+    class Kill(Hook):
+        def on_step_end(self, state, result):
+            if state.step == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
-            return out
+
+    class Killed(Trainer):
+        def build_hooks(self):
+            return [Kill()] + super().build_hooks()
 
     Killed(load_config(sys.argv[1:])).train()
 """)
@@ -182,7 +185,7 @@ def test_resume_restores_data_position_lr_and_step(baseline, tmp_path):
     cache_token_stores()
     trainer = Trainer(load_config(TINY + ["--job.dump_folder", str(dump)]))
     assert trainer.checkpointer.load() == 10
-    assert trainer.step == 10 and trainer.tokens_seen == reference[9]["tokens_seen"]
+    assert trainer.state.step == 10 and trainer.state.tokens_seen == reference[9]["tokens_seen"]
     assert trainer.lr_scheduler.last_epoch == 10
     assert trainer.optimizer.param_groups[0]["lr"] == reference[10]["lr"]  # the lr of step 11
     state = trainer.train_loader.state_dict()
@@ -294,7 +297,7 @@ def test_initial_load_path_only_when_nothing_to_resume(baseline, tmp_path, caplo
     dcp_load({"model": expected}, checkpoint_id=str(source))
     for k, v in trainer.model.state_dict().items():
         assert torch.equal(v, expected[k]), k
-    assert trainer.step == 0 and not trainer.optimizer.state  # model only: fresh optimizer, step 0
+    assert trainer.state.step == 0 and not trainer.optimizer.state  # model only: fresh optimizer, step 0
     trainer.train()
     assert steps_in(dump) == [1]
     # now there is a checkpoint to resume: initial_load_path is ignored, and the log says so
@@ -302,7 +305,7 @@ def test_initial_load_path_only_when_nothing_to_resume(baseline, tmp_path, caplo
     with caplog.at_level(logging.INFO, logger="titanlite"):
         again = Trainer(load_config(TINY + extra + ["--training.steps", "2"]))
         again.checkpointer.load()
-    assert "initial_load_path" in caplog.text and "is ignored" in caplog.text and again.step == 1
+    assert "initial_load_path" in caplog.text and "is ignored" in caplog.text and again.state.step == 1
     again.checkpointer.close()
 
 
@@ -326,15 +329,14 @@ def test_forced_save_and_load_latest(baseline, tmp_path):
     cache_token_stores()
     t = Trainer(load_config(TINY + ["--job.dump_folder", str(dump), "--checkpoint.load_step", "5",
                                     "--checkpoint.interval", "100", "--checkpoint.async_mode", "async"]))
-    assert t.checkpointer.load() == 5 and t.step == 5
+    assert t.checkpointer.load() == 5 and t.state.step == 5
     assert not t.checkpointer.save(5) and t.checkpointer.save(5, force=True)
     t.checkpointer.wait()
     assert steps_in(dump) == [5, 10] and not list((dump / "checkpoint").glob("*.replaced-*"))
     info = layout.read_info(dump / "checkpoint" / "step-5")
     assert not info["model_only"] and info["tokens_seen"] == reference[4]["tokens_seen"]
     assert layout.problem_with(dump / "checkpoint" / "step-5") is None
-    assert t.checkpointer.load_latest() == 10 and t.step == 10
-    assert len(metrics(dump)) == 5  # rewound to step 5 by the resume
+    assert t.checkpointer.load_latest() == 10 and t.state.step == 10
     t.checkpointer.close()
 
 
@@ -373,19 +375,27 @@ def test_resume_skips_model_only_export(tmp_path, caplog):
 # ----------------------------------------------------------------------------- pieces
 
 
-def test_pinned_staging_is_a_snapshot_taken_before_the_next_update():
-    stager = Stager(reuse_buffers=True, background=True, pin_memory=True)
-    w = torch.randn(512, 512)
-    state = {"model": {"w": w}, "step": 3, "nested": [torch.arange(4)]}
-    fut = stager.stage(state)
-    staged = fut.result()  # what wait_for_staging() waits for
-    before = w.clone()
-    w.add_(1.0)  # the optimizer step that follows
-    assert torch.equal(staged["model"]["w"], before) and staged["step"] == 3
-    assert staged["model"]["w"].data_ptr() != w.data_ptr()
-    again = stager.stage(state).result()  # buffers are reused across saves
-    assert again["model"]["w"].data_ptr() == staged["model"]["w"].data_ptr() and torch.equal(again["model"]["w"], w)
-    stager.close()
+@pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
+def test_async_save_is_a_snapshot_taken_before_the_next_update(mode, tmp_path):
+    """An asynchronous save holds the weights as they were when it started: the loop only has to
+    wait for staging (wait_for_staging) before changing them, not for the write."""
+    from titanlite.checkpoint import CheckpointManager
+    from titanlite.config.sections import Checkpoint
+
+    model = torch.nn.Linear(256, 256)
+    section = Checkpoint(enable=True, async_mode=mode, interval=1, keep_latest_k=0)
+    manager = CheckpointManager(section, tmp_path, {"model": model})
+    for step in (1, 2):  # the second save reuses the pinned stager's buffers
+        before = model.weight.detach().clone()
+        assert manager.save(step)
+        manager.wait_for_staging()
+        with torch.no_grad():
+            model.weight.add_(1.0)  # the optimizer step that follows
+        manager.wait()
+        saved = {"model.weight": torch.empty_like(before), "model.bias": torch.empty_like(model.bias)}
+        dcp_load(saved, checkpoint_id=str(tmp_path / f"step-{step}"))
+        assert torch.equal(saved["model.weight"], before) and not torch.equal(before, model.weight)
+    manager.close()
 
 
 def test_rewind_metrics_log(tmp_path):

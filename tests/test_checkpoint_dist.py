@@ -44,7 +44,9 @@ def train_worker(args: dict) -> dict:
     # save start-up time: the tokens this test process already has, no CPU peak-FLOPs probe
     tokens = torch.load(args["tokens"])
     train.load_token_store = lambda dataset, path, split, tokenizer: tokens
-    train.peak_flops = lambda *a, **k: None
+    import titanlite.metrics as metrics
+
+    metrics.peak_flops = lambda *a, **k: None
     trainer = train.Trainer(load_config(args["argv"]))
     trainer.train()
     return {"stats": [(s.step, s.blocked_s, s.write_s) for s in trainer.checkpointer.stats]}

@@ -40,15 +40,15 @@ TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4"]  #
 @pytest.fixture
 def no_peak_probe(monkeypatch):
     """MFU is not under test: skip the trainer's CPU matmul-peak probe (seconds) during the test."""
-    import titanlite.train as train
+    import titanlite.metrics as metrics
 
-    monkeypatch.setattr(train, "peak_flops", lambda *args, **kwargs: 1e11)
+    monkeypatch.setattr(metrics, "peak_flops", lambda *args, **kwargs: 1e11)
 
 
 def skip_peak_measurement() -> None:  # in worker processes, for good
-    import titanlite.train as train
+    import titanlite.metrics as metrics
 
-    train.peak_flops = lambda *args, **kwargs: 1e11
+    metrics.peak_flops = lambda *args, **kwargs: 1e11
 
 
 def write_data(folder: Path) -> Path:
@@ -278,18 +278,26 @@ def write_torchtitan_checkpoint(path: Path, trainer, legacy: bool = False) -> No
     if legacy:  # model under "model.", TrainState with a tensor step and BytesIO loss histories
         hist = io.BytesIO()
         torch.save([], hist)
-        states = {"model": model_sd, "train_state": {"step": torch.tensor(trainer.step, dtype=torch.int32),
+        states = {"model": model_sd, "train_state": {"step": torch.tensor(trainer.state.step, dtype=torch.int32),
                                                      "global_avg_losses": hist, "global_max_losses": io.BytesIO(
                                                          hist.getvalue()), "log_steps": io.BytesIO(hist.getvalue())}}
     else:
-        states = {**model_sd, "train_state": {"step": trainer.step, "ntokens_seen": trainer.tokens_seen}}
+        states = {**model_sd, "train_state": {"step": trainer.state.step, "ntokens_seen": trainer.state.tokens_seen}}
     states.update({"optimizer": optim_sd, "lr_scheduler": trainer.lr_scheduler.state_dict(), "dataloader": loader})
     dcp.save(states, checkpoint_id=str(path), no_dist=True)
 
 
 def compat_trainer(toml: Path, extra=()) -> CompatTrainer:
     tr = translate(str(toml), [*TINY, *extra])
-    return CompatTrainer(load_translated(tr), tr.settings)
+    return CompatTrainer(load_translated(tr), settings=tr.settings)
+
+
+def take_steps(trainer: CompatTrainer, data, n: int = 1) -> None:
+    """``n`` optimizer steps through the trainer's TrainStep, counted in its loop state."""
+    for _ in range(n):
+        result = trainer.train_step(data)
+        trainer.state.step += 1
+        trainer.state.tokens_seen += result.tokens
 
 
 @pytest.mark.parametrize("legacy", [False, True], ids=["v0.2_layout", "pre_flattening_layout"])
@@ -297,17 +305,16 @@ def test_resume_from_a_torchtitan_checkpoint_continues_exactly(legacy, tmp_path,
     toml = torchtitan_toml(tmp_path)
     saver = compat_trainer(toml, ["--checkpoint.enable_checkpoint", "false"])
     data = iter(saver.train_loader)
-    for _ in range(3):
-        saver.train_step(data)
+    take_steps(saver, data, 3)
     ckpt = tmp_path / "out" / "checkpoint" / "step-3"
     write_torchtitan_checkpoint(ckpt, saver, legacy)
     assert is_torchtitan_checkpoint(ckpt)
 
     resumed = compat_trainer(toml)
     with caplog.at_level(logging.WARNING, logger="torchtitan_ext.compat"):
-        assert resumed.checkpointer.load() == 3
+        assert resumed.resume() == 3
     assert "RESUMED from torchtitan checkpoint" in caplog.text and "data position is not restored" in caplog.text
-    assert resumed.step == 3 and resumed.tokens_seen == (0 if legacy else saver.tokens_seen)
+    assert resumed.state.step == 3 and resumed.state.tokens_seen == (0 if legacy else saver.state.tokens_seen)
     for (name, a), b in zip(saver.model.state_dict().items(), resumed.model.state_dict().values()):
         assert torch.equal(a, b), name
     sa, sb = (get_optimizer_state_dict(t.model, t.optimizer, options=FLAT) for t in (saver, resumed))
@@ -326,7 +333,7 @@ def test_resume_from_a_torchtitan_checkpoint_continues_exactly(legacy, tmp_path,
 def test_entry_point_resumes_then_prefers_its_own_checkpoints(tmp_path, caplog, no_peak_probe):
     toml = torchtitan_toml(tmp_path, steps=5)
     saver = compat_trainer(toml, ["--checkpoint.enable_checkpoint", "false"])
-    saver.train_step(iter(saver.train_loader))
+    take_steps(saver, iter(saver.train_loader))
     write_torchtitan_checkpoint(tmp_path / "out" / "checkpoint" / "step-1", saver)
     with caplog.at_level(logging.WARNING):
         main(["--config", str(toml), *TINY])
@@ -335,7 +342,7 @@ def test_entry_point_resumes_then_prefers_its_own_checkpoints(tmp_path, caplog, 
     own = tmp_path / "out" / "checkpoint" / "titanlite" / "step-5"
     assert (own / "checkpoint.json").is_file() and (tmp_path / "out" / "checkpoint" / "step-1").is_dir()
     again = compat_trainer(toml)
-    assert again.checkpointer.plan.kind == "resume" and again.checkpointer.load() == 5  # titanlite's own now
+    assert again.checkpointer.plan.kind == "resume" and again.resume() == 5  # titanlite's own now
 
 
 def test_a_checkpoint_of_another_model_is_refused(tmp_path, no_peak_probe):
@@ -344,7 +351,7 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path, no_peak_probe):
     write_torchtitan_checkpoint(tmp_path / "ckpt", small)
     tr = translate(str(toml), ["--model.dim", "128", "--model.n_layers", "2", "--model.n_heads", "4",
                                "--checkpoint.enable_checkpoint", "false"])
-    bigger = CompatTrainer(load_translated(tr), tr.settings)
+    bigger = CompatTrainer(load_translated(tr), settings=tr.settings)
     with pytest.raises(ValueError, match="tok_embeddings.weight is .* in the checkpoint but"):
         load_torchtitan_checkpoint(tmp_path / "ckpt", bigger.model, bigger.optimizer)
 
@@ -353,8 +360,8 @@ def fsdp_resume_worker(args: dict) -> dict:
     skip_peak_measurement()
     tr = translate(args["toml"], [*TINY, "--parallelism.data_parallel_shard_degree", "2",
                                   "--training.local_batch_size", "1"])
-    trainer = CompatTrainer(load_translated(tr), tr.settings)
-    step = trainer.checkpointer.load()
+    trainer = CompatTrainer(load_translated(tr), settings=tr.settings)
+    step = trainer.resume()
     full = lambda v: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()  # noqa: E731
     osd = get_optimizer_state_dict(trainer.model, trainer.optimizer, options=FLAT)
     return {"step": step, "model": {k: full(v) for k, v in trainer.model.state_dict().items()},
@@ -366,9 +373,7 @@ def fsdp_resume_worker(args: dict) -> dict:
 def test_torchtitan_checkpoint_resumes_under_fsdp2(tmp_path, no_peak_probe):
     toml = torchtitan_toml(tmp_path)
     saver = compat_trainer(toml, ["--checkpoint.enable_checkpoint", "false"])
-    data = iter(saver.train_loader)
-    for _ in range(2):
-        saver.train_step(data)
+    take_steps(saver, iter(saver.train_loader), 2)
     write_torchtitan_checkpoint(tmp_path / "out" / "checkpoint" / "step-2", saver)
     results = run_workers(fsdp_resume_worker, 2, {"toml": str(toml)}, timeout=180)
     want = get_optimizer_state_dict(saver.model, saver.optimizer, options=FLAT)

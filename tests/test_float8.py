@@ -138,17 +138,17 @@ def test_float8_debug_model_trains(tmp_path):
 
 def test_float8_with_tp_is_refused_without_dtensor_support(monkeypatch):
     """float8 + TP needs DTensor's _scaled_mm rule: refused with a clear error, never run in fp32."""
-    from titanlite.config import load_config
     from titanlite.models import build_model
     from titanlite.models.llama3 import parallelize as par
     from titanlite.parallel import float8
     from titanlite.parallel.parallel_dims import ParallelDims
+    from titanlite.parallel.policies import Policies
 
     monkeypatch.setattr(float8, "dtensor_supports_scaled_mm", lambda: False)
-    cfg = load_config(["--quantize.linear.float8.enable", "true", "--parallelism.tensor_parallel_degree", "2"])
+    policies = Policies(float8=float8.Float8Policy(enable=True))
     model = build_model("llama3", "debugmodel")  # meta
     with pytest.raises(ValueError, match="float8 with tensor_parallel_degree=2 needs DTensor support for torch._scaled_mm"):
-        par.parallelize_llama(model, ParallelDims(tp=2, world_size=2), cfg)
+        par.parallelize_llama(model, ParallelDims(tp=2, world_size=2), policies)
 
 
 def test_this_torch_supports_float8_with_tp():

@@ -13,6 +13,7 @@ import torch
 from titanlite.config import load_config
 from titanlite.config.sections import Guard
 from titanlite.guard import SpikeDetector, StepGuard, TrainingDivergedError
+from titanlite.hooks import Hook
 from titanlite.train import Trainer
 
 TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
@@ -21,20 +22,31 @@ TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "-
 
 
 class Recording(Trainer):
-    """Keeps the parameters after every step and the input batches, to compare runs."""
+    """Keeps the parameters after every step (a hook) and the input batches, to compare runs."""
 
     def __init__(self, cfg):
-        super().__init__(cfg)
         self.snapshots, self.batches = [], []
+        super().__init__(cfg)
 
-    def forward_backward(self, batch):
-        self.batches.append(batch["input_ids"].clone())
-        return super().forward_backward(batch)
+    def build_train_step(self):
+        step = super().build_train_step()
+        inner = step.forward_backward
 
-    def train_step(self, data_iter):
-        out = super().train_step(data_iter)
-        self.snapshots.append({n: p.detach().clone() for n, p in self.model.named_parameters()})
-        return out
+        def forward_backward(batch, tokens):
+            self.batches.append(batch["input_ids"].clone())
+            return inner(batch, tokens)
+
+        step.forward_backward = forward_backward
+        return step
+
+    def build_hooks(self):
+        trainer = self
+
+        class Snapshot(Hook):
+            def on_step_end(self, state, result):
+                trainer.snapshots.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+
+        return super().build_hooks() + [Snapshot()]
 
 
 def trainer(tmp_path, *args, cls=Recording):
@@ -118,7 +130,7 @@ def test_raise_policy_stops_with_step_loss_and_grad_norm(tmp_path):
     with pytest.raises(TrainingDivergedError,
                        match=r"step 2: non-finite loss or gradient norm: loss nan, grad norm nan"):
         t.train()
-    assert t.step == 1
+    assert t.state.step == 1
     for p in t.model.parameters():  # the poisoned update was never applied
         assert torch.isfinite(p).all()
 
@@ -127,7 +139,7 @@ def test_skip_step_leaves_parameters_unchanged(tmp_path):
     """With 2 accumulated micro-batches per step, the whole step 2 is dropped: no optimizer or LR step."""
     t = trainer(tmp_path, "--training.steps", "4", "--training.global_batch_size", "4", "--guard.policy", "skip_step",
                 "--guard.debug_inject_nan_at_step", "2")
-    assert t.accum == 2
+    assert t.grad_accum_steps == 2
     records = t.train()
     s1, s2, s3 = t.snapshots[:3]
     for name in s1:
@@ -153,7 +165,7 @@ def test_rollback_resumes_from_checkpoint_and_continues(tmp_path):
     records = t.train()
     ref_loss = {r["step"]: r for r in ref_records}
     loss = {r["step"]: r for r in records if "loss" in r}
-    assert sorted(loss) == [1, 2, 3, 4, 5, 6] and t.step == 6
+    assert sorted(loss) == [1, 2, 3, 4, 5, 6] and t.state.step == 6
     for s in (1, 2, 3, 4):  # before the NaN: the same run
         assert loss[s]["loss"] == ref_loss[s]["loss"]
     # the batch of step 5 was skipped: post-rollback step 5 trains on the reference's step-6 batch

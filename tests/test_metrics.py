@@ -4,9 +4,9 @@ import torch
 
 import math
 
-from titanlite.metrics import (flops_per_token, gpu_memory_bytes, matmul_dtype, num_params, peak_flops,
-                               peak_flops_for_name)
-from titanlite.models import build_model, make_model_args
+from titanlite.metrics import MetricsHook, gpu_memory_bytes, matmul_dtype, num_params, peak_flops, peak_flops_for_name
+from titanlite.models import build_model, get_model_spec, make_model_args
+from titanlite.models.registry import model_counts
 
 
 def test_flops_per_token_1b_by_hand():
@@ -15,7 +15,7 @@ def test_flops_per_token_1b_by_hand():
     assert n == 1_235_814_400
     # tied: every parameter is a matmul parameter (embedding = output projection), no extra count
     attention = 12 * 16 * 32 * 64 * 2048
-    assert flops_per_token(args, n, 2048) == 6 * 1_235_814_400 + attention
+    assert model_counts(get_model_spec("llama3"), args, 2048) == (n, 6 * 1_235_814_400 + attention)
 
 
 def test_flops_per_token_8b_by_hand():
@@ -23,7 +23,20 @@ def test_flops_per_token_8b_by_hand():
     n = 8_030_261_248
     embed = 128256 * 4096
     attention = 12 * 32 * 32 * 128 * 8192
-    assert flops_per_token(args, n, 8192) == 6 * (n - embed) + attention
+    assert model_counts(get_model_spec("llama3"), args, 8192) == (n, 6 * (n - embed) + attention)
+
+
+@pytest.mark.parametrize("flavor, tied", [("1B", True), ("8B", False), ("debugmodel", False)])
+def test_family_counts_equal_the_meta_model_count(flavor, tied):
+    """A family without count functions is counted on its meta-built model; for Llama 3 that count
+    equals the family's own formula, tied or not."""
+    import dataclasses
+
+    spec = get_model_spec("llama3")
+    args = make_model_args("llama3", flavor)
+    assert args.tie_word_embeddings == tied
+    bare = dataclasses.replace(spec, num_params=None, flops_per_token=None)
+    assert model_counts(bare, args, 4096) == model_counts(spec, args, 4096)
 
 
 def test_peak_table():
@@ -96,10 +109,11 @@ def test_mfu_by_hand(tmp_path):
     params = V * d + L * (2 * d * d + 2 * d * 32 + 3 * d * F + 2 * d) + d + V * d  # kv dim 2 x 16
     assert t.n_params == params
     assert t.flops_per_token == 6 * (params - V * d) + 12 * L * 4 * 16 * 32
-    t.peak_flops = 1e9  # pretend a 1 GFLOP/s device
+    metrics = next(h for h in t.hooks if isinstance(h, MetricsHook))
+    metrics.peak_flops = 1e9  # pretend a 1 GFLOP/s device
     (r,) = t.train()
     assert r["mfu"] == pytest.approx(r["tokens_per_s"] * t.flops_per_token / 1e9)
     t2 = Trainer(load_config(TINY + ["--job.dump_folder", str(tmp_path / "b")]))
-    t2.peak_flops = None  # an unknown GPU: MFU unknown, not guessed
+    next(h for h in t2.hooks if isinstance(h, MetricsHook)).peak_flops = None  # an unknown GPU: not guessed
     (r2,) = t2.train()
     assert r2["mfu"] is None and math.isfinite(r2["tokens_per_s"])

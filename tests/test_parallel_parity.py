@@ -101,10 +101,17 @@ def make_config(dump: str, dp: int, extra: list[str]):
 class RecordingTrainer(Trainer):
     """Keeps the input batches of the first optimizer step."""
 
-    def forward_backward(self, batch):
-        if self.step == 0:
-            self.first_step_inputs = getattr(self, "first_step_inputs", []) + [batch["input_ids"].clone()]
-        return super().forward_backward(batch)
+    def build_train_step(self):
+        step = super().build_train_step()
+        inner, self.first_step_inputs = step.forward_backward, []
+
+        def forward_backward(batch, tokens):
+            if self.state.step == 0:
+                self.first_step_inputs.append(batch["input_ids"].clone())
+            return inner(batch, tokens)
+
+        step.forward_backward = forward_backward
+        return step
 
 
 def train_from_seed(cfg, seed_state) -> dict:

@@ -97,17 +97,23 @@ def test_stop_request_without_checkpointing_returns_cleanly(tmp_path, caplog):
     import logging
 
     from titanlite.config import load_config
+    from titanlite.hooks import Hook
     from titanlite.train import Trainer
 
     class StopAfter2(Trainer):
-        def train_step(self, data_iter):
-            if self.step == 1:  # the request arrives during step 2
-                self.preemption.requested, self.preemption.signal_name = True, "SIGINT"
-            return super().train_step(data_iter)
+        def build_hooks(self):
+            handler = self.preemption
+
+            class Signal(Hook):
+                def before_update(self, state, result):
+                    if result.step == 2:  # the request arrives during step 2
+                        handler.requested, handler.signal_name = True, "SIGINT"
+
+            return [Signal()] + super().build_hooks()
 
     t = StopAfter2(load_config(TINY + ["--job.dump_folder", str(tmp_path)]))
     with caplog.at_level(logging.INFO, logger="titanlite"):
         records = t.train()
-    assert t.step == 2 and [r["step"] for r in records] == [1, 2]
+    assert t.state.step == 2 and [r["step"] for r in records] == [1, 2]
     assert "stopped after step 2 of 40 on SIGINT; checkpointing is off" in caplog.text
     assert "run summary: 2 steps" in caplog.text

@@ -216,13 +216,13 @@ def run_config(cfg, seed_state, trainer=None) -> dict:
 def skip_peak_measurement(monkeypatch=None) -> None:
     """MFU is not under test: skip the trainer's ~5 s CPU matmul-peak probe (for good in a worker
     process, undone after the test with ``monkeypatch`` in the pytest process)."""
-    import titanlite.train as train
+    import titanlite.metrics as metrics
 
     fake = lambda *args, **kwargs: 1e11  # noqa: E731
     if monkeypatch is None:
-        train.peak_flops = fake
+        metrics.peak_flops = fake
     else:
-        monkeypatch.setattr(train, "peak_flops", fake)
+        monkeypatch.setattr(metrics, "peak_flops", fake)
 
 
 def qwen3_worker(args: dict) -> dict:

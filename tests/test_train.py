@@ -51,7 +51,7 @@ def test_accumulation_matches_one_big_batch(tmp_path):
                        "--training.global_batch_size", "4")
     acc = make_trainer(tmp_path / "b", "--training.steps", "3", "--training.local_batch_size", "2",
                        "--training.global_batch_size", "4")
-    assert acc.accum == 2 and big.accum == 1
+    assert acc.grad_accum_steps == 2 and big.grad_accum_steps == 1
     la = [r["loss"] for r in big.train()]
     lb = [r["loss"] for r in acc.train()]
     assert la == pytest.approx(lb, rel=1e-5)

@@ -110,9 +110,11 @@ def dry_run(cfg, world_size: Optional[int] = None, out: Callable[[str], None] = 
 
     from titanlite.metrics import gpu_memory_bytes
     from titanlite.models import get_model_spec
+    from titanlite.models.registry import model_args_for, model_counts
     from titanlite.parallel.parallel_dims import MESH_DIMS, ParallelDims
+    from titanlite.parallel.policies import Policies
     from titanlite.planner import ModelShape, RunSetup, memory_breakdown, param_count, usable_memory
-    from titanlite.train import build_model_args, grad_accum_steps
+    from titanlite.train_step import grad_accum_steps
 
     if world_size is None:
         world_size, source = resolve_world_size(cfg)
@@ -123,7 +125,7 @@ def dry_run(cfg, world_size: Optional[int] = None, out: Callable[[str], None] = 
     accum = grad_accum_steps(t.global_batch_size, t.local_batch_size, dims.dp_degree)
     spec = get_model_spec(cfg.model.name)
     vocab, vocab_note = _vocab_size(cfg, spec)
-    args = build_model_args(cfg, vocab)
+    args = model_args_for(cfg.model, vocab)
 
     created = False
     if world_size > 1:
@@ -137,14 +139,19 @@ def dry_run(cfg, world_size: Optional[int] = None, out: Callable[[str], None] = 
         dims.build_mesh("cpu")
         with torch.device("meta"):
             model = spec.model_cls(args)
+        dims.check_tp_divides(**{"training.seq_len (sequence parallelism)": t.seq_len})
+        policies = Policies.from_config(parallelism=par, training=t, activation_checkpoint=cfg.activation_checkpoint,
+                                        compile=cfg.compile, float8=cfg.quantize_linear_float8)
         if spec.parallelize_fn is not None:
-            model = spec.parallelize_fn(model, dims, cfg)
+            model = spec.parallelize_fn(model, dims, policies)
+        elif world_size > 1:
+            raise ValueError(f"model family {spec.name!r} has no parallelize function, so it trains on one process only")
         report = _inspect(model, dims, world_size, MESH_DIMS)
     finally:
         if created:
             dist.destroy_process_group()
 
-    shape = ModelShape.from_args(args)
+    shape = ModelShape.from_args(args, num_params=model_counts(spec, args, t.seq_len)[0])
     setup = RunSetup(
         num_gpus=world_size, tp=dims.tp, dp_replicate=dims.dp_replicate, local_batch_size=t.local_batch_size,
         seq_len=t.seq_len, global_batch_size=t.global_batch_size, ac_mode=cfg.activation_checkpoint.mode,

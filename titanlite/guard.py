@@ -38,6 +38,8 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from titanlite.hooks import Hook
+
 logger = logging.getLogger("titanlite.guard")
 
 POLICIES = ("raise", "skip_step", "rollback")
@@ -189,20 +191,15 @@ class StepGuard:
         return {f"guard_{k}": v for k, v in self.counts.items()}
 
     # -- testing hook
-    @torch.no_grad()
-    def maybe_inject_nan(self, step: int, model: torch.nn.Module, loss_sum: torch.Tensor) -> torch.Tensor:
-        """``[guard] debug_inject_nan_at_step``: at that step (once per process) make the loss and one
-        gradient NaN, as a diverging forward pass would. Returns the (possibly poisoned) loss."""
-        if step != self.cfg.debug_inject_nan_at_step or self._injected:
-            return loss_sum
+    def maybe_inject_nan(self, result: Any) -> None:
+        """``[guard] debug_inject_nan_at_step``: at that step (once per process) make the step's loss and
+        gradient norm NaN, as a diverging forward pass would."""
+        if result.step != self.cfg.debug_inject_nan_at_step or self._injected:
+            return
         self._injected = True
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(float("nan"))
-                break
-        logger.warning("guard: TESTING: injected NaN into the loss and a gradient at step %d "
-                       "([guard] debug_inject_nan_at_step)", step)
-        return loss_sum * float("nan")
+        result.loss, result.grad_norm = result.loss * float("nan"), result.grad_norm * float("nan")
+        logger.warning("guard: TESTING: injected NaN into the loss and gradient norm of step %d "
+                       "([guard] debug_inject_nan_at_step)", result.step)
 
     # -- the check
     def check(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, stop_requested: bool = False) -> StepCheck:
@@ -257,14 +254,6 @@ class StepGuard:
 # ----------------------------------------------------------------------------- rollback
 
 
-def load_latest(checkpointer) -> Optional[int]:
-    """Reload the newest complete (resumable) checkpoint now; returns its step, None when none exists."""
-    if not getattr(checkpointer, "enabled", False):
-        return None
-    checkpointer.wait()  # an in-flight save may be the newest complete checkpoint
-    return checkpointer.load_latest()
-
-
 def rollback(guard: StepGuard, event: GuardEvent, checkpointer, loader, accum: int) -> tuple[int, Iterator]:
     """Carry out ``policy = rollback`` for ``event``: reload, re-open the data, skip the bad batches.
 
@@ -272,7 +261,7 @@ def rollback(guard: StepGuard, event: GuardEvent, checkpointer, loader, accum: i
     restored). With ``rollback_skip_data`` the micro-batches of the steps after the checkpoint up to
     and including the offending one are read and dropped, so training does not see them again.
     """
-    step = load_latest(checkpointer)
+    step = checkpointer.load_latest() if checkpointer is not None else None
     if step is None:
         raise TrainingDivergedError(
             f"{event.describe()}; [guard] policy = rollback but there is no complete checkpoint to roll back to "
@@ -290,3 +279,35 @@ def rollback(guard: StepGuard, event: GuardEvent, checkpointer, loader, accum: i
                    f"; learning rate x{scale:g} for {guard.cfg.rollback_lr_steps} steps" if scale != 1.0 else "",
                    guard.counts["rollbacks"], guard.cfg.max_rollbacks)
     return step, data_iter
+
+
+class GuardHook(Hook):
+    """The guard in the loop: the verdict on each step before its update, in the step's single
+    device-to-host transfer, which also agrees on a stop request (``stop_requested()``: the
+    preemption handler's flag) across ranks; the rollback itself (``checkpointer``, ``loader`` and
+    ``grad_accum_steps`` needed for ``policy = rollback``); the events in the metrics records."""
+
+    def __init__(self, guard: StepGuard, *, stop_requested=lambda: False, checkpointer=None, loader=None,
+                 grad_accum_steps: int = 1):
+        self.guard, self.stop_requested = guard, stop_requested
+        self.checkpointer, self.loader, self.grad_accum_steps = checkpointer, loader, grad_accum_steps
+
+    def before_update(self, state, result) -> None:
+        guard = self.guard
+        guard.maybe_inject_nan(result)
+        check = guard.check(result.step, result.loss, result.grad_norm, self.stop_requested())
+        result.values, result.stop_requested = (check.loss, check.grad_norm), check.stop_requested
+        result.lr_scale, result.action = guard.lr_scale(result.step), check.action
+        result.extra.update(guard.counters())
+        if check.event is None:
+            return
+        result.event = check.event
+        if check.action == "skip":
+            state.log(check.event.record(guard.counters()))
+        elif check.action == "rollback":
+            _, state.data_iter = rollback(guard, check.event, self.checkpointer, self.loader, self.grad_accum_steps)
+
+    def on_resume(self, state, result) -> None:
+        """The rollback's event, logged after the records were rewound to the checkpoint's step."""
+        if result.event is not None:
+            state.log(result.event.record(self.guard.counters()))

@@ -1,20 +1,19 @@
 """Throughput, MFU, memory and the metrics log (console, metrics.jsonl, TensorBoard).
 
-FLOPs per token (PaLM, Chowdhery et al. 2022, appendix B): a forward+backward pass costs 6 FLOPs per
-parameter that takes part in a matmul per token, plus the attention scores and weighted sum, which
-cost 12 * n_layers * n_heads * head_dim * seq_len per token (2 matmuls of 2 FLOPs each, x3 for
-forward+backward). "Parameters" here are the non-embedding ones plus the output projection: the
-embedding lookup is a gather, not a matmul, but the output projection is a matmul even when its
-weight is tied to the embedding (then it is counted once, as the output projection). Using the full
-sequence length for attention overstates causal attention by ~2x on that term, as PaLM and most
-MFU reports do; we keep the convention so figures compare across libraries.
+FLOPs per token are the model family's (:func:`titanlite.models.registry.model_counts`; PaLM's
+``6 N + attention`` formula, :func:`titanlite.planner.palm_flops_per_token`, for the built-in
+families). MFU = achieved FLOP/s / peak FLOP/s of the dtype the matmuls run in. Peaks are dense
+(no 2:4 sparsity). An unknown GPU gets no guessed peak: MFU is then reported as None. On CPU the
+peak is a measured matmul rate (:func:`measure_cpu_matmul_peak`, once per process, when first
+needed), logged alongside.
 
-MFU = achieved FLOP/s / peak FLOP/s of the dtype the matmuls run in. Peaks are dense (no 2:4
-sparsity). An unknown GPU gets no guessed peak: MFU is then reported as None. On CPU the peak is a
-measured fp32 matmul rate (``measure_cpu_matmul_peak``), reported alongside.
+:class:`MetricsHook` is the metrics' place in the training loop: a record every ``log_freq``
+steps, rank 0's progress line, and the run summary.
 """
+
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -27,6 +26,9 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+
+from titanlite.dtypes import DTYPES
+from titanlite.hooks import Hook, LoopState
 
 logger = logging.getLogger(__name__)
 
@@ -65,21 +67,6 @@ def _match(table: list[tuple[str, Any]], name: str) -> Any:
     return None
 
 
-def flops_per_token(model_args: Any, num_params_total: int, seq_len: int) -> int:
-    """Training FLOPs per token: 6 * matmul parameters + attention term (see module docstring).
-
-    ``num_params_total`` counts tied weights once. The embedding table is excluded from the matmul
-    parameters unless it is tied (then the same tensor is the output projection).
-    """
-    embed = model_args.vocab_size * model_args.dim
-    matmul_params = num_params_total - embed
-    if getattr(model_args, "tie_word_embeddings", False):
-        matmul_params += embed  # the shared tensor is used as the output projection
-    head_dim = getattr(model_args, "head_dim", None) or model_args.dim // model_args.n_heads
-    attention = 12 * model_args.n_layers * model_args.n_heads * head_dim * seq_len
-    return 6 * matmul_params + attention
-
-
 def peak_flops(device: torch.device, dtype: str = "bfloat16") -> Optional[float]:
     """Dense peak FLOP/s of ``device`` for matmuls in ``dtype`` (bfloat16, float8, float32).
 
@@ -89,7 +76,7 @@ def peak_flops(device: torch.device, dtype: str = "bfloat16") -> Optional[float]
         name = torch.cuda.get_device_name(device)
         return peak_flops_for_name(name, dtype)
     if device.type == "cpu":
-        return measure_cpu_matmul_peak(dtype)
+        return measure_cpu_matmul_peak(dtype, threads=torch.get_num_threads())
     return None
 
 
@@ -122,20 +109,18 @@ def matmul_dtype(compute_dtype: str, float8: bool = False, device: Optional[torc
     return compute_dtype
 
 
-_CPU_PEAK_CACHE: dict[tuple[int, str], float] = {}
-
-
-def measure_cpu_matmul_peak(dtype: str = "float32", n: int = 2048, trials: int = 5) -> float:
-    """Measured matmul FLOP/s of this CPU in ``dtype`` with the current thread count.
+@functools.lru_cache(maxsize=None)
+def measure_cpu_matmul_peak(dtype: str = "float32", n: int = 2048, trials: int = 5, threads: int = 0) -> float:
+    """Measured matmul FLOP/s of this CPU in ``dtype`` (``threads``: the intra-op thread count it is
+    measured at, part of the cache key; 0 = the current one). Cached per process.
 
     The best of ``trials`` short timings (each ~0.1 s), so a busy moment does not lower the peak
-    and inflate MFU (other processes loading the CPU still do: CPU MFU is indicative). Cached.
+    and inflate MFU (other processes loading the CPU still do: CPU MFU is indicative). The inputs
+    come from a private generator: measuring never moves torch's global random state.
     """
-    key = (torch.get_num_threads(), dtype)
-    if key in _CPU_PEAK_CACHE:
-        return _CPU_PEAK_CACHE[key]
-    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype, torch.float32)
-    a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)
+    dt = DTYPES.get(dtype, torch.float32)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, generator=g).to(dt), torch.randn(n, n, generator=g).to(dt)
     torch.mm(a, b)  # warm-up
     best = 0.0
     for _ in range(trials):
@@ -144,7 +129,6 @@ def measure_cpu_matmul_peak(dtype: str = "float32", n: int = 2048, trials: int =
             torch.mm(a, b)
             iters += 1
         best = max(best, 2 * n**3 * iters / (time.perf_counter() - start))
-    _CPU_PEAK_CACHE[key] = best
     return best
 
 
@@ -170,10 +154,12 @@ def _current_rss_bytes() -> int:
 
 
 class MetricsLogger:
-    """Writes metric records to ``metrics.jsonl`` and TensorBoard (rank 0 only; no-op elsewhere)."""
+    """``[metrics]``: records to ``<dump_folder>/metrics.jsonl`` and TensorBoard (rank 0 only; no-op elsewhere).
 
-    def __init__(self, dump_folder: str, rank: int = 0, enable_tensorboard: bool = False,
-                 tb_folder: str = "tb"):
+    A record is written as one line and flushed; :meth:`rewind` drops the records after a step
+    (a resumed run logs them again)."""
+
+    def __init__(self, section: Any, dump_folder: str | os.PathLike, rank: int = 0):
         self.enabled = rank == 0
         self.writer = None
         self.path = Path(dump_folder) / "metrics.jsonl"
@@ -181,10 +167,10 @@ class MetricsLogger:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.file = open(self.path, "a", encoding="utf-8")
-        if enable_tensorboard:
+        if section.enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(Path(dump_folder) / tb_folder))
+            self.writer = SummaryWriter(str(Path(dump_folder) / section.save_tb_folder))
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -192,16 +178,46 @@ class MetricsLogger:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         if self.writer is not None:
-            step = record["step"]
             for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and value is not None:
-                    self.writer.add_scalar(key, value, step)
+                if key != "step" and isinstance(value, (int, float)):
+                    self.writer.add_scalar(key, value, record["step"])
+
+    def rewind(self, step: int) -> None:
+        if self.enabled:
+            rewind_metrics_log(self.path, step)
 
     def close(self) -> None:
         if self.enabled:
             self.file.close()
             if self.writer is not None:
                 self.writer.close()
+
+
+def rewind_metrics_log(path: str | os.PathLike, step: int) -> int:
+    """Cut ``metrics.jsonl`` after the last record of a step <= ``step`` (and any torn last line), in
+    place with ``truncate``, so a logger holding the file open in append mode keeps appending at the
+    new end. Returns how many lines were dropped."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    keep = dropped = offset = 0
+    with open(path, "rb") as f:
+        for line in f:
+            end = offset + len(line)
+            try:
+                record = json.loads(line) if line.endswith(b"\n") else None
+            except ValueError:
+                record = None
+            rec_step = record.get("step") if isinstance(record, dict) else None
+            if isinstance(rec_step, int) and rec_step <= step and dropped == 0:
+                keep = end
+            else:
+                dropped += 1
+            offset = end
+    if dropped:
+        os.truncate(path, keep)
+        logger.info("metrics log %s: removed %d record(s) after step %d (they are logged again)", path, dropped, step)
+    return dropped
 
 
 def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
@@ -266,6 +282,15 @@ class UpdateRatio:
     @torch.no_grad()
     def before_step(self) -> None:
         self._saved = [p.detach().clone() for _, p in self.named]
+
+    @property
+    def pending(self) -> bool:
+        """A copy was taken and not measured yet."""
+        return self._saved is not None
+
+    def cancel(self) -> None:
+        """Drop the copy (the update was skipped)."""
+        self._saved = None
 
     @torch.no_grad()
     def after_step(self) -> dict[str, float]:
@@ -376,3 +401,114 @@ def format_summary(s: dict[str, Any]) -> str:
             f"wall time {format_duration(s['wall_s'])}, mean {num(s['mean_tokens_per_s'], ',.0f')} tokens/s per "
             f"device, mean MFU {mfu}, last loss {num(s['last_loss'], '.4f')}, "
             f"last validation loss {num(s['last_val_loss'], '.4f')}")
+
+
+class MetricsHook(Hook):
+    """``[metrics]`` in the loop: a step record at the first and last step and every ``log_freq``
+    steps (loss, grad norm, lr, tokens/s, MFU, memory, data wait, update ratio, ETA, and whatever
+    ``result.extra`` holds, e.g. the guard's counters), rank 0's progress line, the summary.
+
+    It owns the metrics log: at the start it becomes ``state.sink`` and the log is rewound to
+    ``state.step`` (a resumed run logs the later steps again; a fresh start logs from scratch).
+    ``flops_per_token`` and ``matmul_dtype`` give MFU; the peak is measured or looked up when
+    first needed. ``summary_path``: where rank 0 writes ``summary.json``.
+    """
+
+    def __init__(
+        self,
+        section: Any,
+        log: MetricsLogger,
+        *,
+        device: torch.device,
+        world_size: int = 1,
+        flops_per_token: int = 0,
+        matmul_dtype: str = "float32",
+        model: Optional[nn.Module] = None,
+        summary_path: Optional[Path] = None,
+    ):
+        self.section, self.log, self.device, self.world_size = section, log, device, world_size
+        self.flops_per_token, self.matmul_dtype, self.summary_path = flops_per_token, matmul_dtype, summary_path
+        track = model is not None and section.log_update_ratio
+        self.update_ratio = UpdateRatio(model, section.update_ratio_per_layer) if track else None
+        self.progress = RunProgress(0)
+        self.window = (time.perf_counter(), 0, 0, 0.0)  # start, steps, tokens, data wait
+        self._peak: Any = ...  # measured when first needed (None: unknown GPU)
+
+    def is_log_step(self, step: int, total: int) -> bool:
+        return step == 1 or step % self.section.log_freq == 0 or step == total
+
+    @property
+    def peak_flops(self) -> Optional[float]:
+        """Peak FLOP/s of the device in the matmul dtype (None: unknown); settable."""
+        if self._peak is ...:
+            self._peak = peak_flops(self.device, self.matmul_dtype)
+            if self._peak is not None and self.device.type == "cpu":
+                logger.info("MFU is against this CPU's measured matmul peak: %.1f GFLOP/s", self._peak / 1e9)
+        return self._peak
+
+    @peak_flops.setter
+    def peak_flops(self, value: Optional[float]) -> None:
+        self._peak = value
+
+    def on_train_start(self, state: LoopState) -> None:
+        state.sink = self.log
+        self.log.rewind(state.step)
+        state.records[:] = [r for r in state.records if r["step"] <= state.step]
+        self.progress = RunProgress(state.total_steps, state.step)
+        self.window = (time.perf_counter(), 0, 0, 0.0)
+
+    def before_update(self, state: LoopState, result: Any) -> None:
+        if self.update_ratio is not None and self.is_log_step(result.step, state.total_steps):
+            self.update_ratio.before_step()  # copies the parameters: logging steps only
+
+    def on_step_end(self, state: LoopState, result: Any) -> None:
+        start, steps, tokens, data_s = self.window
+        self.window = (start, steps + 1, tokens + result.tokens, data_s + result.data_s)
+        self.progress.step_done(state.step)
+        if self.update_ratio is not None and self.update_ratio.pending and result.action != "update":
+            self.update_ratio.cancel()
+        if not self.is_log_step(state.step, state.total_steps):
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - start
+        tps = (tokens + result.tokens) / self.world_size / elapsed
+        mfu = None if self.peak_flops is None else tps * self.flops_per_token / self.peak_flops
+        loss, grad_norm = result.fetch()
+        record = {"step": state.step, "loss": loss, "grad_norm": grad_norm, "lr": result.lr, "tokens_per_s": tps,
+                  "tokens_per_s_global": tps * self.world_size, "mfu": mfu, "tokens_seen": state.tokens_seen,
+                  "data_wait_frac": (data_s + result.data_s) / elapsed, "eta_s": self.progress.eta_seconds(),
+                  **memory_stats(self.device), **result.extra}  # fmt: skip
+        if self.update_ratio is not None and self.update_ratio.pending:
+            record.update(self.update_ratio.after_step())
+        self.progress.record(record, elapsed, steps + 1)
+        state.log(record)
+        self.log_line(record, state.total_steps)
+        self.window = (time.perf_counter(), 0, 0, 0.0)
+
+    def on_resume(self, state: LoopState, result: Any) -> None:
+        """After a rollback to ``state.step``: its later records go, the ETA clock restarts."""
+        self.log.rewind(state.step)
+        state.records[:] = [r for r in state.records if r["step"] <= state.step]
+        self.progress.restart(state.step)
+        self.window = (time.perf_counter(), 0, 0, 0.0)
+
+    def on_train_end(self, state: LoopState) -> None:
+        val = [r["val_loss"] for r in state.records if "val_loss" in r]
+        if val:
+            self.progress.validation(val[-1])
+        summary = self.progress.summary()
+        logger.info(format_summary(summary))
+        if self.summary_path is not None:
+            self.summary_path.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+        self.log.close()
+
+    @staticmethod
+    def log_line(r: dict[str, Any], total: int) -> None:
+        mfu = "unknown" if r["mfu"] is None else f"{100 * r['mfu']:.2f}%"
+        mem = r.get("mem_peak_gib", r.get("mem_rss_gib", 0.0))
+        upd = f" | upd/param {r['update_ratio']:.1e}" if "update_ratio" in r else ""
+        logger.info("step %4d/%d (%.0f%%) | loss %.4f | grad_norm %.3f | lr %.2e | tok/s %s (global %s) | mfu %s | "
+                    "mem %.2f GiB | data %.0f%%%s | eta %s", r["step"], total, 100 * r["step"] / total, r["loss"],
+                    r["grad_norm"], r["lr"], f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s_global']:,.0f}", mfu, mem,
+                    100 * r["data_wait_frac"], upd, format_duration(r.get("eta_s")))  # fmt: skip

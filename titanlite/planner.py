@@ -63,20 +63,21 @@ import dataclasses
 import math
 from typing import Any, Optional
 
+from titanlite.dtypes import DTYPES
+
 RESERVE_BYTES = 2.0e9  # CUDA context, NCCL buffers, cuBLAS workspaces
 FRAGMENTATION = 0.05  # share of the GPU memory assumed lost to the caching allocator's fragmentation
 CHINCHILLA_TOKENS_PER_PARAM = 20
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
     """The sizes that determine parameters, FLOPs and activations (Llama-style decoder).
 
-    Attribute names match the Llama 3 model args, so :func:`titanlite.metrics.flops_per_token`
-    accepts a shape directly. ``head_dim`` 0 (the default) means ``dim // n_heads`` (Llama); families that set
-    it on its own (Qwen3) and add RMSNorm weights on the query/key heads (``qk_norm``) are counted
-    exactly too.
+    Attribute names match the Llama 3 model args. ``head_dim`` 0 (the default) means ``dim // n_heads``
+    (Llama); families that set it on its own (Qwen3) and add RMSNorm weights on the query/key heads
+    (``qk_norm``) are counted exactly too. ``num_params``: the family's exact count when its blocks
+    are not Llama blocks (0: the formula of :func:`param_count`).
     """
 
     dim: int
@@ -88,17 +89,18 @@ class ModelShape:
     tie_word_embeddings: bool = False
     head_dim: int = 0  # 0: dim // n_heads, filled in by __post_init__
     qk_norm: bool = False
+    num_params: int = 0
 
     def __post_init__(self) -> None:
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
 
     @classmethod
-    def from_args(cls, args: Any) -> "ModelShape":
+    def from_args(cls, args: Any, num_params: int = 0) -> ModelShape:
         kv = getattr(args, "kv_heads", None) or getattr(args, "n_kv_heads", None) or args.n_heads
         return cls(args.dim, args.n_layers, args.n_heads, kv, args.ffn_hidden_dim, args.vocab_size,
                    bool(getattr(args, "tie_word_embeddings", False)), int(getattr(args, "head_dim", 0) or 0),
-                   bool(getattr(args, "qk_norm", False)))
+                   bool(getattr(args, "qk_norm", False)), num_params)
 
     @property
     def q_dim(self) -> int:
@@ -125,6 +127,8 @@ def _norm_params(s: ModelShape) -> int:
 
 def param_count(s: ModelShape) -> int:
     """All parameters, a tied embedding/output counted once."""
+    if s.num_params:
+        return s.num_params
     embed = s.vocab_size * s.dim
     output = 0 if s.tie_word_embeddings else embed
     return embed + s.n_layers * block_params(s) + s.dim + output
@@ -135,11 +139,28 @@ def matmul_param_count(s: ModelShape) -> int:
     return s.n_layers * (block_params(s) - _norm_params(s)) + s.vocab_size * s.dim
 
 
-def flops_per_token(s: ModelShape, seq_len: int) -> int:
-    """Training FLOPs per token (PaLM appendix B), see :func:`titanlite.metrics.flops_per_token`."""
-    from titanlite.metrics import flops_per_token as fpt
+def palm_flops_per_token(matmul_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> int:
+    """Training FLOPs per token (PaLM, Chowdhery et al. 2022, appendix B): a forward+backward pass
+    costs 6 FLOPs per parameter that takes part in a matmul, plus 12 x n_layers x n_heads x head_dim
+    x seq_len for the attention scores and weighted sum (2 matmuls of 2 FLOPs, x3 for backward)."""
+    return 6 * matmul_params + 12 * n_layers * n_heads * head_dim * seq_len
 
-    return fpt(s, param_count(s), seq_len)
+
+def flops_per_token(s: ModelShape, seq_len: int) -> int:
+    """:func:`palm_flops_per_token` of the shape: every parameter but the input embedding table is a
+    matmul parameter (a tied table is the output projection, so it counts)."""
+    embed = 0 if s.tie_word_embeddings else s.vocab_size * s.dim
+    return palm_flops_per_token(param_count(s) - embed, s.n_layers, s.n_heads, s.head_dim, seq_len)
+
+
+def params_of(args: Any) -> int:
+    """Exact parameters of a Llama-style family's model args (a ``ModelSpec.num_params``)."""
+    return param_count(ModelShape.from_args(args))
+
+
+def flops_of(args: Any, seq_len: int) -> int:
+    """Training FLOPs per token of a Llama-style family's model args (a ``ModelSpec.flops_per_token``)."""
+    return flops_per_token(ModelShape.from_args(args), seq_len)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -170,8 +191,8 @@ class RunSetup:
                              f"({self.local_batch_size}) x data-parallel degree ({self.dp_degree})")
         if self.ac_mode not in ("none", "full", "selective"):
             raise ValueError(f"unknown activation checkpointing mode {self.ac_mode!r}")
-        if self.compute_dtype not in DTYPE_BYTES:
-            raise ValueError(f"compute dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.compute_dtype!r}")
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"compute dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
 
     @property
     def dp_degree(self) -> int:
@@ -209,7 +230,7 @@ class RunSetup:
 
 def _bytes(setup: RunSetup) -> tuple[int, int, int]:
     """(compute c, residual r, saved-matmul-input l) bytes, see the module docstring."""
-    c = DTYPE_BYTES[setup.compute_dtype]
+    c = DTYPES[setup.compute_dtype].itemsize
     r = 4 if (setup.autocast or c == 4) else c
     lin = 1 if setup.float8 else c
     return c, r, lin
@@ -309,13 +330,15 @@ class Plan:
 
 
 def plan_run(s: ModelShape, setup: RunSetup, *, tokens: float, mfu: float, peak_flops: Optional[float],
-             matmul_dtype: str, gpu_memory: Optional[float] = None, price_per_gpu_hour: Optional[float] = None) -> Plan:
-    """Steps, FLOPs, wall time, cost and memory of training on ``tokens`` tokens at ``mfu``."""
+             matmul_dtype: str, gpu_memory: Optional[float] = None, price_per_gpu_hour: Optional[float] = None,
+             flops_per_token_: Optional[int] = None) -> Plan:
+    """Steps, FLOPs, wall time, cost and memory of training on ``tokens`` tokens at ``mfu``
+    (``flops_per_token_``: the family's own count, default :func:`flops_per_token` of the shape)."""
     if tokens <= 0:
         raise ValueError(f"token target must be positive, got {tokens}")
     if not 0 < mfu <= 1:
         raise ValueError(f"MFU must be in (0, 1], got {mfu}")
-    fpt = flops_per_token(s, setup.seq_len)
+    fpt = flops_per_token_ or flops_per_token(s, setup.seq_len)
     steps = math.ceil(tokens / setup.tokens_per_step)
     trained = steps * setup.tokens_per_step
     total = fpt * trained

@@ -6,7 +6,7 @@ checkpoint save, is acted on at the end of the next step), and every rank agrees
 that same step (the request is all-reduced with the NaN guard's flags, see :mod:`titanlite.guard`,
 so ranks that received the signal at slightly different moments still stop together; torchrun
 forwards SIGTERM to every worker, but one rank alone suffices). The trainer then writes a full
-checkpoint of that step when checkpointing is on (:func:`save_now`), waits for asynchronous saves
+checkpoint of that step when checkpointing is on (:class:`PreemptionHook`), waits for asynchronous saves
 to finish, logs one line and returns, so the process exits with status 0. Restarting the same
 command resumes from that checkpoint and continues exactly (model, optimizer, LR schedule, data
 position and RNG are in it).
@@ -27,6 +27,8 @@ import signal
 import sys
 import threading
 from typing import Callable, Iterable
+
+from titanlite.hooks import Hook
 
 logger = logging.getLogger("titanlite.preemption")
 
@@ -79,9 +81,23 @@ class PreemptionHandler:
                        "(send it again to exit at once)", name)
 
 
-def save_now(checkpointer, step: int) -> bool:
-    """Write a full, resumable checkpoint of ``step`` now, whatever the interval; False when
-    checkpointing is off."""
-    if not getattr(checkpointer, "enabled", False):
-        return False
-    return bool(checkpointer.save(step, force=True))
+class PreemptionHook(Hook):
+    """Stop after a step on which a stop was requested (``result.stop_requested``, agreed across ranks
+    by the guard's check): a full checkpoint of that step unless one was just saved, then the loop
+    ends (``state.stop``) and the process exits 0."""
+
+    def __init__(self, handler: PreemptionHandler, checkpointer=None):
+        self.handler, self.checkpointer = handler, checkpointer
+
+    def on_step_end(self, state, result) -> None:
+        if not result.stop_requested or state.last_step:
+            return
+        ckpt = self.checkpointer
+        saved = ckpt is not None and ckpt.enabled and (ckpt.last_saved_step == state.step or ckpt.save(state.step, force=True))
+        if ckpt is not None:
+            ckpt.wait()
+        what = (f"checkpoint of step {state.step} saved; rerun the same command to resume" if saved else
+                "checkpointing is off ([checkpoint] enable = false): nothing was saved")
+        logger.warning("preemption: stopped after step %d of %d on %s; %s", state.step, state.total_steps,
+                       self.handler.signal_name or "a signal on another rank", what)
+        state.stop = True

@@ -22,6 +22,8 @@ from typing import Optional
 
 import torch
 
+from titanlite.hooks import Hook
+
 logger = logging.getLogger("titanlite.profiling")
 
 MEMORY_HISTORY_ENTRIES = 100_000
@@ -107,3 +109,23 @@ def build_profiler(cfg, dump_folder: str, rank: int, device: torch.device, start
     if not (cfg.enable_profiling or cfg.enable_memory_snapshot):
         return None
     return Profiler(cfg, dump_folder, rank, device, start_step)
+
+
+class ProfilerHook(Hook):
+    """``[profiling]`` in the loop: starts at the (possibly resumed) first step, steps after each
+    optimizer step, stops at the end; nothing at all when profiling and snapshots are off."""
+
+    def __init__(self, section, dump_folder: str, rank: int, device: torch.device):
+        self.section, self.dump_folder, self.rank, self.device = section, dump_folder, rank, device
+        self.profiler: Optional[Profiler] = None
+
+    def on_train_start(self, state) -> None:
+        self.profiler = build_profiler(self.section, self.dump_folder, self.rank, self.device, state.step)
+
+    def on_step_end(self, state, result) -> None:
+        if self.profiler is not None:
+            self.profiler.step(state.step)
+
+    def on_train_end(self, state) -> None:
+        if self.profiler is not None:
+            self.profiler.close()

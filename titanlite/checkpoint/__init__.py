@@ -1,15 +1,14 @@
 """Checkpoints: DCP saves with exact resume and resharding, atomic publication, HF conversion.
 
-- :class:`CheckpointManager` (``manager``): save / resume for the trainer (``[checkpoint]``).
+- :class:`CheckpointManager` (``manager``): save / resume of any Stateful objects (``[checkpoint]``),
+  and :class:`CheckpointHook`, its place in the training loop.
 - ``layout``: folder naming, atomic publication, completeness and damage checks.
-- ``staging``: CPU copies for asynchronous saves.
-- ``state``: train-state and RNG helpers.
-- ``metrics_log``: rewinding ``metrics.jsonl`` to the resumed step.
+- ``state``: the RNG state saved with every checkpoint.
 - ``hf``: streaming conversion between DCP step folders and Hugging Face folders (the model
-  family's ``hf_adapter`` maps names and layouts); ``safetensors_stream`` writes the shards and
-  ``convert_cli`` holds the command lines of ``scripts/convert_*.py``.
+  family's ``hf_adapter`` maps names and layouts); ``convert_cli`` holds the command lines of
+  ``scripts/convert_*.py``.
 """
-from titanlite.checkpoint.manager import CheckpointManager, LoadPlan, SaveStats
-from titanlite.checkpoint.state import AttrState
 
-__all__ = ["AttrState", "CheckpointManager", "LoadPlan", "SaveStats"]
+from titanlite.checkpoint.manager import CheckpointHook, CheckpointManager, LoadPlan, SaveStats
+
+__all__ = ["CheckpointHook", "CheckpointManager", "LoadPlan", "SaveStats"]

@@ -1,49 +1,47 @@
-"""CheckpointManager: periodic (optionally asynchronous) DCP saves and exact resume.
+"""CheckpointManager: periodic (optionally asynchronous) DCP saves of any Stateful objects, exact resume.
 
-What a full checkpoint holds (one DCP state dict, flattened by DCP):
+``CheckpointManager(section, folder, states={...})`` takes the ``[checkpoint]`` section, the folder
+of ``step-N`` sub-folders and the objects to save by name; what each becomes in the DCP state dict:
 
-=================  ===========================================================================
-``model``          ``get_model_state_dict``: sharded DTensors under FSDP/TP, plain tensors else
-``optimizer``      ``get_optimizer_state_dict``: AdamW moments and step, keyed by parameter name
-``lr_scheduler``   the scheduler's state (pickled)
-``train_state``    ``step`` and ``tokens_seen``
-``dataloader``     ``dp_rank_<r>``: each data-parallel rank's loader state (pickled)
-``rng``            ``rank_<r>``: each rank's python / torch / CUDA generator states (pickled)
-=================  ===========================================================================
+=========================  ====================================================================
+``nn.Module``              ``get_model_state_dict``: sharded DTensors under FSDP/TP, plain tensors
+                           else (a model-only save holds only this, cast to ``export_dtype``)
+``torch.optim.Optimizer``  ``get_optimizer_state_dict`` of it and the model: moments keyed by
+                           parameter name
+``StatefulDataLoader``     ``<name>.dp_rank_<r>``: each data-parallel rank's position
+any other ``Stateful``     ``<name>``: its ``state_dict()``, the same on every rank (a user's own
+                           objects too)
+(added)                    ``rng.rank_<r>``: each rank's python / torch / CUDA generator states
+=========================  ====================================================================
 
-plus ``checkpoint.json`` (step, model family and resolved args, tokenizer ids) and the resolved
-``config.toml`` next to the DCP files (see :mod:`titanlite.checkpoint.layout`). A model-only save
-(the last one with ``last_save_model_only``) holds ``model`` only, cast to ``export_dtype``.
+Non-tensor states are stored as one pickled value each, so a state dict whose shape changes
+between save and load (a data loader's) still loads. ``checkpoint.json`` (step, ``info``: model
+family and args, tokenizer) and ``config.toml`` sit next to the DCP files
+(:mod:`titanlite.checkpoint.layout`). DCP re-partitions model and optimizer to whatever layout loads
+them; a data-parallel rank ``r`` whose ``dp_rank_<r>`` is missing (the degree changed) takes
+``dp_rank_0``'s position, which the loader re-partitions exactly or refuses.
 
-DCP re-partitions model and optimizer tensors to whatever layout loads them (1 process, FSDP, TP,
-FSDP x TP). The data-loader state of rank ``r`` is taken from ``dp_rank_<r>`` or, when the
-data-parallel degree changed, from ``dp_rank_0``; the loader then re-partitions its global cursor
-exactly or refuses with an error (:class:`titanlite.data.windows.TokenWindows`).
-
-Saving (``async_mode``):
-
-- ``disabled``: stage nothing; ``dcp.save`` runs in the loop.
-- ``async`` and ``async_with_pinned_mem``: a staging thread copies the state to CPU while the next
-  step's forward and backward run (they do not modify what is saved); the loop only waits, if at
-  all, in :meth:`CheckpointManager.wait_for_staging` just before the optimizer step, which is the
-  first thing that changes the weights and AdamW state. A writer thread then saves the copy.
-  ``async`` copies into fresh CPU memory, freed after the write; ``async_with_pinned_mem`` into
-  buffers allocated once and reused (page-locked on CUDA: faster, truly asynchronous device-to-host
-  copies), at the cost of holding a CPU copy of the state for the whole run.
-
-At most one save is in flight: a save first waits for the previous write. Background writes use
+Saving (``async_mode``) goes through ``torch.distributed.checkpoint``: ``disabled`` runs
+``dcp.save`` in the loop; ``async`` and ``async_with_pinned_mem`` call ``dcp.async_save`` with a
+``DefaultStager`` that copies the state to CPU on its own thread while the next step's forward and
+backward run (they do not modify it), then DCP writes the copy on another thread. The loop waits
+for the copy, if at all, in :meth:`wait_for_staging` just before the optimizer step. ``async``
+stages into fresh memory, freed after the write; ``async_with_pinned_mem`` keeps one stager whose
+buffers are reused (page-locked on CUDA). At most one save is in flight, and background writes use
 their own gloo process group, so their collectives never interleave with the training ones.
-Every save goes to ``step-N.partial-<token>`` and is renamed to ``step-N`` by rank 0 once complete;
-``keep_latest_k`` then deletes older complete checkpoints, never the newest resumable one.
 
-Loading: the choice of checkpoint is made in the constructor (so user errors such as a missing
-``load_step`` surface before training starts, as one-line ``ValueError``\\ s); :meth:`load` does it.
-A newest checkpoint that turns out damaged (missing/truncated file or metadata, unreadable data) is
-reported in one line and the previous complete one is used instead.
+Every save goes to ``step-N.partial-<token>`` and is renamed to ``step-N`` by rank 0 once DCP has
+written its ``.metadata`` (after every rank's data): a ``step-N`` folder is complete or absent,
+whenever the process dies. ``keep_latest_k`` then deletes older ones, never the newest resumable.
+
+Loading: what to load is decided in the constructor (so a missing ``load_step`` or a model that
+does not fit is a one-line ``ValueError`` before training starts); :meth:`load` does it, and
+refuses once a saved data loader is being iterated (its position would not reach that iterator).
+A damaged newest checkpoint is reported in one line and the previous complete one is used.
 """
+
 from __future__ import annotations
 
-import copy
 import dataclasses
 import datetime
 import logging
@@ -51,35 +49,34 @@ import pickle
 import secrets
 import time
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite.checkpoint import layout
-from titanlite.checkpoint.metrics_log import rewind_metrics_log
-from titanlite.checkpoint.staging import Stager
-from titanlite.checkpoint.state import capture_rng, restore_rng
+from titanlite.checkpoint.state import RNGState
+from titanlite.dtypes import DTYPES, dtype_name
+from titanlite.hooks import Hook
 
 logger = logging.getLogger("titanlite.checkpoint")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Errors that mean "these files cannot be read", as opposed to a mismatch with this run.
 _READ_ERRORS = (CheckpointException, OSError, EOFError, RuntimeError, pickle.UnpicklingError, ValueError)
 CHECKPOINT_PG_TIMEOUT_S = 3600
-# DCP warns on every single-process save/load; one process is a supported layout here.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
-                        category=UserWarning)
 
 
 @dataclasses.dataclass
@@ -102,45 +99,78 @@ class SaveStats:
     write_s: Optional[float] = None  # background (or inline) write time, once finished
 
 
-class CheckpointManager:
-    def __init__(self, job_config: Any, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 lr_scheduler: Any, dataloader: Any, train_state: Any, device: torch.device,
-                 dp_rank: int = 0, model_info: Optional[dict[str, Any]] = None,
-                 metrics_path: Optional[str] = None):
-        from titanlite.config import config_to_toml
+class ModelState:
+    """A model as a DCP ``Stateful`` (sharded state dicts); cast to ``dtype`` when saving, if given."""
 
-        self.cfg = job_config.checkpoint
-        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
-        self.dataloader, self.train_state, self.device = dataloader, train_state, device
-        self.dp_rank = dp_rank
-        self.model_info = dict(model_info or {})
-        self.metrics_path = metrics_path
-        self.config_toml = config_to_toml(job_config)
-        self.folder = Path(job_config.job.dump_folder) / self.cfg.folder
-        self.enabled = bool(self.cfg.enable)
-        self.mode = self.cfg.async_mode
+    def __init__(self, model: nn.Module, dtype: Optional[torch.dtype] = None):
+        self.model, self.dtype = model, dtype
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = get_model_state_dict(self.model)
+        if self.dtype is None:
+            return sd
+        return {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in sd.items()}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, sd)
+
+
+class OptimizerState:
+    """An optimizer as a DCP ``Stateful``: its state keyed by the model's parameter names."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, sd)
+
+
+class CheckpointManager:
+    def __init__(
+        self,
+        section: Any,
+        folder: str | Path,
+        states: dict[str, Any],
+        *,
+        dp_rank: int = 0,
+        device: Optional[torch.device] = None,
+        info: Optional[dict[str, Any]] = None,
+        config_toml: str = "",
+    ):
+        self.cfg, self.folder, self.dp_rank = section, Path(folder), dp_rank
+        self.info, self.config_toml = dict(info or {}), config_toml
+        self.enabled, self.mode = bool(section.enable), section.async_mode
         self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if self.distributed else 0
         self.stats: list[SaveStats] = []
-
+        self.last_saved_step: Optional[int] = None
+        modules = [(k, v) for k, v in states.items() if isinstance(v, nn.Module)]
+        if len(modules) != 1:
+            raise ValueError(f"CheckpointManager needs exactly one nn.Module in states, got {len(modules)}")
+        self.model_key, self.model = modules[0]
+        self.optimizers = {k: v for k, v in states.items() if isinstance(v, torch.optim.Optimizer)}
+        self.per_rank = {k: (v, f"dp_rank_{dp_rank}") for k, v in states.items() if isinstance(v, StatefulDataLoader)}
+        self.per_rank["rng"] = (RNGState(device), f"rank_{self.rank}")
+        self.shared = {k: v for k, v in states.items() if k not in self.per_rank and k != self.model_key
+                       and k not in self.optimizers}  # fmt: skip
+        for k, v in self.shared.items():
+            if not (callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None))):
+                raise TypeError(f"checkpoint state {k!r} ({type(v).__name__}) has no state_dict/load_state_dict")
         self._pg = None
         if self.enabled and self.distributed:  # collective: every rank builds the manager
-            self._pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=CHECKPOINT_PG_TIMEOUT_S))
-        self._stager: Optional[Stager] = None
-        self._writer: Optional[ThreadPoolExecutor] = None
-        if self.enabled and self.mode != "disabled":
-            pinned = self.mode == "async_with_pinned_mem"
-            self._stager = Stager(reuse_buffers=pinned, background=True, pin_memory=pinned)
-            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-write")
-            if pinned and not torch.cuda.is_available():
-                logger.info("checkpoint: no CUDA, so staging buffers are reused but not page-locked")
+            timeout = datetime.timedelta(seconds=CHECKPOINT_PG_TIMEOUT_S)
+            self._pg = dist.new_group(backend="gloo", timeout=timeout)
+        self._stager = self._new_stager() if self.enabled and self.mode == "async_with_pinned_mem" else None
         self._pending: Optional[Future] = None
         self._pending_step: Optional[int] = None
         self._staging: Optional[Future] = None
         self._closed = False
         # global shapes, computed on every rank (rank 0 alone plans, and must not run collectives)
         self._shapes: dict[str, tuple[int, ...]] = {}
-        if self.enabled or self.cfg.initial_load_path:
+        if self.enabled or section.initial_load_path:
             self._shapes = {k: tuple(v.shape) for k, v in get_model_state_dict(self.model).items()}
         self.token, self.plan = self._on_rank0(self._prepare)
 
@@ -158,7 +188,7 @@ class CheckpointManager:
             plan = self._plan_initial()
         elif plan.kind == "resume" and self.cfg.initial_load_path:
             plan.notes.append(f"checkpoint.initial_load_path={self.cfg.initial_load_path} is ignored: "
-                              f"resuming from {plan.paths[0]}")
+                              f"resuming from {plan.paths[0]}")  # fmt: skip
         return token, plan
 
     def _plan_resume(self, newest: bool = False) -> LoadPlan:
@@ -169,7 +199,7 @@ class CheckpointManager:
             if not match:
                 have = ", ".join(str(f.step) for f in folders) or "none"
                 raise ValueError(f"checkpoint.load_step={want}: no checkpoint {layout.step_dir_name(want)} in "
-                                 f"{self.folder} (complete checkpoints: {have})")
+                                 f"{self.folder} (complete checkpoints: {have})")  # fmt: skip
             path = match[0].path
             problem = layout.problem_with(path)
             if problem:
@@ -190,8 +220,7 @@ class CheckpointManager:
                 continue
             if problem is not None:
                 if not paths:  # only the ones newer than what we will load matter
-                    msg = f"checkpoint {f.path} is damaged ({problem}); falling back to the previous one"
-                    logger.warning(msg)
+                    logger.warning("checkpoint %s is damaged (%s); falling back to the previous one", f.path, problem)
                     damaged.append(f"{f.path.name}: {problem}")
                 continue
             paths.append(str(f.path))
@@ -223,21 +252,35 @@ class CheckpointManager:
         """The checkpoint's model tensors must exist with this model's (global) shapes."""
         stored = layout.read_metadata(path).state_dict_metadata
         for name, shape in self._shapes.items():
-            md = stored.get(f"model.{name}")
+            md = stored.get(f"{self.model_key}.{name}")
             if md is None or not hasattr(md, "size"):
-                raise ValueError(f"{what}: {path} has no tensor model.{name}; it was saved from a different model")
+                raise ValueError(f"{what}: {path} has no tensor {self.model_key}.{name}; it was saved from a "
+                                 "different model")  # fmt: skip
             if tuple(md.size) != shape:
-                raise ValueError(f"{what}: {path} has model.{name} of shape {list(md.size)} but this model's is "
-                                 f"{list(shape)} (the model config differs from the checkpoint's)")
+                raise ValueError(f"{what}: {path} has {self.model_key}.{name} of shape {list(md.size)} but this "
+                                 f"model's is {list(shape)} (the model config differs from the checkpoint's)")
 
-    # ------------------------------------------------------------------ loading (train start)
-    def load(self, rewind_metrics: bool = True) -> Optional[int]:
-        """Carry out the plan: returns the step resumed from (None when nothing was resumed).
+    # ------------------------------------------------------------------ loading
+    def load(self) -> Optional[int]:
+        """Carry out the plan; returns the step resumed from (None when nothing was resumed)."""
+        for k, v in self.per_rank.items():
+            if isinstance(v[0], StatefulDataLoader) and v[0]._iterator is not None \
+                    and not v[0]._initial_iter_for_state_dict:  # fmt: skip
+                raise RuntimeError(f"CheckpointManager.load(): the data loader {k!r} is already being iterated, so "
+                                   "its saved position would not reach that iterator; load before iter(loader)")
+        return self._load(self.plan)
 
-        On a resume, ``metrics.jsonl`` loses its records after the resumed step (they are logged
-        again) unless ``rewind_metrics`` is false.
-        """
-        plan = self.plan
+    def load_latest(self) -> Optional[int]:
+        """Reload the newest complete resumable checkpoint now (a rollback), whatever ``load_step``
+        says; returns its step, or None when there is none. Collective. Take a new iterator of the
+        data loader afterwards: the loaded position applies to the next ``iter()``."""
+        if not self.enabled:
+            return None
+        self.wait()  # an in-flight save may become the newest complete checkpoint
+        plan = self._on_rank0(lambda: self._plan_resume(newest=True))
+        return self._load(plan) if plan.kind == "resume" else None
+
+    def _load(self, plan: LoadPlan) -> Optional[int]:
         for note in plan.notes:
             self._warn(note)
         if plan.kind == "none":
@@ -245,11 +288,11 @@ class CheckpointManager:
                 logger.info("checkpoint: nothing to resume in %s; starting from step 0", self.folder)
             return None
         if plan.kind == "initial":
-            self._load_path(plan.paths[0], model_only=plan.model_only)
+            self._apply(self._read(plan.paths[0], model_only=plan.model_only), plan.paths[0])
             what = "model weights only" if plan.model_only else "the full training state"
             self._warn("checkpoint: no checkpoint to resume in %s; loaded %s from initial_load_path %s",
-                       self.folder, what, plan.paths[0])
-            return None if plan.model_only else self.train_state.state_dict()["step"]
+                       self.folder, what, plan.paths[0])  # fmt: skip
+            return None if plan.model_only else self._on_rank0(lambda: layout.read_info(plan.paths[0])["step"])
         failures = []
         for i, path in enumerate(plan.paths):
             if i > 0:
@@ -268,70 +311,58 @@ class CheckpointManager:
                 state = self._read(path, model_only=False)
             except _READ_ERRORS as e:
                 msg = " ".join(str(e).split())[:300]
-                self._warn("checkpoint %s could not be read (%s: %s); falling back to the previous one",
-                           path, type(e).__name__, msg)
+                self._warn("checkpoint %s could not be read (%s: %s); falling back to the previous one", path,
+                           type(e).__name__, msg)  # fmt: skip
                 failures.append(f"{Path(path).name}: {type(e).__name__}: {msg[:120]}")
                 continue
             self._apply(state, path)
-            ts = self.train_state.state_dict()
-            self._warn("checkpoint: RESUMED from %s: step %d, %s tokens seen; model, optimizer, LR schedule, "
-                       "data position and RNG restored", path, ts["step"], f"{ts.get('tokens_seen', 0):,}")
-            if rewind_metrics and self.metrics_path and self.rank == 0:
-                rewind_metrics_log(self.metrics_path, ts["step"])
-            return ts["step"]
+            info = self._on_rank0(lambda p=path: layout.read_info(p))
+            self._warn("checkpoint: RESUMED from %s: step %d, %s tokens seen; %s restored", path, info["step"],
+                       f"{info.get('tokens_seen') or 0:,}", ", ".join(state))  # fmt: skip
+            return info["step"]
         raise RuntimeError(f"no checkpoint in {self.folder} could be loaded ({'; '.join(failures)}); "
                            "the model may be partly overwritten, so training does not start")
-
-    def load_latest(self, rewind_metrics: bool = True) -> Optional[int]:
-        """Reload the newest complete resumable checkpoint now (e.g. to roll back after a divergence),
-        whatever ``load_step`` says; returns its step, or None when there is none. Collective.
-        ``metrics.jsonl`` is rewound to that step as on a resume (unless ``rewind_metrics`` is false)."""
-        if not self.enabled:
-            return None
-        self.wait()  # an in-flight save may become the newest complete checkpoint
-        plan = self._on_rank0(lambda: self._plan_resume(newest=True))
-        if plan.kind != "resume":
-            return None
-        self.plan = plan
-        return self.load(rewind_metrics=rewind_metrics)
-
-    def _load_path(self, path: str, *, model_only: bool) -> None:
-        self._apply(self._read(path, model_only=model_only), path)
 
     def _read(self, path: str, *, model_only: bool) -> dict[str, Any]:
         """DCP-load ``path`` into this run's layout: model tensors in place, the rest returned."""
         keys = self._on_rank0(lambda: set(layout.read_metadata(path).state_dict_metadata))
-        state: dict[str, Any] = {"model": get_model_state_dict(self.model)}
+        state: dict[str, Any] = {self.model_key: get_model_state_dict(self.model)}
         if not model_only:
-            state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
-            state["lr_scheduler"] = b""
-            state["train_state"] = dict(self.train_state.state_dict())
-            own = f"dp_rank_{self.dp_rank}"
-            state["dataloader"] = {own if f"dataloader.{own}" in keys else "dp_rank_0": b""}
-            if f"rng.rank_{self.rank}" in keys:
-                state["rng"] = {f"rank_{self.rank}": b""}
-        dcp.load(state, checkpoint_id=path, process_group=self._pg, no_dist=not self.distributed)
-        if not model_only:  # unpickling is part of reading: a damaged blob falls back too
-            state["lr_scheduler"] = pickle.loads(state["lr_scheduler"])
-            state["dataloader"] = {k: pickle.loads(v) for k, v in state["dataloader"].items()}
-            if "rng" in state:
-                state["rng"] = pickle.loads(state["rng"][f"rank_{self.rank}"])
+            for k, opt in self.optimizers.items():
+                state[k] = get_optimizer_state_dict(self.model, opt)
+            for k in self.shared:
+                if k not in keys:
+                    raise ValueError(f"{path} has no saved state {k!r}")
+                state[k] = b""
+            for k, (_, own) in self.per_rank.items():
+                fallback = "dp_rank_0" if own.startswith("dp_rank_") else None
+                key = own if f"{k}.{own}" in keys else fallback
+                if key is not None:
+                    state[k] = {key: b""}
+        with warnings.catch_warnings():  # one process is a supported layout: DCP need not say so
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+            dcp.load(state, checkpoint_id=path, process_group=self._pg, no_dist=not self.distributed)
+        for k in state:  # unpickling is part of reading: a damaged value falls back too
+            if k in self.shared:
+                state[k] = pickle.loads(state[k])
+            elif k in self.per_rank:
+                state[k] = pickle.loads(next(iter(state[k].values())))
         return state
 
     def _apply(self, state: dict[str, Any], path: str) -> None:
-        set_model_state_dict(self.model, state["model"])
-        if "optimizer" not in state:
-            return
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
-        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self.train_state.load_state_dict(state["train_state"])
-        (loader_state,) = state["dataloader"].values()
-        self.dataloader.load_state_dict(loader_state)
-        if "rng" in state:
-            restore_rng(state["rng"], self.device)
-        else:
-            logger.warning("checkpoint %s has no RNG state for rank %d (saved with fewer ranks); keeping the "
-                           "seeded generators", path, self.rank)
+        set_model_state_dict(self.model, state[self.model_key])
+        for k, opt in self.optimizers.items():
+            if k in state:
+                set_optimizer_state_dict(self.model, opt, state[k])
+        for k, obj in self.shared.items():
+            if k in state:
+                obj.load_state_dict(state[k])
+        for k, (obj, _) in self.per_rank.items():
+            if k in state:
+                obj.load_state_dict(state[k])
+            elif len(state) > 1:
+                logger.warning("checkpoint %s has no %s state for this rank (saved with fewer ranks); keeping the "
+                               "current one", path, k)  # fmt: skip
 
     # ------------------------------------------------------------------ saving
     def save(self, step: int, *, last: bool = False, force: bool = False) -> bool:
@@ -341,39 +372,98 @@ class CheckpointManager:
         if not self.enabled or (step % self.cfg.interval != 0 and not last and not force):
             return False
         model_only = last and self.cfg.last_save_model_only and not force
-        dtype = _DTYPES[self.cfg.export_dtype] if model_only else None
+        dtype = DTYPES[self.cfg.export_dtype] if model_only else None
         t0 = time.perf_counter()
         prev = self._pending_step
         self._wait_pending()  # at most one save in flight
         stats = SaveStats(step, self.mode, model_only, wait_prev_s=time.perf_counter() - t0)
         if prev is not None and stats.wait_prev_s > 0.1:
             self._warn("checkpoint step %d waited %.2f s for the write of step %d: the interval is shorter than "
-                       "a write", step, stats.wait_prev_s, prev)
+                       "a write", step, stats.wait_prev_s, prev)  # fmt: skip
         self.stats.append(stats)
-        state = self._state_dict(model_only, dtype)
-        info = self._info(step, model_only, dtype)
+        self.last_saved_step = step
+        state = self._state_to_save(model_only, dtype)
         partial = self.folder / layout.partial_dir_name(step, self.token)
         final = self.folder / layout.step_dir_name(step)
+        if self.rank == 0:
+            partial.mkdir(parents=True, exist_ok=True)
+            layout.write_info(partial, self._info(step, model_only, dtype))
+            (partial / layout.CONFIG_FILE).write_text(self.config_toml, encoding="utf-8")
+        writer = dcp.FileSystemWriter(str(partial), single_file_per_rank=True, sync_files=True, thread_count=1)
         if self.mode == "disabled":
-            self._write(state, partial, final, info, stats)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+                dcp.save(state, storage_writer=writer, process_group=self._pg, no_dist=not self.distributed)
+            self._published(partial, final, stats, t0)
             stats.blocked_s = time.perf_counter() - t0
             logger.info("checkpoint %s saved in %.2f s%s", final, stats.blocked_s, " (model only)" if model_only else "")
             return True
-        staged = self._stager.stage(state)
-        if isinstance(staged, Future):
-            self._staging = staged
-            job = lambda: self._write(staged.result(), partial, final, info, stats)  # noqa: E731
-        else:
-            job = lambda: self._write(staged, partial, final, info, stats)  # noqa: E731
-        del state
-        self._pending, self._pending_step = self._writer.submit(job), step
+        stager = self._stager or self._new_stager()
+        response = dcp.async_save(state, storage_writer=writer, process_group=self._pg, async_stager=stager,
+                                  no_dist=not self.distributed)  # fmt: skip
+        self._staging, upload = response.staging_completion, response.upload_completion
+        published: Future = Future()  # done once this rank's write is complete and, on rank 0, renamed
+        self._pending, self._pending_step = published, step
+
+        def done(fut: Future) -> None:  # on DCP's writer thread, once this rank's part is written
+            try:
+                fut.result()
+                self._published(partial, final, stats, t0)
+                logger.info("checkpoint %s written in the background in %.2f s", final, stats.write_s)
+                published.set_result(None)
+            except BaseException as e:  # noqa: BLE001 - raised in the loop by the next wait
+                published.set_exception(e)
+            finally:
+                if stager is not self._stager:
+                    stager.close()
+
+        upload.add_done_callback(done)
         stats.blocked_s = time.perf_counter() - t0
-        if isinstance(staged, Future):
-            logger.info("checkpoint step %d: staging in the background, then an asynchronous write", step)
-        else:
-            logger.info("checkpoint step %d: staged for an asynchronous write (loop blocked %.1f ms)", step,
-                        1e3 * stats.blocked_s)
+        logger.info("checkpoint step %d: staging in the background, then an asynchronous write", step)
         return True
+
+    def _new_stager(self) -> DefaultStager:
+        cuda = torch.cuda.is_available()
+        options = StagingOptions(use_pinned_memory=cuda and self.mode == "async_with_pinned_mem",
+                                 use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda)
+        stager = DefaultStager(options)
+        executor = getattr(stager, "_staging_executor", None)
+        if cuda and executor is not None:
+            # A new thread starts on CUDA device 0; leaving the staging stream's context there would make a
+            # CUDA context on GPU 0 for every rank, so the staging thread is put on this rank's device first.
+            executor.submit(torch.cuda.set_device, torch.cuda.current_device()).result()
+        return stager
+
+    def _state_to_save(self, model_only: bool, dtype: Optional[torch.dtype]) -> dict[str, Any]:
+        state: dict[str, Any] = {self.model_key: ModelState(self.model, dtype)}
+        if model_only:
+            return state
+        for k, opt in self.optimizers.items():
+            state[k] = OptimizerState(self.model, opt)
+        for k, obj in self.shared.items():
+            state[k] = pickle.dumps(obj.state_dict())
+        for k, (obj, key) in self.per_rank.items():
+            state[k] = {key: pickle.dumps(obj.state_dict())}
+        return state
+
+    def _info(self, step: int, model_only: bool, dtype: Optional[torch.dtype]) -> dict[str, Any]:
+        train = self.shared.get("train_state")
+        return {
+            "step": step,
+            "tokens_seen": train.state_dict().get("tokens_seen") if train is not None else None,
+            "model_only": model_only,
+            "dtype": dtype_name(dtype) if dtype is not None else None,
+            "world_size": dist.get_world_size() if self.distributed else 1,
+            "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            **self.info,
+        }
+
+    def _published(self, partial: Path, final: Path, stats: SaveStats, t0: float) -> None:
+        """This rank's part is written; rank 0 (whose save ends after every rank's) publishes it."""
+        if self.rank == 0:
+            layout.publish(partial, final, self.token)
+            self._purge()
+        stats.write_s = time.perf_counter() - t0
 
     def wait_for_staging(self) -> None:
         """Block until the state being saved has been copied (call before the optimizer step)."""
@@ -390,7 +480,7 @@ class CheckpointManager:
         self._wait_pending()
 
     def close(self) -> None:
-        """Wait for the last save, then release threads and the checkpoint process group."""
+        """Wait for the last save, then release the stager and the checkpoint process group."""
         if self._closed:
             return
         self._closed = True
@@ -401,65 +491,20 @@ class CheckpointManager:
         finally:
             if self._stager is not None:
                 self._stager.close()
-            if self._writer is not None:
-                self._writer.shutdown(wait=True)
             if self._pg is not None:
                 dist.destroy_process_group(self._pg)
                 self._pg = None
 
     def _wait_pending(self) -> None:
-        if self._staging is not None:
-            self.wait_for_staging()
-        if self._pending is None:
-            return
+        self.wait_for_staging()
         fut, step = self._pending, self._pending_step
         self._pending = self._pending_step = None
+        if fut is None:
+            return
         try:
             fut.result()
         except Exception as e:
             raise RuntimeError(f"asynchronous checkpoint save of step {step} failed: {type(e).__name__}: {e}") from e
-
-    def _state_dict(self, model_only: bool, dtype: Optional[torch.dtype]) -> dict[str, Any]:
-        model_sd = get_model_state_dict(self.model)
-        if dtype is not None:
-            model_sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in model_sd.items()}
-        state: dict[str, Any] = {"model": model_sd}
-        if model_only:
-            return state
-        state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
-        state["lr_scheduler"] = pickle.dumps(self.lr_scheduler.state_dict())
-        state["train_state"] = copy.deepcopy(self.train_state.state_dict())
-        state["dataloader"] = {f"dp_rank_{self.dp_rank}": pickle.dumps(self.dataloader.state_dict())}
-        state["rng"] = {f"rank_{self.rank}": pickle.dumps(capture_rng(self.device))}
-        return state
-
-    def _info(self, step: int, model_only: bool, dtype: Optional[torch.dtype]) -> dict[str, Any]:
-        ts = self.train_state.state_dict()
-        return {
-            "step": step,
-            "tokens_seen": ts.get("tokens_seen"),
-            "model_only": model_only,
-            "dtype": str(dtype).removeprefix("torch.") if dtype is not None else None,
-            "world_size": dist.get_world_size() if self.distributed else 1,
-            "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            **self.model_info,
-        }
-
-    def _write(self, state: dict[str, Any], partial: Path, final: Path, info: dict[str, Any],
-               stats: SaveStats) -> None:
-        t0 = time.perf_counter()
-        if self.rank == 0:
-            partial.mkdir(parents=True, exist_ok=True)
-            layout.write_info(partial, info)
-            (partial / layout.CONFIG_FILE).write_text(self.config_toml, encoding="utf-8")
-        writer = dcp.FileSystemWriter(str(partial), single_file_per_rank=True, sync_files=True, thread_count=1)
-        dcp.save(state, storage_writer=writer, process_group=self._pg, no_dist=not self.distributed)
-        if self.rank == 0:  # DCP's coordinator wrote .metadata after every rank's data: complete
-            layout.publish(partial, final, self.token)
-            self._purge()
-        stats.write_s = time.perf_counter() - t0
-        if self.mode != "disabled":
-            logger.info("checkpoint %s written in the background in %.2f s", final, stats.write_s)
 
     def _purge(self) -> None:
         k = self.cfg.keep_latest_k
@@ -502,3 +547,20 @@ class CheckpointManager:
         if kind == "ok":
             return value
         raise (FileNotFoundError if kind == "FileNotFoundError" else ValueError)(value)
+
+
+class CheckpointHook(Hook):
+    """The manager in the training loop: wait for staging before each update, save at step ends
+    (``last`` at the final step), wait for the last write when training ends."""
+
+    def __init__(self, manager: CheckpointManager):
+        self.manager = manager
+
+    def before_update(self, state, result) -> None:
+        self.manager.wait_for_staging()  # an async save must have copied the weights first
+
+    def on_step_end(self, state, result) -> None:
+        self.manager.save(state.step, last=state.last_step)
+
+    def on_train_end(self, state) -> None:
+        self.manager.close()

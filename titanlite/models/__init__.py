@@ -1,4 +1,4 @@
-"""Model families and their registry."""
+"""Model families and their registry; importing it registers the built-in family (llama3)."""
 from titanlite.models.registry import (
     ModelSpec,
     build_model,
@@ -9,3 +9,5 @@ from titanlite.models.registry import (
 )
 
 __all__ = ["ModelSpec", "build_model", "get_model_spec", "make_model_args", "model_names", "register_model"]
+
+import titanlite.models.llama3  # noqa: E402, F401  (registers itself)

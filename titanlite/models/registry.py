@@ -13,6 +13,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from titanlite.planner import palm_flops_per_token
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -22,7 +24,8 @@ class ModelSpec:
     - ``flavors``: preset name -> args instance.
     - ``model_cls``: ``model_cls(args)`` builds the module; it must provide ``init_weights()``
       and ``forward(tokens) -> logits [batch, seq, vocab]``.
-    - ``parallelize_fn``: ``parallelize_fn(model, parallel_dims, job_config) -> model`` (on meta).
+    - ``parallelize_fn``: ``parallelize_fn(model, parallel_dims, policies) -> model`` (on meta; see
+      :mod:`titanlite.parallel.policies`); None: the family trains on one process only.
     - ``hf_adapter``: class converting to and from Hugging Face (or None), e.g.
       :class:`titanlite.models.llama3.hf_adapter.Llama3HFAdapter`: ``architecture``/``model_type``,
       ``args_from_hf_config(config) -> args``, and per instance ``adapter(args)``:
@@ -30,6 +33,9 @@ class ModelSpec:
       ``expected_shapes()``, ``hf_config(dtype=..., bos_token_id=..., eos_token_id=...)`` and
       ``generation_config(bos, eos)``; used by ``scripts/convert_*.py``.
     - ``tokenizer_builder``: ``tokenizer_builder(path) -> tokenizer`` ("" = built-in default).
+    - ``num_params(args) -> int`` (tied tensors once) and ``flops_per_token(args, seq_len) -> int``
+      (training FLOPs): the family's exact counts for MFU, the planner and the dry run; when None,
+      :func:`model_counts` counts on a meta-built model (exact, a few seconds for the largest models).
     """
 
     name: str
@@ -39,6 +45,8 @@ class ModelSpec:
     parallelize_fn: Optional[Callable[..., nn.Module]] = None
     hf_adapter: Any = None
     tokenizer_builder: Optional[Callable[[str], Any]] = None
+    num_params: Optional[Callable[[Any], int]] = None
+    flops_per_token: Optional[Callable[[Any, int], int]] = None
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
@@ -53,12 +61,10 @@ def register_model(spec: ModelSpec) -> ModelSpec:
 
 
 def model_names() -> list[str]:
-    _ensure_builtin()
     return sorted(_REGISTRY)
 
 
 def get_model_spec(name: str) -> ModelSpec:
-    _ensure_builtin()
     if name not in _REGISTRY:
         raise KeyError(f"unknown model family {name!r}; registered: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name]
@@ -74,6 +80,22 @@ def make_model_args(name: str, flavor: str, **overrides: Any) -> Any:
     if unknown:
         raise KeyError(f"unknown model args for {name!r}: {', '.join(unknown)}")
     return dataclasses.replace(spec.flavors[flavor], **overrides)
+
+
+def model_args_for(section: Any, vocab_size: int) -> Any:
+    """The family's args for a ``[model]`` section: its flavor, then its overrides; the vocabulary
+    follows the tokenizer (``vocab_size``) unless ``model.vocab_size`` is set (not smaller)."""
+    overrides = dict(section.overrides)
+    if "vocab_size" not in overrides:
+        overrides["vocab_size"] = vocab_size
+    elif overrides["vocab_size"] < vocab_size:
+        raise ValueError(f"model.vocab_size={overrides['vocab_size']} is smaller than the tokenizer's "
+                         f"vocabulary ({vocab_size})")  # fmt: skip
+    try:
+        return make_model_args(section.name, section.flavor, **overrides)
+    except ValueError as e:
+        given = ", ".join(f"model.{k}={v}" for k, v in section.overrides.items())
+        raise ValueError(f"invalid [model] {section.name}/{section.flavor}{' with ' + given if given else ''}: {e}") from None
 
 
 def build_model(name: str, flavor: str, device: str | torch.device = "meta", **overrides: Any) -> nn.Module:
@@ -92,6 +114,26 @@ def build_model(name: str, flavor: str, device: str | torch.device = "meta", **o
     return model
 
 
-def _ensure_builtin() -> None:
-    # Core families register on import of their package.
-    import titanlite.models.llama3  # noqa: F401
+def model_counts(spec: ModelSpec, args: Any, seq_len: int) -> tuple[int, int]:
+    """``(parameters, training FLOPs per token at seq_len)`` of ``spec``'s model with ``args``.
+
+    The family's own functions when it has them; otherwise counted on a model built on the meta
+    device: parameters once each, and PaLM's ``6 x matmul parameters + attention`` where matmul
+    parameters are all but the embedding tables that are only looked up (a table tied to an output
+    projection is a matmul), and the attention term uses ``n_layers``, ``n_heads`` and ``head_dim``
+    (default ``dim // n_heads``) of ``args``."""
+    if spec.num_params is not None and spec.flops_per_token is not None:
+        return spec.num_params(args), spec.flops_per_token(args, seq_len)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    total = sum(p.numel() for p in model.parameters())
+    used_by = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            used_by.setdefault(id(p), []).append(module)
+    lookup_only = sum(m.weight.numel() for m in model.modules()
+                      if isinstance(m, nn.Embedding) and len(used_by[id(m.weight)]) == 1)
+    head_dim = getattr(args, "head_dim", None) or args.dim // args.n_heads
+    flops = palm_flops_per_token(total - lookup_only, args.n_layers, args.n_heads, head_dim, seq_len)
+    return (spec.num_params(args) if spec.num_params else total), (
+        spec.flops_per_token(args, seq_len) if spec.flops_per_token else flops)

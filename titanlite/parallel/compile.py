@@ -14,11 +14,15 @@ With tensor parallelism the graphs contain collectives that name their process g
 torch version the AOTAutograd on-disk cache does not key on those names: a graph cached by an
 earlier run whose groups were created in another order (another parallelism layout, or several
 Trainers in one process) is reused with a wrong group name and fails ("Could not resolve the
-process group"). That cache is therefore switched off when compiling TP graphs; inductor's own FX
-graph cache, whose key includes the group names, still makes recompilation cheap.
+process group"). Compiled functions that run on DTensors therefore run under a scoped
+``torch._functorch.config.patch(enable_autograd_cache=False)``: the cache is looked up and filled
+only while AOTAutograd compiles a forward, so scoping the calls suffices and nothing is switched
+off for the rest of the process. Inductor's own FX graph cache, whose key includes the group names,
+still makes recompilation cheap.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 import torch
@@ -28,32 +32,42 @@ from torch.distributed.tensor import DTensor
 
 
 class CompilePolicy:
-    def __init__(self, enable: bool = False, components: Sequence[str] = ("model", "loss"),
-                 tensor_parallel: bool = False):
+    def __init__(self, enable: bool = False, components: Sequence[str] = ("model", "loss")):
         unknown = sorted(set(components) - {"model", "loss"})
         if unknown:
             raise ValueError(f"compile.components: unknown component(s) {', '.join(unknown)}; use model, loss")
         self.model = enable and "model" in components
         self.loss = enable and "loss" in components
-        if enable and tensor_parallel:  # see the module docstring
-            torch._functorch.config.enable_autograd_cache = False
 
     @classmethod
-    def from_config(cls, section, tensor_parallel: bool = False) -> "CompilePolicy":
-        return cls(section.enable, section.components, tensor_parallel)
+    def from_config(cls, section) -> CompilePolicy:
+        return cls(section.enable, section.components)
 
     def apply(self, model: nn.Module) -> int:
         """Compile every block of ``model.layers`` in place; returns how many."""
         if not self.model:
             return 0
-        if any(isinstance(p, DTensor) for p in model.parameters()):  # TP applied (FSDP comes later)
-            torch._functorch.config.enable_autograd_cache = False  # see the module docstring
         n = 0
         for block in model.layers.values():
             if block is not None:
-                block.forward = torch.compile(block.forward, fullgraph=True)
+                on_dtensors = any(isinstance(p, DTensor) for p in block.parameters())  # TP applied
+                block.forward = compile_fn(block.forward, on_dtensors, fullgraph=True)
                 n += 1
         return n
 
-    def compile_loss(self, fn: Callable) -> Callable:
-        return torch.compile(fn) if self.loss else fn
+    def compile_loss(self, fn: Callable, tensor_parallel: bool = False) -> Callable:
+        return compile_fn(fn, tensor_parallel) if self.loss else fn
+
+
+def compile_fn(fn: Callable, on_dtensors: bool = False, **options) -> Callable:
+    """``torch.compile(fn, **options)``; on DTensors, called without the AOTAutograd cache (see above)."""
+    compiled = torch.compile(fn, **options)
+    if not on_dtensors:
+        return compiled
+
+    @functools.wraps(fn)
+    def without_autograd_cache(*args, **kwargs):
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            return compiled(*args, **kwargs)
+
+    return without_autograd_cache

@@ -15,6 +15,8 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from titanlite.hooks import Hook
+
 
 @dataclass(frozen=True)
 class WorldInfo:
@@ -83,3 +85,16 @@ def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
         t = t.clone()
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
+
+
+class CollectiveTimeoutHook(Hook):
+    """``[comm]`` in the loop: once the first step (start-up and compilation included) is done, every
+    collective of ``groups`` gets the shorter ``timeout_seconds``."""
+
+    def __init__(self, timeout_seconds: float, groups: Iterable[Optional[dist.ProcessGroup]] = ()):
+        self.timeout_seconds, self.groups, self.pending = timeout_seconds, list(groups), True
+
+    def on_step_end(self, state, result) -> None:
+        if self.pending:
+            set_collective_timeout(self.timeout_seconds, self.groups)
+            self.pending = False

@@ -201,15 +201,25 @@ def check_float8_device(device: torch.device) -> None:
                          f"or later); {name} has SM {'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
 
 
-def apply_float8(model: nn.Module, f8_cfg, parallel_dims) -> None:
-    """``[quantize.linear.float8]`` step of a ``parallelize`` function, on the meta model: refuse
-    float8 + TP where DTensor lacks ``_scaled_mm`` and GPUs without float8 tensor cores, then swap
-    the eligible linears."""
-    if not f8_cfg.enable:
-        return
-    if parallel_dims.tp_enabled and not dtensor_supports_scaled_mm():
-        raise ValueError(f"quantize.linear.float8 with tensor_parallel_degree={parallel_dims.tp} needs DTensor "
-                         f"support for torch._scaled_mm, which torch {torch.__version__} lacks; disable one of them")
-    if torch.cuda.is_available():
-        check_float8_device(torch.device("cuda", torch.cuda.current_device()))
-    convert_to_float8(model, f8_cfg.filter_fqns, shard_degree=parallel_dims.tp)
+@dataclass
+class Float8Policy:
+    """``[quantize.linear.float8]``: :meth:`apply` to the meta model first in a ``parallelize`` function."""
+
+    enable: bool = False
+    filter_fqns: Sequence[str] = ("output",)
+
+    @classmethod
+    def from_config(cls, section) -> Float8Policy:
+        return cls(section.enable, tuple(section.filter_fqns))
+
+    def apply(self, model: nn.Module, tp_degree: int = 1) -> Float8Report | None:
+        """Refuse float8 + TP where DTensor lacks ``_scaled_mm`` and GPUs without float8 tensor cores,
+        then swap the eligible linears (every shard a multiple of 16 under TP)."""
+        if not self.enable:
+            return None
+        if tp_degree > 1 and not dtensor_supports_scaled_mm():
+            raise ValueError(f"quantize.linear.float8 with tensor_parallel_degree={tp_degree} needs DTensor "
+                             f"support for torch._scaled_mm, which torch {torch.__version__} lacks; disable one of them")
+        if torch.cuda.is_available():
+            check_float8_device(torch.device("cuda", torch.cuda.current_device()))
+        return convert_to_float8(model, self.filter_fqns, shard_degree=tp_degree)

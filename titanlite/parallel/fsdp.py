@@ -15,6 +15,8 @@
 """
 from __future__ import annotations
 
+import contextlib
+import warnings
 from typing import Optional, Sequence, Union
 
 import torch
@@ -24,8 +26,6 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 RESHARD_CHOICES = ("default", "always", "never")
 
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # [training] mixed_precision_* names
 
 class FSDPPolicy:
     """How the model is sharded; :meth:`shard` each group bottom-up, then :meth:`finish` the root."""
@@ -59,6 +59,17 @@ def set_gradient_sum(model: nn.Module) -> None:
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)
+
+
+@contextlib.contextmanager
+def quiet_view_warning():
+    """Silence FSDP2's warning that a wrapped module returned a view, for the code inside.
+
+    The tensor-parallel embedding returns one (``DTensor.to_local`` is a view); titanlite's models
+    only use it out of place, which is what the warning asks for."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
+        yield
 
 
 def is_fsdp(model: nn.Module) -> bool:

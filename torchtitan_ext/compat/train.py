@@ -28,17 +28,18 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import sys
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from titanlite.config import ConfigError, JobConfig, dump_config, exit_with_error
+from titanlite.config import ConfigError, JobConfig, exit_with_error
 from titanlite.train import Trainer, setup_logging
+from titanlite.train import main as train_main
 from torchtitan_ext.compat.checkpoint import broadcast_from_rank0, choose_source, load_torchtitan_checkpoint
-from torchtitan_ext.compat.config import CompatError, CompatSettings, load_translated, translate
+from torchtitan_ext.compat.config import CompatError, CompatSettings, load_translated, parse_cli, translate
 
 logger = logging.getLogger("torchtitan_ext.compat")
 
@@ -107,40 +108,18 @@ def build_torchtitan_optimizer(model: torch.nn.Module, cfg: JobConfig) -> torch.
 # --------------------------------------------------------------------------- trainer
 
 
-class _TorchtitanResume:
-    """Wraps titanlite's CheckpointManager: when titanlite has nothing of its own to resume, load()
-    starts from the torchtitan checkpoint chosen at start-up instead; everything else delegates."""
-
-    def __init__(self, manager, trainer: "CompatTrainer", source: Optional[dict[str, Any]]):
-        self._manager, self._trainer, self._source = manager, trainer, source
-
-    def __getattr__(self, name: str):
-        return getattr(self._manager, name)
-
-    def load(self, *args, **kwargs):
-        if self._source is None or self._manager.plan.kind == "resume":
-            return self._manager.load(*args, **kwargs)
-        t, src = self._trainer, self._source
-        out = load_torchtitan_checkpoint(src["path"], t.model, t.optimizer, model_only=src["model_only"],
-                                         exclude=t.compat.exclude_from_loading)
-        t.step, t.tokens_seen = out["step"], out["tokens_seen"]
-        if out["step"] and "lr_scheduler" not in t.compat.exclude_from_loading:
-            set_scheduler_position(t.lr_scheduler, out["step"])
-        logger.warning("torchtitan compat: RESUMED from torchtitan checkpoint %s (%s): step %d, %s tokens seen; "
-                       "loaded %s", src["path"], src["why"], out["step"], f"{out['tokens_seen']:,}",
-                       ", ".join(out["loaded"]))
-        if "dataloader" in out["skipped"]:
-            logger.warning("torchtitan compat: the data position is not restored (torchtitan's data-loader state "
-                           "describes its own datasets): titanlite's loader starts from the beginning of its order")
-        return out["step"] or None
-
-
 class CompatTrainer(Trainer):
     """titanlite's Trainer with torchtitan's optimizer grouping, LR formula and checkpoint resume."""
 
-    def __init__(self, cfg: JobConfig, settings: Optional[CompatSettings] = None, world=None):
+    def __init__(self, cfg: JobConfig, world=None, settings: Optional[CompatSettings] = None):
         self.compat = settings or CompatSettings()
         super().__init__(cfg, world)
+        c = self.compat
+        self.source: Optional[dict[str, Any]] = None  # the torchtitan checkpoint to start from, if any
+        if self.checkpointer.plan.kind != "resume":  # titanlite's own checkpoints take precedence
+            self.source = broadcast_from_rank0(
+                lambda: choose_source(c.torchtitan_folder, c.load_step, c.initial_load_path, c.initial_load_model_only)
+            )
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         return build_torchtitan_optimizer(self.model, self.cfg)
@@ -148,35 +127,40 @@ class CompatTrainer(Trainer):
     def build_lr_scheduler(self):
         return build_torchtitan_lr_scheduler(self.optimizer, self.cfg)
 
-    def build_checkpointer(self):
-        manager = super().build_checkpointer()
-        c = self.compat
-        source = None
-        if manager.plan.kind != "resume":
-            source = broadcast_from_rank0(lambda: choose_source(c.torchtitan_folder, c.load_step, c.initial_load_path,
-                                                                c.initial_load_model_only))
-        return _TorchtitanResume(manager, self, source)
+    def resume(self) -> Optional[int]:
+        """titanlite's own checkpoint when there is one, else the torchtitan checkpoint chosen at start."""
+        if self.source is None:
+            return super().resume()
+        src = self.source
+        out = load_torchtitan_checkpoint(src["path"], self.model, self.optimizer, model_only=src["model_only"],
+                                         exclude=self.compat.exclude_from_loading)  # fmt: skip
+        self.state.step, self.state.tokens_seen = out["step"], out["tokens_seen"]
+        if out["step"] and "lr_scheduler" not in self.compat.exclude_from_loading:
+            set_scheduler_position(self.lr_scheduler, out["step"])
+        logger.warning("torchtitan compat: RESUMED from torchtitan checkpoint %s (%s): step %d, %s tokens seen; "
+                       "loaded %s", src["path"], src["why"], out["step"], f"{out['tokens_seen']:,}",
+                       ", ".join(out["loaded"]))  # fmt: skip
+        if "dataloader" in out["skipped"]:
+            logger.warning("torchtitan compat: the data position is not restored (torchtitan's data-loader state "
+                           "describes its own datasets): titanlite's loader starts from the beginning of its order")
+        return out["step"] or None
 
 
 # --------------------------------------------------------------------------- entry point
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    from titanlite.parallel.distributed import world_from_env
-
+    """Translate the torchtitan config, then run titanlite's own ``main`` with :class:`CompatTrainer`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         print(__doc__)
         raise SystemExit(0)
     translate_only = "--translate-only" in argv
     argv = [a for a in argv if a != "--translate-only"]
-    world = world_from_env()
-    setup_logging(world.rank)
-    if not world.is_main:
+    setup_logging(int(os.environ.get("RANK", "0")))
+    if os.environ.get("RANK", "0") != "0":
         logging.getLogger("torchtitan_ext.compat").setLevel(logging.ERROR)  # rank 0 warns for everyone
     try:
-        from torchtitan_ext.compat.config import parse_cli
-
         path, _ = parse_cli(argv)
         translation = translate(path, argv)
         cfg = load_translated(translation)
@@ -185,29 +169,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     if translate_only:
         sys.stdout.write(translation.toml())
         return
-    if cfg.job.dry_run:
-        from titanlite.dry_run import dry_run
-
-        try:
-            dry_run(cfg)
-        except (ValueError, KeyError) as e:
-            exit_with_error(e)
-        return
-    if world.is_main:
-        Path(cfg.job.dump_folder).mkdir(parents=True, exist_ok=True)
-        dump_config(cfg, Path(cfg.job.dump_folder) / "config.toml")
-    try:
-        trainer = CompatTrainer(cfg, translation.settings, world)
-    except (ValueError, KeyError, FileNotFoundError) as e:
-        exit_with_error(e, every_rank=True)
-    from titanlite.guard import TrainingDivergedError
-
-    with trainer.preemption:
-        try:
-            trainer.train()
-        except TrainingDivergedError as e:
-            logger.error("training stopped: %s", e)
-            raise SystemExit(1)
+    train_main(argv, trainer_cls=functools.partial(CompatTrainer, settings=translation.settings),
+               load_config=lambda _: cfg)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ Activate it with ``[job] extensions = ["torchtitan_ext.qwen3"]`` in a train conf
 """
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.models import ModelSpec, register_model
+from titanlite.planner import flops_of
 from torchtitan_ext.qwen3.args import QWEN3_FLAVORS, Qwen3ModelArgs, num_params_from_args
 from torchtitan_ext.qwen3.hf_adapter import Qwen3HFAdapter
 from torchtitan_ext.qwen3.model import Qwen3Model
@@ -20,6 +21,8 @@ SPEC = register_model(
         parallelize_fn=parallelize_qwen3,
         hf_adapter=Qwen3HFAdapter,
         tokenizer_builder=build_tokenizer,  # tiktoken files or the built-in byte tokenizer (see README)
+        num_params=num_params_from_args,
+        flops_per_token=flops_of,
     )
 )
 

@@ -15,6 +15,7 @@ vocab_size, max_position_embeddings, rope_theta, rms_norm_eps, tie_word_embeddin
 """
 from __future__ import annotations
 
+from titanlite.planner import params_of
 from dataclasses import dataclass
 
 ATTN_MASK_TYPES: tuple[str, ...] = ("causal", "block_causal")
@@ -79,9 +80,7 @@ class Qwen3ModelArgs:
 def num_params_from_args(a: Qwen3ModelArgs) -> int:
     """Parameter count from the architecture alone (tied embedding counted once): titanlite's
     planner formula, which knows Qwen3's free ``head_dim`` and the QK-norm gains."""
-    from titanlite.planner import ModelShape, param_count
-
-    return param_count(ModelShape.from_args(a))
+    return params_of(a)
 
 
 _QWEN3 = dict(vocab_size=151936, norm_eps=1e-6, rope_theta=1_000_000.0, max_seq_len=40960, head_dim=128)

@@ -22,50 +22,34 @@ output with loss parallel) is the Llama plan.
 from __future__ import annotations
 
 import logging
-import warnings
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
-from titanlite.parallel.activation_checkpoint import ActivationCheckpoint
-from titanlite.parallel.compile import CompilePolicy
-from titanlite.parallel.float8 import apply_float8
-from titanlite.parallel.fsdp import DTYPES, FSDPPolicy
+from titanlite.parallel.fsdp import FSDPPolicy
 from titanlite.parallel.tensor_parallel import SyncRowwiseParallel
 
 logger = logging.getLogger(__name__)
 
 
-
-def parallelize_qwen3(model: nn.Module, parallel_dims, job_config) -> nn.Module:
-    """Apply ``job_config``'s parallelism to a meta-device :class:`Qwen3Model` (in place)."""
+def parallelize_qwen3(model: nn.Module, parallel_dims, policies) -> nn.Module:
+    """Apply ``policies`` (float8, TP, AC, compile, FSDP) to a meta-device :class:`Qwen3Model` in place."""
     args = model.args
-    parallel_dims.check_tp_divides(**{
-        "model.n_heads": args.n_heads, "model.n_kv_heads": args.kv_heads,
-        "model.ffn_hidden_dim": args.ffn_hidden_dim, "model.vocab_size": args.vocab_size,
-        "training.seq_len (sequence parallelism)": job_config.training.seq_len,
-    })
-    ac = ActivationCheckpoint.from_config(job_config.activation_checkpoint)
-    compile_policy = CompilePolicy.from_config(job_config.compile)
-
-    apply_float8(model, job_config.quantize_linear_float8, parallel_dims)
-
+    parallel_dims.check_tp_divides(**{"model.n_heads": args.n_heads, "model.n_kv_heads": args.kv_heads,
+                                      "model.ffn_hidden_dim": args.ffn_hidden_dim, "model.vocab_size": args.vocab_size})
+    policies.float8.apply(model, parallel_dims.tp)
     if parallel_dims.tp_enabled:
         apply_tensor_parallel(model, parallel_dims.tp_mesh, parallel_dims.loss_parallel_enabled)
         logger.info("qwen3: tensor parallel over %d ranks", parallel_dims.tp)
-
-    checkpointed = ac.apply(model)
+    checkpointed = policies.activation_checkpoint.apply(model)
     if checkpointed:
-        logger.info("qwen3: activation checkpointing %s on %d blocks", ac, len(checkpointed))
-    compile_policy.apply(model)
-
-    if parallel_dims.fsdp_enabled:
-        t = job_config.training
-        policy = FSDPPolicy(parallel_dims.fsdp_mesh, DTYPES[t.mixed_precision_param], DTYPES[t.mixed_precision_reduce],
-                            job_config.parallelism.fsdp_reshard_after_forward)
-        apply_fsdp(model, policy)
+        logger.info("qwen3: activation checkpointing %s on %d blocks", policies.activation_checkpoint, len(checkpointed))
+    policies.compile.apply(model)
+    fsdp = policies.fsdp(parallel_dims)
+    if fsdp is not None:
+        apply_fsdp(model, fsdp)
         logger.info("qwen3: %s over %d ranks", "HSDP" if parallel_dims.hsdp_enabled else "FSDP", parallel_dims.dp_degree)
     return model
 
@@ -105,7 +89,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, loss_parallel: bool) -> Non
 def apply_fsdp(model: nn.Module, policy: FSDPPolicy) -> None:
     """One FSDP group per block, the embedding alone, norm + output together, then the root (a tied
     embedding/output is one tensor, so then all three stay in the root's group)."""
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor")
     tied = model.args.tie_word_embeddings
     if not tied:
         policy.shard(model.tok_embeddings)

@@ -5,6 +5,7 @@ from titanlite.models.llama3.hf_adapter import Llama3HFAdapter
 from titanlite.models.llama3.model import Transformer
 from titanlite.models.llama3.parallelize import parallelize_llama
 from titanlite.models.registry import ModelSpec, register_model
+from titanlite.planner import flops_of, params_of
 
 register_model(
     ModelSpec(
@@ -15,6 +16,8 @@ register_model(
         parallelize_fn=parallelize_llama,
         hf_adapter=Llama3HFAdapter,
         tokenizer_builder=build_tokenizer,
+        num_params=params_of,
+        flops_per_token=flops_of,
     )
 )
 

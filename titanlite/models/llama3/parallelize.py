@@ -1,8 +1,9 @@
 """Applying parallelism and training wrappers to a Llama 3 model: ``parallelize_llama``.
 
-Called by the Trainer on the model built on the *meta* device (no memory), before it is
-materialized; the Trainer then allocates each rank's shards (``to_empty``) and initializes them, so
-the full parameters never exist on one device. The steps run in this order, and the order matters:
+Called by :func:`titanlite.parallel.build.build_parallel_model` on the model built on the *meta*
+device (no memory), before it is materialized; each rank's shards are then allocated (``to_empty``)
+and initialized, so the full parameters never exist on one device. ``policies`` (a
+:class:`~titanlite.parallel.policies.Policies`) carries the float8, AC, compile and FSDP settings. The steps run in this order, and the order matters:
 
 1. **Float8** (``[quantize.linear.float8]``): eligible ``nn.Linear`` modules are swapped for
    :class:`~titanlite.parallel.float8.Float8Linear` first, while the model is a plain module tree:
@@ -46,62 +47,40 @@ With a single data-parallel rank FSDP is not applied and the Trainer uses bf16 a
 from __future__ import annotations
 
 import logging
-import warnings
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
-from titanlite.parallel.activation_checkpoint import ActivationCheckpoint
-from titanlite.parallel.compile import CompilePolicy
-from titanlite.parallel.float8 import apply_float8
-from titanlite.parallel.fsdp import DTYPES, FSDPPolicy
+from titanlite.parallel.fsdp import FSDPPolicy
 from titanlite.parallel.tensor_parallel import SyncRowwiseParallel
 
 logger = logging.getLogger(__name__)
 
 
-
-def parallelize_llama(model: nn.Module, parallel_dims, job_config) -> nn.Module:
+def parallelize_llama(model: nn.Module, parallel_dims, policies) -> nn.Module:
     """Float8 -> TP -> AC -> compile -> FSDP on a meta-device Llama 3 model (see module docstring)."""
     args = model.args
-    check_llama_parallelism(args, parallel_dims, job_config)
-    ac = ActivationCheckpoint.from_config(job_config.activation_checkpoint)
-    compile_policy = CompilePolicy.from_config(job_config.compile, parallel_dims.tp_enabled)
-
-    apply_float8(model, job_config.quantize_linear_float8, parallel_dims)
-
+    parallel_dims.check_tp_divides(**{"model.n_heads": args.n_heads, "model.n_kv_heads": args.kv_heads,
+                                      "the SwiGLU hidden size": args.ffn_hidden_dim, "model.vocab_size": args.vocab_size})
+    policies.float8.apply(model, parallel_dims.tp)
     if parallel_dims.tp_enabled:
         apply_tensor_parallel(model, parallel_dims.tp_mesh, parallel_dims.loss_parallel_enabled)
         logger.info("tensor parallel over %d ranks (loss parallel: %s)", parallel_dims.tp,
                     parallel_dims.loss_parallel_enabled)
-
-    checkpointed = ac.apply(model)
+    checkpointed = policies.activation_checkpoint.apply(model)
     if checkpointed:
-        logger.info("activation checkpointing %s on blocks %s", ac, ",".join(checkpointed))
-
-    if compile_policy.apply(model):
+        logger.info("activation checkpointing %s on blocks %s", policies.activation_checkpoint, ",".join(checkpointed))
+    if policies.compile.apply(model):
         logger.info("compiled each transformer block (fullgraph)")
-
-    if parallel_dims.fsdp_enabled:
-        t = job_config.training
-        policy = FSDPPolicy(parallel_dims.fsdp_mesh, DTYPES[t.mixed_precision_param], DTYPES[t.mixed_precision_reduce],
-                            job_config.parallelism.fsdp_reshard_after_forward)
-        apply_fsdp(model, policy)
+    fsdp = policies.fsdp(parallel_dims)
+    if fsdp is not None:
+        apply_fsdp(model, fsdp)
         logger.info("%s over %d ranks (param %s, reduce %s, gradients summed)",
-                    "HSDP" if parallel_dims.hsdp_enabled else "FSDP", parallel_dims.dp_degree,
-                    t.mixed_precision_param, t.mixed_precision_reduce)
+                    "HSDP" if parallel_dims.hsdp_enabled else "FSDP", parallel_dims.dp_degree, policies.param_dtype,
+                    policies.reduce_dtype)
     return model
-
-
-def check_llama_parallelism(args, parallel_dims, job_config) -> None:
-    """One-line ``ValueError`` for a model that cannot be split ``parallel_dims``' way."""
-    parallel_dims.check_tp_divides(**{
-        "model.n_heads": args.n_heads, "model.n_kv_heads": args.kv_heads,
-        "the SwiGLU hidden size": args.ffn_hidden_dim, "model.vocab_size": args.vocab_size,
-        "training.seq_len (sequence parallelism)": job_config.training.seq_len,
-    })
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
@@ -134,9 +113,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, loss_parallel: bool) -> Non
 
 def apply_fsdp(model: nn.Module, policy: FSDPPolicy) -> None:
     """FSDP groups bottom-up (module docstring, step 5)."""
-    # FSDP2 warns when a wrapped module returns a view (the TP embedding does) because an in-place op
-    # on it would skip FSDP's backward hook; Transformer.forward only uses it out of place.
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor")
     tied = model.args.tie_word_embeddings
     if not tied:
         policy.shard(model.tok_embeddings)

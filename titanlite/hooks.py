@@ -1,0 +1,84 @@
+"""The training loop's hook points and the state it shares with them (OLMo-core's callbacks, in small).
+
+:meth:`titanlite.train.Trainer.train` calls every hook's methods in list order (``on_train_end`` in
+reverse order, like nested context managers closing):
+
+- ``on_train_start(state)``: before the first step, after a resume set ``state.step``;
+- ``before_update(state, result)``: after backward and clipping, before the optimizer step of step
+  ``result.step``; a hook may set ``result.action`` (``"update"``, ``"skip"``, ``"rollback"``),
+  ``result.lr_scale`` or ``result.stop_requested``, or fill in ``result.values``;
+- ``on_step_end(state, result)``: after step ``state.step`` (skipped steps count as steps);
+- ``on_resume(state, result)``: after a checkpoint reload during step ``result.step`` moved
+  ``state.step`` back (a rollback);
+- ``on_train_end(state)``: after the last step, also after an early stop.
+
+Validation, metrics, the NaN/spike guard, preemption, the profiler and checkpointing are hooks; a
+foreign loop can drive them the same way with its own :class:`LoopState`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator, Optional, Protocol
+
+
+class RecordSink(Protocol):
+    def log(self, record: dict[str, Any]) -> None: ...
+
+
+@dataclasses.dataclass
+class LoopState:
+    """Where the loop is: ``step`` optimizer steps done, ``tokens_seen``, the logged ``records``.
+
+    ``state_dict``/``load_state_dict`` carry ``step`` and ``tokens_seen`` (the checkpoint's
+    ``train_state``). ``data_iter`` is the training batches' iterator (a rollback replaces it);
+    ``stop`` ends the loop after the current step; ``sink`` receives every logged record.
+    """
+
+    total_steps: int
+    step: int = 0
+    tokens_seen: int = 0
+    stop: bool = False
+    data_iter: Optional[Iterator] = None
+    records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    sink: Optional[RecordSink] = None
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        if self.sink is not None:
+            self.sink.log(record)
+
+    @property
+    def last_step(self) -> bool:
+        return self.step >= self.total_steps
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "tokens_seen": self.tokens_seen}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+
+
+class Hook:
+    """Base class: every hook point is a no-op; override the ones you need."""
+
+    def on_train_start(self, state: LoopState) -> None:
+        pass
+
+    def before_update(self, state: LoopState, result: Any) -> None:
+        pass
+
+    def on_step_end(self, state: LoopState, result: Any) -> None:
+        pass
+
+    def on_resume(self, state: LoopState, result: Any) -> None:
+        pass
+
+    def on_train_end(self, state: LoopState) -> None:
+        pass
+
+
+def call_hooks(hooks: list[Hook], point: str, *args: Any) -> None:
+    """Call ``point`` on every hook, in order (reverse order for ``on_train_end``)."""
+    for hook in reversed(hooks) if point == "on_train_end" else hooks:
+        getattr(hook, point)(*args)

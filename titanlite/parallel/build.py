@@ -1,0 +1,105 @@
+"""``build_parallel_model``: a model family's model, parallelized and initialized, on every rank.
+
+The steps, each needed for a reason:
+
+1. With ``weight_init = rank0`` (the default off CUDA, see :mod:`titanlite.parallel.weight_init`),
+   rank 0 first initializes a full CPU copy, exactly as a single process would with the same seed.
+2. The model is built on the meta device (no memory), and the family's ``parallelize_fn`` applies
+   float8, TP, AC, compile and FSDP to it. A family without one runs on one process only: data- or
+   tensor-parallel degrees above 1 are refused (it would train with no gradient synchronization).
+3. ``to_empty`` allocates each rank's shards. It also *unties* shared parameters (each module gets
+   its own new tensor), so parameters that were one tensor on the meta model (a tied embedding and
+   output) are made one again before ``init_weights``; a family whose ``init_weights`` unties them
+   is refused rather than trained untied.
+4. ``init_weights()`` initializes in place (it must also work on DTensor shards); with ``rank0`` the
+   reference from step 1 is then broadcast into the shards.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections import defaultdict
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from titanlite.parallel.parallel_dims import ParallelDims
+from titanlite.parallel.policies import Policies
+from titanlite.parallel.state_dict import load_full_state_dict
+from titanlite.parallel.weight_init import reference_state_dict, resolve_weight_init
+
+logger = logging.getLogger(__name__)
+
+
+def tied_parameters(model: nn.Module) -> list[list[str]]:
+    """Groups of parameter names that share one tensor (e.g. ``["tok_embeddings.weight", "output.weight"]``)."""
+    names: dict[int, list[str]] = defaultdict(list)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names[id(p)].append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    parent, _, leaf = name.rpartition(".")
+    return (model.get_submodule(parent) if parent else model), leaf
+
+
+def retie(model: nn.Module, groups: list[list[str]]) -> int:
+    """Make each group share its first name's parameter again; returns how many were re-tied."""
+    n = 0
+    for first, *rest in groups:
+        shared = model.get_parameter(first)
+        for name in rest:
+            if model.get_parameter(name) is not shared:
+                module, leaf = _owner(model, name)
+                setattr(module, leaf, shared)
+                n += 1
+    return n
+
+
+def build_parallel_model(
+    spec: Any,
+    model_args: Any,
+    parallel_dims: Optional[ParallelDims] = None,
+    policies: Optional[Policies] = None,
+    *,
+    device: str | torch.device = "cpu",
+    weight_init: str = "auto",
+) -> nn.Module:
+    """``spec`` (a :class:`~titanlite.models.ModelSpec`)'s model of ``model_args``, parallelized over
+    ``parallel_dims`` (None: one process) with ``policies``, materialized on ``device`` and initialized
+    (see the module docstring). Collective when distributed: every rank calls it."""
+    dims = parallel_dims or ParallelDims()
+    policies = policies or Policies()
+    device = torch.device(device)
+    if spec.parallelize_fn is None and (dims.dp_degree > 1 or dims.tp > 1):
+        raise ValueError(f"model family {spec.name!r} has no parallelize function, so it trains on one process only "
+                         f"(asked: data-parallel degree {dims.dp_degree}, tensor-parallel degree {dims.tp})")
+    mode = resolve_weight_init(weight_init, dims.world_size > 1, device.type)
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    reference = reference_state_dict(spec.model_cls, model_args) if mode == "rank0" and rank == 0 else None
+    with torch.device("meta"):
+        model = spec.model_cls(model_args)
+    tied = tied_parameters(model)
+    if spec.parallelize_fn is not None:
+        model = spec.parallelize_fn(model, dims, policies)
+    else:
+        policies.apply_single_device(model)
+    model.to_empty(device=device)
+    if retie(model, tied):
+        logger.debug("re-tied %s after to_empty", "; ".join(" = ".join(g) for g in tied))
+    with torch.no_grad(), warnings.catch_warnings():
+        if mode == "rank0":  # overwritten from the reference below: no CPU-RNG warning for these values
+            warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+        model.init_weights()
+    untied = [group for group in tied if len({id(model.get_parameter(n)) for n in group}) > 1]
+    if untied:
+        raise ValueError(f"{spec.name}: init_weights() untied the shared parameters {', '.join(untied[0])}; "
+                         "initialize them in place instead of assigning new tensors")
+    if mode == "rank0":
+        load_full_state_dict(model, reference)
+    model.train()
+    return model
