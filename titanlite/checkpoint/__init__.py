@@ -5,10 +5,10 @@
 - ``staging``: CPU copies for asynchronous saves.
 - ``state``: train-state and RNG helpers.
 - ``metrics_log``: rewinding ``metrics.jsonl`` to the resumed step.
-- ``hf``: streaming conversion between DCP step folders and Hugging Face folders (the model
-  family's ``hf_adapter`` maps names and layouts); ``safetensors_stream`` writes the shards and
-  ``convert_cli`` holds the command lines of ``scripts/convert_*.py``.
+- ``hf``: bounded-memory conversion between DCP step folders and Hugging Face folders (the model
+  family's ``hf_adapter`` maps names and layouts); ``convert_cli``: ``scripts/convert_*.py``.
 """
+
 from titanlite.checkpoint.manager import CheckpointManager, LoadPlan, SaveStats
 from titanlite.checkpoint.state import AttrState
 
