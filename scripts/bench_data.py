@@ -13,6 +13,7 @@
 
 Default run: well under a minute on 2 CPU cores.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,11 +34,10 @@ try:
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from titanlite.data import prepare as prepare_data
 from titanlite.data.shards import MANIFEST, ShardedTokens, build_manifest, write_json_atomic, write_shard_flat
 from titanlite.data.sources import iter_documents
-from titanlite.data.tokenizer import build_tokenizer
-
-from titanlite.data import prepare as prepare_data  # noqa: E402
+from titanlite.tokenizer import build_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -74,8 +74,13 @@ def bench_tokenize(tok_path: str, inputs: list[Path], out: Path, workers: int, r
     load_s = time.perf_counter() - t
     docs = list(iter_documents(inputs))
     chars = sum(len(d) for d in docs)
-    res: dict = {"tokenizer": tok_path or "bytes", "vocab_size": tok.vocab_size, "documents": len(docs),
-                 "chars": chars, "tokenizer_load_seconds": round(load_s, 3)}
+    res: dict = {
+        "tokenizer": tok_path or "bytes",
+        "vocab_size": tok.vocab_size,
+        "documents": len(docs),
+        "chars": chars,
+        "tokenizer_load_seconds": round(load_s, 3),
+    }
     tok.encoding.encode_ordinary_batch(docs[:8], num_threads=1)  # warm up
     for threads in (1, 8):
         el = float("inf")
@@ -91,8 +96,9 @@ def bench_tokenize(tok_path: str, inputs: list[Path], out: Path, workers: int, r
         for r in range(repeats):
             folder = out / f"prepared_w{w}" if r == 0 else out / f"prepared_w{w}_{r}"
             t = time.perf_counter()
-            m = prepare_data.prepare(inputs, folder, tok_path, val_fraction=0.01, workers=w,
-                                     shard_tokens=250_000, log=None)
+            m = prepare_data.prepare(
+                inputs, folder, tok_path, val_fraction=0.01, workers=w, shard_tokens=250_000, log=None
+            )
             el = min(el, time.perf_counter() - t)
         total = sum(s["tokens"] for s in m["shards"])  # includes BOS/EOS
         res[f"prepare_data_{w}worker_tokens_per_s"] = round(total / el)
@@ -101,7 +107,9 @@ def bench_tokenize(tok_path: str, inputs: list[Path], out: Path, workers: int, r
         res[f"prepare_data_{w}worker_seconds"] = round(el, 3)
     res["prepare_1worker_vs_tiktoken_1thread_excl_load"] = round(
         res["prepare_data_1worker_tokens_per_s_excl_tokenizer_load"]
-        / res["tiktoken_encode_ordinary_batch_1thread_tokens_per_s"], 3)
+        / res["tiktoken_encode_ordinary_batch_1thread_tokens_per_s"],
+        3,
+    )
     return res
 
 
@@ -125,8 +133,13 @@ def bench_read(folder: Path, seq_len: int, batch: int, seconds: float) -> dict:
     L = seq_len + 1
     hi = len(store) - L
     rng = random.Random(0)
-    res = {"tokens_in_store": len(store), "shards": len(store.shards), "dtype": store.dtype,
-           "window": L, "batch": batch}
+    res = {
+        "tokens_in_store": len(store),
+        "shards": len(store.shards),
+        "dtype": store.dtype,
+        "window": L,
+        "batch": batch,
+    }
     for mode in ("slice_stack", "gather"):
         n_batches = 0
         t0 = time.perf_counter()
@@ -134,7 +147,7 @@ def bench_read(folder: Path, seq_len: int, batch: int, seconds: float) -> dict:
             for _ in range(50):
                 starts = [rng.randint(0, hi) for _ in range(batch)]
                 if mode == "slice_stack":
-                    x = torch.stack([store[s:s + L] for s in starts])
+                    x = torch.stack([store[s : s + L] for s in starts])
                 else:
                     x = store.gather(starts, L)
             n_batches += 50

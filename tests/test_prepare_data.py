@@ -1,5 +1,6 @@
 """Document sources and scripts/prepare_data.py: exact round trip through shards, splits, dtype,
 determinism across worker counts, restart behaviour and one-line errors."""
+
 import io
 import json
 import subprocess
@@ -9,17 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from shared_data import shared_file
-from titanlite.data.shards import MANIFEST, ShardReader, ShardedTokens
+
+from titanlite.data import prepare as prep
+from titanlite.data.shards import MANIFEST, ShardedTokens, ShardReader
 from titanlite.data.sources import iter_documents, list_files
-from titanlite.data.tokenizer import build_tokenizer
+from titanlite.tokenizer import build_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "prepare_data.py"
-
-
-from titanlite.data import prepare as prep
 
 
 def expected_stream(tok, docs, split, val_fraction):
@@ -35,6 +34,7 @@ def shard_bytes(folder):
 
 
 # --- sources -----------------------------------------------------------------------------------------
+
 
 def test_sources_formats_and_order(tmp_path):
     (tmp_path / "b").mkdir()
@@ -74,6 +74,7 @@ def test_sources_errors(tmp_path):
 def test_parquet_needs_pyarrow(tmp_path):
     try:
         import pyarrow  # noqa: F401
+
         pytest.skip("pyarrow is installed")
     except ImportError:
         pass
@@ -85,18 +86,23 @@ def test_parquet_needs_pyarrow(tmp_path):
 
 # --- prepare: exact round trip, splits, dtype, worker count ---------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def cl100k_inputs():
-    return [shared_file("text/c4_sample.jsonl"), shared_file("text/tinyshakespeare.txt"),
-            shared_file("tokenizers/cl100k_base.tiktoken")]
+    return [
+        shared_file("text/c4_sample.jsonl"),
+        shared_file("text/tinyshakespeare.txt"),
+        shared_file("tokenizers/cl100k_base.tiktoken"),
+    ]
 
 
 @pytest.fixture(scope="module")
 def cl100k_prepared(tmp_path_factory, cl100k_inputs):
     c4, shakespeare, tok_path = cl100k_inputs
     out = tmp_path_factory.mktemp("cl100k_w1")
-    manifest = prep.prepare([c4, shakespeare], out, str(tok_path), val_fraction=0.1, workers=1,
-                            shard_tokens=60_000, log=None)
+    manifest = prep.prepare(
+        [c4, shakespeare], out, str(tok_path), val_fraction=0.1, workers=1, shard_tokens=60_000, log=None
+    )
     return out, manifest
 
 
@@ -113,7 +119,7 @@ def test_round_trip_cl100k_exact(cl100k_prepared, cl100k_inputs):
         store = ShardedTokens(out, split)
         ref = expected_stream(tok, docs, split, 0.1)
         assert len(store) == len(ref) == manifest["totals"][split]["tokens"]
-        assert torch.equal(store[0:len(store)], ref)
+        assert torch.equal(store[0 : len(store)], ref)
         assert all(ShardReader(r.path).dtype.itemsize == 4 for r in store.shards)
         assert (store.bos_id, store.eos_id) == (100256, 100257)
     assert manifest["totals"]["train"]["shards"] > 3  # several shards: the stream crosses boundaries
@@ -124,8 +130,7 @@ def test_round_trip_cl100k_exact(cl100k_prepared, cl100k_inputs):
 def test_two_workers_bitwise_equal(cl100k_prepared, cl100k_inputs, tmp_path):
     out1, _ = cl100k_prepared
     c4, shakespeare, tok_path = cl100k_inputs
-    prep.prepare([c4, shakespeare], tmp_path, str(tok_path), val_fraction=0.1, workers=2,
-                 shard_tokens=60_000, log=None)
+    prep.prepare([c4, shakespeare], tmp_path, str(tok_path), val_fraction=0.1, workers=2, shard_tokens=60_000, log=None)
     a, b = shard_bytes(out1), shard_bytes(tmp_path)
     assert a.keys() == b.keys() and all(a[k] == b[k] for k in a)
 
@@ -138,8 +143,9 @@ def test_uint16_split_disjoint_and_deterministic(tmp_path):
     outs = []
     for i in range(2):
         out = tmp_path / f"out{i}"
-        m = prep.prepare(src, out, str(tok_path), val_fraction=0.2, shard_tokens=5_000,
-                         txt_split="paragraphs", log=None)
+        m = prep.prepare(
+            src, out, str(tok_path), val_fraction=0.2, shard_tokens=5_000, txt_split="paragraphs", log=None
+        )
         outs.append(out)
         assert m["dtype"] == "uint16" and m["tokenizer"]["vocab_size"] == 2256
     assert shard_bytes(outs[0]) == shard_bytes(outs[1])
@@ -149,7 +155,7 @@ def test_uint16_split_disjoint_and_deterministic(tmp_path):
         store = ShardedTokens(outs[0], split)
         assert store.shards[0].dtype.itemsize == 2
         offs = store.doc_offsets()
-        return [tok.decode(store[int(a) + 1:int(b) - 1].tolist()) for a, b in zip(offs[:-1], offs[1:])]
+        return [tok.decode(store[int(a) + 1 : int(b) - 1].tolist()) for a, b in zip(offs[:-1], offs[1:])]
 
     train, val = doc_texts("train"), doc_texts("val")
     docs = list(iter_documents(src, txt_split="paragraphs"))
@@ -159,6 +165,7 @@ def test_uint16_split_disjoint_and_deterministic(tmp_path):
 
 
 # --- restarts --------------------------------------------------------------------------------------------
+
 
 def test_rerun_skips_finished_shards_and_ignores_tmp(tmp_path):
     c4 = shared_file("text/c4_sample.jsonl")
@@ -203,6 +210,7 @@ def test_rerun_skips_finished_shards_and_ignores_tmp(tmp_path):
 
 # --- CLI errors -----------------------------------------------------------------------------------------
 
+
 def test_main_bad_inputs_one_line(tmp_path, capsys):
     bad = tmp_path / "x.jsonl"
     bad.write_text('{"text": "a"}\n{"body": "b"}\n')
@@ -219,8 +227,12 @@ def test_main_bad_inputs_one_line(tmp_path, capsys):
 
 
 def test_cli_subprocess_error_no_traceback(tmp_path):
-    r = subprocess.run([sys.executable, str(SCRIPT), "--input", str(tmp_path / "nope"), "--output",
-                        str(tmp_path / "o")], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), "--input", str(tmp_path / "nope"), "--output", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 1
     assert "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0
     assert "input not found" in r.stderr
@@ -228,13 +240,14 @@ def test_cli_subprocess_error_no_traceback(tmp_path):
 
 def test_spawn_workers_match_in_process(tmp_path):
     """The "spawn" start method (default off Linux) rebuilds the tokenizer in each worker: same output."""
-    from titanlite.data.tokenizer import ParallelEncoder, encode_documents
+    from titanlite.data.encode import ParallelEncoder, encode_documents
+
     tok = build_tokenizer(str(shared_file("tokenizers/test_tiktoken.model")))
     texts = ["hello world", "", "a second document\nwith two lines", "ünïcödé 🙂"] * 3
     ref_flat, ref_len = encode_documents(tok, texts, np.dtype(np.uint16))
     assert ref_len.tolist()[1] == 2 and ref_flat[:1].tolist() == [tok.bos_id]
     with ParallelEncoder(tok, np.uint16, workers=2, start_method="spawn") as enc:
-        results = [enc.submit(texts[i:i + 4]) for i in range(0, len(texts), 4)]
-        flat = np.concatenate([r.get()[0] for r in results])
-        lengths = np.concatenate([r.get()[1] for r in results])
+        results = [enc.submit(texts[i : i + 4]) for i in range(0, len(texts), 4)]
+        flat = np.concatenate([r.result()[0] for r in results])
+        lengths = np.concatenate([r.result()[1] for r in results])
     assert flat.dtype == np.uint16 and np.array_equal(flat, ref_flat) and np.array_equal(lengths, ref_len)

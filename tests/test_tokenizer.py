@@ -1,13 +1,23 @@
 """Tokenizer files: tiktoken BPE loading, Llama 3 specials, round trips, one-line errors naming file:line."""
+
 import base64
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
-import numpy as np
 import pytest
-
 from shared_data import shared_file
+
 from titanlite.data.shards import dtype_for_vocab
-from titanlite.data.tokenizer import (Tokenizer, build_byte_tokenizer, build_tokenizer, llama3_special_tokens,
-                                      load_tiktoken_ranks)
+from titanlite.tokenizer import (
+    Tokenizer,
+    build_byte_tokenizer,
+    build_tokenizer,
+    llama3_special_tokens,
+    load_tiktoken_ranks,
+)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +68,7 @@ def test_cl100k_round_trip_shakespeare(cl100k):
 
 def _write(tmp_path, lines, name="tok.model"):
     p = tmp_path / name
-    p.write_bytes(b"".join(l + b"\n" for l in lines))
+    p.write_bytes(b"".join(line + b"\n" for line in lines))
     return p
 
 
@@ -73,20 +83,56 @@ def test_small_valid_file(tmp_path):
     assert tok.encode("ab") == [256]
 
 
-@pytest.mark.parametrize("bad_line, line_no, needle", [
-    (b"!!notbase64 256", 257, "invalid base64"),
-    (base64.b64encode(b"xy") + b" twelve", 257, "not a non-negative integer"),
-    (base64.b64encode(b"xy"), 257, "expected '<base64 token> <rank>'"),
-    (base64.b64encode(b"xy") + b" 5", 257, "duplicate rank 5 (first on line 6)"),
-    (base64.b64encode(b"xy") + b" 300", 257, "not contiguous: expected 256"),
-    (base64.b64encode(b"a") + b" 256", 257, "duplicate token"),
-])
+@pytest.mark.parametrize(
+    "bad_line, line_no, needle",
+    [
+        (b"!!notbase64 256", 257, "invalid base64"),
+        (base64.b64encode(b"xy") + b" twelve", 257, "not a non-negative integer"),
+        (base64.b64encode(b"xy"), 257, "expected '<base64 token> <rank>'"),
+        (base64.b64encode(b"xy") + b" 5", 257, "duplicate rank 5 (first on line 6)"),
+        (base64.b64encode(b"xy") + b" 300", 257, "not contiguous: expected 256"),
+        (base64.b64encode(b"a") + b" 256", 257, "duplicate token"),
+    ],
+)
 def test_malformed_lines_name_file_and_line(tmp_path, bad_line, line_no, needle):
     p = _write(tmp_path, _byte_lines() + [bad_line])
     with pytest.raises(ValueError) as e:
         build_tokenizer(str(p))
     msg = str(e.value)
     assert msg.startswith(f"{p}:{line_no}: ") and needle in msg and "\n" not in msg
+
+
+def test_corrupt_line_of_a_real_file_is_named(tmp_path):
+    """tiktoken's reader names no line: the file is walked again to find it (blank lines count too)."""
+    lines = shared_file("tokenizers/test_tiktoken.model").read_bytes().split(b"\n")
+    token, rank = lines[1499].split()
+    cases = {
+        b"%s %s" % (token[:-1] + b"*", rank): "invalid base64 token",  # tiktoken fails on this line
+        lines[1498]: "duplicate rank 1498 (first on line 1500)",  # tiktoken accepts this line
+    }
+    for bad, needle in cases.items():
+        p = _write(tmp_path, [b""] + lines[:1499] + [bad] + lines[1500:])
+        with pytest.raises(ValueError, match=rf"^{p}:1501: {re.escape(needle)}"):
+            build_tokenizer(str(p))
+    p = _write(tmp_path, [b"x"], name="one.model")
+    p.chmod(0)
+    if not os.access(p, os.R_OK):  # root reads it anyway
+        with pytest.raises(ValueError, match=f"^{p}: cannot read tokenizer file: Permission denied$"):
+            build_tokenizer(str(p))
+    with pytest.raises(ValueError, match=f"^{tmp_path}: tokenizer path is a directory"):
+        build_tokenizer(str(tmp_path))
+
+
+def test_tiktoken_cache_is_not_used(tmp_path, monkeypatch):
+    """tiktoken would keep a copy keyed by the path and return it after the file changed: not for us."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(cache))
+    p = _write(tmp_path, _byte_lines() + [base64.b64encode(b"ab") + b" 256"])
+    assert build_tokenizer(str(p)).encode("ab") == [256]
+    _write(tmp_path, _byte_lines() + [base64.b64encode(b"cd") + b" 256"])
+    tok = build_tokenizer(str(p))
+    assert tok.encode("cd") == [256] and tok.encode("ab") == [97, 98]
+    assert not cache.exists() and os.environ["TIKTOKEN_CACHE_DIR"] == str(cache)
 
 
 def test_missing_empty_and_incomplete_files(tmp_path):
@@ -107,3 +153,14 @@ def test_missing_empty_and_incomplete_files(tmp_path):
 def test_byte_tokenizer_unchanged():
     tok = build_byte_tokenizer()
     assert tok.path == "" and tok.decode(tok.encode("héllo")) == "héllo"
+
+
+def test_layering_tokenizer_imports_no_titanlite_module():
+    """Model families register ``build_tokenizer``: it, and model code, must not pull in ``titanlite.data``."""
+    code = (
+        "import sys, titanlite.tokenizer; print(sorted(m for m in sys.modules if m.startswith('titanlite')))\n"
+        "import titanlite.models.llama3; print(sorted(m for m in sys.modules if m.startswith('titanlite.data')))"
+    )
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == ["['titanlite', 'titanlite.tokenizer']", "[]"]

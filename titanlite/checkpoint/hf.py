@@ -1,9 +1,10 @@
-"""Streaming conversion between titanlite DCP step folders and Hugging Face model folders.
+"""Conversion between titanlite DCP step folders and Hugging Face model folders, with bounded memory.
 
 - :func:`dcp_to_hf`: reads the model args from the step folder's ``checkpoint.json``, then loads
   one tensor at a time (DCP reads only that tensor's byte ranges, from however many ranks' files
-  it was sharded over), converts it with the family's HF adapter (names, q/k row order) and appends
-  it to a streamed safetensors file. Peak memory is about one tensor.
+  it was sharded over), converts it with the family's HF adapter (names, q/k row order) and
+  collects it into the current safetensors shard, which ``safetensors.torch.save_file`` writes as
+  soon as it is full. Peak memory is about one shard (``max_shard_bytes``, or one larger tensor).
 - :func:`hf_to_dcp`: reads ``config.json`` for the model args, plans the DCP checkpoint from the
   safetensors headers alone (meta tensors), and lets DCP pull each tensor lazily from the
   safetensors file while writing (one file per tensor, so nothing accumulates). The result is a
@@ -13,30 +14,39 @@ Both write into ``<out>.partial-<token>`` and rename at the end: an interrupted 
 no half-written output behind the final name. Wrong inputs raise ``ValueError`` /
 ``FileNotFoundError`` with a one-line message.
 """
+
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
+import math
 import os
 import secrets
 import shutil
 import warnings
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from titanlite.checkpoint import layout
-from titanlite.checkpoint.safetensors_stream import ShardedSafetensorsWriter, hf_tensor_files
+from titanlite.dtypes import dtype_name
 from titanlite.extensions import load_extensions
 from titanlite.models import get_model_spec, model_names
 
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
-                        category=UserWarning)
+warnings.filterwarnings(
+    "ignore", message="torch.distributed is disabled, unavailable or uninitialized", category=UserWarning
+)
 
 Progress = Callable[[int, int, str, tuple, torch.dtype], None]
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
 
 
 def _no_progress(i: int, n: int, name: str, shape: tuple, dtype: torch.dtype) -> None:
@@ -46,9 +56,15 @@ def _no_progress(i: int, n: int, name: str, shape: tuple, dtype: torch.dtype) ->
 # ----------------------------------------------------------------------------- DCP -> HF
 
 
-def dcp_to_hf(step_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: Optional[torch.dtype] = None,
-              max_shard_bytes: int = 5 * 1000**3, progress: Progress = _no_progress,
-              extensions: Sequence[str] = ()) -> Path:
+def dcp_to_hf(
+    step_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 5 * 1000**3,
+    progress: Progress = _no_progress,
+    extensions: Sequence[str] = (),
+) -> Path:
     """Write ``model.safetensors`` (+ index), ``config.json`` and ``generation_config.json``.
 
     The model family's extension modules, when it comes from one, are imported first: those that
@@ -68,46 +84,49 @@ def dcp_to_hf(step_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype:
         raise ValueError(f"{step_dir} is damaged: {problem}")
     spec, args = _model_from_info(info, step_dir)
     adapter = spec.hf_adapter(args)
-    stored = {k[len("model."):]: v for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
+    stored = {k[len("model.") :]: v for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
     expected = adapter.expected_shapes()
     tied = bool(getattr(args, "tie_word_embeddings", False))
-    sources: dict[str, str] = {}  # native name written -> native name read
+    sources: dict[str, tuple[str, Any]] = {}  # native name written -> (native name read, its metadata)
     for name, shape in expected.items():
         src = name
         if name not in stored and name == "output.weight" and tied:
             src = "tok_embeddings.weight"
         md = stored.get(src)
         if md is None or not hasattr(md, "size"):
-            raise ValueError(f"{step_dir} has no tensor model.{name} (it is not a {info['model']['name']} model "
-                             "with the args in its checkpoint.json)")
+            raise ValueError(
+                f"{step_dir} has no tensor model.{name} (it is not a {info['model']['name']} model "
+                "with the args in its checkpoint.json)"
+            )
         if tuple(md.size) != shape:
-            raise ValueError(f"{step_dir}: model.{src} has shape {list(md.size)}, the args in checkpoint.json "
-                             f"give {list(shape)}")
-        sources[name] = src
+            raise ValueError(
+                f"{step_dir}: model.{src} has shape {list(md.size)}, the args in checkpoint.json give {list(shape)}"
+            )
+        sources[name] = (src, md)
     out_dtype = dtype or stored["tok_embeddings.weight"].properties.dtype
-    partial = _start_output(out_dir)
-    try:
-        entries = [(adapter.to_hf_name(n), expected[n], out_dtype) for n in expected]
-        writer = ShardedSafetensorsWriter(partial, entries, max_shard_bytes)
-        reader = dcp.FileSystemReader(str(step_dir))
-        for i, name in enumerate(expected, 1):
-            src = sources[name]
-            tensor = torch.empty(tuple(stored[src].size), dtype=stored[src].properties.dtype)
-            dcp.load({"model": {src: tensor}}, storage_reader=reader, no_dist=True)
-            hf_name, tensor = adapter.to_hf(name, tensor)
-            writer.write(hf_name, tensor.to(out_dtype))
-            progress(i, len(expected), hf_name, tuple(tensor.shape), out_dtype)
-            del tensor
-        writer.close()
-        tok = info.get("tokenizer") or {}
-        config = adapter.hf_config(dtype=out_dtype, bos_token_id=tok.get("bos_id"), eos_token_id=tok.get("eos_id"))
-        _write_json(partial / "config.json", config)
-        _write_json(partial / "generation_config.json",
-                    adapter.generation_config(tok.get("bos_id"), tok.get("eos_id")))
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    _finish_output(partial, out_dir)
+    sizes = {name: math.prod(shape) * out_dtype.itemsize for name, shape in expected.items()}
+    shards = _plan_shards(sizes, max_shard_bytes)
+    n = len(shards)
+    files = [SINGLE_FILE] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    reader, weight_map = dcp.FileSystemReader(str(step_dir)), {}
+    with _atomic_output(out_dir) as partial:
+        for file, shard in zip(files, shards):
+            tensors = {}  # one shard in memory at a time: save_file takes all of a file's tensors at once
+            for name in shard:
+                src, md = sources[name]
+                tensor = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+                dcp.load({"model": {src: tensor}}, storage_reader=reader, no_dist=True)
+                hf_name, tensor = adapter.to_hf(name, tensor)
+                tensors[hf_name], weight_map[hf_name] = tensor.to(out_dtype).contiguous(), file
+                progress(len(weight_map), len(expected), hf_name, tuple(tensor.shape), out_dtype)
+            save_file(tensors, partial / file, metadata={"format": "pt"})
+            layout.fsync_dir(partial / file)  # save_file does not fsync; fsync_dir works on a file too
+        if n > 1:
+            index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+            _write_json(partial / INDEX_FILE, index)
+        bos, eos = ((info.get("tokenizer") or {}).get(k) for k in ("bos_id", "eos_id"))
+        _write_json(partial / "config.json", adapter.hf_config(dtype=out_dtype, bos_token_id=bos, eos_token_id=eos))
+        _write_json(partial / "generation_config.json", adapter.generation_config(bos, eos))
     return out_dir
 
 
@@ -168,34 +187,32 @@ def _family_for_hf(config: dict[str, Any]):
         adapter = spec.hf_adapter
         if adapter is not None and (adapter.architecture in archs or config.get("model_type") == adapter.model_type):
             return spec
-    raise ValueError(f"unsupported Hugging Face model (model_type={config.get('model_type')!r}, architectures="
-                     f"{archs}); titanlite converts: " + ", ".join(
-                         get_model_spec(n).hf_adapter.architecture for n in model_names()
-                         if get_model_spec(n).hf_adapter is not None))
+    known = ", ".join(get_model_spec(n).hf_adapter.architecture for n in model_names() if get_model_spec(n).hf_adapter)
+    model = f"model_type={config.get('model_type')!r}, architectures={archs}"
+    raise ValueError(f"unsupported Hugging Face model ({model}); titanlite converts: {known}")
 
 
-def hf_to_dcp(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
-              progress: Progress = _no_progress, extensions: Sequence[str] = ()) -> Path:
+def hf_to_dcp(
+    hf_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    progress: Progress = _no_progress,
+    extensions: Sequence[str] = (),
+) -> Path:
     """A model-only titanlite DCP step folder with the weights of an HF model folder.
 
     ``extensions``: modules to import first when the family comes from one (as ``[job]
     extensions``); they are recorded in ``checkpoint.json`` so that :func:`dcp_to_hf` finds them.
     """
-    from safetensors import safe_open
-
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     extensions = load_extensions(extensions)
     config = read_hf_config(hf_dir)
     spec = _family_for_hf(config)
     args = spec.hf_adapter.args_from_hf_config(config)
     adapter = spec.hf_adapter(args)
-    files = hf_tensor_files(hf_dir)
-    if files is None:
-        raise ValueError(f"{hf_dir} has no model.safetensors or {'model.safetensors.index.json'} "
-                         "(only safetensors weights are supported)")
     expected = adapter.expected_shapes()
-    found: dict[str, tuple[str, str, tuple, torch.dtype]] = {}  # native -> (hf name, file, shape, dtype)
-    for hf_name, file in files.items():
+    found: dict[str, tuple[str, Path, torch.Tensor]] = {}  # native name -> (hf name, file, meta tensor)
+    for hf_name, file in _tensor_files(hf_dir).items():
         try:
             native = adapter.from_hf_name(hf_name)
         except KeyError as e:
@@ -203,85 +220,87 @@ def hf_to_dcp(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         if native is None:
             continue
         if native not in expected:
-            raise ValueError(f"{hf_dir}: tensor {hf_name} does not belong to a model with {config.get('num_hidden_layers')} "
-                             "layers (config.json)")
-        path = hf_dir / file
-        if not path.is_file():
+            layers = config.get("num_hidden_layers")
+            raise ValueError(
+                f"{hf_dir}: tensor {hf_name} does not belong to a model with {layers} layers (config.json)"
+            )
+        if not (hf_dir / file).is_file():
             raise ValueError(f"{hf_dir}: {file} (holding {hf_name}) is missing")
-        with safe_open(str(path), framework="pt") as f:
-            sl = f.get_slice(hf_name)
-            shape = tuple(sl.get_shape())
-            dtype = _st_dtype(sl.get_dtype())
-        if shape != expected[native]:
-            raise ValueError(f"{hf_dir}: {hf_name} has shape {list(shape)} but config.json implies "
-                             f"{list(expected[native])}")
-        found[native] = (hf_name, file, shape, dtype)
+        with safe_open(hf_dir / file, framework="pt") as f:
+            header = f.get_slice(hf_name)
+            shape = tuple(header.get_shape())
+            if shape != expected[native]:
+                raise ValueError(
+                    f"{hf_dir}: {hf_name} has shape {list(shape)} but config.json implies {list(expected[native])}"
+                )
+            dtype = header[:0].dtype  # an empty slice: safetensors names the torch dtype, no data is read
+        found[native] = (hf_name, hf_dir / file, torch.empty(shape, dtype=dtype, device="meta"))
     if "output.weight" not in found and args.tie_word_embeddings and "tok_embeddings.weight" in found:
         found["output.weight"] = found["tok_embeddings.weight"]  # a tied model stores both names
     missing = [n for n in expected if n not in found]
     if missing:
-        raise ValueError(f"{hf_dir} lacks {adapter.to_hf_name(missing[0])}"
-                         + (f" and {len(missing) - 1} more tensor(s)" if len(missing) > 1 else ""))
+        more = f" and {len(missing) - 1} more tensor(s)" if len(missing) > 1 else ""
+        raise ValueError(f"{hf_dir} lacks {adapter.to_hf_name(missing[0])}{more}")
 
-    order = list(expected)
-    counter = {"i": 0}
+    loaded = []
 
     def loader(native: str) -> Callable[[], torch.Tensor]:
-        hf_name, file, _, _ = found[native]
-
         def load() -> torch.Tensor:
-            with safe_open(str(hf_dir / file), framework="pt") as f:
-                tensor = f.get_tensor(hf_name)
-            _, tensor = adapter.from_hf(hf_name, tensor)
-            counter["i"] += 1
-            progress(counter["i"], len(order), f"model.{native}", tuple(tensor.shape), tensor.dtype)
+            hf_name, file, _ = found[native]
+            with safe_open(file, framework="pt") as f:
+                _, tensor = adapter.from_hf(hf_name, f.get_tensor(hf_name))
+            loaded.append(native)
+            progress(len(loaded), len(expected), f"model.{native}", tuple(tensor.shape), tensor.dtype)
             return tensor.contiguous()
 
         return load
 
-    state = {"model": {n: torch.empty(found[n][2], dtype=found[n][3], device="meta") for n in order}}
-    planner = _LazySavePlanner({f"model.{n}": loader(n) for n in order})
-    partial = _start_output(out_dir)
-    try:
+    planner = _LazySavePlanner({f"model.{n}": loader(n) for n in expected})
+    dtypes = {found[n][2].dtype for n in expected}
+    with _atomic_output(out_dir) as partial:
         writer = dcp.FileSystemWriter(str(partial), single_file_per_rank=False, sync_files=True, thread_count=1)
-        dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
-        dtypes = {found[n][3] for n in order}
-        layout.write_info(partial, {
-            "step": 0, "tokens_seen": 0, "model_only": True,
-            "dtype": str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else None,
-            "model": {"name": spec.name, "flavor": None, "args": _asdict(args)},
-            "extensions": extensions,
-            "tokenizer": {"path": "", "bos_id": _first(config.get("bos_token_id")),
-                          "eos_id": _first(config.get("eos_token_id"))},
-            "source": {"hugging_face": str(hf_dir.resolve())},
-        })
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    _finish_output(partial, out_dir)
+        dcp.save({"model": {n: found[n][2] for n in expected}}, storage_writer=writer, planner=planner, no_dist=True)
+        info = dict(step=0, tokens_seen=0, model_only=True, dtype=dtype_name(*dtypes) if len(dtypes) == 1 else None)
+        info["model"] = {"name": spec.name, "flavor": None, "args": dataclasses.asdict(args)}
+        bos, eos = (_first(config.get(f"{k}_token_id")) for k in ("bos", "eos"))
+        info.update(extensions=extensions, tokenizer={"path": "", "bos_id": bos, "eos_id": eos})
+        layout.write_info(partial, {**info, "source": {"hugging_face": str(hf_dir.resolve())}})
     return out_dir
 
 
 # ----------------------------------------------------------------------------- helpers
 
 
-def _st_dtype(name: str) -> torch.dtype:
-    table = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-             "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-             "BOOL": torch.bool}
-    if name not in table:
-        raise ValueError(f"unsupported safetensors dtype {name}")
-    return table[name]
+def _plan_shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
+    """The names in order, cut into runs of at most ``max_bytes`` (a larger tensor gets a run of its own)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, nbytes in sizes.items():
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def _tensor_files(folder: Path) -> dict[str, str]:
+    """``{tensor name: file name}`` of an HF folder's safetensors (index or single file)."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no weight_map")
+        return weight_map
+    if not (folder / SINGLE_FILE).is_file():
+        raise ValueError(f"{folder} has no {SINGLE_FILE} or {INDEX_FILE} (only safetensors weights are supported)")
+    with safe_open(folder / SINGLE_FILE, framework="pt") as f:
+        return dict.fromkeys(f.keys(), SINGLE_FILE)
 
 
 def _first(v: Any) -> Any:
     return v[0] if isinstance(v, list) and v else v
-
-
-def _asdict(args: Any) -> dict[str, Any]:
-    import dataclasses
-
-    return dataclasses.asdict(args)
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -290,16 +309,19 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
         f.write("\n")
 
 
-def _start_output(out_dir: Path) -> Path:
+@contextlib.contextmanager
+def _atomic_output(out_dir: Path) -> Iterator[Path]:
+    """Yields ``<out_dir>.partial-<token>``, renamed to ``out_dir`` at the end; removed on any error."""
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ValueError(f"output {out_dir} already exists and is not empty (nothing was overwritten)")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     partial = out_dir.with_name(f"{out_dir.name}.partial-{secrets.token_hex(4)}")
     partial.mkdir()
-    return partial
-
-
-def _finish_output(partial: Path, out_dir: Path) -> None:
+    try:
+        yield partial
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     if out_dir.is_dir():  # empty (checked at start)
         out_dir.rmdir()
     os.rename(partial, out_dir)

@@ -4,16 +4,17 @@ Every Python installation carries them, so the debug model trains on a fresh mac
 download and no file outside the repo. Files are read in sorted path order (deterministic for a
 given Python install); every ``VAL_EVERY``-th document is held out for validation.
 """
+
 from __future__ import annotations
 
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
-import numpy as np
 import torch
 
-from titanlite.data.tokenizer import Tokenizer, encode_documents
+from titanlite.data.encode import encode_documents
+from titanlite.tokenizer import Tokenizer
 
 VAL_EVERY = 20  # 5% of the documents are held out
 DEFAULT_MAX_BYTES = 6_000_000  # enough for debug runs; reading and tokenizing takes ~1 s
@@ -46,5 +47,4 @@ def embedded_token_stream(tokenizer: Tokenizer, split: str, max_bytes: int = DEF
     docs = list(iter_embedded_documents(split, max_bytes))
     if not docs:
         raise RuntimeError(f"no Python standard-library sources found for the embedded {split} split")
-    flat, _ = encode_documents(tokenizer, docs, np.dtype(np.int64))
-    return torch.from_numpy(flat)
+    return torch.from_numpy(encode_documents(tokenizer, docs)[0])

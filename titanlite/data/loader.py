@@ -1,18 +1,19 @@
 """Building resumable data loaders from the ``[training]`` / ``[validation]`` config."""
+
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional
+from typing import Any
 
-import numpy as np
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite.data.embedded import embedded_token_stream
+from titanlite.data.encode import encode_documents
 from titanlite.data.shards import ShardedTokens
 from titanlite.data.sources import iter_documents
-from titanlite.data.tokenizer import Tokenizer, encode_documents
 from titanlite.data.windows import TokenWindows
+from titanlite.tokenizer import Tokenizer
 
 
 def load_token_store(dataset: str, path: str, split: str, tokenizer: Tokenizer) -> Any:
@@ -29,29 +30,56 @@ def load_token_store(dataset: str, path: str, split: str, tokenizer: Tokenizer) 
     if dataset == "shards":
         store = ShardedTokens(path, split)
         if store.vocab_size != tokenizer.vocab_size:
-            raise ValueError(f"shards in {path} were tokenized with a vocabulary of {store.vocab_size} "
-                             f"tokens but model.tokenizer_path gives {tokenizer.vocab_size}")
+            raise ValueError(
+                f"shards in {path} were tokenized with a vocabulary of {store.vocab_size} "
+                f"tokens but model.tokenizer_path gives {tokenizer.vocab_size}"
+            )
         return store
     if dataset == "text":
         docs = list(iter_documents(path))
         if not docs:
             raise ValueError(f"no documents found in {path}")
-        flat, _ = encode_documents(tokenizer, docs, np.dtype(np.int64))
-        return torch.from_numpy(flat)
+        return torch.from_numpy(encode_documents(tokenizer, docs)[0])
     raise ValueError(f"unknown dataset kind {dataset!r}; expected embedded, shards or text")
 
 
-def build_dataloader(store: Any, *, seq_len: int, batch_size: int, dp_rank: int = 0, dp_world: int = 1,
-                     seed: int = 0, train: bool = True, eos_id: Optional[int] = None, num_workers: int = 0,
-                     name: str = "train") -> StatefulDataLoader:
+def build_dataloader(
+    store: Any,
+    *,
+    seq_len: int,
+    batch_size: int,
+    dp_rank: int = 0,
+    dp_world: int = 1,
+    seed: int = 0,
+    train: bool = True,
+    eos_id: int | None = None,
+    num_workers: int = 0,
+    name: str = "train",
+) -> StatefulDataLoader:
     """A StatefulDataLoader over shuffled (train) or sequential (validation) windows of ``store``.
 
     Batches are dicts of ``[batch_size, seq_len]`` int64 tensors: ``input_ids``, ``labels`` and, when
     ``eos_id`` is given, ``document_ids``. ``state_dict()``/``load_state_dict()`` resume exactly.
     """
-    windows = TokenWindows(store, seq_len, dp_rank=dp_rank, dp_world=dp_world, seed=seed, shuffle=train,
-                           infinite=train, batch_size=batch_size, eos_id=eos_id, name=name)
+    windows = TokenWindows(
+        store,
+        seq_len,
+        dp_rank=dp_rank,
+        dp_world=dp_world,
+        seed=seed,
+        shuffle=train,
+        infinite=train,
+        batch_size=batch_size,
+        eos_id=eos_id,
+        name=name,
+    )
     # torchdata 0.11 calls the deprecated torch.set_vital when a loader is created; harmless.
     warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
-    return StatefulDataLoader(windows, batch_size=batch_size, num_workers=num_workers, drop_last=True,
-                              persistent_workers=False, pin_memory=torch.cuda.is_available())
+    return StatefulDataLoader(
+        windows,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        drop_last=True,
+        persistent_workers=False,
+        pin_memory=torch.cuda.is_available(),
+    )

@@ -17,6 +17,7 @@ leading shards of each split, skips their documents without tokenizing them, and
 leftover ``.tmp``. ``manifest.json`` is written last; a folder without it is unfinished. Changed
 settings or inputs are refused unless ``--overwrite`` is given (which deletes the old shards).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,15 +27,24 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence, TextIO, Union
+from typing import TextIO
 
 import numpy as np
 
-from titanlite.data.shards import (MANIFEST, SPLITS, ShardReader, build_manifest, dtype_for_vocab,
-                                   write_json_atomic, write_shard_flat)
+from titanlite.data.encode import ParallelEncoder
+from titanlite.data.shards import (
+    MANIFEST,
+    SPLITS,
+    ShardReader,
+    build_manifest,
+    dtype_for_vocab,
+    write_json_atomic,
+    write_shard_flat,
+)
 from titanlite.data.sources import FORMATS, TXT_SPLITS, iter_file_documents, list_files
-from titanlite.data.tokenizer import ParallelEncoder, build_tokenizer
+from titanlite.tokenizer import build_tokenizer
 
 STATE = "prepare_state.json"
 DEFAULT_SHARD_TOKENS = 100_000_000
@@ -43,7 +53,7 @@ CHUNK_DOCS = 4096
 
 
 def split_of(text: str, val_fraction: float) -> str:
-    """"val" for a deterministic ``val_fraction`` of documents (by a hash of the text), else "train"."""
+    """The split of a document: "val" for a deterministic ``val_fraction`` of them (by a hash of the text)."""
     if val_fraction <= 0.0:
         return "train"
     if val_fraction >= 1.0:
@@ -69,10 +79,7 @@ class _SplitWriter:
     def __init__(self, out: Path, split: str, dtype: str, shard_tokens: int, kept: list[dict]):
         self.out, self.split, self.dtype, self.shard_tokens = out, split, dtype, shard_tokens
         self.entries = list(kept)  # shards kept from an earlier run, then the ones written now
-        self.parts: list[np.ndarray] = []
-        self.lengths: list[int] = []
-        self.tokens = 0
-        self.written = 0
+        self.parts, self.lengths, self.tokens, self.written = [], [], 0, 0  # arrays, their sizes, their sum
 
     def add(self, tokens: np.ndarray) -> None:
         self.parts.append(tokens)
@@ -107,21 +114,26 @@ def _existing_prefix(out: Path, split: str) -> list[dict]:
 
 
 def _our_files(out: Path) -> list[Path]:
-    found = []
-    for p in out.iterdir():
-        n = p.name
-        if any(n.startswith(f"{s}-") for s in SPLITS) and (n.endswith(".bin") or n.endswith(".bin.tmp")):
-            found.append(p)
-        elif n in (MANIFEST, STATE, MANIFEST + ".tmp", STATE + ".tmp"):
-            found.append(p)
-    return sorted(found)
+    shards = [p for p in out.iterdir() if p.name.partition("-")[0] in SPLITS and p.name.endswith((".bin", ".bin.tmp"))]
+    others = [out / n for n in (MANIFEST, STATE, MANIFEST + ".tmp", STATE + ".tmp") if (out / n).exists()]
+    return sorted(shards + others)
 
 
-def prepare(inputs: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]], output: Union[str, os.PathLike],
-            tokenizer: str = "", *, val_fraction: float = 0.0, workers: int = 1,
-            shard_tokens: int = DEFAULT_SHARD_TOKENS, text_field: str = "text", file_format: str = "auto",
-            txt_split: str = "file", overwrite: bool = False, log: Optional[TextIO] = sys.stderr,
-            progress_interval: float = 2.0) -> dict:
+def prepare(
+    inputs: str | os.PathLike | Sequence[str | os.PathLike],
+    output: str | os.PathLike,
+    tokenizer: str = "",
+    *,
+    val_fraction: float = 0.0,
+    workers: int = 1,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    text_field: str = "text",
+    file_format: str = "auto",
+    txt_split: str = "file",
+    overwrite: bool = False,
+    log: TextIO | None = sys.stderr,
+    progress_interval: float = 2.0,
+) -> dict:
     """Tokenize ``inputs`` into shards under ``output``; returns the manifest (also written to disk).
 
     ``tokenizer``: a tiktoken BPE file, or "" / "bytes" for the built-in byte tokenizer.
@@ -152,8 +164,7 @@ def prepare(inputs: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]], 
     tok_path = "" if tokenizer in ("", "bytes") else str(Path(tokenizer).resolve())
     tok = build_tokenizer(tok_path)
     dtype = dtype_for_vocab(tok.vocab_size)
-    tok_info = {"path": tok_path, "name": tok.name, "vocab_size": tok.vocab_size,
-                "bos_id": tok.bos_id, "eos_id": tok.eos_id}
+    tok_info = dict(path=tok_path, name=tok.name, vocab_size=tok.vocab_size, bos_id=tok.bos_id, eos_id=tok.eos_id)
 
     out = Path(output)
     if out.exists() and not out.is_dir():
@@ -161,12 +172,22 @@ def prepare(inputs: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]], 
     out.mkdir(parents=True, exist_ok=True)
 
     sizes = [f.stat().st_size for f in files]
-    settings = {"inputs": [str(f.resolve()) for f in files], "shard_tokens": int(shard_tokens),
-                "val_fraction": float(val_fraction), "text_field": text_field, "file_format": file_format,
-                "txt_split": txt_split}
-    state = {"settings": settings, "tokenizer": tok_info, "dtype": dtype,
-             "input_files": [{"path": str(f.resolve()), "bytes": s, "mtime_ns": f.stat().st_mtime_ns}
-                             for f, s in zip(files, sizes)]}
+    settings = {
+        "inputs": [str(f.resolve()) for f in files],
+        "shard_tokens": int(shard_tokens),
+        "val_fraction": float(val_fraction),
+        "text_field": text_field,
+        "file_format": file_format,
+        "txt_split": txt_split,
+    }
+    state = {
+        "settings": settings,
+        "tokenizer": tok_info,
+        "dtype": dtype,
+        "input_files": [
+            {"path": str(f.resolve()), "bytes": s, "mtime_ns": f.stat().st_mtime_ns} for f, s in zip(files, sizes)
+        ],
+    }
     state_path = out / STATE
     old_files = _our_files(out)
     if old_files:
@@ -190,8 +211,10 @@ def prepare(inputs: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]], 
     kept = {s: _existing_prefix(out, s) for s in SPLITS}
     skip = {s: sum(e["docs"] for e in kept[s]) for s in SPLITS}
     if any(kept.values()):
-        say(f"resuming: keeping {sum(len(v) for v in kept.values())} finished shards "
-            f"({', '.join(f'{s} {len(kept[s])}' for s in SPLITS)}); skipping their documents")
+        say(
+            f"resuming: keeping {sum(len(v) for v in kept.values())} finished shards "
+            f"({', '.join(f'{s} {len(kept[s])}' for s in SPLITS)}); skipping their documents"
+        )
     writers = {s: _SplitWriter(out, s, dtype, shard_tokens, kept[s]) for s in SPLITS}
 
     total_bytes = sum(sizes)
@@ -206,8 +229,10 @@ def prepare(inputs: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]], 
         frac = done / total_bytes if total_bytes else 1.0
         eta = "" if final or frac <= 0 else f", ETA {_fmt_time(el * (1 - frac) / frac)}"
         skipped = f" (+{n_skipped:,} skipped)" if n_skipped else ""
-        say(f"{n_docs:,} docs{skipped}, {n_tokens:,} tokens, {n_tokens / el:,.0f} tokens/s, "
-            f"{100 * frac:.1f}% of {total_bytes / 1e6:,.1f} MB{eta}" + (f", done in {_fmt_time(el)}" if final else ""))
+        say(
+            f"{n_docs:,} docs{skipped}, {n_tokens:,} tokens, {n_tokens / el:,.0f} tokens/s, "
+            f"{100 * frac:.1f}% of {total_bytes / 1e6:,.1f} MB{eta}" + (f", done in {_fmt_time(el)}" if final else "")
+        )
 
     pending: collections.deque = collections.deque()
     max_pending = 2 * workers + 1
@@ -215,10 +240,10 @@ def prepare(inputs: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]], 
     def consume_one() -> None:
         nonlocal n_docs, n_tokens, bytes_done
         splits, result, bytes_done = pending.popleft()
-        flat, lengths = result.get()
+        flat, lengths = result.result()
         pos = 0
         for split, n in zip(splits, lengths.tolist()):
-            writers[split].add(flat[pos:pos + n])
+            writers[split].add(flat[pos : pos + n])
             pos += n
         n_docs += len(splits)
         n_tokens += int(flat.size)
@@ -260,8 +285,10 @@ def prepare(inputs: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]], 
         while pending:
             consume_one()
     if any(skip.values()):
-        raise ValueError(f"{out}: existing shards hold more documents than the inputs "
-                         f"({', '.join(f'{s}: {n} extra' for s, n in skip.items() if n)}); use --overwrite")
+        raise ValueError(
+            f"{out}: existing shards hold more documents than the inputs "
+            f"({', '.join(f'{s}: {n} extra' for s, n in skip.items() if n)}); use --overwrite"
+        )
     for w in writers.values():
         w.flush()
 
@@ -270,55 +297,94 @@ def prepare(inputs: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]], 
     write_json_atomic(out / MANIFEST, manifest)
     report(final=True)
     t = manifest["totals"]
-    say(f"wrote {sum(w.written for w in writers.values())} shards (kept {sum(len(k) for k in kept.values())}): "
+    say(
+        f"wrote {sum(w.written for w in writers.values())} shards (kept {sum(len(k) for k in kept.values())}): "
         f"train {t['train']['docs']:,} docs / {t['train']['tokens']:,} tokens in {t['train']['shards']} shards, "
         f"val {t['val']['docs']:,} docs / {t['val']['tokens']:,} tokens in {t['val']['shards']} shards, "
-        f"dtype {dtype} -> {out / MANIFEST}")
+        f"dtype {dtype} -> {out / MANIFEST}"
+    )
     if val_fraction > 0 and t["val"]["docs"] == 0:
-        say(f"warning: the val split is empty ({t['train']['docs']} documents in all); "
-            f"a plain-text file is one document: try --txt-split paragraphs or more documents")
+        say(
+            f"warning: the val split is empty ({t['train']['docs']} documents in all); "
+            f"a plain-text file is one document: try --txt-split paragraphs or more documents"
+        )
     if t["train"]["docs"] == 0:
         say("warning: the train split is empty")
     return manifest
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--input", nargs="+", required=True, metavar="PATH",
-                   help="Text/JSONL/JSON/Parquet files or folders (read recursively, sorted).")
-    p.add_argument("--tokenizer", default="",
-                   help='tiktoken BPE file (e.g. Llama 3 tokenizer.model); "" or "bytes" = built-in byte tokenizer.')
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        metavar="PATH",
+        help="Text/JSONL/JSON/Parquet files or folders (read recursively, sorted).",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default="",
+        help='tiktoken BPE file (e.g. Llama 3 tokenizer.model); "" or "bytes" = built-in byte tokenizer.',
+    )
     p.add_argument("--output", required=True, metavar="DIR", help="Output folder for shards and manifest.json.")
     p.add_argument("--val-fraction", type=float, default=0.0, help="Fraction of documents held out as 'val'.")
-    p.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)),
-                   help="Tokenizer worker processes.")
-    p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
-                   help="Close a shard once it holds at least this many tokens.")
+    p.add_argument(
+        "--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)), help="Tokenizer worker processes."
+    )
+    p.add_argument(
+        "--shard-tokens",
+        type=int,
+        default=DEFAULT_SHARD_TOKENS,
+        help="Close a shard once it holds at least this many tokens.",
+    )
     p.add_argument("--text-field", default="text", help="JSON/Parquet field holding the document text.")
-    p.add_argument("--format", dest="file_format", default="auto", choices=FORMATS,
-                   help="Input format (auto = from each file's suffix).")
-    p.add_argument("--txt-split", default="file", choices=TXT_SPLITS,
-                   help="Plain-text files: one document per file, or per blank-line separated paragraph.")
-    p.add_argument("--overwrite", action="store_true",
-                   help="Delete shards prepared with other settings instead of refusing.")
+    p.add_argument(
+        "--format",
+        dest="file_format",
+        default="auto",
+        choices=FORMATS,
+        help="Input format (auto = from each file's suffix).",
+    )
+    p.add_argument(
+        "--txt-split",
+        default="file",
+        choices=TXT_SPLITS,
+        help="Plain-text files: one document per file, or per blank-line separated paragraph.",
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="Delete shards prepared with other settings instead of refusing."
+    )
     p.add_argument("--quiet", action="store_true", help="No progress lines.")
     return p
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        prepare(args.input, args.output, args.tokenizer, val_fraction=args.val_fraction, workers=args.workers,
-                shard_tokens=args.shard_tokens, text_field=args.text_field, file_format=args.file_format,
-                txt_split=args.txt_split, overwrite=args.overwrite, log=None if args.quiet else sys.stderr)
+        prepare(
+            args.input,
+            args.output,
+            args.tokenizer,
+            val_fraction=args.val_fraction,
+            workers=args.workers,
+            shard_tokens=args.shard_tokens,
+            text_field=args.text_field,
+            file_format=args.file_format,
+            txt_split=args.txt_split,
+            overwrite=args.overwrite,
+            log=None if args.quiet else sys.stderr,
+        )
     except (ValueError, ImportError, OSError) as e:
         msg = " ".join(str(e).split()) or type(e).__name__
         print(f"prepare_data: error: {msg}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("prepare_data: interrupted; finished shards are kept, re-run the same command to continue",
-              file=sys.stderr)
+        print(
+            "prepare_data: interrupted; finished shards are kept, re-run the same command to continue", file=sys.stderr
+        )
         return 130
     return 0
 

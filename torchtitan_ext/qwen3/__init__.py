@@ -4,9 +4,10 @@ Activate it with ``[job] extensions = ["torchtitan_ext.qwen3"]`` in a train conf
 ``--job.extensions torchtitan_ext.qwen3``), then ``[model] name = "qwen3"``; from Python, just
 ``import torchtitan_ext.qwen3``. It plugs in through ``titanlite.models.register_model`` only.
 """
-from titanlite.data.tokenizer import build_tokenizer
+
 from titanlite.models import ModelSpec, register_model
 from titanlite.planner import flops_of
+from titanlite.tokenizer import build_tokenizer
 from torchtitan_ext.qwen3.args import QWEN3_FLAVORS, Qwen3ModelArgs, num_params_from_args
 from torchtitan_ext.qwen3.hf_adapter import Qwen3HFAdapter
 from torchtitan_ext.qwen3.model import Qwen3Model
@@ -26,5 +27,12 @@ SPEC = register_model(
     )
 )
 
-__all__ = ["QWEN3_FLAVORS", "Qwen3HFAdapter", "Qwen3Model", "Qwen3ModelArgs", "SPEC", "num_params_from_args",
-           "parallelize_qwen3"]
+__all__ = [
+    "QWEN3_FLAVORS",
+    "Qwen3HFAdapter",
+    "Qwen3Model",
+    "Qwen3ModelArgs",
+    "SPEC",
+    "num_params_from_args",
+    "parallelize_qwen3",
+]

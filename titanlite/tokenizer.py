@@ -1,0 +1,178 @@
+"""Tokenizers (tiktoken based).
+
+The zero-download default is :func:`build_byte_tokenizer`: 256 byte tokens plus Llama 3's special
+tokens, built in code, so the debug model trains on a fresh machine with no files at all.
+
+:func:`build_tokenizer` also loads tiktoken BPE files: Meta's Llama 3 ``tokenizer.model`` or any file
+in the same format (``cl100k_base.tiktoken``, ...), one ``<base64 token> <rank>`` pair per line with
+ranks ``0, 1, 2, ...`` in line order. Llama 3's 256 special tokens are appended after the base
+vocabulary (so the real Llama 3 file gives BOS 128000 / EOS 128001, cl100k gives 100256 / 100257)
+and Llama 3's pre-tokenization regex is used. A bad file raises a one-line ``ValueError`` naming
+the file and, where there is one, the line.
+
+This module imports nothing from titanlite: model families register :func:`build_tokenizer` as
+their ``tokenizer_builder``, and model code must not depend on ``titanlite.data``.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import string
+from collections.abc import Sequence
+
+import tiktoken
+from tiktoken.load import load_tiktoken_bpe
+
+# Llama 3's pre-tokenization regex: contractions, letter runs, 1-3 digit groups, punctuation runs,
+# newlines and other whitespace.
+LLAMA3_PAT_STR = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+NUM_RESERVED_SPECIAL_TOKENS = 256
+# Bytes that can occur in UTF-8 text: every byte except 0xC0, 0xC1 and 0xF5-0xFF. A byte-level BPE
+# file must have a single-byte token for each, or tiktoken cannot encode some text.
+_UTF8_BYTES = [b for b in range(0xF5) if b not in (0xC0, 0xC1)]
+# What a tiktoken file is made of. tiktoken's base64 decoding drops any other byte without a word.
+_FILE_BYTES = (string.ascii_letters + string.digits + "+/= \t\r\n").encode()
+
+
+def llama3_special_tokens() -> list[str]:
+    """Llama 3's 256 special tokens in id order (offset by the base vocabulary size)."""
+    named = (
+        "begin_of_text end_of_text reserved_special_token_0 reserved_special_token_1 finetune_right_pad_id step_id "
+        "start_header_id end_header_id eom_id eot_id python_tag"
+    ).split()
+    reserved = [f"reserved_special_token_{i}" for i in range(2, NUM_RESERVED_SPECIAL_TOKENS - len(named) + 2)]
+    return [f"<|{name}|>" for name in named + reserved]
+
+
+class Tokenizer:
+    """A tiktoken encoding with Llama 3 conventions (BOS/EOS from its special tokens)."""
+
+    def __init__(self, encoding: tiktoken.Encoding, name: str, path: str = ""):
+        self.encoding = encoding
+        self.name = name
+        self.path = path  # what build_tokenizer() was given ("" for the built-in byte tokenizer)
+        self.bos_id = encoding.encode_single_token("<|begin_of_text|>")
+        self.eos_id = encoding.encode_single_token("<|end_of_text|>")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.encoding.n_vocab
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        # Special-token text inside documents is encoded as ordinary bytes, never as control tokens.
+        return [self.bos_id] * bos + self.encoding.encode_ordinary(text) + [self.eos_id] * eos
+
+    def encode_batch(self, texts: Sequence[str], bos: bool = False, eos: bool = False, num_threads: int = 8):
+        """Like :meth:`encode` for each text, on tiktoken's own thread pool."""
+        batch = self.encoding.encode_ordinary_batch(list(texts), num_threads=num_threads)
+        return [[self.bos_id] * bos + ids + [self.eos_id] * eos for ids in batch]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.encoding.decode(list(ids))
+
+
+def _llama3_tokenizer(ranks: dict[bytes, int], name: str, path: str) -> Tokenizer:
+    """``ranks`` + Llama 3's 256 special tokens (ids ``len(ranks)...``) + Llama 3's regex."""
+    specials = {tok: len(ranks) + i for i, tok in enumerate(llama3_special_tokens())}
+    encoding = tiktoken.Encoding(name, pat_str=LLAMA3_PAT_STR, mergeable_ranks=ranks, special_tokens=specials)
+    return Tokenizer(encoding, name=name, path=path)
+
+
+def build_byte_tokenizer() -> Tokenizer:
+    """The built-in byte-level tokenizer: ids 0-255 are raw bytes, 256-511 Llama 3's specials."""
+    return _llama3_tokenizer({bytes([i]): i for i in range(256)}, name="bytes", path="")
+
+
+def load_tiktoken_ranks(path: str) -> dict[bytes, int]:
+    """Read a tiktoken BPE file with tiktoken's own reader, then check what tiktoken does not.
+
+    tiktoken accepts repeated tokens and ranks, gaps, and files without every byte; we refuse them.
+    When the file is refused, :func:`_first_bad_line` walks it to name the offending line.
+    """
+    hint = " (this looks like a Hugging Face tokenizer.json; only tiktoken BPE files are supported)"
+    hint = hint if path.endswith(".json") else ""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()  # for the line count below and the error messages
+    except FileNotFoundError:
+        raise ValueError(f"{path}: tokenizer file not found") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path}: tokenizer path is a directory, expected a tiktoken BPE file") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read tokenizer file: {e.strerror or e}") from None
+    # tiktoken 0.14's read_file_cached opens a path without "://" itself (nothing is downloaded), but
+    # it also copies the file into $TIKTOKEN_CACHE_DIR (default <tmp>/data-gym-cache) under a key made
+    # from the path alone, and without expected_hash it later returns that copy unchecked, even after
+    # the file at the path changed. An empty TIKTOKEN_CACHE_DIR turns the cache off; it is set for
+    # this call only (tokenizers are built at start-up or in fresh worker processes, not in threads).
+    saved = os.environ.get("TIKTOKEN_CACHE_DIR")
+    os.environ["TIKTOKEN_CACHE_DIR"] = ""
+    try:
+        ranks = load_tiktoken_bpe(path)
+    except (ValueError, OSError):
+        ranks = None
+    finally:
+        if saved is None:
+            del os.environ["TIKTOKEN_CACHE_DIR"]
+        else:
+            os.environ["TIKTOKEN_CACHE_DIR"] = saved
+    if ranks == {}:
+        raise ValueError(f"{path}: empty tokenizer file (no '<base64 token> <rank>' lines){hint}")
+    # One entry per line (two fields each: no token repeated), ranks 0, 1, 2, ... in line order.
+    in_order = ranks is not None and list(ranks.values()) == list(range(len(ranks)))
+    if not in_order or len(data.split()) != 2 * len(ranks) or b"" in ranks or data.translate(None, _FILE_BYTES):
+        raise ValueError(_first_bad_line(path, data) + hint)
+    missing = [b for b in _UTF8_BYTES if bytes([b]) not in ranks]
+    if missing:
+        shown = ", ".join(f"0x{b:02x}" for b in missing[:8]) + (", ..." if len(missing) > 8 else "")
+        raise ValueError(
+            f"{path}: no single-byte token for {len(missing)} byte value(s) ({shown}); "
+            "a byte-level BPE file needs one for every byte"
+        )
+    return ranks
+
+
+def _show(raw: bytes) -> str:
+    return repr(raw.decode("utf-8", errors="replace")[:60])
+
+
+def _first_bad_line(path: str, data: bytes) -> str:
+    """``"<path>:<line>: why"`` for the first line that tiktoken fails on or that breaks our rules."""
+    line_of_token: dict[bytes, int] = {}
+    line_of_rank: list[int] = []  # ranks are the line order, so this maps rank -> line number
+    for lineno, line in enumerate(data.splitlines(), start=1):
+        if not line:
+            continue
+        parts, at = line.split(), f"{path}:{lineno}:"
+        if len(parts) != 2:
+            return f"{at} expected '<base64 token> <rank>', got {_show(line)}"
+        try:
+            token = base64.b64decode(parts[0], validate=True)
+        except ValueError:
+            return f"{at} invalid base64 token {_show(parts[0])}"
+        if not parts[1].isdigit():
+            return f"{at} rank {_show(parts[1])} is not a non-negative integer"
+        rank, expected = int(parts[1]), len(line_of_rank)
+        if rank < expected:
+            return f"{at} duplicate rank {rank} (first on line {line_of_rank[rank]})"
+        if rank > expected:
+            return f"{at} rank {rank} is not contiguous: expected {expected} (ranks must be 0, 1, 2, ... in line order)"
+        if token in line_of_token:
+            return f"{at} duplicate token {_show(parts[0])} (first on line {line_of_token[token]})"
+        if not token:
+            return f"{at} empty token"
+        line_of_token[token] = lineno
+        line_of_rank.append(lineno)
+    return f"{path}: not a tiktoken BPE file"
+
+
+def build_tokenizer(path: str = "") -> Tokenizer:
+    """Tokenizer from a tiktoken BPE file path; "" (or "bytes") selects the built-in byte tokenizer."""
+    path = str(path)
+    if path in ("", "bytes"):
+        return build_byte_tokenizer()
+    return _llama3_tokenizer(load_tiktoken_ranks(path), name=os.path.basename(path) or "tiktoken", path=path)
