@@ -42,8 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from titanlite.config import exit_with_error, parse_args_or_exit  # noqa: E402
-from titanlite.metrics import memory_stats, peak_flops  # noqa: E402
+from titanlite.metrics import MetricsHook, memory_stats, peak_flops  # noqa: E402
 from titanlite.train import Trainer, setup_logging  # noqa: E402
+from titanlite.train_step import TrainStep  # noqa: E402
 from titanlite.parallel.distributed import world_from_env  # noqa: E402
 
 
@@ -93,39 +94,51 @@ class StepTimer:
         return time.perf_counter() - self.start
 
 
-class BenchTrainer(Trainer):
-    """The Trainer with its step regions timed."""
+class TimedTrainStep(TrainStep):
+    """The train step with its regions timed (``timer`` set after construction)."""
 
-    def __init__(self, cfg, timer_args):
-        super().__init__(cfg)
-        self.timer = StepTimer(self.device, *timer_args)
-        self.losses: list[float] = []
-        save = self.checkpointer.save
+    timer: StepTimer
+    losses: list[float]
 
-        def timed_save(step, **kw):
-            with self.timer.region("checkpoint"):
-                return save(step, **kw)
-
-        self.checkpointer.save = timed_save
-
-    def train_step(self, data_iter):
+    def __call__(self, batches, before_update=None, step=None):
         self.timer.begin_step()
-        out = super().train_step(data_iter)
-        self.timer.add("data", out["data_s"])
-        self.losses.append(out["loss"])
-        return out
+        result = super().__call__(batches, before_update, step)
+        self.timer.add("data", result.data_s)
+        self.losses.append(result.loss_value)  # fetched by the guard's check already: no extra sync
+        return result
 
-    def forward_backward(self, batch):
+    def forward_backward(self, batch, tokens):
         with self.timer.region("forward_backward"):
-            return super().forward_backward(batch)
+            return super().forward_backward(batch, tokens)
 
     def clip_grad_norm(self):
         with self.timer.region("optimizer"):
             return super().clip_grad_norm()
 
-    def optimizer_step(self, step):
+    def update(self, lr_scale=1.0):
         with self.timer.region("optimizer"):
-            return super().optimizer_step(step)
+            return super().update(lr_scale)
+
+
+class BenchTrainer(Trainer):
+    """The Trainer with its step regions timed."""
+
+    def __init__(self, cfg, timer_args):
+        self.timer_args = timer_args
+        super().__init__(cfg)
+        save = self.checkpointer.save
+
+        def timed_save(step, **kw):
+            with self.train_step.timer.region("checkpoint"):
+                return save(step, **kw)
+
+        self.checkpointer.save = timed_save
+
+    def build_train_step(self) -> TimedTrainStep:
+        step = super().build_train_step()
+        step.__class__ = TimedTrainStep  # the same object, with the timed methods
+        step.timer, step.losses = StepTimer(self.device, *self.timer_args), []
+        return step
 
 
 def main(argv=None) -> dict:
@@ -158,7 +171,7 @@ def main(argv=None) -> dict:
     except (ValueError, KeyError, FileNotFoundError) as e:
         exit_with_error(e, every_rank=True)
     trainer.train()
-    elapsed = trainer.timer.elapsed()
+    elapsed = trainer.train_step.timer.elapsed()
     result = summarize(trainer, cfg, args, elapsed)
     if world.is_main:
         line = json.dumps(result)
@@ -172,9 +185,10 @@ def main(argv=None) -> dict:
 def summarize(trainer: BenchTrainer, cfg, args, elapsed: float) -> dict:
     device, dims = trainer.device, trainer.parallel_dims
     steps = args.steps
-    tokens_per_device = trainer.tokens_per_step / trainer.world.world_size * steps
-    tps = tokens_per_device / elapsed
-    peak = trainer.peak_flops
+    tokens_per_step = trainer.global_batch * cfg.training.seq_len
+    tps = tokens_per_step / trainer.world.world_size * steps / elapsed
+    metrics = next(h for h in trainer.hooks if isinstance(h, MetricsHook))
+    peak = metrics.peak_flops
     float8 = cfg.quantize_linear_float8.enable
     result = {
         "model": f"{cfg.model.name}/{cfg.model.flavor}", "params": trainer.n_params,
@@ -184,11 +198,11 @@ def summarize(trainer: BenchTrainer, cfg, args, elapsed: float) -> dict:
         "mixed_precision_param": cfg.training.mixed_precision_param, "float8": float8,
         "compile": cfg.compile.enable, "activation_checkpoint": cfg.activation_checkpoint.mode,
         "seq_len": cfg.training.seq_len, "local_batch_size": cfg.training.local_batch_size,
-        "tokens_per_step": trainer.tokens_per_step, "warmup_steps": args.warmup, "timed_steps": steps,
+        "tokens_per_step": tokens_per_step, "warmup_steps": args.warmup, "timed_steps": steps,
         "step_time_s": elapsed / steps,
         "tokens_per_s_per_device": tps, "tokens_per_s_global": tps * trainer.world.world_size,
         "flops_per_token": trainer.flops_per_token,
-        "matmul_dtype": trainer.matmul_dtype,
+        "matmul_dtype": metrics.matmul_dtype,
         "peak_tflops": None if peak is None else peak / 1e12,
         "peak_source": "measured matmul rate of this CPU" if device.type == "cpu" else
                        ("datasheet dense peak" if peak is not None else "unknown GPU: no peak, no MFU"),
@@ -200,13 +214,13 @@ def summarize(trainer: BenchTrainer, cfg, args, elapsed: float) -> dict:
     mem = memory_stats(device)
     result["peak_memory_gib"] = mem.get("mem_peak_gib", mem.get("mem_peak_rss_gib"))
     if not args.no_split:
-        split = {k: v / steps for k, v in trainer.timer.totals.items()}
+        split = {k: v / steps for k, v in trainer.train_step.timer.totals.items()}
         for key in ("data", "forward_backward", "optimizer", "checkpoint"):
             split.setdefault(key, 0.0)
         split["other"] = max(0.0, elapsed / steps - sum(split.values()))
         result["time_split_s"] = split
         result["time_split_frac"] = {k: v / (elapsed / steps) for k, v in split.items()}
-    losses = trainer.losses
+    losses = trainer.train_step.losses
     result["loss_first"], result["loss_last"] = (losses[0], losses[-1]) if losses else (None, None)
     return result
 

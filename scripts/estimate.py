@@ -43,14 +43,17 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def build(args: argparse.Namespace, rest: list[str]):
-    from titanlite.metrics import matmul_dtype
-    from titanlite.models import make_model_args
-
     import torch
 
+    from titanlite.metrics import matmul_dtype
+    from titanlite.models import get_model_spec, make_model_args
+    from titanlite.models.registry import model_counts
+
     cfg = load_config(rest)
+    spec = get_model_spec(cfg.model.name)
     model_args = make_model_args(cfg.model.name, cfg.model.flavor, **cfg.model.overrides)
-    shape = ModelShape.from_args(model_args)
+    params, flops = model_counts(spec, model_args, cfg.training.seq_len)  # the family's own counts
+    shape = ModelShape.from_args(model_args, num_params=params)
     par, t = cfg.parallelism, cfg.training
     setup = RunSetup(
         num_gpus=args.num_gpus, tp=par.tensor_parallel_degree, dp_replicate=par.data_parallel_replicate_degree,
@@ -66,7 +69,8 @@ def build(args: argparse.Namespace, rest: list[str]):
     peak = peak_flops_for_name(args.gpu, dtype)
     tokens = CHINCHILLA_TOKENS_PER_PARAM * param_count(shape) if args.chinchilla else args.tokens
     plan = plan_run(shape, setup, tokens=tokens, mfu=args.mfu, peak_flops=peak, matmul_dtype=dtype,
-                    gpu_memory=gpu_memory_bytes(args.gpu), price_per_gpu_hour=args.price_per_gpu_hour)
+                    gpu_memory=gpu_memory_bytes(args.gpu), price_per_gpu_hour=args.price_per_gpu_hour,
+                    flops_per_token_=flops)
     return cfg, shape, setup, plan
 
 

@@ -55,13 +55,15 @@ def test_bad_degrees_are_one_line_errors(kwargs, message):
 def test_model_that_tp_cannot_split(overrides, tp, message):
     args = make_model_args("llama3", "debugmodel", **overrides)
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        check_llama_parallelism(args, ParallelDims(tp=tp, world_size=tp), load_config([]))
+        check_llama_parallelism(args, ParallelDims(tp=tp, world_size=tp))
 
 
 def test_sequence_length_must_split_under_tp():
-    args = make_model_args("llama3", "debugmodel")
+    from titanlite.dry_run import dry_run
+
+    cfg = load_config(["--training.seq_len", "33", "--parallelism.tensor_parallel_degree", "2"])
     with pytest.raises(ValueError, match=r"must divide training.seq_len \(sequence parallelism\) \(33\)"):
-        check_llama_parallelism(args, ParallelDims(tp=2, world_size=2), load_config(["--training.seq_len", "33"]))
+        dry_run(cfg, world_size=2, out=lambda line: None)
 
 
 def test_cli_product_mismatch_is_one_line_error(tmp_path):

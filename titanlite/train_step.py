@@ -151,7 +151,7 @@ class TrainStep:
         loss_sum = torch.zeros((), device=self.device)
         for batch in micro:
             loss_sum += self.forward_backward(batch, tokens)
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.max_norm)
+        grad_norm = self.clip_grad_norm()
         lr = self.optimizer.param_groups[0]["lr"]
         result = StepResult(step, self.dp_sum(loss_sum) / tokens, grad_norm, tokens, lr, data_s)
         if before_update is not None:
@@ -161,6 +161,10 @@ class TrainStep:
             self.update(result.lr_scale)
         self.optimizer.zero_grad(set_to_none=True)
         return result
+
+    def clip_grad_norm(self) -> torch.Tensor:
+        """Pre-clip total gradient norm (exact over FSDP shards and TP ranks); clips when ``max_norm > 0``."""
+        return clip_grad_norm_(self.model.parameters(), self.max_norm)
 
     def update(self, lr_scale: float = 1.0) -> None:
         """``optimizer.step()`` (learning rates scaled by ``lr_scale`` for this step only), then the schedule."""

@@ -24,7 +24,6 @@ import math
 import os
 import secrets
 import shutil
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,10 +38,6 @@ from titanlite.checkpoint import layout
 from titanlite.dtypes import dtype_name
 from titanlite.extensions import load_extensions
 from titanlite.models import get_model_spec, model_names
-
-warnings.filterwarnings(
-    "ignore", message="torch.distributed is disabled, unavailable or uninitialized", category=UserWarning
-)
 
 Progress = Callable[[int, int, str, tuple, torch.dtype], None]
 INDEX_FILE = "model.safetensors.index.json"
@@ -109,7 +104,7 @@ def dcp_to_hf(
     n = len(shards)
     files = [SINGLE_FILE] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
     reader, weight_map = dcp.FileSystemReader(str(step_dir)), {}
-    with _atomic_output(out_dir) as partial:
+    with _atomic_output(out_dir) as partial, layout.quiet_single_process():
         for file, shard in zip(files, shards):
             tensors = {}  # one shard in memory at a time: save_file takes all of a file's tensors at once
             for name in shard:
@@ -257,7 +252,7 @@ def hf_to_dcp(
 
     planner = _LazySavePlanner({f"model.{n}": loader(n) for n in expected})
     dtypes = {found[n][2].dtype for n in expected}
-    with _atomic_output(out_dir) as partial:
+    with _atomic_output(out_dir) as partial, layout.quiet_single_process():
         writer = dcp.FileSystemWriter(str(partial), single_file_per_rank=False, sync_files=True, thread_count=1)
         dcp.save({"model": {n: found[n][2] for n in expected}}, storage_writer=writer, planner=planner, no_dist=True)
         info = dict(step=0, tokens_seen=0, model_only=True, dtype=dtype_name(*dtypes) if len(dtypes) == 1 else None)

@@ -21,11 +21,13 @@ anything is loaded.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -169,6 +171,14 @@ def publish(partial: Path, final: Path, token: str) -> None:
 
 def remove(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def quiet_single_process():
+    """Inside: no DCP warning that it saves or loads in a single process (a supported layout here)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _one_line(e: BaseException) -> str:

@@ -48,7 +48,6 @@ import logging
 import pickle
 import secrets
 import time
-import warnings
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Optional
@@ -339,8 +338,7 @@ class CheckpointManager:
                 key = own if f"{k}.{own}" in keys else fallback
                 if key is not None:
                     state[k] = {key: b""}
-        with warnings.catch_warnings():  # one process is a supported layout: DCP need not say so
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        with layout.quiet_single_process():
             dcp.load(state, checkpoint_id=path, process_group=self._pg, no_dist=not self.distributed)
         for k in state:  # unpickling is part of reading: a damaged value falls back too
             if k in self.shared:
@@ -391,8 +389,7 @@ class CheckpointManager:
             (partial / layout.CONFIG_FILE).write_text(self.config_toml, encoding="utf-8")
         writer = dcp.FileSystemWriter(str(partial), single_file_per_rank=True, sync_files=True, thread_count=1)
         if self.mode == "disabled":
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+            with layout.quiet_single_process():
                 dcp.save(state, storage_writer=writer, process_group=self._pg, no_dist=not self.distributed)
             self._published(partial, final, stats, t0)
             stats.blocked_s = time.perf_counter() - t0

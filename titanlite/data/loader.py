@@ -73,13 +73,13 @@ def build_dataloader(
         eos_id=eos_id,
         name=name,
     )
-    # torchdata 0.11 calls the deprecated torch.set_vital when a loader is created; harmless.
-    warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
-    return StatefulDataLoader(
-        windows,
-        batch_size=batch_size,
-        num_workers=num_workers,
-        drop_last=True,
-        persistent_workers=False,
-        pin_memory=torch.cuda.is_available(),
-    )
+    with warnings.catch_warnings():  # torchdata 0.11 calls the deprecated torch.set_vital here; harmless
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+        return StatefulDataLoader(
+            windows,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            drop_last=True,
+            persistent_workers=False,
+            pin_memory=torch.cuda.is_available(),
+        )

@@ -61,9 +61,7 @@ logger = logging.getLogger(__name__)
 
 def parallelize_llama(model: nn.Module, parallel_dims, policies) -> nn.Module:
     """Float8 -> TP -> AC -> compile -> FSDP on a meta-device Llama 3 model (see module docstring)."""
-    args = model.args
-    parallel_dims.check_tp_divides(**{"model.n_heads": args.n_heads, "model.n_kv_heads": args.kv_heads,
-                                      "the SwiGLU hidden size": args.ffn_hidden_dim, "model.vocab_size": args.vocab_size})
+    check_llama_parallelism(model.args, parallel_dims)
     policies.float8.apply(model, parallel_dims.tp)
     if parallel_dims.tp_enabled:
         apply_tensor_parallel(model, parallel_dims.tp_mesh, parallel_dims.loss_parallel_enabled)
@@ -81,6 +79,12 @@ def parallelize_llama(model: nn.Module, parallel_dims, policies) -> nn.Module:
                     "HSDP" if parallel_dims.hsdp_enabled else "FSDP", parallel_dims.dp_degree, policies.param_dtype,
                     policies.reduce_dtype)
     return model
+
+
+def check_llama_parallelism(args, parallel_dims) -> None:
+    """One-line ``ValueError`` for a model that cannot be split ``parallel_dims``' way."""
+    parallel_dims.check_tp_divides(**{"model.n_heads": args.n_heads, "model.n_kv_heads": args.kv_heads,
+                                      "the SwiGLU hidden size": args.ffn_hidden_dim, "model.vocab_size": args.vocab_size})
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:

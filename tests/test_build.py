@@ -1,0 +1,90 @@
+"""build_parallel_model's guarantees, and the checkpoint manager's refusal to load under a running iterator."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from titanlite.models import ModelSpec
+from titanlite.parallel import ParallelDims, build_parallel_model
+from titanlite.parallel.build import tied_parameters
+
+
+@dataclasses.dataclass
+class TinyArgs:
+    vocab_size: int = 32
+    dim: int = 8
+    n_layers: int = 1
+    n_heads: int = 2
+
+
+class TiedLM(nn.Module):
+    """Embedding and output share one tensor; ``retie_in_init=False`` leaves re-tying to the builder."""
+
+    def __init__(self, a: TinyArgs, untie_in_init: bool = False):
+        super().__init__()
+        self.emb = nn.Embedding(a.vocab_size, a.dim)
+        self.layers = nn.ModuleDict({"0": nn.Linear(a.dim, a.dim)})
+        self.head = nn.Linear(a.dim, a.vocab_size, bias=False)
+        self.head.weight = self.emb.weight
+        self.untie_in_init = untie_in_init
+
+    @torch.no_grad()
+    def init_weights(self):
+        nn.init.normal_(self.emb.weight, std=0.02)
+        self.layers["0"].reset_parameters()
+        if self.untie_in_init:  # a family bug: assigns a new tensor instead of initializing in place
+            self.head.weight = nn.Parameter(torch.zeros_like(self.emb.weight))
+
+    def forward(self, tokens):
+        return self.head(self.layers["0"](self.emb(tokens)))
+
+
+def spec(model_cls=TiedLM, parallelize_fn=None) -> ModelSpec:
+    return ModelSpec(name="tiny", args_cls=TinyArgs, flavors={"x": TinyArgs()}, model_cls=model_cls,
+                     parallelize_fn=parallelize_fn)  # fmt: skip
+
+
+def test_to_empty_unties_and_the_builder_reties():
+    with torch.device("meta"):
+        model = TiedLM(TinyArgs())
+    assert tied_parameters(model) == [["emb.weight", "head.weight"]]
+    model.to_empty(device="cpu")
+    assert model.head.weight is not model.emb.weight  # what to_empty does on its own
+    built = build_parallel_model(spec(), TinyArgs())
+    assert built.head.weight is built.emb.weight and built.emb.weight.abs().sum() > 0
+    loss = built(torch.arange(8)[None]).sum()
+    loss.backward()  # one tensor, one gradient holding both uses
+    assert built.emb.weight.grad is built.head.weight.grad
+
+
+def test_an_init_that_unties_is_refused():
+    class Untying(TiedLM):
+        def __init__(self, a):
+            super().__init__(a, untie_in_init=True)
+
+    with pytest.raises(ValueError, match="init_weights\\(\\) untied the shared parameters emb.weight, head.weight"):
+        build_parallel_model(spec(Untying), TinyArgs())
+
+
+@pytest.mark.parametrize("dims", [dict(dp_shard=2, world_size=2), dict(tp=2, world_size=2)], ids=["dp2", "tp2"])
+def test_a_family_without_parallelize_is_refused_on_several_ranks(dims):
+    with pytest.raises(ValueError, match="has no parallelize function, so it trains on one process only"):
+        build_parallel_model(spec(), TinyArgs(), ParallelDims(**dims))
+
+
+def test_checkpoint_load_is_refused_once_the_loader_iterates(tmp_path):
+    from titanlite.checkpoint import CheckpointManager
+    from titanlite.config.sections import Checkpoint
+    from titanlite.data.loader import build_dataloader
+
+    loader = build_dataloader(torch.arange(1000), seq_len=8, batch_size=2)
+    manager = CheckpointManager(Checkpoint(enable=True), tmp_path, {"model": nn.Linear(2, 2), "data": loader})
+    assert manager.load() is None  # nothing saved yet, and the loader is fresh
+    next(iter(loader))
+    with pytest.raises(RuntimeError, match="already being iterated"):
+        manager.load()
+    manager.close()

@@ -1,0 +1,127 @@
+"""titanlite's import layers: ``config`` imports nothing from titanlite, no module imports one of a
+higher layer, and there are no import cycles. Imports inside functions count too (they are read
+from the source, as ``../shared/tools/import_graph.py --all`` reads them).
+
+Layers, lowest first (a module may import its own layer or lower ones):
+
+0. leaves: ``config``, ``components``, ``hooks``, ``dtypes``, ``extensions``, ``tokenizer``, ``planner``
+1. ``parallel``: policies, mesh, FSDP/TP/AC/compile/float8, ``build_parallel_model``; and ``loss``
+2. ``models``: the registry and the families (a family's parallelize plan is built from ``parallel``)
+3. ``data``, ``checkpoint``, ``optim``
+4. the loop's pieces: ``train_step``, ``metrics``, ``guard``, ``preemption``, ``profiling``, ``validation``
+5. ``train``, ``dry_run``
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "titanlite"
+LAYERS = [
+    ("titanlite", "titanlite.config", "titanlite.components", "titanlite.hooks", "titanlite.dtypes",
+     "titanlite.extensions", "titanlite.tokenizer", "titanlite.planner"),
+    ("titanlite.parallel", "titanlite.loss"),
+    ("titanlite.models",),
+    ("titanlite.data", "titanlite.checkpoint", "titanlite.optim"),
+    ("titanlite.train_step", "titanlite.metrics", "titanlite.guard", "titanlite.preemption", "titanlite.profiling",
+     "titanlite.validation"),
+    ("titanlite.train", "titanlite.dry_run"),
+]  # fmt: skip
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The titanlite modules ``name`` imports anywhere in its source (submodules resolved)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            base = node.module
+            if node.level:
+                package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                base = ".".join(package[: len(package) - node.level + 1] + [node.module])
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def layer_of(name: str) -> int:
+    best = None
+    for i, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (name == prefix or name.startswith(prefix + ".")) and (best is None or len(prefix) > best[1]):
+                best = (i, len(prefix))
+    assert best is not None, f"{name} is in no layer: add it to LAYERS"
+    return best[0]
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {name: imports(name, path, set(mods)) for name, path in mods.items()}
+
+
+def test_config_imports_nothing_from_titanlite():
+    edges = graph()
+    bad = {m: sorted(t) for m, t in edges.items() if m.startswith("titanlite.config") and
+           any(not x.startswith("titanlite.config") for x in t)}  # fmt: skip
+    assert not bad, bad
+
+
+def test_no_module_imports_a_higher_layer():
+    bad = [f"{m} (layer {layer_of(m)}) imports {t} (layer {layer_of(t)})" for m, targets in graph().items()
+           for t in targets if layer_of(t) > layer_of(m)]  # fmt: skip
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycles():
+    edges, index, low, stack, on_stack, cycles = graph(), {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in edges:
+        if v not in index:
+            visit(v)
+    assert not cycles, cycles
+
+
+def test_the_checker_sees_function_local_imports(tmp_path):
+    """The test itself can fail: an import inside a function is an edge."""
+    src = tmp_path / "mod.py"
+    src.write_text("def f():\n    from titanlite.train import Trainer\n")
+    assert imports("titanlite.config.mod", src, {"titanlite.train", "titanlite.config.mod"}) == {"titanlite.train"}

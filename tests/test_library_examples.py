@@ -1,0 +1,172 @@
+"""The README's "Use titanlite as a library" examples, executed as written (sizes shrunk where said).
+
+1. the foreign loop equals ``Trainer`` (what ``python -m titanlite.train`` runs) bit for bit;
+2. the same loop on 2 processes (FSDP 2, TP 2) equals it within fp32 summation order;
+3. checkpoint and resume from the foreign loop, with a user ``Stateful``: identical after a SIGKILL;
+4. the GPT-2-style family trains through the stock launcher alike on 1 process and FSDP 2, and
+   ``scripts/estimate.py`` counts its parameters exactly;
+and the loss swap: a registered loss named in the config, validation still plain cross-entropy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_utils import run_workers
+
+REPO = Path(__file__).resolve().parents[1]
+BLOCKS = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
+LOOP = next(b for b in BLOCKS if "step = TrainStep(" in b)
+CKPT = next(b for b in BLOCKS if "class TokenCounter" in b)
+FAMILY = next(b for b in BLOCKS if 'name="gpt2"' in b)
+LOSS = next(b for b in BLOCKS if 'register("loss", "z_loss"' in b)
+RTOL = 2e-5  # fp32 summation order across ranks (see tests/test_parallel_parity.py)
+README_ARGS = '"--model.n_layers", "2", "--training.steps", "20"]'
+SMALL = ["--training.steps", "6", "--training.seq_len", "64"]
+
+
+def shrink(code: str, extra: list[str] = ()) -> str:
+    """The README loop with fewer, shorter steps (and ``extra`` config arguments)."""
+    assert README_ARGS in code
+    args = ", ".join(f'"{a}"' for a in [*SMALL, *extra])
+    return code.replace(README_ARGS, f'"--model.n_layers", "2", {args}]')
+
+
+def run_loop(env: dict) -> list[float]:
+    """Example 1 in this process (or a worker of run_workers): returns its losses."""
+    os.environ.update(env)
+    namespace: dict = {}
+    exec(compile(shrink(LOOP), "README.md", "exec"), namespace)
+    return namespace["losses"]
+
+
+def trainer_losses(tmp_path) -> list[float]:
+    from titanlite.models import load_config
+    from titanlite.train import Trainer
+
+    cfg = load_config(["--config", "train_configs/debug_model.toml", "--model.n_layers", "2", *SMALL,
+                       "--metrics.log_freq", "1", "--validation.enable", "false", "--job.dump_folder", str(tmp_path)])
+    return [r["loss"] for r in Trainer(cfg).train() if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def single_process_losses():
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        return run_loop({})
+    finally:
+        os.chdir(cwd)
+
+
+def test_own_loop_reproduces_the_trainer_bitwise(single_process_losses, tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert len(single_process_losses) == 6 and single_process_losses[-1] < single_process_losses[0]
+    assert single_process_losses == trainer_losses(tmp_path)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("tp", ["1", "2"], ids=["fsdp2", "tp2"])
+def test_own_loop_on_two_processes_matches_one(tp, single_process_losses):
+    results = run_workers(run_loop, 2, {"TP": tp}, timeout=240)
+    assert results[0] == results[1]  # every rank logs the global loss
+    torch.testing.assert_close(torch.tensor(results[0]), torch.tensor(single_process_losses), rtol=RTOL, atol=0)
+
+
+def _run_script(path: Path, *, kill_after: str | None = None) -> list[str]:
+    """Run ``path`` from the repository root; with ``kill_after``, SIGKILL it once that line appears."""
+    proc = subprocess.Popen([sys.executable, str(path)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if kill_after and line.startswith(kill_after):
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
+        proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    if kill_after:
+        assert proc.returncode == -signal.SIGKILL, "\n".join(lines[-20:])
+    else:
+        assert proc.returncode == 0, "\n".join(lines[-20:])
+    return [x for x in lines if x.startswith("step ")]
+
+
+def test_checkpoint_and_resume_from_own_loop_is_identical_after_a_kill(tmp_path):
+    setup = LOOP[: LOOP.index("batches, losses = iter(loader), []")]
+    extra = ["--checkpoint.enable", "true", "--checkpoint.interval", "2", "--checkpoint.async_mode", "async"]
+    scripts = {}
+    for name in ("straight", "killed"):
+        code = shrink(setup, extra) + CKPT.replace("outputs/my_loop/checkpoint", str(tmp_path / name / "checkpoint"))
+        scripts[name] = tmp_path / f"{name}.py"
+        scripts[name].write_text(code)
+    straight = _run_script(scripts["straight"])
+    assert [x.split()[1] for x in straight] == [str(i) for i in range(1, 7)]
+    first = _run_script(scripts["killed"], kill_after="step 5 ")
+    resumed = _run_script(scripts["killed"])
+    start = int(resumed[0].split()[1])
+    assert start in (3, 5)  # from the step-2 or step-4 checkpoint, whichever was complete at the kill
+    assert first == straight[: len(first)] and resumed == straight[start - 1 :]  # loss and token counter, exactly
+
+
+def _family_run(tmp_path: Path, name: str, launcher: list[str]) -> list[float]:
+    dump = tmp_path / name
+    cmd = [*launcher, "-m", "titanlite.train", "--job.extensions", "gpt2_family", "--model.name", "gpt2",
+           "--model.flavor", "tiny", "--training.seq_len", "64", "--training.steps", "5", "--metrics.log_freq", "1",
+           "--validation.enable", "false", "--lr_scheduler.warmup_steps", "1", "--job.dump_folder", str(dump)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]), OMP_NUM_THREADS="1",
+               CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240, start_new_session=True)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return [json.loads(x)["loss"] for x in (dump / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+
+
+@pytest.mark.multiprocess
+def test_own_family_trains_with_the_stock_launcher_and_is_planned_exactly(tmp_path):
+    (tmp_path / "gpt2_family.py").write_text(FAMILY)
+    one = _family_run(tmp_path, "one", [sys.executable])
+    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2"]
+    two = _family_run(tmp_path, "fsdp2", torchrun)
+    assert len(one) == 5 and one[-1] < one[0]
+    torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=RTOL, atol=0)
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]))
+    out = subprocess.run([sys.executable, "scripts/estimate.py", "--job.extensions", "gpt2_family", "--model.name",
+                          "gpt2", "--model.flavor", "124M", "--training.seq_len", "1024", "--gpu", "H100",
+                          "--num-gpus", "8", "--tokens", "10e9", "--json"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    V, S, d, L = 50257, 1024, 768, 12
+    block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d)
+    assert json.loads(out.stdout)["params"] == V * d + S * d + L * block + 2 * d == 124_439_808
+
+
+def test_a_registered_loss_is_chosen_by_name_and_validation_stays_cross_entropy(tmp_path, monkeypatch):
+    from titanlite.models import load_config
+    from titanlite.train import Trainer
+
+    (tmp_path / "my_loss.py").write_text(LOSS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--training.seq_len", "32",
+            "--training.local_batch_size", "2", "--training.steps", "1", "--lr_scheduler.warmup_steps", "0",
+            "--validation.enable", "true", "--validation.steps", "1", "--job.extensions", "my_loss"]
+    plain = Trainer(load_config([*args, "--job.dump_folder", str(tmp_path / "a")]))
+    z = Trainer(load_config([*args, "--training.loss", "z_loss", "--job.dump_folder", str(tmp_path / "b")]))
+    batch = next(iter(plain.train_loader))
+    with torch.no_grad():
+        lse = torch.logsumexp(plain.model(batch["input_ids"]).float(), -1)
+    assert plain.validate() == z.validate()  # validation: plain cross-entropy for both
+    (rp,), (rz,) = ([r for r in t.train() if "loss" in r] for t in (plain, z))
+    assert rz["loss"] - rp["loss"] == pytest.approx(1e-4 * lse.pow(2).mean().item(), rel=1e-3)
