@@ -12,6 +12,7 @@ starts from a copy of its step-10 folder and trains steps 11-20 again:
 
 Every launch has a hard timeout (``dist_utils.run_workers``), so a hang fails instead of stalling.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,18 +21,43 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dist_utils import cache_token_stores, run_workers
-from titanlite.config import load_config
 
+from titanlite.models import load_config
 
 STEPS = 20
 RTOL = 2e-5
-TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-        "--training.seq_len", "32", "--training.local_batch_size", "4", "--training.global_batch_size", "8",
-        "--training.steps", str(STEPS), "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "2",
-        "--metrics.log_freq", "1", "--checkpoint.enable", "--checkpoint.interval", "10",
-        "--checkpoint.keep_latest_k", "0", "--checkpoint.last_save_model_only", "false"]
+TINY = [
+    "--model.dim",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "2",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "4",
+    "--training.global_batch_size",
+    "8",
+    "--training.steps",
+    str(STEPS),
+    "--optimizer.lr",
+    "3e-3",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--checkpoint.enable",
+    "--checkpoint.interval",
+    "10",
+    "--checkpoint.keep_latest_k",
+    "0",
+    "--checkpoint.last_save_model_only",
+    "false",
+]
 FSDP2 = ["--parallelism.data_parallel_shard_degree", "2"]
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 
@@ -76,9 +102,15 @@ def resume_copy(source: Path, dest: Path) -> Path:
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
     dump = tmp_path_factory.mktemp("fsdp2")
-    results = run_workers(train_worker, 2, {"argv": TINY + FSDP2 + ["--job.dump_folder", str(dump),
-                                                                      "--checkpoint.async_mode", "async"],
-                                            "tokens": tokens_file(dump.parent)}, timeout=240)
+    results = run_workers(
+        train_worker,
+        2,
+        {
+            "argv": TINY + FSDP2 + ["--job.dump_folder", str(dump), "--checkpoint.async_mode", "async"],
+            "tokens": tokens_file(dump.parent),
+        },
+        timeout=240,
+    )
     assert [s[0] for s in results[0]["stats"]] == [10, 20]
     step10 = dump / "checkpoint" / "step-10"
     assert sorted(p.name for p in step10.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
@@ -90,13 +122,24 @@ def fsdp_run(tmp_path_factory):
 def test_fsdp2_resume_is_bitwise_identical(fsdp_run, tmp_path):
     source, reference = fsdp_run
     dump = resume_copy(source, tmp_path / "resumed")
-    run_workers(train_worker, 2, {"argv": TINY + FSDP2 + ["--job.dump_folder", str(dump),
-                                                           "--checkpoint.async_mode", "async_with_pinned_mem"],
-                                  "tokens": tokens_file(source.parent)}, timeout=240)
+    run_workers(
+        train_worker,
+        2,
+        {
+            "argv": TINY + FSDP2 + ["--job.dump_folder", str(dump), "--checkpoint.async_mode", "async_with_pinned_mem"],
+            "tokens": tokens_file(source.parent),
+        },
+        timeout=240,
+    )
     got = metrics(dump)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     for a, b in zip(got, reference):
-        assert (a["loss"], a["lr"], a["tokens_seen"], a["grad_norm"]) == (b["loss"], b["lr"], b["tokens_seen"], b["grad_norm"])
+        assert (a["loss"], a["lr"], a["tokens_seen"], a["grad_norm"]) == (
+            b["loss"],
+            b["lr"],
+            b["tokens_seen"],
+            b["grad_norm"],
+        )
 
 
 def _assert_close_run(dump: Path, reference: list[dict]) -> None:
@@ -124,8 +167,12 @@ def test_fsdp2_checkpoint_resumes_on_one_process(fsdp_run, tmp_path, caplog):
 def test_fsdp2_checkpoint_resumes_under_tp2(fsdp_run, tmp_path):
     source, reference = fsdp_run
     dump = resume_copy(source, tmp_path / "tp2")
-    run_workers(train_worker, 2, {"argv": TINY + TP2 + ["--job.dump_folder", str(dump)],
-                                  "tokens": tokens_file(source.parent)}, timeout=240)
+    run_workers(
+        train_worker,
+        2,
+        {"argv": TINY + TP2 + ["--job.dump_folder", str(dump)], "tokens": tokens_file(source.parent)},
+        timeout=240,
+    )
     _assert_close_run(dump, reference)
 
 
@@ -134,6 +181,10 @@ def test_fsdp2_checkpoint_resumes_under_fsdp2_x_tp2(fsdp_run, tmp_path):
     moment is re-sliced along both mesh dimensions by DCP."""
     source, reference = fsdp_run
     dump = resume_copy(source, tmp_path / "fsdp2_tp2")
-    run_workers(train_worker, 4, {"argv": TINY + FSDP2 + TP2 + ["--job.dump_folder", str(dump)],
-                                  "tokens": tokens_file(source.parent)}, timeout=300)
+    run_workers(
+        train_worker,
+        4,
+        {"argv": TINY + FSDP2 + TP2 + ["--job.dump_folder", str(dump)], "tokens": tokens_file(source.parent)},
+        timeout=300,
+    )
     _assert_close_run(dump, reference)

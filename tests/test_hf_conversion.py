@@ -10,6 +10,7 @@ scaling:
 - HF -> DCP -> HF: every tensor comes back bit for bit (sharded output with an index included);
 - wrong inputs: one ``error:`` line, exit status 2, nothing written or overwritten.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,8 +44,16 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_args(**overrides) -> Llama3ModelArgs:
-    base = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, multiple_of=256, rope_theta=500000.0,
-                max_seq_len=128)
+    base = dict(
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=512,
+        multiple_of=256,
+        rope_theta=500000.0,
+        max_seq_len=128,
+    )
     return Llama3ModelArgs(**{**base, **overrides})
 
 
@@ -62,9 +71,16 @@ def titanlite_model(args: Llama3ModelArgs, seed: int = 0) -> Transformer:
 def save_step_folder(model: Transformer, path: Path) -> Path:
     """What a model-only titanlite checkpoint looks like (DCP + checkpoint.json)."""
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(path), no_dist=True)
-    layout.write_info(path, {"step": 7, "model_only": True, "dtype": "float32",
-                             "model": {"name": "llama3", "flavor": None, "args": dataclasses.asdict(model.args)},
-                             "tokenizer": {"bos_id": 1, "eos_id": 2}})
+    layout.write_info(
+        path,
+        {
+            "step": 7,
+            "model_only": True,
+            "dtype": "float32",
+            "model": {"name": "llama3", "flavor": None, "args": dataclasses.asdict(model.args)},
+            "tokenizer": {"bos_id": 1, "eos_id": 2},
+        },
+    )
     return path
 
 
@@ -86,8 +102,14 @@ def hf_logits(folder: Path, dtype=torch.float32) -> torch.Tensor:
 
 
 def run_cli(script: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "scripts" / script), *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.run(
+        [sys.executable, str(REPO / "scripts" / script), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 # ----------------------------------------------------------------------------- titanlite -> HF
@@ -126,14 +148,37 @@ def test_dcp_to_hf_loads_in_transformers_with_matching_logits(case, tmp_path):
 
 
 def test_trainer_bf16_export_converts(tmp_path):
-    from titanlite.config import load_config
+    from titanlite.models import load_config
     from titanlite.train import Trainer
 
     dump = tmp_path / "run"
-    cfg = load_config(["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-                       "--model.tie_word_embeddings", "true", "--training.seq_len", "32", "--training.local_batch_size", "2",
-                       "--training.steps", "2", "--lr_scheduler.warmup_steps", "0", "--job.dump_folder", str(dump),
-                       "--checkpoint.enable", "--checkpoint.export_dtype", "bfloat16"])
+    cfg = load_config(
+        [
+            "--model.dim",
+            "64",
+            "--model.n_layers",
+            "2",
+            "--model.n_heads",
+            "4",
+            "--model.n_kv_heads",
+            "2",
+            "--model.tie_word_embeddings",
+            "true",
+            "--training.seq_len",
+            "32",
+            "--training.local_batch_size",
+            "2",
+            "--training.steps",
+            "2",
+            "--lr_scheduler.warmup_steps",
+            "0",
+            "--job.dump_folder",
+            str(dump),
+            "--checkpoint.enable",
+            "--checkpoint.export_dtype",
+            "bfloat16",
+        ]
+    )
     trainer = Trainer(cfg)
     trainer.train()
     out = tmp_path / "hf"
@@ -158,14 +203,28 @@ def hf_model_folder(tmp_path: Path, **case) -> Path:
     args = tiny_args(**case)
     rope = {"rope_type": "default", "rope_theta": args.rope_theta}
     if args.rope_scaling_factor:
-        rope = {"rope_type": "llama3", "rope_theta": args.rope_theta, "factor": args.rope_scaling_factor,
-                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": args.rope_original_max_position}
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": args.rope_theta,
+            "factor": args.rope_scaling_factor,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": args.rope_original_max_position,
+        }
     config = transformers.LlamaConfig(
-        vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.ffn_hidden_dim,
-        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=args.max_seq_len, rms_norm_eps=args.norm_eps, rope_parameters=rope,
-        tie_word_embeddings=args.tie_word_embeddings, bos_token_id=256, eos_token_id=257)
+        vocab_size=args.vocab_size,
+        hidden_size=args.dim,
+        intermediate_size=args.ffn_hidden_dim,
+        num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=args.max_seq_len,
+        rms_norm_eps=args.norm_eps,
+        rope_parameters=rope,
+        tie_word_embeddings=args.tie_word_embeddings,
+        bos_token_id=256,
+        eos_token_id=257,
+    )
     torch.manual_seed(3)
     hf = transformers.LlamaForCausalLM(config)
     with torch.no_grad():
@@ -204,17 +263,37 @@ def test_hf_to_dcp_gives_titanlite_the_same_logits(case, tmp_path):
 
 def test_hf_checkpoint_seeds_a_training_run(tmp_path, caplog):
     """HF -> DCP -> ``initial_load_path``: the trainer starts from exactly the HF weights."""
-    from titanlite.config import load_config
+    from titanlite.models import load_config
     from titanlite.train import Trainer
 
     src = hf_model_folder(tmp_path, tie_word_embeddings=False)
     proc = run_cli("convert_hf_to_dcp.py", str(src), str(tmp_path / "dcp"))
     assert proc.returncode == 0, proc.stderr
     assert "initial_load_path" in proc.stdout.strip().splitlines()[-1]
-    cfg = load_config(["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-                       "--model.max_seq_len", "128", "--training.seq_len", "32", "--training.steps", "1",
-                       "--lr_scheduler.warmup_steps", "0", "--job.dump_folder", str(tmp_path / "run"),
-                       "--checkpoint.initial_load_path", str(tmp_path / "dcp")])
+    cfg = load_config(
+        [
+            "--model.dim",
+            "64",
+            "--model.n_layers",
+            "2",
+            "--model.n_heads",
+            "4",
+            "--model.n_kv_heads",
+            "2",
+            "--model.max_seq_len",
+            "128",
+            "--training.seq_len",
+            "32",
+            "--training.steps",
+            "1",
+            "--lr_scheduler.warmup_steps",
+            "0",
+            "--job.dump_folder",
+            str(tmp_path / "run"),
+            "--checkpoint.initial_load_path",
+            str(tmp_path / "dcp"),
+        ]
+    )
     trainer = Trainer(cfg)
     with caplog.at_level("INFO", logger="titanlite"):
         trainer.checkpointer.load()
@@ -236,9 +315,19 @@ def test_hf_dcp_hf_round_trip_is_bitwise(case, tmp_path):
     if "lm_head.weight" not in a:  # a tied model's lm_head is the embedding
         assert torch.equal(b["lm_head.weight"], a["model.embed_tokens.weight"])
     src_cfg, out_cfg = (json.loads((d / "config.json").read_text()) for d in (src, out))
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "vocab_size", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "bos_token_id",
-                "eos_token_id"):
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+    ):
         assert out_cfg[key] == src_cfg[key], key
 
 
@@ -319,12 +408,14 @@ def test_llama_args_from_hf_config_round_trip_and_refusals():
     v5 = {k: v for k, v in config.items() if k not in ("rope_theta", "rope_scaling")}  # transformers 5 layout
     v5["rope_parameters"] = {**config["rope_scaling"], "rope_theta": args.rope_theta}
     assert Llama3HFAdapter.args_from_hf_config(v5) == args
-    for change, message in (({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "not a Llama config"),
-                            ({"hidden_size": None}, "lacks an integer 'hidden_size'"),
-                            ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
-                            ({"attention_bias": True}, "unsupported attention_bias=true"),
-                            ({"mlp_bias": True}, "unsupported mlp_bias=true"),
-                            ({"head_dim": 2 * args.head_dim}, "unsupported head_dim="),
-                            ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope_type 'yarn'")):
+    for change, message in (
+        ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "not a Llama config"),
+        ({"hidden_size": None}, "lacks an integer 'hidden_size'"),
+        ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
+        ({"attention_bias": True}, "unsupported attention_bias=true"),
+        ({"mlp_bias": True}, "unsupported mlp_bias=true"),
+        ({"head_dim": 2 * args.head_dim}, "unsupported head_dim="),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope_type 'yarn'"),
+    ):
         with pytest.raises(ValueError, match=message):
             Llama3HFAdapter.args_from_hf_config({**config, **change})

@@ -36,7 +36,7 @@ from titanlite.loss import cross_entropy_sum
 from titanlite.guard import StepCheck, StepGuard, TrainingDivergedError, rollback
 from titanlite.metrics import (MetricsLogger, RunProgress, UpdateRatio, flops_per_token, format_duration,
                                format_summary, matmul_dtype, memory_stats, num_params, peak_flops)
-from titanlite.models import get_model_spec, make_model_args
+from titanlite.models import get_model_spec, make_model_args, model_schema
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallel.compile import CompilePolicy
 from titanlite.parallel.distributed import (WorldInfo, all_reduce_sum, init_distributed, set_collective_timeout,
@@ -445,7 +445,7 @@ def setup_logging(rank: int) -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    cfg = parse_args_or_exit(argv)
+    cfg = parse_args_or_exit(argv, model_schema=model_schema)
     if cfg.job.dry_run:  # check the layout at its stated scale with a fake process group, then exit
         from titanlite.dry_run import dry_run
 
