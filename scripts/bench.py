@@ -26,12 +26,12 @@ Reported (rank 0 prints; values are rank 0's, the ranks do identical work):
   it is spent, which also stops the CPU from queueing the next region early: throughput with the
   split off (``--no-split``) can be slightly higher.
 """
+
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
-import os
 import sys
 import time
 from collections import defaultdict
@@ -43,9 +43,10 @@ import torch  # noqa: E402
 
 from titanlite.config import exit_with_error, parse_args_or_exit  # noqa: E402
 from titanlite.metrics import MetricsHook, memory_stats, peak_flops  # noqa: E402
-from titanlite.train import Trainer, setup_logging  # noqa: E402
+from titanlite.models import model_schema  # noqa: E402
 from titanlite.train_step import TrainStep  # noqa: E402
 from titanlite.parallel.distributed import world_from_env  # noqa: E402
+from titanlite.train import Trainer, setup_logging  # noqa: E402
 
 
 class StepTimer:
@@ -147,23 +148,41 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--json-out", default="", help="also write the JSON result to this file")
     parser.add_argument("--no-split", action="store_true", help="no per-region syncs / time split")
-    parser.add_argument("--checkpoint-modes", default="", help=(
-        "instead: how long a save blocks the loop, per [checkpoint] async_mode (comma-separated, e.g. "
-        "disabled,async,async_with_pinned_mem; see scripts/bench_checkpoint.py)"))
+    parser.add_argument(
+        "--checkpoint-modes",
+        default="",
+        help=(
+            "instead: how long a save blocks the loop, per [checkpoint] async_mode (comma-separated, e.g. "
+            "disabled,async,async_with_pinned_mem; see scripts/bench_checkpoint.py)"
+        ),
+    )
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if args.checkpoint_modes:  # a separate benchmark, kept in its own script
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from bench_checkpoint import run as bench_checkpoint
 
-        return bench_checkpoint(rest, args.checkpoint_modes.split(","), steps=max(args.steps, 20),
-                                interval=max(args.steps, 20) // 4, json_out=args.json_out or None)
+        return bench_checkpoint(
+            rest,
+            args.checkpoint_modes.split(","),
+            steps=max(args.steps, 20),
+            interval=max(args.steps, 20) // 4,
+            json_out=args.json_out or None,
+        )
     if args.warmup < 0 or args.steps < 1:
         parser.error("--warmup must be >= 0 and --steps >= 1")
     total = args.warmup + args.steps
-    base = parse_args_or_exit(rest, prog="scripts/bench.py")  # the config as given, to read its LR warmup
-    rest += ["--training.steps", str(total), "--validation.enable", "false",
-             "--lr_scheduler.warmup_steps", str(min(base.lr_scheduler.warmup_steps, total))]
-    cfg = parse_args_or_exit(rest, prog="scripts/bench.py")
+    base = parse_args_or_exit(
+        rest, prog="scripts/bench.py", model_schema=model_schema
+    )  # the config as given, to read its LR warmup
+    rest += [
+        "--training.steps",
+        str(total),
+        "--validation.enable",
+        "false",
+        "--lr_scheduler.warmup_steps",
+        str(min(base.lr_scheduler.warmup_steps, total)),
+    ]
+    cfg = parse_args_or_exit(rest, prog="scripts/bench.py", model_schema=model_schema)
     world = world_from_env()
     setup_logging(world.rank)
     try:
@@ -191,8 +210,11 @@ def summarize(trainer: BenchTrainer, cfg, args, elapsed: float) -> dict:
     peak = metrics.peak_flops
     float8 = cfg.quantize_linear_float8.enable
     result = {
-        "model": f"{cfg.model.name}/{cfg.model.flavor}", "params": trainer.n_params,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
+        "model": f"{cfg.model.name}/{cfg.model.flavor}",
+        "params": trainer.n_params,
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"cpu ({torch.get_num_threads()} threads)",
         "world_size": trainer.world.world_size,
         "parallelism": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp},
         "mixed_precision_param": cfg.training.mixed_precision_param, "float8": float8,
@@ -200,12 +222,14 @@ def summarize(trainer: BenchTrainer, cfg, args, elapsed: float) -> dict:
         "seq_len": cfg.training.seq_len, "local_batch_size": cfg.training.local_batch_size,
         "tokens_per_step": tokens_per_step, "warmup_steps": args.warmup, "timed_steps": steps,
         "step_time_s": elapsed / steps,
-        "tokens_per_s_per_device": tps, "tokens_per_s_global": tps * trainer.world.world_size,
+        "tokens_per_s_per_device": tps,
+        "tokens_per_s_global": tps * trainer.world.world_size,
         "flops_per_token": trainer.flops_per_token,
         "matmul_dtype": metrics.matmul_dtype,
         "peak_tflops": None if peak is None else peak / 1e12,
-        "peak_source": "measured matmul rate of this CPU" if device.type == "cpu" else
-                       ("datasheet dense peak" if peak is not None else "unknown GPU: no peak, no MFU"),
+        "peak_source": "measured matmul rate of this CPU"
+        if device.type == "cpu"
+        else ("datasheet dense peak" if peak is not None else "unknown GPU: no peak, no MFU"),
         "mfu": None if peak is None else tps * trainer.flops_per_token / peak,
     }
     if float8 and device.type == "cuda":

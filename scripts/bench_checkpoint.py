@@ -18,6 +18,7 @@ The first save of each mode is reported separately (pinned buffers are allocated
 config (file + overrides; without any, a 28M-parameter Llama: dim 512, 8 layers); the device is
 whatever ``titanlite.train`` picks (CUDA when visible).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 try:
     import titanlite  # noqa: F401
@@ -36,35 +37,75 @@ except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MODES = ("disabled", "async", "async_with_pinned_mem")
-DEFAULT_MODEL = ["--model.dim", "512", "--model.n_layers", "8", "--model.n_heads", "8", "--model.n_kv_heads", "8",
-                 "--training.seq_len", "64", "--training.local_batch_size", "2"]
+DEFAULT_MODEL = [
+    "--model.dim",
+    "512",
+    "--model.n_layers",
+    "8",
+    "--model.n_heads",
+    "8",
+    "--model.n_kv_heads",
+    "8",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+]
 
 
-def bench_checkpoint(config_argv: Sequence[str] = (), *, modes: Sequence[str] = MODES, steps: int = 40,
-                     interval: int = 10, folder: Optional[str] = None) -> dict:
+def bench_checkpoint(
+    config_argv: Sequence[str] = (),
+    *,
+    modes: Sequence[str] = MODES,
+    steps: int = 40,
+    interval: int = 10,
+    folder: str | None = None,
+) -> dict:
     """Per mode: blocked / write seconds of every save, the state size and the mean step time."""
-    from titanlite.config import load_config
+    from titanlite.models import load_config
     from titanlite.train import Trainer
 
     root = Path(folder or tempfile.mkdtemp(prefix="bench_ckpt_"))
     results: dict = {}
     for mode in modes:
-        argv = [*config_argv, "--training.steps", str(steps), "--metrics.log_freq", str(steps),
-                "--validation.enable", "false", "--lr_scheduler.warmup_steps", "0",
-                "--job.dump_folder", str(root / mode), "--checkpoint.enable", "--checkpoint.interval", str(interval),
-                "--checkpoint.async_mode", mode, "--checkpoint.keep_latest_k", "2",
-                "--checkpoint.last_save_model_only", "false"]
+        argv = [
+            *config_argv,
+            "--training.steps",
+            str(steps),
+            "--metrics.log_freq",
+            str(steps),
+            "--validation.enable",
+            "false",
+            "--lr_scheduler.warmup_steps",
+            "0",
+            "--job.dump_folder",
+            str(root / mode),
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            str(interval),
+            "--checkpoint.async_mode",
+            mode,
+            "--checkpoint.keep_latest_k",
+            "2",
+            "--checkpoint.last_save_model_only",
+            "false",
+        ]
         trainer = Trainer(load_config(argv))
         state_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters()) * 3  # + 2 Adam moments
         t0 = time.perf_counter()
         trainer.train()
         wall = time.perf_counter() - t0
-        saves = [{"step": s.step, "blocked_s": s.blocked_s, "wait_prev_s": s.wait_prev_s, "write_s": s.write_s}
-                 for s in trainer.checkpointer.stats]
+        saves = [
+            {"step": s.step, "blocked_s": s.blocked_s, "wait_prev_s": s.wait_prev_s, "write_s": s.write_s}
+            for s in trainer.checkpointer.stats
+        ]
         later = saves[1:] or saves
         results[mode] = {
-            "params": trainer.n_params, "state_mb": state_bytes / 1e6, "device": str(trainer.device),
-            "saves": saves, "first_blocked_s": saves[0]["blocked_s"],
+            "params": trainer.n_params,
+            "state_mb": state_bytes / 1e6,
+            "device": str(trainer.device),
+            "saves": saves,
+            "first_blocked_s": saves[0]["blocked_s"],
             "blocked_median_s": statistics.median(s["blocked_s"] for s in later),
             "write_median_s": statistics.median(s["write_s"] for s in later),
             "wall_s": wall,
@@ -79,21 +120,35 @@ def bench_checkpoint(config_argv: Sequence[str] = (), *, modes: Sequence[str] = 
 
 def print_table(res: dict) -> None:
     first = next(iter(res.values()))
-    print(f"model: {first['params']:,} parameters, {first['state_mb']:.0f} MB of model + AdamW state per save, "
-          f"device {first['device']}")
-    print(f"{'mode':<24}{'blocked/save (median)':>24}{'first save':>12}{'write (median)':>16}{'vs disabled':>13}"
-          f"{'step':>10}")
+    print(
+        f"model: {first['params']:,} parameters, {first['state_mb']:.0f} MB of model + AdamW state per save, "
+        f"device {first['device']}"
+    )
+    print(
+        f"{'mode':<24}{'blocked/save (median)':>24}{'first save':>12}{'write (median)':>16}{'vs disabled':>13}"
+        f"{'step':>10}"
+    )
     for mode, r in res.items():
         ratio = "" if r["blocked_vs_disabled"] is None else f"{r['blocked_vs_disabled']:.3f}"
-        print(f"{mode:<24}{1e3 * r['blocked_median_s']:>21.1f} ms{1e3 * r['first_blocked_s']:>9.1f} ms"
-              f"{1e3 * r['write_median_s']:>13.1f} ms{ratio:>13}{1e3 * r['step_s']:>7.0f} ms")
+        print(
+            f"{mode:<24}{1e3 * r['blocked_median_s']:>21.1f} ms{1e3 * r['first_blocked_s']:>9.1f} ms"
+            f"{1e3 * r['write_median_s']:>13.1f} ms{ratio:>13}{1e3 * r['step_s']:>7.0f} ms"
+        )
         if r["waited_for_previous_write_s"] > 0.05:
-            print(f"  ({mode}: {r['waited_for_previous_write_s']:.2f} s of it waiting for a previous write; "
-                  "use a longer --interval)")
+            print(
+                f"  ({mode}: {r['waited_for_previous_write_s']:.2f} s of it waiting for a previous write; "
+                "use a longer --interval)"
+            )
 
 
-def run(config_argv: Sequence[str], modes: Sequence[str], steps: int, interval: int,
-        json_out: Optional[str] = None, folder: Optional[str] = None) -> dict:
+def run(
+    config_argv: Sequence[str],
+    modes: Sequence[str],
+    steps: int,
+    interval: int,
+    json_out: str | None = None,
+    folder: str | None = None,
+) -> dict:
     """Benchmark, print the table, optionally write the JSON (also used by ``scripts/bench.py``)."""
     unknown = sorted(set(modes) - set(MODES))
     if unknown:

@@ -9,6 +9,7 @@ dtypes and float8 come from the same config and overrides as ``python -m titanli
 vocabulary is the flavor's (the trainer uses the tokenizer's unless ``model.vocab_size`` is set).
 The memory model and its assumptions are documented in ``titanlite/planner.py``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,25 +20,39 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from titanlite.config import ConfigError, load_config  # noqa: E402
+from titanlite.config import ConfigError  # noqa: E402
 from titanlite.metrics import format_duration, gpu_memory_bytes, peak_flops_for_name  # noqa: E402
-from titanlite.planner import (CHINCHILLA_TOKENS_PER_PARAM, FRAGMENTATION, RESERVE_BYTES,  # noqa: E402
-                               ModelShape, RunSetup, param_count, plan_run, usable_memory)
+from titanlite.models import load_config  # noqa: E402
+from titanlite.planner import (
+    CHINCHILLA_TOKENS_PER_PARAM,
+    FRAGMENTATION,
+    RESERVE_BYTES,  # noqa: E402
+    ModelShape,
+    RunSetup,
+    param_count,
+    plan_run,
+    usable_memory,
+)
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Any other argument (--config FILE, --model.flavor 1B, --training.seq_len 2048, "
-                                       "...) is a titanlite config override.")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Any other argument (--config FILE, --model.flavor 1B, --training.seq_len 2048, "
+        "...) is a titanlite config override.",
+    )
     p.add_argument("--gpu", required=True, help="GPU model, e.g. H100, 'H100 PCIe', H200, A100, L40S, B200, MI300X")
     p.add_argument("--num-gpus", type=int, required=True, help="number of GPUs")
     p.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilization (default 0.4)")
     p.add_argument("--price-per-gpu-hour", type=float, default=None, help="price of one GPU-hour (any currency)")
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--tokens", type=float, help="training tokens, e.g. 20e9")
-    target.add_argument("--chinchilla", action="store_true",
-                        help=f"{CHINCHILLA_TOKENS_PER_PARAM} tokens per parameter (Hoffmann et al. 2022)")
+    target.add_argument(
+        "--chinchilla",
+        action="store_true",
+        help=f"{CHINCHILLA_TOKENS_PER_PARAM} tokens per parameter (Hoffmann et al. 2022)",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p.parse_known_args(argv)
 
@@ -56,15 +71,24 @@ def build(args: argparse.Namespace, rest: list[str]):
     shape = ModelShape.from_args(model_args, num_params=params)
     par, t = cfg.parallelism, cfg.training
     setup = RunSetup(
-        num_gpus=args.num_gpus, tp=par.tensor_parallel_degree, dp_replicate=par.data_parallel_replicate_degree,
-        local_batch_size=t.local_batch_size, seq_len=t.seq_len, global_batch_size=t.global_batch_size,
-        ac_mode=cfg.activation_checkpoint.mode, ac_option=cfg.activation_checkpoint.selective_ac_option,
-        compute_dtype=t.mixed_precision_param, float8=cfg.quantize_linear_float8.enable,
-        optimizer_impl="fused" if cfg.optimizer.implementation == "auto" else cfg.optimizer.implementation)
+        num_gpus=args.num_gpus,
+        tp=par.tensor_parallel_degree,
+        dp_replicate=par.data_parallel_replicate_degree,
+        local_batch_size=t.local_batch_size,
+        seq_len=t.seq_len,
+        global_batch_size=t.global_batch_size,
+        ac_mode=cfg.activation_checkpoint.mode,
+        ac_option=cfg.activation_checkpoint.selective_ac_option,
+        compute_dtype=t.mixed_precision_param,
+        float8=cfg.quantize_linear_float8.enable,
+        optimizer_impl="fused" if cfg.optimizer.implementation == "auto" else cfg.optimizer.implementation,
+    )
     if par.data_parallel_shard_degree not in (-1, setup.dp_shard):
-        raise ValueError(f"parallelism.data_parallel_shard_degree={par.data_parallel_shard_degree} does not fit "
-                         f"{args.num_gpus} GPUs with tp={setup.tp} and replicate={setup.dp_replicate} "
-                         f"(it would be {setup.dp_shard}; -1 derives it)")
+        raise ValueError(
+            f"parallelism.data_parallel_shard_degree={par.data_parallel_shard_degree} does not fit "
+            f"{args.num_gpus} GPUs with tp={setup.tp} and replicate={setup.dp_replicate} "
+            f"(it would be {setup.dp_shard}; -1 derives it)"
+        )
     dtype = matmul_dtype(t.mixed_precision_param, setup.float8, torch.device("cuda"))
     peak = peak_flops_for_name(args.gpu, dtype)
     tokens = CHINCHILLA_TOKENS_PER_PARAM * param_count(shape) if args.chinchilla else args.tokens
@@ -92,22 +116,33 @@ def report(args, cfg, shape: ModelShape, setup: RunSetup, plan) -> str:
         + (f" ({CHINCHILLA_TOKENS_PER_PARAM} tokens/parameter)" if args.chinchilla else ""),
     ]
     if plan.peak_flops is None:
-        lines.append(f"time       unknown: no {plan.matmul_dtype} peak for GPU '{args.gpu}' in the table "
-                     "(titanlite.metrics.PEAK_TFLOPS)")
+        lines.append(
+            f"time       unknown: no {plan.matmul_dtype} peak for GPU '{args.gpu}' in the table "
+            "(titanlite.metrics.PEAK_TFLOPS)"
+        )
     else:
         tps = setup.num_gpus * plan.peak_flops * plan.mfu / plan.flops_per_token
-        lines.append(f"time       {format_duration(plan.wall_s)} ({plan.wall_s / 3600:,.1f} h) at MFU "
-                     f"{plan.mfu:.0%} of {plan.peak_flops / 1e12:,.1f} TFLOP/s dense {plan.matmul_dtype} per GPU: "
-                     f"{tps:,.0f} tokens/s, "
-                     f"{tps / setup.num_gpus:,.0f} per GPU, {plan.steps / plan.wall_s:.2f} steps/s")
+        lines.append(
+            f"time       {format_duration(plan.wall_s)} ({plan.wall_s / 3600:,.1f} h) at MFU "
+            f"{plan.mfu:.0%} of {plan.peak_flops / 1e12:,.1f} TFLOP/s dense {plan.matmul_dtype} per GPU: "
+            f"{tps:,.0f} tokens/s, "
+            f"{tps / setup.num_gpus:,.0f} per GPU, {plan.steps / plan.wall_s:.2f} steps/s"
+        )
         if plan.cost is not None:
-            lines.append(f"cost       {plan.cost:,.2f} ({plan.wall_s / 3600 * setup.num_gpus:,.1f} GPU-hours x "
-                         f"{args.price_per_gpu_hour:g})")
+            lines.append(
+                f"cost       {plan.cost:,.2f} ({plan.wall_s / 3600 * setup.num_gpus:,.1f} GPU-hours x "
+                f"{args.price_per_gpu_hour:g})"
+            )
     m = plan.memory
     lines.append("memory     per GPU (GB = 1e9 bytes):")
-    for key, label in (("parameters", "parameters"), ("gradients", "gradients"), ("optimizer", "optimizer state"),
-                       ("activations", "activations"), ("logits", "logits"),
-                       ("optimizer_scratch", "optimizer step scratch")):
+    for key, label in (
+        ("parameters", "parameters"),
+        ("gradients", "gradients"),
+        ("optimizer", "optimizer state"),
+        ("activations", "activations"),
+        ("logits", "logits"),
+        ("optimizer_scratch", "optimizer step scratch"),
+    ):
         lines.append(f"             {label:<24}{m[key] / gb:9.2f}")
     lines.append(f"             {'total (modelled peak)':<24}{m['total'] / gb:9.2f}   at the {m['peak_at']}")
     if plan.gpu_memory is None:
@@ -115,13 +150,17 @@ def report(args, cfg, shape: ModelShape, setup: RunSetup, plan) -> str:
     else:
         usable = usable_memory(plan.gpu_memory)
         verdict = "FITS" if plan.fits else "DOES NOT FIT"
-        lines.append(f"verdict    {verdict}: {m['total'] / gb:.1f} GB of {usable / gb:.1f} GB usable "
-                     f"({plan.gpu_memory / gb:.0f} GB minus {FRAGMENTATION:.0%} fragmentation and "
-                     f"{RESERVE_BYTES / gb:.0f} GB for CUDA context and communication buffers)")
+        lines.append(
+            f"verdict    {verdict}: {m['total'] / gb:.1f} GB of {usable / gb:.1f} GB usable "
+            f"({plan.gpu_memory / gb:.0f} GB minus {FRAGMENTATION:.0%} fragmentation and "
+            f"{RESERVE_BYTES / gb:.0f} GB for CUDA context and communication buffers)"
+        )
         if not plan.fits:
-            lines.append("           try: activation_checkpoint.mode = selective or full, a smaller "
-                         "training.local_batch_size (with global_batch_size kept by accumulation), more GPUs, "
-                         "or tensor parallelism")
+            lines.append(
+                "           try: activation_checkpoint.mode = selective or full, a smaller "
+                "training.local_batch_size (with global_batch_size kept by accumulation), more GPUs, "
+                "or tensor parallelism"
+            )
     return "\n".join(lines)
 
 

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint import load as dcp_load
 from dist_utils import cache_token_stores
 from titanlite.checkpoint import layout
 from titanlite.metrics import rewind_metrics_log
-from titanlite.config import load_config
+from titanlite.models import load_config
 import titanlite.train as train
 from titanlite.train import Trainer, main
 
@@ -72,7 +72,7 @@ DRIVER = textwrap.dedent("""
     import torch.distributed.checkpoint.filesystem as fs
     import titanlite.metrics as metrics
     import titanlite.train as train
-    from titanlite.config import load_config
+    from titanlite.models import load_config
     from titanlite.hooks import Hook
     from titanlite.train import Trainer
 

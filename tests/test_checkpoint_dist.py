@@ -23,7 +23,7 @@ import pytest
 import torch
 from dist_utils import cache_token_stores, run_workers
 
-from titanlite.config import load_config
+from titanlite.models import load_config
 
 STEPS = 20
 RTOL = 2e-5

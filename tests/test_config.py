@@ -1,4 +1,5 @@
-"""Tests for the strict config loader (titanlite.config)."""
+"""Tests for the strict config loader (titanlite.config) and its model-aware front (titanlite.models.load_config)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 
+import titanlite.config
 from titanlite.config import (
     ConfigError,
     JobConfig,
@@ -17,13 +19,11 @@ from titanlite.config import (
     config_to_toml,
     dump_config,
     format_help,
-    load_config,
     parse_args_or_exit,
     validate,
 )
-from titanlite.config.sections import opt, section
-from titanlite.models import ModelSpec, register_model
-from titanlite.models import registry
+from titanlite.config.sections import Training, opt, section
+from titanlite.models import ModelSpec, load_config, model_schema, register_model, registry
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -80,9 +80,9 @@ def write(tmp_path, text: str, name: str = "c.toml") -> str:
     return str(path)
 
 
-def error_of(argv) -> str:
+def error_of(argv, loader=load_config, **kwargs) -> str:
     with pytest.raises(ConfigError) as info:
-        load_config(argv)
+        loader(argv, **kwargs)
     msg = str(info.value)
     assert "\n" not in msg
     return msg
@@ -100,7 +100,9 @@ def test_defaults():
 
 
 def test_toml_file_values(tmp_path):
-    path = write(tmp_path, f"""
+    path = write(
+        tmp_path,
+        f"""
         [job]
         description = "a \\"quoted\\" run"
         [model]
@@ -117,7 +119,8 @@ def test_toml_file_values(tmp_path):
         deterministic = true
         [lr_scheduler]
         warmup_steps = 1_0
-    """)
+    """,
+    )
     cfg = load_config(["--config", path])
     assert cfg.job.description == 'a "quoted" run'
     assert cfg.model.name == FAMILY and cfg.model.flavor == "small"
@@ -132,34 +135,62 @@ def test_toml_file_values(tmp_path):
 
 def test_round_trip(tmp_path):
     cfg = load(
-        "--job.description", 'tricky "quotes" \\ back\nnewline\ttab é',
-        "--optimizer.lr", "3e-4",
-        "--optimizer.eps", "1e-12",
-        "--lr_scheduler.decay_ratio", "0.25",
-        "--training.steps", "1_000",
+        "--job.description",
+        'tricky "quotes" \\ back\nnewline\ttab é',
+        "--optimizer.lr",
+        "3e-4",
+        "--optimizer.eps",
+        "1e-12",
+        "--lr_scheduler.decay_ratio",
+        "0.25",
+        "--training.steps",
+        "1_000",
         "--training.deterministic",
-        "--training.global_batch_size", "-1",
+        "--training.global_batch_size",
+        "-1",
         "--metrics.enable_tensorboard=true",
-        "--model.n_layers", "3",
-        "--model.ffn_dim_multiplier", "1.3",
-        "--model.tie_word_embeddings", "true",
-        "--model.stages", "4,5,6",
-        "--model.n_kv_heads", "none",
-        "--model.attn_mask_type", "block_causal",
+        "--model.n_layers",
+        "3",
+        "--model.ffn_dim_multiplier",
+        "1.3",
+        "--model.tie_word_embeddings",
+        "true",
+        "--model.stages",
+        "4,5,6",
+        "--model.n_kv_heads",
+        "none",
+        "--model.attn_mask_type",
+        "block_causal",
+        "--job.trainer",
+        "my_trainer",
+        "--training.loss",
+        "z_loss",
+        "--lr_scheduler.name",
+        "cosine_restarts",
+        "--optimizer.name",
+        "Muon",  # no fixed choices: an extension may register optimizers
     )
     path = tmp_path / "out" / "config.toml"
     dump_config(cfg, path)
     again = load_config(["--config", str(path)])
     assert again == cfg
     assert again.model.overrides == {
-        "n_layers": 3, "ffn_dim_multiplier": 1.3, "tie_word_embeddings": True,
-        "stages": [4, 5, 6], "n_kv_heads": None, "attn_mask_type": "block_causal",
+        "n_layers": 3,
+        "ffn_dim_multiplier": 1.3,
+        "tie_word_embeddings": True,
+        "stages": [4, 5, 6],
+        "n_kv_heads": None,
+        "attn_mask_type": "block_causal",
     }
     text = config_to_toml(cfg)
-    for section in config_to_dict(cfg):
-        assert f"[{section}]" in text
+    for name in config_to_dict(cfg):
+        assert f"[{name}]" in text
     assert "overrides" not in text
     assert "lr = 0.0003" in text
+    assert 'trainer = "my_trainer"' in text and 'loss = "z_loss"' in text and 'name = "cosine_restarts"' in text
+    defaults = JobConfig()
+    assert (defaults.job.trainer, defaults.training.loss) == ("default", "cross_entropy")
+    assert (defaults.lr_scheduler.name, defaults.optimizer.name) == ("warmup_stable_decay", "AdamW")
 
 
 def test_config_to_dict():
@@ -186,28 +217,43 @@ def test_none_field_omitted_and_restored(tmp_path):
 
 
 def test_override_forms(tmp_path):
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         [training]
         steps = 10
         deterministic = true
         [metrics]
         enable_tensorboard = true
-    """)
+    """,
+    )
     cfg = load(
-        "--config", path,
-        "--training.steps", "20",            # space form, overrides the file
-        "--training.seq_len=64",             # = form
-        "--validation.enable",               # bare bool followed by another flag
-        "--training.deterministic", "false",  # explicit false
+        "--config",
+        path,
+        "--training.steps",
+        "20",  # space form, overrides the file
+        "--training.seq_len=64",  # = form
+        "--validation.enable",  # bare bool followed by another flag
+        "--training.deterministic",
+        "false",  # explicit false
         "--metrics.enable_tensorboard=false",
-        "--optimizer.lr", "3e-4",            # float
-        "--optimizer.weight_decay", "0",     # int text for a float
-        "--training.seed", "1e3",            # integral float text for an int
-        "--training.local_batch_size", "2",
-        "--training.global_batch_size", "-1",  # negative value after a flag
-        "--model.n_layers", "6",             # model-args override
-        "--model.stages=7,8",                # list of ints
-        "--job.print_config",                # bare bool at the end
+        "--optimizer.lr",
+        "3e-4",  # float
+        "--optimizer.weight_decay",
+        "0",  # int text for a float
+        "--training.seed",
+        "1e3",  # integral float text for an int
+        "--training.local_batch_size",
+        "2",
+        "--training.global_batch_size",
+        "-1",  # negative value after a flag
+        "--model.n_layers",
+        "6",  # model-args override
+        "--model.stages=7,8",  # list of ints
+        "--model.rope_theta",
+        "-1e4",  # a negative number in exponent form is a value, not an option
+        "--job.description=-x",  # any other value starting with '-' takes the = form
+        "--job.print_config",  # bare bool at the end
     )
     assert cfg.training.steps == 20
     assert cfg.training.seq_len == 64
@@ -218,8 +264,16 @@ def test_override_forms(tmp_path):
     assert cfg.optimizer.weight_decay == 0.0 and isinstance(cfg.optimizer.weight_decay, float)
     assert cfg.training.seed == 1000
     assert cfg.training.global_batch_size == -1
-    assert cfg.model.overrides == {"n_layers": 6, "stages": [7, 8]}
+    assert cfg.model.overrides == {"n_layers": 6, "stages": [7, 8], "rope_theta": -1e4}
+    assert cfg.job.description == "-x"
     assert cfg.job.print_config is True
+
+
+def test_no_prefix_matching():
+    """argparse's abbreviations are off: a prefix of a key is an unknown key, not that key."""
+    msg = error_of(["--training.step", "5"])
+    assert "unknown key 'training.step'" in msg and "did you mean 'training.steps'?" in msg
+    assert "unknown key 'training.seq'" in error_of(["--training.seq=4"])
 
 
 def test_overrides_apply_in_order():
@@ -230,11 +284,14 @@ def test_overrides_apply_in_order():
 
 def test_model_name_from_cli_after_file(tmp_path):
     # the args fields are checked against the family chosen last (here on the command line)
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         [model]
         name = "no_such_family"
         n_layers = 4
-    """)
+    """,
+    )
     cfg = load_config(["--config", path, "--model.name", FAMILY])
     assert cfg.model.overrides == {"n_layers": 4}
 
@@ -260,8 +317,9 @@ def test_dotted_section_and_list_field(monkeypatch, tmp_path):
     from titanlite.config import parser
 
     monkeypatch.setattr(parser, "JobConfig", Extended)
-    cfg = load("--quantize.linear.float8.filter_fqns", "output,layers.0.attention.wq",
-               "--quantize.linear.float8.enable")
+    cfg = load(
+        "--quantize.linear.float8.filter_fqns", "output,layers.0.attention.wq", "--quantize.linear.float8.enable"
+    )
     assert isinstance(cfg, Extended)
     assert cfg.quantize_linear_float8.filter_fqns == ["output", "layers.0.attention.wq"]
     assert cfg.quantize_linear_float8.enable is True
@@ -269,16 +327,19 @@ def test_dotted_section_and_list_field(monkeypatch, tmp_path):
     assert "[quantize.linear.float8]" in text
     assert 'filter_fqns = ["output", "layers.0.attention.wq"]' in text
     assert load_config(["--config", write(tmp_path, text)]) == cfg
-    assert "\n[quantize.linear.float8]\n" in format_help()
-    assert "--quantize.linear.float8.filter_fqns  (list[str], default [])" in format_help()
+    assert "\n[quantize.linear.float8]:\n" in format_help()
+    assert "--quantize.linear.float8.filter_fqns [list[str]]" in format_help()
     assert load("--quantize.linear.float8.filter_fqns", "").quantize_linear_float8.filter_fqns == []
 
-    path = write(tmp_path, f"""
+    path = write(
+        tmp_path,
+        f"""
         [model]
         name = "{FAMILY}"
         [quantize.linear.float8]
         filter_fqns = ["output"]
-    """)
+    """,
+    )
     assert load_config(["--config", path]).quantize_linear_float8.filter_fqns == ["output"]
     msg = error_of(["--quantize.linear.float8.enabel"])
     assert "unknown key 'quantize.linear.float8.enabel'" in msg
@@ -287,7 +348,7 @@ def test_dotted_section_and_list_field(monkeypatch, tmp_path):
     assert "unknown section 'quantize.linear.float9'" in msg and "did you mean 'quantize.linear.float8'?" in msg
     msg = error_of(["--config", write(tmp_path, "[quantize]\nenable = true\n")])
     assert "unknown key 'quantize.enable'" in msg
-    msg = error_of(["--config", write(tmp_path, "[quantize.linear.float8]\nfilter_fqns = \"output\"\n")])
+    msg = error_of(["--config", write(tmp_path, '[quantize.linear.float8]\nfilter_fqns = "output"\n')])
     assert "'quantize.linear.float8.filter_fqns'" in msg and "list" in msg
 
 
@@ -295,10 +356,14 @@ def test_dotted_section_and_list_field(monkeypatch, tmp_path):
 
 
 def test_unknown_key_in_toml(tmp_path):
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         [training]
         lrr = 0.1
-    """, name="x.toml")
+    """,
+        name="x.toml",
+    )
     msg = error_of(["--config", path])
     assert "unknown key 'training.lrr'" in msg
     assert path in msg
@@ -306,18 +371,24 @@ def test_unknown_key_in_toml(tmp_path):
 
 
 def test_unknown_key_in_section_suggests_same_section(tmp_path):
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         [training]
         stpes = 3
-    """)
+    """,
+    )
     assert "did you mean 'training.steps'?" in error_of(["--config", path])
 
 
 def test_unknown_section_in_toml(tmp_path):
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         [trainig]
         steps = 3
-    """)
+    """,
+    )
     msg = error_of(["--config", path])
     assert "unknown section 'trainig'" in msg and path in msg
     assert "did you mean 'training'?" in msg
@@ -355,11 +426,14 @@ def test_unknown_model_arg():
 
 
 def test_unknown_model_arg_in_toml(tmp_path):
-    path = write(tmp_path, f"""
+    path = write(
+        tmp_path,
+        f"""
         [model]
         name = "{FAMILY}"
         flavr = "small"
-    """)
+    """,
+    )
     msg = error_of(["--config", path])
     assert "unknown key 'model.flavr'" in msg and path in msg and "did you mean 'model.flavor'?" in msg
 
@@ -428,8 +502,10 @@ def test_out_of_range_values():
 
 
 def test_bad_choice():
-    msg = error_of(["--optimizer.name", "SGD"])
-    assert "'optimizer.name'" in msg and "'SGD'" in msg and "AdamW" in msg and "Adam" in msg
+    msg = error_of(["--optimizer.implementation", "fast"])
+    assert "'optimizer.implementation'" in msg and "'fast'" in msg and "fused" in msg and "for-loop" in msg
+    msg = error_of(["--compile.components", "model,optimizer"])
+    assert "'compile.components'" in msg and "optimizer" in msg and "one of model, loss" in msg
 
 
 def test_cross_field_checks():
@@ -440,7 +516,9 @@ def test_cross_field_checks():
     msg = error_of(["--training.local_batch_size", "4", "--training.global_batch_size", "6"])
     assert "training.global_batch_size" in msg and "multiple" in msg and "(4)" in msg
     assert "training.global_batch_size" in error_of(["--training.global_batch_size", "0"])
-    assert load("--training.local_batch_size", "4", "--training.global_batch_size", "12").training.global_batch_size == 12
+    assert (
+        load("--training.local_batch_size", "4", "--training.global_batch_size", "12").training.global_batch_size == 12
+    )
     assert "validation.steps" in error_of(["--validation.steps", "0"])
     assert load("--validation.steps", "-1").validation.steps == -1
     msg = error_of(["--training.dataset", "c4"])
@@ -456,6 +534,12 @@ def test_validate_programmatic_config():
     cfg.optimizer.lr = -1.0
     with pytest.raises(ConfigError, match="optimizer.lr"):
         validate(cfg)
+    cfg = JobConfig()
+    cfg.training.steps = 1
+    with pytest.raises(ConfigError, match=r"warmup_steps \(2\) must be <= training.steps \(1\)"):
+        cfg.validate()  # the cross-section rules live with the sections
+    with pytest.raises(ConfigError, match="training.dataset_path"):
+        Training(dataset="shards").validate()
 
 
 # ------------------------------------------------------------------ files
@@ -494,8 +578,9 @@ def test_parse_args_or_exit_error(capsys):
 
 def test_parse_args_or_exit_subprocess():
     code = "import sys; from titanlite.config import parse_args_or_exit; parse_args_or_exit(sys.argv[1:])"
-    proc = subprocess.run([sys.executable, "-c", code, "--training.lrr", "1"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "--training.lrr", "1"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0
     assert proc.stderr.startswith("error: unknown key 'training.lrr'")
@@ -503,8 +588,10 @@ def test_parse_args_or_exit_subprocess():
 
 
 def test_parse_args_or_exit_ok():
-    cfg = parse_args_or_exit(["--model.name", FAMILY, "--training.steps", "3"])
-    assert cfg.training.steps == 3
+    cfg = parse_args_or_exit(
+        ["--model.name", FAMILY, "--training.steps", "3", "--model.dim", "4"], model_schema=model_schema
+    )
+    assert cfg.training.steps == 3 and cfg.model.overrides == {"dim": 4}
 
 
 def test_help(capsys):
@@ -516,32 +603,139 @@ def test_help(capsys):
         assert out == format_help()
     assert out.startswith("usage: ")
     for f in dataclasses.fields(JobConfig):
-        assert f"\n[{f.metadata.get('toml', f.name)}]\n" in out
-    assert "--training.steps  (int, default 50)" in out
-    assert '--job.dump_folder  (str, default "./outputs")' in out
-    assert "--optimizer.lr  (float, default 0.0008)" in out
-    assert "--training.deterministic  (bool, default false)" in out
-    assert "choices: AdamW, Adam" in out
-    assert "--model.<field>" in out
+        assert f"\n[{f.metadata.get('toml', f.name)}]:\n" in out  # one argument group per section
+    flat = " ".join(out.split())  # argparse wraps the help texts to the terminal width
+    assert "--training.steps [int] Optimizer steps to train. (default 50; >= 1)" in flat
+    assert "--job.dump_folder [str]" in flat and '(default "./outputs")' in flat
+    assert "--optimizer.lr [float] Peak learning rate. (default 0.0008; > 0.0)" in flat
+    assert "--training.deterministic [bool]" in flat and "(default false)" in flat
+    assert '(default "auto"; one of auto, fused, foreach, for-loop)' in flat
+    assert "--model.<field>" in flat and "titanlite.models.load_config" in flat
     assert "--model.overrides" not in out
 
 
-def test_help_lists_llama3_args():
+def test_help_when_the_model_schema_fails():
+    def broken(cfg):
+        raise ImportError("no module named\nllama3")
+
+    out = format_help(model_schema=broken)
+    assert "--training.steps [int]" in out
+    assert "llama3 args fields unavailable: ImportError: no module named llama3" in " ".join(out.split())
+
+
+def test_help_lists_llama3_args(capsys):
     pytest.importorskip("titanlite.models.llama3")
-    out = format_help()
-    assert "llama3 args fields" in out
-    assert "--model.n_layers  (int, default" in out
-    assert "--model.n_kv_heads  (int | None, default" in out
+    out = format_help(model_schema=model_schema)
+    assert "\nllama3 args fields (Llama3ModelArgs" in out
+    assert "--model.n_layers [int]" in out
+    assert "--model.n_kv_heads [int | None]" in out
+    with pytest.raises(SystemExit):
+        parse_args_or_exit(["-h"], prog="x", model_schema=model_schema)
+    assert capsys.readouterr().out == format_help("x", model_schema)
 
 
 def test_llama3_overrides(tmp_path):
     pytest.importorskip("titanlite.models.llama3")
-    cfg = load_config(["--model.n_layers", "4", "--model.n_kv_heads", "2", "--model.rope_theta", "1e4",
-                       "--model.tie_word_embeddings", "--model.ffn_dim_multiplier", "1.5"])
+    cfg = load_config(
+        [
+            "--model.n_layers",
+            "4",
+            "--model.n_kv_heads",
+            "2",
+            "--model.rope_theta",
+            "1e4",
+            "--model.tie_word_embeddings",
+            "--model.ffn_dim_multiplier",
+            "1.5",
+        ]
+    )
     assert cfg.model.name == "llama3"
-    assert cfg.model.overrides == {"n_layers": 4, "n_kv_heads": 2, "rope_theta": 10000.0,
-                                   "tie_word_embeddings": True, "ffn_dim_multiplier": 1.5}
+    assert cfg.model.overrides == {
+        "n_layers": 4,
+        "n_kv_heads": 2,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "ffn_dim_multiplier": 1.5,
+    }
     path = tmp_path / "c.toml"
     dump_config(cfg, path)
     assert load_config(["--config", str(path)]) == cfg
     assert "did you mean 'model.n_heads'?" in error_of(["--model.n_head", "4"])
+
+
+# ------------------------------------------------------------------ the loader without the model registry, tables
+
+
+def test_without_model_schema_model_keys_are_errors(tmp_path):
+    """titanlite.config.load_config knows no model families: [model] name/flavor are taken as given, and an
+    args field is a one-line error pointing at titanlite.models.load_config."""
+    cfg = titanlite.config.load_config(["--model.name", "not_registered", "--model.flavor", "huge"])
+    assert (cfg.model.name, cfg.model.flavor, cfg.model.overrides) == ("not_registered", "huge", {})
+    msg = error_of(["--model.n_layers", "4"], loader=titanlite.config.load_config)
+    assert "unknown key 'model.n_layers' on the command line" in msg and "titanlite.models.load_config" in msg
+    path = write(tmp_path, "[model]\nn_layers = 4\n")
+    msg = error_of(["--config", path], loader=titanlite.config.load_config)
+    assert f"unknown key 'model.n_layers' in config file {path}" in msg and "model_schema" in msg
+    msg = error_of(["--model.flavr", "x"], loader=titanlite.config.load_config)
+    assert "did you mean 'model.flavor'?" in msg  # a typo of a [model] key still gets its suggestion
+    # a schema passed by hand is the same hook titanlite.models.load_config uses
+    cfg = titanlite.config.load_config(["--model.dim", "5"], model_schema=lambda cfg: TinyArgs)
+    assert cfg.model.overrides == {"dim": 5}
+
+
+def test_tables_applied_before_the_file_and_the_command_line(tmp_path):
+    tables = {
+        "training": {"steps": 30, "seq_len": 64},
+        "model": {"name": FAMILY, "n_layers": 3, "dim": 8},
+        "quantize.linear.float8": {"filter_fqns": ["output", "wq"]},  # a dotted section name as one key
+        "metrics": {"log_freq": 5},
+    }
+    path = write(tmp_path, "[training]\nsteps = 40\n[model]\ndim = 16\n")
+    cfg = load_config(["--config", path, "--training.seq_len", "32"], tables=tables)
+    assert (cfg.training.steps, cfg.training.seq_len, cfg.metrics.log_freq) == (40, 32, 5)
+    assert cfg.model.overrides == {"n_layers": 3, "dim": 16}
+    assert cfg.quantize_linear_float8.filter_fqns == ["output", "wq"]
+    nested = {"quantize": {"linear": {"float8": {"enable": True}}}, "model": {"name": FAMILY}}
+    assert load_config(tables=nested).quantize_linear_float8.enable is True
+    msg = error_of([], tables={"training": {"stpes": 3}}, tables_source="the translated config")
+    assert "unknown key 'training.stpes' in the translated config" in msg and "did you mean 'training.steps'?" in msg
+    msg = error_of([], tables={"training": {"steps": "many"}})
+    assert "'training.steps' in the given tables" in msg and "integer" in msg
+
+
+def test_extension_family_keys_through_titanlite_models(tmp_path, monkeypatch):
+    """An extension named in [job] extensions registers a family when imported; titanlite.models.load_config
+    then accepts and converts the fields of that family's args class, from the file and the command line."""
+    (tmp_path / "cfgtest_ext_mod.py").write_text(
+        textwrap.dedent("""
+        from dataclasses import dataclass
+        from titanlite.models import ModelSpec, register_model
+
+        @dataclass
+        class ExtArgs:
+            width: int = 4
+            gate: str = "silu"
+            scales: list[float] | None = None
+
+        register_model(ModelSpec(name="cfgtest_ext", args_cls=ExtArgs, flavors={"tiny": ExtArgs()}, model_cls=object))
+    """)
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "cfgtest_ext_mod", raising=False)
+    path = write(
+        tmp_path,
+        """
+        [job]
+        extensions = ["cfgtest_ext_mod"]
+        [model]
+        name = "cfgtest_ext"
+        flavor = "tiny"
+        width = 1e2
+    """,
+    )
+    cfg = load_config(["--config", path, "--model.scales", "0.5,2", "--model.gate=relu"])
+    assert cfg.model.overrides == {"width": 100, "gate": "relu", "scales": [0.5, 2.0]}
+    msg = error_of(["--config", path, "--model.widht", "3"])
+    assert "neither a [model] key nor a field of ExtArgs" in msg and "did you mean 'model.width'?" in msg
+    assert "unknown flavor 'tniy'" in error_of(["--config", path, "--model.flavor", "tniy"])
+    assert "did you mean 'tiny'?" in error_of(["--config", path, "--model.flavor", "tniy"])

@@ -14,6 +14,7 @@ process group and a meta-device model.
   process group exists), TP that does not divide the KV heads (the family's own plan, after which
   the fake process group is still destroyed), a world size nobody stated.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,10 +23,10 @@ import subprocess
 import sys
 
 import pytest
-
 from dist_utils import REPO
-from titanlite.config import load_config
+
 from titanlite.dry_run import dry_run, resolve_world_size
+from titanlite.models import load_config
 
 RUN_WITH_RSS = """
 import resource, runpy, sys
@@ -38,8 +39,9 @@ finally:
 
 
 def run(code: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_70b_config_dry_runs_on_64_ranks_without_allocating():
@@ -58,12 +60,15 @@ def test_70b_config_dry_runs_on_64_ranks_without_allocating():
     def row(group: str) -> str:
         return next(line for line in out.splitlines() if line.strip().startswith(group + " "))
 
-    assert re.search(r"\s80\s+\[8192, 8192\]\s+dp_shard:StridedShard\(0,sf=8\) tp:Shard\(0\)\s+\[128, 8192\]",
-                     row("layers.*.attention.wq.weight"))
+    assert re.search(
+        r"\s80\s+\[8192, 8192\]\s+dp_shard:StridedShard\(0,sf=8\) tp:Shard\(0\)\s+\[128, 8192\]",
+        row("layers.*.attention.wq.weight"),
+    )
     assert re.search(r"dp_shard:Shard\(0\) tp:Shard\(1\)\s+\[1024, 1024\]", row("layers.*.attention.wo.weight"))
     assert re.search(r"dp_shard:Shard\(0\) tp:Replicate\s+\[1024\]", row("layers.*.ffn_norm.weight"))
-    assert re.search(r"\[128256, 8192\]\s+dp_shard:StridedShard\(0,sf=8\) tp:Shard\(0\)\s+\[2004, 8192\]",
-                     row("output.weight"))
+    assert re.search(
+        r"\[128256, 8192\]\s+dp_shard:StridedShard\(0,sf=8\) tp:Shard\(0\)\s+\[2004, 8192\]", row("output.weight")
+    )
     assert re.search(r"memory     planner per GPU .* -> total 55\.\d\d", out)
     assert "verdict    FITS" in out and "dry run complete" in out
     rss_gb = int(re.search(r"MAX_RSS_KB (\d+)", out).group(1)) / 1e6
@@ -73,7 +78,7 @@ def test_70b_config_dry_runs_on_64_ranks_without_allocating():
 EIGHT_B_AND_QWEN = """
 import json
 import torchtitan_ext.qwen3  # the extension family, as [job] extensions would import it
-from titanlite.config import load_config
+from titanlite.models import load_config
 from titanlite.dry_run import dry_run
 out = {}
 for name, argv in (("llama8b", ["--config", "train_configs/llama8b.toml"]),
@@ -104,7 +109,11 @@ def test_8b_config_and_a_qwen3_tp_layout_dry_run():
     report = json.loads(proc.stdout.split("REPORT", 1)[1])
     r = report["llama8b"]
     assert (r["world_size"], r["degrees"], r["grad_accum"], r["fits"]) == (
-        32, {"dp_replicate": 4, "dp_shard": 8, "tp": 1}, 16, True)
+        32,
+        {"dp_replicate": 4, "dp_shard": 8, "tp": 1},
+        16,
+        True,
+    )
     # HSDP: each rank holds 1/8 of the model (sharded within a node, replicated across the 4 nodes)
     assert r["params"] == 8_030_261_248 and set(r["per_rank"]) == {8_030_261_248 // 8}
     assert len(r["per_rank"]) == 32

@@ -122,7 +122,7 @@ def test_conversion_skips_filtered_and_ineligible_shapes_and_logs(caplog):
 
 def test_float8_debug_model_trains(tmp_path):
     """A float8 run of a small debug model learns on CPU (loss falls) and keeps `output` in fp32."""
-    from titanlite.config import load_config
+    from titanlite.models import load_config
     from titanlite.train import Trainer
 
     cfg = load_config(["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
@@ -162,7 +162,8 @@ def test_float8_model_meets_cuda_scaled_mm_layout_rules_on_meta():
     column-major second, every dimension divisible by 16), so a float8 debug model's forward and
     backward there exercise the layouts a GPU would see, without one. A micro-batch whose token
     count is not a multiple of 16 breaks the weight-gradient matmul, which the config refuses."""
-    from titanlite.config import ConfigError, load_config
+    from titanlite.config import ConfigError
+    from titanlite.models import load_config
     from titanlite.loss import cross_entropy_sum
     from titanlite.models import build_model
 

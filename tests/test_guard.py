@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from titanlite.config import load_config
+from titanlite.models import load_config
 from titanlite.config.sections import Guard
 from titanlite.guard import SpikeDetector, StepGuard, TrainingDivergedError
 from titanlite.hooks import Hook

@@ -154,7 +154,7 @@ def test_dcp_to_hf_loads_in_transformers_with_matching_logits(case, tmp_path):
 
 
 def test_trainer_bf16_export_converts(tmp_path):
-    from titanlite.config import load_config
+    from titanlite.models import load_config
     from titanlite.train import Trainer
 
     dump = tmp_path / "run"
@@ -269,7 +269,7 @@ def test_hf_to_dcp_gives_titanlite_the_same_logits(case, tmp_path):
 
 def test_hf_checkpoint_seeds_a_training_run(tmp_path, caplog):
     """HF -> DCP -> ``initial_load_path``: the trainer starts from exactly the HF weights."""
-    from titanlite.config import load_config
+    from titanlite.models import load_config
     from titanlite.train import Trainer
 
     src = hf_model_folder(tmp_path, tie_word_embeddings=False)

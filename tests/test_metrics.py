@@ -101,7 +101,7 @@ TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "-
 
 def test_mfu_by_hand(tmp_path):
     """MFU in a logged record = tokens/s per device x FLOPs/token / peak, FLOPs/token by hand."""
-    from titanlite.config import load_config
+    from titanlite.models import load_config
     from titanlite.train import Trainer
 
     t = Trainer(load_config(TINY + ["--job.dump_folder", str(tmp_path / "a")]))

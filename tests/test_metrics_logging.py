@@ -1,4 +1,5 @@
 """What a run reports: update/parameter norm ratio, ETA, progress line, summary, metrics.jsonl + TensorBoard."""
+
 import json
 import logging
 import math
@@ -8,12 +9,26 @@ import torch
 from torch import nn
 
 import titanlite.metrics as metrics
-from titanlite.config import load_config
 from titanlite.metrics import RunProgress, UpdateRatio, format_duration, format_summary
+from titanlite.models import load_config
 from titanlite.train import Trainer
 
-TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-        "--training.seq_len", "32", "--training.local_batch_size", "4", "--lr_scheduler.warmup_steps", "1"]
+TINY = [
+    "--model.dim",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "2",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "4",
+    "--lr_scheduler.warmup_steps",
+    "1",
+]
 
 
 def test_update_ratio_by_hand():
@@ -76,17 +91,49 @@ def test_format_duration():
 
 def test_run_reports_everything(tmp_path, caplog):
     """A short run: progress lines with ETA, metrics.jsonl keys, TensorBoard events, summary.json."""
-    cfg = load_config(TINY + ["--training.steps", "4", "--metrics.log_freq", "2", "--job.dump_folder", str(tmp_path),
-                              "--metrics.enable_tensorboard", "true", "--metrics.update_ratio_per_layer", "true",
-                              "--validation.enable", "true", "--validation.freq", "4", "--validation.steps", "1"])
+    cfg = load_config(
+        TINY
+        + [
+            "--training.steps",
+            "4",
+            "--metrics.log_freq",
+            "2",
+            "--job.dump_folder",
+            str(tmp_path),
+            "--metrics.enable_tensorboard",
+            "true",
+            "--metrics.update_ratio_per_layer",
+            "true",
+            "--validation.enable",
+            "true",
+            "--validation.freq",
+            "4",
+            "--validation.steps",
+            "1",
+        ]
+    )
     with caplog.at_level(logging.INFO, logger="titanlite"):
         records = Trainer(cfg).train()
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 4]
     r = steps[-1]
-    for key in ("tokens_per_s", "tokens_per_s_global", "mfu", "mem_rss_gib", "mem_peak_rss_gib", "data_wait_frac",
-                "eta_s", "guard_nonfinite", "guard_spikes", "guard_skipped_steps", "guard_rollbacks",
-                "update_ratio", "update_ratio/layers.0", "update_ratio/layers.1", "update_ratio/output"):
+    for key in (
+        "tokens_per_s",
+        "tokens_per_s_global",
+        "mfu",
+        "mem_rss_gib",
+        "mem_peak_rss_gib",
+        "data_wait_frac",
+        "eta_s",
+        "guard_nonfinite",
+        "guard_spikes",
+        "guard_skipped_steps",
+        "guard_rollbacks",
+        "update_ratio",
+        "update_ratio/layers.0",
+        "update_ratio/layers.1",
+        "update_ratio/output",
+    ):
         assert key in r, key
     assert 0 <= r["data_wait_frac"] <= 1 and r["eta_s"] == 0.0
     assert 1e-6 < steps[0]["update_ratio"] < 1e-1

@@ -33,15 +33,16 @@ Tolerances (relative, on the logged loss, grad norm and final validation loss):
   rounding, a 2^-4 (e4m3) or 2^-3 (e5m2, gradients) relative step, for some elements, and these
   flips compound over the steps. Measured: loss 3.7e-4, grad norm 3.7e-3.
 """
+
 from __future__ import annotations
 
 import copy
 
 import pytest
 import torch
-
 from dist_utils import backends, cache_token_stores, run_workers
-from titanlite.config import load_config
+
+from titanlite.models import load_config
 from titanlite.train import Trainer
 
 STEPS = 10
@@ -50,42 +51,127 @@ RTOL = 2e-5
 RTOL_COMPILE = 2e-4
 RTOL_FLOAT8 = 2e-3
 RTOL_FLOAT8_GRAD_NORM = 2e-2
-TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-        "--training.seq_len", "32", "--training.steps", str(STEPS), "--training.global_batch_size", str(GLOBAL_BATCH),
-        "--training.seed", "3", "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "2",
-        "--training.max_norm", "1.0", "--metrics.log_freq", "1",
-        "--validation.enable", "true", "--validation.freq", str(STEPS // 2), "--validation.steps", "2"]
+TINY = [
+    "--model.dim",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "2",
+    "--training.seq_len",
+    "32",
+    "--training.steps",
+    str(STEPS),
+    "--training.global_batch_size",
+    str(GLOBAL_BATCH),
+    "--training.seed",
+    "3",
+    "--optimizer.lr",
+    "3e-3",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--training.max_norm",
+    "1.0",
+    "--metrics.log_freq",
+    "1",
+    "--validation.enable",
+    "true",
+    "--validation.freq",
+    str(STEPS // 2),
+    "--validation.steps",
+    "2",
+]
 
 # name -> (data-parallel degree, extra options); each group runs in one multi-process launch
 TWO_PROC = {
     "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
     "tp2": (1, ["--parallelism.tensor_parallel_degree", "2"]),
-    "tp2_no_loss_parallel": (1, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_loss_parallel", "false"]),
+    "tp2_no_loss_parallel": (
+        1,
+        ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_loss_parallel", "false"],
+    ),
     "fsdp2_ac_full": (2, ["--parallelism.data_parallel_shard_degree", "2", "--activation_checkpoint.mode", "full"]),
-    "fsdp2_ac_op": (2, ["--parallelism.data_parallel_shard_degree", "2", "--activation_checkpoint.mode", "selective",
-                        "--activation_checkpoint.selective_ac_option", "op"]),
-    "fsdp2_ac_every2": (2, ["--parallelism.data_parallel_shard_degree", "2", "--activation_checkpoint.mode", "selective",
-                            "--activation_checkpoint.selective_ac_option", "2"]),
+    "fsdp2_ac_op": (
+        2,
+        [
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--activation_checkpoint.mode",
+            "selective",
+            "--activation_checkpoint.selective_ac_option",
+            "op",
+        ],
+    ),
+    "fsdp2_ac_every2": (
+        2,
+        [
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--activation_checkpoint.mode",
+            "selective",
+            "--activation_checkpoint.selective_ac_option",
+            "2",
+        ],
+    ),
     "tp2_ac_op": (1, ["--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "selective"]),
     # gradient accumulation under FSDP (2 micro-batches of 2 per rank): same step, same validation set
     "fsdp2_accum2": (2, ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"]),
-    "fsdp2_reshard_never": (2, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.fsdp_reshard_after_forward", "never"]),
+    "fsdp2_reshard_never": (
+        2,
+        ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.fsdp_reshard_after_forward", "never"],
+    ),
 }
 FOUR_PROC = {
     "fsdp2_tp2": (2, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
-    "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]),
-    "hsdp2_tp2": (2, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
+    "hsdp2x2": (
+        4,
+        ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
+    ),
+    "hsdp2_tp2": (
+        2,
+        ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
+    ),
     # compile (model + loss) composed with everything: FSDP hooks outside the graphs, TP collectives
     # and loss parallel inside them, per-op AC traced as a higher-order op
-    "fsdp2_tp2_compile_ac_op": (2, ["--parallelism.data_parallel_shard_degree", "2",
-                                    "--parallelism.tensor_parallel_degree", "2", "--compile.enable", "true",
-                                    "--activation_checkpoint.mode", "selective"]),
+    "fsdp2_tp2_compile_ac_op": (
+        2,
+        [
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--compile.enable",
+            "true",
+            "--activation_checkpoint.mode",
+            "selective",
+        ],
+    ),
     # tied embedding/output (as Llama 3.2 1B/3B): one DTensor shared by the vocab-sharded embedding
     # and output under TP, one FSDP group (the root's)
-    "tied_fsdp2_tp2": (2, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2",
-                           "--model.tie_word_embeddings", "true"]),
-    "float8_fsdp2_tp2": (2, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2",
-                             "--quantize.linear.float8.enable", "true"]),
+    "tied_fsdp2_tp2": (
+        2,
+        [
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--model.tie_word_embeddings",
+            "true",
+        ],
+    ),
+    "float8_fsdp2_tp2": (
+        2,
+        [
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--quantize.linear.float8.enable",
+            "true",
+        ],
+    ),
 }
 
 
@@ -95,7 +181,9 @@ def ref_key(name: str) -> str:
 
 
 def make_config(dump: str, dp: int, extra: list[str]):
-    return load_config(TINY + ["--job.dump_folder", dump, "--training.local_batch_size", str(GLOBAL_BATCH // dp)] + extra)
+    return load_config(
+        TINY + ["--job.dump_folder", dump, "--training.local_batch_size", str(GLOBAL_BATCH // dp)] + extra
+    )
 
 
 class RecordingTrainer(Trainer):
@@ -116,11 +204,11 @@ class RecordingTrainer(Trainer):
 
 def train_from_seed(cfg, seed_state) -> dict:
     """Train ``cfg`` from ``seed_state`` (needed on rank 0 only); losses, grad norms, first inputs."""
-    from titanlite.parallel.state_dict import load_full_state_dict
-
     import time
 
     from torch._dynamo.utils import counters
+
+    from titanlite.parallel.state_dict import load_full_state_dict
 
     start, graphs = time.perf_counter(), counters["stats"]["unique_graphs"]
     trainer = RecordingTrainer(cfg)
@@ -129,10 +217,15 @@ def train_from_seed(cfg, seed_state) -> dict:
     assert [id(p) for p in trainer.model.parameters()] == params_before  # the optimizer still holds them
     all_records = trainer.train()
     records = [r for r in all_records if "loss" in r]
-    return {"loss": [r["loss"] for r in records], "grad_norm": [r["grad_norm"] for r in records],
-            "val_loss": [r["val_loss"] for r in all_records if "val_loss" in r],
-            "inputs": torch.cat(trainer.first_step_inputs), "dp_rank": trainer.dp_rank,
-            "compiled_graphs": counters["stats"]["unique_graphs"] - graphs, "seconds": time.perf_counter() - start}
+    return {
+        "loss": [r["loss"] for r in records],
+        "grad_norm": [r["grad_norm"] for r in records],
+        "val_loss": [r["val_loss"] for r in all_records if "val_loss" in r],
+        "inputs": torch.cat(trainer.first_step_inputs),
+        "dp_rank": trainer.dp_rank,
+        "compiled_graphs": counters["stats"]["unique_graphs"] - graphs,
+        "seconds": time.perf_counter() - start,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -145,9 +238,12 @@ def reference(tmp_path_factory):
     out = {"seed": seed}
     all_records = single.train()
     records = [r for r in all_records if "loss" in r]
-    out["fp32"] = {"loss": [r["loss"] for r in records], "grad_norm": [r["grad_norm"] for r in records],
-                   "val_loss": [r["val_loss"] for r in all_records if "val_loss" in r],
-                   "inputs": torch.cat(single.first_step_inputs)}
+    out["fp32"] = {
+        "loss": [r["loss"] for r in records],
+        "grad_norm": [r["grad_norm"] for r in records],
+        "val_loss": [r["val_loss"] for r in all_records if "val_loss" in r],
+        "inputs": torch.cat(single.first_step_inputs),
+    }
     out["float8"] = train_from_seed(make_config(dump, 1, ["--quantize.linear.float8.enable", "true"]), seed)
     tied = RecordingTrainer(make_config(dump, 1, ["--model.tie_word_embeddings", "true"]))
     out["seeds"] = {"fp32": seed, "float8": seed, "tied": copy.deepcopy(tied.model.state_dict())}
@@ -168,12 +264,18 @@ def parity_worker(args: dict) -> dict:
         with tempfile.TemporaryDirectory() as dump:
             dp, extra = args["check_default_init"]
             trainer = Trainer(make_config(dump, dp, extra))
-            full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in trainer.model.state_dict().items()}
+            full = {
+                k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in trainer.model.state_dict().items()
+            }
             results["default_init"] = {k: v.cpu() for k, v in full.items()}
             dims = trainer.parallel_dims
-            results["mesh"] = {"names": dims.mesh.mesh_dim_names, "shape": tuple(dims.mesh.shape),
-                               "dp_rank": trainer.dp_rank, "dp_size": dims.dp_mesh.size(),
-                               "tp_rank": dims.tp_mesh.get_local_rank()}
+            results["mesh"] = {
+                "names": dims.mesh.mesh_dim_names,
+                "shape": tuple(dims.mesh.shape),
+                "dp_rank": trainer.dp_rank,
+                "dp_size": dims.dp_mesh.size(),
+                "tp_rank": dims.tp_mesh.get_local_rank(),
+            }
     return results
 
 
@@ -255,8 +357,13 @@ def test_data_parallel_ranks_cover_the_single_process_batch():
 
     store = torch.arange(100_000) % 509
     one = iter(build_dataloader(store, seq_len=32, batch_size=8, seed=5))
-    splits = {d: [iter(build_dataloader(store, seq_len=32, batch_size=8 // d, dp_rank=r, dp_world=d, seed=5))
-                  for r in range(d)] for d in (2, 4)}
+    splits = {
+        d: [
+            iter(build_dataloader(store, seq_len=32, batch_size=8 // d, dp_rank=r, dp_world=d, seed=5))
+            for r in range(d)
+        ]
+        for d in (2, 4)
+    }
     for _ in range(3):
         want = sorted(tuple(r.tolist()) for r in next(one)["input_ids"])
         for d, loaders in splits.items():

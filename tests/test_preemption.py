@@ -96,7 +96,7 @@ def test_stop_request_without_checkpointing_returns_cleanly(tmp_path, caplog):
     """In-process: a stop request after step 2 ends train() normally (no checkpoint to write)."""
     import logging
 
-    from titanlite.config import load_config
+    from titanlite.models import load_config
     from titanlite.hooks import Hook
     from titanlite.train import Trainer
 

@@ -11,13 +11,15 @@
   data, same tolerances: loss / grad norm / validation loss within RTOL = 2e-5 relative); the final
   weights must also agree (1e-4 absolute; QK-norm gains 1e-5), which a QK-norm gain whose gradient
   is not summed over the TP ranks would break (it drifts by ~lr = 3e-3 per step).
-- Extension mechanics: core titanlite never imports ``torchtitan_ext``; ``load_config`` imports
+- Extension mechanics: core titanlite never imports ``torchtitan_ext``; ``titanlite.models.load_config`` imports
   ``[job] extensions`` (file or command line) before it checks ``[model]``, so
   ``scripts/estimate.py`` sees the family in a fresh interpreter, and ``titanlite.train.main``
   trains the shipped debug config through it (2 steps); its checkpoint records the extension, so
-  the converter scripts (fresh interpreters) turn it into an HF folder and back (``--extensions``). The same hook, in a fresh process, runs under the
+  the converter scripts (fresh interpreters) turn it into an HF folder and back (``--extensions``).
+  The same hook, in a fresh process, runs under the
   shipped-config dry runs of tests/test_train_configs.py.
 """
+
 from __future__ import annotations
 
 import copy
@@ -31,10 +33,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-
-import torchtitan_ext.qwen3  # noqa: F401  (registers "qwen3")
 from dist_utils import REPO, cache_token_stores, run_workers
 from test_parallel_parity import RTOL, RecordingTrainer, check, check_data, make_config
+
+import torchtitan_ext.qwen3  # noqa: F401  (registers "qwen3")
 from titanlite.checkpoint import layout
 from titanlite.checkpoint.hf import dcp_to_hf, hf_to_dcp
 from titanlite.models import build_model, get_model_spec
@@ -47,8 +49,16 @@ ATOL = 1e-4
 # were not summed over the TP ranks would get a different update from step 1 on: ~lr = 3e-3.
 WEIGHT_ATOL = 1e-4
 QK_ATOL = 1e-5
-QWEN3 = ["--model.name", "qwen3", "--model.flavor", "debugmodel", "--model.head_dim", "32",
-         "--model.ffn_hidden_dim", "128"]  # + the harness' TINY: dim 64, 2 layers, 4 heads / 2 kv heads
+QWEN3 = [
+    "--model.name",
+    "qwen3",
+    "--model.flavor",
+    "debugmodel",
+    "--model.head_dim",
+    "32",
+    "--model.ffn_hidden_dim",
+    "128",
+]  # + the harness' TINY: dim 64, 2 layers, 4 heads / 2 kv heads
 CONFIGS = {
     "qwen3_fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
     "qwen3_tp2": (1, ["--parallelism.tensor_parallel_degree", "2"]),
@@ -77,8 +87,10 @@ def test_flavors_match_the_model_cards(flavor, total_b, non_embedding_b):
     args = QWEN3_FLAVORS[flavor]
     total = num_params_from_args(args)
     assert round(total / 1e9, 1) == total_b
-    assert abs((total - args.vocab_size * args.dim * (1 if args.tie_word_embeddings else 2)) / 1e9
-               - non_embedding_b) < 0.05
+    assert (
+        abs((total - args.vocab_size * args.dim * (1 if args.tie_word_embeddings else 2)) / 1e9 - non_embedding_b)
+        < 0.05
+    )
 
 
 # ----------------------------------------------------------------------------- Hugging Face
@@ -91,8 +103,9 @@ HF_CASES = {
 
 
 def tiny_args(**kw) -> Qwen3ModelArgs:
-    base = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_hidden_dim=96, vocab_size=512,
-                max_seq_len=128)
+    base = dict(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_hidden_dim=96, vocab_size=512, max_seq_len=128
+    )
     return Qwen3ModelArgs(**{**base, **kw})
 
 
@@ -113,9 +126,16 @@ def tokens() -> torch.Tensor:
 
 def save_step_folder(model: Qwen3Model, path: Path) -> Path:
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(path), no_dist=True)
-    layout.write_info(path, {"step": 3, "model_only": True, "dtype": "float32",
-                             "model": {"name": "qwen3", "flavor": None, "args": dataclasses.asdict(model.args)},
-                             "tokenizer": {"bos_id": 1, "eos_id": 2}})
+    layout.write_info(
+        path,
+        {
+            "step": 3,
+            "model_only": True,
+            "dtype": "float32",
+            "model": {"name": "qwen3", "flavor": None, "args": dataclasses.asdict(model.args)},
+            "tokenizer": {"bos_id": 1, "eos_id": 2},
+        },
+    )
     return path
 
 
@@ -125,8 +145,9 @@ def transformers():
 
 
 def hf_logits(transformers, folder: Path) -> torch.Tensor:
-    hf = transformers.Qwen3ForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
-                                                       attn_implementation="eager").eval()
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(
+        str(folder), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     with torch.no_grad():
         return hf(tokens()).logits
 
@@ -184,8 +205,12 @@ def test_hf_to_dcp_round_trip(case, tmp_path, transformers):
 
 def test_args_from_hf_config_refuses_what_it_cannot_express():
     config = Qwen3HFAdapter(tiny_args()).hf_config(dtype=torch.float32)
-    for key, value in (("use_sliding_window", True), ("attention_bias", True), ("hidden_act", "gelu"),
-                       ("rope_scaling", {"rope_type": "yarn", "factor": 4.0})):
+    for key, value in (
+        ("use_sliding_window", True),
+        ("attention_bias", True),
+        ("hidden_act", "gelu"),
+        ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}),
+    ):
         with pytest.raises(ValueError, match=key.split("_")[0] if key != "rope_scaling" else "rope_type"):
             Qwen3HFAdapter.args_from_hf_config({**config, key: value})
 
@@ -204,13 +229,20 @@ def run_config(cfg, seed_state, trainer=None) -> dict:
         trainer = RecordingTrainer(cfg)
         load_full_state_dict(trainer.model, seed_state)
     records = trainer.train()
-    full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
-            for k, v in trainer.model.state_dict().items()}
+    full = {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
+        for k, v in trainer.model.state_dict().items()
+    }
     losses = [r for r in records if "loss" in r]
-    return {"loss": [r["loss"] for r in losses], "grad_norm": [r["grad_norm"] for r in losses],
-            "val_loss": [r["val_loss"] for r in records if "val_loss" in r],
-            "inputs": torch.cat(trainer.first_step_inputs), "dp_rank": trainer.dp_rank, "compiled_graphs": 0,
-            "final": full}
+    return {
+        "loss": [r["loss"] for r in losses],
+        "grad_norm": [r["grad_norm"] for r in losses],
+        "val_loss": [r["val_loss"] for r in records if "val_loss" in r],
+        "inputs": torch.cat(trainer.first_step_inputs),
+        "dp_rank": trainer.dp_rank,
+        "compiled_graphs": 0,
+        "final": full,
+    }
 
 
 def skip_peak_measurement(monkeypatch=None) -> None:
@@ -278,7 +310,7 @@ def test_core_never_imports_torchtitan_ext():
     offenders = []
     for path in (REPO / "titanlite").rglob("*.py"):
         for n, line in enumerate(path.read_text().splitlines(), 1):
-            if re.match(r"\s*(import|from)\s+torchtitan_ext\b", line) or "import_module(\"torchtitan_ext" in line:
+            if re.match(r"\s*(import|from)\s+torchtitan_ext\b", line) or 'import_module("torchtitan_ext' in line:
                 offenders.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
     assert not offenders, offenders
 
@@ -286,14 +318,16 @@ def test_core_never_imports_torchtitan_ext():
 def test_load_config_imports_the_extensions_from_the_file_and_the_command_line(tmp_path):
     """``load_config`` imports ``[job] extensions`` before it looks up ``[model] name``, so any script
     that loads a config sees the families they register; a command-line value replaces the file's."""
-    from titanlite.config import ConfigError, load_config
+    from titanlite.config import ConfigError
+    from titanlite.models import load_config
 
     # an extension module registers a family on import
     (tmp_path / "toy_ext_for_test.py").write_text(
         "from titanlite.models import ModelSpec, register_model\n"
         "from torchtitan_ext.qwen3 import QWEN3_FLAVORS, Qwen3Model, Qwen3ModelArgs\n"
         "register_model(ModelSpec(name='toy_ext_family', args_cls=Qwen3ModelArgs, flavors=QWEN3_FLAVORS,\n"
-        "                         model_cls=Qwen3Model))\n")
+        "                         model_cls=Qwen3Model))\n"
+    )
     run = tmp_path / "run.toml"
     run.write_text('[job]\nextensions = ["toy_ext_for_test"]\n[model]\nname = "toy_ext_family"\nhead_dim = 16\n')
     sys.path.insert(0, str(tmp_path))
@@ -315,9 +349,23 @@ def test_load_config_imports_the_extensions_from_the_file_and_the_command_line(t
 def test_estimate_script_sees_the_extension_family():
     """``scripts/estimate.py`` on the qwen3 debug config in a fresh interpreter: nothing imported
     beforehand, and the planner's parameter count is the model's exact one."""
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "estimate.py"), "--config",
-                          str(REPO / "torchtitan_ext" / "configs" / "qwen3_debug.toml"), "--gpu", "H100",
-                          "--num-gpus", "1", "--tokens", "1e9"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "estimate.py"),
+            "--config",
+            str(REPO / "torchtitan_ext" / "configs" / "qwen3_debug.toml"),
+            "--gpu",
+            "H100",
+            "--num-gpus",
+            "1",
+            "--tokens",
+            "1e9",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     expected = sum(p.numel() for p in build_model("qwen3", "debugmodel").parameters())  # meta device
     assert f"qwen3/debugmodel: {expected:,} parameters" in out.stdout, out.stdout
@@ -330,20 +378,46 @@ def test_debug_config_trains_through_the_trainer_entry_point(tmp_path, capsys, m
     skip_peak_measurement(monkeypatch)
     data = tmp_path / "corpus.txt"
     data.write_text("The quick brown fox jumps over the lazy dog. " * 400)
-    argv = ["--config", str(REPO / "torchtitan_ext/configs/qwen3_debug.toml"), "--job.dump_folder", str(tmp_path / "out"),
-            "--training.steps", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",
-            "--training.global_batch_size", "2", "--lr_scheduler.warmup_steps", "1", "--validation.enable", "false",
-            "--metrics.log_freq", "1", "--training.dataset", "text", "--training.dataset_path", str(data),
-            "--model.n_layers", "2"]
+    argv = [
+        "--config",
+        str(REPO / "torchtitan_ext/configs/qwen3_debug.toml"),
+        "--job.dump_folder",
+        str(tmp_path / "out"),
+        "--training.steps",
+        "2",
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--training.global_batch_size",
+        "2",
+        "--lr_scheduler.warmup_steps",
+        "1",
+        "--validation.enable",
+        "false",
+        "--metrics.log_freq",
+        "1",
+        "--training.dataset",
+        "text",
+        "--training.dataset_path",
+        str(data),
+        "--model.n_layers",
+        "2",
+    ]
     train.main(argv + ["--checkpoint.enable", "--checkpoint.interval", "2"])
-    records = [json.loads(l) for l in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2]
 
     # the converters, each in a fresh interpreter: DCP -> HF finds the family through the extensions
     # the checkpoint records; HF -> DCP needs --extensions (and records it for the way back)
     def convert(script: str, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(REPO / "scripts" / script), "--quiet", *args],
-                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        return subprocess.run(
+            [sys.executable, str(REPO / "scripts" / script), "--quiet", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+        )
 
     step = tmp_path / "out" / "checkpoint" / "step-2"
     assert layout.read_info(step)["extensions"] == ["torchtitan_ext.qwen3"]

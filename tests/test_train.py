@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from titanlite.config import load_config
+from titanlite.models import load_config
 from titanlite.train import Trainer, grad_accum_steps
 
 TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",

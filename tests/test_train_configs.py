@@ -7,6 +7,7 @@ the dry run at that size must succeed with the expected degrees, the expected mo
 rank's parameters adding up to the model once per replica, the expected tokens per step, and a
 memory estimate that fits the stated GPU.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,12 +15,14 @@ import subprocess
 import sys
 
 import pytest
-
 from dist_utils import REPO
-from titanlite.config import load_config
 
-CONFIGS = sorted(str(p.relative_to(REPO)) for p in [*(REPO / "train_configs").glob("*.toml"),
-                                                     *(REPO / "torchtitan_ext" / "configs").glob("*.toml")])
+from titanlite.models import load_config
+
+CONFIGS = sorted(
+    str(p.relative_to(REPO))
+    for p in [*(REPO / "train_configs").glob("*.toml"), *(REPO / "torchtitan_ext" / "configs").glob("*.toml")]
+)
 # config -> (dp_replicate, dp_shard, tp), parameters, tokens per optimizer step
 EXPECTED = {
     "train_configs/debug_model.toml": ((1, 1, 1), 4_984_064, 16 * 256),
@@ -32,7 +35,7 @@ EXPECTED = {
 
 DRY_RUN_ALL = """
 import json, sys
-from titanlite.config import load_config
+from titanlite.models import load_config
 from titanlite.dry_run import dry_run
 out = {}
 for path in sys.argv[1:]:
@@ -48,7 +51,9 @@ def test_every_shipped_config_is_listed():
 
 
 def load(path: str):
-    return load_config(["--config", str(REPO / path)])  # imports [job] extensions (qwen3); strict: unknown keys, bad values and cross-field rules raise
+    return load_config(
+        ["--config", str(REPO / path)]
+    )  # imports [job] extensions (qwen3); strict: unknown keys, bad values and cross-field rules raise
 
 
 @pytest.mark.parametrize("path", CONFIGS)
@@ -68,8 +73,9 @@ def test_config_validates_and_says_what_it_is_tuned_for(path):
 
 @pytest.fixture(scope="module")
 def dry_runs():
-    proc = subprocess.run([sys.executable, "-c", DRY_RUN_ALL, *CONFIGS], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", DRY_RUN_ALL, *CONFIGS], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(proc.stdout.split("REPORT", 1)[1])
 

@@ -11,15 +11,17 @@ An extension plugs into titanlite through public hooks only, typically by callin
     name = "qwen3"
 
 or on the command line ``--job.extensions torchtitan_ext.qwen3`` (comma-separated for several).
-The model name in ``[model]`` is validated against the registry while the config is loaded, so
-:func:`titanlite.config.load_config` imports the extensions (:func:`load_extensions`) as soon as the
-file and the command-line overrides have set ``job.extensions``, before it checks ``[model]``. Any
-script or trainer that loads a config therefore sees the families its extensions register.
+The model name in ``[model]`` is validated against the registry while the config is loaded:
+:func:`titanlite.models.load_config` (through :func:`titanlite.models.model_schema`) imports the
+extensions (:func:`load_extensions`) once the file and the command-line overrides have set
+``job.extensions``, before it checks ``[model]``. Any script or trainer that loads a config that way
+therefore sees the families its extensions register.
 """
+
 from __future__ import annotations
 
 import importlib
-from typing import Iterable
+from collections.abc import Iterable
 
 
 def load_extensions(names: Iterable[str]) -> list[str]:

@@ -31,7 +31,7 @@ from titanlite.guard import GuardHook, StepGuard, TrainingDivergedError
 from titanlite.hooks import Hook, LoopState, call_hooks
 from titanlite.loss import cross_entropy_sum  # noqa: F401  (registers the built-in loss)
 from titanlite.metrics import MetricsHook, MetricsLogger, matmul_dtype, num_params
-from titanlite.models import get_model_spec
+from titanlite.models import get_model_spec, model_schema
 from titanlite.models.registry import model_args_for, model_counts
 from titanlite.optim import build_optimizer  # noqa: F401  (registers the built-in optimizers and schedules)
 from titanlite.parallel.build import build_parallel_model
@@ -114,12 +114,12 @@ class Trainer:
         return components.get("optimizer", self.cfg.optimizer.name)(self.model, self.cfg.optimizer)
 
     def build_lr_scheduler(self) -> Any:
-        build = components.get("lr_scheduler", getattr(self.cfg.lr_scheduler, "name", "warmup_stable_decay"))
+        build = components.get("lr_scheduler", self.cfg.lr_scheduler.name)
         return build(self.optimizer, self.cfg.lr_scheduler, self.cfg.training.steps)
 
     def build_loss(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """The ``[training] loss`` (a token sum), compiled with ``[compile] components = ["loss"]``."""
-        loss = components.get("loss", getattr(self.cfg.training, "loss", "cross_entropy"))
+        loss = components.get("loss", self.cfg.training.loss)
         return CompilePolicy.from_config(self.cfg.compile).compile_loss(loss, self.parallel_dims.tp_enabled)
 
     def build_dataloader(self, split: str):
@@ -234,7 +234,7 @@ def main(argv: Optional[list[str]] = None, trainer_cls: Optional[type] = None,
     overrides), then the dry run, or ``trainer_cls`` (default: the one ``[job] trainer`` names)
     built and trained. Errors in the config or while building are one line and exit status 2."""
     argv = sys.argv[1:] if argv is None else argv
-    cfg = load_config(argv) if load_config is not None else parse_args_or_exit(argv)  # MERGE-TODO model_schema
+    cfg = load_config(argv) if load_config is not None else parse_args_or_exit(argv, model_schema=model_schema)
     if cfg.job.dry_run:  # check the layout at its stated scale with a fake process group, then exit
         from titanlite.dry_run import dry_run
 
@@ -252,7 +252,7 @@ def main(argv: Optional[list[str]] = None, trainer_cls: Optional[type] = None,
         Path(cfg.job.dump_folder).mkdir(parents=True, exist_ok=True)
         dump_config(cfg, Path(cfg.job.dump_folder) / "config.toml")
     try:
-        cls = trainer_cls or components.get("trainer", getattr(cfg.job, "trainer", "default"))
+        cls = trainer_cls or components.get("trainer", cfg.job.trainer)
         trainer = cls(cfg, world)
     except (ValueError, KeyError, FileNotFoundError) as e:
         exit_with_error(e, every_rank=True)

@@ -1,6 +1,8 @@
-"""Job configuration: section dataclasses and the strict TOML + command-line loader."""
+"""Job configuration: section dataclasses and the strict TOML + command-line loader (imports nothing from
+titanlite; ``titanlite.models.load_config`` adds the model registry)."""
+
 from titanlite.config.parser import (
-    ConfigError,
+    ModelSchema,
     config_to_dict,
     config_to_toml,
     dump_config,
@@ -8,15 +10,16 @@ from titanlite.config.parser import (
     format_help,
     load_config,
     parse_args_or_exit,
-    split_cli_args,
+    read_toml,
     toml_value,
     validate,
 )
-from titanlite.config.sections import JobConfig
+from titanlite.config.sections import ConfigError, JobConfig
 
 __all__ = [
     "ConfigError",
     "JobConfig",
+    "ModelSchema",
     "config_to_dict",
     "config_to_toml",
     "dump_config",
@@ -24,7 +27,7 @@ __all__ = [
     "format_help",
     "load_config",
     "parse_args_or_exit",
-    "split_cli_args",
+    "read_toml",
     "toml_value",
     "validate",
 ]

@@ -1,820 +1,400 @@
-"""Strict config loader: TOML file, then ``--section.key value`` overrides.
+"""Strict config loader: TOML tables and file, then ``--section.key value`` options (argparse); keys, types and
+checks come from the dataclasses of :mod:`titanlite.config.sections`, model-args fields from ``model_schema``."""
 
-Everything is derived from the dataclasses in :mod:`titanlite.config.sections` (field names, types
-from ``typing.get_type_hints``, and the ``help``/``choices``/``min``/``max``/``gt`` metadata), so a
-new section or key needs no change here.
-
-- ``load_config(["--config", "run.toml", "--training.steps", "100"])`` returns a validated
-  :class:`JobConfig`; any problem raises :class:`ConfigError` with a one-line message.
-- Extra keys in ``[model]`` (or ``--model.<field>``) are fields of the model family's args
-  dataclass; they are checked against ``get_model_spec(cfg.model.name).args_cls`` once the name is
-  final and stored, converted, in ``cfg.model.overrides``.
-- ``config_to_toml``/``dump_config`` write a complete TOML file that loads back to an equal config.
-- ``parse_args_or_exit`` is the entry-point helper (``--help``, ``error: ...`` and exit code 2).
-"""
 from __future__ import annotations
 
+import argparse
+import collections
+import contextlib
 import copy
 import dataclasses
 import difflib
 import functools
+import json
 import math
 import os
+import re
 import sys
 import types
 import typing
-from typing import Any, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NoReturn
 
 try:  # Python >= 3.11
     import tomllib
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from titanlite.config.sections import JobConfig
+from titanlite.config.sections import ConfigError, JobConfig
 
+ModelSchema = Callable[[JobConfig], type]  # cfg -> the args dataclass of cfg.model.name, or ConfigError
 
-# The section whose extra keys are model-args overrides, and the field that stores them.
-_MODEL_SECTION = "model"
-_OVERRIDES = "overrides"
-_DATASETS = ("embedded", "shards", "text")
+_MODEL, _OVERRIDES = "model", "overrides"  # the section whose extra keys are model args, and where they go
 _DEFAULT_PROG = "python -m titanlite.train"
-
-_TRUE = ("true", "1", "yes", "on")
-_FALSE = ("false", "0", "no", "off")
-_NONE = ("none", "null")
-
-
-class ConfigError(ValueError):
-    """A problem with the configuration (file or command line); the message is one line."""
-
-    def __init__(self, msg: str) -> None:
-        super().__init__(" ".join(str(msg).splitlines()))
+_CLI = "on the command line"
+_BOOLS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", dict: "a TOML table"}
+_BARE = object()  # the value of an option given without one (--compile.enable)
+_Key = collections.namedtuple("_Key", "type meta default")  # default: dataclasses.MISSING if none
 
 
-class _Bad(Exception):
-    """A value that does not fit a field; the argument says what is allowed."""
+@functools.cache
+def _keys(cls: type) -> dict[str, _Key]:
+    """The init fields of dataclass ``cls``, in order, with resolved types and defaults."""
+    hints = typing.get_type_hints(cls)
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    defaults = [f.default if f.default_factory is dataclasses.MISSING else f.default_factory() for f in fields]
+    return {f.name: _Key(hints[f.name], f.metadata, d) for f, d in zip(fields, defaults)}
 
 
-class _Bare:
-    """Marker for a command-line flag given without a value (``--compile.enable``)."""
-
-    def __repr__(self) -> str:
-        return "<no value>"
-
-
-_BARE = _Bare()
-
-
-# --------------------------------------------------------------------------- schema
-
-
-@dataclasses.dataclass(frozen=True)
-class _Key:
-    name: str
-    type: Any
-    meta: Mapping[str, Any]
-    default: Any  # dataclasses.MISSING when the field has no plain default
-
-    @property
-    def help(self) -> str:
-        return str(self.meta.get("help", ""))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Section:
-    attr: str  # attribute of JobConfig
-    toml: str  # TOML table name, possibly dotted
-    cls: type
-    keys: dict[str, _Key]  # in declaration order
-
-    @property
-    def settable(self) -> dict[str, _Key]:
-        """Keys that can be set directly (model.overrides is filled from the extra keys)."""
-        if self.toml == _MODEL_SECTION:
-            return {k: v for k, v in self.keys.items() if k != _OVERRIDES}
-        return self.keys
-
-
-@functools.lru_cache(maxsize=None)
-def _class_keys(cls: type) -> dict[str, _Key]:
-    try:
-        hints = typing.get_type_hints(cls)
-    except Exception:  # unresolvable annotation: fall back to whatever the field holds
-        hints = {}
-    keys = {}
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            continue
-        tp = hints.get(f.name, f.type)
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()
-        else:
-            default = dataclasses.MISSING
-        keys[f.name] = _Key(f.name, tp, f.metadata, default)
-    return keys
-
-
-def _sections() -> dict[str, _Section]:
-    """TOML section name -> section, in JobConfig order."""
-    return _sections_of(JobConfig)
-
-
-@functools.lru_cache(maxsize=None)
-def _sections_of(root: type) -> dict[str, _Section]:
-    hints = typing.get_type_hints(root)
-    out: dict[str, _Section] = {}
+@functools.cache
+def _sections(root: type) -> dict[str, tuple[str, dict[str, _Key]]]:
+    """TOML section name -> (``root`` attribute, settable keys), in order; ``root`` is JobConfig (or a test's)."""
+    out, hints = {}, typing.get_type_hints(root)
     for f in dataclasses.fields(root):
-        cls = hints[f.name]
-        if not dataclasses.is_dataclass(cls):
-            raise TypeError(f"JobConfig.{f.name} must be a section dataclass, got {cls!r}")
-        toml_name = f.metadata.get("toml") or f.name
-        if toml_name in out:
-            raise TypeError(f"two JobConfig sections use the TOML name {toml_name!r}")
-        out[toml_name] = _Section(f.name, toml_name, cls, _class_keys(cls))
+        toml = f.metadata.get("toml") or f.name
+        out[toml] = (f.name, {k: v for k, v in _keys(hints[f.name]).items() if (toml, k) != (_MODEL, _OVERRIDES)})
     return out
 
 
-def _is_section_prefix(name: str) -> bool:
-    return any(s.startswith(name + ".") for s in _sections())
-
-
-# --------------------------------------------------------------------------- types
-
-
-def _split_optional(tp: Any) -> tuple[Any, bool]:
+def _optional(tp: Any) -> tuple[Any, bool]:
     """``X | None`` -> (X, True); anything else -> (tp, False)."""
-    origin = typing.get_origin(tp)
-    if origin is typing.Union or origin is types.UnionType:
-        args = typing.get_args(tp)
-        rest = [a for a in args if a is not type(None)]
-        if len(rest) == 1 and len(args) == 2:
-            return rest[0], True
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
+        return next(a for a in args if a is not type(None)), True
     return tp, False
 
 
-def _elem_type(tp: Any) -> Any:
-    args = [a for a in typing.get_args(tp) if a is not Ellipsis]
-    return args[0] if args else Any
-
-
 def _type_name(tp: Any) -> str:
-    inner, optional = _split_optional(tp)
-    origin = typing.get_origin(inner)
-    if inner in (str, int, float, bool):
-        name = inner.__name__
-    elif inner is dict or origin is dict:
-        name = "table"
-    elif inner in (list, tuple) or origin in (list, tuple):
-        name = f"list[{_type_name(_elem_type(inner))}]"
-    elif inner is Any:
-        name = "any"
-    else:
-        name = getattr(inner, "__name__", None) or str(inner)
-    return f"{name} | None" if optional else name
-
-
-def _expected(tp: Any, cli: bool) -> str:
-    inner, optional = _split_optional(tp)
-    origin = typing.get_origin(inner)
-    if inner is bool:
-        text = "true or false"
-    elif inner is int:
-        text = "an integer"
-    elif inner is float:
-        text = "a number"
-    elif inner is str:
-        text = "a string"
-    elif inner in (list, tuple) or origin in (list, tuple):
-        elem = _expected(_elem_type(inner), cli)
-        text = f"a list of {elem} values" + (" (comma-separated)" if cli else " (a TOML array)")
-    elif inner is dict or origin is dict:
-        text = "a TOML table"
-    else:
-        text = _type_name(inner)
-    if optional and inner is not str:
-        text += " or none"
-    return text
+    inner, optional = _optional(tp)
+    origin = typing.get_origin(inner) or inner
+    name = "table" if origin is dict else getattr(inner, "__name__", str(inner))
+    if origin in (list, tuple):
+        name = f"list[{_type_name((typing.get_args(inner) or (Any,))[0])}]"
+    return name + " | None" * optional
 
 
 def _convert(value: Any, tp: Any, cli: bool) -> Any:
-    """Convert a command-line string (``cli``) or a TOML value to ``tp``; raise ``_Bad``."""
-    inner, optional = _split_optional(tp)
-    origin = typing.get_origin(inner)
-    if value is _BARE:
-        if inner is bool:
-            return True
-        raise _Bad(f"expected a value ({_expected(tp, cli)})")
-    if optional and inner is not str and isinstance(value, str) and value.strip().lower() in _NONE:
+    """A command-line string (``cli``) or a TOML value as type ``tp``; ConfigError saying what was expected."""
+    inner, optional = _optional(tp)
+    origin = typing.get_origin(inner) or inner
+    what = (_NAMES.get(inner) or _type_name(inner)) + " or none" * (optional and inner is not str)
+    if value is _BARE and inner is not bool:
+        raise ConfigError(f"expected a value ({what}; one that starts with '-' needs --key=VALUE)")
+    if optional and (value is None or inner is not str and str(value).strip().lower() in ("none", "null")):
         return None
-    bad = _Bad(f"expected {_expected(tp, cli)}")
-    if inner is Any or inner is object:
+    bad = ConfigError(f"expected {what}" + " (comma-separated)" * (cli and origin in (list, tuple)))
+    if origin in (list, tuple):
+        items = [s.strip() for s in value.split(",") if s.strip()] if cli else value
+        if not isinstance(items, list):
+            raise bad
+        out = [_convert(v, (typing.get_args(inner) or (Any,))[0], cli) for v in items]
+        return tuple(out) if origin is tuple else out
+    if cli and inner is bool:
+        value = True if value is _BARE else _BOOLS.get(value.strip().lower(), value)
+    if cli and inner in (int, float):
+        with contextlib.suppress(ValueError):  # 1_000 as an int, 1e6 as a float (an int field takes integral ones)
+            value = int(value) if value.strip().lstrip("+-").replace("_", "").isdigit() else float(value)
+    if inner in (Any, object) or (origin is dict or inner in (bool, str)) and isinstance(value, origin):
         return copy.deepcopy(value)
-    if inner is bool:
-        if cli:
-            low = value.strip().lower()
-            if low in _TRUE:
-                return True
-            if low in _FALSE:
-                return False
-            raise bad
-        if isinstance(value, bool):
-            return value
-        raise bad
-    if inner is int:
-        if cli:
-            try:
-                return int(value)
-            except ValueError:
-                try:
-                    value = float(value)
-                except ValueError:
-                    raise bad from None
-        if isinstance(value, bool):
-            raise bad
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+    if inner in (int, float) and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if inner is float and not math.isnan(value):
+            return float(value)
+        if inner is int and (isinstance(value, int) or math.isfinite(value) and value.is_integer()):
             return int(value)
-        raise bad
-    if inner is float:
-        if cli:
-            try:
-                out = float(value)
-            except ValueError:
-                raise bad from None
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            out = float(value)
-        else:
-            raise bad
-        if math.isnan(out):
-            raise bad
-        return out
-    if inner is str:
-        if isinstance(value, str):
-            return value
-        raise bad
-    if inner in (list, tuple) or origin in (list, tuple):
-        if cli:
-            items: list[Any] = [s.strip() for s in value.split(",")]
-            items = [s for s in items if s]
-        elif isinstance(value, list):
-            items = value
-        else:
-            raise bad
-        elem = _elem_type(inner)
-        try:
-            out_list = [_convert(v, elem, cli) for v in items]
-        except _Bad:
-            raise bad from None
-        return tuple(out_list) if (inner is tuple or origin is tuple) else out_list
-    if inner is dict or origin is dict:
-        if cli:
-            raise _Bad("a table cannot be set on the command line; use the config file")
-        if isinstance(value, dict):
-            return copy.deepcopy(value)
-        raise bad
-    raise _Bad(f"unsupported field type {_type_name(tp)}")
+    raise bad
+
+
+def _rules(meta: Mapping[str, Any]) -> list[tuple[Callable[[Any], bool], str]]:
+    """(test, description) of each check in a field's metadata."""
+    choices, lo, hi, gt = (meta.get(k) for k in ("choices", "min", "max", "gt"))
+    rules = [(lambda v: v in choices, "one of " + ", ".join(map(str, choices)))] if choices is not None else []
+    if lo is not None and hi is not None:
+        rules.append((lambda v: lo <= v <= hi, f"in [{lo}, {hi}]"))
+    elif lo is not None or hi is not None:
+        rules.append((lambda v: v >= lo, f">= {lo}") if hi is None else (lambda v: v <= hi, f"<= {hi}"))
+    return rules + ([(lambda v: v > gt, f"> {gt}")] if gt is not None else [])
 
 
 def _check(value: Any, meta: Mapping[str, Any]) -> str | None:
-    """The ``choices``/``min``/``max``/``gt`` rule ``value`` breaks, or None."""
-    if value is None:
-        return None
+    """What ``value`` (or an item of it) breaks of the field's checks, or None."""
     if isinstance(value, (list, tuple)):
-        for v in value:
-            reason = _check(v, meta)
-            if reason:
-                return f"{_fmt(v)}: {reason}"
-        return None
-    choices = meta.get("choices")
-    if choices is not None and value not in choices:
-        return "must be one of " + ", ".join(_fmt(c) for c in choices)
-    lo, hi, gt = meta.get("min"), meta.get("max"), meta.get("gt")
-    if lo is not None and hi is not None and not lo <= value <= hi:
-        return f"must be in [{lo}, {hi}]"
-    if lo is not None and value < lo:
-        return f"must be >= {lo}"
-    if hi is not None and value > hi:
-        return f"must be <= {hi}"
-    if gt is not None and not value > gt:
-        return f"must be > {gt}"
-    return None
-
-
-def _rules(meta: Mapping[str, Any]) -> str:
-    parts = []
-    if meta.get("choices") is not None:
-        parts.append("choices: " + ", ".join(str(c) for c in meta["choices"]))
-    lo, hi = meta.get("min"), meta.get("max")
-    if meta.get("gt") is not None:
-        parts.append(f"> {meta['gt']}")
-    if lo is not None and hi is not None:
-        parts.append(f"in [{lo}, {hi}]")
-    elif lo is not None:
-        parts.append(f">= {lo}")
-    elif hi is not None:
-        parts.append(f"<= {hi}")
-    return "; ".join(parts)
-
-
-# --------------------------------------------------------------------------- messages
-
-
-def _closest(word: str, candidates: Sequence[str]) -> str | None:
-    match = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
-    return match[0] if match else None
-
-
-def _all_dotted() -> list[str]:
-    return [f"{s.toml}.{k}" for s in _sections().values() for k in s.settable]
-
-
-def _suggest_key(section: str, key: str, section_keys: Sequence[str]) -> str:
-    """'; did you mean ...?' for an unknown key of a known section."""
-    hit = _closest(key, section_keys)
-    if hit:
-        return f"; did you mean '{section}.{hit}'?"
-    by_key: dict[str, str] = {}
-    for dotted in _all_dotted():
-        by_key.setdefault(dotted.rpartition(".")[2], dotted)
-    hit = _closest(key, list(by_key))
-    if hit:
-        return f"; did you mean '{by_key[hit]}'?"
-    return f"; [{section}] accepts: " + ", ".join(section_keys)
-
-
-def _suggest_section(name: str, key: str | None = None) -> str:
-    if key is not None:
-        hit = _closest(f"{name}.{key}", _all_dotted())
-        if hit:
-            return f"; did you mean '{hit}'?"
-    hit = _closest(name, list(_sections()))
-    if hit:
-        return f"; did you mean '{hit}'?"
-    return "; sections: " + ", ".join(_sections())
-
-
-def _where_file(path: str) -> str:
-    return f"in config file {path}"
-
-
-_WHERE_CLI = "on the command line"
+        return next((f"{_fmt(v)}: {reason}" for v in value if (reason := _check(v, meta))), None)
+    return next((f"must be {text}" for test, text in _rules(meta) if value is not None and not test(value)), None)
 
 
 def _fmt(value: Any) -> str:
     """A value as it would appear in TOML (one line)."""
-    if value is None:
-        return "none"
-    if isinstance(value, dict) and value:
-        return "a table"
     try:
-        return toml_value(value)
+        return "none" if value is None else "a table" if isinstance(value, dict) and value else toml_value(value)
     except TypeError:
         return repr(value)
 
 
-def _shown(value: Any, cli: bool) -> str:
-    if value is _BARE:
-        return "(no value)"
-    return repr(value) if cli else _fmt(value)
-
-
-def _set_value(obj: Any, section: str, key: _Key, raw: Any, cli: bool, where: str) -> None:
-    value = _convert_checked(section, key, raw, cli, where)
-    setattr(obj, key.name, value)
-
-
-def _convert_checked(section: str, key: _Key, raw: Any, cli: bool, where: str) -> Any:
-    dotted = f"{section}.{key.name}"
+def _converted(key: _Key, dotted: str, raw: Any, cli: bool, where: str) -> Any:
+    """``raw`` converted and checked for ``key``; ConfigError naming the key, the value and ``where``."""
     try:
         value = _convert(raw, key.type, cli)
-    except _Bad as e:
-        raise ConfigError(f"invalid value {_shown(raw, cli)} for '{dotted}' {where}: {e}") from None
-    reason = _check(value, key.meta)
+        reason = _check(value, key.meta)
+    except ConfigError as e:
+        reason = str(e)
     if reason:
-        raise ConfigError(f"invalid value {_shown(raw, cli)} for '{dotted}' {where}: {reason}")
+        shown = "(no value)" if raw is _BARE else repr(raw) if cli else _fmt(raw)
+        raise ConfigError(f"invalid value {shown} for '{dotted}' {where}: {reason}")
     return value
 
 
-# --------------------------------------------------------------------------- loading
+def _closest(word: str, candidates: Sequence[str]) -> str | None:
+    return next(iter(difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)), None)
 
 
-@dataclasses.dataclass
-class _Extra:
-    raw: Any
-    cli: bool
-    where: str
+def _unknown(name: str, where: str, args_cls: type | None = None, table: bool = False) -> ConfigError:
+    """The error for an unknown dotted ``name`` (a TOML table when ``table``; on the command line the token no
+    option took), with the closest valid name."""
+    sections = _sections(JobConfig)
+    if where == _CLI:
+        if not name.startswith("--") or name == "--":
+            return ConfigError(f"unexpected argument {name!r}; options look like --section.key value (see --help)")
+        if "." not in (name := name[2:].partition("=")[0]):
+            hit = next((f"; did you mean '--{s}.{name}'?" for s, (_, ks) in sections.items() if name in ks), "")
+            return ConfigError(f"unknown option '--{name}'; options look like --section.key value{hit}")
+    section, _, key = name.rpartition(".")
+    if section == _MODEL and key == _OVERRIDES and not table:
+        return ConfigError(f"'{name}' cannot be set directly {where}; write model-args fields as [model] keys")
+    if section in sections and not table:  # same section first, then the same key name in another section
+        keys = [*sections[section][1], *(_keys(args_cls) if args_cls and section == _MODEL else ())]
+        by_key = {k: f"{s}.{k}" for s in reversed(sections) for k in sections[s][1]}
+        hit = f"{section}.{hit}" if (hit := _closest(key, keys)) else by_key.get(_closest(key, by_key) or "")
+        hint = f"did you mean '{hit}'?" if hit else f"[{section}] accepts: " + ", ".join(keys)
+        if section == _MODEL and args_cls:
+            where += f" (neither a [model] key nor a field of {args_cls.__name__})"
+        elif section == _MODEL:
+            where += " (not a [model] key; model-args fields need titanlite.models.load_config or a model_schema)"
+        return ConfigError(f"unknown key '{name}' {where}; {hint}")
+    dotted = [f"{s}.{k}" for s, (_, keys) in sections.items() for k in keys]
+    hit = next(filter(None, (_closest(name, c) for c in ([*sections], dotted)[:: 1 if table else -1])), None)
+    hint = f"did you mean '{hit}'?" if hit else "sections: " + ", ".join(sections)
+    grouping = any(s.startswith(section + ".") for s in sections)  # [quantize] of [quantize.linear.float8]
+    kind = "section" if table else "top-level key" if not section else "key" if grouping else "section"
+    shown = f"'{name}'" if table or not section or grouping else f"'{section}' ({name})"
+    return ConfigError(f"unknown {kind} {shown} {where}; {hint}")
 
 
-def split_cli_args(argv: Sequence[str], bare: Any = True) -> list[tuple[str, Any]]:
-    """``--name value`` / ``--name=value`` / bare ``--name`` (value ``bare``) into ``(name, value)`` pairs.
-
-    A token that does not start with ``--`` takes the place of a value, so ``--x.y -1`` works; a
-    value that itself starts with ``--`` needs the ``=`` form. Shared by every TOML-config front end.
-    """
-    pairs: list[tuple[str, Any]] = []
-    i = 0
-    argv = list(argv)
-    while i < len(argv):
-        tok = argv[i]
-        if not tok.startswith("--") or len(tok) == 2:
-            raise ConfigError(f"unexpected argument {tok!r}; options look like --section.key value (see --help)")
-        body = tok[2:]
-        if "=" in body:
-            pairs.append(tuple(body.split("=", 1)))
-            i += 1
-        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            pairs.append((body, argv[i + 1]))
-            i += 2
-        else:
-            pairs.append((body, bare))
-            i += 1
-    return pairs
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # instead of printing the usage and exiting
+        raise ConfigError(f"{message} ({_CLI})")
 
 
-def _parse_argv(argv: Sequence[str]) -> tuple[str | None, list[tuple[str, Any]]]:
-    config_path: str | None = None
-    overrides: list[tuple[str, Any]] = []
-    for name, value in split_cli_args(argv, bare=_BARE):
-        if name == "config":
-            if value is _BARE or value == "":
-                raise ConfigError("--config needs a file path")
-            if config_path is not None:
-                raise ConfigError(f"--config given twice ({config_path!r} and {value!r})")
-            config_path = value
-            continue
-        overrides.append((name, value))
-    return config_path, overrides
+class _Store(argparse.Action):  # --section.key [VALUE]: converts and checks the value as it is parsed
+    def __init__(self, option_strings: list[str], dest: str, key: _Key, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs="?", const=_BARE, default=argparse.SUPPRESS, **kwargs)
+        self.key = key
+
+    def __call__(self, parser: Any, namespace: Any, value: Any, option_string: Any = None) -> None:
+        setattr(namespace, self.dest, _converted(self.key, self.dest, value, True, _CLI))
+
+
+def _parser(fields: Mapping[str, _Key], prog: str | None = None, help: tuple[str, str] | None = None) -> _Parser:
+    """Options in one group per section (model-args ``fields`` after [model]); ``help``: (note, title) for -h."""
+    p = _Parser(
+        prog=prog,
+        add_help=help is not None,
+        allow_abbrev=False,
+        formatter_class=functools.partial(argparse.HelpFormatter, max_help_position=40),
+        usage="%(prog)s [-h] [--config FILE] [--section.key VALUE | --section.key=VALUE ...]",
+        description="Loads the TOML file given with --config, then applies the --section.key options in order. "
+        "Booleans: --key, --key true|false or --key=false. Lists: comma-separated (a,b,c). Integers accept 1_000 "
+        "and 1e6; X | None fields accept none. A value starting with '-' (other than a number) needs the = form.",
+    )
+    p._negative_number_matcher = re.compile(r"^-\.?\d")  # -1e6 is a value, not an option (as in Python >= 3.13)
+    p.add_argument("--config", action="append", nargs="?", const="", default=[], metavar="FILE", help="TOML file")
+    for toml, (_, keys) in _sections(JobConfig).items():
+        group = p.add_argument_group(f"[{toml}]", help[0] if help and toml == _MODEL else None)
+        options = [(group, f"{toml}.{k}", key) for k, key in keys.items()]
+        if toml == _MODEL and fields:
+            family = p.add_argument_group(help[1]) if help else group
+            options += [(family, f"model.{k}", key) for k, key in fields.items() if k not in keys]
+        for g, dotted, key in options:
+            default = "required" if key.default is dataclasses.MISSING else _fmt(key.default)
+            text = "; ".join([f"{key.meta.get('help', '')} (default {default}", *(t for _, t in _rules(key.meta))])
+            text = (text + ")").replace("%", "%%")
+            g.add_argument(f"--{dotted}", action=_Store, key=key, metavar=_type_name(key.type), help=text)
+    return p
 
 
 def read_toml(path: str) -> dict[str, Any]:
     """A TOML file as a dict; ConfigError naming the file when it is missing or malformed."""
-    if not os.path.exists(path):
-        raise ConfigError(f"config file {path} not found")
     if not os.path.isfile(path):
-        raise ConfigError(f"config file {path} is not a file")
+        raise ConfigError(f"config file {path} {'is not a file' if os.path.exists(path) else 'not found'}")
     try:
         with open(path, "rb") as fh:
             return tomllib.load(fh)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"malformed TOML in config file {path}: {e}") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {path} is not valid UTF-8: {e}") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+    except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError) as e:
+        what = "malformed TOML in" if isinstance(e, tomllib.TOMLDecodeError) else "cannot read"
+        raise ConfigError(f"{what} config file {path}: {e}") from None
 
 
-def _apply_table(cfg: JobConfig, table: Mapping[str, Any], prefix: str, path: str, extras: dict[str, _Extra]) -> None:
-    """Apply a TOML table whose dotted name is ``prefix`` ("" = the document)."""
-    where = _where_file(path)
-    sections = _sections()
+def _flatten(table: Mapping[str, Any], prefix: str, where: str) -> Iterator[tuple[str, str, Any]]:
+    """(section, key, value) for each key of a TOML document; ConfigError for a table that is no section."""
+    sections = _sections(JobConfig)
     for k, v in table.items():
         name = f"{prefix}.{k}" if prefix else k
-        if name in sections:
-            if not isinstance(v, dict):
-                raise ConfigError(f"'{name}' {where} must be a table ([{name}]), got {_fmt(v)}")
-            _apply_section(cfg, sections[name], v, path, extras)
-        elif isinstance(v, dict) and _is_section_prefix(name):
-            _apply_table(cfg, v, name, path, extras)
-        elif isinstance(v, dict) or not prefix:
-            kind = "section" if isinstance(v, dict) else "top-level key"
-            raise ConfigError(f"unknown {kind} '{name}' {where}{_suggest_section(name)}")
-        else:  # a scalar inside a table that only groups sections, e.g. [quantize] foo = 1
-            raise ConfigError(f"unknown key '{name}' {where}{_suggest_section(name)}")
-
-
-def _apply_section(cfg: JobConfig, sec: _Section, table: Mapping[str, Any], path: str, extras: dict[str, _Extra]) -> None:
-    where = _where_file(path)
-    obj = getattr(cfg, sec.attr)
-    settable = sec.settable
-    for k, v in table.items():
-        name = f"{sec.toml}.{k}"
-        if k in settable:
-            _set_value(obj, sec.toml, settable[k], v, False, where)
-        elif isinstance(v, dict) and (name in _sections() or _is_section_prefix(name)):
-            _apply_table(cfg, {k: v}, sec.toml, path, extras)
-        elif sec.toml == _MODEL_SECTION and k == _OVERRIDES:
-            raise ConfigError(_overrides_msg(where))
-        elif sec.toml == _MODEL_SECTION:
-            extras.pop(k, None)
-            extras[k] = _Extra(v, False, where)
+        if isinstance(v, dict) and any(s == name or s.startswith(name + ".") for s in sections):
+            yield from _flatten(v, name, where)
+        elif name in sections:
+            raise ConfigError(f"'{name}' {where} must be a table ([{name}]), got {_fmt(v)}")
+        elif prefix in sections:
+            yield prefix, k, v
         else:
-            raise ConfigError(f"unknown key '{name}' {where}{_suggest_key(sec.toml, k, list(settable))}")
+            raise _unknown(name, where, table=isinstance(v, dict))
 
 
-def _overrides_msg(where: str) -> str:
-    return (f"'model.overrides' cannot be set directly {where}; write model-args fields as [model] keys "
-            "(e.g. n_layers = 4) or --model.<field> options")
-
-
-def _apply_cli(cfg: JobConfig, name: str, raw: Any, extras: dict[str, _Extra]) -> None:
-    where = _WHERE_CLI
-    section, _, key = name.rpartition(".")
-    if not section or not key:
-        hint = ""
-        matches = [d for d in _all_dotted() if d.rpartition(".")[2] == name]
-        if matches:
-            hint = f"; did you mean '--{matches[0]}'?"
-        raise ConfigError(f"unknown option '--{name}'; options look like --section.key value{hint}")
-    sec = _sections().get(section)
-    if sec is None:
-        raise ConfigError(f"unknown section '{section}' {where} (--{name}){_suggest_section(section, key)}")
-    settable = sec.settable
-    if key in settable:
-        _set_value(getattr(cfg, sec.attr), sec.toml, settable[key], raw, True, where)
-    elif sec.toml == _MODEL_SECTION and key == _OVERRIDES:
-        raise ConfigError(_overrides_msg(where))
-    elif sec.toml == _MODEL_SECTION:
-        extras.pop(key, None)
-        extras[key] = _Extra(raw, True, where)
-    else:
-        raise ConfigError(f"unknown key '{name}' {where}{_suggest_key(sec.toml, key, list(settable))}")
-
-
-def _import_extensions(cfg: JobConfig) -> None:
-    from titanlite.extensions import load_extensions
-
-    try:
-        load_extensions(cfg.job.extensions)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
-def _resolve_model(cfg: JobConfig, extras: Mapping[str, _Extra]) -> None:
-    """Check model.name/flavor against the registry and convert the model-args overrides."""
-    from titanlite.models import get_model_spec, model_names
-
-    name = cfg.model.name
-    try:
-        spec = get_model_spec(name)
-    except KeyError:
-        names = model_names()
-        hit = _closest(name, names)
-        hint = f"; did you mean '{hit}'?" if hit else ""
-        raise ConfigError(f"unknown model family '{name}' (model.name); registered: {', '.join(names)}{hint}") from None
-    flavor = cfg.model.flavor
-    if flavor not in spec.flavors:
-        hit = _closest(flavor, list(spec.flavors))
-        hint = f"; did you mean '{hit}'?" if hit else ""
-        raise ConfigError(f"unknown flavor '{flavor}' (model.flavor) for model '{name}'; "
-                          f"available: {', '.join(spec.flavors)}{hint}")
-    if not extras:
-        return
-    arg_keys = _class_keys(spec.args_cls)
-    overrides = dict(cfg.model.overrides)
-    for key, extra in extras.items():
-        k = arg_keys.get(key)
-        if k is None:
-            candidates = list(_sections()[_MODEL_SECTION].settable) + list(arg_keys)
-            hit = _closest(key, candidates)
-            hint = f"; did you mean 'model.{hit}'?" if hit else f"; {name} args fields: {', '.join(arg_keys)}"
-            raise ConfigError(f"unknown key 'model.{key}' {extra.where} (neither a [model] key nor a field of "
-                              f"{spec.args_cls.__name__}){hint}")
-        overrides[key] = _convert_checked(_MODEL_SECTION, k, extra.raw, extra.cli, extra.where)
+def _load(argv: list[str], docs: list[tuple[Any, str]], args_cls: type | None, strict: bool) -> JobConfig:
+    """``docs`` ((TOML document, where), in order), then ``--config``'s file, then ``argv`` applied to a fresh
+    config; the fields of ``args_cls`` are [model] keys. Unless ``strict``, unknown [model] keys are skipped."""
+    sections = _sections(JobConfig)
+    fields = {k: v for k, v in (_keys(args_cls) if args_cls else {}).items() if k not in sections[_MODEL][1]}
+    ns, unknown = _parser(fields).parse_known_args(argv)
+    if bad := [t for t in unknown if strict or t.startswith("--") and not re.match(r"--model\.[^.=]+(=|$)", t)]:
+        raise _unknown(bad[0], _CLI, args_cls)
+    paths, cfg, overrides = vars(ns).pop("config"), JobConfig(), {}
+    if "" in paths or len(paths) > 1:
+        raise ConfigError("--config needs a file path" if "" in paths else f"--config given twice {paths[:2]}")
+    for doc, where in docs + [(read_toml(p), f"in config file {p}") for p in paths]:
+        for section, k, v in _flatten(doc, "", where):
+            attr, keys = sections[section]
+            if k in keys:
+                setattr(getattr(cfg, attr), k, _converted(keys[k], f"{section}.{k}", v, False, where))
+            elif section == _MODEL and k in fields:
+                overrides[k] = _converted(fields[k], f"model.{k}", v, False, where)
+            elif strict or section != _MODEL or k == _OVERRIDES:
+                raise _unknown(f"{section}.{k}", where, args_cls)
+    for dotted, value in vars(ns).items():
+        section, _, k = dotted.rpartition(".")
+        if section == _MODEL and k in fields:
+            overrides[k] = value
+        else:
+            setattr(getattr(cfg, sections[section][0]), k, value)
     cfg.model.overrides = overrides
+    return cfg
 
 
-def load_config(argv: Sequence[str]) -> JobConfig:
-    """Build the config from ``--config FILE`` (optional) and ``--section.key value`` overrides.
-
-    The file is applied first, then the overrides in order; the result is validated. Raises
-    :class:`ConfigError` (one-line message) on any problem.
-    """
+def load_config(
+    argv: Sequence[str] = (),
+    model_schema: ModelSchema | None = None,
+    *,
+    tables: Mapping[str, Any] | None = None,
+    tables_source: str = "the given tables",
+) -> JobConfig:
+    """The validated config from ``tables`` (shaped like a parsed TOML file), ``--config FILE``, then the options;
+    the extra ``[model]`` keys are fields of the args dataclass that ``model_schema(cfg)`` returns once all of them
+    are applied (the whole is then loaded again, strictly); without it they are errors. ConfigError (one line)."""
     if isinstance(argv, str):
         raise TypeError("load_config expects a list of arguments, not a string")
-    config_path, cli = _parse_argv(argv)
-    cfg = JobConfig()
-    extras: dict[str, _Extra] = {}
-    if config_path is not None:
-        _apply_table(cfg, read_toml(config_path), "", config_path, extras)
-    for name, raw in cli:
-        _apply_cli(cfg, name, raw, extras)
-    _import_extensions(cfg)  # they may register the model family that [model] names
-    _resolve_model(cfg, extras)
+    docs = [(tables, f"in {tables_source}")] if tables is not None else []
+    cfg = _load(list(argv), docs, None, strict=model_schema is None)
+    if model_schema is not None:
+        cfg = _load(list(argv), docs, model_schema(cfg), strict=True)
     validate(cfg)
     return cfg
 
 
 def validate(cfg: JobConfig) -> None:
-    """Check every field's rules and the cross-field constraints; raise :class:`ConfigError`."""
-    for sec in _sections().values():
-        obj = getattr(cfg, sec.attr)
-        for key in sec.keys.values():
-            value = getattr(obj, key.name)
-            reason = _check(value, key.meta)
-            if reason:
-                raise ConfigError(f"invalid value {_fmt(value)} for '{sec.toml}.{key.name}': {reason}")
-
-    t, sched, val = cfg.training, cfg.lr_scheduler, cfg.validation
-    if sched.warmup_steps > t.steps:
-        raise ConfigError(f"lr_scheduler.warmup_steps ({sched.warmup_steps}) must be <= training.steps ({t.steps})")
-    if sched.decay_ratio != -1 and not 0.0 <= sched.decay_ratio <= 1.0:
-        raise ConfigError(f"invalid value {sched.decay_ratio} for 'lr_scheduler.decay_ratio': "
-                          "must be -1 (decay over all steps after warmup) or in [0, 1]")
-    gbs, lbs = t.global_batch_size, t.local_batch_size
-    if gbs != -1 and (gbs <= 0 or gbs % lbs != 0):
-        raise ConfigError(f"invalid value {gbs} for 'training.global_batch_size': must be -1 or a positive "
-                          f"multiple of training.local_batch_size ({lbs})")
-    tokens = lbs * t.seq_len
-    if cfg.quantize_linear_float8.enable and tokens % 16:
-        raise ConfigError(f"quantize.linear.float8.enable needs training.local_batch_size x training.seq_len "
-                          f"({lbs} x {t.seq_len} = {tokens} tokens per micro-batch) to be a multiple of 16: "
-                          "float8 matmuls (torch._scaled_mm) need every matrix dimension divisible by 16")
-    if val.steps != -1 and val.steps < 1:
-        raise ConfigError(f"invalid value {val.steps} for 'validation.steps': must be -1 (whole split) or >= 1")
-    for section, obj in (("training", t), ("validation", val)):
-        if obj.dataset not in _DATASETS:
-            raise ConfigError(f"invalid value {_fmt(obj.dataset)} for '{section}.dataset': "
-                              f"must be one of {', '.join(_DATASETS)}")
-        if obj.dataset in ("shards", "text") and not obj.dataset_path:
-            raise ConfigError(f"'{section}.dataset_path' must be set when {section}.dataset = \"{obj.dataset}\"")
-
-
-# --------------------------------------------------------------------------- writing
-
-
-_TOML_ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r", "\b": "\\b", "\f": "\\f"}
-
-
-def _toml_escape(ch: str) -> str:
-    if ch in _TOML_ESCAPES:
-        return _TOML_ESCAPES[ch]
-    return f"\\u{ord(ch):04x}" if ord(ch) < 0x20 or ord(ch) == 0x7F else ch
-
-
-def _toml_string(s: str) -> str:
-    return '"' + "".join(_toml_escape(ch) for ch in s) + '"'
+    """Every field's ``choices``/``min``/``max``/``gt`` checks, then ``cfg.validate()``; ConfigError."""
+    for toml, (attr, keys) in _sections(JobConfig).items():
+        for k, key in keys.items():
+            if reason := _check(value := getattr(getattr(cfg, attr), k), key.meta):
+                raise ConfigError(f"invalid value {_fmt(value)} for '{toml}.{k}': {reason}")
+    cfg.validate()
 
 
 def _toml_key(k: str) -> str:
-    if k and all(c.isascii() and (c.isalnum() or c in "_-") for c in k):
-        return k
-    return _toml_string(k)
+    return k if k and all(c.isascii() and (c.isalnum() or c in "_-") for c in k) else toml_value(k)
 
 
 def toml_value(v: Any) -> str:
     """``v`` (bool, int, float, str, list, dict) as a TOML value; TypeError for anything else."""
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "nan"
-        if math.isinf(v):
-            return "inf" if v > 0 else "-inf"
-        return repr(v)
-    if isinstance(v, str):
-        return _toml_string(v)
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan" if v != v else "inf" if v > 0 else "-inf"
     if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+        return "[" + ", ".join(map(toml_value, v)) + "]"
     if isinstance(v, dict):
-        items = [f"{_toml_key(str(k))} = {toml_value(x)}" for k, x in v.items() if x is not None]
-        return "{" + ", ".join(items) + "}" if items else "{}"
+        return "{" + ", ".join(f"{_toml_key(str(k))} = {toml_value(x)}" for k, x in v.items() if x is not None) + "}"
+    if isinstance(v, (bool, int, float, str)):  # written as JSON writes them: TOML's syntax, but DEL is escaped too
+        return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
     raise TypeError(f"cannot write {type(v).__name__} value {v!r} as TOML")
 
 
 def config_to_dict(cfg: JobConfig) -> dict[str, dict[str, Any]]:
-    """``{toml section name: {key: value}}`` with every key; model overrides are flattened into
-    ``"model"`` as in the TOML file. Dotted section names (``"quantize.linear.float8"``) are kept
-    as single keys. Values are copies."""
-    out: dict[str, dict[str, Any]] = {}
-    for sec in _sections().values():
-        obj = getattr(cfg, sec.attr)
-        d = {}
-        for k in sec.keys:
-            v = getattr(obj, k)
-            if sec.toml == _MODEL_SECTION and k == _OVERRIDES:
-                d.update(copy.deepcopy(v))
-            else:
-                d[k] = copy.deepcopy(v)
-        out[sec.toml] = d
+    """``{TOML section name: {key: value}}``, copies, model overrides flattened into ``"model"`` as in a file."""
+    out = {}
+    for toml, (attr, keys) in _sections(JobConfig).items():
+        obj = getattr(cfg, attr)
+        out[toml] = copy.deepcopy({k: getattr(obj, k) for k in keys} | (obj.overrides if toml == _MODEL else {}))
     return out
 
 
 def config_to_toml(cfg: JobConfig) -> str:
-    """The whole config as TOML (every section and key, defaults included).
-
-    TOML has no null: a ``None`` field whose default is None is left out (and comes back as None);
-    a ``None`` model override, or a ``None`` in a field with another default, is written as
-    ``"none"``, which ``X | None`` fields read as None.
-    """
+    """Every key as TOML. A None that is the default is left out, any other is written "none" (read as None)."""
     lines = ["# titanlite job config; load with --config <this file>."]
-    for sec in _sections().values():
-        obj = getattr(cfg, sec.attr)
-        lines.append("")
-        lines.append(f"[{sec.toml}]")
-        for k, key in sec.keys.items():
-            v = getattr(obj, k)
-            if sec.toml == _MODEL_SECTION and k == _OVERRIDES:
-                for ok, ov in v.items():
-                    lines.append(f"{_toml_key(ok)} = {toml_value('none' if ov is None else ov)}")
-                continue
-            if v is None:
-                if key.default is not None:
-                    lines.append(f"{k} = \"none\"")
-                continue
-            lines.append(f"{k} = {toml_value(v)}")
+    for toml, (attr, keys) in _sections(JobConfig).items():
+        obj = getattr(cfg, attr)
+        lines += ["", f"[{toml}]"]
+        for k, key in keys.items():
+            if (v := getattr(obj, k)) is not None or key.default is not None:
+                lines.append(f"{k} = {toml_value('none' if v is None else v)}")
+        if toml == _MODEL:
+            lines += [f"{_toml_key(k)} = {toml_value('none' if v is None else v)}" for k, v in obj.overrides.items()]
     return "\n".join(lines) + "\n"
 
 
 def dump_config(cfg: JobConfig, path: str | os.PathLike[str]) -> None:
     """Write :func:`config_to_toml` to ``path`` (parent folders are created)."""
-    parent = os.path.dirname(os.fspath(path))
-    if parent:
-        os.makedirs(parent, exist_ok=True)
+    os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
     with open(path, "w", encoding="utf-8") as fh:
         fh.write(config_to_toml(cfg))
 
 
-# --------------------------------------------------------------------------- help
+def format_help(prog: str = _DEFAULT_PROG, model_schema: ModelSchema | None = None) -> str:
+    """The ``--help`` text: every key's type, default, help and checks (and the default family's args fields)."""
+    cfg, fields, title = JobConfig(), {}, ""
+    why = " Loaders that know the models (titanlite.models.load_config) check them."
+    if model_schema is not None:
+        try:
+            args_cls, why = model_schema(cfg), ""
+            fields, title = (
+                _keys(args_cls),
+                f"{cfg.model.name} args fields ({args_cls.__name__}; flavors set their own)",
+            )
+        except Exception as e:  # the family cannot be imported: say so, help still works
+            why = f" ({cfg.model.name} args fields unavailable: {type(e).__name__}: {' '.join(str(e).split())})"
+    note = "Any field of the model family's args dataclass is also accepted, as a [model] key or --model.<field>; "
+    note += f"it overrides the flavor (stored in model.overrides).{why}"
+    return _parser(fields, prog, (note, title)).format_help()
 
 
-def _default_text(key: _Key) -> str:
-    if key.default is dataclasses.MISSING:
-        return "required"
-    return _fmt(key.default)
-
-
-def _key_line(dotted: str, key: _Key, indent: str = "  ") -> str:
-    line = f"{indent}--{dotted}  ({_type_name(key.type)}, default {_default_text(key)})"
-    if key.help:
-        line += f"  {key.help}"
-    rules = _rules(key.meta)
-    if rules:
-        line += f"  [{rules}]"
-    return line
-
-
-def _model_args_help(family: str) -> list[str]:
-    try:
-        from titanlite.models import get_model_spec
-
-        spec = get_model_spec(family)
-        keys = _class_keys(spec.args_cls)
-    except Exception as e:  # the family cannot be imported: say so, help still works
-        return [f"  ({family} args fields unavailable: {type(e).__name__}: {' '.join(str(e).splitlines())})"]
-    flavors = ", ".join(spec.flavors)
-    lines = [f"  {family} args fields (args-class defaults; the flavor sets its own values; flavors: {flavors}):"]
-    lines += [_key_line(f"model.{k}", key, indent="    ") for k, key in keys.items()]
-    return lines
-
-
-def format_help(prog: str = _DEFAULT_PROG) -> str:
-    """Usage, then every section and key with type, default, help and allowed values."""
-    lines = [
-        f"usage: {prog} [-h] [--config FILE] [--section.key VALUE | --section.key=VALUE ...]",
-        "",
-        "Loads the TOML file given with --config, then applies the --section.key overrides in order.",
-        "Booleans: --key, --key true|false or --key=false. Lists: comma-separated (a,b,c).",
-        "Integers accept 1_000 and 1e6; X | None fields accept none. Unknown keys are errors.",
-    ]
-    for sec in _sections().values():
-        lines.append("")
-        lines.append(f"[{sec.toml}]")
-        for k, key in sec.settable.items():
-            lines.append(_key_line(f"{sec.toml}.{k}", key))
-        if sec.toml == _MODEL_SECTION:
-            lines.append("  Any field of the model family's args dataclass is also accepted, as a [model] key or")
-            lines.append("  --model.<field>; it overrides the flavor (stored in model.overrides).")
-            family = sec.keys["name"].default if "name" in sec.keys else "llama3"
-            lines += _model_args_help(str(family))
-    return "\n".join(lines) + "\n"
-
-
-# --------------------------------------------------------------------------- entry points
-
-
-def parse_args_or_exit(argv: Sequence[str] | None = None, prog: str = _DEFAULT_PROG) -> JobConfig:
-    """``load_config`` for entry points: ``-h``/``--help`` prints the help and exits 0; a
-    :class:`ConfigError` prints ``error: <message>`` on stderr and exits 2 (no traceback)."""
+def parse_args_or_exit(
+    argv: Sequence[str] | None = None, prog: str = _DEFAULT_PROG, model_schema: ModelSchema | None = None
+) -> JobConfig:
+    """``load_config`` for entry points: ``--help`` prints the help (exit 0), a ConfigError ``error: ...`` (exit 2)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if "-h" in args or "--help" in args:
-        sys.stdout.write(format_help(prog))
+        sys.stdout.write(format_help(prog, model_schema))
         sys.stdout.flush()
         raise SystemExit(0)
     try:
-        return load_config(args)
+        return load_config(args, model_schema)
     except ConfigError as e:
         exit_with_error(e)
 
 
-def exit_with_error(error: object, code: int = 2, every_rank: bool = False) -> typing.NoReturn:
-    """Print ``error: <one line>`` on stderr and exit with ``code`` (no traceback).
-
-    Under torchrun every process parses the same command line, so by default only local rank 0 of
-    each node prints (one line per node instead of one per GPU). ``every_rank=True`` is for
-    failures that may differ between ranks (building the model, reading a rank's data): each rank
-    prints, prefixed with its rank when there are several.
-    """
-    if isinstance(error, KeyError) and error.args:
-        error = error.args[0]
-    msg = " ".join(str(error).split())
+def exit_with_error(error: object, code: int = 2, every_rank: bool = False) -> NoReturn:
+    """Print ``error: <one line>`` on stderr and exit with ``code``: under torchrun only local rank 0 of each node
+    (every rank parses the same command line), or with ``every_rank`` each rank, prefixed ``rank N:``."""
+    msg = " ".join(str(error.args[0] if isinstance(error, KeyError) and error.args else error).split())
     rank, world = os.environ.get("RANK"), int(os.environ.get("WORLD_SIZE", "1") or 1)
     if every_rank:
-        print(f"error: {f'rank {rank}: ' if rank is not None and world > 1 else ''}{msg}", file=sys.stderr)
+        sys.stderr.write(f"error: {f'rank {rank}: ' if rank is not None and world > 1 else ''}{msg}\n")
     elif os.environ.get("LOCAL_RANK", "0") == "0":
-        print(f"error: {msg}", file=sys.stderr)
+        sys.stderr.write(f"error: {msg}\n")
     raise SystemExit(code)

@@ -4,15 +4,21 @@ A family (llama3 in core, others from ``torchtitan_ext``) registers one :class:`
 code looks families up by name and never imports a family module directly, so a new family plugs
 in without touching core.
 """
+
 from __future__ import annotations
 
 import dataclasses
+import difflib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from torch import nn
 
+import titanlite.config
+from titanlite.config import ConfigError, JobConfig
+from titanlite.extensions import load_extensions
 from titanlite.planner import palm_flops_per_token
 
 
@@ -42,11 +48,11 @@ class ModelSpec:
     args_cls: type
     flavors: dict[str, Any]
     model_cls: type
-    parallelize_fn: Optional[Callable[..., nn.Module]] = None
+    parallelize_fn: Callable[..., nn.Module] | None = None
     hf_adapter: Any = None
-    tokenizer_builder: Optional[Callable[[str], Any]] = None
-    num_params: Optional[Callable[[Any], int]] = None
-    flops_per_token: Optional[Callable[[Any, int], int]] = None
+    tokenizer_builder: Callable[[str], Any] | None = None
+    num_params: Callable[[Any], int] | None = None
+    flops_per_token: Callable[[Any, int], int] | None = None
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
@@ -137,3 +143,39 @@ def model_counts(spec: ModelSpec, args: Any, seq_len: int) -> tuple[int, int]:
     flops = palm_flops_per_token(total - lookup_only, args.n_layers, args.n_heads, head_dim, seq_len)
     return (spec.num_params(args) if spec.num_params else total), (
         spec.flops_per_token(args, seq_len) if spec.flops_per_token else flops)
+
+
+def _did_you_mean(word: str, names: Sequence[str]) -> str:
+    hit = difflib.get_close_matches(word, list(names), n=1, cutoff=0.6)
+    return f"; did you mean '{hit[0]}'?" if hit else ""
+
+
+def model_schema(cfg: JobConfig) -> type:
+    """The args dataclass of ``cfg.model.name`` (a :data:`titanlite.config.ModelSchema`).
+
+    Imports ``cfg.job.extensions`` first (they may register the family), then checks the family and the
+    flavor against the registry; ConfigError (with the closest registered name) when either is unknown.
+    """
+    try:
+        load_extensions(cfg.job.extensions)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    name, flavor, names = cfg.model.name, cfg.model.flavor, model_names()
+    if name not in names:
+        raise ConfigError(
+            f"unknown model family '{name}' (model.name); registered: {', '.join(names)}{_did_you_mean(name, names)}"
+        )
+    spec = _REGISTRY[name]
+    if flavor not in spec.flavors:
+        raise ConfigError(
+            f"unknown flavor '{flavor}' (model.flavor) for model '{name}'; available: {', '.join(spec.flavors)}"
+            + _did_you_mean(flavor, list(spec.flavors))
+        )
+    return spec.args_cls
+
+
+def load_config(argv: Sequence[str] = (), **kwargs: Any) -> JobConfig:
+    """:func:`titanlite.config.load_config` with :func:`model_schema`: ``[job] extensions`` are imported,
+    ``[model] name``/``flavor`` checked against the registry and the family's args fields accepted as
+    ``[model]`` keys / ``--model.<field>`` options (``kwargs``: ``tables``, ``tables_source``)."""
+    return titanlite.config.load_config(argv, model_schema, **kwargs)

@@ -22,6 +22,7 @@ Three outcomes per key (the full table is in ``torchtitan_ext/compat/README.md``
 Keys that are not torchtitan's but are titanlite's (``[guard]``, ``[validation] dataset`` kinds,
 ``[job] dry_run`` ...) pass through unchanged, so one command line can mix both.
 """
+
 from __future__ import annotations
 
 import copy
@@ -29,10 +30,11 @@ import dataclasses
 import logging
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
-from titanlite.config.parser import ConfigError, read_toml, split_cli_args, toml_value
+from titanlite.config import ConfigError, read_toml, toml_value
 
 logger = logging.getLogger("torchtitan_ext.compat")
 
@@ -46,57 +48,157 @@ class CompatError(ValueError):
 # --------------------------------------------------------------------------- torchtitan's defaults
 # torchtitan v0.2 JobConfig defaults (torchtitan/config/job_config.py) for every key compat reads.
 DEFAULTS: dict[str, dict[str, Any]] = {
-    "job": {"config_file": None, "dump_folder": "./torchtitan/outputs", "description": "default job",
-            "use_for_integration_test": False, "print_args": False},
-    "profiling": {"enable_profiling": False, "save_traces_folder": "profile_traces", "profile_freq": 10,
-                  "enable_memory_snapshot": False, "save_memory_snapshot_folder": "memory_snapshot"},
-    "metrics": {"log_freq": 10, "enable_tensorboard": False, "disable_color_printing": False, "save_tb_folder": "tb",
-                "save_for_all_ranks": False, "enable_wandb": False},
-    "model": {"name": "llama3", "flavor": "debugmodel", "tokenizer_path": None, "hf_assets_path": None,
-              "converters": [], "print_after_conversion": False},
-    "optimizer": {"name": "AdamW", "lr": 8e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1,
-                  "implementation": "fused", "early_step_in_backward": False},
+    "job": {
+        "config_file": None,
+        "dump_folder": "./torchtitan/outputs",
+        "description": "default job",
+        "use_for_integration_test": False,
+        "print_args": False,
+    },
+    "profiling": {
+        "enable_profiling": False,
+        "save_traces_folder": "profile_traces",
+        "profile_freq": 10,
+        "enable_memory_snapshot": False,
+        "save_memory_snapshot_folder": "memory_snapshot",
+    },
+    "metrics": {
+        "log_freq": 10,
+        "enable_tensorboard": False,
+        "disable_color_printing": False,
+        "save_tb_folder": "tb",
+        "save_for_all_ranks": False,
+        "enable_wandb": False,
+    },
+    "model": {
+        "name": "llama3",
+        "flavor": "debugmodel",
+        "tokenizer_path": None,
+        "hf_assets_path": None,
+        "converters": [],
+        "print_after_conversion": False,
+    },
+    "optimizer": {
+        "name": "AdamW",
+        "lr": 8e-4,
+        "beta1": 0.9,
+        "beta2": 0.95,
+        "eps": 1e-8,
+        "weight_decay": 0.1,
+        "implementation": "fused",
+        "early_step_in_backward": False,
+    },
     "lr_scheduler": {"warmup_steps": 200, "decay_ratio": None, "decay_type": "linear", "min_lr_factor": 0.0},
-    "training": {"dataset": "c4_test", "dataset_path": None, "local_batch_size": 8, "global_batch_size": -1,
-                 "seq_len": 2048, "max_norm": 1.0, "steps": 10000, "enable_cpu_offload": False,
-                 "mixed_precision_param": "bfloat16", "mixed_precision_reduce": "float32", "gc_freq": 50,
-                 "gc_debug": False, "seed": None, "deterministic": False},
-    "parallelism": {"data_parallel_replicate_degree": 1, "enable_compiled_autograd": False,
-                    "data_parallel_shard_degree": -1, "fsdp_reshard_after_forward": "default",
-                    "tensor_parallel_degree": 1, "disable_loss_parallel": False,
-                    "enable_async_tensor_parallel": False, "pipeline_parallel_degree": 1,
-                    "pipeline_parallel_split_points": [], "pipeline_parallel_layers_per_stage": None,
-                    "pipeline_parallel_schedule": "1F1B", "pipeline_parallel_schedule_csv": "",
-                    "pipeline_parallel_microbatch_size": 1, "context_parallel_degree": 1,
-                    "context_parallel_rotate_method": "allgather", "expert_parallel_degree": 1,
-                    "expert_tensor_parallel_degree": 1},
-    "checkpoint": {"enable_checkpoint": False, "folder": "checkpoint", "initial_load_path": None,
-                   "initial_load_model_only": True, "initial_load_in_hf": False, "interval": 500,
-                   "last_save_model_only": True, "export_dtype": "float32", "create_seed_checkpoint": False,
-                   "async_mode": "disabled", "keep_latest_k": 10, "load_step": -1, "exclude_from_loading": [],
-                   "enable_first_step_checkpoint": False, "last_save_in_hf": False},
-    "activation_checkpoint": {"mode": "selective", "selective_ac_option": "2",
-                              "per_op_sac_force_recompute_mm_shapes_by_fqns": ["moe.router.gate"],
-                              "early_stop": False},
+    "training": {
+        "dataset": "c4_test",
+        "dataset_path": None,
+        "local_batch_size": 8,
+        "global_batch_size": -1,
+        "seq_len": 2048,
+        "max_norm": 1.0,
+        "steps": 10000,
+        "enable_cpu_offload": False,
+        "mixed_precision_param": "bfloat16",
+        "mixed_precision_reduce": "float32",
+        "gc_freq": 50,
+        "gc_debug": False,
+        "seed": None,
+        "deterministic": False,
+    },
+    "parallelism": {
+        "data_parallel_replicate_degree": 1,
+        "enable_compiled_autograd": False,
+        "data_parallel_shard_degree": -1,
+        "fsdp_reshard_after_forward": "default",
+        "tensor_parallel_degree": 1,
+        "disable_loss_parallel": False,
+        "enable_async_tensor_parallel": False,
+        "pipeline_parallel_degree": 1,
+        "pipeline_parallel_split_points": [],
+        "pipeline_parallel_layers_per_stage": None,
+        "pipeline_parallel_schedule": "1F1B",
+        "pipeline_parallel_schedule_csv": "",
+        "pipeline_parallel_microbatch_size": 1,
+        "context_parallel_degree": 1,
+        "context_parallel_rotate_method": "allgather",
+        "expert_parallel_degree": 1,
+        "expert_tensor_parallel_degree": 1,
+    },
+    "checkpoint": {
+        "enable_checkpoint": False,
+        "folder": "checkpoint",
+        "initial_load_path": None,
+        "initial_load_model_only": True,
+        "initial_load_in_hf": False,
+        "interval": 500,
+        "last_save_model_only": True,
+        "export_dtype": "float32",
+        "create_seed_checkpoint": False,
+        "async_mode": "disabled",
+        "keep_latest_k": 10,
+        "load_step": -1,
+        "exclude_from_loading": [],
+        "enable_first_step_checkpoint": False,
+        "last_save_in_hf": False,
+    },
+    "activation_checkpoint": {
+        "mode": "selective",
+        "selective_ac_option": "2",
+        "per_op_sac_force_recompute_mm_shapes_by_fqns": ["moe.router.gate"],
+        "early_stop": False,
+    },
     "compile": {"enable": False, "components": ["model", "loss"], "backend": "inductor"},
-    "quantize.linear.float8": {"enable_fsdp_float8_all_gather": False, "precompute_float8_dynamic_scale_for_fsdp": False,
-                               "force_recompute_fp8_weight_in_bwd": False, "recipe_name": None,
-                               "filter_fqns": ["output"], "emulate": False, "moe_fqns_prototype": []},
-    "quantize.linear.mx": {"mxfp8_dim1_cast_kernel_choice": "triton", "recipe_name": "mxfp8", "filter_fqns": ["output"]},
-    "comm": {"init_timeout_seconds": 300, "train_timeout_seconds": 100, "trace_buf_size": 20000,
-             "save_traces_folder": "comm_traces"},
+    "quantize.linear.float8": {
+        "enable_fsdp_float8_all_gather": False,
+        "precompute_float8_dynamic_scale_for_fsdp": False,
+        "force_recompute_fp8_weight_in_bwd": False,
+        "recipe_name": None,
+        "filter_fqns": ["output"],
+        "emulate": False,
+        "moe_fqns_prototype": [],
+    },
+    "quantize.linear.mx": {
+        "mxfp8_dim1_cast_kernel_choice": "triton",
+        "recipe_name": "mxfp8",
+        "filter_fqns": ["output"],
+    },
+    "comm": {
+        "init_timeout_seconds": 300,
+        "train_timeout_seconds": 100,
+        "trace_buf_size": 20000,
+        "save_traces_folder": "comm_traces",
+    },
     "memory_estimation": {"enabled": False, "disable_fake_mode": False},
-    "fault_tolerance": {"enable": False, "process_group": "gloo", "process_group_timeout_ms": 10000,
-                        "replica_id": 0, "group_size": 0, "min_replica_size": 1, "semi_sync_method": None,
-                        "sync_steps": 5, "should_quantize": False, "fragment_sync_delay": 0,
-                        "fragment_update_alpha": 0.0},
+    "fault_tolerance": {
+        "enable": False,
+        "process_group": "gloo",
+        "process_group_timeout_ms": 10000,
+        "replica_id": 0,
+        "group_size": 0,
+        "min_replica_size": 1,
+        "semi_sync_method": None,
+        "sync_steps": 5,
+        "should_quantize": False,
+        "fragment_sync_delay": 0,
+        "fragment_update_alpha": 0.0,
+    },
     "experimental": {"custom_import": "", "custom_args_module": ""},
-    "validation": {"enable": False, "dataset": "c4_validation", "dataset_path": None, "local_batch_size": 8,
-                   "seq_len": 2048, "freq": 10, "steps": -1},
+    "validation": {
+        "enable": False,
+        "dataset": "c4_validation",
+        "dataset_path": None,
+        "local_batch_size": 8,
+        "seq_len": 2048,
+        "freq": 10,
+        "steps": -1,
+    },
 }
 # Types of the keys whose default is None (for command-line strings).
-_NONE_TYPES = {("lr_scheduler", "decay_ratio"): float, ("training", "seed"): int,
-               ("parallelism", "pipeline_parallel_layers_per_stage"): int}
+_NONE_TYPES = {
+    ("lr_scheduler", "decay_ratio"): float,
+    ("training", "seed"): int,
+    ("parallelism", "pipeline_parallel_layers_per_stage"): int,
+}
 
 # Older spellings and locations (torchtitan moved or renamed them on the way to v0.2) -> canonical.
 LEGACY: dict[tuple[str, str], tuple[str, str]] = {
@@ -119,15 +221,26 @@ LEGACY: dict[tuple[str, str], tuple[str, str]] = {
 }
 _LEGACY_SECTIONS = {"float8": "quantize.linear.float8", "mx": "quantize.linear.mx"}
 # Legacy keys with their own meaning (not a rename), with their old defaults.
-_LEGACY_DEFAULTS = {("training", "enable_loss_parallel"): True, ("quantize.linear.float8", "enable_float8_linear"): False,
-                    ("checkpoint", "interval_type"): "steps", ("metrics", "rank_0_only"): True}
+_LEGACY_DEFAULTS = {
+    ("training", "enable_loss_parallel"): True,
+    ("quantize.linear.float8", "enable_float8_linear"): False,
+    ("checkpoint", "interval_type"): "steps",
+    ("metrics", "rank_0_only"): True,
+}
 for (_section, _key), _value in _LEGACY_DEFAULTS.items():
     DEFAULTS[_section][_key] = _value
 
 # Keys that are silently dropped (cosmetic or bookkeeping, nothing to warn about).
-SILENT = {("job", "config_file"), ("job", "use_for_integration_test"), ("metrics", "disable_color_printing"),
-          ("model", "print_after_conversion"), ("training", "gc_freq"), ("training", "gc_debug"),
-          ("training", "enable_loss_parallel"), ("quantize.linear.float8", "enable_float8_linear")}
+SILENT = {
+    ("job", "config_file"),
+    ("job", "use_for_integration_test"),
+    ("metrics", "disable_color_printing"),
+    ("model", "print_after_conversion"),
+    ("training", "gc_freq"),
+    ("training", "gc_debug"),
+    ("training", "enable_loss_parallel"),
+    ("quantize.linear.float8", "enable_float8_linear"),
+}
 
 # Keys titanlite lacks, ignored with one warning when set to something other than the default.
 IGNORED: dict[tuple[str, str], str] = {
@@ -145,7 +258,7 @@ IGNORED: dict[tuple[str, str], str] = {
     ("activation_checkpoint", "per_op_sac_force_recompute_mm_shapes_by_fqns"): "a memory/speed knob (MoE routers)",
     ("activation_checkpoint", "early_stop"): "a recomputation speed knob, same math",
     ("quantize.linear.float8", "enable_fsdp_float8_all_gather"): "float8 all-gather saves bandwidth only: titanlite "
-                                                                 "casts after the all-gather, same tensorwise scales",
+    "casts after the all-gather, same tensorwise scales",
     ("quantize.linear.float8", "precompute_float8_dynamic_scale_for_fsdp"): "a speed knob of float8 all-gather",
     ("quantize.linear.float8", "force_recompute_fp8_weight_in_bwd"): "a memory knob of float8 all-gather",
     ("quantize.linear.float8", "emulate"): "titanlite's float8 needs hardware float8 (or runs its own CPU path)",
@@ -159,8 +272,13 @@ IGNORED: dict[tuple[str, str], str] = {
 }
 
 # Pipeline-parallel details only matter when pipeline parallelism is on (which is refused).
-_PP_DETAILS = {"pipeline_parallel_split_points", "pipeline_parallel_layers_per_stage", "pipeline_parallel_schedule",
-               "pipeline_parallel_schedule_csv", "pipeline_parallel_microbatch_size"}
+_PP_DETAILS = {
+    "pipeline_parallel_split_points",
+    "pipeline_parallel_layers_per_stage",
+    "pipeline_parallel_schedule",
+    "pipeline_parallel_schedule_csv",
+    "pipeline_parallel_microbatch_size",
+}
 
 # Unknown keys whose name says they touch the objective or the experts are refused, not ignored.
 _MATH_WORDS = re.compile(r"loss|label_smoothing|z_loss|moe|expert|router|routing", re.IGNORECASE)
@@ -169,10 +287,23 @@ MOE_MODELS = {"deepseek_v3", "llama4", "qwen3_moe", "gpt_oss", "moe", "dsv3"}
 
 # torchtitan llama3 flavors (torchtitan/models/llama3/__init__.py, v0.2) as titanlite llama3 flavors + overrides.
 # v0.2 applies Llama 3.1 RoPE scaling (factor 8, low 1, high 4, original 8192) to every flavor.
-_ROPE31 = {"rope_theta": 500000.0, "rope_scaling_factor": 8.0, "rope_low_freq_factor": 1.0,
-           "rope_high_freq_factor": 4.0, "rope_original_max_position": 8192}
-_DEBUG = {"dim": 256, "n_layers": 6, "n_heads": 16, "n_kv_heads": None, "multiple_of": 256,
-          "ffn_dim_multiplier": None, "tie_word_embeddings": False, **_ROPE31}
+_ROPE31 = {
+    "rope_theta": 500000.0,
+    "rope_scaling_factor": 8.0,
+    "rope_low_freq_factor": 1.0,
+    "rope_high_freq_factor": 4.0,
+    "rope_original_max_position": 8192,
+}
+_DEBUG = {
+    "dim": 256,
+    "n_layers": 6,
+    "n_heads": 16,
+    "n_kv_heads": None,
+    "multiple_of": 256,
+    "ffn_dim_multiplier": None,
+    "tie_word_embeddings": False,
+    **_ROPE31,
+}
 LLAMA3_FLAVORS: dict[str, tuple[str, dict[str, Any]]] = {
     "debugmodel": ("debugmodel", dict(_DEBUG)),
     "debugmodel_flex_attn": ("debugmodel", {**_DEBUG, "attn_mask_type": "block_causal"}),
@@ -238,15 +369,30 @@ def _flatten(table: dict[str, Any], prefix: str = "") -> dict[tuple[str, str], A
     return out
 
 
-def parse_cli(argv: Sequence[str]) -> tuple[Optional[str], list[tuple[str, str, Any]]]:
+def _split_cli(argv: Sequence[str]) -> list[tuple[str, Any]]:
+    """``--name value`` / ``--name=value`` / bare ``--name`` (value True) as ``(name, value)`` pairs. A token that
+    does not start with ``--`` is a value (so ``--x.y -1`` works); a value starting with ``--`` needs ``=``."""
+    pairs: list[tuple[str, Any]] = []
+    tokens = list(argv)
+    while tokens:
+        token = tokens.pop(0)
+        if not token.startswith("--") or token == "--":
+            raise CompatError(f"unexpected argument {token!r}; options look like --section.key value")
+        name, eq, value = token[2:].partition("=")
+        if eq:
+            pairs.append((name, value))
+        elif tokens and not tokens[0].startswith("--"):
+            pairs.append((name, tokens.pop(0)))
+        else:
+            pairs.append((name, True))
+    return pairs
+
+
+def parse_cli(argv: Sequence[str]) -> tuple[str | None, list[tuple[str, str, Any]]]:
     """``--config PATH`` and ``--section.key value`` / ``--section.key=value`` / bare ``--section.flag``
     / ``--section.no_flag`` (torchtitan's spelling of false). Values stay strings (``True`` for bare)."""
     path, items = None, []
-    try:
-        pairs = split_cli_args(argv, bare=True)
-    except ConfigError as e:
-        raise CompatError(str(e)) from None
-    for name, value in pairs:
+    for name, value in _split_cli(argv):
         if name == "config":
             path = value
             continue
@@ -302,7 +448,7 @@ class _Warner:
         logger.warning(text)
 
 
-def translate(path: Optional[str], argv: Sequence[str] = ()) -> Translation:
+def translate(path: str | None, argv: Sequence[str] = ()) -> Translation:
     """Translate torchtitan file ``path`` plus torchtitan-style overrides ``argv`` (see module docstring)."""
     raw = _flatten(read_torchtitan_toml(path)) if path else {}
     _, cli = parse_cli(argv)
@@ -327,8 +473,10 @@ def translate(path: Optional[str], argv: Sequence[str] = ()) -> Translation:
         elif section in tl_sections and key in tl_sections[section]:
             passthrough_file[(section, key)] = value  # a titanlite key: used as is
         elif _MATH_WORDS.search(f"{section}.{key}"):
-            raise CompatError(f"{section}.{key}: an unknown setting of the loss / experts / routing; titanlite cannot "
-                              "tell whether ignoring it changes the math, so it refuses the config")
+            raise CompatError(
+                f"{section}.{key}: an unknown setting of the loss / experts / routing; titanlite cannot "
+                "tell whether ignoring it changes the math, so it refuses the config"
+            )
         else:
             warn(f"{section}.{key}" if section else key, "not a torchtitan v0.2 key titanlite knows; ignored")
 
@@ -348,7 +496,7 @@ def translate(path: Optional[str], argv: Sequence[str] = ()) -> Translation:
     if given.get(("quantize.linear.float8", "enable_float8_linear")):
         tt["model"]["converters"] = list(tt["model"]["converters"]) + ["float8"]
     _refuse(tt, given)
-    for (section, key) in given:
+    for section, key in given:
         if (section, key) in SILENT:
             continue
         reason = IGNORED.get((section, key))
@@ -376,48 +524,70 @@ def _refuse(tt: dict[str, dict[str, Any]], given) -> None:
     par, model = tt["parallelism"], tt["model"]
     name = str(model["name"])
     if name in MOE_MODELS or "moe" in name.lower():
-        raise CompatError(f"model.name={name!r}: mixture-of-experts models are not in titanlite (routing, expert "
-                          "parallelism and load balancing would change the math); refused")
+        raise CompatError(
+            f"model.name={name!r}: mixture-of-experts models are not in titanlite (routing, expert "
+            "parallelism and load balancing would change the math); refused"
+        )
     if name != "llama3":
-        raise CompatError(f"model.name={name!r}: compat maps torchtitan's llama3 only (titanlite families: "
-                          "llama3 in core, qwen3 from torchtitan_ext.qwen3 with titanlite configs); refused")
-    for key, what in (("pipeline_parallel_degree", "pipeline parallelism"),
-                      ("context_parallel_degree", "context parallelism"),
-                      ("expert_parallel_degree", "expert parallelism"),
-                      ("expert_tensor_parallel_degree", "expert tensor parallelism")):
+        raise CompatError(
+            f"model.name={name!r}: compat maps torchtitan's llama3 only (titanlite families: "
+            "llama3 in core, qwen3 from torchtitan_ext.qwen3 with titanlite configs); refused"
+        )
+    for key, what in (
+        ("pipeline_parallel_degree", "pipeline parallelism"),
+        ("context_parallel_degree", "context parallelism"),
+        ("expert_parallel_degree", "expert parallelism"),
+        ("expert_tensor_parallel_degree", "expert tensor parallelism"),
+    ):
         if par.get(key, 1) > 1:
-            raise CompatError(f"parallelism.{key}={par[key]}: titanlite has no {what}; running without it would "
-                              "need another layout (and batch or schedule) than the config states; refused")
+            raise CompatError(
+                f"parallelism.{key}={par[key]}: titanlite has no {what}; running without it would "
+                "need another layout (and batch or schedule) than the config states; refused"
+            )
     converters = [str(c) for c in model.get("converters") or []]
     for c in converters:
         if c not in ("float8", "quantize.linear.float8"):
-            raise CompatError(f"model.converters contains {c!r}: titanlite only has tensorwise float8 linears; "
-                              "running without this converter would change the numerics; refused")
+            raise CompatError(
+                f"model.converters contains {c!r}: titanlite only has tensorwise float8 linears; "
+                "running without this converter would change the numerics; refused"
+            )
     f8 = tt["quantize.linear.float8"]
     if converters and f8.get("recipe_name") not in (None, "tensorwise"):
-        raise CompatError(f"float8 recipe_name={f8['recipe_name']!r}: titanlite implements tensorwise scaling only "
-                          "(rowwise scales give different numerics); refused")
+        raise CompatError(
+            f"float8 recipe_name={f8['recipe_name']!r}: titanlite implements tensorwise scaling only "
+            "(rowwise scales give different numerics); refused"
+        )
     if f8.get("moe_fqns_prototype"):
         raise CompatError("quantize.linear.float8.moe_fqns_prototype: MoE float8 is not supported; refused")
     if tt["fault_tolerance"].get("enable"):
-        raise CompatError("fault_tolerance.enable=true: TorchFT replica groups (and semi-sync training) change how "
-                          "and when gradients are combined; refused")
+        raise CompatError(
+            "fault_tolerance.enable=true: TorchFT replica groups (and semi-sync training) change how "
+            "and when gradients are combined; refused"
+        )
     if tt["optimizer"].get("early_step_in_backward"):
-        raise CompatError("optimizer.early_step_in_backward=true: steps each parameter during backward, without the "
-                          "global gradient clipping titanlite applies; refused")
+        raise CompatError(
+            "optimizer.early_step_in_backward=true: steps each parameter during backward, without the "
+            "global gradient clipping titanlite applies; refused"
+        )
     if tt["optimizer"]["name"] not in ("AdamW", "Adam"):
         raise CompatError(f"optimizer.name={tt['optimizer']['name']!r}: only AdamW and Adam are supported; refused")
     for key in ("custom_import", "custom_args_module"):
         if tt["experimental"].get(key):
-            raise CompatError(f"experimental.{key}={tt['experimental'][key]!r}: torchtitan plug-in code cannot run in "
-                              "titanlite (port it as a titanlite extension, [job] extensions); refused")
+            raise CompatError(
+                f"experimental.{key}={tt['experimental'][key]!r}: torchtitan plug-in code cannot run in "
+                "titanlite (port it as a titanlite extension, [job] extensions); refused"
+            )
     ck = tt["checkpoint"]
     if ck.get("initial_load_in_hf"):
-        raise CompatError("checkpoint.initial_load_in_hf=true: convert the Hugging Face folder first "
-                          "(scripts/convert_hf_to_dcp.py) and give the result as checkpoint.initial_load_path")
+        raise CompatError(
+            "checkpoint.initial_load_in_hf=true: convert the Hugging Face folder first "
+            "(scripts/convert_hf_to_dcp.py) and give the result as checkpoint.initial_load_path"
+        )
     if ck.get("create_seed_checkpoint"):
-        raise CompatError("checkpoint.create_seed_checkpoint=true: titanlite needs no seed checkpoint (it initializes "
-                          "sharded models directly, see parallelism.weight_init); run the training without it")
+        raise CompatError(
+            "checkpoint.create_seed_checkpoint=true: titanlite needs no seed checkpoint (it initializes "
+            "sharded models directly, see parallelism.weight_init); run the training without it"
+        )
     if tt["training"].get("mixed_precision_reduce") not in ("float32", "bfloat16"):
         raise CompatError(f"training.mixed_precision_reduce={tt['training']['mixed_precision_reduce']!r}: unsupported")
     if tt["activation_checkpoint"]["mode"] not in ("none", "full", "selective"):
@@ -433,11 +603,13 @@ def _dataset(section: str, tt_section: dict[str, Any]) -> tuple[str, str]:
         if os.path.isfile(os.path.join(path, "manifest.json")):
             return "shards", path
         return "text", path
-    raise CompatError(f"{section}.dataset={name!r} is a Hugging Face dataset torchtitan downloads; titanlite reads "
-                      f"local files only: give --{section}.dataset_path (a local copy: JSON lines with a 'text' field, "
-                      f"text or Parquet files), or prepare shards with scripts/prepare_data.py and pass "
-                      f"--{section}.dataset shards --{section}.dataset_path DIR (or --{section}.dataset embedded for a "
-                      "smoke test)")
+    raise CompatError(
+        f"{section}.dataset={name!r} is a Hugging Face dataset torchtitan downloads; titanlite reads "
+        f"local files only: give --{section}.dataset_path (a local copy: JSON lines with a 'text' field, "
+        f"text or Parquet files), or prepare shards with scripts/prepare_data.py and pass "
+        f"--{section}.dataset shards --{section}.dataset_path DIR (or --{section}.dataset embedded for a "
+        "smoke test)"
+    )
 
 
 def _tokenizer(model: dict[str, Any]) -> str:
@@ -454,17 +626,33 @@ def _tokenizer(model: dict[str, Any]) -> str:
         for candidate in (p / "original" / "tokenizer.model", p / "tokenizer.model"):
             if candidate.is_file():
                 return str(candidate)
-        raise CompatError(f"model.{key}={path}: no tiktoken tokenizer file there (titanlite reads Llama 3's "
-                          "tokenizer.model / original/tokenizer.model, not tokenizer.json); give "
-                          "--model.tokenizer_path FILE, or --model.tokenizer_path '' for the built-in byte tokenizer")
-    raise CompatError("the config names no tokenizer (model.hf_assets_path or model.tokenizer_path); give "
-                      "--model.tokenizer_path FILE, or --model.tokenizer_path '' for the built-in byte tokenizer")
+        raise CompatError(
+            f"model.{key}={path}: no tiktoken tokenizer file there (titanlite reads Llama 3's "
+            "tokenizer.model / original/tokenizer.model, not tokenizer.json); give "
+            "--model.tokenizer_path FILE, or --model.tokenizer_path '' for the built-in byte tokenizer"
+        )
+    raise CompatError(
+        "the config names no tokenizer (model.hf_assets_path or model.tokenizer_path); give "
+        "--model.tokenizer_path FILE, or --model.tokenizer_path '' for the built-in byte tokenizer"
+    )
 
 
 def _build(tt: dict[str, dict[str, Any]], warn: _Warner) -> tuple[dict[str, dict[str, Any]], CompatSettings]:
     job, model, opt, sched = tt["job"], tt["model"], tt["optimizer"], tt["lr_scheduler"]
-    t, par, ck, ac, comp = tt["training"], tt["parallelism"], tt["checkpoint"], tt["activation_checkpoint"], tt["compile"]
-    val, f8, prof, met, comm = tt["validation"], tt["quantize.linear.float8"], tt["profiling"], tt["metrics"], tt["comm"]
+    t, par, ck, ac, comp = (
+        tt["training"],
+        tt["parallelism"],
+        tt["checkpoint"],
+        tt["activation_checkpoint"],
+        tt["compile"],
+    )
+    val, f8, prof, met, comm = (
+        tt["validation"],
+        tt["quantize.linear.float8"],
+        tt["profiling"],
+        tt["metrics"],
+        tt["comm"],
+    )
 
     flavor = str(model["flavor"])
     if flavor in LLAMA3_FLAVORS:
@@ -474,8 +662,10 @@ def _build(tt: dict[str, dict[str, Any]], warn: _Warner) -> tuple[dict[str, dict
         from titanlite.models import get_model_spec
 
         if flavor not in get_model_spec("llama3").flavors:
-            raise CompatError(f"model.flavor={flavor!r}: not a torchtitan llama3 flavor (debugmodel, "
-                              f"debugmodel_flex_attn, 8B, 70B, 405B)")
+            raise CompatError(
+                f"model.flavor={flavor!r}: not a torchtitan llama3 flavor (debugmodel, "
+                f"debugmodel_flex_attn, 8B, 70B, 405B)"
+            )
         warn("model.flavor", f"{flavor!r} is not a torchtitan llama3 flavor; using titanlite's llama3/{flavor}")
         tl_flavor, overrides = flavor, {}
     from titanlite.models import get_model_spec
@@ -494,30 +684,69 @@ def _build(tt: dict[str, dict[str, Any]], warn: _Warner) -> tuple[dict[str, dict
     export = ck["export_dtype"] if ck["export_dtype"] in ("float32", "bfloat16") else "float32"
 
     out: dict[str, dict[str, Any]] = {
-        "job": {"dump_folder": job["dump_folder"], "description": job["description"], "print_config": job["print_args"]},
-        "model": {"name": "llama3", "flavor": tl_flavor, "tokenizer_path": _tokenizer(model),
-                  **{k: ("none" if v is None else v) for k, v in overrides.items()}},
-        "optimizer": {"name": opt["name"], "lr": float(opt["lr"]), "eps": float(opt["eps"]),
-                      "beta1": float(opt["beta1"]), "beta2": float(opt["beta2"]),
-                      "weight_decay": float(opt["weight_decay"]), "implementation": opt["implementation"]},
-        "lr_scheduler": {"warmup_steps": warmup, "decay_ratio": -1.0 if decay_ratio is None else float(decay_ratio),
-                         "decay_type": sched["decay_type"], "min_lr_factor": float(sched["min_lr_factor"])},
-        "training": {"local_batch_size": int(t["local_batch_size"]), "global_batch_size": int(t["global_batch_size"]),
-                     "seq_len": int(t["seq_len"]), "steps": steps, "max_norm": float(t["max_norm"]),
-                     "seed": 0 if t["seed"] is None else int(t["seed"]), "deterministic": bool(t["deterministic"]),
-                     "mixed_precision_param": t["mixed_precision_param"],
-                     "mixed_precision_reduce": t["mixed_precision_reduce"]},
-        "metrics": {"log_freq": int(met["log_freq"]), "enable_tensorboard": bool(met["enable_tensorboard"]),
-                    "save_tb_folder": met["save_tb_folder"]},
-        "profiling": {k: prof[k] for k in ("enable_profiling", "save_traces_folder", "profile_freq",
-                                           "enable_memory_snapshot", "save_memory_snapshot_folder")},
-        "parallelism": {"data_parallel_replicate_degree": int(par["data_parallel_replicate_degree"]),
-                        "data_parallel_shard_degree": int(par["data_parallel_shard_degree"]),
-                        "tensor_parallel_degree": int(par["tensor_parallel_degree"]),
-                        "enable_loss_parallel": not par["disable_loss_parallel"],
-                        "fsdp_reshard_after_forward": par["fsdp_reshard_after_forward"]},
-        "comm": {"init_timeout_seconds": int(comm["init_timeout_seconds"]),
-                 "train_timeout_seconds": int(comm["train_timeout_seconds"])},
+        "job": {
+            "dump_folder": job["dump_folder"],
+            "description": job["description"],
+            "print_config": job["print_args"],
+        },
+        "model": {
+            "name": "llama3",
+            "flavor": tl_flavor,
+            "tokenizer_path": _tokenizer(model),
+            **{k: ("none" if v is None else v) for k, v in overrides.items()},
+        },
+        "optimizer": {
+            "name": opt["name"],
+            "lr": float(opt["lr"]),
+            "eps": float(opt["eps"]),
+            "beta1": float(opt["beta1"]),
+            "beta2": float(opt["beta2"]),
+            "weight_decay": float(opt["weight_decay"]),
+            "implementation": opt["implementation"],
+        },
+        "lr_scheduler": {
+            "warmup_steps": warmup,
+            "decay_ratio": -1.0 if decay_ratio is None else float(decay_ratio),
+            "decay_type": sched["decay_type"],
+            "min_lr_factor": float(sched["min_lr_factor"]),
+        },
+        "training": {
+            "local_batch_size": int(t["local_batch_size"]),
+            "global_batch_size": int(t["global_batch_size"]),
+            "seq_len": int(t["seq_len"]),
+            "steps": steps,
+            "max_norm": float(t["max_norm"]),
+            "seed": 0 if t["seed"] is None else int(t["seed"]),
+            "deterministic": bool(t["deterministic"]),
+            "mixed_precision_param": t["mixed_precision_param"],
+            "mixed_precision_reduce": t["mixed_precision_reduce"],
+        },
+        "metrics": {
+            "log_freq": int(met["log_freq"]),
+            "enable_tensorboard": bool(met["enable_tensorboard"]),
+            "save_tb_folder": met["save_tb_folder"],
+        },
+        "profiling": {
+            k: prof[k]
+            for k in (
+                "enable_profiling",
+                "save_traces_folder",
+                "profile_freq",
+                "enable_memory_snapshot",
+                "save_memory_snapshot_folder",
+            )
+        },
+        "parallelism": {
+            "data_parallel_replicate_degree": int(par["data_parallel_replicate_degree"]),
+            "data_parallel_shard_degree": int(par["data_parallel_shard_degree"]),
+            "tensor_parallel_degree": int(par["tensor_parallel_degree"]),
+            "enable_loss_parallel": not par["disable_loss_parallel"],
+            "fsdp_reshard_after_forward": par["fsdp_reshard_after_forward"],
+        },
+        "comm": {
+            "init_timeout_seconds": int(comm["init_timeout_seconds"]),
+            "train_timeout_seconds": int(comm["train_timeout_seconds"]),
+        },
         "activation_checkpoint": {"mode": ac["mode"], "selective_ac_option": str(ac["selective_ac_option"])},
         "compile": {"enable": bool(comp["enable"]), "components": list(comp["components"])},
         "quantize.linear.float8": {"enable": float8, "filter_fqns": list(f8["filter_fqns"])},
@@ -526,24 +755,38 @@ def _build(tt: dict[str, dict[str, Any]], warn: _Warner) -> tuple[dict[str, dict
     out["training"].update({"dataset": kind, "dataset_path": path})
     if val["enable"]:
         vkind, vpath = _dataset("validation", val)
-        out["validation"] = {"enable": True, "dataset": vkind, "dataset_path": vpath, "freq": int(val["freq"]),
-                             "steps": int(val["steps"])}
+        out["validation"] = {
+            "enable": True,
+            "dataset": vkind,
+            "dataset_path": vpath,
+            "freq": int(val["freq"]),
+            "steps": int(val["steps"]),
+        }
     else:
         out["validation"] = {"enable": False}
     if ddp_only:
-        warn("parallelism.data_parallel_replicate_degree", "DDP (replicate > 1, shard 1) runs as HSDP with a shard "
-             "degree of 1 in titanlite: replicated parameters, all-reduced gradients, the same math")
+        warn(
+            "parallelism.data_parallel_replicate_degree",
+            "DDP (replicate > 1, shard 1) runs as HSDP with a shard "
+            "degree of 1 in titanlite: replicated parameters, all-reduced gradients, the same math",
+        )
 
-    settings = CompatSettings(exclude_from_loading=[str(x) for x in ck["exclude_from_loading"]],
-                              initial_load_model_only=bool(ck["initial_load_model_only"]),
-                              load_step=int(ck["load_step"]))
+    settings = CompatSettings(
+        exclude_from_loading=[str(x) for x in ck["exclude_from_loading"]],
+        initial_load_model_only=bool(ck["initial_load_model_only"]),
+        load_step=int(ck["load_step"]),
+    )
     folder = os.path.join(job["dump_folder"], ck["folder"])
     own = os.path.join(folder, TITANLITE_SUBFOLDER)
     own_step = os.path.isdir(os.path.join(own, f"step-{ck['load_step']}"))
     out["checkpoint"] = {
-        "enable": bool(ck["enable_checkpoint"]), "folder": os.path.join(ck["folder"], TITANLITE_SUBFOLDER),
-        "interval": int(ck["interval"]), "async_mode": ck["async_mode"], "keep_latest_k": int(ck["keep_latest_k"]),
-        "last_save_model_only": bool(ck["last_save_model_only"]), "export_dtype": export,
+        "enable": bool(ck["enable_checkpoint"]),
+        "folder": os.path.join(ck["folder"], TITANLITE_SUBFOLDER),
+        "interval": int(ck["interval"]),
+        "async_mode": ck["async_mode"],
+        "keep_latest_k": int(ck["keep_latest_k"]),
+        "last_save_model_only": bool(ck["last_save_model_only"]),
+        "export_dtype": export,
         "load_step": int(ck["load_step"]) if own_step else -1,
     }
     if ck["enable_checkpoint"]:
@@ -553,8 +796,9 @@ def _build(tt: dict[str, dict[str, Any]], warn: _Warner) -> tuple[dict[str, dict
         warn("checkpoint.initial_load_path", "ignored because checkpoint.enable_checkpoint is false (as in torchtitan)")
     elif init:
         if os.path.isfile(os.path.join(init, "checkpoint.json")):  # a titanlite checkpoint: titanlite loads it
-            out["checkpoint"].update({"initial_load_path": init,
-                                      "initial_load_model_only": bool(ck["initial_load_model_only"])})
+            out["checkpoint"].update(
+                {"initial_load_path": init, "initial_load_model_only": bool(ck["initial_load_model_only"])}
+            )
         else:
             settings.initial_load_path = init
     return out, settings
@@ -571,18 +815,10 @@ def to_toml(tables: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def load_translated(translation: Translation, folder: Optional[str] = None):
-    """The titanlite :class:`~titanlite.config.JobConfig` of a translation (validated by titanlite's
-    own loader). The TOML is written to ``folder`` (by default a temporary one, removed after)."""
-    import tempfile
+def load_translated(translation: Translation):
+    """The titanlite :class:`~titanlite.config.JobConfig` of a translation, validated by titanlite's own loader
+    (the translated tables, then the titanlite-only command-line options; no file is written)."""
+    from titanlite.models import load_config
 
-    from titanlite.config import load_config
-
-    if folder is None:
-        with tempfile.TemporaryDirectory(prefix="torchtitan_compat_") as tmp:
-            return load_translated(translation, tmp)
-    path = os.path.join(folder, "translated_titanlite_config.toml")
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.write(translation.toml())
-    return load_config(["--config", path] + translation.cli)
-
+    tables = {name: {k: v for k, v in table.items() if v is not None} for name, table in translation.titanlite.items()}
+    return load_config(translation.cli, tables=tables, tables_source="the translated torchtitan config")
