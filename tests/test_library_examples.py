@@ -31,7 +31,7 @@ FAMILY = next(b for b in BLOCKS if 'name="gpt2"' in b)
 LOSS = next(b for b in BLOCKS if 'register("loss", "z_loss"' in b)
 RTOL = 2e-5  # fp32 summation order across ranks (see tests/test_parallel_parity.py)
 README_ARGS = '"--model.n_layers", "2", "--training.steps", "20"]'
-SMALL = ["--training.steps", "6", "--training.seq_len", "64"]
+SMALL = ["--training.steps", "6", "--training.seq_len", "64", "--lr_scheduler.warmup_steps", "2"]
 
 
 def shrink(code: str, extra: list[str] = ()) -> str:
@@ -124,7 +124,7 @@ def test_checkpoint_and_resume_from_own_loop_is_identical_after_a_kill(tmp_path)
 def _family_run(tmp_path: Path, name: str, launcher: list[str]) -> list[float]:
     dump = tmp_path / name
     cmd = [*launcher, "-m", "titanlite.train", "--job.extensions", "gpt2_family", "--model.name", "gpt2",
-           "--model.flavor", "tiny", "--training.seq_len", "64", "--training.steps", "5", "--metrics.log_freq", "1",
+           "--model.flavor", "tiny", "--training.seq_len", "64", "--training.steps", "5", "--training.global_batch_size", "16", "--metrics.log_freq", "1",
            "--validation.enable", "false", "--lr_scheduler.warmup_steps", "1", "--job.dump_folder", str(dump)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]), OMP_NUM_THREADS="1",
                CUDA_VISIBLE_DEVICES="")
