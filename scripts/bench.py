@@ -44,9 +44,9 @@ import torch  # noqa: E402
 from titanlite.config import exit_with_error, parse_args_or_exit  # noqa: E402
 from titanlite.metrics import MetricsHook, memory_stats, peak_flops  # noqa: E402
 from titanlite.models import model_schema  # noqa: E402
-from titanlite.train_step import TrainStep  # noqa: E402
 from titanlite.parallel.distributed import world_from_env  # noqa: E402
 from titanlite.train import Trainer, setup_logging  # noqa: E402
+from titanlite.train_step import TrainStep  # noqa: E402
 
 
 class StepTimer:
@@ -217,10 +217,15 @@ def summarize(trainer: BenchTrainer, cfg, args, elapsed: float) -> dict:
         else f"cpu ({torch.get_num_threads()} threads)",
         "world_size": trainer.world.world_size,
         "parallelism": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp},
-        "mixed_precision_param": cfg.training.mixed_precision_param, "float8": float8,
-        "compile": cfg.compile.enable, "activation_checkpoint": cfg.activation_checkpoint.mode,
-        "seq_len": cfg.training.seq_len, "local_batch_size": cfg.training.local_batch_size,
-        "tokens_per_step": tokens_per_step, "warmup_steps": args.warmup, "timed_steps": steps,
+        "mixed_precision_param": cfg.training.mixed_precision_param,
+        "float8": float8,
+        "compile": cfg.compile.enable,
+        "activation_checkpoint": cfg.activation_checkpoint.mode,
+        "seq_len": cfg.training.seq_len,
+        "local_batch_size": cfg.training.local_batch_size,
+        "tokens_per_step": tokens_per_step,
+        "warmup_steps": args.warmup,
+        "timed_steps": steps,
         "step_time_s": elapsed / steps,
         "tokens_per_s_per_device": tps,
         "tokens_per_s_global": tps * trainer.world.world_size,

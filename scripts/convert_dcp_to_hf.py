@@ -7,6 +7,7 @@ the model of a family from an extension that the checkpoint records).
 
 See :mod:`titanlite.checkpoint.hf`. Wrong inputs print one ``error: ...`` line and exit with status 2.
 """
+
 import sys
 from pathlib import Path
 

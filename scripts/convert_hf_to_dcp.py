@@ -6,6 +6,7 @@ to a model-only titanlite DCP step folder (for --checkpoint.initial_load_path).
 
 See :mod:`titanlite.checkpoint.hf`. Wrong inputs print one ``error: ...`` line and exit with status 2.
 """
+
 import sys
 from pathlib import Path
 

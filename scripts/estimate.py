@@ -92,9 +92,17 @@ def build(args: argparse.Namespace, rest: list[str]):
     dtype = matmul_dtype(t.mixed_precision_param, setup.float8, torch.device("cuda"))
     peak = peak_flops_for_name(args.gpu, dtype)
     tokens = CHINCHILLA_TOKENS_PER_PARAM * param_count(shape) if args.chinchilla else args.tokens
-    plan = plan_run(shape, setup, tokens=tokens, mfu=args.mfu, peak_flops=peak, matmul_dtype=dtype,
-                    gpu_memory=gpu_memory_bytes(args.gpu), price_per_gpu_hour=args.price_per_gpu_hour,
-                    flops_per_token_=flops)
+    plan = plan_run(
+        shape,
+        setup,
+        tokens=tokens,
+        mfu=args.mfu,
+        peak_flops=peak,
+        matmul_dtype=dtype,
+        gpu_memory=gpu_memory_bytes(args.gpu),
+        price_per_gpu_hour=args.price_per_gpu_hour,
+        flops_per_token_=flops,
+    )
     return cfg, shape, setup, plan
 
 

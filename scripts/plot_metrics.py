@@ -8,6 +8,7 @@ dotted lines), learning rate, gradient norm, tokens/s per device and MFU. A fold
 ``metrics.jsonl`` path may be given; runs are labelled by folder name. Needs matplotlib, which
 titanlite itself does not depend on (``pip install matplotlib``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,8 +76,11 @@ def main(argv: list[str] | None = None) -> int:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("error: plot_metrics.py needs matplotlib, which titanlite does not install; "
-              "run `pip install matplotlib` (or `pip install -e .[test]`)", file=sys.stderr)
+        print(
+            "error: plot_metrics.py needs matplotlib, which titanlite does not install; "
+            "run `pip install matplotlib` (or `pip install -e .[test]`)",
+            file=sys.stderr,
+        )
         return 2
     runs = []
     for arg in args.runs:

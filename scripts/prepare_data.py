@@ -4,6 +4,7 @@
     python scripts/prepare_data.py --input PATH [PATH ...] --tokenizer tokenizer.model --output DIR \\
         [--val-fraction F] [--workers N] [--shard-tokens N] [--text-field NAME]
 """
+
 import sys
 from pathlib import Path
 

@@ -11,6 +11,7 @@ Backends: tests are written once and parametrized with :func:`backends`: ``gloo`
 hidden from the workers so they build CPU meshes) everywhere, plus ``nccl`` where there are enough
 GPUs. Workers run with ``OMP_NUM_THREADS=1``: several processes share the cores.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -22,8 +23,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -65,8 +67,15 @@ def _kill(procs: list[subprocess.Popen]) -> None:
             pass
 
 
-def run_workers(fn: Callable[[dict], Any], nprocs: int, args: dict | None = None, *, backend: str = "gloo",
-                timeout: float = 240.0, threads: int = 1) -> list[Any]:
+def run_workers(
+    fn: Callable[[dict], Any],
+    nprocs: int,
+    args: dict | None = None,
+    *,
+    backend: str = "gloo",
+    timeout: float = 240.0,
+    threads: int = 1,
+) -> list[Any]:
     """Run ``fn(args)`` on ``nprocs`` ranks; returns the per-rank results (see module docstring)."""
     module_file = Path(sys.modules[fn.__module__].__file__).resolve()
     work = Path(tempfile.mkdtemp(prefix="titanlite_dist_"))
@@ -75,18 +84,30 @@ def run_workers(fn: Callable[[dict], Any], nprocs: int, args: dict | None = None
     port = _free_port()
     procs, logs = [], []
     for rank in range(nprocs):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs),
-                   LOCAL_WORLD_SIZE=str(nprocs), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS=str(threads), TITANLITE_TEST_BACKEND=backend,
-                   PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(nprocs),
+            LOCAL_WORLD_SIZE=str(nprocs),
+            GROUP_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS=str(threads),
+            TITANLITE_TEST_BACKEND=backend,
+            PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        )
         if backend == "gloo":
             env["CUDA_VISIBLE_DEVICES"] = ""
         log = work / f"rank{rank}.log"
         logs.append(log)
         cmd = [sys.executable, __file__, str(module_file), fn.__name__, str(work)]
         with open(log, "w") as out:
-            procs.append(subprocess.Popen(cmd, env=env, cwd=str(REPO), stdout=out, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    cmd, env=env, cwd=str(REPO), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            )
     deadline = time.monotonic() + timeout
     failed = None
     try:
@@ -100,14 +121,18 @@ def run_workers(fn: Callable[[dict], Any], nprocs: int, args: dict | None = None
                 break
             if time.monotonic() > deadline:
                 _kill(procs)
-                raise AssertionError(f"{fn.__name__} on {nprocs} ranks ({backend}) timed out after {timeout:.0f} s; "
-                                     + "".join(f"\n--- rank {r} log tail:\n{_tail(l)}" for r, l in enumerate(logs)))
+                raise AssertionError(
+                    f"{fn.__name__} on {nprocs} ranks ({backend}) timed out after {timeout:.0f} s; "
+                    + "".join(f"\n--- rank {r} log tail:\n{_tail(l)}" for r, l in enumerate(logs))
+                )
             time.sleep(0.05)
     finally:
         _kill(procs)
     if failed is not None:
-        raise AssertionError(f"{fn.__name__}: rank {failed} of {nprocs} ({backend}) exited with "
-                             f"{procs[failed].returncode}:\n{_tail(logs[failed], 6000)}")
+        raise AssertionError(
+            f"{fn.__name__}: rank {failed} of {nprocs} ({backend}) exited with "
+            f"{procs[failed].returncode}:\n{_tail(logs[failed], 6000)}"
+        )
     results = []
     for rank in range(nprocs):
         with open(work / f"result{rank}.pkl", "rb") as f:

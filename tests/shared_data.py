@@ -3,6 +3,7 @@
 ``SHARED_DATA`` is ``$TITANLITE_SHARED_DATA`` when set, else ``<repo>/../shared/data``.
 :func:`shared_file` returns a file under it, or skips the calling test when it is absent.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,10 @@ def shared_file(rel: str) -> Path:
     """``SHARED_DATA / rel``; skips the test (with the reason) when it does not exist."""
     path = SHARED_DATA / rel
     if not SHARED_DATA.is_dir():
-        pytest.skip(f"shared test data not found at {SHARED_DATA}: folder missing "
-                    f"(set TITANLITE_SHARED_DATA to the data folder)")
+        pytest.skip(
+            f"shared test data not found at {SHARED_DATA}: folder missing "
+            f"(set TITANLITE_SHARED_DATA to the data folder)"
+        )
     if not path.exists():
         pytest.skip(f"shared test data not found at {SHARED_DATA}: {rel} missing")
     return path

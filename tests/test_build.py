@@ -44,8 +44,9 @@ class TiedLM(nn.Module):
 
 
 def spec(model_cls=TiedLM, parallelize_fn=None) -> ModelSpec:
-    return ModelSpec(name="tiny", args_cls=TinyArgs, flavors={"x": TinyArgs()}, model_cls=model_cls,
-                     parallelize_fn=parallelize_fn)  # fmt: skip
+    return ModelSpec(
+        name="tiny", args_cls=TinyArgs, flavors={"x": TinyArgs()}, model_cls=model_cls, parallelize_fn=parallelize_fn
+    )
 
 
 def test_to_empty_unties_and_the_builder_reties():

@@ -6,6 +6,7 @@ killed are separate processes (``python -c`` drivers) killed with SIGKILL at a c
 run that resumes is this (other) process. "Identical" means bitwise: loss, learning rate and
 tokens seen of every step, read back from ``metrics.jsonl``.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,22 +21,46 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_utils import cache_token_stores
 from torch.distributed.checkpoint import load as dcp_load
 
-from dist_utils import cache_token_stores
+import titanlite.train as train
 from titanlite.checkpoint import layout
 from titanlite.metrics import rewind_metrics_log
 from titanlite.models import load_config
-import titanlite.train as train
 from titanlite.train import Trainer, main
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 20
-TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-        "--training.seq_len", "32", "--training.local_batch_size", "4", "--training.steps", str(STEPS),
-        "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
-        "--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "0",
-        "--checkpoint.last_save_model_only", "false"]
+TINY = [
+    "--model.dim",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "2",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "4",
+    "--training.steps",
+    str(STEPS),
+    "--optimizer.lr",
+    "3e-3",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--checkpoint.enable",
+    "--checkpoint.interval",
+    "5",
+    "--checkpoint.keep_latest_k",
+    "0",
+    "--checkpoint.last_save_model_only",
+    "false",
+]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -116,8 +141,14 @@ def run_killed(dump: Path, env: dict, *extra: str) -> None:
         tokenizer = get_model_spec(cfg.model.name).tokenizer_builder(cfg.model.tokenizer_path)
         torch.save(train.load_token_store("embedded", "", "train", tokenizer), tokens_file)
     cmd = [sys.executable, "-c", DRIVER, *TINY, "--job.dump_folder", str(dump), *extra]
-    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENS_FILE": str(tokens_file), **env},
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        cmd,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENS_FILE": str(tokens_file), **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
@@ -159,8 +190,10 @@ def test_sigkill_then_resume_is_bitwise_identical(mode, baseline, tmp_path, capl
     stats = trainer.checkpointer.stats
     assert [s.step for s in stats] == [s for s in (5, 10, 15, 20) if s > complete[-1]]
     assert all(s.write_s is not None for s in stats)
-    assert json.loads((dump / "checkpoint" / "step-20" / "checkpoint.json").read_text())["tokens_seen"] == \
-        reference[-1]["tokens_seen"]
+    assert (
+        json.loads((dump / "checkpoint" / "step-20" / "checkpoint.json").read_text())["tokens_seen"]
+        == reference[-1]["tokens_seen"]
+    )
 
 
 def test_kill_during_write_leaves_nothing_resumable(baseline, tmp_path, caplog):
@@ -198,12 +231,15 @@ def test_resume_restores_data_position_lr_and_step(baseline, tmp_path):
 # ----------------------------------------------------------------------------- damaged checkpoints
 
 
-@pytest.mark.parametrize("damage, message", [
-    ("truncate", "data file __0_0.distcp is truncated"),
-    ("delete_data", "data file __0_0.distcp is missing"),
-    ("delete_metadata", "no .metadata"),
-    ("garble_metadata", ".metadata is unreadable"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("truncate", "data file __0_0.distcp is truncated"),
+        ("delete_data", "data file __0_0.distcp is missing"),
+        ("delete_metadata", "no .metadata"),
+        ("garble_metadata", ".metadata is unreadable"),
+    ],
+)
 def test_damaged_newest_falls_back_to_previous(damage, message, baseline, tmp_path, caplog):
     ref_dump, reference = baseline
     dump = copy_run(ref_dump, tmp_path / "run", [10, 15], keep_metrics_to=17)
@@ -262,8 +298,10 @@ def test_load_step_picks_that_checkpoint_and_missing_one_is_an_error(baseline, t
         main(TINY + ["--job.dump_folder", str(dump), "--checkpoint.load_step", "7"])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"error: checkpoint.load_step=7: no checkpoint step-7 in {dump / 'checkpoint'} "
-                   "(complete checkpoints: 5, 10, 15)"]
+    assert err == [
+        f"error: checkpoint.load_step=7: no checkpoint step-7 in {dump / 'checkpoint'} "
+        "(complete checkpoints: 5, 10, 15)"
+    ]
     assert steps_in(dump) == [5, 10, 15]
     cache_token_stores()
     trainer = Trainer(load_config(TINY + ["--job.dump_folder", str(dump), "--checkpoint.load_step", "5"]))
@@ -285,8 +323,18 @@ def test_initial_load_path_only_when_nothing_to_resume(baseline, tmp_path, caplo
     ref_dump, _ = baseline
     source = ref_dump / "checkpoint" / "step-20"
     dump = tmp_path / "run"
-    extra = ["--job.dump_folder", str(dump), "--checkpoint.initial_load_path", str(source),
-             "--training.steps", "1", "--checkpoint.interval", "1", "--lr_scheduler.warmup_steps", "0"]
+    extra = [
+        "--job.dump_folder",
+        str(dump),
+        "--checkpoint.initial_load_path",
+        str(source),
+        "--training.steps",
+        "1",
+        "--checkpoint.interval",
+        "1",
+        "--lr_scheduler.warmup_steps",
+        "0",
+    ]
     cache_token_stores()
     with caplog.at_level(logging.INFO, logger="titanlite"):
         trainer = Trainer(load_config(TINY + extra))
@@ -317,7 +365,9 @@ def test_initial_load_path_errors(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == f"error: checkpoint.initial_load_path={missing}: no such folder"
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit):
-        main(TINY + ["--job.dump_folder", str(tmp_path / "a"), "--checkpoint.initial_load_path", str(tmp_path / "empty")])
+        main(
+            TINY + ["--job.dump_folder", str(tmp_path / "a"), "--checkpoint.initial_load_path", str(tmp_path / "empty")]
+        )
     assert "is not a DCP checkpoint folder (no .metadata)" in capsys.readouterr().err
 
 
@@ -327,8 +377,21 @@ def test_forced_save_and_load_latest(baseline, tmp_path):
     ref_dump, reference = baseline
     dump = copy_run(ref_dump, tmp_path / "run", [5, 10], keep_metrics_to=12)
     cache_token_stores()
-    t = Trainer(load_config(TINY + ["--job.dump_folder", str(dump), "--checkpoint.load_step", "5",
-                                    "--checkpoint.interval", "100", "--checkpoint.async_mode", "async"]))
+    t = Trainer(
+        load_config(
+            TINY
+            + [
+                "--job.dump_folder",
+                str(dump),
+                "--checkpoint.load_step",
+                "5",
+                "--checkpoint.interval",
+                "100",
+                "--checkpoint.async_mode",
+                "async",
+            ]
+        )
+    )
     assert t.checkpointer.load() == 5 and t.state.step == 5
     assert not t.checkpointer.save(5) and t.checkpointer.save(5, force=True)
     t.checkpointer.wait()
@@ -345,8 +408,19 @@ def test_forced_save_and_load_latest(baseline, tmp_path):
 
 def test_keep_latest_k_and_model_only_last_save(tmp_path):
     dump = tmp_path / "run"
-    t = run_trainer(dump, "--training.steps", "8", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "1",
-                    "--checkpoint.last_save_model_only", "true", "--checkpoint.export_dtype", "bfloat16")
+    t = run_trainer(
+        dump,
+        "--training.steps",
+        "8",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.keep_latest_k",
+        "1",
+        "--checkpoint.last_save_model_only",
+        "true",
+        "--checkpoint.export_dtype",
+        "bfloat16",
+    )
     # k=1 keeps the newest (the step-8 export) and, always, the newest resumable checkpoint
     assert steps_in(dump) == [6, 8]
     info = layout.read_info(dump / "checkpoint" / "step-8")
@@ -362,11 +436,14 @@ def test_keep_latest_k_and_model_only_last_save(tmp_path):
 
 def test_resume_skips_model_only_export(tmp_path, caplog):
     dump = tmp_path / "run"
-    run_trainer(dump, "--training.steps", "4", "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "true")
+    run_trainer(
+        dump, "--training.steps", "4", "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "true"
+    )
     cache_token_stores()
     with caplog.at_level(logging.INFO, logger="titanlite"):
-        t = Trainer(load_config(TINY + ["--job.dump_folder", str(dump), "--training.steps", "4",
-                                        "--checkpoint.interval", "2"]))
+        t = Trainer(
+            load_config(TINY + ["--job.dump_folder", str(dump), "--training.steps", "4", "--checkpoint.interval", "2"])
+        )
         assert t.checkpointer.load() == 2
     assert "step-4 holds model weights only (export); not resumable" in caplog.text
     t.checkpointer.close()
@@ -401,8 +478,13 @@ def test_async_save_is_a_snapshot_taken_before_the_next_update(mode, tmp_path):
 def test_rewind_metrics_log(tmp_path):
     path = tmp_path / "metrics.jsonl"
     rows = [{"step": s, "loss": 1.0} for s in range(1, 8)] + [{"step": 5, "val_loss": 2.0}]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows[:5]) + json.dumps(rows[7]) + "\n"
-                    + "".join(json.dumps(r) + "\n" for r in rows[5:7]) + '{"step": 8, "lo')
+    path.write_text(
+        "".join(json.dumps(r) + "\n" for r in rows[:5])
+        + json.dumps(rows[7])
+        + "\n"
+        + "".join(json.dumps(r) + "\n" for r in rows[5:7])
+        + '{"step": 8, "lo'
+    )
     with open(path, "a") as appender:  # a logger that already holds the file open keeps working
         assert rewind_metrics_log(path, 5) == 3
         appender.write(json.dumps({"step": 6, "loss": 0.5}) + "\n")

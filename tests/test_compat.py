@@ -15,6 +15,7 @@
   gathered weight and moment equals the saved one. Training then continues and its own titanlite
   checkpoints (in ``checkpoint/titanlite``) take over on the next restart.
 """
+
 from __future__ import annotations
 
 import io
@@ -26,9 +27,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from dist_utils import run_workers
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-from dist_utils import run_workers
 from torchtitan_ext.compat import CompatError, load_translated, translate
 from torchtitan_ext.compat.checkpoint import is_torchtitan_checkpoint, load_torchtitan_checkpoint
 from torchtitan_ext.compat.train import CompatTrainer, main, torchtitan_lr_factor
@@ -56,16 +57,19 @@ def write_data(folder: Path) -> Path:
     path = folder / "c4_test.json"
     with open(path, "w") as f:
         for i in range(200):
-            f.write(json.dumps({"text": f"Document {i}. " + "The quick brown fox jumps over the lazy dog. " * 6}) + "\n")
+            f.write(
+                json.dumps({"text": f"Document {i}. " + "The quick brown fox jumps over the lazy dog. " * 6}) + "\n"
+            )
     return path
 
 
 def torchtitan_toml(folder: Path, body: str = "", steps: int = 6, ckpt: bool = True) -> Path:
     """A torchtitan v0.2-style llama3 debug config (the layout of torchtitan's debug_model.toml)."""
     data = write_data(folder)
-    text = f"""
+    text = (
+        f"""
 [job]
-dump_folder = "{folder / 'out'}"
+dump_folder = "{folder / "out"}"
 description = "Llama 3 debug training"
 print_args = false
 use_for_integration_test = true
@@ -111,7 +115,7 @@ pipeline_parallel_degree = 1
 context_parallel_degree = 1
 
 [checkpoint]
-enable_checkpoint = {'true' if ckpt else 'false'}
+enable_checkpoint = {"true" if ckpt else "false"}
 folder = "checkpoint"
 interval = 100
 last_save_model_only = false
@@ -123,7 +127,9 @@ mode = "none"
 [compile]
 enable = false
 components = ["model", "loss"]
-""" + body
+"""
+        + body
+    )
     path = folder / "torchtitan.toml"
     path.write_text(text)
     return path
@@ -137,7 +143,7 @@ def test_legacy_and_current_keys_map_and_torchtitan_defaults_apply(tmp_path):
     toml = tmp_path / "old.toml"
     toml.write_text(f"""
 [job]
-dump_folder = "{tmp_path / 'out'}"
+dump_folder = "{tmp_path / "out"}"
 [model]
 name = "llama3"
 flavor = "8B"
@@ -188,25 +194,46 @@ dataset_path = "{data}"
 def test_debugmodel_flavor_is_torchtitans_architecture(tmp_path):
     cfg = load_translated(translate(str(torchtitan_toml(tmp_path))))
     o = cfg.model.overrides
-    assert (cfg.model.flavor, o["dim"], o["n_layers"], o["n_heads"], o["n_kv_heads"]) == ("debugmodel", 256, 6, 16, None)
+    assert (cfg.model.flavor, o["dim"], o["n_layers"], o["n_heads"], o["n_kv_heads"]) == (
+        "debugmodel",
+        256,
+        6,
+        16,
+        None,
+    )
     assert o["rope_scaling_factor"] == 8.0 and o["rope_theta"] == 500000.0 and o["ffn_dim_multiplier"] is None
 
 
 def test_unsupported_keys_warn_once_and_only_when_asked_for(tmp_path, caplog):
-    toml = torchtitan_toml(tmp_path, body="""
+    toml = torchtitan_toml(
+        tmp_path,
+        body="""
 [comm]
 trace_buf_size = 0
 [memory_estimation]
 enabled = false
-""")
+""",
+    )
     text = toml.read_text().replace("enable_wandb = false", "enable_wandb = true\nshiny_new_key = 1")
     toml.write_text(text)
     with caplog.at_level(logging.WARNING, logger="torchtitan_ext.compat"):
-        tr = translate(str(toml), ["--metrics.enable_wandb", "true", "--metrics.shiny_new_key", "2",
-                                   "--parallelism.enable_async_tensor_parallel"])
+        tr = translate(
+            str(toml),
+            [
+                "--metrics.enable_wandb",
+                "true",
+                "--metrics.shiny_new_key",
+                "2",
+                "--parallelism.enable_async_tensor_parallel",
+            ],
+        )
     msgs = [r.getMessage() for r in caplog.records]
-    for key in ("metrics.enable_wandb", "metrics.shiny_new_key", "comm.trace_buf_size",
-                "parallelism.enable_async_tensor_parallel"):
+    for key in (
+        "metrics.enable_wandb",
+        "metrics.shiny_new_key",
+        "comm.trace_buf_size",
+        "parallelism.enable_async_tensor_parallel",
+    ):
         assert sum(key + ":" in m for m in msgs) == 1, (key, msgs)
     assert not any("memory_estimation" in m or "disable_color_printing" in m for m in msgs)  # defaults: silent
     assert len(tr.settings.warnings) == 4
@@ -262,8 +289,10 @@ def test_lr_schedule_is_torchtitans():
     # warmup (i+1)/2; decay = 8 steps, stable = 10 + 1 - 2 - 8 = 1; decay progress (i+1-3)/8
     want = [0.5, 1.0, 1.0, 0.875, 0.75, 0.625, 0.5, 0.375, 0.25, 0.125]
     assert got == pytest.approx(want)
-    cos = [torchtitan_lr_factor(i, **{**kw, "decay_type": "cosine", "min_lr_factor": 0.1, "decay_ratio": None})
-           for i in range(10)]
+    cos = [
+        torchtitan_lr_factor(i, **{**kw, "decay_type": "cosine", "min_lr_factor": 0.1, "decay_ratio": None})
+        for i in range(10)
+    ]
     assert cos[1] == 1.0 and cos[-1] > 0.1  # the virtual last step keeps the final lr above the minimum
 
 
@@ -278,9 +307,15 @@ def write_torchtitan_checkpoint(path: Path, trainer, legacy: bool = False) -> No
     if legacy:  # model under "model.", TrainState with a tensor step and BytesIO loss histories
         hist = io.BytesIO()
         torch.save([], hist)
-        states = {"model": model_sd, "train_state": {"step": torch.tensor(trainer.state.step, dtype=torch.int32),
-                                                     "global_avg_losses": hist, "global_max_losses": io.BytesIO(
-                                                         hist.getvalue()), "log_steps": io.BytesIO(hist.getvalue())}}
+        states = {
+            "model": model_sd,
+            "train_state": {
+                "step": torch.tensor(trainer.state.step, dtype=torch.int32),
+                "global_avg_losses": hist,
+                "global_max_losses": io.BytesIO(hist.getvalue()),
+                "log_steps": io.BytesIO(hist.getvalue()),
+            },
+        }
     else:
         states = {**model_sd, "train_state": {"step": trainer.state.step, "ntokens_seen": trainer.state.tokens_seen}}
     states.update({"optimizer": optim_sd, "lr_scheduler": trainer.lr_scheduler.state_dict(), "dataloader": loader})
@@ -349,8 +384,19 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path, no_peak_probe):
     toml = torchtitan_toml(tmp_path)
     small = compat_trainer(toml, ["--checkpoint.enable_checkpoint", "false"])
     write_torchtitan_checkpoint(tmp_path / "ckpt", small)
-    tr = translate(str(toml), ["--model.dim", "128", "--model.n_layers", "2", "--model.n_heads", "4",
-                               "--checkpoint.enable_checkpoint", "false"])
+    tr = translate(
+        str(toml),
+        [
+            "--model.dim",
+            "128",
+            "--model.n_layers",
+            "2",
+            "--model.n_heads",
+            "4",
+            "--checkpoint.enable_checkpoint",
+            "false",
+        ],
+    )
     bigger = CompatTrainer(load_translated(tr), settings=tr.settings)
     with pytest.raises(ValueError, match="tok_embeddings.weight is .* in the checkpoint but"):
         load_torchtitan_checkpoint(tmp_path / "ckpt", bigger.model, bigger.optimizer)
@@ -358,15 +404,19 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path, no_peak_probe):
 
 def fsdp_resume_worker(args: dict) -> dict:
     skip_peak_measurement()
-    tr = translate(args["toml"], [*TINY, "--parallelism.data_parallel_shard_degree", "2",
-                                  "--training.local_batch_size", "1"])
+    tr = translate(
+        args["toml"], [*TINY, "--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "1"]
+    )
     trainer = CompatTrainer(load_translated(tr), settings=tr.settings)
     step = trainer.resume()
     full = lambda v: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()  # noqa: E731
     osd = get_optimizer_state_dict(trainer.model, trainer.optimizer, options=FLAT)
-    return {"step": step, "model": {k: full(v) for k, v in trainer.model.state_dict().items()},
-            "moments": {k: full(v) for k, v in osd.items() if k.startswith("state.") and not k.endswith(".step")},
-            "lr": trainer.optimizer.param_groups[0]["lr"]}
+    return {
+        "step": step,
+        "model": {k: full(v) for k, v in trainer.model.state_dict().items()},
+        "moments": {k: full(v) for k, v in osd.items() if k.startswith("state.") and not k.endswith(".step")},
+        "lr": trainer.optimizer.param_groups[0]["lr"],
+    }
 
 
 @pytest.mark.multiprocess

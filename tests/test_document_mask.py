@@ -1,4 +1,5 @@
 """Block-causal (document) attention: mask semantics, SDPA vs flex forward, document independence."""
+
 import pytest
 import torch
 
@@ -34,8 +35,17 @@ def test_flex_and_sdpa_paths_agree_on_cpu_forward():
 @torch.no_grad()  # flex attention has no backward on CPU (torch 2.13)
 def test_document_logits_do_not_depend_on_preceding_document(backend):
     torch.manual_seed(0)
-    model = build_model("llama3", "debugmodel", device="cpu", n_layers=2, dim=64, n_heads=4, n_kv_heads=2,
-                        attn_mask_type="block_causal", attn_backend=backend)
+    model = build_model(
+        "llama3",
+        "debugmodel",
+        device="cpu",
+        n_layers=2,
+        dim=64,
+        n_heads=4,
+        n_kv_heads=2,
+        attn_mask_type="block_causal",
+        attn_backend=backend,
+    )
     model.eval()
     doc = torch.randint(0, 256, (1, 24))
     other = torch.randint(0, 256, (1, 40))

@@ -8,6 +8,7 @@ e4m3, 2^-17 for e5m2). A product of two rounded operands then deviates from the 
 most ``|x| dy + |y| dx + dx dy``, and a dot product by the sum of those: the bound each output
 element of the forward and of both backward matmuls must satisfy (plus fp32 accumulation slack).
 """
+
 from __future__ import annotations
 
 import logging
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titanlite.parallel.float8 import (E4M3, E5M2, Float8Linear, convert_to_float8, float8_disabled, to_float8)
+from titanlite.parallel.float8 import E4M3, E5M2, Float8Linear, convert_to_float8, float8_disabled, to_float8
 
 U = {E4M3: 2.0**-4, E5M2: 2.0**-3}
 HALF_SUBNORMAL = {E4M3: 2.0**-10, E5M2: 2.0**-17}
@@ -125,10 +126,34 @@ def test_float8_debug_model_trains(tmp_path):
     from titanlite.models import load_config
     from titanlite.train import Trainer
 
-    cfg = load_config(["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-                       "--training.seq_len", "32", "--training.local_batch_size", "4", "--training.steps", "20",
-                       "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "3", "--metrics.log_freq", "1",
-                       "--quantize.linear.float8.enable", "true", "--job.dump_folder", str(tmp_path)])
+    cfg = load_config(
+        [
+            "--model.dim",
+            "64",
+            "--model.n_layers",
+            "2",
+            "--model.n_heads",
+            "4",
+            "--model.n_kv_heads",
+            "2",
+            "--training.seq_len",
+            "32",
+            "--training.local_batch_size",
+            "4",
+            "--training.steps",
+            "20",
+            "--optimizer.lr",
+            "3e-3",
+            "--lr_scheduler.warmup_steps",
+            "3",
+            "--metrics.log_freq",
+            "1",
+            "--quantize.linear.float8.enable",
+            "true",
+            "--job.dump_folder",
+            str(tmp_path),
+        ]
+    )
     trainer = Trainer(cfg)
     f8 = [n for n, m in trainer.model.named_modules() if isinstance(m, Float8Linear)]
     assert len(f8) == 2 * 7 and "output" not in f8  # wq wk wv wo w1 w2 w3 per block
@@ -147,7 +172,9 @@ def test_float8_with_tp_is_refused_without_dtensor_support(monkeypatch):
     monkeypatch.setattr(float8, "dtensor_supports_scaled_mm", lambda: False)
     policies = Policies(float8=float8.Float8Policy(enable=True))
     model = build_model("llama3", "debugmodel")  # meta
-    with pytest.raises(ValueError, match="float8 with tensor_parallel_degree=2 needs DTensor support for torch._scaled_mm"):
+    with pytest.raises(
+        ValueError, match="float8 with tensor_parallel_degree=2 needs DTensor support for torch._scaled_mm"
+    ):
         par.parallelize_llama(model, ParallelDims(tp=2, world_size=2), policies)
 
 
@@ -163,9 +190,8 @@ def test_float8_model_meets_cuda_scaled_mm_layout_rules_on_meta():
     backward there exercise the layouts a GPU would see, without one. A micro-batch whose token
     count is not a multiple of 16 breaks the weight-gradient matmul, which the config refuses."""
     from titanlite.config import ConfigError
-    from titanlite.models import load_config
     from titanlite.loss import cross_entropy_sum
-    from titanlite.models import build_model
+    from titanlite.models import build_model, load_config
 
     model = build_model("llama3", "debugmodel", device="meta").to(torch.bfloat16)  # as FSDP's bf16 params
     report = convert_to_float8(model)
@@ -181,10 +207,22 @@ def test_float8_model_meets_cuda_scaled_mm_layout_rules_on_meta():
     out = _Float8Matmul.apply(x, w, torch.bfloat16)  # forward: [1000, 256] @ [256, 512] is fine
     with pytest.raises(RuntimeError, match="divisible by 16"):
         out.sum().backward()  # dW = dy^T x contracts over the 1000 tokens
-    with pytest.raises(ConfigError, match=r"^quantize.linear.float8.enable needs training.local_batch_size x "
-                                          r"training.seq_len \(5 x 200 = 1000 tokens"):
-        load_config(["--quantize.linear.float8.enable", "--training.local_batch_size", "5",
-                     "--training.seq_len", "200", "--training.global_batch_size", "-1"])
+    with pytest.raises(
+        ConfigError,
+        match=r"^quantize.linear.float8.enable needs training.local_batch_size x "
+        r"training.seq_len \(5 x 200 = 1000 tokens",
+    ):
+        load_config(
+            [
+                "--quantize.linear.float8.enable",
+                "--training.local_batch_size",
+                "5",
+                "--training.seq_len",
+                "200",
+                "--training.global_batch_size",
+                "-1",
+            ]
+        )
 
 
 def test_compiled_float8_blocks_match_eager(one_thread):

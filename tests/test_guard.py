@@ -1,4 +1,5 @@
 """NaN / loss-spike guard: detection, agreement across ranks, and each policy on an injected NaN."""
+
 import json
 import math
 import os
@@ -10,15 +11,32 @@ import textwrap
 import pytest
 import torch
 
-from titanlite.models import load_config
 from titanlite.config.sections import Guard
 from titanlite.guard import SpikeDetector, StepGuard, TrainingDivergedError
 from titanlite.hooks import Hook
+from titanlite.models import load_config
 from titanlite.train import Trainer
 
-TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-        "--training.seq_len", "32", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
-        "--lr_scheduler.warmup_steps", "1", "--training.seed", "3"]
+TINY = [
+    "--model.dim",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "2",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--lr_scheduler.warmup_steps",
+    "1",
+    "--training.seed",
+    "3",
+]
 
 
 class Recording(Trainer):
@@ -95,7 +113,8 @@ def _free_port() -> int:
 def test_verdict_is_agreed_across_ranks(tmp_path):
     """Two gloo processes, only rank 1 sees a NaN (and only rank 0 a stop request): both decide alike."""
     script = tmp_path / "agree.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import json, os, sys, torch, torch.distributed as dist
         from titanlite.config.sections import Guard
         from titanlite.guard import StepGuard
@@ -106,14 +125,24 @@ def test_verdict_is_agreed_across_ranks(tmp_path):
         c = g.check(1, loss, torch.tensor(1.0), stop_requested=rank == 0)
         print(json.dumps({"rank": rank, "action": c.action, "stop": c.stop_requested}))
         dist.destroy_process_group()
-    """))
+    """)
+    )
     port = _free_port()
     procs = []
     for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
     outs = []
     for p in procs:
         out, err = p.communicate(timeout=90)
@@ -127,8 +156,9 @@ def test_verdict_is_agreed_across_ranks(tmp_path):
 
 def test_raise_policy_stops_with_step_loss_and_grad_norm(tmp_path):
     t = trainer(tmp_path, "--training.steps", "4", "--guard.debug_inject_nan_at_step", "2")
-    with pytest.raises(TrainingDivergedError,
-                       match=r"step 2: non-finite loss or gradient norm: loss nan, grad norm nan"):
+    with pytest.raises(
+        TrainingDivergedError, match=r"step 2: non-finite loss or gradient norm: loss nan, grad norm nan"
+    ):
         t.train()
     assert t.state.step == 1
     for p in t.model.parameters():  # the poisoned update was never applied
@@ -137,8 +167,17 @@ def test_raise_policy_stops_with_step_loss_and_grad_norm(tmp_path):
 
 def test_skip_step_leaves_parameters_unchanged(tmp_path):
     """With 2 accumulated micro-batches per step, the whole step 2 is dropped: no optimizer or LR step."""
-    t = trainer(tmp_path, "--training.steps", "4", "--training.global_batch_size", "4", "--guard.policy", "skip_step",
-                "--guard.debug_inject_nan_at_step", "2")
+    t = trainer(
+        tmp_path,
+        "--training.steps",
+        "4",
+        "--training.global_batch_size",
+        "4",
+        "--guard.policy",
+        "skip_step",
+        "--guard.debug_inject_nan_at_step",
+        "2",
+    )
     assert t.grad_accum_steps == 2
     records = t.train()
     s1, s2, s3 = t.snapshots[:3]
@@ -159,9 +198,20 @@ def test_rollback_resumes_from_checkpoint_and_continues(tmp_path):
     common = ["--training.steps", "6", "--checkpoint.interval", "2"]
     ref = trainer(tmp_path / "ref", *common)
     ref_records = ref.train()
-    t = trainer(tmp_path / "run", *common, "--checkpoint.enable", "true", "--guard.policy", "rollback",
-                "--guard.debug_inject_nan_at_step", "5", "--guard.rollback_lr_factor", "0.5",
-                "--guard.rollback_lr_steps", "1")
+    t = trainer(
+        tmp_path / "run",
+        *common,
+        "--checkpoint.enable",
+        "true",
+        "--guard.policy",
+        "rollback",
+        "--guard.debug_inject_nan_at_step",
+        "5",
+        "--guard.rollback_lr_factor",
+        "0.5",
+        "--guard.rollback_lr_steps",
+        "1",
+    )
     records = t.train()
     ref_loss = {r["step"]: r for r in ref_records}
     loss = {r["step"]: r for r in records if "loss" in r}
@@ -181,7 +231,8 @@ def test_rollback_resumes_from_checkpoint_and_continues(tmp_path):
 
 
 def test_rollback_without_a_checkpoint_stops(tmp_path):
-    t = trainer(tmp_path, "--training.steps", "3", "--guard.policy", "rollback",
-                "--guard.debug_inject_nan_at_step", "2")
+    t = trainer(
+        tmp_path, "--training.steps", "3", "--guard.policy", "rollback", "--guard.debug_inject_nan_at_step", "2"
+    )
     with pytest.raises(TrainingDivergedError, match="no complete checkpoint to roll back to"):
         t.train()

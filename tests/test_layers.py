@@ -19,15 +19,29 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "titanlite"
 LAYERS = [
-    ("titanlite", "titanlite.config", "titanlite.components", "titanlite.hooks", "titanlite.dtypes",
-     "titanlite.extensions", "titanlite.tokenizer", "titanlite.planner"),
+    (
+        "titanlite",
+        "titanlite.config",
+        "titanlite.components",
+        "titanlite.hooks",
+        "titanlite.dtypes",
+        "titanlite.extensions",
+        "titanlite.tokenizer",
+        "titanlite.planner",
+    ),
     ("titanlite.parallel", "titanlite.loss"),
     ("titanlite.models",),
     ("titanlite.data", "titanlite.checkpoint", "titanlite.optim"),
-    ("titanlite.train_step", "titanlite.metrics", "titanlite.guard", "titanlite.preemption", "titanlite.profiling",
-     "titanlite.validation"),
+    (
+        "titanlite.train_step",
+        "titanlite.metrics",
+        "titanlite.guard",
+        "titanlite.preemption",
+        "titanlite.profiling",
+        "titanlite.validation",
+    ),
     ("titanlite.train", "titanlite.dry_run"),
-]  # fmt: skip
+]
 
 
 def modules() -> dict[str, Path]:
@@ -79,14 +93,21 @@ def graph() -> dict[str, set[str]]:
 
 def test_config_imports_nothing_from_titanlite():
     edges = graph()
-    bad = {m: sorted(t) for m, t in edges.items() if m.startswith("titanlite.config") and
-           any(not x.startswith("titanlite.config") for x in t)}  # fmt: skip
+    bad = {
+        m: sorted(t)
+        for m, t in edges.items()
+        if m.startswith("titanlite.config") and any(not x.startswith("titanlite.config") for x in t)
+    }
     assert not bad, bad
 
 
 def test_no_module_imports_a_higher_layer():
-    bad = [f"{m} (layer {layer_of(m)}) imports {t} (layer {layer_of(t)})" for m, targets in graph().items()
-           for t in targets if layer_of(t) > layer_of(m)]  # fmt: skip
+    bad = [
+        f"{m} (layer {layer_of(m)}) imports {t} (layer {layer_of(t)})"
+        for m, targets in graph().items()
+        for t in targets
+        if layer_of(t) > layer_of(m)
+    ]
     assert not bad, "\n".join(bad)
 
 

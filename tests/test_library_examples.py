@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dist_utils import run_workers
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,8 +52,21 @@ def trainer_losses(tmp_path) -> list[float]:
     from titanlite.models import load_config
     from titanlite.train import Trainer
 
-    cfg = load_config(["--config", "train_configs/debug_model.toml", "--model.n_layers", "2", *SMALL,
-                       "--metrics.log_freq", "1", "--validation.enable", "false", "--job.dump_folder", str(tmp_path)])
+    cfg = load_config(
+        [
+            "--config",
+            "train_configs/debug_model.toml",
+            "--model.n_layers",
+            "2",
+            *SMALL,
+            "--metrics.log_freq",
+            "1",
+            "--validation.enable",
+            "false",
+            "--job.dump_folder",
+            str(tmp_path),
+        ]
+    )
     return [r["loss"] for r in Trainer(cfg).train() if "loss" in r]
 
 
@@ -84,8 +96,15 @@ def test_own_loop_on_two_processes_matches_one(tp, single_process_losses):
 
 def _run_script(path: Path, *, kill_after: str | None = None) -> list[str]:
     """Run ``path`` from the repository root; with ``kill_after``, SIGKILL it once that line appears."""
-    proc = subprocess.Popen([sys.executable, str(path)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(path)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        start_new_session=True,
+    )
     lines = []
     try:
         for line in proc.stdout:
@@ -123,11 +142,34 @@ def test_checkpoint_and_resume_from_own_loop_is_identical_after_a_kill(tmp_path)
 
 def _family_run(tmp_path: Path, name: str, launcher: list[str]) -> list[float]:
     dump = tmp_path / name
-    cmd = [*launcher, "-m", "titanlite.train", "--job.extensions", "gpt2_family", "--model.name", "gpt2",
-           "--model.flavor", "tiny", "--training.seq_len", "64", "--training.steps", "5", "--training.global_batch_size", "16", "--metrics.log_freq", "1",
-           "--validation.enable", "false", "--lr_scheduler.warmup_steps", "1", "--job.dump_folder", str(dump)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]), OMP_NUM_THREADS="1",
-               CUDA_VISIBLE_DEVICES="")
+    cmd = [
+        *launcher,
+        "-m",
+        "titanlite.train",
+        "--job.extensions",
+        "gpt2_family",
+        "--model.name",
+        "gpt2",
+        "--model.flavor",
+        "tiny",
+        "--training.seq_len",
+        "64",
+        "--training.steps",
+        "5",
+        "--training.global_batch_size",
+        "16",
+        "--metrics.log_freq",
+        "1",
+        "--validation.enable",
+        "false",
+        "--lr_scheduler.warmup_steps",
+        "1",
+        "--job.dump_folder",
+        str(dump),
+    ]
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""
+    )
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240, start_new_session=True)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return [json.loads(x)["loss"] for x in (dump / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
@@ -143,10 +185,32 @@ def test_own_family_trains_with_the_stock_launcher_and_is_planned_exactly(tmp_pa
     torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=RTOL, atol=0)
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]))
-    out = subprocess.run([sys.executable, "scripts/estimate.py", "--job.extensions", "gpt2_family", "--model.name",
-                          "gpt2", "--model.flavor", "124M", "--training.seq_len", "1024", "--gpu", "H100",
-                          "--num-gpus", "8", "--tokens", "10e9", "--json"], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "scripts/estimate.py",
+            "--job.extensions",
+            "gpt2_family",
+            "--model.name",
+            "gpt2",
+            "--model.flavor",
+            "124M",
+            "--training.seq_len",
+            "1024",
+            "--gpu",
+            "H100",
+            "--num-gpus",
+            "8",
+            "--tokens",
+            "10e9",
+            "--json",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     V, S, d, L = 50257, 1024, 768, 12
     block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d)
@@ -159,9 +223,28 @@ def test_a_registered_loss_is_chosen_by_name_and_validation_stays_cross_entropy(
 
     (tmp_path / "my_loss.py").write_text(LOSS)
     monkeypatch.syspath_prepend(str(tmp_path))
-    args = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--training.seq_len", "32",
-            "--training.local_batch_size", "2", "--training.steps", "1", "--lr_scheduler.warmup_steps", "0",
-            "--validation.enable", "true", "--validation.steps", "1", "--job.extensions", "my_loss"]
+    args = [
+        "--model.dim",
+        "64",
+        "--model.n_layers",
+        "2",
+        "--model.n_heads",
+        "4",
+        "--training.seq_len",
+        "32",
+        "--training.local_batch_size",
+        "2",
+        "--training.steps",
+        "1",
+        "--lr_scheduler.warmup_steps",
+        "0",
+        "--validation.enable",
+        "true",
+        "--validation.steps",
+        "1",
+        "--job.extensions",
+        "my_loss",
+    ]
     plain = Trainer(load_config([*args, "--job.dump_folder", str(tmp_path / "a")]))
     z = Trainer(load_config([*args, "--training.loss", "z_loss", "--job.dump_folder", str(tmp_path / "b")]))
     batch = next(iter(plain.train_loader))

@@ -1,4 +1,5 @@
 """LR schedule values against hand-computed points."""
+
 import math
 
 import pytest

@@ -1,8 +1,9 @@
 """FLOPs-per-token formula and peak table, checked by hand."""
-import pytest
-import torch
 
 import math
+
+import pytest
+import torch
 
 from titanlite.metrics import MetricsHook, gpu_memory_bytes, matmul_dtype, num_params, peak_flops, peak_flops_for_name
 from titanlite.models import build_model, get_model_spec, make_model_args
@@ -54,24 +55,27 @@ def test_cpu_peak_is_measured():
     assert 1e8 < rate < 1e14
 
 
-@pytest.mark.parametrize("name,dtype,tflops", [
-    ("NVIDIA H100 80GB HBM3", "float8", 1979.0),  # SXM: 3,958 sparse
-    ("NVIDIA H100 NVL", "bfloat16", 835.5),  # 1,671 sparse
-    ("NVIDIA H100 PCIe", "float8", 1513.0),  # 3,026 sparse
-    ("NVIDIA H200", "bfloat16", 989.5),
-    ("NVIDIA H200 NVL", "bfloat16", 835.5),
-    ("NVIDIA GH200 480GB", "bfloat16", 989.5),
-    ("NVIDIA H20", "bfloat16", 148.0),  # not mistaken for an H200
-    ("NVIDIA B200", "bfloat16", 2250.0),  # HGX B200: 4.5 PF sparse
-    ("NVIDIA B200", "float8", 4500.0),
-    ("NVIDIA A100 80GB PCIe", "bfloat16", 312.0),
-    ("NVIDIA L40S", "bfloat16", 362.05),  # 733 sparse
-    ("NVIDIA L40S", "float8", 733.0),
-    ("AMD Instinct MI300X", "bfloat16", 1307.4),  # 2,614.9 sparse
-    ("AMD Instinct MI300X", "float8", 2614.9),
-    ("NVIDIA H100 80GB HBM3", "tfloat32", 494.5),
-    ("NVIDIA A100-SXM4-40GB", "float32", 19.5),
-])
+@pytest.mark.parametrize(
+    "name,dtype,tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", "float8", 1979.0),  # SXM: 3,958 sparse
+        ("NVIDIA H100 NVL", "bfloat16", 835.5),  # 1,671 sparse
+        ("NVIDIA H100 PCIe", "float8", 1513.0),  # 3,026 sparse
+        ("NVIDIA H200", "bfloat16", 989.5),
+        ("NVIDIA H200 NVL", "bfloat16", 835.5),
+        ("NVIDIA GH200 480GB", "bfloat16", 989.5),
+        ("NVIDIA H20", "bfloat16", 148.0),  # not mistaken for an H200
+        ("NVIDIA B200", "bfloat16", 2250.0),  # HGX B200: 4.5 PF sparse
+        ("NVIDIA B200", "float8", 4500.0),
+        ("NVIDIA A100 80GB PCIe", "bfloat16", 312.0),
+        ("NVIDIA L40S", "bfloat16", 362.05),  # 733 sparse
+        ("NVIDIA L40S", "float8", 733.0),
+        ("AMD Instinct MI300X", "bfloat16", 1307.4),  # 2,614.9 sparse
+        ("AMD Instinct MI300X", "float8", 2614.9),
+        ("NVIDIA H100 80GB HBM3", "tfloat32", 494.5),
+        ("NVIDIA A100-SXM4-40GB", "float32", 19.5),
+    ],
+)
 def test_peak_table_dense_figures(name, dtype, tflops):
     assert peak_flops_for_name(name, dtype) == pytest.approx(tflops * 1e12)
 
@@ -94,9 +98,24 @@ def test_matmul_dtype_selects_the_peak():
     assert matmul_dtype("float32", False, cpu) == "float32"
 
 
-TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-        "--training.seq_len", "32", "--training.local_batch_size", "4", "--training.steps", "1",
-        "--lr_scheduler.warmup_steps", "0"]
+TINY = [
+    "--model.dim",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "2",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "4",
+    "--training.steps",
+    "1",
+    "--lr_scheduler.warmup_steps",
+    "0",
+]
 
 
 def test_mfu_by_hand(tmp_path):

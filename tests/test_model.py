@@ -1,14 +1,14 @@
 """Llama 3 model: sizes, causality, RoPE, weight tying, init and a Hugging Face reference."""
-import dataclasses
+
 import math
 import time
 
 import pytest
 import torch
 
+from titanlite.metrics import num_params
 from titanlite.models import build_model, make_model_args
 from titanlite.models.llama3 import LLAMA3_FLAVORS, Llama3HFAdapter, Llama3ModelArgs, Transformer
-from titanlite.metrics import num_params
 from titanlite.models.llama3.model import apply_rope, precompute_rope, rope_frequencies
 
 
@@ -172,7 +172,9 @@ def published_llama31_scaling(freqs, factor, low, high, old_ctx):
 @pytest.mark.parametrize("scaling", [0.0, 8.0, 32.0])
 def test_rope_matches_complex_reference(scaling):
     head_dim, seqlen = 64, 50
-    kw = dict(theta=500000.0, scaling_factor=scaling, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192)
+    kw = dict(
+        theta=500000.0, scaling_factor=scaling, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192
+    )
     freqs = rope_frequencies(head_dim, **kw)
     cache = precompute_rope(head_dim, 128, **kw)
     assert cache.shape == (128, head_dim)
@@ -255,8 +257,16 @@ def test_init_deterministic_and_meta_equals_cpu():
 def test_logits_match_transformers_llama(scaling):
     transformers = pytest.importorskip("transformers")
     args = tiny_args(
-        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=16, rope_theta=10000.0,
-        rope_scaling_factor=scaling, rope_original_max_position=64, max_seq_len=64,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=97,
+        multiple_of=16,
+        rope_theta=10000.0,
+        rope_scaling_factor=scaling,
+        rope_original_max_position=64,
+        max_seq_len=64,
     )
     torch.manual_seed(0)
     ours = Transformer(args)
@@ -268,15 +278,26 @@ def test_logits_match_transformers_llama(scaling):
     rope = {"rope_type": "default", "rope_theta": args.rope_theta}
     if scaling:
         rope = {
-            "rope_type": "llama3", "rope_theta": args.rope_theta, "factor": scaling,
-            "low_freq_factor": args.rope_low_freq_factor, "high_freq_factor": args.rope_high_freq_factor,
+            "rope_type": "llama3",
+            "rope_theta": args.rope_theta,
+            "factor": scaling,
+            "low_freq_factor": args.rope_low_freq_factor,
+            "high_freq_factor": args.rope_high_freq_factor,
             "original_max_position_embeddings": args.rope_original_max_position,
         }
     config = transformers.LlamaConfig(
-        vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.ffn_hidden_dim,
-        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
-        max_position_embeddings=args.max_seq_len, rms_norm_eps=args.norm_eps, rope_parameters=rope,
-        tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+        vocab_size=args.vocab_size,
+        hidden_size=args.dim,
+        intermediate_size=args.ffn_hidden_dim,
+        num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads,
+        num_key_value_heads=args.n_kv_heads,
+        max_position_embeddings=args.max_seq_len,
+        rms_norm_eps=args.norm_eps,
+        rope_parameters=rope,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
     )
     config._attn_implementation = "eager"
     hf = transformers.LlamaForCausalLM(config).eval()

@@ -1,4 +1,5 @@
 """scripts/bench.py: runs a config after warm-up and prints one JSON line with the documented keys."""
+
 from __future__ import annotations
 
 import json
@@ -11,10 +12,35 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_bench_prints_json_with_throughput_mfu_memory_and_split(tmp_path):
     out = subprocess.run(
-        [sys.executable, "scripts/bench.py", "--warmup", "1", "--steps", "2", "--json-out", str(tmp_path / "b.json"),
-         "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-         "--training.seq_len", "32", "--training.local_batch_size", "4", "--job.dump_folder", str(tmp_path)],
-        capture_output=True, text=True, timeout=180, cwd=REPO)
+        [
+            sys.executable,
+            "scripts/bench.py",
+            "--warmup",
+            "1",
+            "--steps",
+            "2",
+            "--json-out",
+            str(tmp_path / "b.json"),
+            "--model.dim",
+            "64",
+            "--model.n_layers",
+            "2",
+            "--model.n_heads",
+            "4",
+            "--model.n_kv_heads",
+            "2",
+            "--training.seq_len",
+            "32",
+            "--training.local_batch_size",
+            "4",
+            "--job.dump_folder",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads([l for l in out.stdout.splitlines() if l.startswith("{")][-1])
     assert result == json.loads((tmp_path / "b.json").read_text())
@@ -29,6 +55,18 @@ def test_bench_prints_json_with_throughput_mfu_memory_and_split(tmp_path):
 
 
 def test_bench_bad_parallelism_is_one_line_error(tmp_path):
-    out = subprocess.run([sys.executable, "scripts/bench.py", "--parallelism.tensor_parallel_degree", "2",
-                          "--job.dump_folder", str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "scripts/bench.py",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--job.dump_folder",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert out.returncode == 2 and out.stderr.startswith("error: parallelism") and "Traceback" not in out.stderr

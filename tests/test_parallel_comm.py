@@ -1,10 +1,10 @@
 """Collective timeouts ([comm]): a rank that never joins a collective makes the others fail fast."""
+
 from __future__ import annotations
 
 import time
 
 import pytest
-
 from dist_utils import backends, run_workers
 
 
@@ -40,7 +40,8 @@ def test_hung_collective_fails_after_timeout(backend):
     """The process group starts with a long ([comm] init_timeout_seconds-like) timeout, lowered by
     set_collective_timeout as the Trainer does after its first step ([comm] train_timeout_seconds):
     the hung all-reduce then fails after ~1 s instead of waiting for the other rank."""
-    res = run_workers(missing_rank_worker, 2, {"init_timeout": 300, "train_timeout": 1, "sleep": 5},
-                      backend=backend, timeout=120)
+    res = run_workers(
+        missing_rank_worker, 2, {"init_timeout": 300, "train_timeout": 1, "sleep": 5}, backend=backend, timeout=120
+    )
     assert res[0]["error"] is not None, res[0]
     assert 0.8 <= res[0]["seconds"] < 4.5, res[0]

@@ -1,4 +1,5 @@
 """Parallel degrees and their one-line errors: ParallelDims, model checks, CLI and torchrun."""
+
 from __future__ import annotations
 
 import os
@@ -15,9 +16,24 @@ from titanlite.models.llama3.parallelize import check_llama_parallelism
 from titanlite.parallel.parallel_dims import ParallelDims
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-        "--training.seq_len", "32", "--training.steps", "2", "--lr_scheduler.warmup_steps", "1",
-        "--validation.enable", "false"]
+TINY = [
+    "--model.dim",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "2",
+    "--training.seq_len",
+    "32",
+    "--training.steps",
+    "2",
+    "--lr_scheduler.warmup_steps",
+    "1",
+    "--validation.enable",
+    "false",
+]
 
 
 def test_degrees_resolve_the_rest_of_the_world():
@@ -31,27 +47,41 @@ def test_degrees_resolve_the_rest_of_the_world():
     assert not ParallelDims(tp=2, world_size=2, enable_loss_parallel=False).loss_parallel_enabled
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(dp_shard=2, tp=2, world_size=2),
-     "parallelism degrees must multiply to the number of processes: data_parallel_replicate_degree (1) x "
-     "data_parallel_shard_degree (2) x tensor_parallel_degree (2) = 4, but WORLD_SIZE=2"),
-    (dict(tp=3, world_size=4),
-     "parallelism.data_parallel_replicate_degree (1) x parallelism.tensor_parallel_degree (3) = 3 does not "
-     "divide the number of processes (WORLD_SIZE=4)"),
-    (dict(dp_shard=0, world_size=2), "parallelism.data_parallel_shard_degree=0 must be >= 1 (or -1 for the rest"),
-    (dict(tp=0, world_size=2), "parallelism.tensor_parallel_degree=0 must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            dict(dp_shard=2, tp=2, world_size=2),
+            "parallelism degrees must multiply to the number of processes: data_parallel_replicate_degree (1) x "
+            "data_parallel_shard_degree (2) x tensor_parallel_degree (2) = 4, but WORLD_SIZE=2",
+        ),
+        (
+            dict(tp=3, world_size=4),
+            "parallelism.data_parallel_replicate_degree (1) x parallelism.tensor_parallel_degree (3) = 3 does not "
+            "divide the number of processes (WORLD_SIZE=4)",
+        ),
+        (dict(dp_shard=0, world_size=2), "parallelism.data_parallel_shard_degree=0 must be >= 1 (or -1 for the rest"),
+        (dict(tp=0, world_size=2), "parallelism.tensor_parallel_degree=0 must be >= 1"),
+    ],
+)
 def test_bad_degrees_are_one_line_errors(kwargs, message):
     with pytest.raises(ValueError) as e:
         ParallelDims(**kwargs)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("overrides, tp, message", [
-    (dict(n_heads=4, n_kv_heads=1), 2, "parallelism.tensor_parallel_degree=2 must divide model.n_kv_heads (1)"),
-    (dict(n_heads=6, n_kv_heads=6, dim=96), 4, "parallelism.tensor_parallel_degree=4 must divide model.n_heads (6)"),
-    (dict(vocab_size=513), 2, "must divide model.vocab_size (513)"),
-])
+@pytest.mark.parametrize(
+    "overrides, tp, message",
+    [
+        (dict(n_heads=4, n_kv_heads=1), 2, "parallelism.tensor_parallel_degree=2 must divide model.n_kv_heads (1)"),
+        (
+            dict(n_heads=6, n_kv_heads=6, dim=96),
+            4,
+            "parallelism.tensor_parallel_degree=4 must divide model.n_heads (6)",
+        ),
+        (dict(vocab_size=513), 2, "must divide model.vocab_size (513)"),
+    ],
+)
 def test_model_that_tp_cannot_split(overrides, tp, message):
     args = make_model_args("llama3", "debugmodel", **overrides)
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -67,9 +97,22 @@ def test_sequence_length_must_split_under_tp():
 
 
 def test_cli_product_mismatch_is_one_line_error(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "titanlite.train", *TINY, "--job.dump_folder", str(tmp_path),
-                          "--parallelism.data_parallel_shard_degree", "2"],
-                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "titanlite.train",
+            *TINY,
+            "--job.dump_folder",
+            str(tmp_path),
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr, out.stderr
     assert out.stderr.startswith("error: parallelism degrees must multiply to the number of processes")
@@ -77,11 +120,27 @@ def test_cli_product_mismatch_is_one_line_error(tmp_path):
 
 
 def _torchrun_output(args: list[str], tmp_path) -> str:
-    cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2",
-           "-m", "titanlite.train", *TINY, "--job.dump_folder", str(tmp_path), *args]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""),
-                            start_new_session=True)
+    cmd = [
+        str(Path(sys.executable).with_name("torchrun")),
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "titanlite.train",
+        *TINY,
+        "--job.dump_folder",
+        str(tmp_path),
+        *args,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""),
+        start_new_session=True,
+    )
     try:
         output, _ = proc.communicate(timeout=180)
     except subprocess.TimeoutExpired:
@@ -100,11 +159,15 @@ def test_torchrun_bad_config_exits_nonzero_with_one_line_errors(tmp_path):
     process group is killed."""
     output = _torchrun_output(["--training.steps", "many"], tmp_path / "cli")
     errors = [l for l in output.splitlines() if l.startswith("error:")]
-    assert errors == ["error: invalid value 'many' for 'training.steps' on the command line: expected an integer"], output
-    output = _torchrun_output(["--model.n_kv_heads", "1", "--parallelism.tensor_parallel_degree", "2"],
-                              tmp_path / "layout")
+    assert errors == ["error: invalid value 'many' for 'training.steps' on the command line: expected an integer"], (
+        output
+    )
+    output = _torchrun_output(
+        ["--model.n_kv_heads", "1", "--parallelism.tensor_parallel_degree", "2"], tmp_path / "layout"
+    )
     errors = [l for l in output.splitlines() if l.startswith("error:")]
     # every rank that got to print (torchrun may stop the second one first) printed its line
-    expected = {f"error: rank {r}: parallelism.tensor_parallel_degree=2 must divide model.n_kv_heads (1)"
-                for r in (0, 1)}
+    expected = {
+        f"error: rank {r}: parallelism.tensor_parallel_degree=2 must divide model.n_kv_heads (1)" for r in (0, 1)
+    }
     assert errors and set(errors) <= expected and len(errors) == len(set(errors)), output

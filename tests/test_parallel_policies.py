@@ -1,4 +1,5 @@
 """Single-process checks of the parallelism policies: AC, compile, FSDP options, weight init, clipping."""
+
 from __future__ import annotations
 
 import pytest
@@ -46,8 +47,11 @@ def test_activation_checkpointing_same_gradients_and_recomputes_what_it_says():
     tokens = torch.randint(0, 512, (2, 33))
     ref, ref_mm = grads_and_backward_matmuls(tiny(), tokens)
     recomputed = {}
-    for mode, option, blocks in [("full", "op", ["0", "1", "2", "3"]), ("selective", "2", ["1", "3"]),
-                                 ("selective", "op", ["0", "1", "2", "3"])]:
+    for mode, option, blocks in [
+        ("full", "op", ["0", "1", "2", "3"]),
+        ("selective", "2", ["1", "3"]),
+        ("selective", "op", ["0", "1", "2", "3"]),
+    ]:
         model = tiny()
         names = list(model.state_dict())
         assert ActivationCheckpoint(mode, option).apply(model) == blocks
@@ -63,9 +67,11 @@ def test_activation_checkpointing_same_gradients_and_recomputes_what_it_says():
 
 def test_activation_checkpoint_none_and_bad_options():
     assert ActivationCheckpoint("none").apply(tiny()) == []
-    for mode, option, match in [("selective", "x", "must be 'op' or a positive integer"),
-                                ("selective", "0", "must be 'op' or a positive integer"),
-                                ("some", "op", "activation_checkpoint.mode='some' must be one of none, full, selective")]:
+    for mode, option, match in [
+        ("selective", "x", "must be 'op' or a positive integer"),
+        ("selective", "0", "must be 'op' or a positive integer"),
+        ("some", "op", "activation_checkpoint.mode='some' must be one of none, full, selective"),
+    ]:
         with pytest.raises(ValueError, match=match):
             ActivationCheckpoint(mode, option)
 

@@ -1,5 +1,6 @@
 """Run planner: parameter/FLOP arithmetic for the 1B flavor by hand, and the memory model against
 what autograd keeps and against the measured memory of the debug model on this CPU."""
+
 import json
 import os
 import subprocess
@@ -10,10 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from titanlite.models import build_model, make_model_args
 from titanlite.metrics import num_params
-from titanlite.planner import (ModelShape, RunSetup, activation_bytes_per_token_layer, block_params, memory_breakdown,
-                               param_count, plan_run)
+from titanlite.models import build_model, make_model_args
+from titanlite.planner import (
+    ModelShape,
+    RunSetup,
+    activation_bytes_per_token_layer,
+    block_params,
+    memory_breakdown,
+    param_count,
+    plan_run,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,8 +30,17 @@ def shape(flavor: str, **kw) -> ModelShape:
     return ModelShape.from_args(make_model_args("llama3", flavor, **kw))
 
 
-@pytest.mark.parametrize("family,flavor", [("llama3", "debugmodel"), ("llama3", "1B"), ("llama3", "8B"),
-                                           ("qwen3", "debugmodel"), ("qwen3", "0.6B"), ("qwen3", "8B")])
+@pytest.mark.parametrize(
+    "family,flavor",
+    [
+        ("llama3", "debugmodel"),
+        ("llama3", "1B"),
+        ("llama3", "8B"),
+        ("qwen3", "debugmodel"),
+        ("qwen3", "0.6B"),
+        ("qwen3", "8B"),
+    ],
+)
 def test_param_count_matches_the_model(family, flavor):
     """Exact also for Qwen3, whose head_dim is not dim / n_heads and whose blocks add QK-norm weights."""
     if family == "qwen3":
@@ -34,10 +51,25 @@ def test_param_count_matches_the_model(family, flavor):
 
 def test_1b_on_8_h100_for_20b_tokens_by_hand():
     s = shape("1B")
-    setup = RunSetup(num_gpus=8, local_batch_size=8, seq_len=2048, global_batch_size=512, ac_mode="selective",
-                     ac_option="op", compute_dtype="bfloat16")
-    plan = plan_run(s, setup, tokens=20e9, mfu=0.4, peak_flops=989.5e12, matmul_dtype="bfloat16",
-                    gpu_memory=80e9, price_per_gpu_hour=2.5)
+    setup = RunSetup(
+        num_gpus=8,
+        local_batch_size=8,
+        seq_len=2048,
+        global_batch_size=512,
+        ac_mode="selective",
+        ac_option="op",
+        compute_dtype="bfloat16",
+    )
+    plan = plan_run(
+        s,
+        setup,
+        tokens=20e9,
+        mfu=0.4,
+        peak_flops=989.5e12,
+        matmul_dtype="bfloat16",
+        gpu_memory=80e9,
+        price_per_gpu_hour=2.5,
+    )
     n = 1_235_814_400
     assert plan.params == n
     fpt = 6 * n + 12 * 16 * 32 * 64 * 2048  # tied: the embedding is the output projection, counted once
@@ -68,11 +100,25 @@ def test_1b_on_8_h100_for_20b_tokens_by_hand():
 
 def test_memory_verdicts_and_layouts():
     s8 = shape("8B")
-    one = plan_run(s8, RunSetup(num_gpus=1, local_batch_size=1, seq_len=8192, ac_mode="full"), tokens=1e9,
-                   mfu=0.4, peak_flops=989.5e12, matmul_dtype="bfloat16", gpu_memory=80e9)
+    one = plan_run(
+        s8,
+        RunSetup(num_gpus=1, local_batch_size=1, seq_len=8192, ac_mode="full"),
+        tokens=1e9,
+        mfu=0.4,
+        peak_flops=989.5e12,
+        matmul_dtype="bfloat16",
+        gpu_memory=80e9,
+    )
     assert not one.fits  # 8B: 16 bytes/parameter of fp32 weights, gradients and AdamW alone is 128 GB
-    eight = plan_run(s8, RunSetup(num_gpus=8, local_batch_size=1, seq_len=8192, ac_mode="full"), tokens=1e9,
-                     mfu=0.4, peak_flops=989.5e12, matmul_dtype="bfloat16", gpu_memory=80e9)
+    eight = plan_run(
+        s8,
+        RunSetup(num_gpus=8, local_batch_size=1, seq_len=8192, ac_mode="full"),
+        tokens=1e9,
+        mfu=0.4,
+        peak_flops=989.5e12,
+        matmul_dtype="bfloat16",
+        gpu_memory=80e9,
+    )
     assert eight.fits and eight.memory["optimizer"] == 8 * param_count(s8) / 8
     base = memory_breakdown(s8, RunSetup(num_gpus=8, local_batch_size=2, seq_len=4096))
     tp2 = memory_breakdown(s8, RunSetup(num_gpus=8, tp=2, local_batch_size=2, seq_len=4096))
@@ -87,8 +133,9 @@ def test_memory_verdicts_and_layouts():
     assert f8["activations"] - weight_copies < base["activations"] < f8["activations"]
     sel = memory_breakdown(s8, RunSetup(num_gpus=8, local_batch_size=2, seq_len=4096, ac_mode="selective"))
     full = memory_breakdown(s8, RunSetup(num_gpus=8, local_batch_size=2, seq_len=4096, ac_mode="full"))
-    every2 = memory_breakdown(s8, RunSetup(num_gpus=8, local_batch_size=2, seq_len=4096, ac_mode="selective",
-                                           ac_option="2"))
+    every2 = memory_breakdown(
+        s8, RunSetup(num_gpus=8, local_batch_size=2, seq_len=4096, ac_mode="selective", ac_option="2")
+    )
     assert full["activations"] < sel["activations"] < base["activations"]
     assert full["activations"] < every2["activations"] < base["activations"]
 
@@ -105,22 +152,52 @@ def test_estimate_script(capsys):
         out = capsys.readouterr()
         return rc, out.out, out.err
 
-    base = ["--model.flavor", "1B", "--training.seq_len", "2048", "--training.local_batch_size", "8",
-            "--training.global_batch_size", "512", "--training.mixed_precision_param", "bfloat16",
-            "--activation_checkpoint.mode", "selective"]
-    rc, out, err = run(*base, "--gpu", "H100", "--num-gpus", "8", "--mfu", "0.4", "--price-per-gpu-hour", "2.5",
-                       "--tokens", "20e9")
+    base = [
+        "--model.flavor",
+        "1B",
+        "--training.seq_len",
+        "2048",
+        "--training.local_batch_size",
+        "8",
+        "--training.global_batch_size",
+        "512",
+        "--training.mixed_precision_param",
+        "bfloat16",
+        "--activation_checkpoint.mode",
+        "selective",
+    ]
+    rc, out, err = run(
+        *base, "--gpu", "H100", "--num-gpus", "8", "--mfu", "0.4", "--price-per-gpu-hour", "2.5", "--tokens", "20e9"
+    )
     assert rc == 0, err
-    for needle in ("1,235,814,400 parameters", "19,074 optimizer steps", "14h25m", "cost       288.", "FITS",
-                   "activations", "logits", "optimizer state"):
+    for needle in (
+        "1,235,814,400 parameters",
+        "19,074 optimizer steps",
+        "14h25m",
+        "cost       288.",
+        "FITS",
+        "activations",
+        "logits",
+        "optimizer state",
+    ):
         assert needle in out, (needle, out)
     rc, out, _ = run(*base, "--gpu", "H100", "--num-gpus", "8", "--chinchilla", "--json")
     plan = json.loads(out)
     assert plan["tokens"] >= 20 * 1_235_814_400 and plan["cost"] is None and plan["fits"] is True
     rc, out, _ = run(*base, "--gpu", "RTX 9999", "--num-gpus", "8", "--tokens", "1e9")
     assert rc == 0 and "time       unknown" in out and "verdict    unknown" in out
-    rc, _, err = run("--model.flavor", "1B", "--gpu", "H100", "--num-gpus", "6", "--tokens", "1e9",
-                     "--parallelism.tensor_parallel_degree", "4")
+    rc, _, err = run(
+        "--model.flavor",
+        "1B",
+        "--gpu",
+        "H100",
+        "--num-gpus",
+        "6",
+        "--tokens",
+        "1e9",
+        "--parallelism.tensor_parallel_degree",
+        "4",
+    )
     assert rc == 2 and "not divisible" in err
 
 
@@ -135,8 +212,17 @@ def test_activation_formula_is_what_autograd_keeps(family, dtype):
     else:
         import torchtitan_ext.qwen3  # noqa: F401
 
-        model = build_model("qwen3", "debugmodel", device="cpu", n_layers=2, dim=128, n_heads=4, n_kv_heads=2,
-                            head_dim=64, qk_norm=False)
+        model = build_model(
+            "qwen3",
+            "debugmodel",
+            device="cpu",
+            n_layers=2,
+            dim=128,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=64,
+            qk_norm=False,
+        )
         assert ModelShape.from_args(model.args).q_dim == 2 * model.args.dim
     model.init_weights()
     B, S = 2, 32
@@ -150,8 +236,9 @@ def test_activation_formula_is_what_autograd_keeps(family, dtype):
         fn = t.grad_fn
         if type(fn).__name__.startswith("TBackward"):
             fn = fn.next_functions[0][0]
-        return (type(fn).__name__.startswith("ToCopyBackward")
-                and any(type(n).__name__ == "AccumulateGrad" for n, _ in fn.next_functions if n))
+        return type(fn).__name__.startswith("ToCopyBackward") and any(
+            type(n).__name__ == "AccumulateGrad" for n, _ in fn.next_functions if n
+        )
 
     def pack(t):
         st = t.untyped_storage()
@@ -243,16 +330,33 @@ def test_memory_model_matches_measured_cpu_memory(tmp_path):
     script = tmp_path / "rss.py"
     script.write_text(RSS_SCRIPT)
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
-    procs = {mode: subprocess.Popen([sys.executable, str(script), mode, "4", "256"], env=env, cwd=REPO,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for mode in ("none", "full", "selective")}
+    procs = {
+        mode: subprocess.Popen(
+            [sys.executable, str(script), mode, "4", "256"],
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for mode in ("none", "full", "selective")
+    }
     s = shape("debugmodel")
     for mode, proc in procs.items():
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err[-2000:]
         measured = json.loads(out.strip().splitlines()[-1])
-        m = memory_breakdown(s, RunSetup(num_gpus=1, local_batch_size=4, seq_len=256, ac_mode=mode,
-                                         compute_dtype="float32", optimizer_impl="foreach"))
+        m = memory_breakdown(
+            s,
+            RunSetup(
+                num_gpus=1,
+                local_batch_size=4,
+                seq_len=256,
+                ac_mode=mode,
+                compute_dtype="float32",
+                optimizer_impl="foreach",
+            ),
+        )
         assert m["optimizer"] == pytest.approx(measured["optimizer_state"], rel=0.25), mode
         predicted = m["total"] - m["parameters"] - m["optimizer"]
         assert predicted == pytest.approx(measured["increase"], rel=0.25), (mode, predicted / 1e6, measured)

@@ -1,4 +1,5 @@
 """SIGTERM/SIGINT: finish the step, checkpoint, exit 0; resume reproduces the uninterrupted run."""
+
 import json
 import os
 import signal
@@ -11,10 +12,30 @@ from titanlite.preemption import PreemptionHandler
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 40
-TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-        "--training.seq_len", "32", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
-        "--training.steps", str(STEPS), "--lr_scheduler.warmup_steps", "2", "--training.seed", "5",
-        "--checkpoint.interval", "1000"]
+TINY = [
+    "--model.dim",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "2",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--training.steps",
+    str(STEPS),
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--training.seed",
+    "5",
+    "--checkpoint.interval",
+    "1000",
+]
 
 
 def test_first_signal_requests_stop_second_exits_at_once():
@@ -56,11 +77,18 @@ def _last_step(path: Path) -> int:
 
 def test_sigterm_checkpoints_exits_0_and_resume_is_exact(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    ref = subprocess.Popen(_cmd(tmp_path / "ref"), cwd=REPO, env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True)
+    ref = subprocess.Popen(
+        _cmd(tmp_path / "ref"), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     run_dir = tmp_path / "run"
-    run = subprocess.Popen(_cmd(run_dir, "--checkpoint.enable", "true"), cwd=REPO, env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run = subprocess.Popen(
+        _cmd(run_dir, "--checkpoint.enable", "true"),
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while _last_step(run_dir / "metrics.jsonl") < 3:
@@ -80,8 +108,9 @@ def test_sigterm_checkpoints_exits_0_and_resume_is_exact(tmp_path):
     assert [p.name for p in ckpt.iterdir()] == [f"step-{stopped}"]  # complete, no partial folder
     assert (ckpt / f"step-{stopped}" / ".metadata").exists()
 
-    resumed = subprocess.run(_cmd(run_dir, "--checkpoint.enable", "true"), cwd=REPO, env=env, capture_output=True,
-                             text=True, timeout=180)
+    resumed = subprocess.run(
+        _cmd(run_dir, "--checkpoint.enable", "true"), cwd=REPO, env=env, capture_output=True, text=True, timeout=180
+    )
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"RESUMED from {ckpt / f'step-{stopped}'}" in resumed.stdout + resumed.stderr
     ref_out, _ = ref.communicate(timeout=180)
@@ -96,8 +125,8 @@ def test_stop_request_without_checkpointing_returns_cleanly(tmp_path, caplog):
     """In-process: a stop request after step 2 ends train() normally (no checkpoint to write)."""
     import logging
 
-    from titanlite.models import load_config
     from titanlite.hooks import Hook
+    from titanlite.models import load_config
     from titanlite.train import Trainer
 
     class StopAfter2(Trainer):

@@ -1,4 +1,5 @@
 """Shard file format, ShardReader validation, manifest checks and the ShardedTokens virtual array."""
+
 import json
 import os
 import pickle
@@ -7,8 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from titanlite.data.shards import (HEADER_SIZE, MANIFEST, ShardReader, ShardedTokens, build_manifest,
-                                   dtype_for_vocab, write_json_atomic, write_shard)
+from titanlite.data.shards import (
+    HEADER_SIZE,
+    MANIFEST,
+    ShardedTokens,
+    ShardReader,
+    build_manifest,
+    dtype_for_vocab,
+    write_json_atomic,
+    write_shard,
+)
 
 TOK = {"path": "", "name": "bytes", "vocab_size": 512, "bos_id": 256, "eos_id": 257}
 
@@ -48,7 +57,7 @@ def test_write_read_round_trip(tmp_path, dtype, itemsize):
     r = ShardReader(path)
     assert (r.num_tokens, r.num_docs, r.dtype.itemsize) == (len(flat), 20, itemsize)
     assert r.doc_offsets[0] == 0 and r.doc_offsets[-1] == len(flat)
-    got = r[0:len(flat)]
+    got = r[0 : len(flat)]
     assert got.dtype == torch.int64 and got.tolist() == flat
     assert r[5:9].tolist() == flat[5:9] and r[-3:].tolist() == flat[-3:] and r[7] == flat[7]
     assert r.doc(3).tolist() == docs[3]
@@ -84,12 +93,12 @@ def test_corrupt_and_truncated_shards(tmp_path):
     check(b"", "not a titanlite token shard")
     check(data[:-1], "truncated shard")
     check(data[:20], "truncated shard")
-    check(data[:HEADER_SIZE + 4], "truncated shard")
+    check(data[: HEADER_SIZE + 4], "truncated shard")
     check(data + b"\0\0", "trailing bytes")
     check(data[:8] + (9).to_bytes(4, "little") + data[12:], "unsupported shard format version 9")
     check(data[:12] + (3).to_bytes(4, "little") + data[16:], "bad dtype code 3")
     idx = bytearray(data)
-    idx[HEADER_SIZE + 8:HEADER_SIZE + 16] = (99).to_bytes(8, "little")
+    idx[HEADER_SIZE + 8 : HEADER_SIZE + 16] = (99).to_bytes(8, "little")
     check(bytes(idx), "corrupt document index")
     with pytest.raises(ValueError, match="shard file not found"):
         ShardReader(tmp_path / "missing.bin")
@@ -108,15 +117,15 @@ def test_sharded_tokens_crosses_boundaries(tmp_path):
         got = store[a:b]
         assert got.dtype == torch.int64 and got.ndim == 1 and torch.equal(got, ref[a:b])
     for a in range(0, len(flat) - 9, 7):  # every shard boundary gets crossed by some window
-        assert torch.equal(store[a:a + 9], ref[a:a + 9])
+        assert torch.equal(store[a : a + 9], ref[a : a + 9])
     assert store[len(flat) - 1] == flat[-1] and store[-1] == flat[-1]
     starts = [0, 5, len(flat) - 9, store.shard_starts[1] - 2]
-    assert torch.equal(store.gather(starts, 9), torch.stack([ref[s:s + 9] for s in starts]))
+    assert torch.equal(store.gather(starts, 9), torch.stack([ref[s : s + 9] for s in starts]))
     offs = store.doc_offsets()
     assert offs[0] == 0 and offs[-1] == len(flat) and len(offs) == 20
     assert all(flat[o] == 256 for o in offs[:-1]) and all(flat[o - 1] == 257 for o in offs[1:])
     clone = pickle.loads(pickle.dumps(store))
-    assert torch.equal(clone[0:len(flat)], ref)
+    assert torch.equal(clone[0 : len(flat)], ref)
 
 
 def test_sharded_tokens_checks_manifest(tmp_path):

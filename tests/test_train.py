@@ -1,4 +1,5 @@
 """Trainer: learning on the embedded data, accumulation == big batch, bitwise reproducibility, CLI."""
+
 import json
 import os
 import subprocess
@@ -10,8 +11,22 @@ import torch
 from titanlite.models import load_config
 from titanlite.train import Trainer, grad_accum_steps
 
-TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-        "--training.seq_len", "64", "--metrics.log_freq", "1", "--training.seed", "7"]
+TINY = [
+    "--model.dim",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "2",
+    "--training.seq_len",
+    "64",
+    "--metrics.log_freq",
+    "1",
+    "--training.seed",
+    "7",
+]
 
 
 def make_trainer(tmp_path, *args):
@@ -27,9 +42,23 @@ def test_grad_accum_steps():
 
 
 def test_loss_falls_within_50_steps(tmp_path):
-    t = make_trainer(tmp_path, "--training.steps", "50", "--training.local_batch_size", "8",
-                     "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "5",
-                     "--validation.enable", "true", "--validation.freq", "50", "--validation.steps", "2")
+    t = make_trainer(
+        tmp_path,
+        "--training.steps",
+        "50",
+        "--training.local_batch_size",
+        "8",
+        "--optimizer.lr",
+        "3e-3",
+        "--lr_scheduler.warmup_steps",
+        "5",
+        "--validation.enable",
+        "true",
+        "--validation.freq",
+        "50",
+        "--validation.steps",
+        "2",
+    )
     records = t.train()
     losses = [r["loss"] for r in records if "loss" in r]
     assert len(losses) == 50
@@ -47,10 +76,12 @@ def test_loss_falls_within_50_steps(tmp_path):
 
 def test_accumulation_matches_one_big_batch(tmp_path):
     """2 micro-batches of 2 give the same update as one batch of 4 (fp32 summation-order tolerance)."""
-    big = make_trainer(tmp_path / "a", "--training.steps", "3", "--training.local_batch_size", "4",
-                       "--training.global_batch_size", "4")
-    acc = make_trainer(tmp_path / "b", "--training.steps", "3", "--training.local_batch_size", "2",
-                       "--training.global_batch_size", "4")
+    big = make_trainer(
+        tmp_path / "a", "--training.steps", "3", "--training.local_batch_size", "4", "--training.global_batch_size", "4"
+    )
+    acc = make_trainer(
+        tmp_path / "b", "--training.steps", "3", "--training.local_batch_size", "2", "--training.global_batch_size", "4"
+    )
     assert acc.grad_accum_steps == 2 and big.grad_accum_steps == 1
     la = [r["loss"] for r in big.train()]
     lb = [r["loss"] for r in acc.train()]
@@ -75,24 +106,43 @@ def test_dumped_config_reproduces_run(tmp_path):
 
 
 def test_lr_follows_schedule(tmp_path):
-    t = make_trainer(tmp_path, "--training.steps", "4", "--training.local_batch_size", "2",
-                     "--optimizer.lr", "1e-3", "--lr_scheduler.warmup_steps", "1",
-                     "--lr_scheduler.decay_type", "linear", "--lr_scheduler.min_lr_factor", "0")
+    t = make_trainer(
+        tmp_path,
+        "--training.steps",
+        "4",
+        "--training.local_batch_size",
+        "2",
+        "--optimizer.lr",
+        "1e-3",
+        "--lr_scheduler.warmup_steps",
+        "1",
+        "--lr_scheduler.decay_type",
+        "linear",
+        "--lr_scheduler.min_lr_factor",
+        "0",
+    )
     lrs = [r["lr"] for r in t.train()]
     # warmup step 1 = 1/2; then a 3-step linear decay: 2/3, 1/3, 0
     assert lrs == pytest.approx([0.5e-3, 2e-3 / 3, 1e-3 / 3, 0.0])
 
 
 def run_cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "titanlite.train", *args], capture_output=True, text=True,
-                          timeout=120, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "titanlite.train", *args], capture_output=True, text=True, timeout=120, cwd=cwd
+    )
 
 
 def test_cli_help_lists_sections_and_keys():
     out = run_cli("--help")
     assert out.returncode == 0
-    for needle in ("[training]", "--training.local_batch_size", "--optimizer.lr", "[lr_scheduler]",
-                   "--validation.freq", "n_layers"):
+    for needle in (
+        "[training]",
+        "--training.local_batch_size",
+        "--optimizer.lr",
+        "[lr_scheduler]",
+        "--validation.freq",
+        "n_layers",
+    ):
         assert needle in out.stdout
 
 
@@ -104,9 +154,20 @@ def test_cli_bad_value_is_one_line_error(tmp_path):
 
 
 def test_cli_trains_and_writes_config(tmp_path):
-    out = run_cli("--config", "train_configs/debug_model.toml", *TINY, "--training.steps", "3", "--lr_scheduler.warmup_steps", "1",
-                  "--job.dump_folder", str(tmp_path), "--validation.enable", "false",
-                  cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+    out = run_cli(
+        "--config",
+        "train_configs/debug_model.toml",
+        *TINY,
+        "--training.steps",
+        "3",
+        "--lr_scheduler.warmup_steps",
+        "1",
+        "--job.dump_folder",
+        str(tmp_path),
+        "--validation.enable",
+        "false",
+        cwd=str(__import__("pathlib").Path(__file__).parents[1]),
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "tok/s" in out.stdout and "mfu" in out.stdout
     assert (tmp_path / "config.toml").exists() and (tmp_path / "metrics.jsonl").exists()
@@ -118,9 +179,19 @@ def test_cli_trains_and_writes_config(tmp_path):
 def test_repeated_validation_reads_the_same_windows(tmp_path):
     val = tmp_path / "val.jsonl"
     val.write_text("\n".join(json.dumps({"text": f"held-out document {i} " * 30}) for i in range(30)))
-    t = make_trainer(tmp_path / "run", "--training.local_batch_size", "2", "--validation.enable", "true",
-                     "--validation.dataset", "text", "--validation.dataset_path", str(val),
-                     "--validation.steps", "-1")
+    t = make_trainer(
+        tmp_path / "run",
+        "--training.local_batch_size",
+        "2",
+        "--validation.enable",
+        "true",
+        "--validation.dataset",
+        "text",
+        "--validation.dataset_path",
+        str(val),
+        "--validation.steps",
+        "-1",
+    )
     first, second = t.validate()["val_loss"], t.validate()["val_loss"]
     assert first == second and first == first  # equal and not NaN
 

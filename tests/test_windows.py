@@ -1,4 +1,5 @@
 """Windowed loader: coverage, rank disjointness, exact resume (also across epochs, workers, re-partition)."""
+
 import itertools
 
 import pytest
@@ -50,8 +51,10 @@ def test_epoch_wraps_with_new_order():
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_resume_is_exact_across_epoch_boundary(num_workers):
     store = make_store(12)  # 12 windows, batch 2 -> an epoch is 6 batches; resume inside epoch 2
+
     def loader():
         return build_dataloader(store, seq_len=SEQ, batch_size=2, seed=5, num_workers=num_workers)
+
     ref = take(iter(loader()), 16)
     first = loader()
     it = iter(first)
@@ -74,8 +77,10 @@ def test_workers_give_same_order_as_main_process():
 def test_resume_with_other_dp_degree_repartitions_exactly():
     """2 ranks read 3 batches each, then 4 ranks continue: the union is the 1-rank order, no repeats."""
     store = make_store(48)
+
     def loader(rank, world):
         return build_dataloader(store, seq_len=SEQ, batch_size=1, dp_rank=rank, dp_world=world, seed=9)
+
     single = [window_ids(b)[0] for b in take(iter(loader(0, 1)), 48)]
     consumed, states = [], []
     for r in range(2):

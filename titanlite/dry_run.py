@@ -18,11 +18,13 @@
 
 and exits without allocating a single weight. :func:`dry_run` returns the same facts as a dict.
 """
+
 from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -39,8 +41,10 @@ def resolve_world_size(cfg) -> tuple[int, str]:
     if par.data_parallel_shard_degree > 0:
         n = par.data_parallel_replicate_degree * par.data_parallel_shard_degree * par.tensor_parallel_degree
         return n, "the product of the parallel degrees"
-    raise ValueError("dry run: the world size is not stated; pass --job.dry_run_world_size N (or set [job] world_size, "
-                     "or an explicit parallelism.data_parallel_shard_degree)")
+    raise ValueError(
+        "dry run: the world size is not stated; pass --job.dry_run_world_size N (or set [job] world_size, "
+        "or an explicit parallelism.data_parallel_shard_degree)"
+    )
 
 
 def _group_name(name: str) -> str:
@@ -74,6 +78,7 @@ def _coordinates(world: int, mesh_shape: tuple[int, ...]) -> list[tuple[int, ...
 def _local_numel_fn(global_mesh_names: tuple[str, ...]) -> Callable:
     """``fn(param, global_coord) -> local numel`` for a (DTensor or plain) parameter."""
     from torch.distributed.tensor import DTensor
+
     try:
         from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset as local_shape
     except ImportError:  # pragma: no cover - private helper moved
@@ -86,15 +91,19 @@ def _local_numel_fn(global_mesh_names: tuple[str, ...]) -> Callable:
             return p.numel()
         mesh = p.device_mesh
         names = mesh.mesh_dim_names or ()
-        sub = tuple(coord[global_mesh_names.index(n)] for n in names) if all(
-            n in global_mesh_names for n in names) else None
+        sub = (
+            tuple(coord[global_mesh_names.index(n)] for n in names)
+            if all(n in global_mesh_names for n in names)
+            else None
+        )
         key = (tuple(p.shape), tuple(mesh.shape), tuple(map(str, p.placements)), sub)
         if key not in cache:
             if sub is None or local_shape is None:
                 shape = tuple(p.to_local().shape)  # fallback: this rank's shard for every rank
             else:
-                shape = tuple(local_shape(tuple(p.shape), tuple(mesh.shape), list(sub), p.placements,
-                                          skip_offset=True)[0])
+                shape = tuple(
+                    local_shape(tuple(p.shape), tuple(mesh.shape), list(sub), p.placements, skip_offset=True)[0]
+                )
             n = 1
             for s in shape:
                 n *= s
@@ -104,7 +113,7 @@ def _local_numel_fn(global_mesh_names: tuple[str, ...]) -> Callable:
     return fn
 
 
-def dry_run(cfg, world_size: Optional[int] = None, out: Callable[[str], None] = print) -> dict[str, Any]:
+def dry_run(cfg, world_size: int | None = None, out: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the dry run for ``cfg`` (see module docstring); prints through ``out``, returns a report."""
     import torch.distributed as dist
 
@@ -140,12 +149,19 @@ def dry_run(cfg, world_size: Optional[int] = None, out: Callable[[str], None] = 
         with torch.device("meta"):
             model = spec.model_cls(args)
         dims.check_tp_divides(**{"training.seq_len (sequence parallelism)": t.seq_len})
-        policies = Policies.from_config(parallelism=par, training=t, activation_checkpoint=cfg.activation_checkpoint,
-                                        compile=cfg.compile, float8=cfg.quantize_linear_float8)
+        policies = Policies.from_config(
+            parallelism=par,
+            training=t,
+            activation_checkpoint=cfg.activation_checkpoint,
+            compile=cfg.compile,
+            float8=cfg.quantize_linear_float8,
+        )
         if spec.parallelize_fn is not None:
             model = spec.parallelize_fn(model, dims, policies)
         elif world_size > 1:
-            raise ValueError(f"model family {spec.name!r} has no parallelize function, so it trains on one process only")
+            raise ValueError(
+                f"model family {spec.name!r} has no parallelize function, so it trains on one process only"
+            )
         report = _inspect(model, dims, world_size, MESH_DIMS)
     finally:
         if created:
@@ -153,23 +169,38 @@ def dry_run(cfg, world_size: Optional[int] = None, out: Callable[[str], None] = 
 
     shape = ModelShape.from_args(args, num_params=model_counts(spec, args, t.seq_len)[0])
     setup = RunSetup(
-        num_gpus=world_size, tp=dims.tp, dp_replicate=dims.dp_replicate, local_batch_size=t.local_batch_size,
-        seq_len=t.seq_len, global_batch_size=t.global_batch_size, ac_mode=cfg.activation_checkpoint.mode,
-        ac_option=cfg.activation_checkpoint.selective_ac_option, compute_dtype=t.mixed_precision_param,
+        num_gpus=world_size,
+        tp=dims.tp,
+        dp_replicate=dims.dp_replicate,
+        local_batch_size=t.local_batch_size,
+        seq_len=t.seq_len,
+        global_batch_size=t.global_batch_size,
+        ac_mode=cfg.activation_checkpoint.mode,
+        ac_option=cfg.activation_checkpoint.selective_ac_option,
+        compute_dtype=t.mixed_precision_param,
         float8=cfg.quantize_linear_float8.enable,
-        optimizer_impl="fused" if cfg.optimizer.implementation == "auto" else cfg.optimizer.implementation)
+        optimizer_impl="fused" if cfg.optimizer.implementation == "auto" else cfg.optimizer.implementation,
+    )
     memory = memory_breakdown(shape, setup)
     gpu_bytes = gpu_memory_bytes(cfg.job.dry_run_gpu)
     usable = None if gpu_bytes is None else usable_memory(gpu_bytes)
-    report.update({
-        "model": f"{cfg.model.name}/{cfg.model.flavor}", "world_size": world_size, "world_size_source": source,
-        "degrees": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp},
-        "grad_accum": accum, "global_batch": t.local_batch_size * dims.dp_degree * accum,
-        "tokens_per_step": t.local_batch_size * dims.dp_degree * accum * t.seq_len,
-        "planner_params": param_count(shape), "memory": memory, "gpu": cfg.job.dry_run_gpu,
-        "usable_bytes": usable, "fits": None if usable is None else memory["total"] <= usable,
-        "vocab_note": vocab_note,
-    })
+    report.update(
+        {
+            "model": f"{cfg.model.name}/{cfg.model.flavor}",
+            "world_size": world_size,
+            "world_size_source": source,
+            "degrees": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp},
+            "grad_accum": accum,
+            "global_batch": t.local_batch_size * dims.dp_degree * accum,
+            "tokens_per_step": t.local_batch_size * dims.dp_degree * accum * t.seq_len,
+            "planner_params": param_count(shape),
+            "memory": memory,
+            "gpu": cfg.job.dry_run_gpu,
+            "usable_bytes": usable,
+            "fits": None if usable is None else memory["total"] <= usable,
+            "vocab_note": vocab_note,
+        }
+    )
     for line in format_report(report, cfg):
         out(line)
     return report
@@ -187,8 +218,7 @@ def _vocab_size(cfg, spec) -> tuple[int, str]:
         if tok is not None:
             return tok.vocab_size, ""
     flavor_vocab = spec.flavors[cfg.model.flavor].vocab_size
-    return flavor_vocab, (f"tokenizer {path} is not on this machine: using the flavor's vocab_size "
-                          f"{flavor_vocab:,}")
+    return flavor_vocab, (f"tokenizer {path} is not on this machine: using the flavor's vocab_size {flavor_vocab:,}")
 
 
 def _inspect(model: torch.nn.Module, dims, world: int, mesh_names: tuple[str, ...]) -> dict[str, Any]:
@@ -199,7 +229,7 @@ def _inspect(model: torch.nn.Module, dims, world: int, mesh_names: tuple[str, ..
     numel = _local_numel_fn(mesh_names)
     params = list(model.named_parameters())  # shared (tied) parameters once
     per_rank = [0] * world
-    groups: "OrderedDict[tuple, dict]" = OrderedDict()
+    groups: OrderedDict[tuple, dict] = OrderedDict()
     for name, p in params:
         for r, c in enumerate(coords):
             per_rank[r] += numel(p, c)
@@ -210,15 +240,30 @@ def _inspect(model: torch.nn.Module, dims, world: int, mesh_names: tuple[str, ..
         else:
             placement, local = "replicated (plain tensor)", list(p.shape)
         key = (_group_name(name), tuple(p.shape), placement)
-        g = groups.setdefault(key, {"group": key[0], "count": 0, "shape": list(p.shape), "placements": placement,
-                                    "rank0_shape": local, "numel": 0})
+        g = groups.setdefault(
+            key,
+            {
+                "group": key[0],
+                "count": 0,
+                "shape": list(p.shape),
+                "placements": placement,
+                "rank0_shape": local,
+                "numel": 0,
+            },
+        )
         g["count"] += 1
         g["numel"] += p.numel()
     total = sum(p.numel() for _, p in params)
     lo = min(range(world), key=per_rank.__getitem__)
     hi = max(range(world), key=per_rank.__getitem__)
-    return {"params": total, "per_rank": per_rank, "min_rank": lo, "max_rank": hi,
-            "groups": list(groups.values()), "mesh_dims": dict(zip(mesh_names, mesh_shape))}
+    return {
+        "params": total,
+        "per_rank": per_rank,
+        "min_rank": lo,
+        "max_rank": hi,
+        "groups": list(groups.values()),
+        "mesh_dims": dict(zip(mesh_names, mesh_shape)),
+    }
 
 
 def _rank_runs(per: list[int], limit: int = 8) -> str:
@@ -238,8 +283,10 @@ def _rank_runs(per: list[int], limit: int = 8) -> str:
 def format_report(r: dict[str, Any], cfg) -> list[str]:
     d, t = r["degrees"], cfg.training
     w = r["world_size"]
-    lines = [f"dry run: {r['model']} on {w} rank{'s' if w != 1 else ''} ({r['world_size_source']}); "
-             f"{'fake process group, ' if w > 1 else ''}meta device, nothing allocated"]
+    lines = [
+        f"dry run: {r['model']} on {w} rank{'s' if w != 1 else ''} ({r['world_size_source']}); "
+        f"{'fake process group, ' if w > 1 else ''}meta device, nothing allocated"
+    ]
     layout = []
     if d["dp_replicate"] > 1:
         layout.append(f"HSDP replicas {d['dp_replicate']}")
@@ -248,44 +295,61 @@ def format_report(r: dict[str, Any], cfg) -> list[str]:
     if d["tp"] > 1:
         lp = "loss parallel" if cfg.parallelism.enable_loss_parallel else "logits gathered"
         layout.append(f"TP {d['tp']} ({lp})")
-    lines.append(f"mesh       dp_replicate {d['dp_replicate']} x dp_shard {d['dp_shard']} x tp {d['tp']} = {w}"
-                 f" | {', '.join(layout) or 'single process, no sharding'}")
+    lines.append(
+        f"mesh       dp_replicate {d['dp_replicate']} x dp_shard {d['dp_shard']} x tp {d['tp']} = {w}"
+        f" | {', '.join(layout) or 'single process, no sharding'}"
+    )
     ac = cfg.activation_checkpoint
-    lines.append(f"training   AC {ac.mode}{' (' + ac.selective_ac_option + ')' if ac.mode == 'selective' else ''}"
-                 f", compile {'on' if cfg.compile.enable else 'off'}, float8 "
-                 f"{'on' if cfg.quantize_linear_float8.enable else 'off'}, compute {t.mixed_precision_param}, "
-                 f"reduce {t.mixed_precision_reduce}")
-    lines.append(f"batch      {t.local_batch_size} seq/rank x dp {d['dp_replicate'] * d['dp_shard']} x accumulation "
-                 f"{r['grad_accum']} = {r['global_batch']} sequences x {t.seq_len} = {r['tokens_per_step']:,} tokens "
-                 "per optimizer step")
+    lines.append(
+        f"training   AC {ac.mode}{' (' + ac.selective_ac_option + ')' if ac.mode == 'selective' else ''}"
+        f", compile {'on' if cfg.compile.enable else 'off'}, float8 "
+        f"{'on' if cfg.quantize_linear_float8.enable else 'off'}, compute {t.mixed_precision_param}, "
+        f"reduce {t.mixed_precision_reduce}"
+    )
+    lines.append(
+        f"batch      {t.local_batch_size} seq/rank x dp {d['dp_replicate'] * d['dp_shard']} x accumulation "
+        f"{r['grad_accum']} = {r['global_batch']} sequences x {t.seq_len} = {r['tokens_per_step']:,} tokens "
+        "per optimizer step"
+    )
     per = r["per_rank"]
     lo, hi = r["min_rank"], r["max_rank"]
     share = r["params"] / max(per[hi], 1)
     spread = f"{per[hi]:,} on every rank" if per[lo] == per[hi] else _rank_runs(per)
-    lines.append(f"params     {r['params']:,} in the model ({r['params'] / 1e9:.3f} B); per rank: {spread} "
-                 f"= 1/{share:.1f} of the model")
+    lines.append(
+        f"params     {r['params']:,} in the model ({r['params'] / 1e9:.3f} B); per rank: {spread} "
+        f"= 1/{share:.1f} of the model"
+    )
     if r["planner_params"] != r["params"]:
-        lines.append(f"note       the planner's count is {r['planner_params']:,}: its memory estimate "
-                     "below is for that shape")
+        lines.append(
+            f"note       the planner's count is {r['planner_params']:,}: its memory estimate below is for that shape"
+        )
     if r.get("vocab_note"):
         lines.append(f"note       {r['vocab_note']}")
-    lines.append("sharding   parameter group                              count  global shape        placements"
-                 "                                   rank-0 shard")
+    lines.append(
+        "sharding   parameter group                              count  global shape        placements"
+        "                                   rank-0 shard"
+    )
     for g in r["groups"]:
-        lines.append(f"           {g['group']:<44} {g['count']:>5}  {str(g['shape']):<19} {g['placements']:<44} "
-                     f"{g['rank0_shape']}")
+        lines.append(
+            f"           {g['group']:<44} {g['count']:>5}  {str(g['shape']):<19} {g['placements']:<44} "
+            f"{g['rank0_shape']}"
+        )
     m = r["memory"]
     state = 16 * per[hi] / GB
-    lines.append(f"memory     planner per GPU (GB = 1e9 B): parameters {m['parameters'] / GB:.2f}, gradients "
-                 f"{m['gradients'] / GB:.2f}, optimizer {m['optimizer'] / GB:.2f}, activations "
-                 f"{m['activations'] / GB:.2f}, logits {m['logits'] / GB:.2f} -> total {m['total'] / GB:.2f}")
-    lines.append(f"           fp32 weights + gradients + AdamW state of the largest rank, from the sharded model: "
-                 f"{state:.2f} GB")
+    lines.append(
+        f"memory     planner per GPU (GB = 1e9 B): parameters {m['parameters'] / GB:.2f}, gradients "
+        f"{m['gradients'] / GB:.2f}, optimizer {m['optimizer'] / GB:.2f}, activations "
+        f"{m['activations'] / GB:.2f}, logits {m['logits'] / GB:.2f} -> total {m['total'] / GB:.2f}"
+    )
+    lines.append(
+        f"           fp32 weights + gradients + AdamW state of the largest rank, from the sharded model: {state:.2f} GB"
+    )
     if r["usable_bytes"] is None:
         lines.append(f"verdict    unknown GPU {r['gpu']!r}: no memory verdict (set job.dry_run_gpu)")
     else:
         verdict = "FITS" if r["fits"] else "DOES NOT FIT"
-        lines.append(f"verdict    {verdict}: {m['total'] / GB:.1f} GB of {r['usable_bytes'] / GB:.1f} GB usable on "
-                     f"a {r['gpu']}")
+        lines.append(
+            f"verdict    {verdict}: {m['total'] / GB:.1f} GB of {r['usable_bytes'] / GB:.1f} GB usable on a {r['gpu']}"
+        )
     lines.append("dry run complete: no weights were allocated; exiting")
     return lines

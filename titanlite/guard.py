@@ -27,13 +27,15 @@ The only change is *where* that single sync sits: before ``optimizer.step()`` (t
 precede the update) instead of after it, so the optimizer-step kernels are launched after the
 backward drains instead of being queued behind it. On CPU the check takes ~0.1 ms per step.
 """
+
 from __future__ import annotations
 
 import collections
 import dataclasses
 import logging
 import math
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,7 +63,7 @@ class SpikeDetector:
     def enabled(self) -> bool:
         return self.factor > 0
 
-    def threshold(self) -> Optional[float]:
+    def threshold(self) -> float | None:
         """Loss above which the next step is a spike; None while disabled or warming up."""
         if not self.enabled or len(self.history) < self.min_history:
             return None
@@ -87,7 +89,7 @@ class GuardEvent:
     kind: str  # "nonfinite" | "spike"
     loss: float
     grad_norm: float
-    threshold: Optional[float]
+    threshold: float | None
     action: str = ""
 
     def describe(self) -> str:
@@ -98,8 +100,14 @@ class GuardEvent:
         return f"step {self.step}: {what}: loss {self.loss:.6g}, grad norm {self.grad_norm:.6g}"
 
     def record(self, counters: dict[str, int]) -> dict[str, Any]:
-        return {"step": self.step, "guard_event": self.kind, "guard_action": self.action, "event_loss": self.loss,
-                "event_grad_norm": self.grad_norm, **counters}
+        return {
+            "step": self.step,
+            "guard_event": self.kind,
+            "guard_action": self.action,
+            "event_loss": self.loss,
+            "event_grad_norm": self.grad_norm,
+            **counters,
+        }
 
 
 @dataclasses.dataclass
@@ -109,7 +117,7 @@ class StepCheck:
     loss: float
     grad_norm: float
     stop_requested: bool
-    event: Optional[GuardEvent] = None
+    event: GuardEvent | None = None
     action: str = "update"  # update | skip | rollback
 
 
@@ -119,10 +127,11 @@ class StepCheck:
 class RaisePolicy:
     name = "raise"
 
-    def handle(self, event: GuardEvent, guard: "StepGuard") -> str:
+    def handle(self, event: GuardEvent, guard: StepGuard) -> str:
         raise TrainingDivergedError(
             f"{event.describe()} ([guard] policy = raise). Lower the learning rate, or set [guard] policy = "
-            "skip_step or rollback to continue automatically.")
+            "skip_step or rollback to continue automatically."
+        )
 
 
 class SkipStepPolicy:
@@ -132,12 +141,13 @@ class SkipStepPolicy:
         self.max_consecutive = max_consecutive
         self.consecutive = 0
 
-    def handle(self, event: GuardEvent, guard: "StepGuard") -> str:
+    def handle(self, event: GuardEvent, guard: StepGuard) -> str:
         self.consecutive += 1
         if self.consecutive > self.max_consecutive:
             raise TrainingDivergedError(
                 f"{event.describe()}; {self.consecutive} consecutive steps skipped (more than [guard] "
-                f"max_consecutive_skips = {self.max_consecutive}): the run is diverging")
+                f"max_consecutive_skips = {self.max_consecutive}): the run is diverging"
+            )
         return "skip"
 
     def good_step(self) -> None:
@@ -150,11 +160,12 @@ class RollbackPolicy:
     def __init__(self, max_rollbacks: int):
         self.max_rollbacks = max_rollbacks
 
-    def handle(self, event: GuardEvent, guard: "StepGuard") -> str:
+    def handle(self, event: GuardEvent, guard: StepGuard) -> str:
         if guard.counts["rollbacks"] >= self.max_rollbacks:
             raise TrainingDivergedError(
                 f"{event.describe()}; already rolled back {guard.counts['rollbacks']} time(s) ([guard] "
-                f"max_rollbacks = {self.max_rollbacks})")
+                f"max_rollbacks = {self.max_rollbacks})"
+            )
         return "rollback"
 
 
@@ -198,8 +209,11 @@ class StepGuard:
             return
         self._injected = True
         result.loss, result.grad_norm = result.loss * float("nan"), result.grad_norm * float("nan")
-        logger.warning("guard: TESTING: injected NaN into the loss and gradient norm of step %d "
-                       "([guard] debug_inject_nan_at_step)", result.step)
+        logger.warning(
+            "guard: TESTING: injected NaN into the loss and gradient norm of step %d "
+            "([guard] debug_inject_nan_at_step)",
+            result.step,
+        )
 
     # -- the check
     def check(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, stop_requested: bool = False) -> StepCheck:
@@ -213,8 +227,9 @@ class StepGuard:
         nonfinite = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
         threshold = self.spikes.threshold()
         spike = loss > threshold if threshold is not None else torch.zeros((), dtype=torch.bool, device=loss.device)
-        flags = torch.stack([nonfinite.float(), spike.float(),
-                             torch.full((), float(stop_requested), device=loss.device)])
+        flags = torch.stack(
+            [nonfinite.float(), spike.float(), torch.full((), float(stop_requested), device=loss.device)]
+        )
         if self.distributed:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         loss_v, gn_v, bad, spiked, stop = torch.cat([loss.reshape(1), grad_norm.reshape(1), flags]).tolist()
@@ -235,8 +250,9 @@ class StepGuard:
         out.event.action = out.action
         if out.action == "skip":
             self.counts["skipped_steps"] += 1
-            logger.warning("guard: step %d skipped: no optimizer update (%d skipped so far)", step,
-                           self.counts["skipped_steps"])
+            logger.warning(
+                "guard: step %d skipped: no optimizer update (%d skipped so far)", step, self.counts["skipped_steps"]
+            )
         return out
 
     # -- learning-rate factor after a rollback
@@ -265,7 +281,8 @@ def rollback(guard: StepGuard, event: GuardEvent, checkpointer, loader, accum: i
     if step is None:
         raise TrainingDivergedError(
             f"{event.describe()}; [guard] policy = rollback but there is no complete checkpoint to roll back to "
-            "(enable [checkpoint] with an interval shorter than the time to a failure)")
+            "(enable [checkpoint] with an interval shorter than the time to a failure)"
+        )
     guard.rolled_back(step)
     data_iter = iter(loader)
     skipped = 0
@@ -274,10 +291,16 @@ def rollback(guard: StepGuard, event: GuardEvent, checkpointer, loader, accum: i
             next(data_iter)
             skipped += 1
     scale = guard.lr_scale(step + 1)
-    logger.warning("guard: ROLLED BACK from step %d to the checkpoint of step %d; skipped %d micro-batch(es)%s "
-                   "(rollback %d of at most %d)", event.step, step, skipped,
-                   f"; learning rate x{scale:g} for {guard.cfg.rollback_lr_steps} steps" if scale != 1.0 else "",
-                   guard.counts["rollbacks"], guard.cfg.max_rollbacks)
+    logger.warning(
+        "guard: ROLLED BACK from step %d to the checkpoint of step %d; skipped %d micro-batch(es)%s "
+        "(rollback %d of at most %d)",
+        event.step,
+        step,
+        skipped,
+        f"; learning rate x{scale:g} for {guard.cfg.rollback_lr_steps} steps" if scale != 1.0 else "",
+        guard.counts["rollbacks"],
+        guard.cfg.max_rollbacks,
+    )
     return step, data_iter
 
 
@@ -287,8 +310,15 @@ class GuardHook(Hook):
     preemption handler's flag) across ranks; the rollback itself (``checkpointer``, ``loader`` and
     ``grad_accum_steps`` needed for ``policy = rollback``); the events in the metrics records."""
 
-    def __init__(self, guard: StepGuard, *, stop_requested=lambda: False, checkpointer=None, loader=None,
-                 grad_accum_steps: int = 1):
+    def __init__(
+        self,
+        guard: StepGuard,
+        *,
+        stop_requested=lambda: False,
+        checkpointer=None,
+        loader=None,
+        grad_accum_steps: int = 1,
+    ):
         self.guard, self.stop_requested = guard, stop_requested
         self.checkpointer, self.loader, self.grad_accum_steps = checkpointer, loader, grad_accum_steps
 

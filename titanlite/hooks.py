@@ -19,7 +19,8 @@ foreign loop can drive them the same way with its own :class:`LoopState`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator, Optional, Protocol
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 
 class RecordSink(Protocol):
@@ -39,9 +40,9 @@ class LoopState:
     step: int = 0
     tokens_seen: int = 0
     stop: bool = False
-    data_iter: Optional[Iterator] = None
+    data_iter: Iterator | None = None
     records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    sink: Optional[RecordSink] = None
+    sink: RecordSink | None = None
 
     def log(self, record: dict[str, Any]) -> None:
         self.records.append(record)

@@ -5,6 +5,7 @@ micro-batches, all data-parallel ranks) makes gradient accumulation and data par
 exactly the gradient of one big batch: no mean-of-means when micro-batches differ in size
 (:mod:`titanlite.train_step`). Registered as the ``[training] loss`` named ``cross_entropy``.
 """
+
 from __future__ import annotations
 
 import torch

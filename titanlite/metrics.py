@@ -22,7 +22,7 @@ import re
 import resource
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,8 +54,16 @@ PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
 
 # GPU memory per device (GB = 1e9 bytes, as datasheets state it), for the run planner.
 GPU_MEMORY_GB: list[tuple[str, float]] = [
-    (r"H100.*NVL", 94.0), (r"GH200", 96.0), (r"H100", 80.0), (r"H200.*NVL", 141.0), (r"H200", 141.0),
-    (r"H20", 96.0), (r"B200", 180.0), (r"A100.*40GB", 40.0), (r"A100", 80.0), (r"L40S", 48.0),
+    (r"H100.*NVL", 94.0),
+    (r"GH200", 96.0),
+    (r"H100", 80.0),
+    (r"H200.*NVL", 141.0),
+    (r"H200", 141.0),
+    (r"H20", 96.0),
+    (r"B200", 180.0),
+    (r"A100.*40GB", 40.0),
+    (r"A100", 80.0),
+    (r"L40S", 48.0),
     (r"MI300X", 192.0),
 ]
 
@@ -67,7 +75,7 @@ def _match(table: list[tuple[str, Any]], name: str) -> Any:
     return None
 
 
-def peak_flops(device: torch.device, dtype: str = "bfloat16") -> Optional[float]:
+def peak_flops(device: torch.device, dtype: str = "bfloat16") -> float | None:
     """Dense peak FLOP/s of ``device`` for matmuls in ``dtype`` (bfloat16, float8, float32).
 
     CUDA: from the table by device name, None when unknown. CPU: the measured matmul rate.
@@ -80,7 +88,7 @@ def peak_flops(device: torch.device, dtype: str = "bfloat16") -> Optional[float]
     return None
 
 
-def peak_flops_for_name(name: str, dtype: str) -> Optional[float]:
+def peak_flops_for_name(name: str, dtype: str) -> float | None:
     """Dense peak FLOP/s of the GPU called ``name`` in ``dtype``; None for an unknown GPU or a dtype
     it has no tensor-core rate for (e.g. float8 on an A100): MFU is then reported as unknown."""
     peaks = _match(PEAK_TFLOPS, name)
@@ -88,13 +96,13 @@ def peak_flops_for_name(name: str, dtype: str) -> Optional[float]:
     return None if tf is None else tf * 1e12
 
 
-def gpu_memory_bytes(name: str) -> Optional[float]:
+def gpu_memory_bytes(name: str) -> float | None:
     """Memory of the GPU called ``name`` in bytes (datasheet figure), None when unknown."""
     gb = _match(GPU_MEMORY_GB, name)
     return None if gb is None else gb * 1e9
 
 
-def matmul_dtype(compute_dtype: str, float8: bool = False, device: Optional[torch.device] = None) -> str:
+def matmul_dtype(compute_dtype: str, float8: bool = False, device: torch.device | None = None) -> str:
     """The dtype the model's matmuls run in, which selects the peak MFU is measured against.
 
     ``compute_dtype`` is ``[training] mixed_precision_param``; with float8 linears (on CUDA) most
@@ -109,7 +117,7 @@ def matmul_dtype(compute_dtype: str, float8: bool = False, device: Optional[torc
     return compute_dtype
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def measure_cpu_matmul_peak(dtype: str = "float32", n: int = 2048, trials: int = 5, threads: int = 0) -> float:
     """Measured matmul FLOP/s of this CPU in ``dtype`` (``threads``: the intra-op thread count it is
     measured at, part of the cache key; 0 = the current one). Cached per process.
@@ -137,12 +145,16 @@ def memory_stats(device: torch.device) -> dict[str, float]:
     gib = 1024**3
     if device.type == "cuda":
         s = torch.cuda.memory_stats(device)
-        return {"mem_alloc_gib": s.get("allocated_bytes.all.current", 0) / gib,
-                "mem_reserved_gib": s.get("reserved_bytes.all.current", 0) / gib,
-                "mem_peak_gib": s.get("allocated_bytes.all.peak", 0) / gib,
-                "alloc_retries": s.get("num_alloc_retries", 0)}
-    return {"mem_rss_gib": _current_rss_bytes() / gib,
-            "mem_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / gib}
+        return {
+            "mem_alloc_gib": s.get("allocated_bytes.all.current", 0) / gib,
+            "mem_reserved_gib": s.get("reserved_bytes.all.current", 0) / gib,
+            "mem_peak_gib": s.get("allocated_bytes.all.peak", 0) / gib,
+            "alloc_retries": s.get("num_alloc_retries", 0),
+        }
+    return {
+        "mem_rss_gib": _current_rss_bytes() / gib,
+        "mem_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / gib,
+    }
 
 
 def _current_rss_bytes() -> int:
@@ -248,7 +260,7 @@ def _global_square_sums(tensors: list[torch.Tensor]) -> list[float]:
     """
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
-    out: list[Optional[float]] = [None] * len(tensors)
+    out: list[float | None] = [None] * len(tensors)
     groups: dict[Any, list[int]] = {}
     for i, t in enumerate(tensors):
         key = (id(t.device_mesh), tuple(t.placements)) if isinstance(t, DTensor) else None
@@ -277,7 +289,7 @@ class UpdateRatio:
     def __init__(self, model: nn.Module, per_layer: bool = False):
         self.named = list({id(p): (n, p) for n, p in model.named_parameters() if p.requires_grad}.values())
         self.per_layer = per_layer
-        self._saved: Optional[list[torch.Tensor]] = None
+        self._saved: list[torch.Tensor] | None = None
 
     @torch.no_grad()
     def before_step(self) -> None:
@@ -300,7 +312,7 @@ class UpdateRatio:
         diffs = [p.detach() - o for (_, p), o in zip(self.named, old)]
         self._saved = None
         sums = _global_square_sums(diffs + old)
-        upd, par = sums[:len(old)], sums[len(old):]  # relative to the parameters before the step
+        upd, par = sums[: len(old)], sums[len(old) :]  # relative to the parameters before the step
         out = {"update_ratio": _ratio(sum(upd), sum(par))}
         if self.per_layer:
             per: dict[str, list[float]] = {}
@@ -320,7 +332,7 @@ def _ratio(update_sq: float, param_sq: float) -> float:
 # ----------------------------------------------------------------------------- progress and summary
 
 
-def format_duration(seconds: Optional[float]) -> str:
+def format_duration(seconds: float | None) -> str:
     """``3h05m``, ``4m12s``, ``9.5s``; ``?`` when unknown."""
     if seconds is None or not math.isfinite(seconds):
         return "?"
@@ -348,12 +360,12 @@ class RunProgress:
         self.total_steps = total_steps
         self.start_step = start_step
         self.t_start = time.perf_counter()
-        self.t_first: Optional[float] = None  # end of the first step run by this process
-        self.step_first: Optional[int] = None
+        self.t_first: float | None = None  # end of the first step run by this process
+        self.step_first: int | None = None
         self.last_step = start_step
-        self.windows: list[tuple[float, float, Optional[float], int]] = []  # (seconds, tokens/s, mfu, steps)
-        self.last_loss: Optional[float] = None
-        self.last_val_loss: Optional[float] = None
+        self.windows: list[tuple[float, float, float | None, int]] = []  # (seconds, tokens/s, mfu, steps)
+        self.last_loss: float | None = None
+        self.last_val_loss: float | None = None
         self.tokens_seen = 0
 
     def restart(self, step: int) -> None:
@@ -365,7 +377,7 @@ class RunProgress:
         if self.t_first is None:
             self.t_first, self.step_first = time.perf_counter(), step
 
-    def eta_seconds(self) -> Optional[float]:
+    def eta_seconds(self) -> float | None:
         if self.t_first is None or self.last_step <= self.step_first:
             return None
         per_step = (time.perf_counter() - self.t_first) / (self.last_step - self.step_first)
@@ -386,21 +398,29 @@ class RunProgress:
         tps = sum(w[1] * w[0] for w in windows) / secs if secs > 0 else None
         mfus = [(w[2], w[0]) for w in windows if w[2] is not None]
         mfu = sum(m * s for m, s in mfus) / sum(s for _, s in mfus) if mfus and secs > 0 else None
-        return {"steps": self.last_step, "steps_this_run": self.last_step - self.start_step,
-                "tokens_seen": self.tokens_seen, "wall_s": time.perf_counter() - self.t_start,
-                "mean_tokens_per_s": tps, "mean_mfu": mfu, "last_loss": self.last_loss,
-                "last_val_loss": self.last_val_loss}
+        return {
+            "steps": self.last_step,
+            "steps_this_run": self.last_step - self.start_step,
+            "tokens_seen": self.tokens_seen,
+            "wall_s": time.perf_counter() - self.t_start,
+            "mean_tokens_per_s": tps,
+            "mean_mfu": mfu,
+            "last_loss": self.last_loss,
+            "last_val_loss": self.last_val_loss,
+        }
 
 
 def format_summary(s: dict[str, Any]) -> str:
-    def num(v: Optional[float], fmt: str) -> str:
+    def num(v: float | None, fmt: str) -> str:
         return "n/a" if v is None else format(v, fmt)
 
     mfu = "unknown" if s["mean_mfu"] is None else f"{100 * s['mean_mfu']:.2f}%"
-    return (f"run summary: {s['steps']} steps ({s['steps_this_run']} in this run), {s['tokens_seen']:,} tokens, "
-            f"wall time {format_duration(s['wall_s'])}, mean {num(s['mean_tokens_per_s'], ',.0f')} tokens/s per "
-            f"device, mean MFU {mfu}, last loss {num(s['last_loss'], '.4f')}, "
-            f"last validation loss {num(s['last_val_loss'], '.4f')}")
+    return (
+        f"run summary: {s['steps']} steps ({s['steps_this_run']} in this run), {s['tokens_seen']:,} tokens, "
+        f"wall time {format_duration(s['wall_s'])}, mean {num(s['mean_tokens_per_s'], ',.0f')} tokens/s per "
+        f"device, mean MFU {mfu}, last loss {num(s['last_loss'], '.4f')}, "
+        f"last validation loss {num(s['last_val_loss'], '.4f')}"
+    )
 
 
 class MetricsHook(Hook):
@@ -423,8 +443,8 @@ class MetricsHook(Hook):
         world_size: int = 1,
         flops_per_token: int = 0,
         matmul_dtype: str = "float32",
-        model: Optional[nn.Module] = None,
-        summary_path: Optional[Path] = None,
+        model: nn.Module | None = None,
+        summary_path: Path | None = None,
     ):
         self.section, self.log, self.device, self.world_size = section, log, device, world_size
         self.flops_per_token, self.matmul_dtype, self.summary_path = flops_per_token, matmul_dtype, summary_path
@@ -438,7 +458,7 @@ class MetricsHook(Hook):
         return step == 1 or step % self.section.log_freq == 0 or step == total
 
     @property
-    def peak_flops(self) -> Optional[float]:
+    def peak_flops(self) -> float | None:
         """Peak FLOP/s of the device in the matmul dtype (None: unknown); settable."""
         if self._peak is ...:
             self._peak = peak_flops(self.device, self.matmul_dtype)
@@ -447,7 +467,7 @@ class MetricsHook(Hook):
         return self._peak
 
     @peak_flops.setter
-    def peak_flops(self, value: Optional[float]) -> None:
+    def peak_flops(self, value: float | None) -> None:
         self._peak = value
 
     def on_train_start(self, state: LoopState) -> None:
@@ -475,10 +495,20 @@ class MetricsHook(Hook):
         tps = (tokens + result.tokens) / self.world_size / elapsed
         mfu = None if self.peak_flops is None else tps * self.flops_per_token / self.peak_flops
         loss, grad_norm = result.fetch()
-        record = {"step": state.step, "loss": loss, "grad_norm": grad_norm, "lr": result.lr, "tokens_per_s": tps,
-                  "tokens_per_s_global": tps * self.world_size, "mfu": mfu, "tokens_seen": state.tokens_seen,
-                  "data_wait_frac": (data_s + result.data_s) / elapsed, "eta_s": self.progress.eta_seconds(),
-                  **memory_stats(self.device), **result.extra}  # fmt: skip
+        record = {
+            "step": state.step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": result.lr,
+            "tokens_per_s": tps,
+            "tokens_per_s_global": tps * self.world_size,
+            "mfu": mfu,
+            "tokens_seen": state.tokens_seen,
+            "data_wait_frac": (data_s + result.data_s) / elapsed,
+            "eta_s": self.progress.eta_seconds(),
+            **memory_stats(self.device),
+            **result.extra,
+        }
         if self.update_ratio is not None and self.update_ratio.pending:
             record.update(self.update_ratio.after_step())
         self.progress.record(record, elapsed, steps + 1)
@@ -508,7 +538,20 @@ class MetricsHook(Hook):
         mfu = "unknown" if r["mfu"] is None else f"{100 * r['mfu']:.2f}%"
         mem = r.get("mem_peak_gib", r.get("mem_rss_gib", 0.0))
         upd = f" | upd/param {r['update_ratio']:.1e}" if "update_ratio" in r else ""
-        logger.info("step %4d/%d (%.0f%%) | loss %.4f | grad_norm %.3f | lr %.2e | tok/s %s (global %s) | mfu %s | "
-                    "mem %.2f GiB | data %.0f%%%s | eta %s", r["step"], total, 100 * r["step"] / total, r["loss"],
-                    r["grad_norm"], r["lr"], f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s_global']:,.0f}", mfu, mem,
-                    100 * r["data_wait_frac"], upd, format_duration(r.get("eta_s")))  # fmt: skip
+        logger.info(
+            "step %4d/%d (%.0f%%) | loss %.4f | grad_norm %.3f | lr %.2e | tok/s %s (global %s) | mfu %s | "
+            "mem %.2f GiB | data %.0f%%%s | eta %s",
+            r["step"],
+            total,
+            100 * r["step"] / total,
+            r["loss"],
+            r["grad_norm"],
+            r["lr"],
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['tokens_per_s_global']:,.0f}",
+            mfu,
+            mem,
+            100 * r["data_wait_frac"],
+            upd,
+            format_duration(r.get("eta_s")),
+        )

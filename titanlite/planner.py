@@ -27,7 +27,8 @@ micro-batches), the end of backward (gradients + the block being recomputed unde
 checkpointing) and the optimizer step (gradients + scratch).
 
 Activation bytes per token per transformer block without activation checkpointing, with ``d =
-dim``, ``q = n_heads x head_dim`` (``= d`` for Llama), ``F = ffn hidden``, ``h = n_heads``, ``c`` = compute-dtype bytes, ``r`` = residual-stream
+dim``, ``q = n_heads x head_dim`` (``= d`` for Llama), ``F = ffn hidden``, ``h = n_heads``,
+``c`` = compute-dtype bytes, ``r`` = residual-stream
 bytes (fp32 under autocast, else ``c``), ``l`` = bytes of saved matmul inputs (``c``, or 1 for
 float8 linears), as counted with ``torch.autograd.graph.saved_tensors_hooks`` on titanlite's Llama 3
 block (exact for fp32 and bf16 autocast, see tests/test_planner.py)::
@@ -57,11 +58,12 @@ Not modelled: the CUDA context and communication buffers and allocator fragmenta
 keeps a reserve for them, :data:`RESERVE_BYTES` and :data:`FRAGMENTATION`), torch.compile's fusions
 (which save less), pipeline parallelism.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any
 
 from titanlite.dtypes import DTYPES
 
@@ -98,9 +100,18 @@ class ModelShape:
     @classmethod
     def from_args(cls, args: Any, num_params: int = 0) -> ModelShape:
         kv = getattr(args, "kv_heads", None) or getattr(args, "n_kv_heads", None) or args.n_heads
-        return cls(args.dim, args.n_layers, args.n_heads, kv, args.ffn_hidden_dim, args.vocab_size,
-                   bool(getattr(args, "tie_word_embeddings", False)), int(getattr(args, "head_dim", 0) or 0),
-                   bool(getattr(args, "qk_norm", False)), num_params)
+        return cls(
+            args.dim,
+            args.n_layers,
+            args.n_heads,
+            kv,
+            args.ffn_hidden_dim,
+            args.vocab_size,
+            bool(getattr(args, "tie_word_embeddings", False)),
+            int(getattr(args, "head_dim", 0) or 0),
+            bool(getattr(args, "qk_norm", False)),
+            num_params,
+        )
 
     @property
     def q_dim(self) -> int:
@@ -184,11 +195,15 @@ class RunSetup:
 
     def __post_init__(self) -> None:
         if self.num_gpus < 1 or self.num_gpus % (self.tp * self.dp_replicate):
-            raise ValueError(f"{self.num_gpus} GPUs are not divisible by tensor_parallel_degree ({self.tp}) x "
-                             f"data_parallel_replicate_degree ({self.dp_replicate})")
+            raise ValueError(
+                f"{self.num_gpus} GPUs are not divisible by tensor_parallel_degree ({self.tp}) x "
+                f"data_parallel_replicate_degree ({self.dp_replicate})"
+            )
         if self.global_batch_size != -1 and self.global_batch_size % (self.local_batch_size * self.dp_degree):
-            raise ValueError(f"global_batch_size {self.global_batch_size} is not a multiple of local_batch_size "
-                             f"({self.local_batch_size}) x data-parallel degree ({self.dp_degree})")
+            raise ValueError(
+                f"global_batch_size {self.global_batch_size} is not a multiple of local_batch_size "
+                f"({self.local_batch_size}) x data-parallel degree ({self.dp_degree})"
+            )
         if self.ac_mode not in ("none", "full", "selective"):
             raise ValueError(f"unknown activation checkpointing mode {self.ac_mode!r}")
         if self.compute_dtype not in ("float32", "bfloat16"):
@@ -296,15 +311,27 @@ def memory_breakdown(s: ModelShape, setup: RunSetup) -> dict[str, Any]:
         activations += s.n_layers * (block_params(s) - _norm_params(s)) / setup.tp
     logits = setup.micro_batch_tokens * s.vocab_size / setup.tp * (c + 12)
     scratch = 4 * local if setup.optimizer_impl == "foreach" else 0.0
-    recomputed = 0.0 if setup.ac_mode == "none" else (
-        setup.micro_batch_tokens / setup.tp * activation_bytes_per_token_layer(s, setup))
-    moments = {"start of backward": (grads if setup.grad_accum > 1 else 0.0) + activations + logits,
-               "end of backward": grads + recomputed,
-               "optimizer step": grads + scratch}
+    recomputed = (
+        0.0
+        if setup.ac_mode == "none"
+        else (setup.micro_batch_tokens / setup.tp * activation_bytes_per_token_layer(s, setup))
+    )
+    moments = {
+        "start of backward": (grads if setup.grad_accum > 1 else 0.0) + activations + logits,
+        "end of backward": grads + recomputed,
+        "optimizer step": grads + scratch,
+    }
     peak_at = max(moments, key=moments.get)
-    return {"parameters": params, "gradients": grads, "optimizer": optimizer, "activations": activations,
-            "logits": logits, "optimizer_scratch": scratch, "total": params + optimizer + moments[peak_at],
-            "peak_at": peak_at}
+    return {
+        "parameters": params,
+        "gradients": grads,
+        "optimizer": optimizer,
+        "activations": activations,
+        "logits": logits,
+        "optimizer_scratch": scratch,
+        "total": params + optimizer + moments[peak_at],
+        "peak_at": peak_at,
+    }
 
 
 def usable_memory(gpu_bytes: float) -> float:
@@ -319,19 +346,28 @@ class Plan:
     tokens: float  # trained tokens (whole optimizer steps)
     steps: int
     total_flops: float
-    peak_flops: Optional[float]  # per GPU, in the matmul dtype
+    peak_flops: float | None  # per GPU, in the matmul dtype
     matmul_dtype: str
     mfu: float
-    wall_s: Optional[float]
-    cost: Optional[float]
+    wall_s: float | None
+    cost: float | None
     memory: dict[str, float]
-    gpu_memory: Optional[float]
-    fits: Optional[bool]
+    gpu_memory: float | None
+    fits: bool | None
 
 
-def plan_run(s: ModelShape, setup: RunSetup, *, tokens: float, mfu: float, peak_flops: Optional[float],
-             matmul_dtype: str, gpu_memory: Optional[float] = None, price_per_gpu_hour: Optional[float] = None,
-             flops_per_token_: Optional[int] = None) -> Plan:
+def plan_run(
+    s: ModelShape,
+    setup: RunSetup,
+    *,
+    tokens: float,
+    mfu: float,
+    peak_flops: float | None,
+    matmul_dtype: str,
+    gpu_memory: float | None = None,
+    price_per_gpu_hour: float | None = None,
+    flops_per_token_: int | None = None,
+) -> Plan:
     """Steps, FLOPs, wall time, cost and memory of training on ``tokens`` tokens at ``mfu``
     (``flops_per_token_``: the family's own count, default :func:`flops_per_token` of the shape)."""
     if tokens <= 0:
@@ -346,5 +382,6 @@ def plan_run(s: ModelShape, setup: RunSetup, *, tokens: float, mfu: float, peak_
     cost = None if wall is None or price_per_gpu_hour is None else wall / 3600 * setup.num_gpus * price_per_gpu_hour
     mem = memory_breakdown(s, setup)
     fits = None if gpu_memory is None else mem["total"] <= usable_memory(gpu_memory)
-    return Plan(param_count(s), fpt, trained, steps, total, peak_flops, matmul_dtype, mfu, wall, cost, mem,
-                gpu_memory, fits)
+    return Plan(
+        param_count(s), fpt, trained, steps, total, peak_flops, matmul_dtype, mfu, wall, cost, mem, gpu_memory, fits
+    )

@@ -19,6 +19,7 @@ thread) the handler is not installed and a message says so. ``python -m titanlit
 installs it around ``Trainer.train()`` (``with trainer.preemption:``); a library user who wants
 the same behaviour does the same, and the previous handlers are restored on exit.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,7 +27,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from titanlite.hooks import Hook
 
@@ -45,7 +46,7 @@ class PreemptionHandler:
         self.signal_name = ""
         self._previous: dict[int, object] = {}
 
-    def install(self) -> "PreemptionHandler":
+    def install(self) -> PreemptionHandler:
         if threading.current_thread() is not threading.main_thread():
             logger.info("preemption: not on the main thread, so SIGTERM/SIGINT keep their default behaviour")
             return self
@@ -58,7 +59,7 @@ class PreemptionHandler:
             signal.signal(sig, previous)
         self._previous.clear()
 
-    def __enter__(self) -> "PreemptionHandler":
+    def __enter__(self) -> PreemptionHandler:
         return self.install()
 
     def __exit__(self, *exc) -> None:
@@ -77,8 +78,11 @@ class PreemptionHandler:
             return
         self.requested = True
         self.signal_name = name
-        logger.warning("preemption: received %s: finishing the current step, then saving a checkpoint and exiting "
-                       "(send it again to exit at once)", name)
+        logger.warning(
+            "preemption: received %s: finishing the current step, then saving a checkpoint and exiting "
+            "(send it again to exit at once)",
+            name,
+        )
 
 
 class PreemptionHook(Hook):
@@ -93,11 +97,23 @@ class PreemptionHook(Hook):
         if not result.stop_requested or state.last_step:
             return
         ckpt = self.checkpointer
-        saved = ckpt is not None and ckpt.enabled and (ckpt.last_saved_step == state.step or ckpt.save(state.step, force=True))
+        saved = (
+            ckpt is not None
+            and ckpt.enabled
+            and (ckpt.last_saved_step == state.step or ckpt.save(state.step, force=True))
+        )
         if ckpt is not None:
             ckpt.wait()
-        what = (f"checkpoint of step {state.step} saved; rerun the same command to resume" if saved else
-                "checkpointing is off ([checkpoint] enable = false): nothing was saved")
-        logger.warning("preemption: stopped after step %d of %d on %s; %s", state.step, state.total_steps,
-                       self.handler.signal_name or "a signal on another rank", what)
+        what = (
+            f"checkpoint of step {state.step} saved; rerun the same command to resume"
+            if saved
+            else "checkpointing is off ([checkpoint] enable = false): nothing was saved"
+        )
+        logger.warning(
+            "preemption: stopped after step %d of %d on %s; %s",
+            state.step,
+            state.total_steps,
+            self.handler.signal_name or "a signal on another rank",
+            what,
+        )
         state.stop = True

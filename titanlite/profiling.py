@@ -14,11 +14,11 @@ allocator history: a note is logged and nothing is recorded.
 
 When both are off, :func:`build_profiler` returns None and the training loop does nothing extra.
 """
+
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -47,29 +47,43 @@ class Profiler:
         if cfg.enable_profiling:
             wait = cfg.profile_freq - cfg.profiler_warmup - cfg.profiler_active
             if wait < 0:
-                raise ValueError(f"[profiling] profiler_warmup ({cfg.profiler_warmup}) + profiler_active "
-                                 f"({cfg.profiler_active}) must be <= profile_freq ({cfg.profile_freq})")
+                raise ValueError(
+                    f"[profiling] profiler_warmup ({cfg.profiler_warmup}) + profiler_active "
+                    f"({cfg.profiler_active}) must be <= profile_freq ({cfg.profile_freq})"
+                )
             base = torch.profiler.schedule(wait=wait, warmup=cfg.profiler_warmup, active=cfg.profiler_active)
             activities = [torch.profiler.ProfilerActivity.CPU]
             if device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             # profiler step i is our optimizer step start_step + i + 1 (the schedule stays aligned on resume)
             self._prof = torch.profiler.profile(
-                activities=activities, schedule=lambda i: base(i + start_step), on_trace_ready=self._save_trace,
-                record_shapes=True, profile_memory=True, with_stack=False)
+                activities=activities,
+                schedule=lambda i: base(i + start_step),
+                on_trace_ready=self._save_trace,
+                record_shapes=True,
+                profile_memory=True,
+                with_stack=False,
+            )
             self._prof.start()
-            logger.info("profiling: traces of steps %d..N every %d steps to %s", cfg.profile_freq, cfg.profile_freq,
-                        self.trace_dir)
+            logger.info(
+                "profiling: traces of steps %d..N every %d steps to %s",
+                cfg.profile_freq,
+                cfg.profile_freq,
+                self.trace_dir,
+            )
         if cfg.enable_memory_snapshot:
             if device.type == "cuda":
                 torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
                 self._snapshots_on = True
-                logger.info("profiling: CUDA memory snapshots every %d steps to %s", cfg.profile_freq,
-                            self.snapshot_dir)
+                logger.info(
+                    "profiling: CUDA memory snapshots every %d steps to %s", cfg.profile_freq, self.snapshot_dir
+                )
             else:
-                logger.info("profiling: enable_memory_snapshot needs CUDA (the caching allocator's history); on %s "
-                            "no snapshot is recorded. Memory is still reported as process RSS in the metrics.",
-                            device.type)
+                logger.info(
+                    "profiling: enable_memory_snapshot needs CUDA (the caching allocator's history); on %s "
+                    "no snapshot is recorded. Memory is still reported as process RSS in the metrics.",
+                    device.type,
+                )
 
     def _save_trace(self, prof) -> None:
         if self._closing:  # a window opened for a step that never ran (the loop ended)
@@ -104,7 +118,7 @@ class Profiler:
             self._snapshots_on = False
 
 
-def build_profiler(cfg, dump_folder: str, rank: int, device: torch.device, start_step: int = 0) -> Optional[Profiler]:
+def build_profiler(cfg, dump_folder: str, rank: int, device: torch.device, start_step: int = 0) -> Profiler | None:
     """A :class:`Profiler`, or None when ``[profiling]`` asks for nothing (zero cost)."""
     if not (cfg.enable_profiling or cfg.enable_memory_snapshot):
         return None
@@ -117,7 +131,7 @@ class ProfilerHook(Hook):
 
     def __init__(self, section, dump_folder: str, rank: int, device: torch.device):
         self.section, self.dump_folder, self.rank, self.device = section, dump_folder, rank, device
-        self.profiler: Optional[Profiler] = None
+        self.profiler: Profiler | None = None
 
     def on_train_start(self, state) -> None:
         self.profiler = build_profiler(self.section, self.dump_folder, self.rank, self.device, state.step)

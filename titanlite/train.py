@@ -16,8 +16,9 @@ import logging
 import os
 import random
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -63,7 +64,7 @@ def set_seed(seed: int, deterministic: bool = False) -> None:
 class Trainer:
     """Builds every piece from a :class:`JobConfig` (each from its own section) and runs the loop."""
 
-    def __init__(self, cfg: JobConfig, world: Optional[WorldInfo] = None):
+    def __init__(self, cfg: JobConfig, world: WorldInfo | None = None):
         t = cfg.training
         self.cfg = cfg
         self.world = world or world_from_env()
@@ -105,10 +106,21 @@ class Trainer:
         """Meta build, the family's parallelize plan, materialize and initialize
         (:func:`~titanlite.parallel.build.build_parallel_model`)."""
         c = self.cfg
-        policies = Policies.from_config(parallelism=c.parallelism, training=c.training, compile=c.compile,
-                                        activation_checkpoint=c.activation_checkpoint, float8=c.quantize_linear_float8)
-        return build_parallel_model(self.spec, self.model_args, self.parallel_dims, policies, device=self.device,
-                                    weight_init=c.parallelism.weight_init)  # fmt: skip
+        policies = Policies.from_config(
+            parallelism=c.parallelism,
+            training=c.training,
+            compile=c.compile,
+            activation_checkpoint=c.activation_checkpoint,
+            float8=c.quantize_linear_float8,
+        )
+        return build_parallel_model(
+            self.spec,
+            self.model_args,
+            self.parallel_dims,
+            policies,
+            device=self.device,
+            weight_init=c.parallelism.weight_init,
+        )
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         return components.get("optimizer", self.cfg.optimizer.name)(self.model, self.cfg.optimizer)
@@ -127,15 +139,31 @@ class Trainer:
         store = load_token_store(section.dataset, section.dataset_path, split, self.tokenizer)
         block_causal = getattr(self.model_args, "attn_mask_type", "causal") != "causal"
         t = self.cfg.training
-        return build_dataloader(store, seq_len=t.seq_len, batch_size=t.local_batch_size, dp_rank=self.dp_rank,
-                                dp_world=self.parallel_dims.dp_degree, seed=t.seed, train=split == "train",
-                                eos_id=self.tokenizer.eos_id if block_causal else None, name=split)  # fmt: skip
+        return build_dataloader(
+            store,
+            seq_len=t.seq_len,
+            batch_size=t.local_batch_size,
+            dp_rank=self.dp_rank,
+            dp_world=self.parallel_dims.dp_degree,
+            seed=t.seed,
+            train=split == "train",
+            eos_id=self.tokenizer.eos_id if block_causal else None,
+            name=split,
+        )
 
     def build_train_step(self) -> TrainStep:
         t = self.cfg.training
-        return TrainStep(self.model, self.optimizer, self.lr_scheduler, loss_fn=self.build_loss(),
-                         grad_accum_steps=self.grad_accum_steps, max_norm=t.max_norm, parallel_dims=self.parallel_dims,
-                         autocast_dtype=DTYPES[t.mixed_precision_param], device=self.device)  # fmt: skip
+        return TrainStep(
+            self.model,
+            self.optimizer,
+            self.lr_scheduler,
+            loss_fn=self.build_loss(),
+            grad_accum_steps=self.grad_accum_steps,
+            max_norm=t.max_norm,
+            parallel_dims=self.parallel_dims,
+            autocast_dtype=DTYPES[t.mixed_precision_param],
+            device=self.device,
+        )
 
     def build_checkpointer(self) -> CheckpointManager:
         """``[checkpoint]``: what is saved, and what :meth:`resume` will load (user errors such as a
@@ -144,27 +172,50 @@ class Trainer:
         info = {
             "model": {"name": c.model.name, "flavor": c.model.flavor, "args": dataclasses.asdict(self.model_args)},
             "extensions": list(c.job.extensions),  # what converters import to know the family
-            "tokenizer": {"path": c.model.tokenizer_path, "bos_id": getattr(self.tokenizer, "bos_id", None),
-                          "eos_id": getattr(self.tokenizer, "eos_id", None)},
-        }  # fmt: skip
-        states = {"model": self.model, "optimizer": self.optimizer, "lr_scheduler": self.lr_scheduler,
-                  "dataloader": self.train_loader, "train_state": self.state}  # fmt: skip
-        return CheckpointManager(c.checkpoint, Path(c.job.dump_folder) / c.checkpoint.folder, states,
-                                 dp_rank=self.dp_rank, device=self.device, info=info, config_toml=config_to_toml(c))
+            "tokenizer": {
+                "path": c.model.tokenizer_path,
+                "bos_id": getattr(self.tokenizer, "bos_id", None),
+                "eos_id": getattr(self.tokenizer, "eos_id", None),
+            },
+        }
+        states = {
+            "model": self.model,
+            "optimizer": self.optimizer,
+            "lr_scheduler": self.lr_scheduler,
+            "dataloader": self.train_loader,
+            "train_state": self.state,
+        }
+        return CheckpointManager(
+            c.checkpoint,
+            Path(c.job.dump_folder) / c.checkpoint.folder,
+            states,
+            dp_rank=self.dp_rank,
+            device=self.device,
+            info=info,
+            config_toml=config_to_toml(c),
+        )
 
     def build_hooks(self) -> list[Hook]:
         """The loop's hooks, in calling order (see :mod:`titanlite.hooks`)."""
         c, rank = self.cfg, self.world.rank
         float8 = any(True for _ in float8_modules(self.model))  # enabled but every linear skipped: no fp8 peak
         metrics = MetricsHook(
-            c.metrics, MetricsLogger(c.metrics, c.job.dump_folder, rank), device=self.device,
-            world_size=self.world.world_size, flops_per_token=self.flops_per_token, model=self.model,
+            c.metrics,
+            MetricsLogger(c.metrics, c.job.dump_folder, rank),
+            device=self.device,
+            world_size=self.world.world_size,
+            flops_per_token=self.flops_per_token,
+            model=self.model,
             matmul_dtype=matmul_dtype(c.training.mixed_precision_param, float8, self.device),
             summary_path=Path(c.job.dump_folder) / "summary.json" if self.world.is_main else None,
-        )  # fmt: skip
-        guard = GuardHook(StepGuard(c.guard, self.device), stop_requested=lambda: self.preemption.requested,
-                          checkpointer=self.checkpointer, loader=self.train_loader,
-                          grad_accum_steps=self.grad_accum_steps)  # fmt: skip
+        )
+        guard = GuardHook(
+            StepGuard(c.guard, self.device),
+            stop_requested=lambda: self.preemption.requested,
+            checkpointer=self.checkpointer,
+            loader=self.train_loader,
+            grad_accum_steps=self.grad_accum_steps,
+        )
         hooks: list[Hook] = [metrics, guard, ProfilerHook(c.profiling, c.job.dump_folder, rank, self.device)]
         if self.val_loader is not None:
             hooks.append(ValidationHook(c.validation, self.validate))
@@ -198,7 +249,7 @@ class Trainer:
         call_hooks(hooks, "on_train_end", state)
         return state.records
 
-    def resume(self) -> Optional[int]:
+    def resume(self) -> int | None:
         """Load what the checkpoint manager planned (a resume, or ``initial_load_path``)."""
         return self.checkpointer.load()
 
@@ -206,30 +257,55 @@ class Trainer:
         """Mean token loss over ``validation.steps`` global batches (``training.global_batch_size``
         sequences each), so the validation set, and the loss, do not depend on the parallel layout."""
         steps = self.cfg.validation.steps
-        return validation_loss(self.model, self.val_loader, max_batches=None if steps == -1 else steps * self.grad_accum_steps,
-                               parallel_dims=self.parallel_dims, device=self.device,
-                               autocast_dtype=self.train_step.autocast_dtype)  # fmt: skip
+        return validation_loss(
+            self.model,
+            self.val_loader,
+            max_batches=None if steps == -1 else steps * self.grad_accum_steps,
+            parallel_dims=self.parallel_dims,
+            device=self.device,
+            autocast_dtype=self.train_step.autocast_dtype,
+        )
 
     def log_start(self) -> None:
         t, dp = self.cfg.training, self.parallel_dims.dp_degree
-        logger.info("model %s/%s: %s parameters, %.3g FLOPs/token | world %d (dp %d) | device %s", self.cfg.model.name,
-                    self.cfg.model.flavor, f"{self.n_params:,}", self.flops_per_token, self.world.world_size, dp,
-                    self.device)  # fmt: skip
-        logger.info("batch: %d sequences x %d tokens = %s tokens per optimizer step (local batch %d x dp %d x grad "
-                    "accumulation %d)", self.global_batch, t.seq_len, f"{self.global_batch * t.seq_len:,}",
-                    t.local_batch_size, dp, self.grad_accum_steps)  # fmt: skip
+        logger.info(
+            "model %s/%s: %s parameters, %.3g FLOPs/token | world %d (dp %d) | device %s",
+            self.cfg.model.name,
+            self.cfg.model.flavor,
+            f"{self.n_params:,}",
+            self.flops_per_token,
+            self.world.world_size,
+            dp,
+            self.device,
+        )
+        logger.info(
+            "batch: %d sequences x %d tokens = %s tokens per optimizer step (local batch %d x dp %d x grad "
+            "accumulation %d)",
+            self.global_batch,
+            t.seq_len,
+            f"{self.global_batch * t.seq_len:,}",
+            t.local_batch_size,
+            dp,
+            self.grad_accum_steps,
+        )
 
 
 components.register("trainer", "default", Trainer)
 
 
 def setup_logging(rank: int) -> None:
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)  # fmt: skip
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stdout,
+    )
 
 
-def main(argv: Optional[list[str]] = None, trainer_cls: Optional[type] = None,
-         load_config: Optional[Callable[[list[str]], JobConfig]] = None) -> None:  # fmt: skip
+def main(
+    argv: list[str] | None = None,
+    trainer_cls: type | None = None,
+    load_config: Callable[[list[str]], JobConfig] | None = None,
+) -> None:
     """The command line: ``load_config(argv)`` (default: titanlite's TOML + ``--section.key``
     overrides), then the dry run, or ``trainer_cls`` (default: the one ``[job] trainer`` names)
     built and trained. Errors in the config or while building are one line and exit status 2."""
@@ -246,8 +322,11 @@ def main(argv: Optional[list[str]] = None, trainer_cls: Optional[type] = None,
     world = world_from_env()
     setup_logging(world.rank)
     if cfg.job.world_size > 0 and world.world_size != cfg.job.world_size:
-        logger.warning("this config is tuned for %d processes (job.world_size) but runs on %d", cfg.job.world_size,
-                       world.world_size)  # fmt: skip
+        logger.warning(
+            "this config is tuned for %d processes (job.world_size) but runs on %d",
+            cfg.job.world_size,
+            world.world_size,
+        )
     if world.is_main:
         Path(cfg.job.dump_folder).mkdir(parents=True, exist_ok=True)
         dump_config(cfg, Path(cfg.job.dump_folder) / "config.toml")

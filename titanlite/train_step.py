@@ -22,7 +22,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -53,7 +54,7 @@ class StepResult:
     loss, the pre-clip total gradient norm); ``values`` holds them on the host once fetched, in the
     step's single device-to-host transfer (a ``before_update`` hook may do it, e.g. the guard)."""
 
-    step: Optional[int]
+    step: int | None
     loss: torch.Tensor
     grad_norm: torch.Tensor
     tokens: int  # tokens in the step, over every data-parallel rank
@@ -62,7 +63,7 @@ class StepResult:
     action: str = "update"  # update | skip | rollback
     lr_scale: float = 1.0
     stop_requested: bool = False
-    values: Optional[tuple[float, float]] = None
+    values: tuple[float, float] | None = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # more metrics for the step's record
     event: Any = None  # what the guard found wrong with the step, if anything
 
@@ -102,8 +103,8 @@ class TrainStep:
         grad_accum_steps: int = 1,
         max_norm: float = 1.0,
         parallel_dims: Any = None,
-        autocast_dtype: Optional[torch.dtype] = None,
-        device: Optional[torch.device] = None,
+        autocast_dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
     ):
         self.model, self.optimizer, self.lr_scheduler, self.loss_fn = model, optimizer, lr_scheduler, loss_fn
         self.grad_accum_steps, self.max_norm, self.parallel_dims = grad_accum_steps, max_norm, parallel_dims
@@ -140,7 +141,7 @@ class TrainStep:
         return t if group is None else all_reduce_sum(t, group)
 
     def __call__(
-        self, batches: Iterator[dict], before_update: Optional[Callable[[StepResult], None]] = None, step=None
+        self, batches: Iterator[dict], before_update: Callable[[StepResult], None] | None = None, step=None
     ) -> StepResult:
         """Accumulate ``grad_accum_steps`` micro-batches from ``batches``, clip, call ``before_update``
         (which may skip the update), then step the optimizer and the LR schedule."""

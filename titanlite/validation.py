@@ -11,7 +11,8 @@ import contextlib
 import itertools
 import logging
 import math
-from typing import Any, Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,17 +31,18 @@ def validation_loss(
     model: nn.Module,
     batches: Iterable[dict],
     *,
-    max_batches: Optional[int] = None,
+    max_batches: int | None = None,
     parallel_dims: Any = None,
-    device: Optional[torch.device] = None,
-    autocast_dtype: Optional[torch.dtype] = None,
+    device: torch.device | None = None,
+    autocast_dtype: torch.dtype | None = None,
 ) -> dict[str, float]:
     """``{"val_loss", "val_perplexity"}`` over ``max_batches`` batches (None: all) of ``batches``."""
     device = device or next(model.parameters()).device
     dp_group = None if parallel_dims is None else parallel_dims.dp_group
     loss_parallel = getattr(parallel_dims, "loss_parallel_enabled", False)
-    autocast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
-                else contextlib.nullcontext())  # fmt: skip
+    autocast = (
+        torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
+    )
     model.eval()
     loss_sum = torch.zeros((), device=device)
     tokens = torch.zeros((), device=device)
@@ -70,5 +72,6 @@ class ValidationHook(Hook):
         if state.step % self.freq == 0 or state.last_step:
             val = {"step": state.step, **self.evaluate()}
             state.log(val)
-            logger.info("step %d | validation loss %.4f | perplexity %.2f", state.step, val["val_loss"],
-                        val["val_perplexity"])  # fmt: skip
+            logger.info(
+                "step %d | validation loss %.4f | perplexity %.2f", state.step, val["val_loss"], val["val_perplexity"]
+            )

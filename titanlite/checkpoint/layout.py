@@ -19,6 +19,7 @@ absent or complete; a crash at any moment leaves at worst a ``.partial`` folder.
 data file present and long enough), so a truncated or deleted file is reported in one line before
 anything is loaded.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,7 +31,7 @@ import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ def read_metadata(path: str | os.PathLike):
         raise ValueError(f"{meta_file} is unreadable ({type(e).__name__}: {_one_line(e)})") from None
 
 
-def problem_with(path: str | os.PathLike, require_info: bool = True) -> Optional[str]:
+def problem_with(path: str | os.PathLike, require_info: bool = True) -> str | None:
     """None when the folder looks complete, else a one-line description of what is wrong.
 
     Checks: ``checkpoint.json`` (unless not ``require_info``: DCP folders written by other tools)

@@ -50,7 +50,7 @@ import secrets
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -95,13 +95,13 @@ class SaveStats:
     model_only: bool
     blocked_s: float = 0.0  # time the training loop waited for this save (wait_prev_s included)
     wait_prev_s: float = 0.0  # part of it spent waiting for the previous save's write to finish
-    write_s: Optional[float] = None  # background (or inline) write time, once finished
+    write_s: float | None = None  # background (or inline) write time, once finished
 
 
 class ModelState:
     """A model as a DCP ``Stateful`` (sharded state dicts); cast to ``dtype`` when saving, if given."""
 
-    def __init__(self, model: nn.Module, dtype: Optional[torch.dtype] = None):
+    def __init__(self, model: nn.Module, dtype: torch.dtype | None = None):
         self.model, self.dtype = model, dtype
 
     def state_dict(self) -> dict[str, Any]:
@@ -135,8 +135,8 @@ class CheckpointManager:
         states: dict[str, Any],
         *,
         dp_rank: int = 0,
-        device: Optional[torch.device] = None,
-        info: Optional[dict[str, Any]] = None,
+        device: torch.device | None = None,
+        info: dict[str, Any] | None = None,
         config_toml: str = "",
     ):
         self.cfg, self.folder, self.dp_rank = section, Path(folder), dp_rank
@@ -145,7 +145,7 @@ class CheckpointManager:
         self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if self.distributed else 0
         self.stats: list[SaveStats] = []
-        self.last_saved_step: Optional[int] = None
+        self.last_saved_step: int | None = None
         modules = [(k, v) for k, v in states.items() if isinstance(v, nn.Module)]
         if len(modules) != 1:
             raise ValueError(f"CheckpointManager needs exactly one nn.Module in states, got {len(modules)}")
@@ -153,8 +153,11 @@ class CheckpointManager:
         self.optimizers = {k: v for k, v in states.items() if isinstance(v, torch.optim.Optimizer)}
         self.per_rank = {k: (v, f"dp_rank_{dp_rank}") for k, v in states.items() if isinstance(v, StatefulDataLoader)}
         self.per_rank["rng"] = (RNGState(device), f"rank_{self.rank}")
-        self.shared = {k: v for k, v in states.items() if k not in self.per_rank and k != self.model_key
-                       and k not in self.optimizers}  # fmt: skip
+        self.shared = {
+            k: v
+            for k, v in states.items()
+            if k not in self.per_rank and k != self.model_key and k not in self.optimizers
+        }
         for k, v in self.shared.items():
             if not (callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None))):
                 raise TypeError(f"checkpoint state {k!r} ({type(v).__name__}) has no state_dict/load_state_dict")
@@ -163,9 +166,9 @@ class CheckpointManager:
             timeout = datetime.timedelta(seconds=CHECKPOINT_PG_TIMEOUT_S)
             self._pg = dist.new_group(backend="gloo", timeout=timeout)
         self._stager = self._new_stager() if self.enabled and self.mode == "async_with_pinned_mem" else None
-        self._pending: Optional[Future] = None
-        self._pending_step: Optional[int] = None
-        self._staging: Optional[Future] = None
+        self._pending: Future | None = None
+        self._pending_step: int | None = None
+        self._staging: Future | None = None
         self._closed = False
         # global shapes, computed on every rank (rank 0 alone plans, and must not run collectives)
         self._shapes: dict[str, tuple[int, ...]] = {}
@@ -186,8 +189,9 @@ class CheckpointManager:
         if plan.kind == "none" and self.cfg.initial_load_path:
             plan = self._plan_initial()
         elif plan.kind == "resume" and self.cfg.initial_load_path:
-            plan.notes.append(f"checkpoint.initial_load_path={self.cfg.initial_load_path} is ignored: "
-                              f"resuming from {plan.paths[0]}")  # fmt: skip
+            plan.notes.append(
+                f"checkpoint.initial_load_path={self.cfg.initial_load_path} is ignored: resuming from {plan.paths[0]}"
+            )
         return token, plan
 
     def _plan_resume(self, newest: bool = False) -> LoadPlan:
@@ -197,15 +201,19 @@ class CheckpointManager:
             match = [f for f in folders if f.step == want]
             if not match:
                 have = ", ".join(str(f.step) for f in folders) or "none"
-                raise ValueError(f"checkpoint.load_step={want}: no checkpoint {layout.step_dir_name(want)} in "
-                                 f"{self.folder} (complete checkpoints: {have})")  # fmt: skip
+                raise ValueError(
+                    f"checkpoint.load_step={want}: no checkpoint {layout.step_dir_name(want)} in "
+                    f"{self.folder} (complete checkpoints: {have})"
+                )
             path = match[0].path
             problem = layout.problem_with(path)
             if problem:
                 raise ValueError(f"checkpoint.load_step={want}: {path} is damaged: {problem}")
             if layout.read_info(path).get("model_only"):
-                raise ValueError(f"checkpoint.load_step={want}: {path} holds model weights only (an export), not "
-                                 "a training state; load it with checkpoint.initial_load_path in a fresh folder")
+                raise ValueError(
+                    f"checkpoint.load_step={want}: {path} holds model weights only (an export), not "
+                    "a training state; load it with checkpoint.initial_load_path in a fresh folder"
+                )
             self._check_model(path, "checkpoint.load_step")
             return LoadPlan("resume", [str(path)])
         notes: list[str] = []
@@ -225,8 +233,10 @@ class CheckpointManager:
             paths.append(str(f.path))
         if not paths:
             if damaged:
-                raise ValueError(f"no usable checkpoint in {self.folder} ({'; '.join(damaged)}); move the folder "
-                                 "away to start from scratch")
+                raise ValueError(
+                    f"no usable checkpoint in {self.folder} ({'; '.join(damaged)}); move the folder "
+                    "away to start from scratch"
+                )
             return LoadPlan(notes=notes)
         self._check_model(paths[0], "resume")
         return LoadPlan("resume", paths, notes=notes)
@@ -253,23 +263,31 @@ class CheckpointManager:
         for name, shape in self._shapes.items():
             md = stored.get(f"{self.model_key}.{name}")
             if md is None or not hasattr(md, "size"):
-                raise ValueError(f"{what}: {path} has no tensor {self.model_key}.{name}; it was saved from a "
-                                 "different model")  # fmt: skip
+                raise ValueError(
+                    f"{what}: {path} has no tensor {self.model_key}.{name}; it was saved from a different model"
+                )
             if tuple(md.size) != shape:
-                raise ValueError(f"{what}: {path} has {self.model_key}.{name} of shape {list(md.size)} but this "
-                                 f"model's is {list(shape)} (the model config differs from the checkpoint's)")
+                raise ValueError(
+                    f"{what}: {path} has {self.model_key}.{name} of shape {list(md.size)} but this "
+                    f"model's is {list(shape)} (the model config differs from the checkpoint's)"
+                )
 
     # ------------------------------------------------------------------ loading
-    def load(self) -> Optional[int]:
+    def load(self) -> int | None:
         """Carry out the plan; returns the step resumed from (None when nothing was resumed)."""
         for k, v in self.per_rank.items():
-            if isinstance(v[0], StatefulDataLoader) and v[0]._iterator is not None \
-                    and not v[0]._initial_iter_for_state_dict:  # fmt: skip
-                raise RuntimeError(f"CheckpointManager.load(): the data loader {k!r} is already being iterated, so "
-                                   "its saved position would not reach that iterator; load before iter(loader)")
+            if (
+                isinstance(v[0], StatefulDataLoader)
+                and v[0]._iterator is not None
+                and not v[0]._initial_iter_for_state_dict
+            ):
+                raise RuntimeError(
+                    f"CheckpointManager.load(): the data loader {k!r} is already being iterated, so "
+                    "its saved position would not reach that iterator; load before iter(loader)"
+                )
         return self._load(self.plan)
 
-    def load_latest(self) -> Optional[int]:
+    def load_latest(self) -> int | None:
         """Reload the newest complete resumable checkpoint now (a rollback), whatever ``load_step``
         says; returns its step, or None when there is none. Collective. Take a new iterator of the
         data loader afterwards: the loaded position applies to the next ``iter()``."""
@@ -279,7 +297,7 @@ class CheckpointManager:
         plan = self._on_rank0(lambda: self._plan_resume(newest=True))
         return self._load(plan) if plan.kind == "resume" else None
 
-    def _load(self, plan: LoadPlan) -> Optional[int]:
+    def _load(self, plan: LoadPlan) -> int | None:
         for note in plan.notes:
             self._warn(note)
         if plan.kind == "none":
@@ -289,8 +307,12 @@ class CheckpointManager:
         if plan.kind == "initial":
             self._apply(self._read(plan.paths[0], model_only=plan.model_only), plan.paths[0])
             what = "model weights only" if plan.model_only else "the full training state"
-            self._warn("checkpoint: no checkpoint to resume in %s; loaded %s from initial_load_path %s",
-                       self.folder, what, plan.paths[0])  # fmt: skip
+            self._warn(
+                "checkpoint: no checkpoint to resume in %s; loaded %s from initial_load_path %s",
+                self.folder,
+                what,
+                plan.paths[0],
+            )
             return None if plan.model_only else self._on_rank0(lambda: layout.read_info(plan.paths[0])["step"])
         failures = []
         for i, path in enumerate(plan.paths):
@@ -310,17 +332,28 @@ class CheckpointManager:
                 state = self._read(path, model_only=False)
             except _READ_ERRORS as e:
                 msg = " ".join(str(e).split())[:300]
-                self._warn("checkpoint %s could not be read (%s: %s); falling back to the previous one", path,
-                           type(e).__name__, msg)  # fmt: skip
+                self._warn(
+                    "checkpoint %s could not be read (%s: %s); falling back to the previous one",
+                    path,
+                    type(e).__name__,
+                    msg,
+                )
                 failures.append(f"{Path(path).name}: {type(e).__name__}: {msg[:120]}")
                 continue
             self._apply(state, path)
             info = self._on_rank0(lambda p=path: layout.read_info(p))
-            self._warn("checkpoint: RESUMED from %s: step %d, %s tokens seen; %s restored", path, info["step"],
-                       f"{info.get('tokens_seen') or 0:,}", ", ".join(state))  # fmt: skip
+            self._warn(
+                "checkpoint: RESUMED from %s: step %d, %s tokens seen; %s restored",
+                path,
+                info["step"],
+                f"{info.get('tokens_seen') or 0:,}",
+                ", ".join(state),
+            )
             return info["step"]
-        raise RuntimeError(f"no checkpoint in {self.folder} could be loaded ({'; '.join(failures)}); "
-                           "the model may be partly overwritten, so training does not start")
+        raise RuntimeError(
+            f"no checkpoint in {self.folder} could be loaded ({'; '.join(failures)}); "
+            "the model may be partly overwritten, so training does not start"
+        )
 
     def _read(self, path: str, *, model_only: bool) -> dict[str, Any]:
         """DCP-load ``path`` into this run's layout: model tensors in place, the rest returned."""
@@ -359,8 +392,11 @@ class CheckpointManager:
             if k in state:
                 obj.load_state_dict(state[k])
             elif len(state) > 1:
-                logger.warning("checkpoint %s has no %s state for this rank (saved with fewer ranks); keeping the "
-                               "current one", path, k)  # fmt: skip
+                logger.warning(
+                    "checkpoint %s has no %s state for this rank (saved with fewer ranks); keeping the current one",
+                    path,
+                    k,
+                )
 
     # ------------------------------------------------------------------ saving
     def save(self, step: int, *, last: bool = False, force: bool = False) -> bool:
@@ -376,8 +412,12 @@ class CheckpointManager:
         self._wait_pending()  # at most one save in flight
         stats = SaveStats(step, self.mode, model_only, wait_prev_s=time.perf_counter() - t0)
         if prev is not None and stats.wait_prev_s > 0.1:
-            self._warn("checkpoint step %d waited %.2f s for the write of step %d: the interval is shorter than "
-                       "a write", step, stats.wait_prev_s, prev)  # fmt: skip
+            self._warn(
+                "checkpoint step %d waited %.2f s for the write of step %d: the interval is shorter than a write",
+                step,
+                stats.wait_prev_s,
+                prev,
+            )
         self.stats.append(stats)
         self.last_saved_step = step
         state = self._state_to_save(model_only, dtype)
@@ -393,11 +433,14 @@ class CheckpointManager:
                 dcp.save(state, storage_writer=writer, process_group=self._pg, no_dist=not self.distributed)
             self._published(partial, final, stats, t0)
             stats.blocked_s = time.perf_counter() - t0
-            logger.info("checkpoint %s saved in %.2f s%s", final, stats.blocked_s, " (model only)" if model_only else "")
+            logger.info(
+                "checkpoint %s saved in %.2f s%s", final, stats.blocked_s, " (model only)" if model_only else ""
+            )
             return True
         stager = self._stager or self._new_stager()
-        response = dcp.async_save(state, storage_writer=writer, process_group=self._pg, async_stager=stager,
-                                  no_dist=not self.distributed)  # fmt: skip
+        response = dcp.async_save(
+            state, storage_writer=writer, process_group=self._pg, async_stager=stager, no_dist=not self.distributed
+        )
         self._staging, upload = response.staging_completion, response.upload_completion
         published: Future = Future()  # done once this rank's write is complete and, on rank 0, renamed
         self._pending, self._pending_step = published, step
@@ -421,8 +464,12 @@ class CheckpointManager:
 
     def _new_stager(self) -> DefaultStager:
         cuda = torch.cuda.is_available()
-        options = StagingOptions(use_pinned_memory=cuda and self.mode == "async_with_pinned_mem",
-                                 use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda)
+        options = StagingOptions(
+            use_pinned_memory=cuda and self.mode == "async_with_pinned_mem",
+            use_shared_memory=False,
+            use_async_staging=True,
+            use_non_blocking_copy=cuda,
+        )
         stager = DefaultStager(options)
         executor = getattr(stager, "_staging_executor", None)
         if cuda and executor is not None:
@@ -431,7 +478,7 @@ class CheckpointManager:
             executor.submit(torch.cuda.set_device, torch.cuda.current_device()).result()
         return stager
 
-    def _state_to_save(self, model_only: bool, dtype: Optional[torch.dtype]) -> dict[str, Any]:
+    def _state_to_save(self, model_only: bool, dtype: torch.dtype | None) -> dict[str, Any]:
         state: dict[str, Any] = {self.model_key: ModelState(self.model, dtype)}
         if model_only:
             return state
@@ -443,7 +490,7 @@ class CheckpointManager:
             state[k] = {key: pickle.dumps(obj.state_dict())}
         return state
 
-    def _info(self, step: int, model_only: bool, dtype: Optional[torch.dtype]) -> dict[str, Any]:
+    def _info(self, step: int, model_only: bool, dtype: torch.dtype | None) -> dict[str, Any]:
         train = self.shared.get("train_state")
         return {
             "step": step,

@@ -7,13 +7,13 @@ generator; :class:`~titanlite.checkpoint.manager.CheckpointManager` saves one pe
 from __future__ import annotations
 
 import random
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 
 class RNGState:
-    def __init__(self, device: Optional[torch.device] = None):
+    def __init__(self, device: torch.device | None = None):
         self.device = device
 
     def state_dict(self) -> dict[str, Any]:

@@ -32,14 +32,16 @@ A prepared folder also holds ``manifest.json`` (written last)::
 ``len(store)`` tokens and ``store[a:b]`` -> 1-D int64 tensor (crossing shard boundaries as needed).
 Reads are memory-mapped (lazy, nothing is loaded up front) and cost one numpy copy per slice.
 """
+
 from __future__ import annotations
 
 import bisect
 import json
 import os
 import struct
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence, Union
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,11 +58,11 @@ _DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 _NAMES = {"uint16": 2, "uint32": 4}
 _CODE_NAMES = {2: "uint16", 4: "uint32"}
 
-PathLike = Union[str, os.PathLike]
+PathLike = str | os.PathLike
 
 
 def dtype_for_vocab(vocab_size: int) -> str:
-    """"uint16" when every id of a ``vocab_size`` vocabulary fits in 16 bits (<= 65536), else "uint32"."""
+    """ "uint16" when every id of a ``vocab_size`` vocabulary fits in 16 bits (<= 65536), else "uint32"."""
     return "uint16" if vocab_size <= 65536 else "uint32"
 
 
@@ -74,12 +76,13 @@ def _dtype_code(dtype: Any) -> int:
 
 
 def dtype_name(dtype: Any) -> str:
-    """"uint16" or "uint32" for a dtype given as a name or numpy dtype."""
+    """ "uint16" or "uint32" for a dtype given as a name or numpy dtype."""
     return _CODE_NAMES[_dtype_code(dtype)]
 
 
-def write_shard_flat(path: PathLike, tokens: np.ndarray, lengths: Sequence[int], dtype: Any,
-                     fsync: bool = True) -> dict:
+def write_shard_flat(
+    path: PathLike, tokens: np.ndarray, lengths: Sequence[int], dtype: Any, fsync: bool = True
+) -> dict:
     """Write one shard from concatenated ``tokens`` and per-document ``lengths`` (atomic rename)."""
     path = Path(path)
     code = _dtype_code(dtype)
@@ -110,8 +113,7 @@ def write_shard_flat(path: PathLike, tokens: np.ndarray, lengths: Sequence[int],
     return {"name": path.name, "tokens": int(tokens.size), "docs": int(lengths.size)}
 
 
-def write_shard(path: PathLike, docs_token_lists: Iterable[Sequence[int]], dtype: Any,
-                fsync: bool = True) -> dict:
+def write_shard(path: PathLike, docs_token_lists: Iterable[Sequence[int]], dtype: Any, fsync: bool = True) -> dict:
     """Write one shard holding the given documents' token lists (each already BOS + ... + EOS).
 
     Writes ``<path>.tmp`` then renames it to ``path``. Returns ``{"name", "tokens", "docs"}``.
@@ -142,7 +144,7 @@ class ShardReader:
             with open(self.path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 head = f.read(HEADER_SIZE)
-                if head[:len(MAGIC)] != MAGIC[:len(head)] or not head:
+                if head[: len(MAGIC)] != MAGIC[: len(head)] or not head:
                     raise self._fail(f"not a titanlite token shard (magic {head[:8]!r}, expected {MAGIC!r})")
                 if len(head) < HEADER_SIZE:
                     raise self._fail(f"truncated shard: {size} bytes, shorter than the {HEADER_SIZE}-byte header")
@@ -155,15 +157,21 @@ class ShardReader:
                 expected = tok_offset + code * num_tokens
                 if size != expected:
                     kind = "truncated shard" if size < expected else "shard has trailing bytes"
-                    raise self._fail(f"{kind}: {size} bytes, expected {expected} for {num_tokens} "
-                                     f"{_CODE_NAMES[code]} tokens in {num_docs} documents")
+                    raise self._fail(
+                        f"{kind}: {size} bytes, expected {expected} for {num_tokens} "
+                        f"{_CODE_NAMES[code]} tokens in {num_docs} documents"
+                    )
                 offsets = np.fromfile(f, dtype="<u8", count=num_docs + 1)
         except FileNotFoundError:
             raise self._fail("shard file not found") from None
         except IsADirectoryError:
             raise self._fail("is a folder, expected a shard file") from None
-        if offsets.size != num_docs + 1 or offsets[0] != 0 or offsets[-1] != num_tokens \
-                or (num_docs and bool((np.diff(offsets.astype(np.int64)) < 0).any())):
+        if (
+            offsets.size != num_docs + 1
+            or offsets[0] != 0
+            or offsets[-1] != num_tokens
+            or (num_docs and bool((np.diff(offsets.astype(np.int64)) < 0).any()))
+        ):
             raise self._fail("corrupt document index (offsets must go from 0 to num_tokens, non-decreasing)")
         self.num_tokens, self.num_docs, self.dtype = int(num_tokens), int(num_docs), _DTYPES[code]
         self.doc_offsets = offsets
@@ -182,12 +190,12 @@ class ShardReader:
             start, stop, step = idx.indices(self.num_tokens)
             if step != 1:
                 raise ValueError("shard slices must have step 1")
-            return torch.from_numpy(self.tokens[start:max(start, stop)].astype(np.int64))
+            return torch.from_numpy(self.tokens[start : max(start, stop)].astype(np.int64))
         return int(self.tokens[idx])
 
     def doc(self, i: int) -> torch.Tensor:
         """Tokens of document ``i`` (BOS ... EOS) as an int64 tensor."""
-        return self[int(self.doc_offsets[i]):int(self.doc_offsets[i + 1])]
+        return self[int(self.doc_offsets[i]) : int(self.doc_offsets[i + 1])]
 
     def __getstate__(self):
         return {"path": self.path}
@@ -197,10 +205,13 @@ class ShardReader:
         self._open()
 
     def __repr__(self) -> str:
-        return f"ShardReader({str(self.path)!r}, tokens={self.num_tokens}, docs={self.num_docs}, dtype={self.dtype.name})"
+        return (
+            f"ShardReader({str(self.path)!r}, tokens={self.num_tokens}, docs={self.num_docs}, dtype={self.dtype.name})"
+        )
 
 
 # --- manifest -------------------------------------------------------------------------------------
+
 
 def build_manifest(shards: Sequence[dict], dtype: Any, tokenizer: dict, **settings: Any) -> dict:
     """The manifest dict: ``shards`` entries need name, split, tokens, docs; totals are computed."""
@@ -210,11 +221,17 @@ def build_manifest(shards: Sequence[dict], dtype: Any, tokenizer: dict, **settin
         t["shards"] += 1
         t["tokens"] += int(sh["tokens"])
         t["docs"] += int(sh["docs"])
-    return {"format": MANIFEST_FORMAT, "version": VERSION, "dtype": dtype_name(dtype),
-            "tokenizer": dict(tokenizer), **settings,
-            "shards": [{"name": s["name"], "split": s["split"], "tokens": int(s["tokens"]), "docs": int(s["docs"])}
-                       for s in shards],
-            "totals": totals}
+    return {
+        "format": MANIFEST_FORMAT,
+        "version": VERSION,
+        "dtype": dtype_name(dtype),
+        "tokenizer": dict(tokenizer),
+        **settings,
+        "shards": [
+            {"name": s["name"], "split": s["split"], "tokens": int(s["tokens"]), "docs": int(s["docs"])} for s in shards
+        ],
+        "totals": totals,
+    }
 
 
 def write_json_atomic(path: PathLike, obj: Any) -> None:
@@ -238,8 +255,10 @@ def read_manifest(folder: PathLike) -> dict:
         with open(path, encoding="utf-8") as f:
             manifest = json.load(f)
     except FileNotFoundError:
-        raise ValueError(f"{path}: not found (prepare the folder with scripts/prepare_data.py; "
-                         f"an interrupted run writes no manifest)") from None
+        raise ValueError(
+            f"{path}: not found (prepare the folder with scripts/prepare_data.py; "
+            f"an interrupted run writes no manifest)"
+        ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
@@ -292,14 +311,18 @@ class ShardedTokens:
         entries = [sh for sh in manifest["shards"] if sh["split"] == split]
         if not entries:
             splits = sorted({sh["split"] for sh in manifest["shards"]})
-            raise ValueError(f"{mpath}: split {split!r} has no shards (splits present: {', '.join(splits) or 'none'}"
-                             f"{'; prepared with --val-fraction 0?' if split == 'val' else ''})")
+            raise ValueError(
+                f"{mpath}: split {split!r} has no shards (splits present: {', '.join(splits) or 'none'}"
+                f"{'; prepared with --val-fraction 0?' if split == 'val' else ''})"
+            )
         self.shards: list[ShardReader] = []
         for sh in entries:
             reader = ShardReader(folder / sh["name"])
             if reader.num_tokens != int(sh["tokens"]) or reader.num_docs != int(sh["docs"]):
-                raise ValueError(f"{reader.path}: header says {reader.num_tokens} tokens / {reader.num_docs} docs, "
-                                 f"{mpath} says {sh['tokens']} / {sh['docs']}")
+                raise ValueError(
+                    f"{reader.path}: header says {reader.num_tokens} tokens / {reader.num_docs} docs, "
+                    f"{mpath} says {sh['tokens']} / {sh['docs']}"
+                )
             if reader.dtype.itemsize != _NAMES[self.dtype]:
                 raise ValueError(f"{reader.path}: dtype {reader.dtype.name} differs from {mpath} ({self.dtype})")
             self.shards.append(reader)
@@ -325,7 +348,7 @@ class ShardedTokens:
             s0, s1 = starts[i], starts[i + 1]
             end = min(stop, s1)
             n = end - start
-            out[pos:pos + n] = arrays[i][start - s0:end - s0]
+            out[pos : pos + n] = arrays[i][start - s0 : end - s0]
             pos += n
             start = end
             i += 1
@@ -341,7 +364,7 @@ class ShardedTokens:
             i = bisect.bisect_right(starts, start) - 1
             if stop <= starts[i + 1]:  # fast path: inside one shard
                 s0 = starts[i]
-                return torch.from_numpy(self._arrays[i][start - s0:stop - s0].astype(np.int64))
+                return torch.from_numpy(self._arrays[i][start - s0 : stop - s0].astype(np.int64))
             out = np.empty(stop - start, dtype=np.int64)
             self._copy_into(out, start, stop)
             return torch.from_numpy(out)
@@ -378,5 +401,7 @@ class ShardedTokens:
         self._open()
 
     def __repr__(self) -> str:
-        return (f"ShardedTokens({str(self.folder)!r}, split={self.split!r}, tokens={self._len}, "
-                f"docs={self.num_docs}, shards={len(self.shards)}, dtype={self.dtype})")
+        return (
+            f"ShardedTokens({str(self.folder)!r}, split={self.split!r}, tokens={self._len}, "
+            f"docs={self.num_docs}, shards={len(self.shards)}, dtype={self.dtype})"
+        )

@@ -22,16 +22,17 @@ Files must be UTF-8 (``.gz`` files are decompressed on the fly). Empty documents
 skipped. Errors are one-line ``ValueError``\\ s naming the file (and line where there is one); a
 missing ``pyarrow`` is an ``ImportError`` naming the package.
 """
+
 from __future__ import annotations
 
 import gzip
 import json
 import os
 import zlib
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence, Union
 
-PathLike = Union[str, os.PathLike]
+PathLike = str | os.PathLike
 
 FORMATS = ("auto", "text", "jsonl", "json", "parquet")
 TXT_SPLITS = ("file", "paragraphs")
@@ -51,7 +52,7 @@ def file_format_of(path: PathLike) -> str | None:
     return fmt
 
 
-def list_files(paths: Union[PathLike, Sequence[PathLike]]) -> list[Path]:
+def list_files(paths: PathLike | Sequence[PathLike]) -> list[Path]:
     """The files :func:`iter_documents` reads, in order (folders expanded recursively, sorted)."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -119,12 +120,12 @@ def _record_text(obj, where: str, text_field: str) -> str:
     if isinstance(obj, str):
         return obj
     if not isinstance(obj, dict):
-        raise ValueError(f"{where}: expected a JSON object with a {text_field!r} field, "
-                         f"got {type(obj).__name__}")
+        raise ValueError(f"{where}: expected a JSON object with a {text_field!r} field, got {type(obj).__name__}")
     if text_field not in obj:
         keys = ", ".join(list(obj)[:8])
-        raise ValueError(f"{where}: no {text_field!r} field (keys: {keys or 'none'}); "
-                         f"choose the field with --text-field")
+        raise ValueError(
+            f"{where}: no {text_field!r} field (keys: {keys or 'none'}); choose the field with --text-field"
+        )
     value = obj[text_field]
     if not isinstance(value, str):
         raise ValueError(f"{where}: field {text_field!r} is {type(value).__name__}, not a string")
@@ -178,11 +179,14 @@ def _parquet_docs(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises its own error types
-        raise ValueError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        raise ValueError(
+            f"{path}: not a readable Parquet file ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        ) from None
     names = pf.schema_arrow.names
     if text_field not in names:
-        raise ValueError(f"{path}: no {text_field!r} column (columns: {', '.join(names[:8])}); "
-                         f"choose the column with --text-field")
+        raise ValueError(
+            f"{path}: no {text_field!r} column (columns: {', '.join(names[:8])}); choose the column with --text-field"
+        )
     size = path.stat().st_size
     groups = pf.num_row_groups or 1
     for g in range(pf.num_row_groups):
@@ -197,8 +201,9 @@ def _parquet_docs(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
                 yield value, done
 
 
-def iter_file_documents(path: PathLike, text_field: str = "text", file_format: str = "auto",
-                        txt_split: str = "file") -> Iterator[tuple[str, int]]:
+def iter_file_documents(
+    path: PathLike, text_field: str = "text", file_format: str = "auto", txt_split: str = "file"
+) -> Iterator[tuple[str, int]]:
     """Documents of ONE file as ``(text, bytes of the file consumed so far)`` (for progress/ETA)."""
     path = Path(path)
     if file_format not in FORMATS:
@@ -225,8 +230,9 @@ def iter_file_documents(path: PathLike, text_field: str = "text", file_format: s
         raise ValueError(f"{path}: permission denied") from None
 
 
-def iter_documents(path: Union[PathLike, Sequence[PathLike]], text_field: str = "text",
-                   file_format: str = "auto", txt_split: str = "file") -> Iterator[str]:
+def iter_documents(
+    path: PathLike | Sequence[PathLike], text_field: str = "text", file_format: str = "auto", txt_split: str = "file"
+) -> Iterator[str]:
     """Documents of a file, a folder (recursive, sorted), or a list of them, in a deterministic order.
 
     ``file_format``: "auto" (from each file's suffix; an explicitly named file with an unknown

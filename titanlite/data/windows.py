@@ -18,10 +18,12 @@ sequence is the same as with no workers.
 A finite dataset (``infinite=False``, used for validation) restarts from its first window on every
 ``iter()``, so each evaluation sees the same windows however far the previous one read.
 """
+
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
@@ -39,9 +41,20 @@ def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
 class TokenWindows(IterableDataset):
     """Stateful iterable over ``{"input_ids", "labels"[, "document_ids"]}`` windows of one rank."""
 
-    def __init__(self, store: Any, seq_len: int, *, dp_rank: int = 0, dp_world: int = 1, seed: int = 0,
-                 shuffle: bool = True, infinite: bool = True, batch_size: int = 1,
-                 eos_id: Optional[int] = None, name: str = "train"):
+    def __init__(
+        self,
+        store: Any,
+        seq_len: int,
+        *,
+        dp_rank: int = 0,
+        dp_world: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        infinite: bool = True,
+        batch_size: int = 1,
+        eos_id: int | None = None,
+        name: str = "train",
+    ):
         self.store, self.seq_len, self.name = store, seq_len, name
         self.dp_rank, self.dp_world, self.seed = dp_rank, dp_world, seed
         self.shuffle, self.infinite, self.batch_size, self.eos_id = shuffle, infinite, batch_size, eos_id
@@ -49,7 +62,8 @@ class TokenWindows(IterableDataset):
         if self.num_windows < dp_world:
             raise ValueError(
                 f"{name} data has {len(store)} tokens: fewer than one window of seq_len+1={seq_len + 1} "
-                f"tokens per data-parallel rank ({dp_world} ranks)")
+                f"tokens per data-parallel rank ({dp_world} ranks)"
+            )
         self.epoch, self.pos, self.sample = 0, 0, 0  # the cursor; `sample` counts this rank's samples
 
     def _order(self, epoch: int) -> torch.Tensor:
@@ -60,7 +74,7 @@ class TokenWindows(IterableDataset):
 
     def _window(self, w: int) -> dict[str, torch.Tensor]:
         start = w * (self.seq_len + 1)
-        tokens = self.store[start:start + self.seq_len + 1].to(torch.int64)
+        tokens = self.store[start : start + self.seq_len + 1].to(torch.int64)
         item = {"input_ids": tokens[:-1], "labels": tokens[1:]}
         if self.eos_id is not None:
             item["document_ids"] = document_ids(item["input_ids"], self.eos_id)
@@ -88,22 +102,40 @@ class TokenWindows(IterableDataset):
                 yield self._window(w)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "pos": self.pos, "sample": self.sample, "dp_world": self.dp_world,
-                "num_windows": self.num_windows, "seq_len": self.seq_len, "seed": self.seed}
+        return {
+            "epoch": self.epoch,
+            "pos": self.pos,
+            "sample": self.sample,
+            "dp_world": self.dp_world,
+            "num_windows": self.num_windows,
+            "seq_len": self.seq_len,
+            "seed": self.seed,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key in ("num_windows", "seq_len", "seed"):
             if state[key] != getattr(self, key):
                 raise ValueError(
                     f"cannot resume {self.name} data: checkpoint has {key}={state[key]}, this run has "
-                    f"{getattr(self, key)} (the data or its windowing changed)")
+                    f"{getattr(self, key)} (the data or its windowing changed)"
+                )
         if state["dp_world"] != self.dp_world:
             if get_worker_info() is not None:
-                raise ValueError(f"cannot re-partition {self.name} data from {state['dp_world']} to "
-                                 f"{self.dp_world} ranks with DataLoader workers; resume with num_workers=0")
+                raise ValueError(
+                    f"cannot re-partition {self.name} data from {state['dp_world']} to "
+                    f"{self.dp_world} ranks with DataLoader workers; resume with num_workers=0"
+                )
             if state["sample"] % self.batch_size:
-                raise ValueError(f"cannot re-partition {self.name} data from {state['dp_world']} to "
-                                 f"{self.dp_world} ranks in the middle of a batch")
-            logger.info("%s data: re-partitioning from %d to %d data-parallel ranks at epoch %d, window %d",
-                        self.name, state["dp_world"], self.dp_world, state["epoch"], state["pos"])
+                raise ValueError(
+                    f"cannot re-partition {self.name} data from {state['dp_world']} to "
+                    f"{self.dp_world} ranks in the middle of a batch"
+                )
+            logger.info(
+                "%s data: re-partitioning from %d to %d data-parallel ranks at epoch %d, window %d",
+                self.name,
+                state["dp_world"],
+                self.dp_world,
+                state["epoch"],
+                state["pos"],
+            )
         self.epoch, self.pos, self.sample = state["epoch"], state["pos"], state["sample"]

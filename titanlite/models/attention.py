@@ -15,16 +15,16 @@ inside the packed window (documents are told apart by ``document_ids``, see
 ``backend = "auto"`` picks flex on CUDA and sdpa elsewhere. The mask is built once per forward by
 :func:`build_attention_mask` and handed to every layer.
 """
+
 from __future__ import annotations
 
 import functools
-from typing import Union
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-AttentionMask = Union[None, torch.Tensor, BlockMask]
+AttentionMask = None | torch.Tensor | BlockMask
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -55,8 +55,9 @@ def block_causal_block_mask(document_ids: torch.Tensor) -> BlockMask:
     return make(mask_mod, bsz, None, seq, seq, device=document_ids.device)
 
 
-def build_attention_mask(attn_mask_type: str, document_ids: torch.Tensor | None,
-                         backend: str = "auto") -> AttentionMask:
+def build_attention_mask(
+    attn_mask_type: str, document_ids: torch.Tensor | None, backend: str = "auto"
+) -> AttentionMask:
     """The mask object every layer receives for one forward pass (None for plain causal)."""
     if attn_mask_type == "causal":
         return None
@@ -69,12 +70,12 @@ def build_attention_mask(attn_mask_type: str, document_ids: torch.Tensor | None,
     return block_causal_bool_mask(document_ids)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled_block_mask():
     return torch.compile(create_block_mask)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 

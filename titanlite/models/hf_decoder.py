@@ -15,10 +15,12 @@ The model args are expected to have ``dim, n_layers, n_heads, kv_heads, head_dim
 vocab_size, max_seq_len, norm_eps, tie_word_embeddings``. Every conversion works on one tensor at a
 time, so converters can stream a checkpoint.
 """
+
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -68,7 +70,7 @@ class HFDecoderAdapter:
             return f"model.layers.{m.group(1)}.{self.BLOCK[m.group(2)]}"
         raise KeyError(f"no Hugging Face name for parameter {name!r}")
 
-    def from_hf_name(self, hf_name: str) -> Optional[str]:
+    def from_hf_name(self, hf_name: str) -> str | None:
         """The native name of an HF tensor; None for tensors that hold no weights (rotary tables)."""
         if _HF_IGNORED_RE.search(hf_name):
             return None
@@ -95,7 +97,7 @@ class HFDecoderAdapter:
         """``(hf_name, tensor)`` for one native tensor."""
         return self.to_hf_name(name), self.tensor_to_hf(name, tensor)
 
-    def from_hf(self, hf_name: str, tensor: torch.Tensor) -> Optional[tuple[str, torch.Tensor]]:
+    def from_hf(self, hf_name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
         """``(native_name, tensor)`` for one HF tensor, or None for tensors without weights."""
         name = self.from_hf_name(hf_name)
         return None if name is None else (name, self.tensor_from_hf(name, tensor))
@@ -108,12 +110,18 @@ class HFDecoderAdapter:
         """Native name -> shape of every parameter of a model with these args, in HF's usual order."""
         a = self.args
         q, kv, f = a.n_heads * a.head_dim, a.kv_heads * a.head_dim, a.ffn_hidden_dim
-        block = {"attention.wq.weight": (q, a.dim), "attention.wk.weight": (kv, a.dim),
-                 "attention.wv.weight": (kv, a.dim), "attention.wo.weight": (a.dim, q),
-                 **self.extra_block_shapes(),
-                 "feed_forward.w1.weight": (f, a.dim), "feed_forward.w2.weight": (a.dim, f),
-                 "feed_forward.w3.weight": (f, a.dim),
-                 "attention_norm.weight": (a.dim,), "ffn_norm.weight": (a.dim,)}
+        block = {
+            "attention.wq.weight": (q, a.dim),
+            "attention.wk.weight": (kv, a.dim),
+            "attention.wv.weight": (kv, a.dim),
+            "attention.wo.weight": (a.dim, q),
+            **self.extra_block_shapes(),
+            "feed_forward.w1.weight": (f, a.dim),
+            "feed_forward.w2.weight": (a.dim, f),
+            "feed_forward.w3.weight": (f, a.dim),
+            "attention_norm.weight": (a.dim,),
+            "ffn_norm.weight": (a.dim,),
+        }
         shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (a.vocab_size, a.dim)}
         for i in range(a.n_layers):
             shapes.update({f"layers.{i}.{suffix}": shape for suffix, shape in block.items()})
@@ -122,8 +130,7 @@ class HFDecoderAdapter:
         return shapes
 
     # ---- config.json
-    def base_hf_config(self, dtype: torch.dtype, bos_token_id: Optional[int],
-                       eos_token_id: Optional[int]) -> dict[str, Any]:
+    def base_hf_config(self, dtype: torch.dtype, bos_token_id: int | None, eos_token_id: int | None) -> dict[str, Any]:
         """The ``config.json`` keys every Llama-style family writes the same way."""
         a = self.args
         return {
@@ -149,13 +156,14 @@ class HFDecoderAdapter:
             "torch_dtype": str(dtype).removeprefix("torch."),
         }
 
-    def hf_config(self, *, dtype: torch.dtype, bos_token_id: Optional[int] = None,
-                  eos_token_id: Optional[int] = None) -> dict[str, Any]:
+    def hf_config(
+        self, *, dtype: torch.dtype, bos_token_id: int | None = None, eos_token_id: int | None = None
+    ) -> dict[str, Any]:
         """``config.json`` of the equivalent HF model (families add their own keys)."""
         return self.base_hf_config(dtype, bos_token_id, eos_token_id)
 
     @staticmethod
-    def generation_config(bos_token_id: Optional[int], eos_token_id: Optional[int]) -> dict[str, Any]:
+    def generation_config(bos_token_id: int | None, eos_token_id: int | None) -> dict[str, Any]:
         return {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "do_sample": False}
 
     @classmethod
@@ -164,8 +172,10 @@ class HFDecoderAdapter:
         and no attention bias."""
         archs = config.get("architectures") or []
         if config.get("model_type") != cls.model_type and cls.architecture not in archs:
-            raise ValueError(f"not a {cls.family} config (model_type={config.get('model_type')!r}, "
-                             f"architectures={archs}); expected {cls.architecture}")
+            raise ValueError(
+                f"not a {cls.family} config (model_type={config.get('model_type')!r}, "
+                f"architectures={archs}); expected {cls.architecture}"
+            )
         for key in _REQUIRED_INTS:
             if not isinstance(config.get(key), int):
                 raise ValueError(f"{cls.family} config.json lacks an integer {key!r}")

@@ -95,13 +95,16 @@ def model_args_for(section: Any, vocab_size: int) -> Any:
     if "vocab_size" not in overrides:
         overrides["vocab_size"] = vocab_size
     elif overrides["vocab_size"] < vocab_size:
-        raise ValueError(f"model.vocab_size={overrides['vocab_size']} is smaller than the tokenizer's "
-                         f"vocabulary ({vocab_size})")  # fmt: skip
+        raise ValueError(
+            f"model.vocab_size={overrides['vocab_size']} is smaller than the tokenizer's vocabulary ({vocab_size})"
+        )
     try:
         return make_model_args(section.name, section.flavor, **overrides)
     except ValueError as e:
         given = ", ".join(f"model.{k}={v}" for k, v in section.overrides.items())
-        raise ValueError(f"invalid [model] {section.name}/{section.flavor}{' with ' + given if given else ''}: {e}") from None
+        raise ValueError(
+            f"invalid [model] {section.name}/{section.flavor}{' with ' + given if given else ''}: {e}"
+        ) from None
 
 
 def build_model(name: str, flavor: str, device: str | torch.device = "meta", **overrides: Any) -> nn.Module:
@@ -137,12 +140,14 @@ def model_counts(spec: ModelSpec, args: Any, seq_len: int) -> tuple[int, int]:
     for module in model.modules():
         for p in module.parameters(recurse=False):
             used_by.setdefault(id(p), []).append(module)
-    lookup_only = sum(m.weight.numel() for m in model.modules()
-                      if isinstance(m, nn.Embedding) and len(used_by[id(m.weight)]) == 1)
+    lookup_only = sum(
+        m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding) and len(used_by[id(m.weight)]) == 1
+    )
     head_dim = getattr(args, "head_dim", None) or args.dim // args.n_heads
     flops = palm_flops_per_token(total - lookup_only, args.n_layers, args.n_heads, head_dim, seq_len)
     return (spec.num_params(args) if spec.num_params else total), (
-        spec.flops_per_token(args, seq_len) if spec.flops_per_token else flops)
+        spec.flops_per_token(args, seq_len) if spec.flops_per_token else flops
+    )
 
 
 def _did_you_mean(word: str, names: Sequence[str]) -> str:

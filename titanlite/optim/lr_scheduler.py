@@ -3,6 +3,7 @@
 ``lr_factor(step, ...)`` is a pure function of the step (1-based: the factor used for optimizer
 step ``step``), so it can be unit-tested and plotted without an optimizer.
 """
+
 from __future__ import annotations
 
 import math
@@ -11,8 +12,15 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 
-def lr_factor(step: int, *, total_steps: int, warmup_steps: int, decay_ratio: float = -1.0,
-              decay_type: str = "linear", min_lr_factor: float = 0.0) -> float:
+def lr_factor(
+    step: int,
+    *,
+    total_steps: int,
+    warmup_steps: int,
+    decay_ratio: float = -1.0,
+    decay_type: str = "linear",
+    min_lr_factor: float = 0.0,
+) -> float:
     """Multiplier of the peak lr for optimizer step ``step`` (1..total_steps).
 
     - warmup: steps 1..warmup_steps rise linearly, step s gets s / (warmup_steps + 1);
@@ -45,8 +53,15 @@ def build_lr_scheduler(optimizer: Optimizer, cfg, total_steps: int) -> LambdaLR:
     LambdaLR evaluates its lambda at construction (index 0) and after every ``scheduler.step()``;
     index ``i`` is the factor for optimizer step ``i + 1``.
     """
+
     def fn(i: int) -> float:
-        return lr_factor(min(i + 1, total_steps), total_steps=total_steps, warmup_steps=cfg.warmup_steps,
-                         decay_ratio=cfg.decay_ratio, decay_type=cfg.decay_type, min_lr_factor=cfg.min_lr_factor)
+        return lr_factor(
+            min(i + 1, total_steps),
+            total_steps=total_steps,
+            warmup_steps=cfg.warmup_steps,
+            decay_ratio=cfg.decay_ratio,
+            decay_type=cfg.decay_type,
+            min_lr_factor=cfg.min_lr_factor,
+        )
 
     return LambdaLR(optimizer, fn)

@@ -9,6 +9,7 @@ embedding tensor and so follows the embedding (no decay).
 Kernel: ``fused`` on CUDA (one kernel for all parameters), ``foreach`` elsewhere; both also work on
 DTensor parameters (FSDP2 / TP).
 """
+
 from __future__ import annotations
 
 import torch

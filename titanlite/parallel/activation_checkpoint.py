@@ -21,10 +21,11 @@ forward (compile traces the checkpoint as one higher-order op) and with FSDP2, w
 the block and run outside the checkpointed region. Blocks have no randomness (no dropout), so the
 RNG state is not stashed for the recomputation.
 """
+
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -35,10 +36,16 @@ MODES = ("none", "full", "selective")
 
 
 def _ops_to_save() -> set:
-    ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten._scaled_mm.default, aten.max.default,
-           aten._scaled_dot_product_flash_attention.default,
-           aten._scaled_dot_product_efficient_attention.default,
-           aten._scaled_dot_product_flash_attention_for_cpu.default}
+    ops = {
+        aten.mm.default,
+        aten.addmm.default,
+        aten.bmm.default,
+        aten._scaled_mm.default,
+        aten.max.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+    }
     for name in ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_attention_math"):
         if hasattr(aten, name):
             ops.add(getattr(aten, name).default)
@@ -57,7 +64,7 @@ def _save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def checkpoint_module(module: nn.Module, context_fn: Optional[Callable] = None) -> None:
+def checkpoint_module(module: nn.Module, context_fn: Callable | None = None) -> None:
     """Make ``module``'s forward recompute its activations in backward (see the module docstring)."""
     inner = module.forward
     kwargs = {"context_fn": context_fn} if context_fn is not None else {}
@@ -84,11 +91,13 @@ class ActivationCheckpoint:
             elif option.isdigit() and int(option) >= 1:
                 self.every = int(option)
             else:
-                raise ValueError(f"activation_checkpoint.selective_ac_option={selective_ac_option!r} must be "
-                                 "'op' or a positive integer N (checkpoint every N-th block)")
+                raise ValueError(
+                    f"activation_checkpoint.selective_ac_option={selective_ac_option!r} must be "
+                    "'op' or a positive integer N (checkpoint every N-th block)"
+                )
 
     @classmethod
-    def from_config(cls, section) -> "ActivationCheckpoint":
+    def from_config(cls, section) -> ActivationCheckpoint:
         return cls(section.mode, section.selective_ac_option)
 
     def __repr__(self) -> str:
@@ -99,7 +108,9 @@ class ActivationCheckpoint:
         """Checkpoint the selected blocks of ``model.layers`` in place; returns their names."""
         if self.mode == "none":
             return []
-        context_fn = functools.partial(create_selective_checkpoint_contexts, _save_matmuls_policy) if self.per_op else None
+        context_fn = (
+            functools.partial(create_selective_checkpoint_contexts, _save_matmuls_policy) if self.per_op else None
+        )
         done = []
         for i, (name, block) in enumerate(model.layers.items()):
             if block is None or (self.every is not None and (i + 1) % self.every):

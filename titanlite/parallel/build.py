@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections import defaultdict
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,8 +63,8 @@ def retie(model: nn.Module, groups: list[list[str]]) -> int:
 def build_parallel_model(
     spec: Any,
     model_args: Any,
-    parallel_dims: Optional[ParallelDims] = None,
-    policies: Optional[Policies] = None,
+    parallel_dims: ParallelDims | None = None,
+    policies: Policies | None = None,
     *,
     device: str | torch.device = "cpu",
     weight_init: str = "auto",
@@ -76,8 +76,10 @@ def build_parallel_model(
     policies = policies or Policies()
     device = torch.device(device)
     if spec.parallelize_fn is None and (dims.dp_degree > 1 or dims.tp > 1):
-        raise ValueError(f"model family {spec.name!r} has no parallelize function, so it trains on one process only "
-                         f"(asked: data-parallel degree {dims.dp_degree}, tensor-parallel degree {dims.tp})")
+        raise ValueError(
+            f"model family {spec.name!r} has no parallelize function, so it trains on one process only "
+            f"(asked: data-parallel degree {dims.dp_degree}, tensor-parallel degree {dims.tp})"
+        )
     mode = resolve_weight_init(weight_init, dims.world_size > 1, device.type)
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     reference = reference_state_dict(spec.model_cls, model_args) if mode == "rank0" and rank == 0 else None
@@ -97,8 +99,10 @@ def build_parallel_model(
         model.init_weights()
     untied = [group for group in tied if len({id(model.get_parameter(n)) for n in group}) > 1]
     if untied:
-        raise ValueError(f"{spec.name}: init_weights() untied the shared parameters {', '.join(untied[0])}; "
-                         "initialize them in place instead of assigning new tensors")
+        raise ValueError(
+            f"{spec.name}: init_weights() untied the shared parameters {', '.join(untied[0])}; "
+            "initialize them in place instead of assigning new tensors"
+        )
     if mode == "rank0":
         load_full_state_dict(model, reference)
     model.train()

@@ -20,10 +20,11 @@ only while AOTAutograd compiles a forward, so scoping the calls suffices and not
 off for the rest of the process. Inductor's own FX graph cache, whose key includes the group names,
 still makes recompilation cheap.
 """
+
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch._functorch.config

@@ -5,12 +5,13 @@ may include minutes of compilation on some ranks while others already wait in a 
 ``train_timeout_seconds`` then applies to every collective, so a rank that dies or hangs makes the
 others fail with a timeout error (gloo raises, the NCCL watchdog aborts) instead of waiting forever.
 """
+
 from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -57,11 +58,14 @@ def init_distributed(world: WorldInfo, timeout_seconds: float = 300.0) -> None:
     if world.device.type == "cuda":
         torch.cuda.set_device(world.device)
     backend = backend_for(world.device)
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_seconds),
-                            device_id=world.device if backend == "nccl" else None)
+    dist.init_process_group(
+        backend=backend,
+        timeout=datetime.timedelta(seconds=timeout_seconds),
+        device_id=world.device if backend == "nccl" else None,
+    )
 
 
-def set_collective_timeout(timeout_seconds: float, groups: Iterable[Optional[dist.ProcessGroup]] = ()) -> None:
+def set_collective_timeout(timeout_seconds: float, groups: Iterable[dist.ProcessGroup | None] = ()) -> None:
     """Set the timeout of the default group and of ``groups`` (e.g. the device mesh's groups).
 
     A barrier first, so that no rank is still inside a collective started under the old timeout.
@@ -91,7 +95,7 @@ class CollectiveTimeoutHook(Hook):
     """``[comm]`` in the loop: once the first step (start-up and compilation included) is done, every
     collective of ``groups`` gets the shorter ``timeout_seconds``."""
 
-    def __init__(self, timeout_seconds: float, groups: Iterable[Optional[dist.ProcessGroup]] = ()):
+    def __init__(self, timeout_seconds: float, groups: Iterable[dist.ProcessGroup | None] = ()):
         self.timeout_seconds, self.groups, self.pending = timeout_seconds, list(groups), True
 
     def on_step_end(self, state, result) -> None:

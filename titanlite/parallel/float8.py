@@ -48,12 +48,13 @@ Composition
 - Evaluation: ``with float8_disabled(model):`` runs the same modules as plain ``F.linear`` (high
   precision), e.g. for validation.
 """
+
 from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -97,8 +98,7 @@ class _Float8Matmul(torch.autograd.Function):
         x_dtype, w_dtype = ctx.dtypes
         g8, g_inv = to_float8(grad_out, E5M2)
         grad_x = torch._scaled_mm(g8, _col_major(w8), scale_a=g_inv, scale_b=w_inv, out_dtype=x_dtype)
-        grad_w = torch._scaled_mm(g8.t().contiguous(), _col_major(x8), scale_a=g_inv, scale_b=x_inv,
-                                  out_dtype=w_dtype)
+        grad_w = torch._scaled_mm(g8.t().contiguous(), _col_major(x8), scale_a=g_inv, scale_b=x_inv, out_dtype=w_dtype)
         return grad_x, grad_w, None
 
 
@@ -112,7 +112,7 @@ class Float8Linear(nn.Linear):
     enabled: bool = True
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Float8Linear":
+    def from_linear(cls, linear: nn.Linear) -> Float8Linear:
         """A Float8Linear sharing ``linear``'s parameter objects (works on the meta device)."""
         new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
         new.weight = linear.weight
@@ -140,7 +140,9 @@ class Float8Report:
     skipped: dict[str, str] = field(default_factory=dict)  # fqn -> reason
 
 
-def convert_to_float8(model: nn.Module, filter_fqns: Sequence[str] = ("output",), shard_degree: int = 1) -> Float8Report:
+def convert_to_float8(
+    model: nn.Module, filter_fqns: Sequence[str] = ("output",), shard_degree: int = 1
+) -> Float8Report:
     """Swap every eligible ``nn.Linear`` of ``model`` (in place) for a :class:`Float8Linear`.
 
     A linear is skipped, and the skip logged with its reason, when its name contains one of
@@ -155,8 +157,10 @@ def convert_to_float8(model: nn.Module, filter_fqns: Sequence[str] = ("output",)
         if any(f and f in fqn for f in filter_fqns):
             report.skipped[fqn] = "filtered by quantize.linear.float8.filter_fqns"
         elif module.in_features % multiple or module.out_features % multiple:
-            report.skipped[fqn] = (f"shape {module.out_features}x{module.in_features} is not a multiple of "
-                                   f"{multiple}" + (f" (16 x tensor_parallel_degree {shard_degree})" if shard_degree > 1 else ""))
+            report.skipped[fqn] = (
+                f"shape {module.out_features}x{module.in_features} is not a multiple of "
+                f"{multiple}" + (f" (16 x tensor_parallel_degree {shard_degree})" if shard_degree > 1 else "")
+            )
         else:
             parent_name, _, child = fqn.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
@@ -197,8 +201,10 @@ def check_float8_device(device: torch.device) -> None:
     """Raise when ``device`` cannot run float8 matmuls (CUDA before SM 8.9)."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         name = torch.cuda.get_device_name(device)
-        raise ValueError(f"quantize.linear.float8 needs a GPU with float8 tensor cores (SM 8.9+: Ada, Hopper "
-                         f"or later); {name} has SM {'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
+        raise ValueError(
+            f"quantize.linear.float8 needs a GPU with float8 tensor cores (SM 8.9+: Ada, Hopper "
+            f"or later); {name} has SM {'.'.join(map(str, torch.cuda.get_device_capability(device)))}"
+        )
 
 
 @dataclass
@@ -218,8 +224,10 @@ class Float8Policy:
         if not self.enable:
             return None
         if tp_degree > 1 and not dtensor_supports_scaled_mm():
-            raise ValueError(f"quantize.linear.float8 with tensor_parallel_degree={tp_degree} needs DTensor "
-                             f"support for torch._scaled_mm, which torch {torch.__version__} lacks; disable one of them")
+            raise ValueError(
+                f"quantize.linear.float8 with tensor_parallel_degree={tp_degree} needs DTensor "
+                f"support for torch._scaled_mm, which torch {torch.__version__} lacks; disable one of them"
+            )
         if torch.cuda.is_available():
             check_float8_device(torch.device("cuda", torch.cuda.current_device()))
         return convert_to_float8(model, self.filter_fqns, shard_degree=tp_degree)

@@ -13,11 +13,12 @@
   reduce-scatter (and the HSDP all-reduce) with no pre/post division: exact on NCCL, and also on
   gloo, which has no ``PREMUL_SUM`` (what a divide factor alone would use).
 """
+
 from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -30,11 +31,18 @@ RESHARD_CHOICES = ("default", "always", "never")
 class FSDPPolicy:
     """How the model is sharded; :meth:`shard` each group bottom-up, then :meth:`finish` the root."""
 
-    def __init__(self, mesh: DeviceMesh, param_dtype: torch.dtype = torch.float32,
-                 reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: str = "default"):
+    def __init__(
+        self,
+        mesh: DeviceMesh,
+        param_dtype: torch.dtype = torch.float32,
+        reduce_dtype: torch.dtype = torch.float32,
+        reshard_after_forward: str = "default",
+    ):
         if reshard_after_forward not in RESHARD_CHOICES:
-            raise ValueError(f"parallelism.fsdp_reshard_after_forward={reshard_after_forward!r} must be one of "
-                             f"{', '.join(RESHARD_CHOICES)}")
+            raise ValueError(
+                f"parallelism.fsdp_reshard_after_forward={reshard_after_forward!r} must be one of "
+                f"{', '.join(RESHARD_CHOICES)}"
+            )
         self.mesh = mesh
         self.mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         self.reshard = reshard_after_forward
@@ -42,7 +50,7 @@ class FSDPPolicy:
     def _reshard(self, last: bool) -> bool:
         return {"default": not last, "always": True, "never": False}[self.reshard]
 
-    def shard(self, modules: Union[nn.Module, Sequence[nn.Module]], last: bool = False) -> None:
+    def shard(self, modules: nn.Module | Sequence[nn.Module], last: bool = False) -> None:
         """One FSDP group (one all-gather / reduce-scatter) for ``modules``' not-yet-sharded params."""
         fully_shard(modules, mesh=self.mesh, mp_policy=self.mp_policy, reshard_after_forward=self._reshard(last))
 
@@ -76,7 +84,7 @@ def is_fsdp(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def fsdp_mixed_precision(model: nn.Module) -> Optional[MixedPrecisionPolicy]:
+def fsdp_mixed_precision(model: nn.Module) -> MixedPrecisionPolicy | None:
     """The root's mixed-precision policy, or None when ``model`` is not FSDP-wrapped."""
     if not is_fsdp(model):
         return None

@@ -7,10 +7,11 @@ so replicated gradients are not counted twice), each group's norm is made a plai
 ``full_tensor()``, and the groups' norms are combined. The result equals the norm of the full
 gradients in one process (up to summation order), on every rank.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -22,8 +23,9 @@ def _key(g: torch.Tensor):
     return None
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
-                    foreach: bool = True) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, foreach: bool = True
+) -> torch.Tensor:
     """Total gradient norm (a plain tensor, before clipping); scales gradients when ``max_norm > 0``."""
     params = [p for p in parameters if p.grad is not None]
     groups: dict = defaultdict(list)

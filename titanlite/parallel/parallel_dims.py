@@ -18,18 +18,20 @@ Named views of the mesh:
 
 Every degree problem raises ``ValueError`` with a one-line message naming the config keys.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
-_KEYS = {"dp_replicate": "parallelism.data_parallel_replicate_degree",
-         "dp_shard": "parallelism.data_parallel_shard_degree",
-         "tp": "parallelism.tensor_parallel_degree"}
+_KEYS = {
+    "dp_replicate": "parallelism.data_parallel_replicate_degree",
+    "dp_shard": "parallelism.data_parallel_shard_degree",
+    "tp": "parallelism.tensor_parallel_degree",
+}
 
 
 @dataclass
@@ -39,16 +41,18 @@ class ParallelDims:
     tp: int = 1
     world_size: int = 1
     enable_loss_parallel: bool = True
-    mesh: Optional[DeviceMesh] = field(default=None, repr=False, compare=False)
-    _dp_mesh: Optional[DeviceMesh] = field(default=None, init=False, repr=False, compare=False)
-    _dp_shard_tp_mesh: Optional[DeviceMesh] = field(default=None, init=False, repr=False, compare=False)
+    mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
+    _dp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
+    _dp_shard_tp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in MESH_DIMS:
             value = getattr(self, name)
             if value < 1 and not (name == "dp_shard" and value == -1):
-                raise ValueError(f"{_KEYS[name]}={value} must be >= 1"
-                                 + (" (or -1 for the rest of the world)" if name == "dp_shard" else ""))
+                raise ValueError(
+                    f"{_KEYS[name]}={value} must be >= 1"
+                    + (" (or -1 for the rest of the world)" if name == "dp_shard" else "")
+                )
         if self.world_size < 1:
             raise ValueError(f"WORLD_SIZE={self.world_size} must be >= 1")
         if self.dp_shard == -1:
@@ -56,21 +60,27 @@ class ParallelDims:
             if self.world_size % other:
                 raise ValueError(
                     f"{_KEYS['dp_replicate']} ({self.dp_replicate}) x {_KEYS['tp']} ({self.tp}) = {other} "
-                    f"does not divide the number of processes (WORLD_SIZE={self.world_size})")
+                    f"does not divide the number of processes (WORLD_SIZE={self.world_size})"
+                )
             self.dp_shard = self.world_size // other
         product = self.dp_replicate * self.dp_shard * self.tp
         if product != self.world_size:
             raise ValueError(
                 f"parallelism degrees must multiply to the number of processes: data_parallel_replicate_degree "
                 f"({self.dp_replicate}) x data_parallel_shard_degree ({self.dp_shard}) x tensor_parallel_degree "
-                f"({self.tp}) = {product}, but WORLD_SIZE={self.world_size}")
+                f"({self.tp}) = {product}, but WORLD_SIZE={self.world_size}"
+            )
 
     @classmethod
-    def from_config(cls, pcfg, world_size: int) -> "ParallelDims":
+    def from_config(cls, pcfg, world_size: int) -> ParallelDims:
         """From the ``[parallelism]`` section."""
-        return cls(dp_replicate=pcfg.data_parallel_replicate_degree, dp_shard=pcfg.data_parallel_shard_degree,
-                   tp=pcfg.tensor_parallel_degree, world_size=world_size,
-                   enable_loss_parallel=pcfg.enable_loss_parallel)
+        return cls(
+            dp_replicate=pcfg.data_parallel_replicate_degree,
+            dp_shard=pcfg.data_parallel_shard_degree,
+            tp=pcfg.tensor_parallel_degree,
+            world_size=world_size,
+            enable_loss_parallel=pcfg.enable_loss_parallel,
+        )
 
     # ---- degrees
     @property
@@ -109,7 +119,7 @@ class ParallelDims:
                 raise ValueError(f"{_KEYS['tp']}={self.tp} must divide {name} ({size})")
 
     # ---- mesh
-    def build_mesh(self, device_type: str) -> Optional[DeviceMesh]:
+    def build_mesh(self, device_type: str) -> DeviceMesh | None:
         """Build (once) the named mesh on ``device_type`` ("cpu" -> gloo, "cuda" -> NCCL).
 
         Needs the default process group when ``world_size > 1``; a single process gets no mesh.
@@ -127,15 +137,15 @@ class ParallelDims:
         self.mesh = mesh
         return mesh
 
-    def _sub(self, *names: str) -> Optional[DeviceMesh]:
+    def _sub(self, *names: str) -> DeviceMesh | None:
         return None if self.mesh is None else self.mesh[names if len(names) > 1 else names[0]]
 
     @property
-    def tp_mesh(self) -> Optional[DeviceMesh]:
+    def tp_mesh(self) -> DeviceMesh | None:
         return self._sub("tp")
 
     @property
-    def dp_mesh(self) -> Optional[DeviceMesh]:
+    def dp_mesh(self) -> DeviceMesh | None:
         """The flattened data-parallel view (data slicing and the loss reduction)."""
         return self._dp_mesh
 
@@ -143,14 +153,14 @@ class ParallelDims:
     loss_mesh = dp_mesh
 
     @property
-    def fsdp_mesh(self) -> Optional[DeviceMesh]:
+    def fsdp_mesh(self) -> DeviceMesh | None:
         """The mesh FSDP shards over: ``dp_shard``, or ``(dp_replicate, dp_shard)`` for HSDP."""
         if self.hsdp_enabled:
             return self._sub("dp_replicate", "dp_shard")
         return self._sub("dp_shard")
 
     @property
-    def dp_group(self) -> Optional[dist.ProcessGroup]:
+    def dp_group(self) -> dist.ProcessGroup | None:
         """Process group of the data-parallel ranks, or None when there is only one."""
         return self.dp_mesh.get_group() if self.dp_enabled and self.mesh is not None else None
 

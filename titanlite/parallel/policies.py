@@ -9,7 +9,6 @@ them from their own config sections; a foreign trainer builds them directly, e.g
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import torch
 from torch import nn
@@ -43,7 +42,7 @@ class Policies:
             reshard_after_forward=parallelism.fsdp_reshard_after_forward,
         )
 
-    def fsdp(self, parallel_dims) -> Optional[FSDPPolicy]:
+    def fsdp(self, parallel_dims) -> FSDPPolicy | None:
         """The FSDP policy over ``parallel_dims``' data-parallel mesh, or None with one data-parallel rank."""
         if not parallel_dims.fsdp_enabled:
             return None

@@ -9,9 +9,8 @@ broadcasts each tensor and every rank keeps its own shard. Used for:
   tests, and ``[parallelism] weight_init = "rank0"``);
 - an initial checkpoint in Hugging Face or torch format (``initial_load_path``).
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 import torch.distributed as dist
@@ -29,7 +28,9 @@ def has_dtensor_params(model: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def load_full_state_dict(model: nn.Module, full_state_dict: Optional[dict[str, torch.Tensor]], strict: bool = True) -> None:
+def load_full_state_dict(
+    model: nn.Module, full_state_dict: dict[str, torch.Tensor] | None, strict: bool = True
+) -> None:
     """Copy a full state dict (needed on rank 0 only) into ``model`` (sharded or not), in place.
 
     Parameter objects keep their identity, so an optimizer built before the call stays valid.
@@ -39,5 +40,6 @@ def load_full_state_dict(model: nn.Module, full_state_dict: Optional[dict[str, t
         return
     # a shallow copy: set_model_state_dict adds entries to the dict it is given
     full_state_dict = dict(full_state_dict or {}) if dist.get_rank() == 0 else {}
-    set_model_state_dict(model, full_state_dict,
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict))
+    set_model_state_dict(
+        model, full_state_dict, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
+    )

@@ -11,6 +11,7 @@
 - :class:`SyncRowwiseParallel`: ``RowwiseParallel`` whose output reduction completes before the
   module returns (for the embedding, whose output enters a compiled block).
 """
+
 from __future__ import annotations
 
 import contextlib

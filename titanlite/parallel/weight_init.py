@@ -11,10 +11,12 @@
   every shard would get the *same* random values (TP heads identical, FSDP rows repeated).
 - ``auto``: ``sharded`` on CUDA, ``rank0`` elsewhere. Unsharded models always use ``init_weights``.
 """
+
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,8 +35,11 @@ def resolve_weight_init(mode: str, sharded: bool, device_type: str) -> str:
     if mode == "auto":
         return "sharded" if device_type == "cuda" else "rank0"
     if mode == "sharded" and device_type != "cuda":
-        logger.warning("parallelism.weight_init = sharded on %s: DTensor has no random-number tracker there, "
-                       "so shards of one tensor get identical values; use rank0 (the default)", device_type)
+        logger.warning(
+            "parallelism.weight_init = sharded on %s: DTensor has no random-number tracker there, "
+            "so shards of one tensor get identical values; use rank0 (the default)",
+            device_type,
+        )
     return mode
 
 

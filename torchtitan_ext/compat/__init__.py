@@ -10,6 +10,7 @@ DCP checkpoints of Llama 3 models, on titanlite.
 
 What maps and what does not: ``torchtitan_ext/compat/README.md``.
 """
+
 from torchtitan_ext.compat.config import CompatError, CompatSettings, Translation, load_translated, translate
 
 __all__ = ["CompatError", "CompatSettings", "Translation", "load_translated", "translate"]

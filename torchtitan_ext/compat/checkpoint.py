@@ -25,20 +25,27 @@ state describes its own datasets; titanlite's loader starts from the beginning o
 with a warning) and the optimizer hyper-parameters (taken from the config, as torchtitan does on
 resume, except that torchtitan would also restore its stored lr, which its scheduler overwrites).
 """
+
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from titanlite.checkpoint.layout import list_step_folders
 
@@ -67,12 +74,17 @@ def describe(path: str | os.PathLike) -> dict[str, Any]:
     elif "model.tok_embeddings.weight" in keys:
         prefix = "model."
     else:
-        raise ValueError(f"{path}: no tok_embeddings.weight (or model.tok_embeddings.weight): not a torchtitan "
-                         "checkpoint of a Llama 3 model")
-    return {"keys": keys, "prefix": prefix,
-            "optimizer": any(k.startswith("optimizer.state.") for k in keys),
-            "train_state": "train_state.step" in keys,
-            "dataloader": any(k.startswith("dataloader.") for k in keys)}
+        raise ValueError(
+            f"{path}: no tok_embeddings.weight (or model.tok_embeddings.weight): not a torchtitan "
+            "checkpoint of a Llama 3 model"
+        )
+    return {
+        "keys": keys,
+        "prefix": prefix,
+        "optimizer": any(k.startswith("optimizer.state.") for k in keys),
+        "train_state": "train_state.step" in keys,
+        "dataloader": any(k.startswith("dataloader.") for k in keys),
+    }
 
 
 def _placeholder(md) -> Any:
@@ -84,9 +96,14 @@ def _placeholder(md) -> Any:
 
 
 @torch.no_grad()
-def load_torchtitan_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
-                               optimizer: Optional[torch.optim.Optimizer] = None, *, model_only: bool = False,
-                               exclude: Iterable[str] = ()) -> dict[str, Any]:
+def load_torchtitan_checkpoint(
+    path: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    model_only: bool = False,
+    exclude: Iterable[str] = (),
+) -> dict[str, Any]:
     """Load a torchtitan checkpoint into ``model`` (and ``optimizer``) in place; collective when
     distributed. Returns ``{"step", "tokens_seen", "loaded": [...], "skipped": [...]}``.
 
@@ -104,8 +121,10 @@ def load_torchtitan_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
         if md is None:
             raise ValueError(f"{path} has no {prefix + name}: it was saved from another model")
         if tuple(md.size) != tuple(tensor.shape):
-            raise ValueError(f"{path}: {name} is {list(md.size)} in the checkpoint but {list(tensor.shape)} in this "
-                             "model (another flavor, or another tokenizer vocabulary)")
+            raise ValueError(
+                f"{path}: {name} is {list(md.size)} in the checkpoint but {list(tensor.shape)} in this "
+                "model (another flavor, or another tokenizer vocabulary)"
+            )
     state: dict[str, Any] = dict(model_sd) if prefix == "" else {"model": model_sd}
     loaded, skipped = ["model"], []
     full = not model_only
@@ -122,8 +141,11 @@ def load_torchtitan_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
         skipped.append("optimizer")
     train_state = None
     if full and info["train_state"] and "train_state" not in exclude:
-        train_state = {k.split(".", 1)[1]: _placeholder(md) for k, md in keys.items() if k.startswith("train_state.")
-                       and k.count(".") == 1}
+        train_state = {
+            k.split(".", 1)[1]: _placeholder(md)
+            for k, md in keys.items()
+            if k.startswith("train_state.") and k.count(".") == 1
+        }
         state["train_state"] = train_state
         loaded.append("train_state")
     dcp.load(state, checkpoint_id=path)
@@ -149,8 +171,9 @@ def _as_int(v: Any) -> int:
     return int(v)
 
 
-def choose_source(torchtitan_folder: str, load_step: int, initial_load_path: str,
-                  initial_model_only: bool) -> Optional[dict[str, Any]]:
+def choose_source(
+    torchtitan_folder: str, load_step: int, initial_load_path: str, initial_model_only: bool
+) -> dict[str, Any] | None:
     """Which torchtitan checkpoint to start from, torchtitan's way: the newest (or ``load_step``)
     step folder of the run's checkpoint folder, else ``initial_load_path``; step 0 is model-only."""
     from titanlite.checkpoint import layout
@@ -160,8 +183,10 @@ def choose_source(torchtitan_folder: str, load_step: int, initial_load_path: str
         if load_step != -1:
             match = [p for s, p in found if s == load_step]
             if not match:
-                raise ValueError(f"checkpoint.load_step={load_step}: no torchtitan checkpoint step-{load_step} in "
-                                 f"{torchtitan_folder} (have: {', '.join(str(s) for s, _ in found)})")
+                raise ValueError(
+                    f"checkpoint.load_step={load_step}: no torchtitan checkpoint step-{load_step} in "
+                    f"{torchtitan_folder} (have: {', '.join(str(s) for s, _ in found)})"
+                )
             step, path = load_step, match[0]
         else:
             step, path = found[-1]

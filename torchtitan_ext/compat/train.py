@@ -23,6 +23,7 @@ math differs between the two libraries set to torchtitan's:
 The loss (token-mean cross-entropy over the optimizer step), gradient clipping, mixed precision,
 FSDP/HSDP/TP layouts, activation checkpointing, compile and tensorwise float8 already match.
 """
+
 from __future__ import annotations
 
 import functools
@@ -30,7 +31,7 @@ import logging
 import math
 import os
 import sys
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -47,8 +48,9 @@ logger = logging.getLogger("torchtitan_ext.compat")
 # --------------------------------------------------------------------------- torchtitan's schedule
 
 
-def torchtitan_lr_factor(i: int, *, total_steps: int, warmup_steps: int, decay_ratio: Optional[float],
-                         decay_type: str, min_lr_factor: float) -> float:
+def torchtitan_lr_factor(
+    i: int, *, total_steps: int, warmup_steps: int, decay_ratio: float | None, decay_type: str, min_lr_factor: float
+) -> float:
     """torchtitan v0.2's LambdaLR factor at scheduler index ``i`` (used for optimizer step ``i + 1``)."""
     warmup = min(warmup_steps, total_steps)
     if decay_ratio is None:
@@ -76,9 +78,14 @@ def torchtitan_lr_factor(i: int, *, total_steps: int, warmup_steps: int, decay_r
 
 def build_torchtitan_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: JobConfig) -> LambdaLR:
     s = cfg.lr_scheduler
-    fn = functools.partial(torchtitan_lr_factor, total_steps=cfg.training.steps, warmup_steps=s.warmup_steps,
-                           decay_ratio=None if s.decay_ratio < 0 else s.decay_ratio, decay_type=s.decay_type,
-                           min_lr_factor=s.min_lr_factor)
+    fn = functools.partial(
+        torchtitan_lr_factor,
+        total_steps=cfg.training.steps,
+        warmup_steps=s.warmup_steps,
+        decay_ratio=None if s.decay_ratio < 0 else s.decay_ratio,
+        decay_type=s.decay_type,
+        min_lr_factor=s.min_lr_factor,
+    )
     return LambdaLR(optimizer, fn)
 
 
@@ -111,11 +118,11 @@ def build_torchtitan_optimizer(model: torch.nn.Module, cfg: JobConfig) -> torch.
 class CompatTrainer(Trainer):
     """titanlite's Trainer with torchtitan's optimizer grouping, LR formula and checkpoint resume."""
 
-    def __init__(self, cfg: JobConfig, world=None, settings: Optional[CompatSettings] = None):
+    def __init__(self, cfg: JobConfig, world=None, settings: CompatSettings | None = None):
         self.compat = settings or CompatSettings()
         super().__init__(cfg, world)
         c = self.compat
-        self.source: Optional[dict[str, Any]] = None  # the torchtitan checkpoint to start from, if any
+        self.source: dict[str, Any] | None = None  # the torchtitan checkpoint to start from, if any
         if self.checkpointer.plan.kind != "resume":  # titanlite's own checkpoints take precedence
             self.source = broadcast_from_rank0(
                 lambda: choose_source(c.torchtitan_folder, c.load_step, c.initial_load_path, c.initial_load_model_only)
@@ -127,29 +134,41 @@ class CompatTrainer(Trainer):
     def build_lr_scheduler(self):
         return build_torchtitan_lr_scheduler(self.optimizer, self.cfg)
 
-    def resume(self) -> Optional[int]:
+    def resume(self) -> int | None:
         """titanlite's own checkpoint when there is one, else the torchtitan checkpoint chosen at start."""
         if self.source is None:
             return super().resume()
         src = self.source
-        out = load_torchtitan_checkpoint(src["path"], self.model, self.optimizer, model_only=src["model_only"],
-                                         exclude=self.compat.exclude_from_loading)  # fmt: skip
+        out = load_torchtitan_checkpoint(
+            src["path"],
+            self.model,
+            self.optimizer,
+            model_only=src["model_only"],
+            exclude=self.compat.exclude_from_loading,
+        )
         self.state.step, self.state.tokens_seen = out["step"], out["tokens_seen"]
         if out["step"] and "lr_scheduler" not in self.compat.exclude_from_loading:
             set_scheduler_position(self.lr_scheduler, out["step"])
-        logger.warning("torchtitan compat: RESUMED from torchtitan checkpoint %s (%s): step %d, %s tokens seen; "
-                       "loaded %s", src["path"], src["why"], out["step"], f"{out['tokens_seen']:,}",
-                       ", ".join(out["loaded"]))  # fmt: skip
+        logger.warning(
+            "torchtitan compat: RESUMED from torchtitan checkpoint %s (%s): step %d, %s tokens seen; loaded %s",
+            src["path"],
+            src["why"],
+            out["step"],
+            f"{out['tokens_seen']:,}",
+            ", ".join(out["loaded"]),
+        )
         if "dataloader" in out["skipped"]:
-            logger.warning("torchtitan compat: the data position is not restored (torchtitan's data-loader state "
-                           "describes its own datasets): titanlite's loader starts from the beginning of its order")
+            logger.warning(
+                "torchtitan compat: the data position is not restored (torchtitan's data-loader state "
+                "describes its own datasets): titanlite's loader starts from the beginning of its order"
+            )
         return out["step"] or None
 
 
 # --------------------------------------------------------------------------- entry point
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     """Translate the torchtitan config, then run titanlite's own ``main`` with :class:`CompatTrainer`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
@@ -169,8 +188,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     if translate_only:
         sys.stdout.write(translation.toml())
         return
-    train_main(argv, trainer_cls=functools.partial(CompatTrainer, settings=translation.settings),
-               load_config=lambda _: cfg)  # fmt: skip
+    train_main(
+        argv, trainer_cls=functools.partial(CompatTrainer, settings=translation.settings), load_config=lambda _: cfg
+    )
 
 
 if __name__ == "__main__":

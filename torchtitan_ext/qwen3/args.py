@@ -13,10 +13,12 @@ The flavors copy the ``config.json`` of the released Qwen3 dense checkpoints (hi
 intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim,
 vocab_size, max_position_embeddings, rope_theta, rms_norm_eps, tie_word_embeddings).
 """
+
 from __future__ import annotations
 
-from titanlite.planner import params_of
 from dataclasses import dataclass
+
+from titanlite.planner import params_of
 
 ATTN_MASK_TYPES: tuple[str, ...] = ("causal", "block_causal")
 ATTN_BACKENDS: tuple[str, ...] = ("auto", "sdpa", "flex")
@@ -89,19 +91,34 @@ QWEN3_FLAVORS: dict[str, Qwen3ModelArgs] = {
     # Small enough to train on a CPU in minutes; head_dim (64) deliberately differs from
     # dim / n_heads (256 / 8 = 32), as in the real sizes, so the decoupled head width is exercised.
     "debugmodel": Qwen3ModelArgs(
-        dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=64, ffn_hidden_dim=768, vocab_size=512,
-        norm_eps=1e-6, rope_theta=1_000_000.0, max_seq_len=4096, tie_word_embeddings=True,
+        dim=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        head_dim=64,
+        ffn_hidden_dim=768,
+        vocab_size=512,
+        norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        max_seq_len=4096,
+        tie_word_embeddings=True,
     ),
-    "0.6B": Qwen3ModelArgs(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, ffn_hidden_dim=3072,
-                           tie_word_embeddings=True, **_QWEN3),
-    "1.7B": Qwen3ModelArgs(dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, ffn_hidden_dim=6144,
-                           tie_word_embeddings=True, **_QWEN3),
-    "4B": Qwen3ModelArgs(dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, ffn_hidden_dim=9728,
-                         tie_word_embeddings=True, **_QWEN3),
-    "8B": Qwen3ModelArgs(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn_hidden_dim=12288,
-                         tie_word_embeddings=False, **_QWEN3),
-    "14B": Qwen3ModelArgs(dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, ffn_hidden_dim=17408,
-                          tie_word_embeddings=False, **_QWEN3),
-    "32B": Qwen3ModelArgs(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, ffn_hidden_dim=25600,
-                          tie_word_embeddings=False, **_QWEN3),
+    "0.6B": Qwen3ModelArgs(
+        dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, ffn_hidden_dim=3072, tie_word_embeddings=True, **_QWEN3
+    ),
+    "1.7B": Qwen3ModelArgs(
+        dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, ffn_hidden_dim=6144, tie_word_embeddings=True, **_QWEN3
+    ),
+    "4B": Qwen3ModelArgs(
+        dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, ffn_hidden_dim=9728, tie_word_embeddings=True, **_QWEN3
+    ),
+    "8B": Qwen3ModelArgs(
+        dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn_hidden_dim=12288, tie_word_embeddings=False, **_QWEN3
+    ),
+    "14B": Qwen3ModelArgs(
+        dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, ffn_hidden_dim=17408, tie_word_embeddings=False, **_QWEN3
+    ),
+    "32B": Qwen3ModelArgs(
+        dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, ffn_hidden_dim=25600, tie_word_embeddings=False, **_QWEN3
+    ),
 }

@@ -19,14 +19,15 @@ Built on titanlite's shared ``HFDecoderAdapter`` (the ``ModelSpec.hf_adapter`` c
 ``titanlite.checkpoint.hf`` (``scripts/convert_dcp_to_hf.py`` / ``convert_hf_to_dcp.py``) converts
 Qwen3 checkpoints once the extension is imported.
 """
+
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 from titanlite.models.hf_decoder import DECODER_BLOCK, HFDecoderAdapter
-
 from torchtitan_ext.qwen3.args import Qwen3ModelArgs
 
 
@@ -36,8 +37,11 @@ class Qwen3HFAdapter(HFDecoderAdapter):
     architecture = "Qwen3ForCausalLM"
     model_type = "qwen3"
     family = "Qwen3"
-    BLOCK = {**DECODER_BLOCK, "attention.q_norm.weight": "self_attn.q_norm.weight",
-             "attention.k_norm.weight": "self_attn.k_norm.weight"}
+    BLOCK = {
+        **DECODER_BLOCK,
+        "attention.q_norm.weight": "self_attn.q_norm.weight",
+        "attention.k_norm.weight": "self_attn.k_norm.weight",
+    }
 
     def __init__(self, args: Qwen3ModelArgs):
         super().__init__(args)
@@ -49,8 +53,9 @@ class Qwen3HFAdapter(HFDecoderAdapter):
         return {"attention.q_norm.weight": (a.head_dim,), "attention.k_norm.weight": (a.head_dim,)}
 
     # ---- config
-    def hf_config(self, *, dtype: torch.dtype, bos_token_id: Optional[int] = None,
-                  eos_token_id: Optional[int] = None) -> dict[str, Any]:
+    def hf_config(
+        self, *, dtype: torch.dtype, bos_token_id: int | None = None, eos_token_id: int | None = None
+    ) -> dict[str, Any]:
         a = self.args
         if not a.qk_norm:
             raise ValueError("Qwen3ForCausalLM always applies QK-norm; a model with qk_norm=false has no HF equivalent")
@@ -75,10 +80,15 @@ class Qwen3HFAdapter(HFDecoderAdapter):
             raise ValueError(f"unsupported rope_type {rope_type!r} (this Qwen3 supports plain RoPE only)")
         n_heads = config["num_attention_heads"]
         return Qwen3ModelArgs(
-            dim=config["hidden_size"], n_layers=config["num_hidden_layers"], n_heads=n_heads,
+            dim=config["hidden_size"],
+            n_layers=config["num_hidden_layers"],
+            n_heads=n_heads,
             n_kv_heads=config.get("num_key_value_heads") or n_heads,
             head_dim=int(config.get("head_dim") or config["hidden_size"] // n_heads),
-            ffn_hidden_dim=config["intermediate_size"], vocab_size=config["vocab_size"],
-            norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+            ffn_hidden_dim=config["intermediate_size"],
+            vocab_size=config["vocab_size"],
+            norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
             max_seq_len=int(config.get("max_position_embeddings", 40960)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)))
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )

@@ -23,6 +23,7 @@ the block-causal document mask) are titanlite's shared ones (:mod:`titanlite.mod
 Attention reads the number of local heads from the projection outputs, so the same code runs on
 tensor-parallel shards (each rank holding a subset of the heads).
 """
+
 from __future__ import annotations
 
 import math
@@ -120,8 +121,9 @@ class Qwen3Model(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.register_buffer("rope_cache", rope_table(args.head_dim, args.max_seq_len, args.rope_theta),
-                             persistent=False)
+        self.register_buffer(
+            "rope_cache", rope_table(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False
+        )
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:

@@ -19,14 +19,20 @@ Everything else (sequence-parallel norms, all-gathered block inputs, column-wise
 row-wise ``wo/w2`` reduce-scattered back to sequence shards, vocabulary-parallel embedding and
 output with loss parallel) is the Llama plan.
 """
+
 from __future__ import annotations
 
 import logging
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from titanlite.parallel.fsdp import FSDPPolicy
 from titanlite.parallel.tensor_parallel import SyncRowwiseParallel
@@ -37,37 +43,55 @@ logger = logging.getLogger(__name__)
 def parallelize_qwen3(model: nn.Module, parallel_dims, policies) -> nn.Module:
     """Apply ``policies`` (float8, TP, AC, compile, FSDP) to a meta-device :class:`Qwen3Model` in place."""
     args = model.args
-    parallel_dims.check_tp_divides(**{"model.n_heads": args.n_heads, "model.n_kv_heads": args.kv_heads,
-                                      "model.ffn_hidden_dim": args.ffn_hidden_dim, "model.vocab_size": args.vocab_size})
+    parallel_dims.check_tp_divides(
+        **{
+            "model.n_heads": args.n_heads,
+            "model.n_kv_heads": args.kv_heads,
+            "model.ffn_hidden_dim": args.ffn_hidden_dim,
+            "model.vocab_size": args.vocab_size,
+        }
+    )
     policies.float8.apply(model, parallel_dims.tp)
     if parallel_dims.tp_enabled:
         apply_tensor_parallel(model, parallel_dims.tp_mesh, parallel_dims.loss_parallel_enabled)
         logger.info("qwen3: tensor parallel over %d ranks", parallel_dims.tp)
     checkpointed = policies.activation_checkpoint.apply(model)
     if checkpointed:
-        logger.info("qwen3: activation checkpointing %s on %d blocks", policies.activation_checkpoint, len(checkpointed))
+        logger.info(
+            "qwen3: activation checkpointing %s on %d blocks", policies.activation_checkpoint, len(checkpointed)
+        )
     policies.compile.apply(model)
     fsdp = policies.fsdp(parallel_dims)
     if fsdp is not None:
         apply_fsdp(model, fsdp)
-        logger.info("qwen3: %s over %d ranks", "HSDP" if parallel_dims.hsdp_enabled else "FSDP", parallel_dims.dp_degree)
+        logger.info(
+            "qwen3: %s over %d ranks", "HSDP" if parallel_dims.hsdp_enabled else "FSDP", parallel_dims.dp_degree
+        )
     return model
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
-    parallelize_module(model, tp_mesh, {
-        "tok_embeddings": SyncRowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                  use_local_output=not loss_parallel),
-    })
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": SyncRowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(
+                input_layouts=Shard(1),
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,
+            ),
+        },
+    )
     qk_norm = model.args.qk_norm
     for block in model.layers.values():
         plan = {
             "attention_norm": SequenceParallel(),
             # (x, rope table, mask): gather x along the sequence; the table and mask stay plain tensors
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+            ),
             "attention.wq": ColwiseParallel(use_local_output=not qk_norm),
             "attention.wk": ColwiseParallel(use_local_output=not qk_norm),
             "attention.wv": ColwiseParallel(),

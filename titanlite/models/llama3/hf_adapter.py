@@ -13,9 +13,11 @@ rotation is applied to q and k only.
 
 Every conversion works on one tensor at a time, so converters can stream a checkpoint.
 """
+
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -48,7 +50,7 @@ class Llama3HFAdapter(HFDecoderAdapter):
     def __init__(self, args: Llama3ModelArgs):
         super().__init__(args)
 
-    def _heads(self, name: str) -> Optional[int]:
+    def _heads(self, name: str) -> int | None:
         if name.endswith("attention.wq.weight"):
             return self.args.n_heads
         if name.endswith("attention.wk.weight"):
@@ -65,8 +67,9 @@ class Llama3HFAdapter(HFDecoderAdapter):
         return tensor if heads is None else half_split_to_interleaved(tensor, heads)
 
     # ---- config ----
-    def hf_config(self, *, dtype: torch.dtype, bos_token_id: Optional[int] = None,
-                  eos_token_id: Optional[int] = None) -> dict[str, Any]:
+    def hf_config(
+        self, *, dtype: torch.dtype, bos_token_id: int | None = None, eos_token_id: int | None = None
+    ) -> dict[str, Any]:
         """``config.json`` of the equivalent ``LlamaForCausalLM``."""
         a = self.args
         rope_scaling = None
@@ -78,8 +81,13 @@ class Llama3HFAdapter(HFDecoderAdapter):
                 "high_freq_factor": a.rope_high_freq_factor,
                 "original_max_position_embeddings": a.rope_original_max_position,
             }
-        return {**self.base_hf_config(dtype, bos_token_id, eos_token_id), "rope_theta": a.rope_theta,
-                "rope_scaling": rope_scaling, "mlp_bias": False, "pretraining_tp": 1}
+        return {
+            **self.base_hf_config(dtype, bos_token_id, eos_token_id),
+            "rope_theta": a.rope_theta,
+            "rope_scaling": rope_scaling,
+            "mlp_bias": False,
+            "pretraining_tp": 1,
+        }
 
     @classmethod
     def args_from_hf_config(cls, config: Mapping[str, Any]) -> Llama3ModelArgs:
@@ -90,15 +98,23 @@ class Llama3HFAdapter(HFDecoderAdapter):
         dim, n_heads = config["hidden_size"], config["num_attention_heads"]
         head_dim = config.get("head_dim")
         if head_dim is not None and n_heads * head_dim != dim:
-            raise ValueError(f"unsupported head_dim={head_dim}: titanlite needs head_dim = hidden_size / "
-                             f"num_attention_heads = {dim // n_heads if n_heads else '?'}")
+            raise ValueError(
+                f"unsupported head_dim={head_dim}: titanlite needs head_dim = hidden_size / "
+                f"num_attention_heads = {dim // n_heads if n_heads else '?'}"
+            )
         theta, scaling = _rope_from_hf(config)
         base = dict(
-            dim=dim, n_layers=config["num_hidden_layers"], n_heads=n_heads,
-            n_kv_heads=config.get("num_key_value_heads") or n_heads, vocab_size=config["vocab_size"],
-            norm_eps=float(config.get("rms_norm_eps", 1e-5)), rope_theta=theta,
+            dim=dim,
+            n_layers=config["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=config.get("num_key_value_heads") or n_heads,
+            vocab_size=config["vocab_size"],
+            norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+            rope_theta=theta,
             max_seq_len=int(config.get("max_position_embeddings", 8192)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)), **scaling)
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            **scaling,
+        )
         return _with_ffn_hidden_dim(base, config["intermediate_size"])
 
 
@@ -110,9 +126,11 @@ def _rope_from_hf(config: Mapping[str, Any]) -> tuple[float, dict[str, Any]]:
     if rope_type != "llama3":
         raise ValueError(f"unsupported rope_type {rope_type!r} (titanlite supports default and llama3)")
     return theta, dict(
-        rope_scaling_factor=float(rope["factor"]), rope_low_freq_factor=float(rope["low_freq_factor"]),
+        rope_scaling_factor=float(rope["factor"]),
+        rope_low_freq_factor=float(rope["low_freq_factor"]),
         rope_high_freq_factor=float(rope["high_freq_factor"]),
-        rope_original_max_position=int(rope["original_max_position_embeddings"]))
+        rope_original_max_position=int(rope["original_max_position_embeddings"]),
+    )
 
 
 def _with_ffn_hidden_dim(base: dict[str, Any], hidden: int) -> Llama3ModelArgs:
@@ -128,4 +146,3 @@ def _with_ffn_hidden_dim(base: dict[str, Any], hidden: int) -> Llama3ModelArgs:
     if args.ffn_hidden_dim != hidden:
         raise ValueError(f"cannot express intermediate_size={hidden} with hidden_size={base['dim']}")
     return args
-

@@ -23,6 +23,7 @@ Details that matter for checkpoints and parallelism:
 * The model can be built on the meta device; ``to_empty`` + ``init_weights()`` then materialize it.
   ``init_weights`` only uses in-place ops so it also works on FSDP2-sharded (DTensor) parameters.
 """
+
 from __future__ import annotations
 
 import math
@@ -186,8 +187,13 @@ class Transformer(nn.Module):
     def _precompute_rope(self) -> torch.Tensor:
         a = self.args
         return precompute_rope(
-            a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling_factor,
-            a.rope_low_freq_factor, a.rope_high_freq_factor, a.rope_original_max_position,
+            a.head_dim,
+            a.max_seq_len,
+            a.rope_theta,
+            a.rope_scaling_factor,
+            a.rope_low_freq_factor,
+            a.rope_high_freq_factor,
+            a.rope_original_max_position,
         )
 
     @torch.no_grad()

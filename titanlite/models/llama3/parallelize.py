@@ -3,7 +3,8 @@
 Called by :func:`titanlite.parallel.build.build_parallel_model` on the model built on the *meta*
 device (no memory), before it is materialized; each rank's shards are then allocated (``to_empty``)
 and initialized, so the full parameters never exist on one device. ``policies`` (a
-:class:`~titanlite.parallel.policies.Policies`) carries the float8, AC, compile and FSDP settings. The steps run in this order, and the order matters:
+:class:`~titanlite.parallel.policies.Policies`) carries the float8, AC, compile and FSDP settings.
+The steps run in this order, and the order matters:
 
 1. **Float8** (``[quantize.linear.float8]``): eligible ``nn.Linear`` modules are swapped for
    :class:`~titanlite.parallel.float8.Float8Linear` first, while the model is a plain module tree:
@@ -44,14 +45,20 @@ and initialized, so the full parameters never exist on one device. ``policies`` 
 With a single data-parallel rank FSDP is not applied and the Trainer uses bf16 autocast when
 ``mixed_precision_param = "bfloat16"`` (see ``Trainer.autocast`` for the measurement behind this).
 """
+
 from __future__ import annotations
 
 import logging
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from titanlite.parallel.fsdp import FSDPPolicy
 from titanlite.parallel.tensor_parallel import SyncRowwiseParallel
@@ -65,8 +72,9 @@ def parallelize_llama(model: nn.Module, parallel_dims, policies) -> nn.Module:
     policies.float8.apply(model, parallel_dims.tp)
     if parallel_dims.tp_enabled:
         apply_tensor_parallel(model, parallel_dims.tp_mesh, parallel_dims.loss_parallel_enabled)
-        logger.info("tensor parallel over %d ranks (loss parallel: %s)", parallel_dims.tp,
-                    parallel_dims.loss_parallel_enabled)
+        logger.info(
+            "tensor parallel over %d ranks (loss parallel: %s)", parallel_dims.tp, parallel_dims.loss_parallel_enabled
+        )
     checkpointed = policies.activation_checkpoint.apply(model)
     if checkpointed:
         logger.info("activation checkpointing %s on blocks %s", policies.activation_checkpoint, ",".join(checkpointed))
@@ -75,42 +83,64 @@ def parallelize_llama(model: nn.Module, parallel_dims, policies) -> nn.Module:
     fsdp = policies.fsdp(parallel_dims)
     if fsdp is not None:
         apply_fsdp(model, fsdp)
-        logger.info("%s over %d ranks (param %s, reduce %s, gradients summed)",
-                    "HSDP" if parallel_dims.hsdp_enabled else "FSDP", parallel_dims.dp_degree, policies.param_dtype,
-                    policies.reduce_dtype)
+        logger.info(
+            "%s over %d ranks (param %s, reduce %s, gradients summed)",
+            "HSDP" if parallel_dims.hsdp_enabled else "FSDP",
+            parallel_dims.dp_degree,
+            policies.param_dtype,
+            policies.reduce_dtype,
+        )
     return model
 
 
 def check_llama_parallelism(args, parallel_dims) -> None:
     """One-line ``ValueError`` for a model that cannot be split ``parallel_dims``' way."""
-    parallel_dims.check_tp_divides(**{"model.n_heads": args.n_heads, "model.n_kv_heads": args.kv_heads,
-                                      "the SwiGLU hidden size": args.ffn_hidden_dim, "model.vocab_size": args.vocab_size})
+    parallel_dims.check_tp_divides(
+        **{
+            "model.n_heads": args.n_heads,
+            "model.n_kv_heads": args.kv_heads,
+            "the SwiGLU hidden size": args.ffn_hidden_dim,
+            "model.vocab_size": args.vocab_size,
+        }
+    )
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
     """The Llama TP + sequence-parallel plan (module docstring, step 2)."""
-    parallelize_module(model, tp_mesh, {
-        "tok_embeddings": SyncRowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                  use_local_output=not loss_parallel),
-    })
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": SyncRowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(
+                input_layouts=Shard(1),
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,
+            ),
+        },
+    )
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, {
-            "attention_norm": SequenceParallel(),
-            # (x, rope_cache, attn_mask): gather x along the sequence; the rope table and mask are plain tensors
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
-        })
+        parallelize_module(
+            block,
+            tp_mesh,
+            {
+                "attention_norm": SequenceParallel(),
+                # (x, rope_cache, attn_mask): gather x along the sequence; the rope table and mask are plain tensors
+                "attention": PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                ),
+                "attention.wq": ColwiseParallel(),
+                "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(),
+                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+                "feed_forward.w3": ColwiseParallel(),
+            },
+        )
     if model.args.tie_word_embeddings:  # TP replaced both parameters: share the embedding's again
         model.output.weight = model.tok_embeddings.weight
 
