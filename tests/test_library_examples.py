@@ -247,7 +247,7 @@ def test_a_registered_loss_is_chosen_by_name_and_validation_stays_cross_entropy(
     ]
     plain = Trainer(load_config([*args, "--job.dump_folder", str(tmp_path / "a")]))
     z = Trainer(load_config([*args, "--training.loss", "z_loss", "--job.dump_folder", str(tmp_path / "b")]))
-    batch = next(iter(plain.train_loader))
+    batch = next(iter(plain.build_dataloader("train")))  # a loader of its own: the trainer's has not started
     with torch.no_grad():
         lse = torch.logsumexp(plain.model(batch["input_ids"]).float(), -1)
     assert plain.validate() == z.validate()  # validation: plain cross-entropy for both
