@@ -19,13 +19,11 @@ Configured by ``[guard]`` (see ``titanlite/config/sections.py``):
   ``rollback_lr_factor`` for ``rollback_lr_steps`` steps. Too many consecutive skips or rollbacks
   stop the run. Every event is logged and counted (``guard_*`` keys in every metrics record).
 
-Cost on the hot path (README "Loss-spike and NaN guard"): the verdict is computed on
-the device (``isfinite`` and a comparison with a threshold passed as a Python scalar: no host->device
-copy), all-reduced when there are several processes, and fetched together with the loss and grad
-norm in ONE device->host transfer, which replaces the ``loss.item()`` the loss logging already did.
-The only change is *where* that single sync sits: before ``optimizer.step()`` (the decision must
-precede the update) instead of after it, so the optimizer-step kernels are launched after the
-backward drains instead of being queued behind it. On CPU the check takes ~0.1 ms per step.
+Cost: the verdict is computed on the device (``isfinite`` and a comparison with a threshold passed
+as a Python scalar), all-reduced when there are several processes, and fetched with the loss and
+grad norm in the step's one device->host transfer. That sync sits before ``optimizer.step()`` (the
+decision must precede the update), so the optimizer kernels are launched once the backward has
+drained instead of being queued behind it. On CPU the check takes ~0.1 ms per step.
 """
 
 from __future__ import annotations
@@ -209,11 +207,7 @@ class StepGuard:
             return
         self._injected = True
         result.loss, result.grad_norm = result.loss * float("nan"), result.grad_norm * float("nan")
-        logger.warning(
-            "guard: TESTING: injected NaN into the loss and gradient norm of step %d "
-            "([guard] debug_inject_nan_at_step)",
-            result.step,
-        )
+        logger.warning(f"guard: TESTING: NaN injected into step {result.step} ([guard] debug_inject_nan_at_step)")
 
     # -- the check
     def check(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, stop_requested: bool = False) -> StepCheck:
@@ -227,9 +221,8 @@ class StepGuard:
         nonfinite = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
         threshold = self.spikes.threshold()
         spike = loss > threshold if threshold is not None else torch.zeros((), dtype=torch.bool, device=loss.device)
-        flags = torch.stack(
-            [nonfinite.float(), spike.float(), torch.full((), float(stop_requested), device=loss.device)]
-        )
+        stop = torch.full((), float(stop_requested), device=loss.device)
+        flags = torch.stack([nonfinite.float(), spike.float(), stop])
         if self.distributed:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         loss_v, gn_v, bad, spiked, stop = torch.cat([loss.reshape(1), grad_norm.reshape(1), flags]).tolist()
@@ -250,9 +243,7 @@ class StepGuard:
         out.event.action = out.action
         if out.action == "skip":
             self.counts["skipped_steps"] += 1
-            logger.warning(
-                "guard: step %d skipped: no optimizer update (%d skipped so far)", step, self.counts["skipped_steps"]
-            )
+            logger.warning(f"guard: step {step} skipped: no optimizer update ({self.counts['skipped_steps']} so far)")
         return out
 
     # -- learning-rate factor after a rollback
@@ -290,16 +281,11 @@ def rollback(guard: StepGuard, event: GuardEvent, checkpointer, loader, accum: i
         for _ in range((event.step - step) * accum):
             next(data_iter)
             skipped += 1
-    scale = guard.lr_scale(step + 1)
+    scale, cfg = guard.lr_scale(step + 1), guard.cfg
+    lr = f"; learning rate x{scale:g} for {cfg.rollback_lr_steps} steps" if scale != 1.0 else ""
     logger.warning(
-        "guard: ROLLED BACK from step %d to the checkpoint of step %d; skipped %d micro-batch(es)%s "
-        "(rollback %d of at most %d)",
-        event.step,
-        step,
-        skipped,
-        f"; learning rate x{scale:g} for {guard.cfg.rollback_lr_steps} steps" if scale != 1.0 else "",
-        guard.counts["rollbacks"],
-        guard.cfg.max_rollbacks,
+        f"guard: ROLLED BACK from step {event.step} to the checkpoint of step {step}; skipped {skipped} "
+        f"micro-batch(es){lr} (rollback {guard.counts['rollbacks']} of at most {cfg.max_rollbacks})"
     )
     return step, data_iter
 

@@ -106,21 +106,10 @@ class Trainer:
         """Meta build, the family's parallelize plan, materialize and initialize
         (:func:`~titanlite.parallel.build.build_parallel_model`)."""
         c = self.cfg
-        policies = Policies.from_config(
-            parallelism=c.parallelism,
-            training=c.training,
-            compile=c.compile,
-            activation_checkpoint=c.activation_checkpoint,
-            float8=c.quantize_linear_float8,
-        )
-        return build_parallel_model(
-            self.spec,
-            self.model_args,
-            self.parallel_dims,
-            policies,
-            device=self.device,
-            weight_init=c.parallelism.weight_init,
-        )
+        sections = (c.parallelism, c.training, c.activation_checkpoint, c.compile, c.quantize_linear_float8)
+        policies = Policies.from_config(*sections)
+        kw = dict(device=self.device, weight_init=c.parallelism.weight_init)
+        return build_parallel_model(self.spec, self.model_args, self.parallel_dims, policies, **kw)
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         return components.get("optimizer", self.cfg.optimizer.name)(self.model, self.cfg.optimizer)
@@ -135,87 +124,55 @@ class Trainer:
         return CompilePolicy.from_config(self.cfg.compile).compile_loss(loss, self.parallel_dims.tp_enabled)
 
     def build_dataloader(self, split: str):
-        section = self.cfg.training if split == "train" else self.cfg.validation
+        t, dims = self.cfg.training, self.parallel_dims
+        section = t if split == "train" else self.cfg.validation
         store = load_token_store(section.dataset, section.dataset_path, split, self.tokenizer)
         block_causal = getattr(self.model_args, "attn_mask_type", "causal") != "causal"
-        t = self.cfg.training
-        return build_dataloader(
-            store,
-            seq_len=t.seq_len,
-            batch_size=t.local_batch_size,
-            dp_rank=self.dp_rank,
-            dp_world=self.parallel_dims.dp_degree,
-            seed=t.seed,
-            train=split == "train",
-            eos_id=self.tokenizer.eos_id if block_causal else None,
-            name=split,
-        )
+        eos_id = self.tokenizer.eos_id if block_causal else None  # document ids for block-causal attention
+        kw = dict(dp_rank=self.dp_rank, dp_world=dims.dp_degree, seed=t.seed, train=split == "train", name=split)
+        return build_dataloader(store, seq_len=t.seq_len, batch_size=t.local_batch_size, eos_id=eos_id, **kw)
 
     def build_train_step(self) -> TrainStep:
         t = self.cfg.training
+        kw = dict(grad_accum_steps=self.grad_accum_steps, max_norm=t.max_norm, parallel_dims=self.parallel_dims)
+        dtype = DTYPES[t.mixed_precision_param]
         return TrainStep(
-            self.model,
-            self.optimizer,
-            self.lr_scheduler,
-            loss_fn=self.build_loss(),
-            grad_accum_steps=self.grad_accum_steps,
-            max_norm=t.max_norm,
-            parallel_dims=self.parallel_dims,
-            autocast_dtype=DTYPES[t.mixed_precision_param],
-            device=self.device,
+            self.model, self.optimizer, self.lr_scheduler, loss_fn=self.build_loss(), autocast_dtype=dtype, **kw
         )
 
     def build_checkpointer(self) -> CheckpointManager:
         """``[checkpoint]``: what is saved, and what :meth:`resume` will load (user errors such as a
         missing ``load_step`` are raised here)."""
-        c = self.cfg
+        c, tok = self.cfg, self.tokenizer
         info = {
             "model": {"name": c.model.name, "flavor": c.model.flavor, "args": dataclasses.asdict(self.model_args)},
             "extensions": list(c.job.extensions),  # what converters import to know the family
-            "tokenizer": {
-                "path": c.model.tokenizer_path,
-                "bos_id": getattr(self.tokenizer, "bos_id", None),
-                "eos_id": getattr(self.tokenizer, "eos_id", None),
-            },
+            "tokenizer": {"path": c.model.tokenizer_path, **{k: getattr(tok, k, None) for k in ("bos_id", "eos_id")}},
         }
-        states = {
-            "model": self.model,
-            "optimizer": self.optimizer,
-            "lr_scheduler": self.lr_scheduler,
-            "dataloader": self.train_loader,
-            "train_state": self.state,
-        }
-        return CheckpointManager(
-            c.checkpoint,
-            Path(c.job.dump_folder) / c.checkpoint.folder,
-            states,
-            dp_rank=self.dp_rank,
-            device=self.device,
-            info=info,
-            config_toml=config_to_toml(c),
-        )
+        states = {"model": self.model, "optimizer": self.optimizer, "lr_scheduler": self.lr_scheduler}
+        states.update(dataloader=self.train_loader, train_state=self.state)
+        folder = Path(c.job.dump_folder) / c.checkpoint.folder
+        kw = dict(dp_rank=self.dp_rank, device=self.device, info=info, config_toml=config_to_toml(c))
+        return CheckpointManager(c.checkpoint, folder, states, **kw)
 
     def build_hooks(self) -> list[Hook]:
         """The loop's hooks, in calling order (see :mod:`titanlite.hooks`)."""
-        c, rank = self.cfg, self.world.rank
+        c, rank, main = self.cfg, self.world.rank, self.world.is_main
         float8 = any(True for _ in float8_modules(self.model))  # enabled but every linear skipped: no fp8 peak
+        log = MetricsLogger(c.metrics, c.job.dump_folder, rank)
         metrics = MetricsHook(
             c.metrics,
-            MetricsLogger(c.metrics, c.job.dump_folder, rank),
+            log,
             device=self.device,
             world_size=self.world.world_size,
-            flops_per_token=self.flops_per_token,
             model=self.model,
+            flops_per_token=self.flops_per_token,
             matmul_dtype=matmul_dtype(c.training.mixed_precision_param, float8, self.device),
-            summary_path=Path(c.job.dump_folder) / "summary.json" if self.world.is_main else None,
+            summary_path=Path(c.job.dump_folder) / "summary.json" if main else None,
         )
-        guard = GuardHook(
-            StepGuard(c.guard, self.device),
-            stop_requested=lambda: self.preemption.requested,
-            checkpointer=self.checkpointer,
-            loader=self.train_loader,
-            grad_accum_steps=self.grad_accum_steps,
-        )
+        stop = lambda: self.preemption.requested  # noqa: E731 - agreed across ranks by the guard's check
+        kw = dict(checkpointer=self.checkpointer, loader=self.train_loader, grad_accum_steps=self.grad_accum_steps)
+        guard = GuardHook(StepGuard(c.guard, self.device), stop_requested=stop, **kw)
         hooks: list[Hook] = [metrics, guard, ProfilerHook(c.profiling, c.job.dump_folder, rank, self.device)]
         if self.val_loader is not None:
             hooks.append(ValidationHook(c.validation, self.validate))
@@ -257,36 +214,19 @@ class Trainer:
         """Mean token loss over ``validation.steps`` global batches (``training.global_batch_size``
         sequences each), so the validation set, and the loss, do not depend on the parallel layout."""
         steps = self.cfg.validation.steps
-        return validation_loss(
-            self.model,
-            self.val_loader,
-            max_batches=None if steps == -1 else steps * self.grad_accum_steps,
-            parallel_dims=self.parallel_dims,
-            device=self.device,
-            autocast_dtype=self.train_step.autocast_dtype,
-        )
+        batches = None if steps == -1 else steps * self.grad_accum_steps
+        kw = dict(parallel_dims=self.parallel_dims, device=self.device, autocast_dtype=self.train_step.autocast_dtype)
+        return validation_loss(self.model, self.val_loader, max_batches=batches, **kw)
 
     def log_start(self) -> None:
-        t, dp = self.cfg.training, self.parallel_dims.dp_degree
+        t, c, dp, accum = self.cfg.training, self.cfg, self.parallel_dims.dp_degree, self.grad_accum_steps
         logger.info(
-            "model %s/%s: %s parameters, %.3g FLOPs/token | world %d (dp %d) | device %s",
-            self.cfg.model.name,
-            self.cfg.model.flavor,
-            f"{self.n_params:,}",
-            self.flops_per_token,
-            self.world.world_size,
-            dp,
-            self.device,
+            f"model {c.model.name}/{c.model.flavor}: {self.n_params:,} parameters, {self.flops_per_token:.3g} "
+            f"FLOPs/token | world {self.world.world_size} (dp {dp}) | device {self.device}"
         )
         logger.info(
-            "batch: %d sequences x %d tokens = %s tokens per optimizer step (local batch %d x dp %d x grad "
-            "accumulation %d)",
-            self.global_batch,
-            t.seq_len,
-            f"{self.global_batch * t.seq_len:,}",
-            t.local_batch_size,
-            dp,
-            self.grad_accum_steps,
+            f"batch: {self.global_batch} sequences x {t.seq_len} tokens = {self.global_batch * t.seq_len:,} tokens "
+            f"per optimizer step (local batch {t.local_batch_size} x dp {dp} x grad accumulation {accum})"
         )
 
 
@@ -294,18 +234,11 @@ components.register("trainer", "default", Trainer)
 
 
 def setup_logging(rank: int) -> None:
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stdout,
-    )
+    level = logging.INFO if rank == 0 else logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
 
 
-def main(
-    argv: list[str] | None = None,
-    trainer_cls: type | None = None,
-    load_config: Callable[[list[str]], JobConfig] | None = None,
-) -> None:
+def main(argv: list[str] | None = None, trainer_cls: type | None = None, load_config: Callable | None = None) -> None:
     """The command line: ``load_config(argv)`` (default: titanlite's TOML + ``--section.key``
     overrides), then the dry run, or ``trainer_cls`` (default: the one ``[job] trainer`` names)
     built and trained. Errors in the config or while building are one line and exit status 2."""
@@ -323,9 +256,7 @@ def main(
     setup_logging(world.rank)
     if cfg.job.world_size > 0 and world.world_size != cfg.job.world_size:
         logger.warning(
-            "this config is tuned for %d processes (job.world_size) but runs on %d",
-            cfg.job.world_size,
-            world.world_size,
+            f"this config is tuned for {cfg.job.world_size} processes (job.world_size) but runs on {world.world_size}"
         )
     if world.is_main:
         Path(cfg.job.dump_folder).mkdir(parents=True, exist_ok=True)

@@ -1,25 +1,16 @@
 """CheckpointManager: periodic (optionally asynchronous) DCP saves of any Stateful objects, exact resume.
 
 ``CheckpointManager(section, folder, states={...})`` takes the ``[checkpoint]`` section, the folder
-of ``step-N`` sub-folders and the objects to save by name; what each becomes in the DCP state dict:
-
-=========================  ====================================================================
-``nn.Module``              ``get_model_state_dict``: sharded DTensors under FSDP/TP, plain tensors
-                           else (a model-only save holds only this, cast to ``export_dtype``)
-``torch.optim.Optimizer``  ``get_optimizer_state_dict`` of it and the model: moments keyed by
-                           parameter name
-``StatefulDataLoader``     ``<name>.dp_rank_<r>``: each data-parallel rank's position
-any other ``Stateful``     ``<name>``: its ``state_dict()``, the same on every rank (a user's own
-                           objects too)
-(added)                    ``rng.rank_<r>``: each rank's python / torch / CUDA generator states
-=========================  ====================================================================
-
-Non-tensor states are stored as one pickled value each, so a state dict whose shape changes
-between save and load (a data loader's) still loads. ``checkpoint.json`` (step, ``info``: model
-family and args, tokenizer) and ``config.toml`` sit next to the DCP files
-(:mod:`titanlite.checkpoint.layout`). DCP re-partitions model and optimizer to whatever layout loads
-them; a data-parallel rank ``r`` whose ``dp_rank_<r>`` is missing (the degree changed) takes
-``dp_rank_0``'s position, which the loader re-partitions exactly or refuses.
+of ``step-N`` sub-folders and the objects to save by name. An ``nn.Module`` is saved with
+``get_model_state_dict`` (sharded DTensors under FSDP/TP; a model-only save holds only this, cast to
+``export_dtype``), an optimizer with ``get_optimizer_state_dict`` (keyed by parameter name), a
+``StatefulDataLoader`` per data-parallel rank (``<name>.dp_rank_<r>``), any other ``Stateful`` once
+(the same on every rank: a user's own objects too), plus every rank's RNG states (``rng.rank_<r>``).
+Non-tensor states are one pickled value each, so a state dict whose shape changes between save and
+load (a data loader's) still loads. DCP re-partitions model and optimizer to whatever layout loads
+them; a rank whose ``dp_rank_<r>`` is missing (the degree changed) takes ``dp_rank_0``'s position,
+which the loader re-partitions exactly or refuses. ``checkpoint.json`` (step, ``info``: model family
+and args, tokenizer) and ``config.toml`` sit next to the DCP files (:mod:`~titanlite.checkpoint.layout`).
 
 Saving (``async_mode``) goes through ``torch.distributed.checkpoint``: ``disabled`` runs
 ``dcp.save`` in the loop; ``async`` and ``async_with_pinned_mem`` call ``dcp.async_save`` with a
@@ -302,58 +293,51 @@ class CheckpointManager:
             self._warn(note)
         if plan.kind == "none":
             if self.enabled:
-                logger.info("checkpoint: nothing to resume in %s; starting from step 0", self.folder)
+                logger.info(f"checkpoint: nothing to resume in {self.folder}; starting from step 0")
             return None
         if plan.kind == "initial":
-            self._apply(self._read(plan.paths[0], model_only=plan.model_only), plan.paths[0])
+            path = plan.paths[0]
+            self._apply(self._read(path, model_only=plan.model_only), path)
             what = "model weights only" if plan.model_only else "the full training state"
             self._warn(
-                "checkpoint: no checkpoint to resume in %s; loaded %s from initial_load_path %s",
-                self.folder,
-                what,
-                plan.paths[0],
+                f"checkpoint: no checkpoint to resume in {self.folder}; loaded {what} from initial_load_path {path}"
             )
-            return None if plan.model_only else self._on_rank0(lambda: layout.read_info(plan.paths[0])["step"])
+            return None if plan.model_only else self._on_rank0(lambda: layout.read_info(path)["step"])
         failures = []
         for i, path in enumerate(plan.paths):
-            if i > 0:
-                problem = self._on_rank0(lambda p=path: layout.problem_with(p))
-                if problem:
-                    self._warn("checkpoint %s is damaged (%s); falling back to the previous one", path, problem)
-                    failures.append(f"{Path(path).name}: {problem}")
-                    continue
-                try:
-                    self._on_rank0(lambda p=path: self._check_model(p, "resume"))
-                except ValueError as e:
-                    self._warn("checkpoint %s does not fit this model (%s); falling back", path, e)
-                    failures.append(f"{Path(path).name}: mismatch")
-                    continue
+            name = Path(path).name
+            problem = self._on_rank0(lambda p=path: self._unusable(p)) if i > 0 else None
+            if problem:  # the first candidate was checked when planning
+                self._warn(f"checkpoint {path} is {problem}; falling back to the previous one")
+                failures.append(f"{name}: {problem}")
+                continue
             try:
                 state = self._read(path, model_only=False)
             except _READ_ERRORS as e:
-                msg = " ".join(str(e).split())[:300]
-                self._warn(
-                    "checkpoint %s could not be read (%s: %s); falling back to the previous one",
-                    path,
-                    type(e).__name__,
-                    msg,
-                )
-                failures.append(f"{Path(path).name}: {type(e).__name__}: {msg[:120]}")
+                msg = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+                self._warn(f"checkpoint {path} could not be read ({msg}); falling back to the previous one")
+                failures.append(f"{name}: {msg[:150]}")
                 continue
             self._apply(state, path)
             info = self._on_rank0(lambda p=path: layout.read_info(p))
-            self._warn(
-                "checkpoint: RESUMED from %s: step %d, %s tokens seen; %s restored",
-                path,
-                info["step"],
-                f"{info.get('tokens_seen') or 0:,}",
-                ", ".join(state),
-            )
+            tokens, what = info.get("tokens_seen") or 0, ", ".join(state)
+            self._warn(f"checkpoint: RESUMED from {path}: step {info['step']}, {tokens:,} tokens seen; {what} restored")
             return info["step"]
         raise RuntimeError(
             f"no checkpoint in {self.folder} could be loaded ({'; '.join(failures)}); "
             "the model may be partly overwritten, so training does not start"
         )
+
+    def _unusable(self, path: str) -> str | None:
+        """Why a fallback candidate cannot be loaded (damaged, or another model), or None."""
+        problem = layout.problem_with(path)
+        if problem:
+            return f"damaged ({problem})"
+        try:
+            self._check_model(path, "resume")
+        except ValueError as e:
+            return f"not this model's ({e})"
+        return None
 
     def _read(self, path: str, *, model_only: bool) -> dict[str, Any]:
         """DCP-load ``path`` into this run's layout: model tensors in place, the rest returned."""
@@ -392,11 +376,7 @@ class CheckpointManager:
             if k in state:
                 obj.load_state_dict(state[k])
             elif len(state) > 1:
-                logger.warning(
-                    "checkpoint %s has no %s state for this rank (saved with fewer ranks); keeping the current one",
-                    path,
-                    k,
-                )
+                logger.warning(f"checkpoint {path} has no {k} state for this rank (saved with fewer ranks); kept as is")
 
     # ------------------------------------------------------------------ saving
     def save(self, step: int, *, last: bool = False, force: bool = False) -> bool:
@@ -412,12 +392,7 @@ class CheckpointManager:
         self._wait_pending()  # at most one save in flight
         stats = SaveStats(step, self.mode, model_only, wait_prev_s=time.perf_counter() - t0)
         if prev is not None and stats.wait_prev_s > 0.1:
-            self._warn(
-                "checkpoint step %d waited %.2f s for the write of step %d: the interval is shorter than a write",
-                step,
-                stats.wait_prev_s,
-                prev,
-            )
+            self._warn(f"checkpoint step {step} waited {stats.wait_prev_s:.2f} s for the write of step {prev}")
         self.stats.append(stats)
         self.last_saved_step = step
         state = self._state_to_save(model_only, dtype)

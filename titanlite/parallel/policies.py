@@ -30,7 +30,7 @@ class Policies:
     reshard_after_forward: str = "default"
 
     @classmethod
-    def from_config(cls, *, parallelism, training, activation_checkpoint, compile, float8) -> Policies:
+    def from_config(cls, parallelism, training, activation_checkpoint, compile, float8) -> Policies:
         """From ``[parallelism]``, ``[training]``, ``[activation_checkpoint]``, ``[compile]`` and
         ``[quantize.linear.float8]``."""
         return cls(
