@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Set up .venv with the test extras, then run the whole test suite (CPU, gloo for multi-process tests).
+# Set up .venv with the test extras, check formatting and lint (ruff), then run the whole test suite
+# (CPU, gloo for multi-process tests).
 #   bash scripts/test.sh [pytest args ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh test
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
+.venv/bin/ruff format --check --quiet . || { echo "ruff format: files above need formatting (.venv/bin/ruff format .)"; exit 1; }
+.venv/bin/ruff check --quiet .
 exec .venv/bin/python -m pytest -q "$@"
