@@ -4,12 +4,10 @@ Decoder families share one layout: a few top-level tensors (embedding, final nor
 ``layers.<i>.<suffix>`` blocks, which Hugging Face stores as ``model.layers.<i>.<hf suffix>``, and
 a ``config.json`` whose core keys (``hidden_size``, ``num_attention_heads``, ...) mean the same in
 every family. A family's adapter subclasses :class:`HFDecoderAdapter`, fills the two name tables
-(``TOP``: whole names, ``BLOCK``: suffixes inside a block) and adds only what differs:
-
-- tensor layout changes (``tensor_to_hf`` / ``tensor_from_hf``; identity by default),
-- extra per-block parameters (``extra_block_shapes``),
-- its own ``config.json`` keys (``hf_config`` = :meth:`HFDecoderAdapter.base_hf_config` + extras),
-- the args a ``config.json`` maps to (``args_from_hf_config``, after :meth:`check_hf_config`).
+(``TOP``: whole names, ``BLOCK``: suffixes inside a block) and adds only what differs: tensor
+layouts (``tensor_to_hf`` / ``tensor_from_hf``), extra block parameters (``extra_block_shapes``),
+its own ``config.json`` keys (``extra_hf_config``) and ``args_from_hf_config`` (after
+:meth:`~HFDecoderAdapter.check_hf_config`).
 
 The model args are expected to have ``dim, n_layers, n_heads, kv_heads, head_dim, ffn_hidden_dim,
 vocab_size, max_seq_len, norm_eps, tie_word_embeddings``. Every conversion works on one tensor at a
@@ -72,25 +70,21 @@ class HFDecoderAdapter:
 
     def from_hf_name(self, hf_name: str) -> str | None:
         """The native name of an HF tensor; None for tensors that hold no weights (rotary tables)."""
+        top, block = ({hf: native for native, hf in table.items()} for table in (self.TOP, self.BLOCK))
+        m = _HF_BLOCK_RE.match(hf_name)
         if _HF_IGNORED_RE.search(hf_name):
             return None
-        for native, hf in self.TOP.items():
-            if hf == hf_name:
-                return native
-        m = _HF_BLOCK_RE.match(hf_name)
-        if m:
-            for native, hf in self.BLOCK.items():
-                if hf == m.group(2):
-                    return f"layers.{m.group(1)}.{native}"
+        if hf_name in top:
+            return top[hf_name]
+        if m and m.group(2) in block:
+            return f"layers.{m.group(1)}.{block[m.group(2)]}"
         raise KeyError(f"unexpected tensor {hf_name!r} for a {self.architecture}")
 
-    # ---- tensors
+    # ---- tensors: the native and HF layouts (``name``: the native name) are the same unless overridden
     def tensor_to_hf(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """A native tensor in HF's layout (override when the layouts differ)."""
         return tensor
 
     def tensor_from_hf(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """An HF tensor (``name`` is its native name) in the native layout."""
         return tensor
 
     def to_hf(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
@@ -122,16 +116,16 @@ class HFDecoderAdapter:
             "attention_norm.weight": (a.dim,),
             "ffn_norm.weight": (a.dim,),
         }
-        shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (a.vocab_size, a.dim)}
-        for i in range(a.n_layers):
-            shapes.update({f"layers.{i}.{suffix}": shape for suffix, shape in block.items()})
-        shapes["norm.weight"] = (a.dim,)
-        shapes["output.weight"] = (a.vocab_size, a.dim)
-        return shapes
+        layers = {f"layers.{i}.{suffix}": shape for i in range(a.n_layers) for suffix, shape in block.items()}
+        embedding = (a.vocab_size, a.dim)
+        return {"tok_embeddings.weight": embedding, **layers, "norm.weight": (a.dim,), "output.weight": embedding}
 
     # ---- config.json
-    def base_hf_config(self, dtype: torch.dtype, bos_token_id: int | None, eos_token_id: int | None) -> dict[str, Any]:
-        """The ``config.json`` keys every Llama-style family writes the same way."""
+    def hf_config(
+        self, *, dtype: torch.dtype, bos_token_id: int | None = None, eos_token_id: int | None = None
+    ) -> dict[str, Any]:
+        """``config.json`` of the equivalent HF model: the keys every Llama-style family writes the same
+        way, then the family's :meth:`extra_hf_config`."""
         a = self.args
         return {
             "architectures": [self.architecture],
@@ -154,13 +148,11 @@ class HFDecoderAdapter:
             "bos_token_id": bos_token_id,
             "eos_token_id": eos_token_id,
             "torch_dtype": str(dtype).removeprefix("torch."),
+            **self.extra_hf_config(),
         }
 
-    def hf_config(
-        self, *, dtype: torch.dtype, bos_token_id: int | None = None, eos_token_id: int | None = None
-    ) -> dict[str, Any]:
-        """``config.json`` of the equivalent HF model (families add their own keys)."""
-        return self.base_hf_config(dtype, bos_token_id, eos_token_id)
+    def extra_hf_config(self) -> dict[str, Any]:
+        return {}
 
     @staticmethod
     def generation_config(bos_token_id: int | None, eos_token_id: int | None) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,12 +33,9 @@ class ModelSpec:
       and ``forward(tokens) -> logits [batch, seq, vocab]``.
     - ``parallelize_fn``: ``parallelize_fn(model, parallel_dims, policies) -> model`` (on meta; see
       :mod:`titanlite.parallel.policies`); None: the family trains on one process only.
-    - ``hf_adapter``: class converting to and from Hugging Face (or None), e.g.
-      :class:`titanlite.models.llama3.hf_adapter.Llama3HFAdapter`: ``architecture``/``model_type``,
-      ``args_from_hf_config(config) -> args``, and per instance ``adapter(args)``:
-      ``to_hf(name, tensor)``, ``from_hf(hf_name, tensor)``, ``to_hf_name``, ``from_hf_name``,
-      ``expected_shapes()``, ``hf_config(dtype=..., bos_token_id=..., eos_token_id=...)`` and
-      ``generation_config(bos, eos)``; used by ``scripts/convert_*.py``.
+    - ``hf_adapter``: class converting to and from Hugging Face (or None), with the interface of
+      :class:`titanlite.models.hf_decoder.HFDecoderAdapter` plus ``args_from_hf_config(config) -> args``;
+      used by ``scripts/convert_*.py``.
     - ``tokenizer_builder``: ``tokenizer_builder(path) -> tokenizer`` ("" = built-in default).
     - ``num_params(args) -> int`` (tied tensors once) and ``flops_per_token(args, seq_len) -> int``
       (training FLOPs): the family's exact counts for MFU, the planner and the dry run; when None,
@@ -136,18 +134,14 @@ def model_counts(spec: ModelSpec, args: Any, seq_len: int) -> tuple[int, int]:
     with torch.device("meta"):
         model = spec.model_cls(args)
     total = sum(p.numel() for p in model.parameters())
-    used_by = {}
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            used_by.setdefault(id(p), []).append(module)
+    owners = Counter(id(p) for module in model.modules() for p in module.parameters(recurse=False))
     lookup_only = sum(
-        m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding) and len(used_by[id(m.weight)]) == 1
+        m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding) and owners[id(m.weight)] == 1
     )
     head_dim = getattr(args, "head_dim", None) or args.dim // args.n_heads
     flops = palm_flops_per_token(total - lookup_only, args.n_layers, args.n_heads, head_dim, seq_len)
-    return (spec.num_params(args) if spec.num_params else total), (
-        spec.flops_per_token(args, seq_len) if spec.flops_per_token else flops
-    )
+    params = spec.num_params(args) if spec.num_params else total
+    return params, (spec.flops_per_token(args, seq_len) if spec.flops_per_token else flops)
 
 
 def _did_you_mean(word: str, names: Sequence[str]) -> str:

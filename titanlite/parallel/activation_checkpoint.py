@@ -29,48 +29,32 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 aten = torch.ops.aten
 MODES = ("none", "full", "selective")
 
 
-def _ops_to_save() -> set:
-    ops = {
-        aten.mm.default,
-        aten.addmm.default,
-        aten.bmm.default,
-        aten._scaled_mm.default,
-        aten.max.default,
-        aten._scaled_dot_product_flash_attention.default,
-        aten._scaled_dot_product_efficient_attention.default,
-        aten._scaled_dot_product_flash_attention_for_cpu.default,
-    }
-    for name in ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_attention_math"):
-        if hasattr(aten, name):
-            ops.add(getattr(aten, name).default)
-    flex = getattr(torch.ops.higher_order, "flex_attention", None)  # block-causal attention on CUDA
-    if flex is not None:
-        ops.add(flex)
-    c10d = torch.ops._c10d_functional
-    ops.update({c10d.reduce_scatter_tensor.default, c10d.all_reduce.default})
-    return ops
-
-
-_SAVE = _ops_to_save()
+_SDPA = ("flash_attention", "efficient_attention", "flash_attention_for_cpu", "cudnn_attention", "attention_math")
+_SAVE = {
+    *(getattr(aten, name).default for name in ("mm", "addmm", "bmm", "_scaled_mm", "max")),
+    *(getattr(aten, f"_scaled_dot_product_{k}").default for k in _SDPA if hasattr(aten, f"_scaled_dot_product_{k}")),
+    getattr(torch.ops.higher_order, "flex_attention", None),  # block-causal attention on CUDA
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.all_reduce.default,
+} - {None}
 
 
 def _save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def checkpoint_module(module: nn.Module, context_fn: Callable | None = None) -> None:
+def checkpoint_module(module: nn.Module, context_fn: Callable = noop_context_fn) -> None:
     """Make ``module``'s forward recompute its activations in backward (see the module docstring)."""
     inner = module.forward
-    kwargs = {"context_fn": context_fn} if context_fn is not None else {}
 
     def forward(*args, **kw):
-        return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=False, **kwargs, **kw)
+        return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=False, context_fn=context_fn, **kw)
 
     module.forward = forward
 
@@ -108,13 +92,8 @@ class ActivationCheckpoint:
         """Checkpoint the selected blocks of ``model.layers`` in place; returns their names."""
         if self.mode == "none":
             return []
-        context_fn = (
-            functools.partial(create_selective_checkpoint_contexts, _save_matmuls_policy) if self.per_op else None
-        )
-        done = []
-        for i, (name, block) in enumerate(model.layers.items()):
-            if block is None or (self.every is not None and (i + 1) % self.every):
-                continue
-            checkpoint_module(block, context_fn)
-            done.append(name)
+        context_fn = functools.partial(create_selective_checkpoint_contexts, _save_matmuls_policy)
+        done = [name for i, name in enumerate(model.layers) if self.every is None or (i + 1) % self.every == 0]
+        for name in done:
+            checkpoint_module(model.layers[name], context_fn if self.per_op else noop_context_fn)
         return done

@@ -48,13 +48,10 @@ class CompilePolicy:
         """Compile every block of ``model.layers`` in place; returns how many."""
         if not self.model:
             return 0
-        n = 0
         for block in model.layers.values():
-            if block is not None:
-                on_dtensors = any(isinstance(p, DTensor) for p in block.parameters())  # TP applied
-                block.forward = compile_fn(block.forward, on_dtensors, fullgraph=True)
-                n += 1
-        return n
+            on_dtensors = any(isinstance(p, DTensor) for p in block.parameters())  # TP applied
+            block.forward = compile_fn(block.forward, on_dtensors, fullgraph=True)
+        return len(model.layers)
 
     def compile_loss(self, fn: Callable, tensor_parallel: bool = False) -> Callable:
         return compile_fn(fn, tensor_parallel) if self.loss else fn

@@ -36,15 +36,9 @@ def world_from_env() -> WorldInfo:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-    else:
-        device = torch.device("cpu")
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     return WorldInfo(rank, local_rank, world_size, device)
-
-
-def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
 
 
 def init_distributed(world: WorldInfo, timeout_seconds: float = 300.0) -> None:
@@ -55,13 +49,13 @@ def init_distributed(world: WorldInfo, timeout_seconds: float = 300.0) -> None:
     """
     if world.world_size == 1 or dist.is_initialized():
         return
-    if world.device.type == "cuda":
+    cuda = world.device.type == "cuda"
+    if cuda:
         torch.cuda.set_device(world.device)
-    backend = backend_for(world.device)
     dist.init_process_group(
-        backend=backend,
+        backend="nccl" if cuda else "gloo",
         timeout=datetime.timedelta(seconds=timeout_seconds),
-        device_id=world.device if backend == "nccl" else None,
+        device_id=world.device if cuda else None,
     )
 
 
@@ -72,15 +66,9 @@ def set_collective_timeout(timeout_seconds: float, groups: Iterable[dist.Process
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
-    timeout = datetime.timedelta(seconds=timeout_seconds)
     dist.barrier()
-    seen = set()
-    for group in [None, *groups]:
-        key = id(group)
-        if key in seen:
-            continue
-        seen.add(key)
-        dist.distributed_c10d._set_pg_timeout(timeout, group)
+    for group in {id(group): group for group in [None, *groups]}.values():  # each group once, in order
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_seconds), group)
 
 
 def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:

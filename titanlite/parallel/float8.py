@@ -103,11 +103,8 @@ class _Float8Matmul(torch.autograd.Function):
 
 
 class Float8Linear(nn.Linear):
-    """Drop-in ``nn.Linear`` whose matmul runs in float8 (see the module docstring).
-
-    Same parameters (and state-dict keys) as ``nn.Linear``; ``enabled = False`` makes it a plain
-    linear. Still an ``nn.Linear`` subclass, so tensor-parallel styles apply to it unchanged.
-    """
+    """Drop-in ``nn.Linear`` (same parameters and state-dict keys, same TP styles) whose matmul runs in
+    float8 (see the module docstring); ``enabled = False`` makes it a plain linear."""
 
     enabled: bool = True
 
@@ -179,14 +176,13 @@ def float8_modules(model: nn.Module) -> Iterator[Float8Linear]:
 @contextlib.contextmanager
 def float8_disabled(model: nn.Module):
     """Run ``model``'s Float8Linear layers as plain high-precision linears inside the block."""
-    mods = list(float8_modules(model))
-    previous = [m.enabled for m in mods]
-    for m in mods:
+    previous = {m: m.enabled for m in float8_modules(model)}
+    for m in previous:
         m.enabled = False
     try:
         yield
     finally:
-        for m, flag in zip(mods, previous):
+        for m, flag in previous.items():
             m.enabled = flag
 
 
@@ -195,16 +191,6 @@ def dtensor_supports_scaled_mm() -> bool:
     from titanlite.parallel.tensor_parallel import dtensor_supports
 
     return dtensor_supports(torch.ops.aten._scaled_mm.default)
-
-
-def check_float8_device(device: torch.device) -> None:
-    """Raise when ``device`` cannot run float8 matmuls (CUDA before SM 8.9)."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        name = torch.cuda.get_device_name(device)
-        raise ValueError(
-            f"quantize.linear.float8 needs a GPU with float8 tensor cores (SM 8.9+: Ada, Hopper "
-            f"or later); {name} has SM {'.'.join(map(str, torch.cuda.get_device_capability(device)))}"
-        )
 
 
 @dataclass
@@ -228,6 +214,9 @@ class Float8Policy:
                 f"quantize.linear.float8 with tensor_parallel_degree={tp_degree} needs DTensor "
                 f"support for torch._scaled_mm, which torch {torch.__version__} lacks; disable one of them"
             )
-        if torch.cuda.is_available():
-            check_float8_device(torch.device("cuda", torch.cuda.current_device()))
+        if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
+            raise ValueError(
+                f"quantize.linear.float8 needs a GPU with float8 tensor cores (SM 8.9+: Ada, Hopper or later); "
+                f"{torch.cuda.get_device_name()} has SM {'.'.join(map(str, torch.cuda.get_device_capability()))}"
+            )
         return convert_to_float8(model, self.filter_fqns, shard_degree=tp_degree)

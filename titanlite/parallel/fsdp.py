@@ -55,18 +55,14 @@ class FSDPPolicy:
         fully_shard(modules, mesh=self.mesh, mp_policy=self.mp_policy, reshard_after_forward=self._reshard(last))
 
     def finish(self, model: nn.Module) -> nn.Module:
-        """Shard the root (remaining parameters, lazy-init point) and switch every group to SUM."""
-        fully_shard(model, mesh=self.mesh, mp_policy=self.mp_policy, reshard_after_forward=self._reshard(False))
-        set_gradient_sum(model)
+        """Shard the root (remaining parameters, lazy-init point) and make every group SUM its gradients
+        over the data-parallel ranks, with no division."""
+        self.shard(model)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)
         return model
-
-
-def set_gradient_sum(model: nn.Module) -> None:
-    """Make every FSDP group of ``model`` sum gradients over data-parallel ranks (no division)."""
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.set_gradient_divide_factor(1.0)
-            m.set_force_sum_reduction_for_comms(True)
 
 
 @contextlib.contextmanager
@@ -82,11 +78,3 @@ def quiet_view_warning():
 
 def is_fsdp(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
-
-
-def fsdp_mixed_precision(model: nn.Module) -> MixedPrecisionPolicy | None:
-    """The root's mixed-precision policy, or None when ``model`` is not FSDP-wrapped."""
-    if not is_fsdp(model):
-        return None
-    state = model._get_fsdp_state()
-    return state._mp_policy

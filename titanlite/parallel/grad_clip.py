@@ -17,20 +17,16 @@ import torch
 from torch.distributed.tensor import DTensor
 
 
-def _key(g: torch.Tensor):
-    if isinstance(g, DTensor):
-        return (id(g.device_mesh), tuple(g.placements))
-    return None
-
-
 def clip_grad_norm_(
     parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, foreach: bool = True
 ) -> torch.Tensor:
     """Total gradient norm (a plain tensor, before clipping); scales gradients when ``max_norm > 0``."""
-    params = [p for p in parameters if p.grad is not None]
-    groups: dict = defaultdict(list)
-    for p in params:
-        groups[_key(p.grad)].append(p)
+    groups: dict = defaultdict(list)  # (mesh, placements) of DTensor gradients, None for plain ones
+    for p in parameters:
+        if isinstance(p.grad, DTensor):
+            groups[id(p.grad.device_mesh), tuple(p.grad.placements)].append(p)
+        elif p.grad is not None:
+            groups[None].append(p)
     norms = []
     for members in groups.values():
         norm = torch.nn.utils.get_total_norm([p.grad for p in members], norm_type, foreach=foreach)

@@ -43,7 +43,6 @@ class ParallelDims:
     enable_loss_parallel: bool = True
     mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
     _dp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
-    _dp_shard_tp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in MESH_DIMS:
@@ -89,10 +88,6 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
-    def dp_enabled(self) -> bool:
-        return self.dp_degree > 1
-
-    @property
     def fsdp_enabled(self) -> bool:
         """FSDP (or HSDP) wraps the model: there is more than one data-parallel rank."""
         return self.dp_degree > 1
@@ -133,7 +128,7 @@ class ParallelDims:
         if self.dp_shard > 1 and self.tp > 1:
             # FSDP x TP gradients are sharded over both; with this flattened view DTensor reduces
             # their norms (gradient clipping) in one all-reduce instead of one per dimension
-            self._dp_shard_tp_mesh = mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
+            mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
         self.mesh = mesh
         return mesh
 
@@ -149,30 +144,22 @@ class ParallelDims:
         """The flattened data-parallel view (data slicing and the loss reduction)."""
         return self._dp_mesh
 
-    data_mesh = dp_mesh
-    loss_mesh = dp_mesh
-
     @property
     def fsdp_mesh(self) -> DeviceMesh | None:
         """The mesh FSDP shards over: ``dp_shard``, or ``(dp_replicate, dp_shard)`` for HSDP."""
-        if self.hsdp_enabled:
-            return self._sub("dp_replicate", "dp_shard")
-        return self._sub("dp_shard")
+        return self._sub("dp_replicate", "dp_shard") if self.hsdp_enabled else self._sub("dp_shard")
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
         """Process group of the data-parallel ranks, or None when there is only one."""
-        return self.dp_mesh.get_group() if self.dp_enabled and self.mesh is not None else None
+        return self.dp_mesh.get_group() if self.dp_degree > 1 and self.mesh is not None else None
 
     def dp_rank(self, global_rank: int) -> int:
         """This rank's index among the data-parallel ranks (``tp`` is the innermost dimension)."""
-        if self.mesh is not None:
-            return self.dp_mesh.get_local_rank()
-        return global_rank // self.tp
+        return global_rank // self.tp if self.mesh is None else self.dp_mesh.get_local_rank()
 
     def all_groups(self) -> list[dist.ProcessGroup]:
         """Every process group of the mesh (for timeouts)."""
         if self.mesh is None:
             return []
-        groups = [self.mesh.get_group(name) for name in MESH_DIMS]
-        return groups + [self.dp_mesh.get_group()]
+        return [self.mesh.get_group(name) for name in MESH_DIMS] + [self.dp_mesh.get_group()]

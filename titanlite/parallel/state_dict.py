@@ -19,14 +19,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor
 
 
-def _is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def has_dtensor_params(model: nn.Module) -> bool:
-    return any(isinstance(p, DTensor) for p in model.parameters())
-
-
 @torch.no_grad()
 def load_full_state_dict(
     model: nn.Module, full_state_dict: dict[str, torch.Tensor] | None, strict: bool = True
@@ -35,8 +27,9 @@ def load_full_state_dict(
 
     Parameter objects keep their identity, so an optimizer built before the call stays valid.
     """
-    if not _is_distributed() and not has_dtensor_params(model):
-        missing, unexpected = model.load_state_dict(full_state_dict or {}, strict=strict)
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if not distributed and not any(isinstance(p, DTensor) for p in model.parameters()):
+        model.load_state_dict(full_state_dict or {}, strict=strict)
         return
     # a shallow copy: set_model_state_dict adds entries to the dict it is given
     full_state_dict = dict(full_state_dict or {}) if dist.get_rank() == 0 else {}

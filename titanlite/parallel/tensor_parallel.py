@@ -1,15 +1,11 @@
 """Tensor-parallel helpers shared by the model families (the per-family plans live in
 ``models/<family>/parallelize.py``).
 
-- :func:`loss_parallel_context`: with a vocabulary-sharded ``output`` (``Shard(-1)`` DTensor
-  logits), ``torch.distributed.tensor.parallel.loss_parallel`` computes the cross-entropy from the
-  shards (a max and a sum-exp all-reduced across the TP group, plus the target logit from the rank
-  that owns it), so the ``[tokens, vocab]`` logits are never gathered on one rank. Forward *and*
-  backward must run inside it.
-- :func:`dtensor_supports`: whether DTensor has a sharding rule for an aten op in this torch.
-- :func:`to_local_value`: a (replicated) DTensor result as a plain tensor, for logging.
-- :class:`SyncRowwiseParallel`: ``RowwiseParallel`` whose output reduction completes before the
-  module returns (for the embedding, whose output enters a compiled block).
+Loss parallel: with a vocabulary-sharded ``output`` (``Shard(-1)`` DTensor logits),
+``torch.distributed.tensor.parallel.loss_parallel`` computes the cross-entropy from the shards (a
+max and a sum-exp all-reduced across the TP group, plus the target logit from the rank that owns it),
+so the ``[tokens, vocab]`` logits are never gathered on one rank. Forward *and* backward must run
+inside :func:`loss_parallel_context`.
 """
 
 from __future__ import annotations

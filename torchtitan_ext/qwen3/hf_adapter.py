@@ -25,8 +25,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from titanlite.models.hf_decoder import DECODER_BLOCK, HFDecoderAdapter
 from torchtitan_ext.qwen3.args import Qwen3ModelArgs
 
@@ -43,24 +41,17 @@ class Qwen3HFAdapter(HFDecoderAdapter):
         "attention.k_norm.weight": "self_attn.k_norm.weight",
     }
 
-    def __init__(self, args: Qwen3ModelArgs):
-        super().__init__(args)
-
     def extra_block_shapes(self) -> dict[str, tuple[int, ...]]:
         a = self.args
         if not a.qk_norm:
             return {}
         return {"attention.q_norm.weight": (a.head_dim,), "attention.k_norm.weight": (a.head_dim,)}
 
-    # ---- config
-    def hf_config(
-        self, *, dtype: torch.dtype, bos_token_id: int | None = None, eos_token_id: int | None = None
-    ) -> dict[str, Any]:
+    def extra_hf_config(self) -> dict[str, Any]:
         a = self.args
         if not a.qk_norm:
             raise ValueError("Qwen3ForCausalLM always applies QK-norm; a model with qk_norm=false has no HF equivalent")
         return {
-            **self.base_hf_config(dtype, bos_token_id, eos_token_id),
             "rope_theta": a.rope_theta,  # transformers 4.x
             "rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta},  # transformers 5
             "rope_scaling": None,

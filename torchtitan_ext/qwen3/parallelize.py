@@ -1,10 +1,10 @@
 """``parallelize_qwen3``: float8 -> tensor parallel -> activation checkpointing -> compile -> FSDP2.
 
-Built only from titanlite's public parallel building blocks (``titanlite.parallel``: the AC and
-compile policies, :class:`~titanlite.parallel.fsdp.FSDPPolicy`,
-:class:`~titanlite.parallel.tensor_parallel.SyncRowwiseParallel`, the float8 swap) in the same
-order, and for the same reasons, as titanlite's Llama 3 plan (see
-``titanlite/models/llama3/parallelize.py``). Only the tensor-parallel plan differs, for QK-norm:
+Built from titanlite's public parallel building blocks (``titanlite.parallel``: the AC and compile
+policies, the FSDP policy, :class:`~titanlite.parallel.tensor_parallel.SyncRowwiseParallel`, the
+float8 swap) in the same order, and for the same reasons, as titanlite's Llama 3 plan (see
+``titanlite/models/llama3/parallelize.py``), whose FSDP grouping it reuses. Only the tensor-parallel
+plan differs, for QK-norm:
 
 - ``wq`` and ``wk`` keep their output as a DTensor sharded over the heads (``use_local_output=
   False``), so that ``.view(B, S, -1, head_dim)`` yields a DTensor sharded on dimension 2 (heads);
@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from titanlite.parallel.fsdp import FSDPPolicy
+from titanlite.models.llama3.parallelize import apply_fsdp  # same groups: embedding, blocks, norm + output, root
 from titanlite.parallel.tensor_parallel import SyncRowwiseParallel
 
 logger = logging.getLogger(__name__)
@@ -55,14 +55,11 @@ def parallelize_qwen3(model: nn.Module, parallel_dims, policies) -> nn.Module:
     if parallel_dims.tp_enabled:
         apply_tensor_parallel(model, parallel_dims.tp_mesh, parallel_dims.loss_parallel_enabled)
         logger.info("qwen3: tensor parallel over %d ranks", parallel_dims.tp)
-    checkpointed = policies.activation_checkpoint.apply(model)
-    if checkpointed:
-        logger.info(
-            "qwen3: activation checkpointing %s on %d blocks", policies.activation_checkpoint, len(checkpointed)
-        )
+    if checkpointed := policies.activation_checkpoint.apply(model):
+        ac = policies.activation_checkpoint
+        logger.info("qwen3: activation checkpointing %s on %d blocks", ac, len(checkpointed))
     policies.compile.apply(model)
-    fsdp = policies.fsdp(parallel_dims)
-    if fsdp is not None:
+    if (fsdp := policies.fsdp(parallel_dims)) is not None:
         apply_fsdp(model, fsdp)
         logger.info(
             "qwen3: %s over %d ranks", "HSDP" if parallel_dims.hsdp_enabled else "FSDP", parallel_dims.dp_degree
@@ -108,16 +105,3 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, loss_parallel: bool) -> Non
         parallelize_module(block, tp_mesh, plan)
     if model.args.tie_word_embeddings:  # both were replaced by DTensors: share the embedding's again
         model.output.weight = model.tok_embeddings.weight
-
-
-def apply_fsdp(model: nn.Module, policy: FSDPPolicy) -> None:
-    """One FSDP group per block, the embedding alone, norm + output together, then the root (a tied
-    embedding/output is one tensor, so then all three stay in the root's group)."""
-    tied = model.args.tie_word_embeddings
-    if not tied:
-        policy.shard(model.tok_embeddings)
-    for block in model.layers.values():
-        policy.shard(block)
-    if not tied:
-        policy.shard([model.norm, model.output], last=True)
-    policy.finish(model)

@@ -87,78 +87,24 @@ class Llama3ModelArgs:
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
 
-_LLAMA31_ROPE = dict(rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_position=8192)
+# Llama 3.1 RoPE scaling (the factor differs by size) and its 128K context
+_ROPE31 = dict(rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_position=8192, max_seq_len=131072)
+_LLAMA32 = dict(multiple_of=256, rope_scaling_factor=32.0, tie_word_embeddings=True, **_ROPE31)  # 1B, 3B
+_LLAMA31_8X = dict(rope_scaling_factor=8.0, **_ROPE31)  # 8B, 70B, 405B
 
 LLAMA3_FLAVORS: dict[str, Llama3ModelArgs] = {
-    "debugmodel": Llama3ModelArgs(
-        dim=256,
-        n_layers=6,
-        n_heads=8,
-        n_kv_heads=4,
-        vocab_size=512,
-        multiple_of=256,
-        rope_theta=500000.0,
-        max_seq_len=2048,
-        tie_word_embeddings=False,
-    ),
-    # Llama 3.2 1B
-    "1B": Llama3ModelArgs(
-        dim=2048,
-        n_layers=16,
-        n_heads=32,
-        n_kv_heads=8,
-        ffn_dim_multiplier=1.5,
-        multiple_of=256,
-        rope_scaling_factor=32.0,
-        **_LLAMA31_ROPE,
-        max_seq_len=131072,
-        tie_word_embeddings=True,
-    ),
-    # Llama 3.2 3B
-    "3B": Llama3ModelArgs(
-        dim=3072,
-        n_layers=28,
-        n_heads=24,
-        n_kv_heads=8,
-        ffn_dim_multiplier=1.0,
-        multiple_of=256,
-        rope_scaling_factor=32.0,
-        **_LLAMA31_ROPE,
-        max_seq_len=131072,
-        tie_word_embeddings=True,
-    ),
-    # Llama 3.1 8B / 70B / 405B
+    "debugmodel": Llama3ModelArgs(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=512, max_seq_len=2048),
+    # Llama 3.2
+    "1B": Llama3ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, **_LLAMA32),
+    "3B": Llama3ModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0, **_LLAMA32),
+    # Llama 3.1
     "8B": Llama3ModelArgs(
-        dim=4096,
-        n_layers=32,
-        n_heads=32,
-        n_kv_heads=8,
-        ffn_dim_multiplier=1.3,
-        multiple_of=1024,
-        rope_scaling_factor=8.0,
-        **_LLAMA31_ROPE,
-        max_seq_len=131072,
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024, **_LLAMA31_8X
     ),
     "70B": Llama3ModelArgs(
-        dim=8192,
-        n_layers=80,
-        n_heads=64,
-        n_kv_heads=8,
-        ffn_dim_multiplier=1.3,
-        multiple_of=4096,
-        rope_scaling_factor=8.0,
-        **_LLAMA31_ROPE,
-        max_seq_len=131072,
+        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096, **_LLAMA31_8X
     ),
     "405B": Llama3ModelArgs(
-        dim=16384,
-        n_layers=126,
-        n_heads=128,
-        n_kv_heads=8,
-        ffn_dim_multiplier=1.2,
-        multiple_of=4096,
-        rope_scaling_factor=8.0,
-        **_LLAMA31_ROPE,
-        max_seq_len=131072,
+        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2, multiple_of=4096, **_LLAMA31_8X
     ),
 }

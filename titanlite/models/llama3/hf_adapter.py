@@ -25,20 +25,6 @@ from titanlite.models.hf_decoder import HFDecoderAdapter
 from titanlite.models.llama3.args import LLAMA3_FLAVORS, Llama3ModelArgs
 
 
-def interleaved_to_half_split(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Reorder the output rows of a q/k projection from the interleaved to the rotate-half layout."""
-    out_dim, in_dim = w.shape
-    head_dim = out_dim // n_heads
-    return w.reshape(n_heads, head_dim // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
-
-
-def half_split_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Inverse of :func:`interleaved_to_half_split`."""
-    out_dim, in_dim = w.shape
-    head_dim = out_dim // n_heads
-    return w.reshape(n_heads, 2, head_dim // 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
-
-
 class Llama3HFAdapter(HFDecoderAdapter):
     """Converts one Llama 3 model's tensors and config to and from Hugging Face ``LlamaForCausalLM``
     (the shared decoder names; q/k rows reordered for the rotary layout)."""
@@ -47,30 +33,24 @@ class Llama3HFAdapter(HFDecoderAdapter):
     model_type = "llama"
     family = "Llama"
 
-    def __init__(self, args: Llama3ModelArgs):
-        super().__init__(args)
+    def _reorder_qk_rows(self, name: str, w: torch.Tensor, to_hf: bool) -> torch.Tensor:
+        """``wq``/``wk`` rows, per head, from the interleaved to the rotate-half layout (``to_hf``) or
+        back; other tensors unchanged."""
+        for suffix, heads in (("attention.wq.weight", self.args.n_heads), ("attention.wk.weight", self.args.kv_heads)):
+            if name.endswith(suffix):
+                out_dim, in_dim = w.shape
+                pairs = (out_dim // heads // 2, 2)  # interleaved: row 2j + i of a head is pair j, member i
+                split = pairs if to_hf else pairs[::-1]
+                return w.reshape(heads, *split, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+        return w
 
-    def _heads(self, name: str) -> int | None:
-        if name.endswith("attention.wq.weight"):
-            return self.args.n_heads
-        if name.endswith("attention.wk.weight"):
-            return self.args.kv_heads
-        return None
-
-    # ---- tensors ----
     def tensor_to_hf(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        heads = self._heads(name)
-        return tensor if heads is None else interleaved_to_half_split(tensor, heads)
+        return self._reorder_qk_rows(name, tensor, to_hf=True)
 
     def tensor_from_hf(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        heads = self._heads(name)
-        return tensor if heads is None else half_split_to_interleaved(tensor, heads)
+        return self._reorder_qk_rows(name, tensor, to_hf=False)
 
-    # ---- config ----
-    def hf_config(
-        self, *, dtype: torch.dtype, bos_token_id: int | None = None, eos_token_id: int | None = None
-    ) -> dict[str, Any]:
-        """``config.json`` of the equivalent ``LlamaForCausalLM``."""
+    def extra_hf_config(self) -> dict[str, Any]:
         a = self.args
         rope_scaling = None
         if a.rope_scaling_factor > 0:
@@ -81,13 +61,7 @@ class Llama3HFAdapter(HFDecoderAdapter):
                 "high_freq_factor": a.rope_high_freq_factor,
                 "original_max_position_embeddings": a.rope_original_max_position,
             }
-        return {
-            **self.base_hf_config(dtype, bos_token_id, eos_token_id),
-            "rope_theta": a.rope_theta,
-            "rope_scaling": rope_scaling,
-            "mlp_bias": False,
-            "pretraining_tp": 1,
-        }
+        return {"rope_theta": a.rope_theta, "rope_scaling": rope_scaling, "mlp_bias": False, "pretraining_tp": 1}
 
     @classmethod
     def args_from_hf_config(cls, config: Mapping[str, Any]) -> Llama3ModelArgs:

@@ -11,8 +11,7 @@ Details that matter for checkpoints and parallelism:
 
 * Parameter names follow Meta's / torchtitan's Llama 3 code (``tok_embeddings``,
   ``layers.<i>.attention.wq`` ...), and ``layers`` is an ``nn.ModuleDict`` keyed "0".."N-1" so
-  each block can be wrapped separately (FSDP, activation checkpointing, compile) and pipeline
-  stages can drop blocks while keeping the names.
+  each block can be wrapped separately (FSDP, activation checkpointing, compile).
 * RoPE uses Meta's *interleaved* layout: features (2i, 2i+1) of each head form one rotated pair.
   (Hugging Face checkpoints use a half-split layout; their wq/wk rows are permuted on conversion.)
   Llama 3.1 frequency scaling is applied when ``rope_scaling_factor > 0``. The cos/sin table is a
@@ -61,18 +60,10 @@ def rope_frequencies(
     return (1 - smooth) * freqs / scaling_factor + smooth * freqs
 
 
-def precompute_rope(
-    head_dim: int,
-    max_seq_len: int,
-    theta: float = 500000.0,
-    scaling_factor: float = 0.0,
-    low_freq_factor: float = 1.0,
-    high_freq_factor: float = 4.0,
-    original_max_position: int = 8192,
-) -> torch.Tensor:
+def precompute_rope(head_dim: int, max_seq_len: int, *args: float, **kwargs: float) -> torch.Tensor:
     """Rotary table ``[max_seq_len, head_dim]`` (fp32): ``cat([cos, sin], -1)`` where row ``p``
-    holds the angles ``p * freq_i`` of the ``head_dim // 2`` pairs."""
-    freqs = rope_frequencies(head_dim, theta, scaling_factor, low_freq_factor, high_freq_factor, original_max_position)
+    holds the angles ``p * freq_i`` of the ``head_dim // 2`` pairs (``args``: :func:`rope_frequencies`'s)."""
+    freqs = rope_frequencies(head_dim, *args, **kwargs)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
 
@@ -151,7 +142,6 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, layer_id: int, args: Llama3ModelArgs):
         super().__init__()
-        self.layer_id = layer_id
         self.attention = Attention(args)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
@@ -186,47 +176,33 @@ class Transformer(nn.Module):
 
     def _precompute_rope(self) -> torch.Tensor:
         a = self.args
-        return precompute_rope(
-            a.head_dim,
-            a.max_seq_len,
-            a.rope_theta,
-            a.rope_scaling_factor,
-            a.rope_low_freq_factor,
-            a.rope_high_freq_factor,
-            a.rope_original_max_position,
-        )
+        scaling = (a.rope_scaling_factor, a.rope_low_freq_factor, a.rope_high_freq_factor, a.rope_original_max_position)
+        return precompute_rope(a.head_dim, a.max_seq_len, a.rope_theta, *scaling)
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
         """(Re)initialize every parameter and the rotary table; deterministic given torch's seed."""
-        buffer_device = buffer_device or self.rope_cache.device
-        with torch.device(buffer_device):
+        with torch.device(buffer_device or self.rope_cache.device):
             self.rope_cache = self._precompute_rope()
         tied = self.args.tie_word_embeddings
-        if tied and self.tok_embeddings is not None and self.output is not None:
-            if self.output.weight is not self.tok_embeddings.weight:  # re-tie if a conversion split them
-                self.output.weight = self.tok_embeddings.weight
-        if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight, std=self.args.dim**-0.5 if tied else 1.0)
+        if tied and self.output.weight is not self.tok_embeddings.weight:  # re-tie if a conversion split them
+            self.output.weight = self.tok_embeddings.weight
+        nn.init.normal_(self.tok_embeddings.weight, std=self.args.dim**-0.5 if tied else 1.0)
         for layer in self.layers.values():
-            if layer is not None:
-                layer.init_weights()
-        if self.norm is not None:
-            self.norm.reset_parameters()
-        if self.output is not None and not tied:
+            layer.init_weights()
+        self.norm.reset_parameters()
+        if not tied:
             trunc_normal_(self.output.weight, self.args.dim**-0.5)
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[B, S, vocab]``; ``document_ids [B, S]`` is needed for ``block_causal`` masking."""
-        # Any of the stages may be None on a pipeline stage that does not own it.
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        h = self.tok_embeddings(tokens)
         if h.shape[1] > self.rope_cache.shape[0]:
             raise ValueError(f"sequence length {h.shape[1]} exceeds max_seq_len {self.rope_cache.shape[0]}")
         attn_mask = build_attention_mask(self.args.attn_mask_type, document_ids, self.args.attn_backend)
         for layer in self.layers.values():
             h = layer(h, self.rope_cache, attn_mask)
-        h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        return self.output(self.norm(h))
 
 
 # ----------------------------------------------------------------------------- helpers

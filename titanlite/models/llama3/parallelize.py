@@ -71,25 +71,17 @@ def parallelize_llama(model: nn.Module, parallel_dims, policies) -> nn.Module:
     check_llama_parallelism(model.args, parallel_dims)
     policies.float8.apply(model, parallel_dims.tp)
     if parallel_dims.tp_enabled:
-        apply_tensor_parallel(model, parallel_dims.tp_mesh, parallel_dims.loss_parallel_enabled)
-        logger.info(
-            "tensor parallel over %d ranks (loss parallel: %s)", parallel_dims.tp, parallel_dims.loss_parallel_enabled
-        )
-    checkpointed = policies.activation_checkpoint.apply(model)
-    if checkpointed:
+        loss_parallel = parallel_dims.loss_parallel_enabled
+        apply_tensor_parallel(model, parallel_dims.tp_mesh, loss_parallel)
+        logger.info("tensor parallel over %d ranks (loss parallel: %s)", parallel_dims.tp, loss_parallel)
+    if checkpointed := policies.activation_checkpoint.apply(model):
         logger.info("activation checkpointing %s on blocks %s", policies.activation_checkpoint, ",".join(checkpointed))
     if policies.compile.apply(model):
         logger.info("compiled each transformer block (fullgraph)")
-    fsdp = policies.fsdp(parallel_dims)
-    if fsdp is not None:
+    if (fsdp := policies.fsdp(parallel_dims)) is not None:
         apply_fsdp(model, fsdp)
-        logger.info(
-            "%s over %d ranks (param %s, reduce %s, gradients summed)",
-            "HSDP" if parallel_dims.hsdp_enabled else "FSDP",
-            parallel_dims.dp_degree,
-            policies.param_dtype,
-            policies.reduce_dtype,
-        )
+        kind, dtypes = "HSDP" if parallel_dims.hsdp_enabled else "FSDP", (policies.param_dtype, policies.reduce_dtype)
+        logger.info("%s over %d ranks (param %s, reduce %s, gradients summed)", kind, parallel_dims.dp_degree, *dtypes)
     return model
 
 
