@@ -21,12 +21,7 @@ import difflib
 from typing import Any
 
 KINDS = ("trainer", "loss", "optimizer", "lr_scheduler")
-_KEYS = {
-    "trainer": "job.trainer",
-    "loss": "training.loss",
-    "optimizer": "optimizer.name",
-    "lr_scheduler": "lr_scheduler.name",
-}
+_KEYS = dict(trainer="job.trainer", loss="training.loss", optimizer="optimizer.name", lr_scheduler="lr_scheduler.name")
 _REGISTRY: dict[str, dict[str, Any]] = {kind: {} for kind in KINDS}
 
 
