@@ -162,8 +162,7 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
     if not file.is_file():
         raise ValueError(f"{hf_dir} is not a Hugging Face model folder (no config.json)")
     try:
-        with open(file, encoding="utf-8") as f:
-            config = json.load(f)
+        config = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{file} is unreadable: {' '.join(str(e).split())}") from None
     if not isinstance(config, dict):
@@ -254,9 +253,6 @@ def hf_to_dcp(
     return out_dir
 
 
-# ----------------------------------------------------------------------------- helpers
-
-
 def _plan_shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
     """The names in order, cut into runs of at most ``max_bytes`` (a larger tensor gets a run of its own)."""
     shards: list[list[str]] = [[]]
@@ -274,8 +270,7 @@ def _tensor_files(folder: Path) -> dict[str, str]:
     """``{tensor name: file name}`` of an HF folder's safetensors (index or single file)."""
     index = folder / INDEX_FILE
     if index.is_file():
-        with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map")
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index} has no weight_map")
         return weight_map

@@ -90,8 +90,7 @@ def read_info(path: str | os.PathLike) -> dict[str, Any]:
     """``checkpoint.json`` of a step folder; ValueError when missing or not ours."""
     file = Path(path) / INFO_FILE
     try:
-        with open(file, encoding="utf-8") as f:
-            info = json.load(f)
+        info = json.loads(file.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ValueError(f"{path} has no {INFO_FILE}") from None
     except (OSError, json.JSONDecodeError) as e:

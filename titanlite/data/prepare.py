@@ -132,7 +132,6 @@ def prepare(
 ) -> dict:
     """Tokenize ``inputs`` into shards under ``output``; returns the manifest (also written to disk).
 
-    ``tokenizer``: a tiktoken BPE file, or "" / "bytes" for the built-in byte tokenizer.
     Raises one-line ``ValueError`` (bad input/settings) or ``ImportError`` (missing optional package).
     """
     if isinstance(inputs, (str, os.PathLike)):
@@ -174,14 +173,8 @@ def prepare(
         "file_format": file_format,
         "txt_split": txt_split,
     }
-    state = {
-        "settings": settings,
-        "tokenizer": tok_info,
-        "dtype": dtype,
-        "input_files": [
-            {"path": str(f.resolve()), "bytes": s, "mtime_ns": f.stat().st_mtime_ns} for f, s in zip(files, sizes)
-        ],
-    }
+    stats = [{"path": str(f.resolve()), "bytes": s, "mtime_ns": f.stat().st_mtime_ns} for f, s in zip(files, sizes)]
+    state = {"settings": settings, "tokenizer": tok_info, "dtype": dtype, "input_files": stats}
     old_files = _our_files(out)
     try:
         old_state = json.loads((out / STATE).read_text(encoding="utf-8"))
@@ -240,15 +233,15 @@ def prepare(
         n_tokens += int(flat.size)
 
     with ParallelEncoder(tok, np.dtype(dtype), workers) as encoder:
-        chunk_texts: list[str] = []
-        chunk_splits: list[str] = []
+        chunk: list[tuple[str, str]] = []  # (split, text) of the documents of the next task
         chunk_chars = 0
 
         def submit() -> None:
-            nonlocal chunk_texts, chunk_splits, chunk_chars
-            if chunk_texts:
-                pending.append((chunk_splits, encoder.submit(chunk_texts), bytes_read))
-                chunk_texts, chunk_splits, chunk_chars = [], [], 0
+            nonlocal chunk, chunk_chars
+            if chunk:
+                splits, texts = zip(*chunk)
+                pending.append((splits, encoder.submit(list(texts)), bytes_read))
+                chunk, chunk_chars = [], 0
             while len(pending) > max_pending:
                 consume_one()
 
@@ -261,10 +254,9 @@ def prepare(
                     skip[split] -= 1
                     n_skipped += 1
                 else:
-                    chunk_texts.append(text)
-                    chunk_splits.append(split)
+                    chunk.append((split, text))
                     chunk_chars += len(text)
-                    if chunk_chars >= CHUNK_CHARS or len(chunk_texts) >= CHUNK_DOCS:
+                    if chunk_chars >= CHUNK_CHARS or len(chunk) >= CHUNK_DOCS:
                         submit()
                 now = time.monotonic()
                 if progress_interval >= 0 and now - last >= progress_interval:

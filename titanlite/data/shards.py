@@ -198,9 +198,6 @@ class ShardReader:
         )
 
 
-# --- manifest -------------------------------------------------------------------------------------
-
-
 def build_manifest(shards: Sequence[dict], dtype: Any, tokenizer: dict, **settings: Any) -> dict:
     """The manifest dict: ``shards`` entries need name, split, tokens, docs; totals are computed."""
     entries = [{k: sh[k] if k in ("name", "split") else int(sh[k]) for k in _ENTRY_KEYS} for sh in shards]
@@ -230,8 +227,7 @@ def read_manifest(folder: PathLike) -> dict:
     if not folder.is_dir():
         raise ValueError(f"{folder}: shard folder not found")
     try:
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
+        manifest = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ValueError(
             f"{path}: not found (prepare the folder with scripts/prepare_data.py; "

@@ -26,6 +26,7 @@ missing ``pyarrow`` is an ``ImportError`` naming the package.
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import os
 import zlib
@@ -61,18 +62,14 @@ def list_files(paths: PathLike | Sequence[PathLike]) -> list[Path]:
             out.extend(sorted(found, key=lambda f: f.relative_to(p).as_posix()))
         elif p.is_file():
             out.append(p)
-        elif p.exists():
-            raise ValueError(f"{p}: not a regular file or folder")
         else:
-            raise ValueError(f"{p}: input not found")
+            raise ValueError(f"{p}: {'not a regular file or folder' if p.exists() else 'input not found'}")
     return out
 
 
 def _open_binary(path: Path):
     f = open(path, "rb")
-    if path.name.endswith(".gz"):
-        return gzip.GzipFile(fileobj=f, mode="rb"), f
-    return f, f
+    return (gzip.GzipFile(fileobj=f, mode="rb") if path.name.endswith(".gz") else f), f
 
 
 def _decode(data: bytes, path: Path, line: int | None = None) -> str:
@@ -84,15 +81,9 @@ def _decode(data: bytes, path: Path, line: int | None = None) -> str:
 
 
 def _paragraphs(text: str) -> Iterator[str]:
-    para: list[str] = []
-    for line in text.splitlines():
-        if line.strip():
-            para.append(line)
-        elif para:
-            yield "\n".join(para) + "\n"
-            para = []
-    if para:
-        yield "\n".join(para) + "\n"
+    for nonblank, lines in itertools.groupby(text.splitlines(), key=lambda line: bool(line.strip())):
+        if nonblank:
+            yield "\n".join(lines) + "\n"
 
 
 def _text_docs(path: Path, txt_split: str) -> Iterator[tuple[str, int]]:
@@ -111,10 +102,8 @@ def _record_text(obj, where: str, text_field: str) -> str:
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: expected a JSON object with a {text_field!r} field, got {type(obj).__name__}")
     if text_field not in obj:
-        keys = ", ".join(list(obj)[:8])
-        raise ValueError(
-            f"{where}: no {text_field!r} field (keys: {keys or 'none'}); choose the field with --text-field"
-        )
+        keys = ", ".join(list(obj)[:8]) or "none"
+        raise ValueError(f"{where}: no {text_field!r} field (keys: {keys}); choose the field with --text-field")
     value = obj[text_field]
     if not isinstance(value, str):
         raise ValueError(f"{where}: field {text_field!r} is {type(value).__name__}, not a string")
@@ -177,9 +166,7 @@ def _parquet_docs(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
         column = pf.read_row_group(g, columns=[text_field]).column(0)
         done = size * (g + 1) // groups
         for value in column.to_pylist():
-            if value is None:
-                continue
-            if not isinstance(value, str):
+            if value is not None and not isinstance(value, str):
                 raise ValueError(f"{path}: column {text_field!r} holds {type(value).__name__}, not strings")
             if value:
                 yield value, done
