@@ -52,9 +52,8 @@ class Tokenizer:
     """A tiktoken encoding with Llama 3 conventions (BOS/EOS from its special tokens)."""
 
     def __init__(self, encoding: tiktoken.Encoding, name: str, path: str = ""):
-        self.encoding = encoding
-        self.name = name
-        self.path = path  # what build_tokenizer() was given ("" for the built-in byte tokenizer)
+        # path: what build_tokenizer() was given ("" for the built-in byte tokenizer)
+        self.encoding, self.name, self.path = encoding, name, path
         self.bos_id = encoding.encode_single_token("<|begin_of_text|>")
         self.eos_id = encoding.encode_single_token("<|end_of_text|>")
 
@@ -116,9 +115,8 @@ def load_tiktoken_ranks(path: str) -> dict[bytes, int]:
     except (ValueError, OSError):
         ranks = None
     finally:
-        if saved is None:
-            del os.environ["TIKTOKEN_CACHE_DIR"]
-        else:
+        os.environ.pop("TIKTOKEN_CACHE_DIR")
+        if saved is not None:
             os.environ["TIKTOKEN_CACHE_DIR"] = saved
     if ranks == {}:
         raise ValueError(f"{path}: empty tokenizer file (no '<base64 token> <rank>' lines){hint}")
@@ -126,8 +124,7 @@ def load_tiktoken_ranks(path: str) -> dict[bytes, int]:
     in_order = ranks is not None and list(ranks.values()) == list(range(len(ranks)))
     if not in_order or len(data.split()) != 2 * len(ranks) or b"" in ranks or data.translate(None, _FILE_BYTES):
         raise ValueError(_first_bad_line(path, data) + hint)
-    missing = [b for b in _UTF8_BYTES if bytes([b]) not in ranks]
-    if missing:
+    if missing := [b for b in _UTF8_BYTES if bytes([b]) not in ranks]:
         shown = ", ".join(f"0x{b:02x}" for b in missing[:8]) + (", ..." if len(missing) > 8 else "")
         raise ValueError(
             f"{path}: no single-byte token for {len(missing)} byte value(s) ({shown}); "

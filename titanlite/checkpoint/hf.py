@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -74,8 +75,7 @@ def dcp_to_hf(
         info = layout.read_info(step_dir)
     except ValueError as e:
         raise ValueError(f"{e}: cannot tell the model args (not a titanlite checkpoint step folder?)") from None
-    problem = layout.problem_with(step_dir)
-    if problem:
+    if problem := layout.problem_with(step_dir):
         raise ValueError(f"{step_dir} is damaged: {problem}")
     spec, args = _model_from_info(info, step_dir)
     adapter = spec.hf_adapter(args)
@@ -84,9 +84,7 @@ def dcp_to_hf(
     tied = bool(getattr(args, "tie_word_embeddings", False))
     sources: dict[str, tuple[str, Any]] = {}  # native name written -> (native name read, its metadata)
     for name, shape in expected.items():
-        src = name
-        if name not in stored and name == "output.weight" and tied:
-            src = "tok_embeddings.weight"
+        src = "tok_embeddings.weight" if name == "output.weight" and tied and name not in stored else name
         md = stored.get(src)
         if md is None or not hasattr(md, "size"):
             raise ValueError(
@@ -118,10 +116,11 @@ def dcp_to_hf(
             layout.fsync_dir(partial / file)  # save_file does not fsync; fsync_dir works on a file too
         if n > 1:
             index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
-            _write_json(partial / INDEX_FILE, index)
+            layout.write_json(partial / INDEX_FILE, index)
         bos, eos = ((info.get("tokenizer") or {}).get(k) for k in ("bos_id", "eos_id"))
-        _write_json(partial / "config.json", adapter.hf_config(dtype=out_dtype, bos_token_id=bos, eos_token_id=eos))
-        _write_json(partial / "generation_config.json", adapter.generation_config(bos, eos))
+        hf_config = adapter.hf_config(dtype=out_dtype, bos_token_id=bos, eos_token_id=eos)
+        layout.write_json(partial / "config.json", hf_config)
+        layout.write_json(partial / "generation_config.json", adapter.generation_config(bos, eos))
     return out_dir
 
 
@@ -134,11 +133,10 @@ def _model_from_info(info: dict[str, Any], where: Path):
     spec = get_model_spec(name)
     if spec.hf_adapter is None:
         raise ValueError(f"model family {name!r} has no Hugging Face adapter")
-    fields = {f for f in getattr(spec.args_cls, "__dataclass_fields__", {})}
-    unknown = sorted(set(model.get("args") or {}) - fields)
-    if unknown:
+    args = model.get("args") or {}
+    if unknown := sorted(set(args) - set(getattr(spec.args_cls, "__dataclass_fields__", {}))):
         raise ValueError(f"{where}: {layout.INFO_FILE} has model args unknown to this titanlite: {', '.join(unknown)}")
-    return spec, spec.args_cls(**(model.get("args") or {}))
+    return spec, spec.args_cls(**args)
 
 
 # ----------------------------------------------------------------------------- HF -> DCP
@@ -153,9 +151,7 @@ class _LazySavePlanner(DefaultSavePlanner):
 
     def resolve_data(self, write_item):
         load = self._loaders.get(write_item.index.fqn)
-        if load is None:
-            return super().resolve_data(write_item)
-        return load()
+        return super().resolve_data(write_item) if load is None else load()
 
 
 def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
@@ -166,8 +162,7 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
     if not file.is_file():
         raise ValueError(f"{hf_dir} is not a Hugging Face model folder (no config.json)")
     try:
-        with open(file, encoding="utf-8") as f:
-            config = json.load(f)
+        config = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{file} is unreadable: {' '.join(str(e).split())}") from None
     if not isinstance(config, dict):
@@ -177,12 +172,11 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
 
 def _family_for_hf(config: dict[str, Any]):
     archs = config.get("architectures") or []
-    for name in model_names():
-        spec = get_model_spec(name)
-        adapter = spec.hf_adapter
-        if adapter is not None and (adapter.architecture in archs or config.get("model_type") == adapter.model_type):
+    specs = [spec for spec in map(get_model_spec, model_names()) if spec.hf_adapter is not None]
+    for spec in specs:
+        if spec.hf_adapter.architecture in archs or config.get("model_type") == spec.hf_adapter.model_type:
             return spec
-    known = ", ".join(get_model_spec(n).hf_adapter.architecture for n in model_names() if get_model_spec(n).hf_adapter)
+    known = ", ".join(spec.hf_adapter.architecture for spec in specs)
     model = f"model_type={config.get('model_type')!r}, architectures={archs}"
     raise ValueError(f"unsupported Hugging Face model ({model}); titanlite converts: {known}")
 
@@ -232,25 +226,21 @@ def hf_to_dcp(
         found[native] = (hf_name, hf_dir / file, torch.empty(shape, dtype=dtype, device="meta"))
     if "output.weight" not in found and args.tie_word_embeddings and "tok_embeddings.weight" in found:
         found["output.weight"] = found["tok_embeddings.weight"]  # a tied model stores both names
-    missing = [n for n in expected if n not in found]
-    if missing:
+    if missing := [n for n in expected if n not in found]:
         more = f" and {len(missing) - 1} more tensor(s)" if len(missing) > 1 else ""
         raise ValueError(f"{hf_dir} lacks {adapter.to_hf_name(missing[0])}{more}")
 
     loaded = []
 
-    def loader(native: str) -> Callable[[], torch.Tensor]:
-        def load() -> torch.Tensor:
-            hf_name, file, _ = found[native]
-            with safe_open(file, framework="pt") as f:
-                _, tensor = adapter.from_hf(hf_name, f.get_tensor(hf_name))
-            loaded.append(native)
-            progress(len(loaded), len(expected), f"model.{native}", tuple(tensor.shape), tensor.dtype)
-            return tensor.contiguous()
+    def load(native: str) -> torch.Tensor:
+        hf_name, file, _ = found[native]
+        with safe_open(file, framework="pt") as f:
+            _, tensor = adapter.from_hf(hf_name, f.get_tensor(hf_name))
+        loaded.append(native)
+        progress(len(loaded), len(expected), f"model.{native}", tuple(tensor.shape), tensor.dtype)
+        return tensor.contiguous()
 
-        return load
-
-    planner = _LazySavePlanner({f"model.{n}": loader(n) for n in expected})
+    planner = _LazySavePlanner({f"model.{n}": functools.partial(load, n) for n in expected})
     dtypes = {found[n][2].dtype for n in expected}
     with _atomic_output(out_dir) as partial, layout.quiet_single_process():
         writer = dcp.FileSystemWriter(str(partial), single_file_per_rank=False, sync_files=True, thread_count=1)
@@ -261,9 +251,6 @@ def hf_to_dcp(
         info.update(extensions=extensions, tokenizer={"path": "", "bos_id": bos, "eos_id": eos})
         layout.write_info(partial, {**info, "source": {"hugging_face": str(hf_dir.resolve())}})
     return out_dir
-
-
-# ----------------------------------------------------------------------------- helpers
 
 
 def _plan_shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
@@ -283,8 +270,7 @@ def _tensor_files(folder: Path) -> dict[str, str]:
     """``{tensor name: file name}`` of an HF folder's safetensors (index or single file)."""
     index = folder / INDEX_FILE
     if index.is_file():
-        with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map")
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index} has no weight_map")
         return weight_map
@@ -296,12 +282,6 @@ def _tensor_files(folder: Path) -> dict[str, str]:
 
 def _first(v: Any) -> Any:
     return v[0] if isinstance(v, list) and v else v
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
 
 
 @contextlib.contextmanager

@@ -59,39 +59,38 @@ class StepFolder:
     path: Path
 
 
-def list_step_folders(folder: str | os.PathLike) -> list[StepFolder]:
-    """The ``step-N`` folders (renamed into place, so complete unless damaged later), oldest first."""
+def _subfolders(folder: str | os.PathLike, pattern: re.Pattern) -> list[tuple[re.Match, Path]]:
+    """``(match, path)`` of each subfolder whose name matches ``pattern`` (none when there is no folder)."""
     root = Path(folder)
     if not root.is_dir():
         return []
-    out = []
-    for entry in root.iterdir():
-        m = _STEP_RE.match(entry.name)
-        if m and entry.is_dir():
-            out.append(StepFolder(int(m.group(1)), entry))
-    return sorted(out, key=lambda s: s.step)
+    return [(m, p) for p in root.iterdir() if (m := pattern.match(p.name)) and p.is_dir()]
+
+
+def list_step_folders(folder: str | os.PathLike) -> list[StepFolder]:
+    """The ``step-N`` folders (renamed into place, so complete unless damaged later), oldest first."""
+    return sorted((StepFolder(int(m.group(1)), p) for m, p in _subfolders(folder, _STEP_RE)), key=lambda s: s.step)
 
 
 def list_partial_folders(folder: str | os.PathLike) -> list[Path]:
-    root = Path(folder)
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if _PARTIAL_RE.match(p.name) and p.is_dir())
+    return sorted(p for _, p in _subfolders(folder, _PARTIAL_RE))
+
+
+def write_json(file: str | os.PathLike, data: dict[str, Any], sort_keys: bool = False) -> None:
+    with open(file, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=sort_keys)
+        f.write("\n")
 
 
 def write_info(path: str | os.PathLike, info: dict[str, Any]) -> None:
-    data = {"format": FORMAT, "version": FORMAT_VERSION, **info}
-    with open(Path(path) / INFO_FILE, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.write("\n")
+    write_json(Path(path) / INFO_FILE, {"format": FORMAT, "version": FORMAT_VERSION, **info}, sort_keys=True)
 
 
 def read_info(path: str | os.PathLike) -> dict[str, Any]:
     """``checkpoint.json`` of a step folder; ValueError when missing or not ours."""
     file = Path(path) / INFO_FILE
     try:
-        with open(file, encoding="utf-8") as f:
-            info = json.load(f)
+        info = json.loads(file.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ValueError(f"{path} has no {INFO_FILE}") from None
     except (OSError, json.JSONDecodeError) as e:
@@ -111,15 +110,14 @@ def read_metadata(path: str | os.PathLike):
     try:
         return FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # truncated pickle, wrong format ...
-        raise ValueError(f"{meta_file} is unreadable ({type(e).__name__}: {_one_line(e)})") from None
+        raise ValueError(f"{meta_file} is unreadable ({type(e).__name__}: {' '.join(str(e).split())})") from None
 
 
 def problem_with(path: str | os.PathLike, require_info: bool = True) -> str | None:
     """None when the folder looks complete, else a one-line description of what is wrong.
 
-    Checks: ``checkpoint.json`` (unless not ``require_info``: DCP folders written by other tools)
-    and ``.metadata`` readable, every data file the metadata points to present and at least as long
-    as the last byte range read from it.
+    ``require_info=False`` skips ``checkpoint.json`` (DCP folders written by other tools). A data
+    file must be at least as long as the last byte range the metadata reads from it.
     """
     try:
         if require_info:
@@ -129,11 +127,8 @@ def problem_with(path: str | os.PathLike, require_info: bool = True) -> str | No
         return str(e)
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
-        rel = getattr(info, "relative_path", None)
-        if rel is None:
-            continue
-        end = int(info.offset) + int(info.length)
-        needed[rel] = max(needed.get(rel, 0), end)
+        if (rel := getattr(info, "relative_path", None)) is not None:
+            needed[rel] = max(needed.get(rel, 0), int(info.offset) + int(info.length))
     for rel, end in sorted(needed.items()):
         file = Path(path) / rel
         try:
@@ -146,16 +141,13 @@ def problem_with(path: str | os.PathLike, require_info: bool = True) -> str | No
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
-    try:
+    """Best effort: some file systems refuse to open or fsync a folder."""
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def publish(partial: Path, final: Path, token: str) -> None:
@@ -180,7 +172,3 @@ def quiet_single_process():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())

@@ -36,9 +36,7 @@ def iter_embedded_documents(split: str, max_bytes: int = DEFAULT_MAX_BYTES) -> I
             return
         text = path.read_text(encoding="utf-8", errors="replace")
         read += len(text)
-        if not text.strip():
-            continue
-        if (i % VAL_EVERY == 0) == (split == "val"):
+        if text.strip() and (i % VAL_EVERY == 0) == (split == "val"):
             yield text
 
 

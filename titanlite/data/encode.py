@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import sys
@@ -43,11 +44,10 @@ def _start_worker(tokenizer: Tokenizer | str, dtype: np.dtype) -> None:
 
 
 def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    tokenizer, dtype = _worker
-    return encode_documents(tokenizer, texts, dtype)
+    return encode_documents(_worker[0], texts, _worker[1])
 
 
-class ParallelEncoder:
+class ParallelEncoder(contextlib.AbstractContextManager):
     """:func:`encode_documents` on batches of documents, in ``workers`` processes (``<= 1``: in this one).
 
     Each worker gets the tokenizer once: a forked worker inherits the parent's (the initializer's
@@ -75,9 +75,6 @@ class ParallelEncoder:
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
             self._pool = None
-
-    def __enter__(self) -> ParallelEncoder:
-        return self
 
     def __exit__(self, *exc) -> None:
         self.close()

@@ -61,25 +61,11 @@ def build_dataloader(
     Batches are dicts of ``[batch_size, seq_len]`` int64 tensors: ``input_ids``, ``labels`` and, when
     ``eos_id`` is given, ``document_ids``. ``state_dict()``/``load_state_dict()`` resume exactly.
     """
-    windows = TokenWindows(
-        store,
-        seq_len,
-        dp_rank=dp_rank,
-        dp_world=dp_world,
-        seed=seed,
-        shuffle=train,
-        infinite=train,
-        batch_size=batch_size,
-        eos_id=eos_id,
-        name=name,
-    )
+    kwargs = dict(dp_rank=dp_rank, dp_world=dp_world, seed=seed, batch_size=batch_size, eos_id=eos_id, name=name)
+    windows = TokenWindows(store, seq_len, shuffle=train, infinite=train, **kwargs)
     with warnings.catch_warnings():  # torchdata 0.11 calls the deprecated torch.set_vital here; harmless
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+        pin = torch.cuda.is_available()
         return StatefulDataLoader(
-            windows,
-            batch_size=batch_size,
-            num_workers=num_workers,
-            drop_last=True,
-            persistent_workers=False,
-            pin_memory=torch.cuda.is_available(),
+            windows, batch_size=batch_size, num_workers=num_workers, drop_last=True, pin_memory=pin
         )

@@ -67,8 +67,7 @@ def shard_name(split: str, index: int) -> str:
 
 
 def _fmt_time(seconds: float) -> str:
-    seconds = int(max(0, seconds))
-    h, rem = divmod(seconds, 3600)
+    h, rem = divmod(int(max(0, seconds)), 3600)
     m, s = divmod(rem, 60)
     return f"{h}h{m:02d}m{s:02d}s" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
 
@@ -79,7 +78,7 @@ class _SplitWriter:
     def __init__(self, out: Path, split: str, dtype: str, shard_tokens: int, kept: list[dict]):
         self.out, self.split, self.dtype, self.shard_tokens = out, split, dtype, shard_tokens
         self.entries = list(kept)  # shards kept from an earlier run, then the ones written now
-        self.parts, self.lengths, self.tokens, self.written = [], [], 0, 0  # arrays, their sizes, their sum
+        self.parts, self.lengths, self.tokens = [], [], 0  # arrays, their sizes, their sum
 
     def add(self, tokens: np.ndarray) -> None:
         self.parts.append(tokens)
@@ -89,14 +88,11 @@ class _SplitWriter:
             self.flush()
 
     def flush(self) -> None:
-        if not self.lengths:
-            return
-        name = shard_name(self.split, len(self.entries))
-        flat = np.concatenate(self.parts)
-        info = write_shard_flat(self.out / name, flat, self.lengths, self.dtype)
-        self.entries.append({**info, "split": self.split})
-        self.parts, self.lengths, self.tokens = [], [], 0
-        self.written += 1
+        if self.lengths:
+            path = self.out / shard_name(self.split, len(self.entries))
+            info = write_shard_flat(path, np.concatenate(self.parts), self.lengths, self.dtype)
+            self.entries.append({**info, "split": self.split})
+            self.parts, self.lengths, self.tokens = [], [], 0
 
 
 def _existing_prefix(out: Path, split: str) -> list[dict]:
@@ -136,23 +132,20 @@ def prepare(
 ) -> dict:
     """Tokenize ``inputs`` into shards under ``output``; returns the manifest (also written to disk).
 
-    ``tokenizer``: a tiktoken BPE file, or "" / "bytes" for the built-in byte tokenizer.
     Raises one-line ``ValueError`` (bad input/settings) or ``ImportError`` (missing optional package).
     """
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [inputs]
-    if not inputs:
-        raise ValueError("no --input given")
-    if not 0.0 <= val_fraction <= 1.0:
-        raise ValueError(f"--val-fraction must be in [0, 1], got {val_fraction}")
-    if workers < 1:
-        raise ValueError(f"--workers must be >= 1, got {workers}")
-    if shard_tokens < 1:
-        raise ValueError(f"--shard-tokens must be >= 1, got {shard_tokens}")
-    if file_format not in FORMATS:
-        raise ValueError(f"unknown file format {file_format!r} (choose from {', '.join(FORMATS)})")
-    if txt_split not in TXT_SPLITS:
-        raise ValueError(f"unknown --txt-split {txt_split!r} (choose from {', '.join(TXT_SPLITS)})")
+    for bad, msg in (
+        (not inputs, "no --input given"),
+        (not 0.0 <= val_fraction <= 1.0, f"--val-fraction must be in [0, 1], got {val_fraction}"),
+        (workers < 1, f"--workers must be >= 1, got {workers}"),
+        (shard_tokens < 1, f"--shard-tokens must be >= 1, got {shard_tokens}"),
+        (file_format not in FORMATS, f"unknown file format {file_format!r} (choose from {', '.join(FORMATS)})"),
+        (txt_split not in TXT_SPLITS, f"unknown --txt-split {txt_split!r} (choose from {', '.join(TXT_SPLITS)})"),
+    ):
+        if bad:
+            raise ValueError(msg)
 
     def say(msg: str) -> None:
         if log is not None:
@@ -180,39 +173,32 @@ def prepare(
         "file_format": file_format,
         "txt_split": txt_split,
     }
-    state = {
-        "settings": settings,
-        "tokenizer": tok_info,
-        "dtype": dtype,
-        "input_files": [
-            {"path": str(f.resolve()), "bytes": s, "mtime_ns": f.stat().st_mtime_ns} for f, s in zip(files, sizes)
-        ],
-    }
-    state_path = out / STATE
+    stats = [{"path": str(f.resolve()), "bytes": s, "mtime_ns": f.stat().st_mtime_ns} for f, s in zip(files, sizes)]
+    state = {"settings": settings, "tokenizer": tok_info, "dtype": dtype, "input_files": stats}
     old_files = _our_files(out)
-    if old_files:
-        try:
-            old_state = json.loads(state_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            old_state = None
-        if old_state != state and not overwrite:
+    try:
+        old_state = json.loads((out / STATE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        old_state = None
+    if old_files and old_state != state:
+        if not overwrite:
             if old_state is None:
                 why = f"holds shard files but no readable {STATE}"
             else:
                 diff = sorted(k for k in set(state) | set(old_state) if state.get(k) != old_state.get(k))
                 why = f"was prepared with different {', '.join(diff)} (see {STATE})"
             raise ValueError(f"{out}: {why}; use --overwrite to start over or choose another --output")
-        if old_state != state:
-            say(f"--overwrite: deleting {len(old_files)} old files in {out}")
-            for p in old_files:
-                p.unlink()
-    write_json_atomic(state_path, state)
+        say(f"--overwrite: deleting {len(old_files)} old files in {out}")
+        for p in old_files:
+            p.unlink()
+    write_json_atomic(out / STATE, state)
 
     kept = {s: _existing_prefix(out, s) for s in SPLITS}
     skip = {s: sum(e["docs"] for e in kept[s]) for s in SPLITS}
-    if any(kept.values()):
+    n_kept = sum(len(v) for v in kept.values())
+    if n_kept:
         say(
-            f"resuming: keeping {sum(len(v) for v in kept.values())} finished shards "
+            f"resuming: keeping {n_kept} finished shards "
             f"({', '.join(f'{s} {len(kept[s])}' for s in SPLITS)}); skipping their documents"
         )
     writers = {s: _SplitWriter(out, s, dtype, shard_tokens, kept[s]) for s in SPLITS}
@@ -241,23 +227,21 @@ def prepare(
         nonlocal n_docs, n_tokens, bytes_done
         splits, result, bytes_done = pending.popleft()
         flat, lengths = result.result()
-        pos = 0
-        for split, n in zip(splits, lengths.tolist()):
-            writers[split].add(flat[pos : pos + n])
-            pos += n
+        for split, doc in zip(splits, np.split(flat, np.cumsum(lengths)[:-1])):
+            writers[split].add(doc)
         n_docs += len(splits)
         n_tokens += int(flat.size)
 
     with ParallelEncoder(tok, np.dtype(dtype), workers) as encoder:
-        chunk_texts: list[str] = []
-        chunk_splits: list[str] = []
+        chunk: list[tuple[str, str]] = []  # (split, text) of the documents of the next task
         chunk_chars = 0
 
         def submit() -> None:
-            nonlocal chunk_texts, chunk_splits, chunk_chars
-            if chunk_texts:
-                pending.append((chunk_splits, encoder.submit(chunk_texts), bytes_read))
-                chunk_texts, chunk_splits, chunk_chars = [], [], 0
+            nonlocal chunk, chunk_chars
+            if chunk:
+                splits, texts = zip(*chunk)
+                pending.append((splits, encoder.submit(list(texts)), bytes_read))
+                chunk, chunk_chars = [], 0
             while len(pending) > max_pending:
                 consume_one()
 
@@ -270,10 +254,9 @@ def prepare(
                     skip[split] -= 1
                     n_skipped += 1
                 else:
-                    chunk_texts.append(text)
-                    chunk_splits.append(split)
+                    chunk.append((split, text))
                     chunk_chars += len(text)
-                    if chunk_chars >= CHUNK_CHARS or len(chunk_texts) >= CHUNK_DOCS:
+                    if chunk_chars >= CHUNK_CHARS or len(chunk) >= CHUNK_DOCS:
                         submit()
                 now = time.monotonic()
                 if progress_interval >= 0 and now - last >= progress_interval:
@@ -292,17 +275,13 @@ def prepare(
     for w in writers.values():
         w.flush()
 
-    shards = writers["train"].entries + writers["val"].entries
+    shards = [e for w in writers.values() for e in w.entries]
     manifest = build_manifest(shards, dtype, tok_info, **settings)
     write_json_atomic(out / MANIFEST, manifest)
     report(final=True)
     t = manifest["totals"]
-    say(
-        f"wrote {sum(w.written for w in writers.values())} shards (kept {sum(len(k) for k in kept.values())}): "
-        f"train {t['train']['docs']:,} docs / {t['train']['tokens']:,} tokens in {t['train']['shards']} shards, "
-        f"val {t['val']['docs']:,} docs / {t['val']['tokens']:,} tokens in {t['val']['shards']} shards, "
-        f"dtype {dtype} -> {out / MANIFEST}"
-    )
+    per_split = (f"{s} {t[s]['docs']:,} docs / {t[s]['tokens']:,} tokens in {t[s]['shards']} shards, " for s in SPLITS)
+    say(f"wrote {len(shards) - n_kept} shards (kept {n_kept}): {''.join(per_split)}dtype {dtype} -> {out / MANIFEST}")
     if val_fraction > 0 and t["val"]["docs"] == 0:
         say(
             f"warning: the val split is empty ({t['train']['docs']} documents in all); "
@@ -317,66 +296,41 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    p.add_argument(
+    add = p.add_argument
+    add(
         "--input",
         nargs="+",
         required=True,
         metavar="PATH",
         help="Text/JSONL/JSON/Parquet files or folders (read recursively, sorted).",
     )
-    p.add_argument(
+    add(
         "--tokenizer",
         default="",
         help='tiktoken BPE file (e.g. Llama 3 tokenizer.model); "" or "bytes" = built-in byte tokenizer.',
     )
-    p.add_argument("--output", required=True, metavar="DIR", help="Output folder for shards and manifest.json.")
-    p.add_argument("--val-fraction", type=float, default=0.0, help="Fraction of documents held out as 'val'.")
-    p.add_argument(
-        "--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)), help="Tokenizer worker processes."
-    )
-    p.add_argument(
-        "--shard-tokens",
-        type=int,
-        default=DEFAULT_SHARD_TOKENS,
-        help="Close a shard once it holds at least this many tokens.",
-    )
-    p.add_argument("--text-field", default="text", help="JSON/Parquet field holding the document text.")
-    p.add_argument(
-        "--format",
-        dest="file_format",
-        default="auto",
-        choices=FORMATS,
-        help="Input format (auto = from each file's suffix).",
-    )
-    p.add_argument(
+    add("--output", required=True, metavar="DIR", help="Output folder for shards and manifest.json.")
+    add("--val-fraction", type=float, default=0.0, help="Fraction of documents held out as 'val'.")
+    add("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)), help="Tokenizer worker processes.")
+    add("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="Close a shard once it holds this many tokens.")
+    add("--text-field", default="text", help="JSON/Parquet field holding the document text.")
+    add("--format", dest="file_format", default="auto", choices=FORMATS, help="Input format (auto = by file suffix).")
+    add(
         "--txt-split",
         default="file",
         choices=TXT_SPLITS,
         help="Plain-text files: one document per file, or per blank-line separated paragraph.",
     )
-    p.add_argument(
-        "--overwrite", action="store_true", help="Delete shards prepared with other settings instead of refusing."
-    )
-    p.add_argument("--quiet", action="store_true", help="No progress lines.")
+    add("--overwrite", action="store_true", help="Delete shards prepared with other settings instead of refusing.")
+    add("--quiet", action="store_true", help="No progress lines.")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    kwargs = vars(build_parser().parse_args(argv))  # the option names are prepare()'s keyword arguments
+    log = None if kwargs.pop("quiet") else sys.stderr
     try:
-        prepare(
-            args.input,
-            args.output,
-            args.tokenizer,
-            val_fraction=args.val_fraction,
-            workers=args.workers,
-            shard_tokens=args.shard_tokens,
-            text_field=args.text_field,
-            file_format=args.file_format,
-            txt_split=args.txt_split,
-            overwrite=args.overwrite,
-            log=None if args.quiet else sys.stderr,
-        )
+        prepare(kwargs.pop("input"), kwargs.pop("output"), kwargs.pop("tokenizer"), log=log, **kwargs)
     except (ValueError, ImportError, OSError) as e:
         msg = " ".join(str(e).split()) or type(e).__name__
         print(f"prepare_data: error: {msg}", file=sys.stderr)

@@ -36,6 +36,7 @@ Reads are memory-mapped (lazy, nothing is loaded up front) and cost one numpy co
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 import os
 import struct
@@ -53,10 +54,10 @@ HEADER_SIZE = HEADER.size  # 32
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "titanlite-shards"
 SPLITS = ("train", "val")
+_ENTRY_KEYS = ("name", "split", "tokens", "docs")  # of each "shards" entry of the manifest
 
 _DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 _NAMES = {"uint16": 2, "uint32": 4}
-_CODE_NAMES = {2: "uint16", 4: "uint32"}
 
 PathLike = str | os.PathLike
 
@@ -67,8 +68,6 @@ def dtype_for_vocab(vocab_size: int) -> str:
 
 
 def _dtype_code(dtype: Any) -> int:
-    if isinstance(dtype, str) and dtype in _NAMES:
-        return _NAMES[dtype]
     dt = np.dtype(dtype)
     if dt.kind == "u" and dt.itemsize in _DTYPES:
         return dt.itemsize
@@ -77,16 +76,25 @@ def _dtype_code(dtype: Any) -> int:
 
 def dtype_name(dtype: Any) -> str:
     """ "uint16" or "uint32" for a dtype given as a name or numpy dtype."""
-    return _CODE_NAMES[_dtype_code(dtype)]
+    return _DTYPES[_dtype_code(dtype)].name
+
+
+def _write_atomic(path: Path, chunks: Iterable[bytes], fsync: bool = True) -> None:
+    """Write ``<path>.tmp``, fsync it, rename it over ``path``: a file with the final name is complete."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.writelines(chunks)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def write_shard_flat(
     path: PathLike, tokens: np.ndarray, lengths: Sequence[int], dtype: Any, fsync: bool = True
 ) -> dict:
     """Write one shard from concatenated ``tokens`` and per-document ``lengths`` (atomic rename)."""
-    path = Path(path)
-    code = _dtype_code(dtype)
-    dt = _DTYPES[code]
+    path, code = Path(path), _dtype_code(dtype)
     tokens = np.asarray(tokens)
     lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
     if tokens.ndim != 1:
@@ -98,26 +106,16 @@ def write_shard_flat(
             raise ValueError(f"{path}: tokens must be integers, got {tokens.dtype}")
         lo, hi = int(tokens.min()), int(tokens.max())
         if lo < 0 or hi >= 1 << (8 * code):
-            raise ValueError(f"{path}: token ids {lo}..{hi} do not fit {_CODE_NAMES[code]}")
+            raise ValueError(f"{path}: token ids {lo}..{hi} do not fit {_DTYPES[code].name}")
     offsets = np.zeros(lengths.size + 1, dtype="<u8")
     np.cumsum(lengths, out=offsets[1:])
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(HEADER.pack(MAGIC, VERSION, code, tokens.size, lengths.size))
-        f.write(offsets.tobytes())
-        f.write(np.ascontiguousarray(tokens, dtype=dt).tobytes())
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    head = HEADER.pack(MAGIC, VERSION, code, tokens.size, lengths.size)
+    _write_atomic(path, [head, offsets.tobytes(), np.ascontiguousarray(tokens, dtype=_DTYPES[code]).tobytes()], fsync)
     return {"name": path.name, "tokens": int(tokens.size), "docs": int(lengths.size)}
 
 
 def write_shard(path: PathLike, docs_token_lists: Iterable[Sequence[int]], dtype: Any, fsync: bool = True) -> dict:
-    """Write one shard holding the given documents' token lists (each already BOS + ... + EOS).
-
-    Writes ``<path>.tmp`` then renames it to ``path``. Returns ``{"name", "tokens", "docs"}``.
-    """
+    """:func:`write_shard_flat` from per-document token lists (each already BOS + ... + EOS)."""
     arrays = [np.asarray(d, dtype=np.int64).reshape(-1) for d in docs_token_lists]
     lengths = [a.size for a in arrays]
     flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
@@ -129,53 +127,47 @@ class ShardReader:
 
     ``num_tokens``, ``num_docs``, ``dtype`` (numpy), ``doc_offsets`` (uint64 numpy array, num_docs+1),
     ``len(reader)``, ``reader[a:b]`` -> 1-D int64 tensor, ``reader[i]`` -> int, ``reader.doc(i)``.
-    Pickles as its path (reopened on unpickling, e.g. in DataLoader workers).
+    Errors are one-line ``ValueError``\\ s naming the file. Pickles as its path (reopened on unpickling,
+    e.g. in DataLoader workers).
     """
 
     def __init__(self, path: PathLike):
         self.path = Path(path)
-        self._open()
 
-    def _fail(self, what: str) -> ValueError:
-        return ValueError(f"{self.path}: {what}")
+        def fail(what: str) -> ValueError:
+            return ValueError(f"{self.path}: {what}")
 
-    def _open(self) -> None:
         try:
             with open(self.path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 head = f.read(HEADER_SIZE)
                 if head[: len(MAGIC)] != MAGIC[: len(head)] or not head:
-                    raise self._fail(f"not a titanlite token shard (magic {head[:8]!r}, expected {MAGIC!r})")
+                    raise fail(f"not a titanlite token shard (magic {head[:8]!r}, expected {MAGIC!r})")
                 if len(head) < HEADER_SIZE:
-                    raise self._fail(f"truncated shard: {size} bytes, shorter than the {HEADER_SIZE}-byte header")
+                    raise fail(f"truncated shard: {size} bytes, shorter than the {HEADER_SIZE}-byte header")
                 _, version, code, num_tokens, num_docs = HEADER.unpack(head)
                 if version != VERSION:
-                    raise self._fail(f"unsupported shard format version {version} (this build reads {VERSION})")
+                    raise fail(f"unsupported shard format version {version} (this build reads {VERSION})")
                 if code not in _DTYPES:
-                    raise self._fail(f"bad dtype code {code} in header (expected 2=uint16 or 4=uint32)")
+                    raise fail(f"bad dtype code {code} in header (expected 2=uint16 or 4=uint32)")
                 tok_offset = HEADER_SIZE + 8 * (num_docs + 1)
                 expected = tok_offset + code * num_tokens
                 if size != expected:
                     kind = "truncated shard" if size < expected else "shard has trailing bytes"
-                    raise self._fail(
+                    raise fail(
                         f"{kind}: {size} bytes, expected {expected} for {num_tokens} "
-                        f"{_CODE_NAMES[code]} tokens in {num_docs} documents"
+                        f"{_DTYPES[code].name} tokens in {num_docs} documents"
                     )
                 offsets = np.fromfile(f, dtype="<u8", count=num_docs + 1)
         except FileNotFoundError:
-            raise self._fail("shard file not found") from None
+            raise fail("shard file not found") from None
         except IsADirectoryError:
-            raise self._fail("is a folder, expected a shard file") from None
-        if (
-            offsets.size != num_docs + 1
-            or offsets[0] != 0
-            or offsets[-1] != num_tokens
-            or (num_docs and bool((np.diff(offsets.astype(np.int64)) < 0).any()))
-        ):
-            raise self._fail("corrupt document index (offsets must go from 0 to num_tokens, non-decreasing)")
+            raise fail("is a folder, expected a shard file") from None
+        bad_ends = offsets.size != num_docs + 1 or offsets[0] != 0 or offsets[-1] != num_tokens
+        if bad_ends or (np.diff(offsets.astype(np.int64)) < 0).any():
+            raise fail("corrupt document index (offsets must go from 0 to num_tokens, non-decreasing)")
         self.num_tokens, self.num_docs, self.dtype = int(num_tokens), int(num_docs), _DTYPES[code]
         self.doc_offsets = offsets
-        self.tokens_offset = tok_offset
         if self.num_tokens:
             mm = np.memmap(self.path, dtype=self.dtype, mode="r", offset=tok_offset, shape=(self.num_tokens,))
             self.tokens: np.ndarray = np.asarray(mm)  # plain ndarray view backed by the mapping
@@ -197,12 +189,8 @@ class ShardReader:
         """Tokens of document ``i`` (BOS ... EOS) as an int64 tensor."""
         return self[int(self.doc_offsets[i]) : int(self.doc_offsets[i + 1])]
 
-    def __getstate__(self):
-        return {"path": self.path}
-
-    def __setstate__(self, state):
-        self.path = state["path"]
-        self._open()
+    def __reduce__(self):
+        return type(self), (self.path,)
 
     def __repr__(self) -> str:
         return (
@@ -210,39 +198,26 @@ class ShardReader:
         )
 
 
-# --- manifest -------------------------------------------------------------------------------------
-
-
 def build_manifest(shards: Sequence[dict], dtype: Any, tokenizer: dict, **settings: Any) -> dict:
     """The manifest dict: ``shards`` entries need name, split, tokens, docs; totals are computed."""
+    entries = [{k: sh[k] if k in ("name", "split") else int(sh[k]) for k in _ENTRY_KEYS} for sh in shards]
     totals = {s: {"shards": 0, "tokens": 0, "docs": 0} for s in SPLITS}
-    for sh in shards:
-        t = totals.setdefault(sh["split"], {"shards": 0, "tokens": 0, "docs": 0})
-        t["shards"] += 1
-        t["tokens"] += int(sh["tokens"])
-        t["docs"] += int(sh["docs"])
+    for e in entries:
+        t = totals.setdefault(e["split"], {"shards": 0, "tokens": 0, "docs": 0})
+        t.update(shards=t["shards"] + 1, tokens=t["tokens"] + e["tokens"], docs=t["docs"] + e["docs"])
     return {
         "format": MANIFEST_FORMAT,
         "version": VERSION,
         "dtype": dtype_name(dtype),
         "tokenizer": dict(tokenizer),
         **settings,
-        "shards": [
-            {"name": s["name"], "split": s["split"], "tokens": int(s["tokens"]), "docs": int(s["docs"])} for s in shards
-        ],
+        "shards": entries,
         "totals": totals,
     }
 
 
 def write_json_atomic(path: PathLike, obj: Any) -> None:
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    _write_atomic(Path(path), [(json.dumps(obj, indent=1) + "\n").encode()])
 
 
 def read_manifest(folder: PathLike) -> dict:
@@ -252,8 +227,7 @@ def read_manifest(folder: PathLike) -> dict:
     if not folder.is_dir():
         raise ValueError(f"{folder}: shard folder not found")
     try:
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
+        manifest = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ValueError(
             f"{path}: not found (prepare the folder with scripts/prepare_data.py; "
@@ -271,24 +245,20 @@ def read_manifest(folder: PathLike) -> dict:
     if manifest["dtype"] not in _NAMES:
         raise ValueError(f"{path}: bad dtype {manifest['dtype']!r}")
     for i, sh in enumerate(manifest["shards"]):
-        if not isinstance(sh, dict) or not {"name", "split", "tokens", "docs"} <= set(sh):
+        if not isinstance(sh, dict) or not set(_ENTRY_KEYS) <= set(sh):
             raise ValueError(f"{path}: shard entry {i} needs name, split, tokens and docs")
     return manifest
 
 
 class ShardedTokens:
-    """All shards of one split of a prepared folder as ONE virtual 1-D token array.
+    """All shards of one split of a prepared folder as ONE virtual 1-D token array (see the module docstring).
 
-    * ``len(store)``: total tokens of the split; ``store[a:b]`` -> 1-D ``torch.int64`` tensor
-      (any ``a:b`` with step 1, crossing shards as needed); ``store[i]`` -> int.
-    * ``store.gather(starts, length)`` -> ``[len(starts), length]`` int64 tensor of windows
-      ``store[s:s+length]`` (one preallocated output, no per-window tensors).
-    * ``eos_id``, ``bos_id``, ``vocab_size``, ``dtype`` (name), ``num_docs``, ``manifest``,
-      ``shards`` (list of :class:`ShardReader`), ``shard_starts`` (first global token index of
-      each shard + the total at the end), ``doc_offsets()`` (global document boundaries).
-
-    Each shard's header is checked against the manifest (tokens, docs, dtype); a mismatch or a
-    split with no tokens is a one-line ``ValueError`` naming the file. Pickles as (folder, split).
+    Also ``store.gather(starts, length)`` (``[len(starts), length]`` windows in one preallocated array),
+    ``eos_id``, ``bos_id``, ``vocab_size``, ``dtype`` (name), ``num_docs``, ``manifest``, ``shards``
+    (:class:`ShardReader` list), ``shard_starts`` (first global token of each shard, then the total)
+    and ``doc_offsets()``. Each shard's header is checked against the manifest (tokens, docs, dtype);
+    a mismatch or a split with no tokens is a one-line ``ValueError`` naming the file.
+    Pickles as (folder, split).
     """
 
     def __init__(self, folder: PathLike, split: str = "train"):
@@ -296,17 +266,10 @@ class ShardedTokens:
         if folder.name == MANIFEST and folder.is_file():
             folder = folder.parent
         self.folder, self.split = folder, split
-        self._open()
-
-    def _open(self) -> None:
-        folder, split = self.folder, self.split
-        manifest = read_manifest(folder)
+        self.manifest = manifest = read_manifest(folder)
         mpath = folder / MANIFEST
-        self.manifest = manifest
         tok = manifest["tokenizer"]
-        self.vocab_size = int(tok["vocab_size"])
-        self.bos_id = int(tok["bos_id"])
-        self.eos_id = int(tok["eos_id"])
+        self.vocab_size, self.bos_id, self.eos_id = (int(tok[k]) for k in ("vocab_size", "bos_id", "eos_id"))
         self.dtype = manifest["dtype"]
         entries = [sh for sh in manifest["shards"] if sh["split"] == split]
         if not entries:
@@ -326,12 +289,9 @@ class ShardedTokens:
             if reader.dtype.itemsize != _NAMES[self.dtype]:
                 raise ValueError(f"{reader.path}: dtype {reader.dtype.name} differs from {mpath} ({self.dtype})")
             self.shards.append(reader)
-        starts = [0]
-        for r in self.shards:
-            starts.append(starts[-1] + r.num_tokens)
-        self.shard_starts = starts
+        self.shard_starts = [0, *itertools.accumulate(r.num_tokens for r in self.shards)]
         self._arrays = [r.tokens for r in self.shards]
-        self._len = starts[-1]
+        self._len = self.shard_starts[-1]
         if self._len == 0:
             raise ValueError(f"{mpath}: split {split!r} has no tokens")
         self.num_docs = sum(r.num_docs for r in self.shards)
@@ -341,36 +301,23 @@ class ShardedTokens:
 
     def _copy_into(self, out: np.ndarray, start: int, stop: int) -> None:
         """Copy global tokens [start, stop) into ``out`` (int64, length stop-start), crossing shards."""
-        starts, arrays = self.shard_starts, self._arrays
+        starts, pos = self.shard_starts, 0
         i = bisect.bisect_right(starts, start) - 1
-        pos = 0
         while start < stop:
-            s0, s1 = starts[i], starts[i + 1]
-            end = min(stop, s1)
-            n = end - start
-            out[pos : pos + n] = arrays[i][start - s0 : end - s0]
-            pos += n
-            start = end
-            i += 1
+            end = min(stop, starts[i + 1])
+            out[pos : pos + end - start] = self._arrays[i][start - starts[i] : end - starts[i]]
+            pos += end - start
+            start, i = end, i + 1
 
     def __getitem__(self, idx):
         if isinstance(idx, slice):
             start, stop, step = idx.indices(self._len)
             if step != 1:
                 raise ValueError("ShardedTokens slices must have step 1")
-            if stop <= start:
-                return torch.empty(0, dtype=torch.int64)
-            starts = self.shard_starts
-            i = bisect.bisect_right(starts, start) - 1
-            if stop <= starts[i + 1]:  # fast path: inside one shard
-                s0 = starts[i]
-                return torch.from_numpy(self._arrays[i][start - s0 : stop - s0].astype(np.int64))
-            out = np.empty(stop - start, dtype=np.int64)
+            out = np.empty(max(0, stop - start), dtype=np.int64)
             self._copy_into(out, start, stop)
             return torch.from_numpy(out)
-        i = int(idx)
-        if i < 0:
-            i += self._len
+        i = int(idx) + (self._len if int(idx) < 0 else 0)
         if not 0 <= i < self._len:
             raise IndexError(f"token index {idx} out of range for {self._len} tokens")
         k = bisect.bisect_right(self.shard_starts, i) - 1
@@ -388,17 +335,11 @@ class ShardedTokens:
 
     def doc_offsets(self) -> np.ndarray:
         """Global document boundaries (int64, num_docs+1): doc j is ``store[off[j]:off[j+1]]``."""
-        parts = [np.zeros(1, dtype=np.int64)]
-        for r, s0 in zip(self.shards, self.shard_starts):
-            parts.append(r.doc_offsets[1:].astype(np.int64) + s0)
-        return np.concatenate(parts)
+        parts = [r.doc_offsets[1:].astype(np.int64) + s0 for r, s0 in zip(self.shards, self.shard_starts)]
+        return np.concatenate([np.zeros(1, dtype=np.int64), *parts])
 
-    def __getstate__(self):
-        return {"folder": self.folder, "split": self.split}
-
-    def __setstate__(self, state):
-        self.folder, self.split = state["folder"], state["split"]
-        self._open()
+    def __reduce__(self):
+        return type(self), (self.folder, self.split)
 
     def __repr__(self) -> str:
         return (

@@ -26,10 +26,11 @@ missing ``pyarrow`` is an ``ImportError`` naming the package.
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import os
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 PathLike = str | os.PathLike
@@ -39,17 +40,11 @@ TXT_SPLITS = ("file", "paragraphs")
 _SUFFIX_FORMAT = {".txt": "text", ".md": "text", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
 
 
-def _strip_gz(name: str) -> tuple[str, bool]:
-    return (name[:-3], True) if name.endswith(".gz") else (name, False)
-
-
 def file_format_of(path: PathLike) -> str | None:
     """The format of a file from its suffix (``None`` when the suffix is not a known one)."""
-    name, gz = _strip_gz(Path(path).name.lower())
-    fmt = _SUFFIX_FORMAT.get(os.path.splitext(name)[1])
-    if gz and fmt == "parquet":
-        return None
-    return fmt
+    name = Path(path).name.lower()
+    fmt = _SUFFIX_FORMAT.get(os.path.splitext(name.removesuffix(".gz"))[1])
+    return None if fmt == "parquet" and name.endswith(".gz") else fmt
 
 
 def list_files(paths: PathLike | Sequence[PathLike]) -> list[Path]:
@@ -63,24 +58,18 @@ def list_files(paths: PathLike | Sequence[PathLike]) -> list[Path]:
             found = []
             for root, dirs, files in os.walk(p):
                 dirs[:] = [d for d in dirs if not d.startswith(".")]
-                for f in files:
-                    if not f.startswith(".") and file_format_of(f) is not None:
-                        found.append(Path(root, f))
+                found += [Path(root, f) for f in files if not f.startswith(".") and file_format_of(f) is not None]
             out.extend(sorted(found, key=lambda f: f.relative_to(p).as_posix()))
         elif p.is_file():
             out.append(p)
-        elif p.exists():
-            raise ValueError(f"{p}: not a regular file or folder")
         else:
-            raise ValueError(f"{p}: input not found")
+            raise ValueError(f"{p}: {'not a regular file or folder' if p.exists() else 'input not found'}")
     return out
 
 
 def _open_binary(path: Path):
     f = open(path, "rb")
-    if path.name.endswith(".gz"):
-        return gzip.GzipFile(fileobj=f, mode="rb"), f
-    return f, f
+    return (gzip.GzipFile(fileobj=f, mode="rb") if path.name.endswith(".gz") else f), f
 
 
 def _decode(data: bytes, path: Path, line: int | None = None) -> str:
@@ -92,15 +81,9 @@ def _decode(data: bytes, path: Path, line: int | None = None) -> str:
 
 
 def _paragraphs(text: str) -> Iterator[str]:
-    para: list[str] = []
-    for line in text.splitlines():
-        if line.strip():
-            para.append(line)
-        elif para:
-            yield "\n".join(para) + "\n"
-            para = []
-    if para:
-        yield "\n".join(para) + "\n"
+    for nonblank, lines in itertools.groupby(text.splitlines(), key=lambda line: bool(line.strip())):
+        if nonblank:
+            yield "\n".join(lines) + "\n"
 
 
 def _text_docs(path: Path, txt_split: str) -> Iterator[tuple[str, int]]:
@@ -108,12 +91,9 @@ def _text_docs(path: Path, txt_split: str) -> Iterator[tuple[str, int]]:
     stream, raw = _open_binary(path)
     with raw:
         text = _decode(stream.read(), path)
-    if txt_split == "file":
-        if text:
-            yield text, size
-        return
-    for para in _paragraphs(text):
-        yield para, size
+    for doc in [text] if txt_split == "file" else _paragraphs(text):
+        if doc:
+            yield doc, size
 
 
 def _record_text(obj, where: str, text_field: str) -> str:
@@ -122,10 +102,8 @@ def _record_text(obj, where: str, text_field: str) -> str:
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: expected a JSON object with a {text_field!r} field, got {type(obj).__name__}")
     if text_field not in obj:
-        keys = ", ".join(list(obj)[:8])
-        raise ValueError(
-            f"{where}: no {text_field!r} field (keys: {keys or 'none'}); choose the field with --text-field"
-        )
+        keys = ", ".join(list(obj)[:8]) or "none"
+        raise ValueError(f"{where}: no {text_field!r} field (keys: {keys}); choose the field with --text-field")
     value = obj[text_field]
     if not isinstance(value, str):
         raise ValueError(f"{where}: field {text_field!r} is {type(value).__name__}, not a string")
@@ -151,12 +129,8 @@ def _json_docs(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
     stream, raw = _open_binary(path)
     with raw:
         head = stream.read(4096).lstrip()
-        if head[:1] != b"[":
-            is_array = False
-        else:
-            is_array = True
-            data = head + stream.read()
-    if not is_array:
+        data = head + stream.read() if head[:1] == b"[" else None
+    if data is None:
         # Not an array: JSON Lines with a .json suffix (as C4's and many Hugging Face dumps are).
         yield from _jsonl_docs(path, text_field)
         return
@@ -179,9 +153,8 @@ def _parquet_docs(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises its own error types
-        raise ValueError(
-            f"{path}: not a readable Parquet file ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
-        ) from None
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{path}: not a readable Parquet file ({why})") from None
     names = pf.schema_arrow.names
     if text_field not in names:
         raise ValueError(
@@ -193,9 +166,7 @@ def _parquet_docs(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
         column = pf.read_row_group(g, columns=[text_field]).column(0)
         done = size * (g + 1) // groups
         for value in column.to_pylist():
-            if value is None:
-                continue
-            if not isinstance(value, str):
+            if value is not None and not isinstance(value, str):
                 raise ValueError(f"{path}: column {text_field!r} holds {type(value).__name__}, not strings")
             if value:
                 yield value, done
@@ -214,12 +185,8 @@ def iter_file_documents(
     try:
         if fmt == "text":
             yield from _text_docs(path, txt_split)
-        elif fmt == "jsonl":
-            yield from _jsonl_docs(path, text_field)
-        elif fmt == "json":
-            yield from _json_docs(path, text_field)
         else:
-            yield from _parquet_docs(path, text_field)
+            yield from {"jsonl": _jsonl_docs, "json": _json_docs, "parquet": _parquet_docs}[fmt](path, text_field)
     except (gzip.BadGzipFile, EOFError, zlib.error) as e:
         raise ValueError(f"{path}: corrupt gzip data ({e})") from None
     except FileNotFoundError:
@@ -233,17 +200,11 @@ def iter_file_documents(
 def iter_documents(
     path: PathLike | Sequence[PathLike], text_field: str = "text", file_format: str = "auto", txt_split: str = "file"
 ) -> Iterator[str]:
-    """Documents of a file, a folder (recursive, sorted), or a list of them, in a deterministic order.
+    """Documents of a file, a folder or a list of them (see the module docstring).
 
     ``file_format``: "auto" (from each file's suffix; an explicitly named file with an unknown
     suffix is plain text), or one of "text", "jsonl", "json", "parquet" for every file.
-    ``txt_split``: "file" (a plain-text file is one document) or "paragraphs" (blank-line separated).
     """
     for f in list_files(path):
         for text, _ in iter_file_documents(f, text_field, file_format, txt_split):
             yield text
-
-
-def total_bytes(files: Iterable[Path]) -> int:
-    """Total size on disk of ``files`` (the denominator of progress/ETA)."""
-    return sum(Path(f).stat().st_size for f in files)

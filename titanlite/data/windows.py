@@ -102,15 +102,7 @@ class TokenWindows(IterableDataset):
                 yield self._window(w)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "epoch": self.epoch,
-            "pos": self.pos,
-            "sample": self.sample,
-            "dp_world": self.dp_world,
-            "num_windows": self.num_windows,
-            "seq_len": self.seq_len,
-            "seed": self.seed,
-        }
+        return {k: getattr(self, k) for k in ("epoch", "pos", "sample", "dp_world", "num_windows", "seq_len", "seed")}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key in ("num_windows", "seq_len", "seed"):
@@ -120,22 +112,13 @@ class TokenWindows(IterableDataset):
                     f"{getattr(self, key)} (the data or its windowing changed)"
                 )
         if state["dp_world"] != self.dp_world:
+            change = f"{self.name} data from {state['dp_world']} to {self.dp_world}"
             if get_worker_info() is not None:
                 raise ValueError(
-                    f"cannot re-partition {self.name} data from {state['dp_world']} to "
-                    f"{self.dp_world} ranks with DataLoader workers; resume with num_workers=0"
+                    f"cannot re-partition {change} ranks with DataLoader workers; resume with num_workers=0"
                 )
             if state["sample"] % self.batch_size:
-                raise ValueError(
-                    f"cannot re-partition {self.name} data from {state['dp_world']} to "
-                    f"{self.dp_world} ranks in the middle of a batch"
-                )
-            logger.info(
-                "%s data: re-partitioning from %d to %d data-parallel ranks at epoch %d, window %d",
-                self.name,
-                state["dp_world"],
-                self.dp_world,
-                state["epoch"],
-                state["pos"],
-            )
+                raise ValueError(f"cannot re-partition {change} ranks in the middle of a batch")
+            msg = "%s data: re-partitioning from %d to %d data-parallel ranks at epoch %d, window %d"
+            logger.info(msg, self.name, state["dp_world"], self.dp_world, state["epoch"], state["pos"])
         self.epoch, self.pos, self.sample = state["epoch"], state["pos"], state["sample"]
