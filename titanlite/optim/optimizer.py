@@ -29,10 +29,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
     """The optimizer of the ``[optimizer]`` section for ``model``'s parameters (after parallelize)."""
-    on_cuda = any(p.device.type == "cuda" for p in model.parameters())
     impl = cfg.implementation
     if impl == "auto":
-        impl = "fused" if on_cuda else "foreach"
+        impl = "fused" if any(p.device.type == "cuda" for p in model.parameters()) else "foreach"
     kwargs = {"fused": impl == "fused", "foreach": impl == "foreach"}
     cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[cfg.name]
     wd = cfg.weight_decay if cfg.name == "AdamW" else 0.0
