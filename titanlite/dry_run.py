@@ -3,16 +3,14 @@
 ``python -m titanlite.train --config train_configs/llama70b.toml --job.dry_run true`` (optionally
 ``--job.dry_run_world_size N``) does, in one CPU process and in a few seconds:
 
-1. resolves the world size: ``job.dry_run_world_size``, else ``job.world_size`` (the size the config
-   is tuned for), else the product of the explicit parallel degrees;
-2. validates the degrees and the batch arithmetic exactly as the trainer would (``ParallelDims``,
-   gradient accumulation);
-3. joins a *fake* process group of that size as rank 0 (``FakeStore`` + the ``fake`` backend: every
+1. resolves the world size (:func:`resolve_world_size`) and validates the degrees and the batch
+   arithmetic exactly as the trainer would (``ParallelDims``, gradient accumulation);
+2. joins a *fake* process group of that size as rank 0 (``FakeStore`` + the ``fake`` backend: every
    collective is a no-op, no other process exists) and builds the trainer's named device mesh;
-4. builds the model on the meta device and applies the family's ``parallelize_fn`` (float8, TP, AC,
+3. builds the model on the meta device and applies the family's ``parallelize_fn`` (float8, TP, AC,
    compile wrapping, FSDP) exactly as a real run does: a plan that does not divide (heads, vocab,
    hidden size, sequence length ...) fails here with the trainer's own error;
-5. prints the parameter count of every rank (computed from each parameter's DTensor placements for
+4. prints the parameter count of every rank (computed from each parameter's DTensor placements for
    every mesh coordinate), the sharding of each parameter group, and the planner's per-GPU memory
    estimate (:mod:`titanlite.planner`) against ``job.dry_run_gpu``;
 
@@ -34,7 +32,8 @@ GB = 1e9
 
 
 def resolve_world_size(cfg) -> tuple[int, str]:
-    """``(world size, where it came from)`` for the dry run; ValueError when nothing states it."""
+    """``(world size, where it came from)``: ``job.dry_run_world_size``, else ``job.world_size`` (the size the
+    config is tuned for), else the product of the explicit parallel degrees; ValueError when nothing states it."""
     job, par = cfg.job, cfg.parallelism
     if job.dry_run_world_size > 0:
         return job.dry_run_world_size, "job.dry_run_world_size"
@@ -47,10 +46,6 @@ def resolve_world_size(cfg) -> tuple[int, str]:
         "dry run: the world size is not stated; pass --job.dry_run_world_size N (or set [job] world_size, "
         "or an explicit parallelism.data_parallel_shard_degree)"
     )
-
-
-def _group_name(name: str) -> str:
-    return re.sub(r"^layers\.\d+\.", "layers.*.", name)
 
 
 def _placement_text(p) -> str:
@@ -79,8 +74,7 @@ def _local_numel_fn(global_mesh_names: tuple[str, ...]) -> Callable:
     def fn(p: torch.Tensor, coord: tuple[int, ...]) -> int:
         if not isinstance(p, DTensor):
             return p.numel()
-        mesh = p.device_mesh
-        names = mesh.mesh_dim_names or ()
+        mesh, names = p.device_mesh, p.device_mesh.mesh_dim_names or ()
         sub = tuple(coord[global_mesh_names.index(n)] for n in names) if set(names) <= set(global_mesh_names) else None
         key = (tuple(p.shape), tuple(mesh.shape), tuple(map(str, p.placements)), sub)
         if key not in cache:
@@ -207,7 +201,7 @@ def _inspect(model: torch.nn.Module, dims, world: int, mesh_names: tuple[str, ..
             local = list(p.to_local().shape)
         else:
             placement, local = "replicated (plain tensor)", list(p.shape)
-        key = (_group_name(name), tuple(p.shape), placement)
+        key = (re.sub(r"^layers\.\d+\.", "layers.*.", name), tuple(p.shape), placement)  # all blocks in one group
         new = dict(group=key[0], count=0, shape=list(p.shape), placements=placement, rank0_shape=local, numel=0)
         g = groups.setdefault(key, new)
         g["count"] += 1
@@ -224,14 +218,9 @@ def _inspect(model: torch.nn.Module, dims, world: int, mesh_names: tuple[str, ..
 
 def _rank_runs(per: list[int], limit: int = 8) -> str:
     """``ranks 0-3: N; ranks 4-7: M`` (consecutive ranks with equal counts), else min and max."""
-    runs: list[list[int]] = []
-    for r, n in enumerate(per):
-        if runs and runs[-1][2] == n:
-            runs[-1][1] = r
-        else:
-            runs.append([r, r, n])
+    runs = [(n, list(ranks)) for n, ranks in itertools.groupby(range(len(per)), key=per.__getitem__)]
     if len(runs) <= limit:
-        return "; ".join(f"rank{'s' if a != b else ''} {a}{'-' + str(b) if a != b else ''}: {n:,}" for a, b, n in runs)
+        return "; ".join(f"ranks {g[0]}-{g[-1]}: {n:,}" if len(g) > 1 else f"rank {g[0]}: {n:,}" for n, g in runs)
     lo, hi = min(range(len(per)), key=per.__getitem__), max(range(len(per)), key=per.__getitem__)
     return f"min {per[lo]:,} (rank {lo}), max {per[hi]:,} (rank {hi})"
 

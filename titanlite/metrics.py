@@ -5,10 +5,7 @@ FLOPs per token are the model family's (:func:`titanlite.models.registry.model_c
 families). MFU = achieved FLOP/s / peak FLOP/s of the dtype the matmuls run in. Peaks are dense
 (no 2:4 sparsity). An unknown GPU gets no guessed peak: MFU is then reported as None. On CPU the
 peak is a measured matmul rate (:func:`measure_cpu_matmul_peak`, once per process, when first
-needed), logged alongside.
-
-:class:`MetricsHook` is the metrics' place in the training loop: a record every ``log_freq``
-steps, rank 0's progress line, and the run summary.
+needed), logged alongside. :class:`MetricsHook` is the metrics' place in the training loop.
 """
 
 from __future__ import annotations
@@ -64,10 +61,8 @@ GPU_MEMORY_GB: list[tuple[str, float]] = [
 
 
 def _match(table: list[tuple[str, Any]], name: str) -> Any:
-    for pattern, value in table:
-        if re.search(rf"(?<![A-Za-z0-9])(?:{pattern})(?![A-Za-z0-9])", name, flags=re.IGNORECASE):
-            return value
-    return None
+    found = (v for p, v in table if re.search(rf"(?<![A-Za-z0-9])(?:{p})(?![A-Za-z0-9])", name, re.IGNORECASE))
+    return next(found, None)
 
 
 def peak_flops(device: torch.device, dtype: str = "bfloat16") -> float | None:
@@ -149,8 +144,7 @@ class MetricsLogger:
     rank 0 only; :meth:`rewind` drops the records after a step (a resumed run logs them again)."""
 
     def __init__(self, section: Any, dump_folder: str | os.PathLike, rank: int = 0):
-        self.enabled = rank == 0
-        self.writer = None
+        self.enabled, self.writer = rank == 0, None
         self.path = Path(dump_folder) / "metrics.jsonl"
         if not self.enabled:
             return
@@ -228,7 +222,7 @@ def _global_square_sums(tensors: list[torch.Tensor]) -> list[float]:
     dimensions only (a replicated one would count the same values twice)."""
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
-    out: list[float | None] = [None] * len(tensors)
+    out: dict[int, float] = {}
     groups: dict[Any, list[int]] = {}
     for i, t in enumerate(tensors):
         key = (id(t.device_mesh), tuple(t.placements)) if isinstance(t, DTensor) else None
@@ -239,9 +233,8 @@ def _global_square_sums(tensors: list[torch.Tensor]) -> list[float]:
             first = tensors[idx[0]]
             placements = [Replicate() if p.is_replicate() else Partial("sum") for p in first.placements]
             sq = DTensor.from_local(sq, first.device_mesh, placements, run_check=False).full_tensor()
-        for i, v in zip(idx, sq.tolist()):
-            out[i] = v
-    return out  # type: ignore[return-value]
+        out.update(zip(idx, sq.tolist()))
+    return [out[i] for i in range(len(tensors))]
 
 
 class UpdateRatio:
@@ -318,8 +311,7 @@ class RunProgress:
         self.total_steps, self.start_step, self.t_start = total_steps, start_step, time.perf_counter()
         self.restart(start_step)
         self.windows: list[tuple[float, float, float | None, int]] = []  # (seconds, tokens/s, mfu, steps)
-        self.last_loss: float | None = None
-        self.last_val_loss: float | None = None
+        self.last_loss = self.last_val_loss = None
         self.tokens_seen = 0
 
     def restart(self, step: int) -> None:

@@ -97,18 +97,9 @@ class ModelShape:
     @classmethod
     def from_args(cls, args: Any, num_params: int = 0) -> ModelShape:
         kv = getattr(args, "kv_heads", None) or getattr(args, "n_kv_heads", None) or args.n_heads
-        return cls(
-            args.dim,
-            args.n_layers,
-            args.n_heads,
-            kv,
-            args.ffn_hidden_dim,
-            args.vocab_size,
-            bool(getattr(args, "tie_word_embeddings", False)),
-            int(getattr(args, "head_dim", 0) or 0),
-            bool(getattr(args, "qk_norm", False)),
-            num_params,
-        )
+        sizes = (args.dim, args.n_layers, args.n_heads, kv, args.ffn_hidden_dim, args.vocab_size)
+        tied, head_dim, qk_norm = (getattr(args, k, None) for k in ("tie_word_embeddings", "head_dim", "qk_norm"))
+        return cls(*sizes, bool(tied), int(head_dim or 0), bool(qk_norm), num_params)
 
     @property
     def q_dim(self) -> int:
@@ -246,8 +237,7 @@ def activation_bytes_per_token_layer(s: ModelShape, setup: RunSetup) -> float:
     """Bytes autograd keeps per token per block without activation checkpointing (before ``/ tp``)."""
     c, r, lin = _bytes(setup)
     d, q, f = s.dim, s.q_dim, s.ffn_hidden_dim
-    separate = setup.autocast or setup.float8  # every linear saves its own (cast) input
-    k_attn, k_ffn = (3, 2) if separate else (1, 1)
+    k_attn, k_ffn = (3, 2) if setup.autocast or setup.float8 else (1, 1)  # each linear saves its own cast input
     norms = 2 * 2 * r * d
     matmul_inputs = lin * d * (k_attn + k_ffn)
     attention = 3 * c * q + c * q + 4 * s.n_heads + (lin * q if setup.float8 else 0)
@@ -286,8 +276,7 @@ def memory_breakdown(s: ModelShape, setup: RunSetup) -> dict[str, Any]:
         params += c * (2 * block_params(s) + s.vocab_size * s.dim) / setup.tp
     elif setup.autocast:  # autocast caches a bf16 copy of every matmul weight for backward
         params += c * matmul_param_count(s) / setup.tp
-    grads = 4 * local
-    optimizer = 8 * local
+    grads, optimizer = 4 * local, 8 * local  # fp32 gradients; AdamW's two fp32 moments
     activations = activation_bytes(s, setup)
     if setup.float8:  # float8 copies of the (converted) block weights, saved for backward
         activations += s.n_layers * _block_matmul_params(s) / setup.tp

@@ -19,6 +19,7 @@ library user may too; the previous handlers are restored on exit.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -37,10 +38,8 @@ class PreemptionHandler:
     """Records a stop request on the first signal, exits at once on the second."""
 
     def __init__(self, signals: Iterable[int] = DEFAULT_SIGNALS, exit_fn: Callable[[int], None] = os._exit):
-        self.signals = tuple(signals)
-        self.exit_fn = exit_fn
-        self.requested = False
-        self.signal_name = ""
+        self.signals, self.exit_fn = tuple(signals), exit_fn
+        self.requested, self.signal_name = False, ""  # the first signal's name once requested
         self._previous: dict[int, object] = {}
 
     def install(self) -> PreemptionHandler:
@@ -67,10 +66,8 @@ class PreemptionHandler:
         if self.requested:
             logger.warning("preemption: second signal (%s): exiting now without waiting", name)
             for stream in (sys.stdout, sys.stderr):
-                try:
+                with contextlib.suppress(Exception):  # exiting anyway
                     stream.flush()
-                except Exception:  # noqa: BLE001 - exiting anyway
-                    pass
             self.exit_fn(128 + signum)
             return
         self.requested, self.signal_name = True, name
@@ -82,9 +79,8 @@ class PreemptionHandler:
 
 
 class PreemptionHook(Hook):
-    """Stop after a step on which a stop was requested (``result.stop_requested``, agreed across ranks
-    by the guard's check): a full checkpoint of that step unless one was just saved, then the loop
-    ends (``state.stop``) and the process exits 0."""
+    """Stop after a step on which a stop was requested (``result.stop_requested``, agreed across ranks by the
+    guard's check): a full checkpoint of that step unless one was just saved, then ``state.stop``."""
 
     def __init__(self, handler: PreemptionHandler, checkpointer=None):
         self.handler, self.checkpointer = handler, checkpointer

@@ -36,7 +36,7 @@ class Profiler:
         self.cfg, self.rank, self.device, self.start_step = cfg, rank, device, start_step
         self.trace_dir = Path(dump_folder) / cfg.save_traces_folder
         self.snapshot_dir = Path(dump_folder) / cfg.save_memory_snapshot_folder
-        self.traces: list[Path] = []
+        self.traces: list[Path] = []  # the files written
         self.snapshots: list[Path] = []
         self._prof, self._snapshots_on, self._closing = None, False, False
         if cfg.enable_profiling:
@@ -61,19 +61,16 @@ class Profiler:
             self._prof.start()
             freq = cfg.profile_freq
             logger.info("profiling: traces of steps %d..N every %d steps to %s", freq, freq, self.trace_dir)
-        if cfg.enable_memory_snapshot:
-            if device.type == "cuda":
-                torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
-                self._snapshots_on = True
-                logger.info(
-                    "profiling: CUDA memory snapshots every %d steps to %s", cfg.profile_freq, self.snapshot_dir
-                )
-            else:
-                logger.info(
-                    "profiling: enable_memory_snapshot needs CUDA (the caching allocator's history); on %s "
-                    "no snapshot is recorded. Memory is still reported as process RSS in the metrics.",
-                    device.type,
-                )
+        if cfg.enable_memory_snapshot and device.type == "cuda":
+            torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
+            self._snapshots_on = True
+            logger.info("profiling: CUDA memory snapshots every %d steps to %s", cfg.profile_freq, self.snapshot_dir)
+        elif cfg.enable_memory_snapshot:
+            logger.info(
+                "profiling: enable_memory_snapshot needs CUDA (the caching allocator's history); on %s "
+                "no snapshot is recorded. Memory is still reported as process RSS in the metrics.",
+                device.type,
+            )
 
     def _write(self, what: str, step: int, folder: Path, name: str, write, written: list[Path]) -> None:
         """``write(path)`` of ``folder/iteration_<step>/<name>``, recorded in ``written`` and logged."""

@@ -1,8 +1,6 @@
-"""Learning-rate schedule: linear warmup, an optional constant stage, then decay (WSD).
-
-``lr_factor(step, ...)`` is a pure function of the step (1-based: the factor used for optimizer
-step ``step``), so it can be unit-tested and plotted without an optimizer.
-"""
+"""Learning-rate schedule: linear warmup, an optional constant stage, then decay (WSD). ``lr_factor(step, ...)``
+is a pure function of the step (1-based: the factor of optimizer step ``step``), so it can be unit-tested and
+plotted without an optimizer."""
 
 from __future__ import annotations
 

@@ -17,13 +17,11 @@ from torch import nn
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    decay, no_decay, seen = [], [], set()
+    decay, no_decay = [], []
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    for p in model.parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        (decay if p.ndim >= 2 and id(p) not in embeddings else no_decay).append(p)
+    for p in model.parameters():  # a shared (tied) tensor comes once
+        if p.requires_grad:
+            (decay if p.ndim >= 2 and id(p) not in embeddings else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
