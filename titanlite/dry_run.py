@@ -3,16 +3,14 @@
 ``python -m titanlite.train --config train_configs/llama70b.toml --job.dry_run true`` (optionally
 ``--job.dry_run_world_size N``) does, in one CPU process and in a few seconds:
 
-1. resolves the world size: ``job.dry_run_world_size``, else ``job.world_size`` (the size the config
-   is tuned for), else the product of the explicit parallel degrees;
-2. validates the degrees and the batch arithmetic exactly as the trainer would (``ParallelDims``,
-   gradient accumulation);
-3. joins a *fake* process group of that size as rank 0 (``FakeStore`` + the ``fake`` backend: every
+1. resolves the world size (:func:`resolve_world_size`) and validates the degrees and the batch
+   arithmetic exactly as the trainer would (``ParallelDims``, gradient accumulation);
+2. joins a *fake* process group of that size as rank 0 (``FakeStore`` + the ``fake`` backend: every
    collective is a no-op, no other process exists) and builds the trainer's named device mesh;
-4. builds the model on the meta device and applies the family's ``parallelize_fn`` (float8, TP, AC,
+3. builds the model on the meta device and applies the family's ``parallelize_fn`` (float8, TP, AC,
    compile wrapping, FSDP) exactly as a real run does: a plan that does not divide (heads, vocab,
    hidden size, sequence length ...) fails here with the trainer's own error;
-5. prints the parameter count of every rank (computed from each parameter's DTensor placements for
+4. prints the parameter count of every rank (computed from each parameter's DTensor placements for
    every mesh coordinate), the sharding of each parameter group, and the planner's per-GPU memory
    estimate (:mod:`titanlite.planner`) against ``job.dry_run_gpu``;
 
@@ -21,8 +19,10 @@ and exits without allocating a single weight. :func:`dry_run` returns the same f
 
 from __future__ import annotations
 
+import itertools
+import math
+import os
 import re
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +32,8 @@ GB = 1e9
 
 
 def resolve_world_size(cfg) -> tuple[int, str]:
-    """``(world size, where it came from)`` for the dry run; ValueError when nothing states it."""
+    """``(world size, where it came from)``: ``job.dry_run_world_size``, else ``job.world_size`` (the size the
+    config is tuned for), else the product of the explicit parallel degrees; ValueError when nothing states it."""
     job, par = cfg.job, cfg.parallelism
     if job.dry_run_world_size > 0:
         return job.dry_run_world_size, "job.dry_run_world_size"
@@ -47,10 +48,6 @@ def resolve_world_size(cfg) -> tuple[int, str]:
     )
 
 
-def _group_name(name: str) -> str:
-    return re.sub(r"^layers\.\d+\.", "layers.*.", name)
-
-
 def _placement_text(p) -> str:
     from torch.distributed.tensor import Replicate, Shard
 
@@ -61,18 +58,6 @@ def _placement_text(p) -> str:
     if isinstance(p, Replicate):
         return "Replicate"
     return str(p)
-
-
-def _coordinates(world: int, mesh_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """Mesh coordinate of every global rank (row-major over ``(dp_replicate, dp_shard, tp)``)."""
-    out = []
-    for r in range(world):
-        coord, rest = [], r
-        for size in reversed(mesh_shape):
-            coord.append(rest % size)
-            rest //= size
-        out.append(tuple(reversed(coord)))
-    return out
 
 
 def _local_numel_fn(global_mesh_names: tuple[str, ...]) -> Callable:
@@ -89,25 +74,15 @@ def _local_numel_fn(global_mesh_names: tuple[str, ...]) -> Callable:
     def fn(p: torch.Tensor, coord: tuple[int, ...]) -> int:
         if not isinstance(p, DTensor):
             return p.numel()
-        mesh = p.device_mesh
-        names = mesh.mesh_dim_names or ()
-        sub = (
-            tuple(coord[global_mesh_names.index(n)] for n in names)
-            if all(n in global_mesh_names for n in names)
-            else None
-        )
+        mesh, names = p.device_mesh, p.device_mesh.mesh_dim_names or ()
+        sub = tuple(coord[global_mesh_names.index(n)] for n in names) if set(names) <= set(global_mesh_names) else None
         key = (tuple(p.shape), tuple(mesh.shape), tuple(map(str, p.placements)), sub)
         if key not in cache:
             if sub is None or local_shape is None:
-                shape = tuple(p.to_local().shape)  # fallback: this rank's shard for every rank
+                shape = p.to_local().shape  # fallback: this rank's shard for every rank
             else:
-                shape = tuple(
-                    local_shape(tuple(p.shape), tuple(mesh.shape), list(sub), p.placements, skip_offset=True)[0]
-                )
-            n = 1
-            for s in shape:
-                n *= s
-            cache[key] = n
+                shape = local_shape(tuple(p.shape), tuple(mesh.shape), list(sub), p.placements, skip_offset=True)[0]
+            cache[key] = math.prod(shape)
         return cache[key]
 
     return fn
@@ -125,36 +100,27 @@ def dry_run(cfg, world_size: int | None = None, out: Callable[[str], None] = pri
     from titanlite.planner import ModelShape, RunSetup, memory_breakdown, param_count, usable_memory
     from titanlite.train_step import grad_accum_steps
 
-    if world_size is None:
-        world_size, source = resolve_world_size(cfg)
-    else:
-        source = "argument"
-    t, par = cfg.training, cfg.parallelism
+    world_size, source = resolve_world_size(cfg) if world_size is None else (world_size, "argument")
+    t, par, ac, f8 = cfg.training, cfg.parallelism, cfg.activation_checkpoint, cfg.quantize_linear_float8
     dims = ParallelDims.from_config(par, world_size)
     accum = grad_accum_steps(t.global_batch_size, t.local_batch_size, dims.dp_degree)
     spec = get_model_spec(cfg.model.name)
     vocab, vocab_note = _vocab_size(cfg, spec)
     args = model_args_for(cfg.model, vocab)
 
-    created = False
     if world_size > 1:
         if dist.is_available() and dist.is_initialized():
             raise RuntimeError("dry run: a process group already exists in this process; run the dry run on its own")
         from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
         dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
-        created = True
     try:
         dims.build_mesh("cpu")
         with torch.device("meta"):
             model = spec.model_cls(args)
         dims.check_tp_divides(**{"training.seq_len (sequence parallelism)": t.seq_len})
         policies = Policies.from_config(
-            parallelism=par,
-            training=t,
-            activation_checkpoint=cfg.activation_checkpoint,
-            compile=cfg.compile,
-            float8=cfg.quantize_linear_float8,
+            parallelism=par, training=t, activation_checkpoint=ac, compile=cfg.compile, float8=f8
         )
         if spec.parallelize_fn is not None:
             model = spec.parallelize_fn(model, dims, policies)
@@ -164,7 +130,7 @@ def dry_run(cfg, world_size: int | None = None, out: Callable[[str], None] = pri
             )
         report = _inspect(model, dims, world_size, MESH_DIMS)
     finally:
-        if created:
+        if world_size > 1:  # the fake process group created above
             dist.destroy_process_group()
 
     shape = ModelShape.from_args(args, num_params=model_counts(spec, args, t.seq_len)[0])
@@ -175,32 +141,30 @@ def dry_run(cfg, world_size: int | None = None, out: Callable[[str], None] = pri
         local_batch_size=t.local_batch_size,
         seq_len=t.seq_len,
         global_batch_size=t.global_batch_size,
-        ac_mode=cfg.activation_checkpoint.mode,
-        ac_option=cfg.activation_checkpoint.selective_ac_option,
+        ac_mode=ac.mode,
+        ac_option=ac.selective_ac_option,
         compute_dtype=t.mixed_precision_param,
-        float8=cfg.quantize_linear_float8.enable,
+        float8=f8.enable,
         optimizer_impl="fused" if cfg.optimizer.implementation == "auto" else cfg.optimizer.implementation,
     )
     memory = memory_breakdown(shape, setup)
     gpu_bytes = gpu_memory_bytes(cfg.job.dry_run_gpu)
     usable = None if gpu_bytes is None else usable_memory(gpu_bytes)
-    report.update(
-        {
-            "model": f"{cfg.model.name}/{cfg.model.flavor}",
-            "world_size": world_size,
-            "world_size_source": source,
-            "degrees": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp},
-            "grad_accum": accum,
-            "global_batch": t.local_batch_size * dims.dp_degree * accum,
-            "tokens_per_step": t.local_batch_size * dims.dp_degree * accum * t.seq_len,
-            "planner_params": param_count(shape),
-            "memory": memory,
-            "gpu": cfg.job.dry_run_gpu,
-            "usable_bytes": usable,
-            "fits": None if usable is None else memory["total"] <= usable,
-            "vocab_note": vocab_note,
-        }
-    )
+    report |= {
+        "model": f"{cfg.model.name}/{cfg.model.flavor}",
+        "world_size": world_size,
+        "world_size_source": source,
+        "degrees": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp},
+        "grad_accum": accum,
+        "global_batch": t.local_batch_size * dims.dp_degree * accum,
+        "tokens_per_step": t.local_batch_size * dims.dp_degree * accum * t.seq_len,
+        "planner_params": param_count(shape),
+        "memory": memory,
+        "gpu": cfg.job.dry_run_gpu,
+        "usable_bytes": usable,
+        "fits": None if usable is None else memory["total"] <= usable,
+        "vocab_note": vocab_note,
+    }
     for line in format_report(report, cfg):
         out(line)
     return report
@@ -208,8 +172,6 @@ def dry_run(cfg, world_size: int | None = None, out: Callable[[str], None] = pri
 
 def _vocab_size(cfg, spec) -> tuple[int, str]:
     """The tokenizer's vocabulary when it can be read here, else the flavor's (with a note)."""
-    import os
-
     if "vocab_size" in cfg.model.overrides:
         return cfg.model.overrides["vocab_size"], ""
     path = cfg.model.tokenizer_path
@@ -225,11 +187,11 @@ def _inspect(model: torch.nn.Module, dims, world: int, mesh_names: tuple[str, ..
     from torch.distributed.tensor import DTensor
 
     mesh_shape = (dims.dp_replicate, dims.dp_shard, dims.tp)
-    coords = _coordinates(world, mesh_shape)
+    coords = list(itertools.product(*map(range, mesh_shape)))  # of every global rank (row-major)
     numel = _local_numel_fn(mesh_names)
     params = list(model.named_parameters())  # shared (tied) parameters once
     per_rank = [0] * world
-    groups: OrderedDict[tuple, dict] = OrderedDict()
+    groups: dict[tuple, dict] = {}
     for name, p in params:
         for r, c in enumerate(coords):
             per_rank[r] += numel(p, c)
@@ -239,28 +201,16 @@ def _inspect(model: torch.nn.Module, dims, world: int, mesh_names: tuple[str, ..
             local = list(p.to_local().shape)
         else:
             placement, local = "replicated (plain tensor)", list(p.shape)
-        key = (_group_name(name), tuple(p.shape), placement)
-        g = groups.setdefault(
-            key,
-            {
-                "group": key[0],
-                "count": 0,
-                "shape": list(p.shape),
-                "placements": placement,
-                "rank0_shape": local,
-                "numel": 0,
-            },
-        )
+        key = (re.sub(r"^layers\.\d+\.", "layers.*.", name), tuple(p.shape), placement)  # all blocks in one group
+        new = dict(group=key[0], count=0, shape=list(p.shape), placements=placement, rank0_shape=local, numel=0)
+        g = groups.setdefault(key, new)
         g["count"] += 1
         g["numel"] += p.numel()
-    total = sum(p.numel() for _, p in params)
-    lo = min(range(world), key=per_rank.__getitem__)
-    hi = max(range(world), key=per_rank.__getitem__)
     return {
-        "params": total,
+        "params": sum(p.numel() for _, p in params),
         "per_rank": per_rank,
-        "min_rank": lo,
-        "max_rank": hi,
+        "min_rank": min(range(world), key=per_rank.__getitem__),
+        "max_rank": max(range(world), key=per_rank.__getitem__),
         "groups": list(groups.values()),
         "mesh_dims": dict(zip(mesh_names, mesh_shape)),
     }
@@ -268,88 +218,60 @@ def _inspect(model: torch.nn.Module, dims, world: int, mesh_names: tuple[str, ..
 
 def _rank_runs(per: list[int], limit: int = 8) -> str:
     """``ranks 0-3: N; ranks 4-7: M`` (consecutive ranks with equal counts), else min and max."""
-    runs: list[list[int]] = []
-    for r, n in enumerate(per):
-        if runs and runs[-1][2] == n:
-            runs[-1][1] = r
-        else:
-            runs.append([r, r, n])
+    runs = [(n, list(ranks)) for n, ranks in itertools.groupby(range(len(per)), key=per.__getitem__)]
     if len(runs) <= limit:
-        return "; ".join(f"rank{'s' if a != b else ''} {a}{'-' + str(b) if a != b else ''}: {n:,}" for a, b, n in runs)
+        return "; ".join(f"ranks {g[0]}-{g[-1]}: {n:,}" if len(g) > 1 else f"rank {g[0]}: {n:,}" for n, g in runs)
     lo, hi = min(range(len(per)), key=per.__getitem__), max(range(len(per)), key=per.__getitem__)
     return f"min {per[lo]:,} (rank {lo}), max {per[hi]:,} (rank {hi})"
 
 
 def format_report(r: dict[str, Any], cfg) -> list[str]:
-    d, t = r["degrees"], cfg.training
-    w = r["world_size"]
-    lines = [
-        f"dry run: {r['model']} on {w} rank{'s' if w != 1 else ''} ({r['world_size_source']}); "
-        f"{'fake process group, ' if w > 1 else ''}meta device, nothing allocated"
-    ]
-    layout = []
-    if d["dp_replicate"] > 1:
-        layout.append(f"HSDP replicas {d['dp_replicate']}")
+    d, t, ac, w = r["degrees"], cfg.training, cfg.activation_checkpoint, r["world_size"]
+    per, lo, hi, m = r["per_rank"], r["min_rank"], r["max_rank"], r["memory"]
+    layout = [f"HSDP replicas {d['dp_replicate']}"] if d["dp_replicate"] > 1 else []
     if d["dp_replicate"] * d["dp_shard"] > 1:
         layout.append(f"FSDP over {d['dp_shard']}")
     if d["tp"] > 1:
         lp = "loss parallel" if cfg.parallelism.enable_loss_parallel else "logits gathered"
         layout.append(f"TP {d['tp']} ({lp})")
-    lines.append(
+    spread = f"{per[hi]:,} on every rank" if per[lo] == per[hi] else _rank_runs(per)
+    lines = [
+        f"dry run: {r['model']} on {w} rank{'s' if w != 1 else ''} ({r['world_size_source']}); "
+        f"{'fake process group, ' if w > 1 else ''}meta device, nothing allocated",
         f"mesh       dp_replicate {d['dp_replicate']} x dp_shard {d['dp_shard']} x tp {d['tp']} = {w}"
-        f" | {', '.join(layout) or 'single process, no sharding'}"
-    )
-    ac = cfg.activation_checkpoint
-    lines.append(
+        f" | {', '.join(layout) or 'single process, no sharding'}",
         f"training   AC {ac.mode}{' (' + ac.selective_ac_option + ')' if ac.mode == 'selective' else ''}"
         f", compile {'on' if cfg.compile.enable else 'off'}, float8 "
         f"{'on' if cfg.quantize_linear_float8.enable else 'off'}, compute {t.mixed_precision_param}, "
-        f"reduce {t.mixed_precision_reduce}"
-    )
-    lines.append(
+        f"reduce {t.mixed_precision_reduce}",
         f"batch      {t.local_batch_size} seq/rank x dp {d['dp_replicate'] * d['dp_shard']} x accumulation "
         f"{r['grad_accum']} = {r['global_batch']} sequences x {t.seq_len} = {r['tokens_per_step']:,} tokens "
-        "per optimizer step"
-    )
-    per = r["per_rank"]
-    lo, hi = r["min_rank"], r["max_rank"]
-    share = r["params"] / max(per[hi], 1)
-    spread = f"{per[hi]:,} on every rank" if per[lo] == per[hi] else _rank_runs(per)
-    lines.append(
+        "per optimizer step",
         f"params     {r['params']:,} in the model ({r['params'] / 1e9:.3f} B); per rank: {spread} "
-        f"= 1/{share:.1f} of the model"
-    )
+        f"= 1/{r['params'] / max(per[hi], 1):.1f} of the model",
+    ]
     if r["planner_params"] != r["params"]:
         lines.append(
             f"note       the planner's count is {r['planner_params']:,}: its memory estimate below is for that shape"
         )
     if r.get("vocab_note"):
         lines.append(f"note       {r['vocab_note']}")
-    lines.append(
+    return lines + [
         "sharding   parameter group                              count  global shape        placements"
-        "                                   rank-0 shard"
-    )
-    for g in r["groups"]:
-        lines.append(
+        "                                   rank-0 shard",
+        *(
             f"           {g['group']:<44} {g['count']:>5}  {str(g['shape']):<19} {g['placements']:<44} "
             f"{g['rank0_shape']}"
-        )
-    m = r["memory"]
-    state = 16 * per[hi] / GB
-    lines.append(
+            for g in r["groups"]
+        ),
         f"memory     planner per GPU (GB = 1e9 B): parameters {m['parameters'] / GB:.2f}, gradients "
         f"{m['gradients'] / GB:.2f}, optimizer {m['optimizer'] / GB:.2f}, activations "
-        f"{m['activations'] / GB:.2f}, logits {m['logits'] / GB:.2f} -> total {m['total'] / GB:.2f}"
-    )
-    lines.append(
-        f"           fp32 weights + gradients + AdamW state of the largest rank, from the sharded model: {state:.2f} GB"
-    )
-    if r["usable_bytes"] is None:
-        lines.append(f"verdict    unknown GPU {r['gpu']!r}: no memory verdict (set job.dry_run_gpu)")
-    else:
-        verdict = "FITS" if r["fits"] else "DOES NOT FIT"
-        lines.append(
-            f"verdict    {verdict}: {m['total'] / GB:.1f} GB of {r['usable_bytes'] / GB:.1f} GB usable on a {r['gpu']}"
-        )
-    lines.append("dry run complete: no weights were allocated; exiting")
-    return lines
+        f"{m['activations'] / GB:.2f}, logits {m['logits'] / GB:.2f} -> total {m['total'] / GB:.2f}",
+        "           fp32 weights + gradients + AdamW state of the largest rank, from the sharded model: "
+        f"{16 * per[hi] / GB:.2f} GB",
+        f"verdict    unknown GPU {r['gpu']!r}: no memory verdict (set job.dry_run_gpu)"
+        if r["usable_bytes"] is None
+        else f"verdict    {'FITS' if r['fits'] else 'DOES NOT FIT'}: {m['total'] / GB:.1f} GB of "
+        f"{r['usable_bytes'] / GB:.1f} GB usable on a {r['gpu']}",
+        "dry run complete: no weights were allocated; exiting",
+    ]

@@ -5,10 +5,7 @@ FLOPs per token are the model family's (:func:`titanlite.models.registry.model_c
 families). MFU = achieved FLOP/s / peak FLOP/s of the dtype the matmuls run in. Peaks are dense
 (no 2:4 sparsity). An unknown GPU gets no guessed peak: MFU is then reported as None. On CPU the
 peak is a measured matmul rate (:func:`measure_cpu_matmul_peak`, once per process, when first
-needed), logged alongside.
-
-:class:`MetricsHook` is the metrics' place in the training loop: a record every ``log_freq``
-steps, rank 0's progress line, and the run summary.
+needed), logged alongside. :class:`MetricsHook` is the metrics' place in the training loop.
 """
 
 from __future__ import annotations
@@ -32,19 +29,15 @@ from titanlite.hooks import Hook, LoopState
 
 logger = logging.getLogger(__name__)
 
-# Dense peak TFLOP/s per GPU by matmul dtype, from the vendors' datasheets (NVIDIA prints 2:4
-# sparsity figures, with an asterisk, for the tensor-core rows: those are halved here, never used
-# as is). "float32" is the plain (non-tensor-core) FP32 rate, "tfloat32" the TF32 tensor-core rate.
-# Each entry: (pattern matched against torch.cuda.get_device_name(), a case-insensitive regex with
-# word boundaries, so "H20" does not match "H200" and "H200" does not match "GH200"), peaks.
-# Checked in order: the more specific variants (PCIe, NVL) come before the SXM default.
+# Dense peak TFLOP/s per GPU by matmul dtype, from the vendors' datasheets (NVIDIA's 2:4 sparsity
+# figures are halved here). "float32" is the plain FP32 rate, "tfloat32" the TF32 tensor-core rate.
+# Each entry: (case-insensitive regex matched against torch.cuda.get_device_name() as a whole word,
+# so "H20" does not match "H200" nor "H200" "GH200"), peaks. Checked in order: the more specific
+# variants (PCIe, NVL) come before the SXM default.
 PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
     (r"H100.*PCIe", {"bfloat16": 756.5, "float8": 1513.0, "tfloat32": 378.0, "float32": 51.0}),
-    (r"H100.*NVL", {"bfloat16": 835.5, "float8": 1670.5, "tfloat32": 417.5, "float32": 60.0}),
-    (r"GH200", {"bfloat16": 989.5, "float8": 1979.0, "tfloat32": 494.5, "float32": 67.0}),
-    (r"H100", {"bfloat16": 989.5, "float8": 1979.0, "tfloat32": 494.5, "float32": 67.0}),  # SXM
-    (r"H200.*NVL", {"bfloat16": 835.5, "float8": 1670.5, "tfloat32": 417.5, "float32": 60.0}),
-    (r"H200", {"bfloat16": 989.5, "float8": 1979.0, "tfloat32": 494.5, "float32": 67.0}),  # SXM
+    (r"H[12]00.*NVL", {"bfloat16": 835.5, "float8": 1670.5, "tfloat32": 417.5, "float32": 60.0}),
+    (r"GH200|H[12]00", {"bfloat16": 989.5, "float8": 1979.0, "tfloat32": 494.5, "float32": 67.0}),  # SXM
     (r"H20", {"bfloat16": 148.0, "float8": 296.0, "tfloat32": 74.0, "float32": 44.0}),
     (r"B200", {"bfloat16": 2250.0, "float8": 4500.0, "tfloat32": 1100.0, "float32": 75.0}),  # HGX, 1000 W
     (r"A100", {"bfloat16": 312.0, "tfloat32": 156.0, "float32": 19.5}),  # no float8 on Ampere
@@ -57,7 +50,6 @@ GPU_MEMORY_GB: list[tuple[str, float]] = [
     (r"H100.*NVL", 94.0),
     (r"GH200", 96.0),
     (r"H100", 80.0),
-    (r"H200.*NVL", 141.0),
     (r"H200", 141.0),
     (r"H20", 96.0),
     (r"B200", 180.0),
@@ -69,20 +61,14 @@ GPU_MEMORY_GB: list[tuple[str, float]] = [
 
 
 def _match(table: list[tuple[str, Any]], name: str) -> Any:
-    for pattern, value in table:
-        if re.search(rf"(?<![A-Za-z0-9]){pattern}(?![A-Za-z0-9])", name, flags=re.IGNORECASE):
-            return value
-    return None
+    found = (v for p, v in table if re.search(rf"(?<![A-Za-z0-9])(?:{p})(?![A-Za-z0-9])", name, re.IGNORECASE))
+    return next(found, None)
 
 
 def peak_flops(device: torch.device, dtype: str = "bfloat16") -> float | None:
-    """Dense peak FLOP/s of ``device`` for matmuls in ``dtype`` (bfloat16, float8, float32).
-
-    CUDA: from the table by device name, None when unknown. CPU: the measured matmul rate.
-    """
+    """Dense peak FLOP/s of ``device`` for matmuls in ``dtype``: the table's on CUDA, measured on CPU."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        return peak_flops_for_name(name, dtype)
+        return peak_flops_for_name(torch.cuda.get_device_name(device), dtype)
     if device.type == "cpu":
         return measure_cpu_matmul_peak(dtype, threads=torch.get_num_threads())
     return None
@@ -91,8 +77,7 @@ def peak_flops(device: torch.device, dtype: str = "bfloat16") -> float | None:
 def peak_flops_for_name(name: str, dtype: str) -> float | None:
     """Dense peak FLOP/s of the GPU called ``name`` in ``dtype``; None for an unknown GPU or a dtype
     it has no tensor-core rate for (e.g. float8 on an A100): MFU is then reported as unknown."""
-    peaks = _match(PEAK_TFLOPS, name)
-    tf = None if peaks is None else peaks.get(dtype)
+    tf = (_match(PEAK_TFLOPS, name) or {}).get(dtype)
     return None if tf is None else tf * 1e12
 
 
@@ -103,12 +88,9 @@ def gpu_memory_bytes(name: str) -> float | None:
 
 
 def matmul_dtype(compute_dtype: str, float8: bool = False, device: torch.device | None = None) -> str:
-    """The dtype the model's matmuls run in, which selects the peak MFU is measured against.
-
-    ``compute_dtype`` is ``[training] mixed_precision_param``; with float8 linears (on CUDA) most
-    FLOPs are float8 matmuls. float32 matmuls on CUDA use TF32 tensor cores when torch allows it
-    (``torch.backends.cuda.matmul.allow_tf32`` / ``set_float32_matmul_precision("high")``).
-    """
+    """The dtype the model's matmuls run in (it selects the peak of MFU): with float8 linears on CUDA most
+    FLOPs are float8 matmuls; float32 ones on CUDA use TF32 tensor cores when torch allows it
+    (``set_float32_matmul_precision("high")``); else ``compute_dtype`` (``mixed_precision_param``)."""
     on_cuda = device is not None and device.type == "cuda"
     if float8 and on_cuda:
         return "float8"
@@ -119,13 +101,10 @@ def matmul_dtype(compute_dtype: str, float8: bool = False, device: torch.device 
 
 @functools.cache
 def measure_cpu_matmul_peak(dtype: str = "float32", n: int = 2048, trials: int = 5, threads: int = 0) -> float:
-    """Measured matmul FLOP/s of this CPU in ``dtype`` (``threads``: the intra-op thread count it is
-    measured at, part of the cache key; 0 = the current one). Cached per process.
+    """Matmul FLOP/s of this CPU in ``dtype``, cached per process and ``threads`` (intra-op threads, 0: current).
 
-    The best of ``trials`` short timings (each ~0.1 s), so a busy moment does not lower the peak
-    and inflate MFU (other processes loading the CPU still do: CPU MFU is indicative). The inputs
-    come from a private generator: measuring never moves torch's global random state.
-    """
+    The best of ``trials`` ~0.1 s timings, so a busy moment does not lower the peak and inflate MFU (a
+    loaded CPU still does: CPU MFU is indicative). A private generator leaves torch's global RNG alone."""
     dt = DTYPES.get(dtype, torch.float32)
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(n, n, generator=g).to(dt), torch.randn(n, n, generator=g).to(dt)
@@ -151,29 +130,21 @@ def memory_stats(device: torch.device) -> dict[str, float]:
             "mem_peak_gib": s.get("allocated_bytes.all.peak", 0) / gib,
             "alloc_retries": s.get("num_alloc_retries", 0),
         }
-    return {
-        "mem_rss_gib": _current_rss_bytes() / gib,
-        "mem_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / gib,
-    }
-
-
-def _current_rss_bytes() -> int:
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     try:
         with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # no /proc: the peak is the best estimate
+        rss = peak_rss
+    return {"mem_rss_gib": rss / gib, "mem_peak_rss_gib": peak_rss / gib}
 
 
 class MetricsLogger:
-    """``[metrics]``: records to ``<dump_folder>/metrics.jsonl`` and TensorBoard (rank 0 only; no-op elsewhere).
-
-    A record is written as one line and flushed; :meth:`rewind` drops the records after a step
-    (a resumed run logs them again)."""
+    """``[metrics]``: records to ``<dump_folder>/metrics.jsonl`` (a flushed line each) and TensorBoard, on
+    rank 0 only; :meth:`rewind` drops the records after a step (a resumed run logs them again)."""
 
     def __init__(self, section: Any, dump_folder: str | os.PathLike, rank: int = 0):
-        self.enabled = rank == 0
-        self.writer = None
+        self.enabled, self.writer = rank == 0, None
         self.path = Path(dump_folder) / "metrics.jsonl"
         if not self.enabled:
             return
@@ -215,17 +186,16 @@ def rewind_metrics_log(path: str | os.PathLike, step: int) -> int:
     keep = dropped = offset = 0
     with open(path, "rb") as f:
         for line in f:
-            end = offset + len(line)
+            offset += len(line)
             try:
                 record = json.loads(line) if line.endswith(b"\n") else None
             except ValueError:
                 record = None
             rec_step = record.get("step") if isinstance(record, dict) else None
             if isinstance(rec_step, int) and rec_step <= step and dropped == 0:
-                keep = end
+                keep = offset
             else:
                 dropped += 1
-            offset = end
     if dropped:
         os.truncate(path, keep)
         logger.info("metrics log %s: removed %d record(s) after step %d (they are logged again)", path, dropped, step)
@@ -240,51 +210,39 @@ def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
     return total - (emb.weight.numel() if emb is not None else 0)
 
 
-# ----------------------------------------------------------------------------- update / parameter norms
-
-
 def _layer_of(name: str) -> str:
     """Group a parameter name per transformer block (``layers.3``) or top-level module (``output``)."""
     parts = name.split(".")
-    if parts[0] == "layers" and len(parts) > 1:
-        return f"layers.{parts[1]}"
-    return parts[0]
+    return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
 
 
 def _global_square_sums(tensors: list[torch.Tensor]) -> list[float]:
-    """Squared L2 norm of each (possibly DTensor-sharded) tensor, over all its shards.
-
-    Local sums are stacked per (mesh, placements) group and made global with one reduction per group:
-    a dimension the tensors are sharded over is summed, a replicated one is not (it would count the
-    same values twice). Plain tensors need no communication. One host transfer per group.
-    """
+    """Squared L2 norm of each (possibly DTensor-sharded) tensor, over all its shards: local sums stacked per
+    (mesh, placements) group, one reduction and host transfer per group, summed over the sharded mesh
+    dimensions only (a replicated one would count the same values twice)."""
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
-    out: list[float | None] = [None] * len(tensors)
+    out: dict[int, float] = {}
     groups: dict[Any, list[int]] = {}
     for i, t in enumerate(tensors):
         key = (id(t.device_mesh), tuple(t.placements)) if isinstance(t, DTensor) else None
         groups.setdefault(key, []).append(i)
     for key, idx in groups.items():
-        locals_ = [tensors[i].to_local() if key is not None else tensors[i] for i in idx]
-        sq = torch.stack([t.detach().float().pow(2).sum() for t in locals_])
+        sq = torch.stack([(tensors[i].to_local() if key else tensors[i]).detach().float().pow(2).sum() for i in idx])
         if key is not None:
             first = tensors[idx[0]]
             placements = [Replicate() if p.is_replicate() else Partial("sum") for p in first.placements]
             sq = DTensor.from_local(sq, first.device_mesh, placements, run_check=False).full_tensor()
-        for i, v in zip(idx, sq.tolist()):
-            out[i] = v
-    return out  # type: ignore[return-value]
+        out.update(zip(idx, sq.tolist()))
+    return [out[i] for i in range(len(tensors))]
 
 
 class UpdateRatio:
     """``||update|| / ||parameters||`` of one optimizer step, overall and optionally per layer.
 
-    :meth:`before_step` copies the (local shards of the) parameters, :meth:`after_step` measures the
-    difference. Call both only on logging steps: the copy costs one parameter-sized buffer and a few
-    reductions, nothing on the other steps. Healthy AdamW training shows ratios around 1e-3; a ratio
-    that jumps by orders of magnitude marks an unstable step. Works on FSDP/TP (DTensor) parameters.
-    """
+    :meth:`before_step` copies the (local shards of the FSDP/TP) parameters, :meth:`after_step` measures the
+    difference: on logging steps only, as the copy costs a parameter-sized buffer. Healthy AdamW training
+    shows ratios around 1e-3; a jump by orders of magnitude marks an unstable step."""
 
     def __init__(self, model: nn.Module, per_layer: bool = False):
         self.named = list({id(p): (n, p) for n, p in model.named_parameters() if p.requires_grad}.values())
@@ -308,28 +266,21 @@ class UpdateRatio:
     def after_step(self) -> dict[str, float]:
         if self._saved is None:
             return {}
-        old = self._saved
-        diffs = [p.detach() - o for (_, p), o in zip(self.named, old)]
-        self._saved = None
-        sums = _global_square_sums(diffs + old)
+        old, self._saved = self._saved, None
+        sums = _global_square_sums([p.detach() - o for (_, p), o in zip(self.named, old)] + old)
         upd, par = sums[: len(old)], sums[len(old) :]  # relative to the parameters before the step
         out = {"update_ratio": _ratio(sum(upd), sum(par))}
         if self.per_layer:
-            per: dict[str, list[float]] = {}
+            per: dict[str, tuple[float, float]] = {}
             for (name, _), u, w in zip(self.named, upd, par):
-                acc = per.setdefault(_layer_of(name), [0.0, 0.0])
-                acc[0] += u
-                acc[1] += w
-            for layer, (u, w) in per.items():
-                out[f"update_ratio/{layer}"] = _ratio(u, w)
+                su, sw = per.get(layer := _layer_of(name), (0.0, 0.0))
+                per[layer] = (su + u, sw + w)
+            out |= {f"update_ratio/{layer}": _ratio(u, w) for layer, (u, w) in per.items()}
         return out
 
 
 def _ratio(update_sq: float, param_sq: float) -> float:
     return math.sqrt(update_sq) / math.sqrt(param_sq) if param_sq > 0 else float("nan")
-
-
-# ----------------------------------------------------------------------------- progress and summary
 
 
 def format_duration(seconds: float | None) -> str:
@@ -357,20 +308,17 @@ class RunProgress:
     """
 
     def __init__(self, total_steps: int, start_step: int = 0):
-        self.total_steps = total_steps
-        self.start_step = start_step
-        self.t_start = time.perf_counter()
-        self.t_first: float | None = None  # end of the first step run by this process
-        self.step_first: int | None = None
-        self.last_step = start_step
+        self.total_steps, self.start_step, self.t_start = total_steps, start_step, time.perf_counter()
+        self.restart(start_step)
         self.windows: list[tuple[float, float, float | None, int]] = []  # (seconds, tokens/s, mfu, steps)
-        self.last_loss: float | None = None
-        self.last_val_loss: float | None = None
+        self.last_loss = self.last_val_loss = None
         self.tokens_seen = 0
 
     def restart(self, step: int) -> None:
-        """After a rollback to ``step``: the ETA clock restarts from there."""
-        self.t_first, self.step_first, self.last_step = None, None, step
+        """At the start, and after a rollback to ``step``: the ETA clock starts at the next step's end."""
+        self.t_first: float | None = None  # end of the first step run by this process (since the restart)
+        self.step_first: int | None = None
+        self.last_step = step
 
     def step_done(self, step: int) -> None:
         self.last_step = step
@@ -424,15 +372,11 @@ def format_summary(s: dict[str, Any]) -> str:
 
 
 class MetricsHook(Hook):
-    """``[metrics]`` in the loop: a step record at the first and last step and every ``log_freq``
-    steps (loss, grad norm, lr, tokens/s, MFU, memory, data wait, update ratio, ETA, and whatever
-    ``result.extra`` holds, e.g. the guard's counters), rank 0's progress line, the summary.
-
-    It owns the metrics log: at the start it becomes ``state.sink`` and the log is rewound to
-    ``state.step`` (a resumed run logs the later steps again; a fresh start logs from scratch).
-    ``flops_per_token`` and ``matmul_dtype`` give MFU; the peak is measured or looked up when
-    first needed. ``summary_path``: where rank 0 writes ``summary.json``.
-    """
+    """``[metrics]`` in the loop: a step record at the first and last step and every ``log_freq`` steps (loss,
+    grad norm, lr, tokens/s, MFU from ``flops_per_token`` and ``matmul_dtype``, memory, data wait, update
+    ratio, ETA, and whatever ``result.extra`` holds, e.g. the guard's counters), rank 0's progress line, the
+    summary (rank 0 writes it to ``summary_path``). It owns the metrics log: at the start it becomes
+    ``state.sink`` and is rewound to ``state.step`` (a fresh start logs from scratch)."""
 
     def __init__(
         self,
@@ -452,30 +396,28 @@ class MetricsHook(Hook):
         self.update_ratio = UpdateRatio(model, section.update_ratio_per_layer) if track else None
         self.progress = RunProgress(0)
         self.window = (time.perf_counter(), 0, 0, 0.0)  # start, steps, tokens, data wait
-        self._peak: Any = ...  # measured when first needed (None: unknown GPU)
 
     def is_log_step(self, step: int, total: int) -> bool:
         return step == 1 or step % self.section.log_freq == 0 or step == total
 
-    @property
+    @functools.cached_property
     def peak_flops(self) -> float | None:
-        """Peak FLOP/s of the device in the matmul dtype (None: unknown); settable."""
-        if self._peak is ...:
-            self._peak = peak_flops(self.device, self.matmul_dtype)
-            if self._peak is not None and self.device.type == "cpu":
-                logger.info("MFU is against this CPU's measured matmul peak: %.1f GFLOP/s", self._peak / 1e9)
-        return self._peak
+        """Peak FLOP/s of the device in the matmul dtype (None: unknown GPU), when first needed; settable."""
+        peak = peak_flops(self.device, self.matmul_dtype)
+        if peak is not None and self.device.type == "cpu":
+            logger.info("MFU is against this CPU's measured matmul peak: %.1f GFLOP/s", peak / 1e9)
+        return peak
 
-    @peak_flops.setter
-    def peak_flops(self, value: float | None) -> None:
-        self._peak = value
+    def _rewind(self, state: LoopState) -> None:
+        """Drop the records after ``state.step`` (a resumed run logs them again); a new timing window."""
+        self.log.rewind(state.step)
+        state.records[:] = [r for r in state.records if r["step"] <= state.step]
+        self.window = (time.perf_counter(), 0, 0, 0.0)
 
     def on_train_start(self, state: LoopState) -> None:
         state.sink = self.log
-        self.log.rewind(state.step)
-        state.records[:] = [r for r in state.records if r["step"] <= state.step]
         self.progress = RunProgress(state.total_steps, state.step)
-        self.window = (time.perf_counter(), 0, 0, 0.0)
+        self._rewind(state)
 
     def before_update(self, state: LoopState, result: Any) -> None:
         if self.update_ratio is not None and self.is_log_step(result.step, state.total_steps):
@@ -518,14 +460,11 @@ class MetricsHook(Hook):
 
     def on_resume(self, state: LoopState, result: Any) -> None:
         """After a rollback to ``state.step``: its later records go, the ETA clock restarts."""
-        self.log.rewind(state.step)
-        state.records[:] = [r for r in state.records if r["step"] <= state.step]
+        self._rewind(state)
         self.progress.restart(state.step)
-        self.window = (time.perf_counter(), 0, 0, 0.0)
 
     def on_train_end(self, state: LoopState) -> None:
-        val = [r["val_loss"] for r in state.records if "val_loss" in r]
-        if val:
+        if val := [r["val_loss"] for r in state.records if "val_loss" in r]:
             self.progress.validation(val[-1])
         summary = self.progress.summary()
         logger.info(format_summary(summary))
@@ -539,19 +478,8 @@ class MetricsHook(Hook):
         mem = r.get("mem_peak_gib", r.get("mem_rss_gib", 0.0))
         upd = f" | upd/param {r['update_ratio']:.1e}" if "update_ratio" in r else ""
         logger.info(
-            "step %4d/%d (%.0f%%) | loss %.4f | grad_norm %.3f | lr %.2e | tok/s %s (global %s) | mfu %s | "
-            "mem %.2f GiB | data %.0f%%%s | eta %s",
-            r["step"],
-            total,
-            100 * r["step"] / total,
-            r["loss"],
-            r["grad_norm"],
-            r["lr"],
-            f"{r['tokens_per_s']:,.0f}",
-            f"{r['tokens_per_s_global']:,.0f}",
-            mfu,
-            mem,
-            100 * r["data_wait_frac"],
-            upd,
-            format_duration(r.get("eta_s")),
+            f"step {r['step']:4d}/{total} ({100 * r['step'] / total:.0f}%) | loss {r['loss']:.4f} | grad_norm "
+            f"{r['grad_norm']:.3f} | lr {r['lr']:.2e} | tok/s {r['tokens_per_s']:,.0f} (global "
+            f"{r['tokens_per_s_global']:,.0f}) | mfu {mfu} | mem {mem:.2f} GiB | data {100 * r['data_wait_frac']:.0f}%"
+            f"{upd} | eta {format_duration(r.get('eta_s'))}"
         )

@@ -27,11 +27,11 @@ micro-batches), the end of backward (gradients + the block being recomputed unde
 checkpointing) and the optimizer step (gradients + scratch).
 
 Activation bytes per token per transformer block without activation checkpointing, with ``d =
-dim``, ``q = n_heads x head_dim`` (``= d`` for Llama), ``F = ffn hidden``, ``h = n_heads``,
-``c`` = compute-dtype bytes, ``r`` = residual-stream
-bytes (fp32 under autocast, else ``c``), ``l`` = bytes of saved matmul inputs (``c``, or 1 for
-float8 linears), as counted with ``torch.autograd.graph.saved_tensors_hooks`` on titanlite's Llama 3
-block (exact for fp32 and bf16 autocast, see tests/test_planner.py)::
+dim``, ``q = n_heads x head_dim`` (``= d`` for Llama), ``F = ffn hidden``, ``h = n_heads``, ``c`` =
+compute-dtype bytes, ``r`` = residual-stream bytes (fp32 under autocast, else ``c``), ``l`` = bytes
+of saved matmul inputs (``c``, or 1 for float8 linears), as counted with
+``torch.autograd.graph.saved_tensors_hooks`` on titanlite's Llama 3 block (exact for fp32 and bf16
+autocast, see tests/test_planner.py)::
 
     2 RMSNorms (eager)    2 x 2 r d          input and normalized input of each norm
     matmul inputs         l d x (k_attn + k_ffn)   k = 1 when wq/wk/wv (w1/w3) share one saved input,
@@ -74,13 +74,10 @@ CHINCHILLA_TOKENS_PER_PARAM = 20
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
-    """The sizes that determine parameters, FLOPs and activations (Llama-style decoder).
-
-    Attribute names match the Llama 3 model args. ``head_dim`` 0 (the default) means ``dim // n_heads``
-    (Llama); families that set it on its own (Qwen3) and add RMSNorm weights on the query/key heads
-    (``qk_norm``) are counted exactly too. ``num_params``: the family's exact count when its blocks
-    are not Llama blocks (0: the formula of :func:`param_count`).
-    """
+    """The sizes that determine parameters, FLOPs and activations (Llama-style decoder; names as in the
+    Llama 3 model args). Families with their own ``head_dim`` and query/key RMSNorm weights (``qk_norm``,
+    Qwen3) are counted exactly too. ``num_params``: the family's exact count when its blocks are not Llama
+    blocks (0: the formula of :func:`param_count`)."""
 
     dim: int
     n_layers: int
@@ -100,18 +97,9 @@ class ModelShape:
     @classmethod
     def from_args(cls, args: Any, num_params: int = 0) -> ModelShape:
         kv = getattr(args, "kv_heads", None) or getattr(args, "n_kv_heads", None) or args.n_heads
-        return cls(
-            args.dim,
-            args.n_layers,
-            args.n_heads,
-            kv,
-            args.ffn_hidden_dim,
-            args.vocab_size,
-            bool(getattr(args, "tie_word_embeddings", False)),
-            int(getattr(args, "head_dim", 0) or 0),
-            bool(getattr(args, "qk_norm", False)),
-            num_params,
-        )
+        sizes = (args.dim, args.n_layers, args.n_heads, kv, args.ffn_hidden_dim, args.vocab_size)
+        tied, head_dim, qk_norm = (getattr(args, k, None) for k in ("tie_word_embeddings", "head_dim", "qk_norm"))
+        return cls(*sizes, bool(tied), int(head_dim or 0), bool(qk_norm), num_params)
 
     @property
     def q_dim(self) -> int:
@@ -123,17 +111,14 @@ class ModelShape:
         return self.kv_heads * self.head_dim
 
 
+def _block_matmul_params(s: ModelShape) -> int:
+    """The linear weights of one block: wq, wo; wk, wv; w1, w2, w3."""
+    return 2 * s.dim * s.q_dim + 2 * s.dim * s.kv_dim + 3 * s.dim * s.ffn_hidden_dim
+
+
 def block_params(s: ModelShape) -> int:
-    """Parameters of one transformer block: attention, SwiGLU, the two RMSNorm weights and, with
-    ``qk_norm``, the query and key RMSNorm weights."""
-    attention = 2 * s.dim * s.q_dim + 2 * s.dim * s.kv_dim  # wq, wo; wk, wv
-    ffn = 3 * s.dim * s.ffn_hidden_dim
-    return attention + ffn + 2 * s.dim + (2 * s.head_dim if s.qk_norm else 0)
-
-
-def _norm_params(s: ModelShape) -> int:
-    """Per-block norm weights (not used in matmuls)."""
-    return 2 * s.dim + (2 * s.head_dim if s.qk_norm else 0)
+    """Parameters of one block: its linears, two RMSNorm weights and, with ``qk_norm``, the query/key ones."""
+    return _block_matmul_params(s) + 2 * s.dim + (2 * s.head_dim if s.qk_norm else 0)
 
 
 def param_count(s: ModelShape) -> int:
@@ -147,7 +132,7 @@ def param_count(s: ModelShape) -> int:
 
 def matmul_param_count(s: ModelShape) -> int:
     """Parameters used in matmuls: the blocks' linear weights and the output projection."""
-    return s.n_layers * (block_params(s) - _norm_params(s)) + s.vocab_size * s.dim
+    return s.n_layers * _block_matmul_params(s) + s.vocab_size * s.dim
 
 
 def palm_flops_per_token(matmul_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> int:
@@ -172,9 +157,6 @@ def params_of(args: Any) -> int:
 def flops_of(args: Any, seq_len: int) -> int:
     """Training FLOPs per token of a Llama-style family's model args (a ``ModelSpec.flops_per_token``)."""
     return flops_per_token(ModelShape.from_args(args), seq_len)
-
-
-# ----------------------------------------------------------------------------- the run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,8 +237,7 @@ def activation_bytes_per_token_layer(s: ModelShape, setup: RunSetup) -> float:
     """Bytes autograd keeps per token per block without activation checkpointing (before ``/ tp``)."""
     c, r, lin = _bytes(setup)
     d, q, f = s.dim, s.q_dim, s.ffn_hidden_dim
-    separate = setup.autocast or setup.float8  # every linear saves its own (cast) input
-    k_attn, k_ffn = (3, 2) if separate else (1, 1)
+    k_attn, k_ffn = (3, 2) if setup.autocast or setup.float8 else (1, 1)  # each linear saves its own cast input
     norms = 2 * 2 * r * d
     matmul_inputs = lin * d * (k_attn + k_ffn)
     attention = 3 * c * q + c * q + 4 * s.n_heads + (lin * q if setup.float8 else 0)
@@ -264,30 +245,23 @@ def activation_bytes_per_token_layer(s: ModelShape, setup: RunSetup) -> float:
     return norms + matmul_inputs + attention + ffn + 8
 
 
-def selective_op_bytes_per_token_layer(s: ModelShape, setup: RunSetup) -> float:
-    """Bytes kept per token per block with per-op selective AC (block input + matmul/attention outputs)."""
-    c, r, _ = _bytes(setup)
-    d, q = s.dim, s.q_dim
-    return r * d + c * (q + 2 * s.kv_dim) + c * q + 4 * s.n_heads + c * d + 2 * c * s.ffn_hidden_dim + c * d
-
-
 def activation_bytes(s: ModelShape, setup: RunSetup) -> float:
     """Activation memory of one micro-batch on one GPU, by activation-checkpointing mode."""
     tokens = setup.micro_batch_tokens / setup.tp
     c, r, lin = _bytes(setup)
+    d, q = s.dim, s.q_dim
     layer = activation_bytes_per_token_layer(s, setup)
-    keep_input = r * s.dim
-    final_norm = 2 * r * s.dim + lin * s.dim
+    keep_input = r * d
+    final_norm = 2 * r * d + lin * d
     if setup.ac_mode == "none":
         per_token = s.n_layers * layer
     elif setup.ac_mode == "full":
         per_token = s.n_layers * keep_input + layer  # + one block recomputed in backward
-    elif setup.ac_option.strip() == "op":
-        kept = selective_op_bytes_per_token_layer(s, setup)
+    elif setup.ac_option.strip() == "op":  # the block input and the matmul/attention outputs are kept
+        kept = r * d + c * (q + 2 * s.kv_dim) + c * q + 4 * s.n_heads + c * d + 2 * c * s.ffn_hidden_dim + c * d
         per_token = s.n_layers * kept + (layer - kept)
     else:
-        every = int(setup.ac_option)
-        n_ac = s.n_layers // every
+        n_ac = s.n_layers // int(setup.ac_option)  # full AC on every N-th block
         per_token = n_ac * keep_input + (s.n_layers - n_ac) * layer + (layer if n_ac else 0)
     return tokens * (per_token + final_norm)
 
@@ -295,27 +269,21 @@ def activation_bytes(s: ModelShape, setup: RunSetup) -> float:
 def memory_breakdown(s: ModelShape, setup: RunSetup) -> dict[str, Any]:
     """Per-GPU bytes by component (see the module docstring); ``total`` is the modelled peak, reached
     at ``peak_at`` (start of backward, end of backward or optimizer step)."""
-    n = param_count(s)
-    shard = setup.tp * (setup.dp_shard if setup.fsdp else 1)
-    local = n / shard
-    c, _, _ = _bytes(setup)
+    local = param_count(s) / (setup.tp * (setup.dp_shard if setup.fsdp else 1))
+    c = _bytes(setup)[0]
     params = 4 * local
     if setup.fsdp and c != 4:  # gathered compute-dtype copies: ~2 blocks + the last group (norm + output)
         params += c * (2 * block_params(s) + s.vocab_size * s.dim) / setup.tp
     elif setup.autocast:  # autocast caches a bf16 copy of every matmul weight for backward
         params += c * matmul_param_count(s) / setup.tp
-    grads = 4 * local
-    optimizer = 8 * local
+    grads, optimizer = 4 * local, 8 * local  # fp32 gradients; AdamW's two fp32 moments
     activations = activation_bytes(s, setup)
     if setup.float8:  # float8 copies of the (converted) block weights, saved for backward
-        activations += s.n_layers * (block_params(s) - _norm_params(s)) / setup.tp
+        activations += s.n_layers * _block_matmul_params(s) / setup.tp
     logits = setup.micro_batch_tokens * s.vocab_size / setup.tp * (c + 12)
     scratch = 4 * local if setup.optimizer_impl == "foreach" else 0.0
-    recomputed = (
-        0.0
-        if setup.ac_mode == "none"
-        else (setup.micro_batch_tokens / setup.tp * activation_bytes_per_token_layer(s, setup))
-    )
+    layer = setup.micro_batch_tokens / setup.tp * activation_bytes_per_token_layer(s, setup)
+    recomputed = 0.0 if setup.ac_mode == "none" else layer
     moments = {
         "start of backward": (grads if setup.grad_accum > 1 else 0.0) + activations + logits,
         "end of backward": grads + recomputed,

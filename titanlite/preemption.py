@@ -1,27 +1,25 @@
 """Graceful shutdown on SIGTERM / SIGINT (preemption, ``scancel``, Ctrl-C).
 
-First signal: the handler only records the request and logs it. The training loop finishes the
-current optimizer step (a signal that arrives after a step's check, e.g. during validation or a
-checkpoint save, is acted on at the end of the next step), and every rank agrees on stopping after
-that same step (the request is all-reduced with the NaN guard's flags, see :mod:`titanlite.guard`,
-so ranks that received the signal at slightly different moments still stop together; torchrun
-forwards SIGTERM to every worker, but one rank alone suffices). The trainer then writes a full
-checkpoint of that step when checkpointing is on (:class:`PreemptionHook`), waits for asynchronous saves
-to finish, logs one line and returns, so the process exits with status 0. Restarting the same
-command resumes from that checkpoint and continues exactly (model, optimizer, LR schedule, data
-position and RNG are in it).
+First signal: the handler only records the request and logs it. The loop finishes the current optimizer
+step (a signal that arrives after a step's check, e.g. during validation or a checkpoint save, is acted on
+at the end of the next step); the request is all-reduced with the NaN guard's flags (:mod:`titanlite.guard`),
+so every rank stops after that same step, even when the ranks got the signal at slightly different moments
+or only one got it (torchrun forwards SIGTERM to every worker). :class:`PreemptionHook` then writes a full
+checkpoint of that step when checkpointing is on, waits for asynchronous saves, logs one line and ends the
+loop: the process exits 0, and the same command resumes from there exactly (model, optimizer, LR schedule,
+data position and RNG are in the checkpoint).
 
-Second signal: exit at once (status 128 + signal number) without waiting for anything; an
-interrupted checkpoint write leaves only a ``step-N.partial-*`` folder, removed at the next start.
+Second signal: exit at once (status 128 + signal number) without waiting for anything; an interrupted
+checkpoint write leaves only a ``step-N.partial-*`` folder, removed at the next start.
 
-Handlers can only be installed from the main thread; elsewhere (a trainer driven from a worker
-thread) the handler is not installed and a message says so. ``python -m titanlite.train``
-installs it around ``Trainer.train()`` (``with trainer.preemption:``); a library user who wants
-the same behaviour does the same, and the previous handlers are restored on exit.
+Handlers can only be installed from the main thread (elsewhere a message says they are not).
+``python -m titanlite.train`` installs them around ``Trainer.train()`` (``with trainer.preemption:``), as a
+library user may too; the previous handlers are restored on exit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -40,10 +38,8 @@ class PreemptionHandler:
     """Records a stop request on the first signal, exits at once on the second."""
 
     def __init__(self, signals: Iterable[int] = DEFAULT_SIGNALS, exit_fn: Callable[[int], None] = os._exit):
-        self.signals = tuple(signals)
-        self.exit_fn = exit_fn
-        self.requested = False
-        self.signal_name = ""
+        self.signals, self.exit_fn = tuple(signals), exit_fn
+        self.requested, self.signal_name = False, ""  # the first signal's name once requested
         self._previous: dict[int, object] = {}
 
     def install(self) -> PreemptionHandler:
@@ -70,14 +66,11 @@ class PreemptionHandler:
         if self.requested:
             logger.warning("preemption: second signal (%s): exiting now without waiting", name)
             for stream in (sys.stdout, sys.stderr):
-                try:
+                with contextlib.suppress(Exception):  # exiting anyway
                     stream.flush()
-                except Exception:  # noqa: BLE001 - exiting anyway
-                    pass
             self.exit_fn(128 + signum)
             return
-        self.requested = True
-        self.signal_name = name
+        self.requested, self.signal_name = True, name
         logger.warning(
             "preemption: received %s: finishing the current step, then saving a checkpoint and exiting "
             "(send it again to exit at once)",
@@ -86,9 +79,8 @@ class PreemptionHandler:
 
 
 class PreemptionHook(Hook):
-    """Stop after a step on which a stop was requested (``result.stop_requested``, agreed across ranks
-    by the guard's check): a full checkpoint of that step unless one was just saved, then the loop
-    ends (``state.stop``) and the process exits 0."""
+    """Stop after a step on which a stop was requested (``result.stop_requested``, agreed across ranks by the
+    guard's check): a full checkpoint of that step unless one was just saved, then ``state.stop``."""
 
     def __init__(self, handler: PreemptionHandler, checkpointer=None):
         self.handler, self.checkpointer = handler, checkpointer
@@ -96,24 +88,15 @@ class PreemptionHook(Hook):
     def on_step_end(self, state, result) -> None:
         if not result.stop_requested or state.last_step:
             return
-        ckpt = self.checkpointer
-        saved = (
-            ckpt is not None
-            and ckpt.enabled
-            and (ckpt.last_saved_step == state.step or ckpt.save(state.step, force=True))
-        )
+        ckpt, step = self.checkpointer, state.step
+        saved = ckpt is not None and ckpt.enabled and (ckpt.last_saved_step == step or ckpt.save(step, force=True))
         if ckpt is not None:
             ckpt.wait()
         what = (
-            f"checkpoint of step {state.step} saved; rerun the same command to resume"
+            f"checkpoint of step {step} saved; rerun the same command to resume"
             if saved
             else "checkpointing is off ([checkpoint] enable = false): nothing was saved"
         )
-        logger.warning(
-            "preemption: stopped after step %d of %d on %s; %s",
-            state.step,
-            state.total_steps,
-            self.handler.signal_name or "a signal on another rank",
-            what,
-        )
+        on = self.handler.signal_name or "a signal on another rank"
+        logger.warning("preemption: stopped after step %d of %d on %s; %s", step, state.total_steps, on, what)
         state.stop = True

@@ -33,17 +33,12 @@ class Profiler:
     """Drives torch.profiler and memory snapshots; call :meth:`step` after each optimizer step."""
 
     def __init__(self, cfg, dump_folder: str, rank: int, device: torch.device, start_step: int = 0):
-        self.cfg = cfg
-        self.rank = rank
-        self.device = device
-        self.start_step = start_step
+        self.cfg, self.rank, self.device, self.start_step = cfg, rank, device, start_step
         self.trace_dir = Path(dump_folder) / cfg.save_traces_folder
         self.snapshot_dir = Path(dump_folder) / cfg.save_memory_snapshot_folder
-        self.traces: list[Path] = []
+        self.traces: list[Path] = []  # the files written
         self.snapshots: list[Path] = []
-        self._prof = None
-        self._snapshots_on = False
-        self._closing = False
+        self._prof, self._snapshots_on, self._closing = None, False, False
         if cfg.enable_profiling:
             wait = cfg.profile_freq - cfg.profiler_warmup - cfg.profiler_active
             if wait < 0:
@@ -52,9 +47,8 @@ class Profiler:
                     f"({cfg.profiler_active}) must be <= profile_freq ({cfg.profile_freq})"
                 )
             base = torch.profiler.schedule(wait=wait, warmup=cfg.profiler_warmup, active=cfg.profiler_active)
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if device.type == "cuda":
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            kind = torch.profiler.ProfilerActivity
+            activities = [kind.CPU, kind.CUDA] if device.type == "cuda" else [kind.CPU]
             # profiler step i is our optimizer step start_step + i + 1 (the schedule stays aligned on resume)
             self._prof = torch.profiler.profile(
                 activities=activities,
@@ -65,48 +59,39 @@ class Profiler:
                 with_stack=False,
             )
             self._prof.start()
+            freq = cfg.profile_freq
+            logger.info("profiling: traces of steps %d..N every %d steps to %s", freq, freq, self.trace_dir)
+        if cfg.enable_memory_snapshot and device.type == "cuda":
+            torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
+            self._snapshots_on = True
+            logger.info("profiling: CUDA memory snapshots every %d steps to %s", cfg.profile_freq, self.snapshot_dir)
+        elif cfg.enable_memory_snapshot:
             logger.info(
-                "profiling: traces of steps %d..N every %d steps to %s",
-                cfg.profile_freq,
-                cfg.profile_freq,
-                self.trace_dir,
+                "profiling: enable_memory_snapshot needs CUDA (the caching allocator's history); on %s "
+                "no snapshot is recorded. Memory is still reported as process RSS in the metrics.",
+                device.type,
             )
-        if cfg.enable_memory_snapshot:
-            if device.type == "cuda":
-                torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
-                self._snapshots_on = True
-                logger.info(
-                    "profiling: CUDA memory snapshots every %d steps to %s", cfg.profile_freq, self.snapshot_dir
-                )
-            else:
-                logger.info(
-                    "profiling: enable_memory_snapshot needs CUDA (the caching allocator's history); on %s "
-                    "no snapshot is recorded. Memory is still reported as process RSS in the metrics.",
-                    device.type,
-                )
+
+    def _write(self, what: str, step: int, folder: Path, name: str, write, written: list[Path]) -> None:
+        """``write(path)`` of ``folder/iteration_<step>/<name>``, recorded in ``written`` and logged."""
+        path = folder / f"iteration_{step}" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(str(path))
+        written.append(path)
+        logger.info("profiling: %s of step %d written to %s", what, step, path)
 
     def _save_trace(self, prof) -> None:
-        if self._closing:  # a window opened for a step that never ran (the loop ended)
-            return
-        step = self.start_step + prof.step_num
-        folder = self.trace_dir / f"iteration_{step}"
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"rank{self.rank}.pt.trace.json"
-        prof.export_chrome_trace(str(path))
-        self.traces.append(path)
-        logger.info("profiling: trace of step %d written to %s", step, path)
+        if not self._closing:  # else a window opened for a step that never ran (the loop ended)
+            step, name = self.start_step + prof.step_num, f"rank{self.rank}.pt.trace.json"
+            self._write("trace", step, self.trace_dir, name, prof.export_chrome_trace, self.traces)
 
     def step(self, step: int) -> None:
         """Optimizer step ``step`` has finished."""
         if self._prof is not None:
             self._prof.step()
         if self._snapshots_on and step % self.cfg.profile_freq == 0:
-            folder = self.snapshot_dir / f"iteration_{step}"
-            folder.mkdir(parents=True, exist_ok=True)
-            path = folder / f"rank{self.rank}_memory_snapshot.pickle"
-            torch.cuda.memory._dump_snapshot(str(path))
-            self.snapshots.append(path)
-            logger.info("profiling: memory snapshot of step %d written to %s", step, path)
+            name, dump = f"rank{self.rank}_memory_snapshot.pickle", torch.cuda.memory._dump_snapshot
+            self._write("memory snapshot", step, self.snapshot_dir, name, dump, self.snapshots)
 
     def close(self) -> None:
         if self._prof is not None:

@@ -362,10 +362,8 @@ def format_help(prog: str = _DEFAULT_PROG, model_schema: ModelSchema | None = No
     if model_schema is not None:
         try:
             args_cls, why = model_schema(cfg), ""
-            fields, title = (
-                _keys(args_cls),
-                f"{cfg.model.name} args fields ({args_cls.__name__}; flavors set their own)",
-            )
+            fields = _keys(args_cls)
+            title = f"{cfg.model.name} args fields ({args_cls.__name__}; flavors set their own)"
         except Exception as e:  # the family cannot be imported: say so, help still works
             why = f" ({cfg.model.name} args fields unavailable: {type(e).__name__}: {' '.join(str(e).split())})"
     note = "Any field of the model family's args dataclass is also accepted, as a [model] key or --model.<field>; "
@@ -379,8 +377,7 @@ def parse_args_or_exit(
     """``load_config`` for entry points: ``--help`` prints the help (exit 0), a ConfigError ``error: ...`` (exit 2)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if "-h" in args or "--help" in args:
-        sys.stdout.write(format_help(prog, model_schema))
-        sys.stdout.flush()
+        print(format_help(prog, model_schema), end="", flush=True)
         raise SystemExit(0)
     try:
         return load_config(args, model_schema)

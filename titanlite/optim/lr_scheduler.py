@@ -1,8 +1,6 @@
-"""Learning-rate schedule: linear warmup, an optional constant stage, then decay (WSD).
-
-``lr_factor(step, ...)`` is a pure function of the step (1-based: the factor used for optimizer
-step ``step``), so it can be unit-tested and plotted without an optimizer.
-"""
+"""Learning-rate schedule: linear warmup, an optional constant stage, then decay (WSD). ``lr_factor(step, ...)``
+is a pure function of the step (1-based: the factor of optimizer step ``step``), so it can be unit-tested and
+plotted without an optimizer."""
 
 from __future__ import annotations
 
@@ -48,20 +46,11 @@ def lr_factor(
 
 
 def build_lr_scheduler(optimizer: Optimizer, cfg, total_steps: int) -> LambdaLR:
-    """A LambdaLR over ``lr_factor``; ``cfg`` is the ``[lr_scheduler]`` section.
+    """A LambdaLR over ``lr_factor`` for the ``[lr_scheduler]`` section ``cfg``: LambdaLR evaluates its lambda
+    at construction (index 0) and after every ``scheduler.step()``, so index ``i`` is optimizer step ``i + 1``."""
 
-    LambdaLR evaluates its lambda at construction (index 0) and after every ``scheduler.step()``;
-    index ``i`` is the factor for optimizer step ``i + 1``.
-    """
-
-    def fn(i: int) -> float:
-        return lr_factor(
-            min(i + 1, total_steps),
-            total_steps=total_steps,
-            warmup_steps=cfg.warmup_steps,
-            decay_ratio=cfg.decay_ratio,
-            decay_type=cfg.decay_type,
-            min_lr_factor=cfg.min_lr_factor,
-        )
+    def fn(i: int) -> float:  # lr_factor's keywords are the section's field names
+        kw = {k: getattr(cfg, k) for k in ("warmup_steps", "decay_ratio", "decay_type", "min_lr_factor")}
+        return lr_factor(min(i + 1, total_steps), total_steps=total_steps, **kw)
 
     return LambdaLR(optimizer, fn)

@@ -17,22 +17,19 @@ from torch import nn
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    decay, no_decay, seen = [], [], set()
+    decay, no_decay = [], []
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    for p in model.parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        (decay if p.ndim >= 2 and id(p) not in embeddings else no_decay).append(p)
+    for p in model.parameters():  # a shared (tied) tensor comes once
+        if p.requires_grad:
+            (decay if p.ndim >= 2 and id(p) not in embeddings else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
     """The optimizer of the ``[optimizer]`` section for ``model``'s parameters (after parallelize)."""
-    on_cuda = any(p.device.type == "cuda" for p in model.parameters())
     impl = cfg.implementation
     if impl == "auto":
-        impl = "fused" if on_cuda else "foreach"
+        impl = "fused" if any(p.device.type == "cuda" for p in model.parameters()) else "foreach"
     kwargs = {"fused": impl == "fused", "foreach": impl == "foreach"}
     cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[cfg.name]
     wd = cfg.weight_decay if cfg.name == "AdamW" else 0.0
