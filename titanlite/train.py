@@ -272,6 +272,8 @@ def main(argv: list[str] | None = None, trainer_cls: type | None = None, load_co
         except TrainingDivergedError as e:  # [guard] policy = raise, or too many skips / rollbacks
             logger.error("training stopped: %s", e)
             raise SystemExit(1) from None
+    if torch.distributed.is_initialized():  # its threads must not outlive the interpreter (abort at exit)
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
