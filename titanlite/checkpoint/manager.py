@@ -20,6 +20,11 @@ for the copy, if at all, in :meth:`wait_for_staging` just before the optimizer s
 stages into fresh memory, freed after the write; ``async_with_pinned_mem`` keeps one stager whose
 buffers are reused (page-locked on CUDA). At most one save is in flight, and background writes use
 their own gloo process group, so their collectives never interleave with the training ones.
+Measured (``scripts/bench_checkpoint.py --steps 80``, 2-core CPU, 334 MB of model + AdamW state, same
+machine, one after the other): the loop is blocked 19 ms (async) / 35 ms (pinned) per save, against
+6 ms for the hand-written stager and writer thread this replaced, and 630 ms for a synchronous save.
+The extra ~20 ms is ``async_save`` starting its threads while the staging thread already holds the
+GIL; it was kept as the price of using the library (about 20 ms per checkpoint interval).
 
 Every save goes to ``step-N.partial-<token>`` and is renamed to ``step-N`` by rank 0 once DCP has
 written its ``.metadata`` (after every rank's data): a ``step-N`` folder is complete or absent,
@@ -398,15 +403,12 @@ class CheckpointManager:
         state = self._state_to_save(model_only, dtype)
         partial = self.folder / layout.partial_dir_name(step, self.token)
         final = self.folder / layout.step_dir_name(step)
-        if self.rank == 0:
-            partial.mkdir(parents=True, exist_ok=True)
-            layout.write_info(partial, self._info(step, model_only, dtype))
-            (partial / layout.CONFIG_FILE).write_text(self.config_toml, encoding="utf-8")
+        info = self._info(step, model_only, dtype)  # now; written by rank 0 with the rest (DCP makes the folder)
         writer = dcp.FileSystemWriter(str(partial), single_file_per_rank=True, sync_files=True, thread_count=1)
         if self.mode == "disabled":
             with layout.quiet_single_process():
                 dcp.save(state, storage_writer=writer, process_group=self._pg, no_dist=not self.distributed)
-            self._published(partial, final, stats, t0)
+            self._published(partial, final, info, stats, t0)
             stats.blocked_s = time.perf_counter() - t0
             logger.info(
                 "checkpoint %s saved in %.2f s%s", final, stats.blocked_s, " (model only)" if model_only else ""
@@ -423,7 +425,7 @@ class CheckpointManager:
         def done(fut: Future) -> None:  # on DCP's writer thread, once this rank's part is written
             try:
                 fut.result()
-                self._published(partial, final, stats, t0)
+                self._published(partial, final, info, stats, t0)
                 logger.info("checkpoint %s written in the background in %.2f s", final, stats.write_s)
                 published.set_result(None)
             except BaseException as e:  # noqa: BLE001 - raised in the loop by the next wait
@@ -477,9 +479,13 @@ class CheckpointManager:
             **self.info,
         }
 
-    def _published(self, partial: Path, final: Path, stats: SaveStats, t0: float) -> None:
-        """This rank's part is written; rank 0 (whose save ends after every rank's) publishes it."""
+    def _published(self, partial: Path, final: Path, info: dict, stats: SaveStats, t0: float) -> None:
+        """This rank's part is written; rank 0 (whose save ends after every rank's) adds checkpoint.json
+        and config.toml and publishes it. Off the training thread: file-system calls can stall behind
+        the fsyncs of a write in flight (a mkdir in the loop measured 19 ms)."""
         if self.rank == 0:
+            layout.write_info(partial, info)
+            (partial / layout.CONFIG_FILE).write_text(self.config_toml, encoding="utf-8")
             layout.publish(partial, final, self.token)
             self._purge()
         stats.write_s = time.perf_counter() - t0
