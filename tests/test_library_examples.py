@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -253,3 +254,60 @@ def test_a_registered_loss_is_chosen_by_name_and_validation_stays_cross_entropy(
     assert plain.validate() == z.validate()  # validation: plain cross-entropy for both
     (rp,), (rz,) = ([r for r in t.train() if "loss" in r] for t in (plain, z))
     assert rz["loss"] - rp["loss"] == pytest.approx(1e-4 * lse.pow(2).mean().item(), rel=1e-3)
+
+
+def test_a_registered_trainer_is_chosen_from_the_stock_command_line(tmp_path):
+    """An extension's Trainer subclass, named in [job] trainer, runs under ``python -m titanlite.train``
+    (where train.py is also ``__main__``: the class the extension subclasses must be the registered one)."""
+    ext = """
+        from pathlib import Path
+
+        from titanlite.components import register
+        from titanlite.hooks import Hook
+        from titanlite.train import Trainer
+
+
+        class Marker(Hook):
+            def __init__(self, path):
+                self.path = path
+
+            def on_train_end(self, state):
+                self.path.write_text(str(state.step))
+
+
+        class MyTrainer(Trainer):
+            def build_hooks(self):
+                return super().build_hooks() + [Marker(Path(self.cfg.job.dump_folder) / "marker")]
+
+
+        register("trainer", "mine", MyTrainer)
+    """
+    (tmp_path / "my_trainer.py").write_text(textwrap.dedent(ext))
+    args = [
+        "--model.dim",
+        "64",
+        "--model.n_layers",
+        "1",
+        "--model.n_heads",
+        "4",
+        "--training.seq_len",
+        "32",
+        "--training.steps",
+        "2",
+        "--lr_scheduler.warmup_steps",
+        "0",
+        "--validation.enable",
+        "false",
+    ]
+    cmd = [sys.executable, "-m", "titanlite.train", *args, "--job.extensions", "my_trainer", "--job.trainer", "mine"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]), OMP_NUM_THREADS="1")
+    out = subprocess.run(
+        [*cmd, "--job.dump_folder", str(tmp_path / "run")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "run" / "marker").read_text() == "2"

@@ -39,6 +39,7 @@ from titanlite.parallel.build import build_parallel_model
 from titanlite.parallel.compile import CompilePolicy
 from titanlite.parallel.distributed import CollectiveTimeoutHook, WorldInfo, init_distributed, world_from_env
 from titanlite.parallel.float8 import float8_modules
+from titanlite.parallel.fsdp import quiet_view_warning
 from titanlite.parallel.parallel_dims import ParallelDims
 from titanlite.parallel.policies import Policies
 from titanlite.preemption import PreemptionHandler, PreemptionHook
@@ -194,16 +195,19 @@ class Trainer:
         self.resume()  # before the data iterator exists: it restores the data position
         call_hooks(hooks, "on_train_start", state)
         state.data_iter = iter(self.train_loader)
-        while state.step < state.total_steps and not state.stop:
-            before_update = lambda r: call_hooks(hooks, "before_update", state, r)  # noqa: E731
-            result = self.train_step(state.data_iter, before_update, step=state.step + 1)
-            if result.action == "rollback":  # the guard reloaded a checkpoint: state.step went back
-                call_hooks(hooks, "on_resume", state, result)
-                continue
-            state.step += 1
-            state.tokens_seen += result.tokens
-            call_hooks(hooks, "on_step_end", state, result)
-        call_hooks(hooks, "on_train_end", state)
+        try:
+            with quiet_view_warning():
+                while state.step < state.total_steps and not state.stop:
+                    before_update = lambda r: call_hooks(hooks, "before_update", state, r)  # noqa: E731
+                    result = self.train_step(state.data_iter, before_update, step=state.step + 1)
+                    if result.action == "rollback":  # the guard reloaded a checkpoint: state.step went back
+                        call_hooks(hooks, "on_resume", state, result)
+                        continue
+                    state.step += 1
+                    state.tokens_seen += result.tokens
+                    call_hooks(hooks, "on_step_end", state, result)
+        finally:  # also after an error: the last save is waited for, logs and threads are closed
+            call_hooks(hooks, "on_train_end", state)
         return state.records
 
     def resume(self) -> int | None:
@@ -230,7 +234,8 @@ class Trainer:
         )
 
 
-components.register("trainer", "default", Trainer)
+if __name__ != "__main__":  # under -m, the module imported below registers it (once, the same class extensions see)
+    components.register("trainer", "default", Trainer)
 
 
 def setup_logging(rank: int) -> None:
@@ -266,15 +271,18 @@ def main(argv: list[str] | None = None, trainer_cls: type | None = None, load_co
         trainer = cls(cfg, world)
     except (ValueError, KeyError, FileNotFoundError) as e:
         exit_with_error(e, every_rank=True)
-    with trainer.preemption:  # SIGTERM/SIGINT: finish the step, checkpoint, exit 0 (titanlite.preemption)
-        try:
+    try:
+        with trainer.preemption:  # SIGTERM/SIGINT: finish the step, checkpoint, exit 0 (titanlite.preemption)
             trainer.train()
-        except TrainingDivergedError as e:  # [guard] policy = raise, or too many skips / rollbacks
-            logger.error("training stopped: %s", e)
-            raise SystemExit(1) from None
-    if torch.distributed.is_initialized():  # its threads must not outlive the interpreter (abort at exit)
-        torch.distributed.destroy_process_group()
+    except TrainingDivergedError as e:  # [guard] policy = raise, or too many skips / rollbacks
+        logger.error("training stopped: %s", e)
+        raise SystemExit(1) from None
+    finally:
+        if torch.distributed.is_initialized():  # its threads must not outlive the interpreter (abort at exit)
+            torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    from titanlite.train import main as titanlite_main
+
+    titanlite_main()

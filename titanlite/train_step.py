@@ -30,7 +30,7 @@ from torch import nn
 
 from titanlite.loss import cross_entropy_sum
 from titanlite.parallel.distributed import all_reduce_sum
-from titanlite.parallel.fsdp import is_fsdp, quiet_view_warning
+from titanlite.parallel.fsdp import is_fsdp
 from titanlite.parallel.grad_clip import clip_grad_norm_
 from titanlite.parallel.tensor_parallel import loss_parallel_context, to_local_value
 
@@ -129,7 +129,7 @@ class TrainStep:
         if "document_ids" in batch:  # block-causal attention: documents packed in one window
             extra["document_ids"] = batch["document_ids"].to(self.device, non_blocking=True)
         loss_parallel = getattr(self.parallel_dims, "loss_parallel_enabled", False)
-        with loss_parallel_context(loss_parallel), quiet_view_warning():  # vocab-sharded logits under TP
+        with loss_parallel_context(loss_parallel):  # vocab-sharded logits under TP
             with self.autocast():
                 logits = self.model(inputs, **extra)
             loss = self.loss_fn(logits, labels)

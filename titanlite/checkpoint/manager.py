@@ -399,7 +399,6 @@ class CheckpointManager:
         if prev is not None and stats.wait_prev_s > 0.1:
             self._warn(f"checkpoint step {step} waited {stats.wait_prev_s:.2f} s for the write of step {prev}")
         self.stats.append(stats)
-        self.last_saved_step = step
         state = self._state_to_save(model_only, dtype)
         partial = self.folder / layout.partial_dir_name(step, self.token)
         final = self.folder / layout.step_dir_name(step)
@@ -409,18 +408,20 @@ class CheckpointManager:
             with layout.quiet_single_process():
                 dcp.save(state, storage_writer=writer, process_group=self._pg, no_dist=not self.distributed)
             self._published(partial, final, info, stats, t0)
-            stats.blocked_s = time.perf_counter() - t0
+            stats.blocked_s, self.last_saved_step = time.perf_counter() - t0, step
             logger.info(
                 "checkpoint %s saved in %.2f s%s", final, stats.blocked_s, " (model only)" if model_only else ""
             )
             return True
         stager = self._stager or self._new_stager()
+        if torch.cuda.is_available():  # the staging stream must see the optimizer's queued writes
+            torch.cuda.synchronize()
         response = dcp.async_save(
             state, storage_writer=writer, process_group=self._pg, async_stager=stager, no_dist=not self.distributed
         )
         self._staging, upload = response.staging_completion, response.upload_completion
         published: Future = Future()  # done once this rank's write is complete and, on rank 0, renamed
-        self._pending, self._pending_step = published, step
+        self._pending, self._pending_step, self.last_saved_step = published, step, step
 
         def done(fut: Future) -> None:  # on DCP's writer thread, once this rank's part is written
             try:
