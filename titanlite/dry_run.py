@@ -95,6 +95,7 @@ def dry_run(cfg, world_size: int | None = None, out: Callable[[str], None] = pri
     from titanlite.metrics import gpu_memory_bytes
     from titanlite.models import get_model_spec
     from titanlite.models.registry import model_args_for, model_counts
+    from titanlite.parallel.build import parallelize_on_meta
     from titanlite.parallel.parallel_dims import MESH_DIMS, ParallelDims
     from titanlite.parallel.policies import Policies
     from titanlite.planner import ModelShape, RunSetup, memory_breakdown, param_count, usable_memory
@@ -116,18 +117,8 @@ def dry_run(cfg, world_size: int | None = None, out: Callable[[str], None] = pri
         dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     try:
         dims.build_mesh("cpu")
-        with torch.device("meta"):
-            model = spec.model_cls(args)
         dims.check_tp_divides(**{"training.seq_len (sequence parallelism)": t.seq_len})
-        policies = Policies.from_config(
-            parallelism=par, training=t, activation_checkpoint=ac, compile=cfg.compile, float8=f8
-        )
-        if spec.parallelize_fn is not None:
-            model = spec.parallelize_fn(model, dims, policies)
-        elif world_size > 1:
-            raise ValueError(
-                f"model family {spec.name!r} has no parallelize function, so it trains on one process only"
-            )
+        model, _ = parallelize_on_meta(spec, args, dims, Policies.from_config(par, t, ac, cfg.compile, f8))
         report = _inspect(model, dims, world_size, MESH_DIMS)
     finally:
         if world_size > 1:  # the fake process group created above

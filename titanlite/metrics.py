@@ -253,11 +253,6 @@ class UpdateRatio:
     def before_step(self) -> None:
         self._saved = [p.detach().clone() for _, p in self.named]
 
-    @property
-    def pending(self) -> bool:
-        """A copy was taken and not measured yet."""
-        return self._saved is not None
-
     def cancel(self) -> None:
         """Drop the copy (the update was skipped)."""
         self._saved = None
@@ -413,6 +408,8 @@ class MetricsHook(Hook):
         self.log.rewind(state.step)
         state.records[:] = [r for r in state.records if r["step"] <= state.step]
         self.window = (time.perf_counter(), 0, 0, 0.0)
+        if self.update_ratio is not None:
+            self.update_ratio.cancel()  # a copy taken for a step that was rolled back
 
     def on_train_start(self, state: LoopState) -> None:
         state.sink = self.log
@@ -425,16 +422,17 @@ class MetricsHook(Hook):
 
     def on_step_end(self, state: LoopState, result: Any) -> None:
         start, steps, tokens, data_s = self.window
-        self.window = (start, steps + 1, tokens + result.tokens, data_s + result.data_s)
+        steps, tokens, data_s = steps + 1, tokens + result.tokens, data_s + result.data_s
+        self.window = (start, steps, tokens, data_s)
         self.progress.step_done(state.step)
-        if self.update_ratio is not None and self.update_ratio.pending and result.action != "update":
+        if self.update_ratio is not None and result.action != "update":
             self.update_ratio.cancel()
         if not self.is_log_step(state.step, state.total_steps):
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start
-        tps = (tokens + result.tokens) / self.world_size / elapsed
+        tps = tokens / self.world_size / elapsed
         mfu = None if self.peak_flops is None else tps * self.flops_per_token / self.peak_flops
         loss, grad_norm = result.fetch()
         record = {
@@ -446,14 +444,14 @@ class MetricsHook(Hook):
             "tokens_per_s_global": tps * self.world_size,
             "mfu": mfu,
             "tokens_seen": state.tokens_seen,
-            "data_wait_frac": (data_s + result.data_s) / elapsed,
+            "data_wait_frac": data_s / elapsed,
             "eta_s": self.progress.eta_seconds(),
             **memory_stats(self.device),
             **result.extra,
         }
-        if self.update_ratio is not None and self.update_ratio.pending:
-            record.update(self.update_ratio.after_step())
-        self.progress.record(record, elapsed, steps + 1)
+        if self.update_ratio is not None:
+            record.update(self.update_ratio.after_step())  # {} when no copy was taken
+        self.progress.record(record, elapsed, steps)
         state.log(record)
         self.log_line(record, state.total_steps)
         self.window = (time.perf_counter(), 0, 0, 0.0)

@@ -48,6 +48,16 @@ def grad_accum_steps(global_batch_size: int, local_batch_size: int, dp_degree: i
     return global_batch_size // per_pass
 
 
+def batch_to_device(batch: dict[str, torch.Tensor], device: torch.device) -> tuple[Any, Any, dict[str, Any]]:
+    """``(input_ids, labels, extra forward arguments)`` on ``device``; the extra one is ``document_ids``
+    when the loader packs documents for block-causal attention."""
+
+    def to(key):
+        return batch[key].to(device, non_blocking=True)
+
+    return to("input_ids"), to("labels"), ({"document_ids": to("document_ids")} if "document_ids" in batch else {})
+
+
 @dataclasses.dataclass
 class StepResult:
     """What one step computed. ``loss`` and ``grad_norm`` are device tensors (the global token-mean
@@ -123,11 +133,7 @@ class TrainStep:
 
     def forward_backward(self, batch: dict[str, torch.Tensor], tokens: int) -> torch.Tensor:
         """One micro-batch: backward of its token-sum loss / ``tokens``; returns the detached sum."""
-        inputs = batch["input_ids"].to(self.device, non_blocking=True)
-        labels = batch["labels"].to(self.device, non_blocking=True)
-        extra = {}
-        if "document_ids" in batch:  # block-causal attention: documents packed in one window
-            extra["document_ids"] = batch["document_ids"].to(self.device, non_blocking=True)
+        inputs, labels, extra = batch_to_device(batch, self.device)
         loss_parallel = getattr(self.parallel_dims, "loss_parallel_enabled", False)
         with loss_parallel_context(loss_parallel):  # vocab-sharded logits under TP
             with self.autocast():

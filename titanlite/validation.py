@@ -22,6 +22,7 @@ from titanlite.loss import cross_entropy_sum
 from titanlite.parallel.distributed import all_reduce_sum
 from titanlite.parallel.float8 import float8_disabled
 from titanlite.parallel.tensor_parallel import loss_parallel_context, to_local_value
+from titanlite.train_step import batch_to_device
 
 logger = logging.getLogger("titanlite")
 
@@ -48,11 +49,10 @@ def validation_loss(
     tokens = torch.zeros((), device=device)
     # islice stops without pulling one batch too many: every layout consumes the same windows
     for batch in batches if max_batches is None else itertools.islice(batches, max_batches):
-        labels = batch["labels"].to(device)
-        extra = {"document_ids": batch["document_ids"].to(device)} if "document_ids" in batch else {}
+        inputs, labels, extra = batch_to_device(batch, device)
         with loss_parallel_context(loss_parallel), float8_disabled(model):
             with autocast:
-                logits = model(batch["input_ids"].to(device), **extra)
+                logits = model(inputs, **extra)
             loss_sum += to_local_value(cross_entropy_sum(logits, labels))
         tokens += labels.numel()
     model.train()

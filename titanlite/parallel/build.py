@@ -60,6 +60,28 @@ def retie(model: nn.Module, groups: list[list[str]]) -> int:
     return n
 
 
+def check_parallelizable(spec: Any, dims: ParallelDims) -> None:
+    """A family without a parallelize function trains on one process only."""
+    if spec.parallelize_fn is None and (dims.dp_degree > 1 or dims.tp > 1):
+        raise ValueError(
+            f"model family {spec.name!r} has no parallelize function, so it trains on one process only "
+            f"(asked: data-parallel degree {dims.dp_degree}, tensor-parallel degree {dims.tp})"
+        )
+
+
+def parallelize_on_meta(spec: Any, model_args: Any, dims: ParallelDims, policies: Policies) -> tuple[nn.Module, list]:
+    """Step 2 of the module docstring: ``(the model on the meta device with the family's plan applied, the
+    groups of tied parameters it had before)``; no memory is allocated. The dry run inspects this model."""
+    check_parallelizable(spec, dims)
+    with torch.device("meta"):
+        model = spec.model_cls(model_args)
+    tied = tied_parameters(model)
+    if spec.parallelize_fn is not None:
+        return spec.parallelize_fn(model, dims, policies), tied
+    policies.apply_single_device(model)
+    return model, tied
+
+
 def build_parallel_model(
     spec: Any,
     model_args: Any,
@@ -75,21 +97,11 @@ def build_parallel_model(
     dims = parallel_dims or ParallelDims()
     policies = policies or Policies()
     device = torch.device(device)
-    if spec.parallelize_fn is None and (dims.dp_degree > 1 or dims.tp > 1):
-        raise ValueError(
-            f"model family {spec.name!r} has no parallelize function, so it trains on one process only "
-            f"(asked: data-parallel degree {dims.dp_degree}, tensor-parallel degree {dims.tp})"
-        )
+    check_parallelizable(spec, dims)  # before the reference initialization below
     mode = resolve_weight_init(weight_init, dims.world_size > 1, device.type)
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     reference = reference_state_dict(spec.model_cls, model_args) if mode == "rank0" and rank == 0 else None
-    with torch.device("meta"):
-        model = spec.model_cls(model_args)
-    tied = tied_parameters(model)
-    if spec.parallelize_fn is not None:
-        model = spec.parallelize_fn(model, dims, policies)
-    else:
-        policies.apply_single_device(model)
+    model, tied = parallelize_on_meta(spec, model_args, dims, policies)
     model.to_empty(device=device)
     if retie(model, tied):
         logger.debug("re-tied %s after to_empty", "; ".join(" = ".join(g) for g in tied))
