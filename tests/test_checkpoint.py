@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import cache_token_stores
+from tiny import TINY_MODEL
 from torch.distributed.checkpoint import load as dcp_load
 
 import titanlite.train as train
@@ -33,14 +34,7 @@ from titanlite.train import Trainer, main
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 20
 TINY = [
-    "--model.dim",
-    "64",
-    "--model.n_layers",
-    "2",
-    "--model.n_heads",
-    "4",
-    "--model.n_kv_heads",
-    "2",
+    *TINY_MODEL,
     "--training.seq_len",
     "32",
     "--training.local_batch_size",

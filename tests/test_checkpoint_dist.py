@@ -22,20 +22,14 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import cache_token_stores, run_workers
+from tiny import TINY_MODEL
 
 from titanlite.models import load_config
 
 STEPS = 20
 RTOL = 2e-5
 TINY = [
-    "--model.dim",
-    "64",
-    "--model.n_layers",
-    "2",
-    "--model.n_heads",
-    "4",
-    "--model.n_kv_heads",
-    "2",
+    *TINY_MODEL,
     "--training.seq_len",
     "32",
     "--training.local_batch_size",

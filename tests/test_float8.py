@@ -16,6 +16,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny import TINY_MODEL
 from torch import nn
 
 from titanlite.parallel.float8 import E4M3, E5M2, Float8Linear, convert_to_float8, float8_disabled, to_float8
@@ -128,14 +129,7 @@ def test_float8_debug_model_trains(tmp_path):
 
     cfg = load_config(
         [
-            "--model.dim",
-            "64",
-            "--model.n_layers",
-            "2",
-            "--model.n_heads",
-            "4",
-            "--model.n_kv_heads",
-            "2",
+            *TINY_MODEL,
             "--training.seq_len",
             "32",
             "--training.local_batch_size",

@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 import torch
+from tiny import TINY_MODEL
 
 from titanlite.config.sections import Guard
 from titanlite.guard import SpikeDetector, StepGuard, TrainingDivergedError
@@ -18,14 +19,7 @@ from titanlite.models import load_config
 from titanlite.train import Trainer
 
 TINY = [
-    "--model.dim",
-    "64",
-    "--model.n_layers",
-    "2",
-    "--model.n_heads",
-    "4",
-    "--model.n_kv_heads",
-    "2",
+    *TINY_MODEL,
     "--training.seq_len",
     "32",
     "--training.local_batch_size",

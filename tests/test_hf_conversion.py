@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from tiny import TINY_MODEL
 
 from titanlite.checkpoint import layout
 from titanlite.checkpoint.hf import dcp_to_hf, hf_to_dcp
@@ -160,14 +161,7 @@ def test_trainer_bf16_export_converts(tmp_path):
     dump = tmp_path / "run"
     cfg = load_config(
         [
-            "--model.dim",
-            "64",
-            "--model.n_layers",
-            "2",
-            "--model.n_heads",
-            "4",
-            "--model.n_kv_heads",
-            "2",
+            *TINY_MODEL,
             "--model.tie_word_embeddings",
             "true",
             "--training.seq_len",
@@ -278,14 +272,7 @@ def test_hf_checkpoint_seeds_a_training_run(tmp_path, caplog):
     assert "initial_load_path" in proc.stdout.strip().splitlines()[-1]
     cfg = load_config(
         [
-            "--model.dim",
-            "64",
-            "--model.n_layers",
-            "2",
-            "--model.n_heads",
-            "4",
-            "--model.n_kv_heads",
-            "2",
+            *TINY_MODEL,
             "--model.max_seq_len",
             "128",
             "--training.seq_len",

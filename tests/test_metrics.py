@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from tiny import TINY_MODEL
 
 from titanlite.metrics import MetricsHook, gpu_memory_bytes, matmul_dtype, num_params, peak_flops, peak_flops_for_name
 from titanlite.models import build_model, get_model_spec, make_model_args
@@ -99,14 +100,7 @@ def test_matmul_dtype_selects_the_peak():
 
 
 TINY = [
-    "--model.dim",
-    "64",
-    "--model.n_layers",
-    "2",
-    "--model.n_heads",
-    "4",
-    "--model.n_kv_heads",
-    "2",
+    *TINY_MODEL,
     "--training.seq_len",
     "32",
     "--training.local_batch_size",

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from tiny import TINY_MODEL
 from torch import nn
 
 import titanlite.metrics as metrics
@@ -14,14 +15,7 @@ from titanlite.models import load_config
 from titanlite.train import Trainer
 
 TINY = [
-    "--model.dim",
-    "64",
-    "--model.n_layers",
-    "2",
-    "--model.n_heads",
-    "4",
-    "--model.n_kv_heads",
-    "2",
+    *TINY_MODEL,
     "--training.seq_len",
     "32",
     "--training.local_batch_size",

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tiny import TINY_MODEL
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -21,14 +23,7 @@ def test_bench_prints_json_with_throughput_mfu_memory_and_split(tmp_path):
             "2",
             "--json-out",
             str(tmp_path / "b.json"),
-            "--model.dim",
-            "64",
-            "--model.n_layers",
-            "2",
-            "--model.n_heads",
-            "4",
-            "--model.n_kv_heads",
-            "2",
+            *TINY_MODEL,
             "--training.seq_len",
             "32",
             "--training.local_batch_size",

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny import TINY_MODEL
 
 from titanlite.config import load_config
 from titanlite.models import make_model_args
@@ -17,14 +18,7 @@ from titanlite.parallel.parallel_dims import ParallelDims
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = [
-    "--model.dim",
-    "64",
-    "--model.n_layers",
-    "2",
-    "--model.n_heads",
-    "4",
-    "--model.n_kv_heads",
-    "2",
+    *TINY_MODEL,
     "--training.seq_len",
     "32",
     "--training.steps",

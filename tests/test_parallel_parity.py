@@ -41,6 +41,7 @@ import copy
 import pytest
 import torch
 from dist_utils import backends, cache_token_stores, run_workers
+from tiny import TINY_MODEL
 
 from titanlite.models import load_config
 from titanlite.train import Trainer
@@ -52,14 +53,7 @@ RTOL_COMPILE = 2e-4
 RTOL_FLOAT8 = 2e-3
 RTOL_FLOAT8_GRAD_NORM = 2e-2
 TINY = [
-    "--model.dim",
-    "64",
-    "--model.n_layers",
-    "2",
-    "--model.n_heads",
-    "4",
-    "--model.n_kv_heads",
-    "2",
+    *TINY_MODEL,
     "--training.seq_len",
     "32",
     "--training.steps",

@@ -8,19 +8,14 @@ import sys
 import time
 from pathlib import Path
 
+from tiny import TINY_MODEL
+
 from titanlite.preemption import PreemptionHandler
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 40
 TINY = [
-    "--model.dim",
-    "64",
-    "--model.n_layers",
-    "2",
-    "--model.n_heads",
-    "4",
-    "--model.n_kv_heads",
-    "2",
+    *TINY_MODEL,
     "--training.seq_len",
     "32",
     "--training.local_batch_size",

@@ -7,19 +7,13 @@ import sys
 
 import pytest
 import torch
+from tiny import TINY_MODEL
 
 from titanlite.models import load_config
 from titanlite.train import Trainer, grad_accum_steps
 
 TINY = [
-    "--model.dim",
-    "64",
-    "--model.n_layers",
-    "2",
-    "--model.n_heads",
-    "4",
-    "--model.n_kv_heads",
-    "2",
+    *TINY_MODEL,
     "--training.seq_len",
     "64",
     "--metrics.log_freq",

@@ -4,20 +4,14 @@ import json
 
 import pytest
 from shared_data import shared_file
+from tiny import TINY_MODEL
 
 from titanlite.data.prepare import prepare
 from titanlite.models import load_config
 from titanlite.train import Trainer
 
 TINY = [
-    "--model.dim",
-    "64",
-    "--model.n_layers",
-    "2",
-    "--model.n_heads",
-    "4",
-    "--model.n_kv_heads",
-    "2",
+    *TINY_MODEL,
     "--training.seq_len",
     "64",
     "--training.local_batch_size",
