@@ -89,3 +89,13 @@ def test_checkpoint_load_is_refused_once_the_loader_iterates(tmp_path):
     with pytest.raises(RuntimeError, match="already being iterated"):
         manager.load()
     manager.close()
+
+
+def test_an_unknown_component_name_names_the_key_and_the_closest_one():
+    import titanlite.optim  # noqa: F401  (registers the built-in optimizers)
+    from titanlite import components
+
+    with pytest.raises(
+        ValueError, match=r"^optimizer\.name='AdamX' is not a registered optimizer .*did you mean 'Adam'"
+    ):
+        components.get("optimizer", "AdamX")

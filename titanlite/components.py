@@ -17,8 +17,9 @@ The built-ins register when their module is imported (``titanlite.loss``, ``tita
 
 from __future__ import annotations
 
-import difflib
 from typing import Any
+
+from titanlite.config import did_you_mean
 
 KINDS = ("trainer", "loss", "optimizer", "lr_scheduler")
 _KEYS = dict(trainer="job.trainer", loss="training.loss", optimizer="optimizer.name", lr_scheduler="lr_scheduler.name")
@@ -39,7 +40,6 @@ def get(kind: str, name: str) -> Any:
     """The ``kind`` registered as ``name``; a one-line ValueError naming the config key otherwise."""
     table = _REGISTRY[kind]
     if name not in table:
-        hit = difflib.get_close_matches(name, list(table), n=1)
-        hint = f"; did you mean {hit[0]!r}?" if hit else ""
+        hint = did_you_mean(name, list(table))
         raise ValueError(f"{_KEYS[kind]}={name!r} is not a registered {kind} (registered: {', '.join(table)}){hint}")
     return table[name]

@@ -148,6 +148,12 @@ def _closest(word: str, candidates: Sequence[str]) -> str | None:
     return next(iter(difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)), None)
 
 
+def did_you_mean(word: str, candidates: Sequence[str]) -> str:
+    """``"; did you mean 'x'?"`` naming the closest of ``candidates``, or ``""``; for one-line errors."""
+    hit = _closest(word, candidates)
+    return f"; did you mean '{hit}'?" if hit else ""
+
+
 def _unknown(name: str, where: str, args_cls: type | None = None, table: bool = False) -> ConfigError:
     """The error for an unknown dotted ``name`` (a TOML table when ``table``; on the command line the token no
     option took), with the closest valid name."""

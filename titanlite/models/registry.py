@@ -8,7 +8,6 @@ in without touching core.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ import torch
 from torch import nn
 
 import titanlite.config
-from titanlite.config import ConfigError, JobConfig
+from titanlite.config import ConfigError, JobConfig, did_you_mean
 from titanlite.extensions import load_extensions
 from titanlite.planner import palm_flops_per_token
 
@@ -144,11 +143,6 @@ def model_counts(spec: ModelSpec, args: Any, seq_len: int) -> tuple[int, int]:
     return params, (spec.flops_per_token(args, seq_len) if spec.flops_per_token else flops)
 
 
-def _did_you_mean(word: str, names: Sequence[str]) -> str:
-    hit = difflib.get_close_matches(word, list(names), n=1, cutoff=0.6)
-    return f"; did you mean '{hit[0]}'?" if hit else ""
-
-
 def model_schema(cfg: JobConfig) -> type:
     """The args dataclass of ``cfg.model.name`` (a :data:`titanlite.config.ModelSchema`).
 
@@ -162,13 +156,13 @@ def model_schema(cfg: JobConfig) -> type:
     name, flavor, names = cfg.model.name, cfg.model.flavor, model_names()
     if name not in names:
         raise ConfigError(
-            f"unknown model family '{name}' (model.name); registered: {', '.join(names)}{_did_you_mean(name, names)}"
+            f"unknown model family '{name}' (model.name); registered: {', '.join(names)}{did_you_mean(name, names)}"
         )
     spec = _REGISTRY[name]
     if flavor not in spec.flavors:
         raise ConfigError(
             f"unknown flavor '{flavor}' (model.flavor) for model '{name}'; available: {', '.join(spec.flavors)}"
-            + _did_you_mean(flavor, list(spec.flavors))
+            + did_you_mean(flavor, list(spec.flavors))
         )
     return spec.args_cls
 
