@@ -20,11 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from typing import Any, Protocol
-
-
-class RecordSink(Protocol):
-    def log(self, record: dict[str, Any]) -> None: ...
+from typing import Any
 
 
 @dataclasses.dataclass
@@ -42,7 +38,7 @@ class LoopState:
     stop: bool = False
     data_iter: Iterator | None = None
     records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    sink: RecordSink | None = None
+    sink: Any = None  # anything with .log(record), e.g. a MetricsLogger
 
     def log(self, record: dict[str, Any]) -> None:
         self.records.append(record)

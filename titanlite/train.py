@@ -271,15 +271,18 @@ def main(argv: list[str] | None = None, trainer_cls: type | None = None, load_co
         trainer = cls(cfg, world)
     except (ValueError, KeyError, FileNotFoundError) as e:
         exit_with_error(e, every_rank=True)
+    code = 0
     try:
         with trainer.preemption:  # SIGTERM/SIGINT: finish the step, checkpoint, exit 0 (titanlite.preemption)
             trainer.train()
-    except TrainingDivergedError as e:  # [guard] policy = raise, or too many skips / rollbacks
+    except TrainingDivergedError as e:  # [guard] policy = raise, or too many skips: every rank's verdict
         logger.error("training stopped: %s", e)
-        raise SystemExit(1) from None
-    finally:
-        if torch.distributed.is_initialized():  # its threads must not outlive the interpreter (abort at exit)
-            torch.distributed.destroy_process_group()
+        code = 1
+    if torch.distributed.is_initialized():  # a gloo group left to interpreter exit can abort a rank; and no
+        torch.distributed.barrier()  # rank may tear its connections down while another still uses them
+        torch.distributed.destroy_process_group()
+    if code:
+        raise SystemExit(code)
 
 
 if __name__ == "__main__":
