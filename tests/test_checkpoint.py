@@ -29,6 +29,7 @@ import titanlite.train as train
 from titanlite.checkpoint import layout
 from titanlite.metrics import rewind_metrics_log
 from titanlite.models import load_config
+from titanlite.run_lock import LOCK_FILE as LOCK
 from titanlite.train import Trainer, main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -228,10 +229,11 @@ def test_resume_restores_data_position_lr_and_step(baseline, tmp_path):
 @pytest.mark.parametrize(
     "damage, message",
     [
-        ("truncate", "data file __0_0.distcp is truncated"),
-        ("delete_data", "data file __0_0.distcp is missing"),
-        ("delete_metadata", "no .metadata"),
-        ("garble_metadata", ".metadata is unreadable"),
+        ("truncate", "__0_0.distcp has "),
+        ("delete_data", "__0_0.distcp is missing"),
+        ("delete_metadata", ".metadata is missing"),
+        ("garble_metadata", ".metadata has 9 bytes"),
+        ("overwrite_4k", "__0_0.distcp fails its checksum"),
     ],
 )
 def test_damaged_newest_falls_back_to_previous(damage, message, baseline, tmp_path, caplog):
@@ -245,6 +247,10 @@ def test_damaged_newest_falls_back_to_previous(damage, message, baseline, tmp_pa
         data.unlink()
     elif damage == "delete_metadata":
         (newest / ".metadata").unlink()
+    elif damage == "overwrite_4k":  # sizes intact: only the checksum recorded at save can tell
+        with open(data, "r+b") as f:
+            f.seek(data.stat().st_size // 3)
+            f.write(os.urandom(4096))
     else:
         (newest / ".metadata").write_bytes(b"\x80\x04garbage")
     with caplog.at_level(logging.INFO, logger="titanlite"):
@@ -257,9 +263,13 @@ def test_damaged_newest_falls_back_to_previous(damage, message, baseline, tmp_pa
 
 
 def test_unreadable_data_detected_only_at_load_falls_back(baseline, tmp_path, caplog):
-    """Bytes flipped inside the data file (sizes intact) fail the DCP read itself: fall back too."""
+    """Bytes flipped inside the data file (sizes intact) of a checkpoint without recorded checksums
+    fail the DCP read itself: fall back too."""
     ref_dump, reference = baseline
     dump = copy_run(ref_dump, tmp_path / "run", [10, 15], keep_metrics_to=15)
+    info = layout.read_info(dump / "checkpoint" / "step-15")
+    del info["files"]
+    layout.write_info(dump / "checkpoint" / "step-15", info)
     data = dump / "checkpoint" / "step-15" / "__0_0.distcp"
     raw = bytearray(data.read_bytes())
     raw[: len(raw)] = bytes(len(raw))  # zeroed: every record is unreadable
@@ -389,11 +399,15 @@ def test_forced_save_and_load_latest(baseline, tmp_path):
     assert t.checkpointer.load() == 5 and t.state.step == 5
     assert not t.checkpointer.save(5) and t.checkpointer.save(5, force=True)
     t.checkpointer.wait()
-    assert steps_in(dump) == [5, 10] and not list((dump / "checkpoint").glob("*.replaced-*"))
+    assert steps_in(dump) == [5] and not list((dump / "checkpoint").glob("*.replaced-*"))
+    aside = list((dump / "checkpoint").glob("abandoned-after-step-5-*/step-10"))  # the abandoned lineage
+    assert len(aside) == 1 and layout.problem_with(aside[0], verify=True) is None
     info = layout.read_info(dump / "checkpoint" / "step-5")
     assert not info["model_only"] and info["tokens_seen"] == reference[4]["tokens_seen"]
-    assert layout.problem_with(dump / "checkpoint" / "step-5") is None
-    assert t.checkpointer.load_latest() == 10 and t.state.step == 10
+    assert layout.problem_with(dump / "checkpoint" / "step-5", verify=True) is None
+    t.state.step = 7
+    assert t.checkpointer.save(7, force=True)
+    assert t.checkpointer.load_latest() == 7 and t.state.step == 7  # the newest, whatever load_step says
     t.checkpointer.close()
 
 
@@ -423,23 +437,70 @@ def test_keep_latest_k_and_model_only_last_save(tmp_path):
     assert md and all(k.startswith("model.") for k in md)
     assert {m.properties.dtype for m in md.values()} == {torch.bfloat16}
     full = layout.read_metadata(dump / "checkpoint" / "step-6").state_dict_metadata
-    assert any(k.startswith("optimizer.") for k in full) and "dataloader.dp_rank_0" in full and "rng.rank_0" in full
+    assert any(k.startswith("optimizer.") for k in full)
+    assert "dataloader.dp_rank_0.json" in full and "rng.rank_0.json" in full
     assert load_config(["--config", str(dump / "checkpoint" / "step-6" / "config.toml")]) == t.cfg
     assert t.checkpointer.stats[-1].model_only
 
 
 def test_resume_skips_model_only_export(tmp_path, caplog):
+    """Extending a finished run (raising steps) resumes the last full checkpoint, not the final
+    model-only export, which is moved aside with the abandoned lineage instead of being overwritten."""
     dump = tmp_path / "run"
     run_trainer(
         dump, "--training.steps", "4", "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "true"
     )
     cache_token_stores()
+    export = (dump / "checkpoint" / "step-4" / "__0_0.distcp").read_bytes()
     with caplog.at_level(logging.INFO, logger="titanlite"):
         t = Trainer(
-            load_config(TINY + ["--job.dump_folder", str(dump), "--training.steps", "4", "--checkpoint.interval", "2"])
+            load_config(TINY + ["--job.dump_folder", str(dump), "--training.steps", "6", "--checkpoint.interval", "2"])
         )
         assert t.checkpointer.load() == 2
     assert "step-4 holds model weights only (export); not resumable" in caplog.text
+    assert steps_in(dump) == [2]
+    (moved,) = (dump / "checkpoint").glob("abandoned-after-step-2-*/step-4")
+    assert (moved / "__0_0.distcp").read_bytes() == export
+    t.checkpointer.close()
+
+
+def test_rerun_of_a_finished_run_is_complete_and_touches_nothing(tmp_path, caplog):
+    """Re-running the command of a finished run (even one whose last save is a model-only export)
+    says so and exits 0 without retraining or writing anything."""
+    dump = tmp_path / "run"
+    argv = TINY + ["--job.dump_folder", str(dump), "--training.steps", "4", "--checkpoint.interval", "2"]
+    main(argv + ["--checkpoint.last_save_model_only", "true"])
+
+    def files():  # the lock file is rewritten by each start, by design
+        return {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in dump.rglob("*") if p.is_file() and p.name != LOCK}
+
+    before = files()
+    with caplog.at_level(logging.INFO, logger="titanlite"):
+        main(argv + ["--checkpoint.last_save_model_only", "true"])  # returns: exit status 0
+    assert files() == before
+    assert "the run is complete" in caplog.text and "RESUMED" not in caplog.text
+
+
+def test_load_step_and_keep_latest_k_never_purge_the_new_lineage(tmp_path):
+    """A finished 12-step run restarted from step 4 with keep_latest_k = 2: the new run's checkpoints
+    are kept (the abandoned 6..12 are moved aside, not counted), and a later plain restart resumes
+    the new lineage, not the abandoned step 10."""
+    dump = tmp_path / "run"
+    base = TINY + ["--job.dump_folder", str(dump), "--checkpoint.interval", "2"]
+    main(base + ["--training.steps", "12"])
+    assert steps_in(dump) == [2, 4, 6, 8, 10, 12]
+    abandoned = {p.name: p.read_bytes() for p in (dump / "checkpoint" / "step-10").iterdir()}
+    cache_token_stores()
+    cfg = load_config(
+        base + ["--training.steps", "9", "--checkpoint.load_step", "4", "--checkpoint.keep_latest_k", "2"]
+    )
+    Trainer(cfg).train()
+    assert steps_in(dump) == [8, 9]  # the new lineage's two newest
+    (aside,) = (dump / "checkpoint").glob("abandoned-after-step-4-*")
+    assert sorted(p.name for p in aside.iterdir()) == ["step-10", "step-12", "step-6", "step-8"]
+    assert {p.name: p.read_bytes() for p in (aside / "step-10").iterdir()} == abandoned
+    t = Trainer(load_config(base + ["--training.steps", "10"]))
+    assert t.checkpointer.load() == 9
     t.checkpointer.close()
 
 

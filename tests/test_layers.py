@@ -4,7 +4,7 @@ from the source, as ``../shared/tools/import_graph.py --all`` reads them).
 
 Layers, lowest first (a module may import its own layer or lower ones):
 
-0. leaves: ``config``, ``components``, ``hooks``, ``dtypes``, ``extensions``, ``tokenizer``, ``planner``
+0. leaves: ``config``, ``components``, ``hooks``, ``dtypes``, ``extensions``, ``tokenizer``, ``planner``, ``run_lock``
 1. ``parallel``: policies, mesh, FSDP/TP/AC/compile/float8, ``build_parallel_model``; and ``loss``
 2. ``models``: the registry and the families (a family's parallelize plan is built from ``parallel``)
 3. ``data``, ``checkpoint``, ``optim``
@@ -28,6 +28,7 @@ LAYERS = [
         "titanlite.extensions",
         "titanlite.tokenizer",
         "titanlite.planner",
+        "titanlite.run_lock",
     ),
     ("titanlite.parallel", "titanlite.loss"),
     ("titanlite.models",),

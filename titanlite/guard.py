@@ -199,6 +199,27 @@ class StepGuard:
     def counters(self) -> dict[str, int]:
         return {f"guard_{k}": v for k, v in self.counts.items()}
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to take the uninterrupted run's decisions: the spike window, the
+        counters (the ``max_rollbacks`` budget), consecutive skips, the LR window, the test injection."""
+        consecutive = getattr(self.policy, "consecutive", 0)
+        return {
+            "history": list(self.spikes.history),
+            "counts": dict(self.counts),
+            "consecutive_skips": consecutive,
+            "lr_scale": list(self._lr_scale),
+            "injected": self._injected,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.spikes.history.clear()
+        self.spikes.history.extend(float(x) for x in state["history"])
+        self.counts.update({k: int(v) for k, v in state["counts"].items()})
+        if isinstance(self.policy, SkipStepPolicy):
+            self.policy.consecutive = int(state["consecutive_skips"])
+        first, last, factor = state["lr_scale"]
+        self._lr_scale, self._injected = (int(first), int(last), float(factor)), bool(state["injected"])
+
     # -- testing hook
     def maybe_inject_nan(self, result: Any) -> None:
         """``[guard] debug_inject_nan_at_step``: at that step (once per process) make the step's loss and
@@ -268,7 +289,9 @@ def rollback(guard: StepGuard, event: GuardEvent, checkpointer, loader, accum: i
     restored). With ``rollback_skip_data`` the micro-batches of the steps after the checkpoint up to
     and including the offending one are read and dropped, so training does not see them again.
     """
+    kept = guard.state_dict()  # the reload must not reset the guard's own counters (the rollback budget)
     step = checkpointer.load_latest() if checkpointer is not None else None
+    guard.load_state_dict(kept)
     if step is None:
         raise TrainingDivergedError(
             f"{event.describe()}; [guard] policy = rollback but there is no complete checkpoint to roll back to "

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from titanlite import components
-from titanlite.checkpoint import CheckpointHook, CheckpointManager
+from titanlite.checkpoint import CheckpointHook, CheckpointManager, CheckpointWriteError
 from titanlite.config import JobConfig, config_to_toml, dump_config, exit_with_error, parse_args_or_exit
 from titanlite.data.loader import build_dataloader, load_token_store
 from titanlite.dtypes import DTYPES
@@ -37,17 +37,29 @@ from titanlite.models.registry import model_args_for, model_counts
 from titanlite.optim import build_optimizer  # noqa: F401  (registers the built-in optimizers and schedules)
 from titanlite.parallel.build import build_parallel_model
 from titanlite.parallel.compile import CompilePolicy
-from titanlite.parallel.distributed import CollectiveTimeoutHook, WorldInfo, init_distributed, world_from_env
+from titanlite.parallel.distributed import (
+    CollectiveTimeoutHook,
+    WorldInfo,
+    init_distributed,
+    run_on_rank0,
+    world_from_env,
+)
 from titanlite.parallel.float8 import float8_modules
 from titanlite.parallel.fsdp import quiet_view_warning
 from titanlite.parallel.parallel_dims import ParallelDims
 from titanlite.parallel.policies import Policies
 from titanlite.preemption import PreemptionHandler, PreemptionHook
 from titanlite.profiling import ProfilerHook
+from titanlite.run_lock import RunLock
 from titanlite.train_step import TrainStep, grad_accum_steps
 from titanlite.validation import ValidationHook, validation_loss
 
 logger = logging.getLogger("titanlite")
+
+
+class ResumeError(ValueError):
+    """The checkpoint cannot resume this run (e.g. the data or its windowing changed): one line at the
+    command line, raised before anything (metrics, checkpoints) is touched."""
 
 
 def set_seed(seed: int, deterministic: bool = False) -> None:
@@ -71,6 +83,8 @@ class Trainer:
         self.world = world or world_from_env()
         self.device = self.world.device
         self.parallel_dims = self.build_parallel_dims()
+        self.run_lock = RunLock(cfg.job.dump_folder)  # rank 0 holds it: one run per dump folder
+        run_on_rank0(lambda: self.run_lock.acquire() and None)
         self.grad_accum_steps = grad_accum_steps(t.global_batch_size, t.local_batch_size, self.parallel_dims.dp_degree)
         self.global_batch = t.local_batch_size * self.parallel_dims.dp_degree * self.grad_accum_steps
         set_seed(t.seed, t.deterministic)
@@ -87,8 +101,10 @@ class Trainer:
         self.train_step = self.build_train_step()
         self.state = LoopState(total_steps=t.steps)
         self.preemption = PreemptionHandler()
+        self.guard = StepGuard(cfg.guard, self.device)
         self.checkpointer = self.build_checkpointer()  # it checks what to resume against the model
-        self.hooks = self.build_hooks()
+        self.complete = self.checkpointer.plan.kind == "complete"  # a rerun of a finished run: nothing to do
+        self.hooks = [] if self.complete else self.build_hooks()
 
     # ---- builders (override in a subclass to swap a piece) ----
     def build_parallel_dims(self) -> ParallelDims:
@@ -151,9 +167,10 @@ class Trainer:
             "tokenizer": {"path": c.model.tokenizer_path, **{k: getattr(tok, k, None) for k in ("bos_id", "eos_id")}},
         }
         states = {"model": self.model, "optimizer": self.optimizer, "lr_scheduler": self.lr_scheduler}
-        states.update(dataloader=self.train_loader, train_state=self.state)
+        states.update(dataloader=self.train_loader, train_state=self.state, guard=self.guard)
         folder = Path(c.job.dump_folder) / c.checkpoint.folder
         kw = dict(dp_rank=self.dp_rank, device=self.device, info=info, config_toml=config_to_toml(c))
+        kw.update(final_step=c.training.steps)
         return CheckpointManager(c.checkpoint, folder, states, **kw)
 
     def build_hooks(self) -> list[Hook]:
@@ -173,7 +190,7 @@ class Trainer:
         )
         stop = lambda: self.preemption.requested  # noqa: E731 - agreed across ranks by the guard's check
         kw = dict(checkpointer=self.checkpointer, loader=self.train_loader, grad_accum_steps=self.grad_accum_steps)
-        guard = GuardHook(StepGuard(c.guard, self.device), stop_requested=stop, **kw)
+        guard = GuardHook(self.guard, stop_requested=stop, **kw)
         hooks: list[Hook] = [metrics, guard, ProfilerHook(c.profiling, c.job.dump_folder, rank, self.device)]
         if self.val_loader is not None:
             hooks.append(ValidationHook(c.validation, self.validate))
@@ -191,10 +208,19 @@ class Trainer:
     def train(self) -> list[dict[str, Any]]:
         """Run to ``training.steps`` (resuming first when there is a checkpoint); returns the logged records."""
         state, hooks = self.state, self.hooks
+        if self.complete:
+            path = self.checkpointer.plan.paths[0]
+            logger.info(f"the run is complete ({path} exists, training.steps = {state.total_steps}); nothing to do")
+            logger.info("to train further, raise training.steps and rerun")
+            self.run_lock.release()
+            return state.records
         self.log_start()
-        self.resume()  # before the data iterator exists: it restores the data position
+        try:  # before the data iterator exists: the checkpoint restores the data position
+            self.resume()
+            state.data_iter = iter(self.train_loader)  # the data position is checked here
+        except (ValueError, FileNotFoundError) as e:
+            raise ResumeError(str(e)) from e
         call_hooks(hooks, "on_train_start", state)
-        state.data_iter = iter(self.train_loader)
         try:
             with quiet_view_warning():
                 while state.step < state.total_steps and not state.stop:
@@ -208,6 +234,7 @@ class Trainer:
                     call_hooks(hooks, "on_step_end", state, result)
         finally:  # also after an error: the last save is waited for, logs and threads are closed
             call_hooks(hooks, "on_train_end", state)
+            self.run_lock.release()
         return state.records
 
     def resume(self) -> int | None:
@@ -263,14 +290,13 @@ def main(argv: list[str] | None = None, trainer_cls: type | None = None, load_co
         logger.warning(
             f"this config is tuned for {cfg.job.world_size} processes (job.world_size) but runs on {world.world_size}"
         )
-    if world.is_main:
-        Path(cfg.job.dump_folder).mkdir(parents=True, exist_ok=True)
-        dump_config(cfg, Path(cfg.job.dump_folder) / "config.toml")
     try:
         cls = trainer_cls or components.get("trainer", cfg.job.trainer)
-        trainer = cls(cfg, world)
+        trainer = cls(cfg, world)  # takes the dump folder's lock first
     except (ValueError, KeyError, FileNotFoundError) as e:
         exit_with_error(e, every_rank=True)
+    if world.is_main and not trainer.complete:
+        dump_config(cfg, Path(cfg.job.dump_folder) / "config.toml")
     code = 0
     try:
         with trainer.preemption:  # SIGTERM/SIGINT: finish the step, checkpoint, exit 0 (titanlite.preemption)
@@ -278,6 +304,8 @@ def main(argv: list[str] | None = None, trainer_cls: type | None = None, load_co
     except TrainingDivergedError as e:  # [guard] policy = raise, or too many skips: every rank's verdict
         logger.error("training stopped: %s", e)
         code = 1
+    except (ResumeError, CheckpointWriteError) as e:  # nothing lost: the earlier checkpoints are intact
+        exit_with_error(e, every_rank=True)
     if torch.distributed.is_initialized():  # a gloo group left to interpreter exit can abort a rank; and no
         torch.distributed.barrier()  # rank may tear its connections down while another still uses them
         torch.distributed.destroy_process_group()

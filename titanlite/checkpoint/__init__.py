@@ -9,6 +9,6 @@
   ``scripts/convert_*.py``.
 """
 
-from titanlite.checkpoint.manager import CheckpointHook, CheckpointManager, LoadPlan, SaveStats
+from titanlite.checkpoint.manager import CheckpointHook, CheckpointManager, CheckpointWriteError, LoadPlan, SaveStats
 
-__all__ = ["CheckpointHook", "CheckpointManager", "LoadPlan", "SaveStats"]
+__all__ = ["CheckpointHook", "CheckpointManager", "CheckpointWriteError", "LoadPlan", "SaveStats"]

@@ -6,7 +6,8 @@
         step-100/                  complete: renamed into place after every rank finished writing
             .metadata              DCP index of every tensor / object and where its bytes are
             __0_0.distcp ...       one data file per rank
-            checkpoint.json        step, tokens seen, model family and resolved args, model-only flag
+            checkpoint.json        step, tokens seen, model family and resolved args, model-only flag,
+                                   size and CRC-32 of every DCP file (verified before a load)
             config.toml            the resolved job config of the run that saved it
         step-200.partial-1a2b3c/   a save in progress (or killed mid-way): never loaded, removed at start
 
@@ -29,6 +30,8 @@ import os
 import re
 import shutil
 import warnings
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,22 +116,39 @@ def read_metadata(path: str | os.PathLike):
         raise ValueError(f"{meta_file} is unreadable ({type(e).__name__}: {' '.join(str(e).split())})") from None
 
 
-def problem_with(path: str | os.PathLike, require_info: bool = True) -> str | None:
+def stored_entries(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], Any] | None]:
+    """``{key: (global shape, dtype)}`` of every tensor entry in the DCP metadata of ``path``; ``None``
+    for a non-tensor (pickled) entry, which titanlite does not load."""
+    out: dict[str, tuple[tuple[int, ...], Any] | None] = {}
+    for key, md in read_metadata(path).state_dict_metadata.items():
+        size, props = getattr(md, "size", None), getattr(md, "properties", None)
+        out[key] = None if size is None or props is None else (tuple(size), props.dtype)
+    return out
+
+
+def problem_with(path: str | os.PathLike, require_info: bool = True, verify: bool = False) -> str | None:
     """None when the folder looks complete, else a one-line description of what is wrong.
 
     ``require_info=False`` skips ``checkpoint.json`` (DCP folders written by other tools). A data
-    file must be at least as long as the last byte range the metadata reads from it.
+    file must be at least as long as the last byte range the metadata reads from it. ``verify``
+    also checks every file against the checksums ``checkpoint.json`` recorded at save (reads it all).
     """
+    info: dict[str, Any] = {}
     try:
         if require_info:
-            read_info(path)
+            info = read_info(path)
+        else:
+            with contextlib.suppress(ValueError):  # another tool's folder: nothing recorded to verify
+                info = read_info(path)
+        if verify and info.get("files") and (problem := checksum_problem(path, info["files"])):
+            return problem
         metadata = read_metadata(path)
     except ValueError as e:
         return str(e)
     needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        if (rel := getattr(info, "relative_path", None)) is not None:
-            needed[rel] = max(needed.get(rel, 0), int(info.offset) + int(info.length))
+    for item in (metadata.storage_data or {}).values():
+        if (rel := getattr(item, "relative_path", None)) is not None:
+            needed[rel] = max(needed.get(rel, 0), int(item.offset) + int(item.length))
     for rel, end in sorted(needed.items()):
         file = Path(path) / rel
         try:
@@ -137,6 +157,44 @@ def problem_with(path: str | os.PathLike, require_info: bool = True) -> str | No
             return f"data file {rel} is missing"
         if size < end:
             return f"data file {rel} is truncated ({size} bytes, needs {end})"
+    return None
+
+
+def _crc32(file: Path, chunk: int = 8 << 20) -> str:
+    crc = 0
+    with open(file, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)  # releases the GIL on large blocks
+    return f"{crc:08x}"
+
+
+def file_checksums(path: str | os.PathLike, threads: int = 4) -> dict[str, dict[str, Any]]:
+    """``{file name: {"bytes": size, "crc32": hex}}`` of the DCP files in a step folder (``.metadata``
+    and the data files), hashed in ``threads`` threads. CRC-32 detects accidental damage (a torn or
+    overwritten block) as well as a cryptographic hash would and measured 2.7x faster than SHA-256
+    here (4.1 vs 1.5 GB/s); checkpoints are trusted input anyway (README, "Trusting checkpoints")."""
+    files = sorted(
+        p for p in Path(path).iterdir() if p.is_file() and (p.suffix == ".distcp" or p.name == METADATA_FILE)
+    )
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(files)))) as pool:
+        crcs = list(pool.map(_crc32, files))
+    return {p.name: {"bytes": p.stat().st_size, "crc32": crc} for p, crc in zip(files, crcs)}
+
+
+def checksum_problem(path: str | os.PathLike, recorded: dict[str, dict[str, Any]], threads: int = 4) -> str | None:
+    """None when every file ``recorded`` (by :func:`file_checksums` at save) is intact, else one line
+    naming the first damaged file."""
+    files = [Path(path) / name for name in sorted(recorded)]
+    for file in files:
+        if not file.is_file():
+            return f"{file.name} is missing"
+        if file.stat().st_size != recorded[file.name]["bytes"]:
+            return f"{file.name} has {file.stat().st_size} bytes, {recorded[file.name]['bytes']} when saved"
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(files)))) as pool:
+        crcs = list(pool.map(_crc32, files))
+    for file, crc in zip(files, crcs):
+        if crc != recorded[file.name]["crc32"]:
+            return f"{file.name} fails its checksum (crc32 {crc}, {recorded[file.name]['crc32']} when saved)"
     return None
 
 

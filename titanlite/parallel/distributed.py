@@ -71,6 +71,26 @@ def set_collective_timeout(timeout_seconds: float, groups: Iterable[dist.Process
         dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_seconds), group)
 
 
+def run_on_rank0(fn):
+    """Run ``fn`` on rank 0 only and give every rank its result (broadcast); a ValueError or
+    FileNotFoundError raised there is raised on every rank with the same message, so all ranks take
+    the same branch. Just ``fn()`` without a process group."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return fn()
+    payload = None
+    if dist.get_rank() == 0:
+        try:
+            payload = ("ok", fn())
+        except (ValueError, FileNotFoundError) as e:
+            payload = (type(e).__name__, str(e))
+    box = [payload]
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "ok":
+        return value
+    raise (FileNotFoundError if kind == "FileNotFoundError" else ValueError)(value)
+
+
 def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
     """Sum of ``t`` over ``group`` (the default group when None; ``t`` itself when not distributed)."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:

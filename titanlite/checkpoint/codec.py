@@ -1,0 +1,81 @@
+"""Non-tensor checkpoint state as tensors and JSON, so loading a checkpoint never unpickles anything.
+
+DCP stores every non-tensor value of a state dict with ``torch.save`` and reads it back with
+``torch.load(weights_only=False)``: a crafted checkpoint folder would run arbitrary code on resume.
+:func:`encode` turns a state dict (an LR scheduler's, a data loader's, the RNG's, the guard's, an
+optimizer's ``param_groups``) into plain tensors: the structure as UTF-8 JSON in a ``uint8`` tensor
+(``"json"``) and each tensor found inside it as its own entry (``"tensor_<i>"``), which DCP writes
+as raw bytes. :func:`decode` rebuilds the value. JSON keeps what a state dict needs exactly: floats
+round-trip (shortest repr), ``inf``/``nan`` are written as ``Infinity``/``NaN``, and tuples and
+dicts with non-string keys are tagged so they come back as tuples and with their key types.
+Anything else (bytes, arbitrary objects) is refused at save with the path to the value.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+JSON_KEY = "json"
+_TAG = "__titanlite__"
+
+
+def encode(obj: Any, what: str = "state") -> dict[str, torch.Tensor]:
+    """``{"json": uint8 tensor, "tensor_0": ..., ...}`` holding ``obj`` (see the module docstring)."""
+    tensors: list[torch.Tensor] = []
+
+    def walk(v: Any, path: str) -> Any:
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        if isinstance(v, torch.Tensor):
+            tensors.append(v.detach().cpu())
+            return {_TAG: "tensor", "i": len(tensors) - 1}
+        if isinstance(v, tuple):
+            return {_TAG: "tuple", "items": [walk(x, f"{path}[{i}]") for i, x in enumerate(v)]}
+        if isinstance(v, list):
+            return [walk(x, f"{path}[{i}]") for i, x in enumerate(v)]
+        if isinstance(v, dict):
+            if all(isinstance(k, str) for k in v) and _TAG not in v:
+                return {k: walk(x, f"{path}.{k}") for k, x in v.items()}
+            return {_TAG: "dict", "items": [[walk(k, path), walk(x, f"{path}[{k!r}]")] for k, x in v.items()]}
+        raise TypeError(f"{what}: cannot store {path} ({type(v).__name__}) in a checkpoint without pickling")
+
+    text = json.dumps(walk(obj, what), separators=(",", ":"), allow_nan=True)
+    out = {JSON_KEY: torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8)}
+    out.update({f"tensor_{i}": t for i, t in enumerate(tensors)})
+    return out
+
+
+def decode(entries: dict[str, torch.Tensor]) -> Any:
+    """The value :func:`encode` stored; ValueError when the JSON is not readable."""
+    try:
+        tree = json.loads(bytes(entries[JSON_KEY].cpu().numpy()).decode("utf-8"))
+    except (KeyError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"unreadable checkpoint state ({type(e).__name__}: {e})") from None
+
+    def build(v: Any) -> Any:
+        if isinstance(v, list):
+            return [build(x) for x in v]
+        if not isinstance(v, dict):
+            return v
+        tag = v.get(_TAG)
+        if tag == "tensor":
+            return entries[f"tensor_{v['i']}"]
+        if tag == "tuple":
+            return tuple(build(x) for x in v["items"])
+        if tag == "dict":
+            return {_key(build(k)): build(x) for k, x in v["items"]}
+        return {k: build(x) for k, x in v.items()}
+
+    return build(tree)
+
+
+def _key(k: Any) -> Any:
+    return tuple(k) if isinstance(k, list) else k
+
+
+def placeholders(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
+    """Empty tensors for DCP to load into, from the stored ``{entry: (shape, dtype)}``."""
+    return {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in shapes.items()}
