@@ -76,6 +76,18 @@ class Hook:
 
 
 def call_hooks(hooks: list[Hook], point: str, *args: Any) -> None:
-    """Call ``point`` on every hook, in order (reverse order for ``on_train_end``)."""
-    for hook in reversed(hooks) if point == "on_train_end" else hooks:
-        getattr(hook, point)(*args)
+    """Call ``point`` on every hook, in order. ``on_train_end`` goes in reverse order and reaches every
+    hook even when one raises (the first error is raised after the last hook: every log and file is
+    still closed)."""
+    if point != "on_train_end":
+        for hook in hooks:
+            getattr(hook, point)(*args)
+        return
+    error = None
+    for hook in reversed(hooks):
+        try:
+            hook.on_train_end(*args)
+        except Exception as e:  # noqa: BLE001 - raised below, once every hook has run
+            error = error or e
+    if error is not None:
+        raise error

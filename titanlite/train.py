@@ -232,8 +232,15 @@ class Trainer:
                     state.step += 1
                     state.tokens_seen += result.tokens
                     call_hooks(hooks, "on_step_end", state, result)
-        finally:  # also after an error: the last save is waited for, logs and threads are closed
+        except BaseException:  # the loop's error is the one to report; closing may fail too (a full disk)
+            try:
+                call_hooks(hooks, "on_train_end", state)
+            except Exception as e:  # noqa: BLE001
+                logger.error(f"closing the run after that error failed too: {type(e).__name__}: {e}")
+            raise
+        else:  # the last save is waited for, logs and threads are closed (after an error too, above)
             call_hooks(hooks, "on_train_end", state)
+        finally:
             self.run_lock.release()
         return state.records
 

@@ -495,7 +495,7 @@ class CheckpointManager:
                 with layout.quiet_single_process():
                     dcp.save(state, storage_writer=writer, process_group=self._pg, no_dist=not self.distributed)
                 self._published(partial, final, info, stats, t0)
-            except Exception as e:
+            except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
                 self._raise_if_disk_full(e, step)
                 raise
             stats.blocked_s, self.last_saved_step = time.perf_counter() - t0, step
@@ -622,7 +622,7 @@ class CheckpointManager:
             return
         try:
             fut.result()
-        except Exception as e:
+        except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
             self._raise_if_disk_full(e, step)
             raise RuntimeError(f"asynchronous checkpoint save of step {step} failed: {type(e).__name__}: {e}") from e
 

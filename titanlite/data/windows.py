@@ -105,7 +105,7 @@ class TokenWindows(IterableDataset):
         return {k: getattr(self, k) for k in ("epoch", "pos", "sample", "dp_world", "num_windows", "seq_len", "seed")}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key in ("num_windows", "seq_len", "seed"):
+        for key in ("seq_len", "seed", "num_windows"):  # the cause before its consequence
             if state[key] != getattr(self, key):
                 raise ValueError(
                     f"cannot resume {self.name} data: checkpoint has {key}={state[key]}, this run has "
