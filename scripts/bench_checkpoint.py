@@ -11,7 +11,13 @@ write to finish before the next save, as in real runs), and reports per save:
 
 - ``blocked``: time the loop spent in ``CheckpointManager.save`` plus ``wait_for_staging`` (the
   wait before the next optimizer step); for ``disabled`` that is the whole save;
-- ``write``: the background write (async modes) or the inline save.
+- ``write``: the background write (async modes) or the inline save;
+- ``checksum``: the part of ``write`` spent computing the files' CRC-32 (rank 0, on the writer thread
+  for async saves), and ``verify``: checking the newest checkpoint before a load.
+
+``--checksum-gb N`` measures only the checksums, on N GB of data files written to ``--folder``
+(e.g. 15 for a 1B-parameter model's fp32 weights and AdamW moments), split in ``--checksum-files``
+files (one per rank), right after writing them (page cache warm, as after a save).
 
 The first save of each mode is reported separately (pinned buffers are allocated then). The ratio
 ``blocked / disabled blocked`` is the figure of merit (target: <= 0.1). The model is the usual
@@ -62,6 +68,7 @@ def bench_checkpoint(
     folder: str | None = None,
 ) -> dict:
     """Per mode: blocked / write seconds of every save, the state size and the mean step time."""
+    from titanlite.checkpoint import layout
     from titanlite.models import load_config
     from titanlite.train import Trainer
 
@@ -96,9 +103,19 @@ def bench_checkpoint(
         trainer.train()
         wall = time.perf_counter() - t0
         saves = [
-            {"step": s.step, "blocked_s": s.blocked_s, "wait_prev_s": s.wait_prev_s, "write_s": s.write_s}
+            {
+                "step": s.step,
+                "blocked_s": s.blocked_s,
+                "wait_prev_s": s.wait_prev_s,
+                "write_s": s.write_s,
+                "checksum_s": s.checksum_s,
+            }
             for s in trainer.checkpointer.stats
         ]
+        newest = layout.list_step_folders(root / mode / "checkpoint")[-1].path
+        t1 = time.perf_counter()
+        assert layout.problem_with(newest, verify=True) is None
+        verify_s = time.perf_counter() - t1
         later = saves[1:] or saves
         results[mode] = {
             "params": trainer.n_params,
@@ -108,6 +125,8 @@ def bench_checkpoint(
             "first_blocked_s": saves[0]["blocked_s"],
             "blocked_median_s": statistics.median(s["blocked_s"] for s in later),
             "write_median_s": statistics.median(s["write_s"] for s in later),
+            "checksum_median_s": statistics.median(s["checksum_s"] for s in later),
+            "verify_s": verify_s,
             "wall_s": wall,
             "step_s": (wall - sum(s["blocked_s"] for s in saves)) / steps,
             "waited_for_previous_write_s": sum(s["wait_prev_s"] for s in saves),
@@ -126,19 +145,48 @@ def print_table(res: dict) -> None:
     )
     print(
         f"{'mode':<24}{'blocked/save (median)':>24}{'first save':>12}{'write (median)':>16}{'vs disabled':>13}"
-        f"{'step':>10}"
+        f"{'step':>10}{'checksum':>11}{'verify':>9}"
     )
     for mode, r in res.items():
         ratio = "" if r["blocked_vs_disabled"] is None else f"{r['blocked_vs_disabled']:.3f}"
         print(
             f"{mode:<24}{1e3 * r['blocked_median_s']:>21.1f} ms{1e3 * r['first_blocked_s']:>9.1f} ms"
             f"{1e3 * r['write_median_s']:>13.1f} ms{ratio:>13}{1e3 * r['step_s']:>7.0f} ms"
+            f"{1e3 * r['checksum_median_s']:>8.1f} ms{1e3 * r['verify_s']:>6.1f} ms"
         )
         if r["waited_for_previous_write_s"] > 0.05:
             print(
                 f"  ({mode}: {r['waited_for_previous_write_s']:.2f} s of it waiting for a previous write; "
                 "use a longer --interval)"
             )
+
+
+def bench_checksums(gb: float, folder: str | None, files: int = 1) -> dict:
+    """Time :func:`~titanlite.checkpoint.layout.file_checksums` (save side) and ``checksum_problem``
+    (load side) on ``gb`` GB of data files, as a save leaves them (just written, page cache warm)."""
+    import os
+
+    from titanlite.checkpoint import layout
+
+    root = Path(folder or tempfile.mkdtemp(prefix="bench_crc_")) / "step-0"
+    root.mkdir(parents=True, exist_ok=True)
+    block = os.urandom(64 << 20)
+    per_file = int(gb * 1e9) // files
+    for r in range(files):
+        with open(root / f"__{r}_0.distcp", "wb") as f:
+            for _ in range(per_file // len(block)):
+                f.write(block)
+    size = sum(p.stat().st_size for p in root.iterdir())
+    t0 = time.perf_counter()
+    recorded = layout.file_checksums(root)
+    save_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    assert layout.checksum_problem(root, recorded) is None
+    load_s = time.perf_counter() - t0
+    for p in root.iterdir():
+        p.unlink()
+    root.rmdir()
+    return {"bytes": size, "files": files, "save_s": save_s, "load_s": load_s, "gb_per_s": size / 1e9 / save_s}
 
 
 def run(
@@ -169,8 +217,17 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--folder", default=None, help="where the checkpoints go (default: a temporary folder)")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--checksum-gb", type=float, default=0, help="only time the checksums of this many GB of files")
+    p.add_argument("--checksum-files", type=int, default=1, help="split into this many files (one per rank)")
     a, rest = p.parse_known_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    if a.checksum_gb:
+        r = bench_checksums(a.checksum_gb, a.folder, a.checksum_files)
+        print(
+            f"checksums of {r['bytes'] / 1e9:.1f} GB in {r['files']} file(s): {r['save_s']:.2f} s at save "
+            f"({r['gb_per_s']:.2f} GB/s), {r['load_s']:.2f} s to verify before a load"
+        )
+        return 0
     run(rest, a.modes.split(","), a.steps, a.interval, a.json, a.folder)
     return 0
 

@@ -1,8 +1,11 @@
 """What a run reports: update/parameter norm ratio, ETA, progress line, summary, metrics.jsonl + TensorBoard."""
 
+import errno
 import json
 import logging
 import math
+import os
+import re
 
 import pytest
 import torch
@@ -140,3 +143,145 @@ def test_run_reports_everything(tmp_path, caplog):
     text = caplog.text
     assert "step    2/4 (50%)" in text and "| eta " in text and "tok/s" in text and "mfu" in text
     assert "run summary: 4 steps" in text
+
+
+LOGGED = TINY + ["--metrics.log_freq", "1", "--training.seed", "3"]
+
+
+def _steps(path) -> list[int]:
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def test_restart_before_first_checkpoint_logs_each_step_once(tmp_path):
+    """Killed (SIGKILL) before any checkpoint, then the same command again (here in-process): the new run
+    starts at step 0, so the log is rewound to step 0 and holds each step once, with the rerun's values (equal
+    to the first run's: same seed)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from titanlite.train import main
+
+    args = [*LOGGED, "--training.steps", "8", "--job.dump_folder", str(tmp_path)]
+    args += ["--checkpoint.enable", "true", "--checkpoint.interval", "1000"]
+    metrics_file = tmp_path / "metrics.jsonl"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    first = subprocess.Popen([sys.executable, "-m", "titanlite.train", *args], env=env, stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (metrics_file.exists() and len(_steps(metrics_file)) >= 3):
+            assert first.poll() is None and time.monotonic() < deadline, "the first run did not reach step 3"
+            time.sleep(0.02)
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    killed = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.endswith("}")]
+    assert not list((tmp_path / "checkpoint").glob("step-*"))
+    main(args)
+    records = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 9))  # each once, no torn line
+    assert [r["loss"] for r in records[: len(killed)]] == [r["loss"] for r in killed]
+
+
+def test_failed_resume_leaves_the_metrics_log_alone(tmp_path):
+    """The log is rewound only once a resume has loaded its checkpoint: building a trainer (which opens the
+    log) changes nothing, and a resume whose checkpoint cannot be read keeps every record."""
+    cfg_args = LOGGED + ["--training.steps", "6", "--job.dump_folder", str(tmp_path)]
+    cfg_args += ["--checkpoint.enable", "true", "--checkpoint.interval", "3"]
+    Trainer(load_config(cfg_args)).train()  # steps 1..6 logged, step-3 resumable (step-6: model only)
+    path = tmp_path / "metrics.jsonl"
+    before = path.read_bytes()
+    assert _steps(path) == [1, 2, 3, 4, 5, 6]
+    for data in (tmp_path / "checkpoint" / "step-3").glob("*.distcp"):  # same size: passes the planning checks
+        data.write_bytes(bytes(data.stat().st_size))
+    trainer = Trainer(load_config(cfg_args))
+    assert path.read_bytes() == before  # opening the log truncated nothing
+    with pytest.raises(RuntimeError, match="could be loaded"):
+        trainer.train()
+    assert path.read_bytes() == before
+
+
+class _FullDisk:
+    """A raw file whose write takes the first ``room`` bytes, then raises ENOSPC (like a filling disk)."""
+
+    def __init__(self, real, room: int, err: int):
+        self.real, self.room, self.err = real, room, err
+
+    def fileno(self) -> int:
+        return self.real.fileno()
+
+    def write(self, data) -> int:
+        if self.room <= 0:
+            raise OSError(self.err, os.strerror(self.err))
+        n = self.real.write(bytes(data[: self.room]))
+        self.room -= n
+        return n
+
+    def close(self) -> None:
+        self.real.close()
+
+
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EDQUOT])
+def test_disk_full_during_a_write_leaves_no_torn_line(tmp_path, err):
+    cfg = load_config(TINY + ["--job.dump_folder", str(tmp_path)])
+    log = metrics.MetricsLogger(cfg.metrics, tmp_path)
+    log.log({"step": 1, "loss": 2.5})
+    before = log.path.read_bytes()
+    log.file = _FullDisk(log.file, room=7, err=err)  # part of the next line fits
+    with pytest.raises(metrics.DiskFullError) as full:
+        log.log({"step": 2, "loss": 2.25})
+    log.close()
+    assert log.path.read_bytes() == before == b'{"step": 1, "loss": 2.5}\n'  # the partial line was cut off
+    msg = str(full.value)
+    assert "\n" not in msg and str(log.path) in msg and "the record of step 2 was not written" in msg
+    assert msg.startswith("the disk is full (errno ENOSPC)" if err == errno.ENOSPC else "the disk quota is exceeded")
+    assert full.value.errno == err and log.failed
+
+
+def test_other_write_errors_are_cut_back_and_raised_as_they_are(tmp_path):
+    cfg = load_config(TINY + ["--job.dump_folder", str(tmp_path)])
+    log = metrics.MetricsLogger(cfg.metrics, tmp_path)
+    log.file = _FullDisk(log.file, room=3, err=errno.EIO)
+    with pytest.raises(OSError) as failed:
+        log.log({"step": 1, "loss": 2.5})
+    log.close()
+    assert type(failed.value) is OSError and failed.value.errno == errno.EIO
+    assert log.path.read_bytes() == b""
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (a device that is always full)")
+def test_disk_full_on_the_command_line_is_one_line_and_exit_2(tmp_path, capsys):
+    """A real ENOSPC: metrics.jsonl is a link to /dev/full. One ``error:`` line naming the file, status 2."""
+    from titanlite.train import main
+
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")
+    with pytest.raises(SystemExit) as stopped:
+        main([*LOGGED, "--training.steps", "3", "--job.dump_folder", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2, err
+    assert err.splitlines() == [
+        f"error: the disk is full (errno ENOSPC): could not write {tmp_path / 'metrics.jsonl'}; "
+        "the record of step 1 was not written"
+    ]
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_summary_write_on_a_full_disk_keeps_the_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "summary.json"
+    path.write_text('{"steps": 4}\n')
+    real_write = metrics.Path.write_text
+
+    def half_then_full(self, text, **kw):
+        real_write(self, text[:5], **kw)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(metrics.Path, "write_text", half_then_full)
+    with pytest.raises(metrics.DiskFullError, match=re.escape(f"could not write {path}; it was left as it was")):
+        metrics.write_file_whole(path, '{"steps": 8}\n')
+    monkeypatch.undo()
+    assert path.read_text() == '{"steps": 4}\n' and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+    metrics.write_file_whole(path, '{"steps": 8}\n')
+    assert path.read_text() == '{"steps": 8}\n'

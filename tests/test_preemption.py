@@ -1,4 +1,5 @@
-"""SIGTERM/SIGINT: finish the step, checkpoint, exit 0; resume reproduces the uninterrupted run."""
+"""SIGTERM/SIGINT: finish the step, checkpoint, exit 0 (128 + signal when nothing was saved); resume reproduces
+the uninterrupted run; what torchrun does with the signal."""
 
 import json
 import os
@@ -8,9 +9,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from tiny import TINY_MODEL
 
-from titanlite.preemption import PreemptionHandler
+from titanlite.preemption import REPEAT_WINDOW_S, PreemptionHandler
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 40
@@ -131,7 +133,7 @@ def test_stop_request_without_checkpointing_returns_cleanly(tmp_path, caplog):
             class Signal(Hook):
                 def before_update(self, state, result):
                     if result.step == 2:  # the request arrives during step 2
-                        handler.requested, handler.signal_name = True, "SIGINT"
+                        handler.request(signal.SIGINT)
 
             return [Signal()] + super().build_hooks()
 
@@ -141,3 +143,156 @@ def test_stop_request_without_checkpointing_returns_cleanly(tmp_path, caplog):
     assert t.state.step == 2 and [r["step"] for r in records] == [1, 2]
     assert "stopped after step 2 of 40 on SIGINT; checkpointing is off" in caplog.text
     assert "run summary: 2 steps" in caplog.text
+    assert t.preemption.exit_status() == 128 + signal.SIGINT  # nothing to resume from: not a success
+
+
+def test_same_signal_again_soon_is_the_same_request():
+    """A repeat of the first signal within REPEAT_WINDOW_S (torchrun forwarding the SIGTERM a scheduler also
+    sent the worker) does not exit; after the window, or a different signal, does."""
+    exits, now = [], [100.0]
+    handler = PreemptionHandler(exit_fn=exits.append, clock=lambda: now[0])
+    with handler:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        now[0] += REPEAT_WINDOW_S - 0.5
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        assert handler.requested and handler.signum == signal.SIGTERM and exits == []
+        now[0] += 1.0  # past the window: a real second request
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        assert exits == [128 + signal.SIGTERM]
+
+
+def _wait_for_step(proc: subprocess.Popen, metrics: Path, step: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while _last_step(metrics) < step:
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, f"the run did not reach step {step}"
+        time.sleep(0.02)
+
+
+def test_sigterm_without_checkpointing_exits_128_plus_signal(tmp_path):
+    """Checkpointing off: nothing to resume from, so the command must not exit 0 (a scheduler would record the
+    preempted job as finished): 143 = 128 + SIGTERM, the shell's convention."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    run = subprocess.Popen(
+        _cmd(tmp_path), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        _wait_for_step(run, tmp_path / "metrics.jsonl", 3)
+        run.send_signal(signal.SIGTERM)
+        out, _ = run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 128 + signal.SIGTERM == 143, out[-3000:]
+    assert (
+        "checkpointing is off ([checkpoint] enable = false): nothing was saved; the command exits with status 143"
+        in out
+    )
+    assert not (tmp_path / "checkpoint").exists()
+
+
+def test_failed_checkpoint_on_stop_exits_128_plus_signal(tmp_path, caplog):
+    """The stopped step's checkpoint fails: logged, the earlier checkpoint is intact, and main() exits 143."""
+    import errno
+    import logging
+
+    from titanlite.hooks import Hook
+    from titanlite.train import Trainer, main
+
+    class StopAt3SaveFails(Trainer):
+        def build_hooks(self):
+            handler, ckpt = self.preemption, self.checkpointer
+            interval_save = ckpt.save
+
+            def save(step, **kw):
+                if kw.get("force"):  # the preemption save
+                    raise OSError(errno.EIO, "Input/output error")
+                return interval_save(step, **kw)
+
+            ckpt.save = save
+
+            class Signal(Hook):
+                def before_update(self, state, result):
+                    if result.step == 3:
+                        handler.request(signal.SIGTERM)
+
+            return [Signal()] + super().build_hooks()
+
+    args = TINY + ["--job.dump_folder", str(tmp_path), "--checkpoint.enable", "true", "--checkpoint.interval", "2"]
+    with caplog.at_level(logging.INFO, logger="titanlite"), pytest.raises(SystemExit) as stopped:
+        main(args, trainer_cls=StopAt3SaveFails)
+    assert stopped.value.code == 128 + signal.SIGTERM
+    assert "the checkpoint of step 3 failed: OSError: [Errno 5] Input/output error" in caplog.text
+    assert "stopped after step 3 of 40 on SIGTERM; the checkpoint of step 3 failed (OSError)" in caplog.text
+    assert [p.name for p in (tmp_path / "checkpoint").iterdir()] == ["step-2"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # main() restored the handlers
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (torchrun's workers), from /proc."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _kill_tree(pids: list[int]) -> None:
+    for pid in pids:  # torchrun and each worker lead their own process groups
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds torchrun's workers through /proc")
+@pytest.mark.parametrize(
+    "target, checkpoint, torchrun_status",
+    [
+        ("all", True, 1),  # the scheduler signals every process (Slurm): torchrun forwards it too, then exits 1
+        ("workers", True, 0),  # only the workers are signalled: torchrun sees them all succeed
+        ("workers", False, 1),  # nothing saved: the workers exit 143, which torchrun reports as a failure
+    ],
+)
+def test_torchrun_sigterm(tmp_path, target, checkpoint, torchrun_status):
+    """What a scheduler sees under ``torchrun --nproc-per-node 2`` (README, Preemption): a SIGTERM that reaches
+    torchrun makes it exit 1 (its SignalException) even though both workers saved the stopped step; signalling
+    the workers alone gives torchrun's exit 0 when they saved, 1 when they had nothing to save."""
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "titanlite.train", *TINY]
+    cmd += ["--job.dump_folder", str(tmp_path), "--checkpoint.enable", str(checkpoint).lower()]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    workers: list[int] = []
+    try:
+        _wait_for_step(proc, tmp_path / "metrics.jsonl", 3)
+        workers = _children(proc.pid)
+        assert len(workers) == 2, workers
+        for pid in workers + ([proc.pid] if target == "all" else []):
+            os.kill(pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        _kill_tree([proc.pid, *workers])
+        proc.wait(timeout=30)
+    assert proc.returncode == torchrun_status, out[-4000:]
+    assert ("SignalException" in out) == (target == "all"), out[-4000:]
+    assert "second signal" not in out  # torchrun's forwarded copy did not make the workers exit at once
+    stops = [line.split("stopped after step ")[1] for line in out.splitlines() if "stopped after step" in line]
+    assert len(stops) == 2 and stops[0] == stops[1], out[-4000:]  # both ranks stopped after the same step
+    step = int(stops[0].split()[0])
+    if checkpoint:
+        ckpt = tmp_path / "checkpoint"
+        assert [p.name for p in ckpt.iterdir()] == [f"step-{step}"]
+        assert (ckpt / f"step-{step}" / ".metadata").exists()
+    else:
+        assert "exitcode  : 143" in out, out[-4000:]

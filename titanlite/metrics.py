@@ -10,6 +10,8 @@ needed), logged alongside. :class:`MetricsHook` is the metrics' place in the tra
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import json
 import logging
@@ -139,17 +141,38 @@ def memory_stats(device: torch.device) -> dict[str, float]:
     return {"mem_rss_gib": rss / gib, "mem_peak_rss_gib": peak_rss / gib}
 
 
+class DiskFullError(OSError):
+    """No space left (ENOSPC, or EDQUOT: over quota) while writing one of a run's files. One line naming the
+    file; ``python -m titanlite.train`` prints it as ``error: ...`` and exits 2, like other user errors."""
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()  # the message alone: it already names the errno
+
+
+def disk_full_error(error: OSError, path: str | os.PathLike, what: str) -> OSError:
+    """``error`` as a :class:`DiskFullError` naming ``path`` when it means the disk (or quota) is full, else
+    ``error`` itself."""
+    if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return error
+    reason = "the disk is full" if error.errno == errno.ENOSPC else "the disk quota is exceeded"
+    return DiskFullError(
+        error.errno, f"{reason} (errno {errno.errorcode[error.errno]}): could not write {path}; {what}"
+    )
+
+
 class MetricsLogger:
-    """``[metrics]``: records to ``<dump_folder>/metrics.jsonl`` (a flushed line each) and TensorBoard, on
-    rank 0 only; :meth:`rewind` drops the records after a step (a resumed run logs them again)."""
+    """``[metrics]``: records to ``<dump_folder>/metrics.jsonl`` (one line each, on disk before :meth:`log`
+    returns) and TensorBoard, on rank 0 only. Opening the file never changes it: only :meth:`rewind`, called
+    once a resume has loaded its checkpoint, drops the records after a step (the resumed run logs them
+    again). A write that fails midway (disk full) is cut back, so the file never ends in a torn line."""
 
     def __init__(self, section: Any, dump_folder: str | os.PathLike, rank: int = 0):
-        self.enabled, self.writer = rank == 0, None
+        self.enabled, self.writer, self.failed = rank == 0, None, False
         self.path = Path(dump_folder) / "metrics.jsonl"
         if not self.enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(self.path, "a", encoding="utf-8")
+        self.file = open(self.path, "ab", buffering=0)  # appends only; unbuffered: no half-written line held back
         if section.enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -158,12 +181,26 @@ class MetricsLogger:
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        self._append((json.dumps(record) + "\n").encode("utf-8"), record.get("step"))
         if self.writer is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
                     self.writer.add_scalar(key, value, record["step"])
+
+    def _append(self, line: bytes, step: Any) -> None:
+        """Write one whole line, or nothing: on an error midway the file is truncated back to its previous end
+        (a disk-full error becomes a :class:`DiskFullError`)."""
+        fd = self.file.fileno()
+        end = os.fstat(fd).st_size
+        view = memoryview(line)
+        try:
+            while view:  # a raw write may take only part of the line
+                view = view[self.file.write(view) :]
+        except OSError as e:
+            self.failed = True
+            with contextlib.suppress(OSError):  # e.g. not a regular file; the error below is what matters
+                os.ftruncate(fd, end)
+            raise disk_full_error(e, self.path, f"the record of step {step} was not written") from e
 
     def rewind(self, step: int) -> None:
         if self.enabled:
@@ -174,6 +211,19 @@ class MetricsLogger:
             self.file.close()
             if self.writer is not None:
                 self.writer.close()
+
+
+def write_file_whole(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file renamed over it: ``path`` holds the old or the new
+    text, never a part (disk full: a :class:`DiskFullError`, and the old file is left as it was)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise disk_full_error(e, path, "it was left as it was") from e
 
 
 def rewind_metrics_log(path: str | os.PathLike, step: int) -> int:
@@ -371,7 +421,8 @@ class MetricsHook(Hook):
     grad norm, lr, tokens/s, MFU from ``flops_per_token`` and ``matmul_dtype``, memory, data wait, update
     ratio, ETA, and whatever ``result.extra`` holds, e.g. the guard's counters), rank 0's progress line, the
     summary (rank 0 writes it to ``summary_path``). It owns the metrics log: at the start it becomes
-    ``state.sink`` and is rewound to ``state.step`` (a fresh start logs from scratch)."""
+    ``state.sink`` and is rewound to ``state.step`` (a fresh start logs from scratch). ``on_train_start`` comes
+    after the resume has loaded its checkpoint, so a resume that fails leaves the log untouched."""
 
     def __init__(
         self,
@@ -466,9 +517,11 @@ class MetricsHook(Hook):
             self.progress.validation(val[-1])
         summary = self.progress.summary()
         logger.info(format_summary(summary))
-        if self.summary_path is not None:
-            self.summary_path.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
-        self.log.close()
+        try:
+            if self.summary_path is not None and not self.log.failed:  # after a failed write: that error stands
+                write_file_whole(self.summary_path, json.dumps(summary, indent=1) + "\n")
+        finally:
+            self.log.close()
 
     @staticmethod
     def log_line(r: dict[str, Any], total: int) -> None:

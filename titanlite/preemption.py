@@ -4,13 +4,21 @@ First signal: the handler only records the request and logs it. The loop finishe
 step (a signal that arrives after a step's check, e.g. during validation or a checkpoint save, is acted on
 at the end of the next step); the request is all-reduced with the NaN guard's flags (:mod:`titanlite.guard`),
 so every rank stops after that same step, even when the ranks got the signal at slightly different moments
-or only one got it (torchrun forwards SIGTERM to every worker). :class:`PreemptionHook` then writes a full
-checkpoint of that step when checkpointing is on, waits for asynchronous saves, logs one line and ends the
-loop: the process exits 0, and the same command resumes from there exactly (model, optimizer, LR schedule,
-data position and RNG are in the checkpoint).
+or only one got it. :class:`PreemptionHook` then writes a full checkpoint of that step when checkpointing is
+on, waits for asynchronous saves, logs one line and ends the loop; the same command resumes from there
+exactly (model, optimizer, LR schedule, data position and RNG are in the checkpoint).
+
+Exit status (:meth:`PreemptionHandler.exit_status`, used by ``python -m titanlite.train``): 0 when the
+checkpoint of the stopped step was saved; otherwise (checkpointing off, or that save failed) 128 + the
+signal number, the shell's convention for "ended by that signal" (143 for SIGTERM, 130 for SIGINT), so a
+scheduler never records a preempted job with nothing to resume from as finished. A rank that stopped on
+another rank's request counts it as SIGTERM.
 
 Second signal: exit at once (status 128 + signal number) without waiting for anything; an interrupted
-checkpoint write leaves only a ``step-N.partial-*`` folder, removed at the next start.
+checkpoint write leaves only a ``step-N.partial-*`` folder, removed at the next start. The same signal
+again within :data:`REPEAT_WINDOW_S` of the first is not a second request but a copy of the first: when a
+scheduler signals every process of a job (Slurm at its time limit or on ``scancel``), a worker under
+torchrun gets the scheduler's SIGTERM and, milliseconds later, the one torchrun forwards to it.
 
 Handlers can only be installed from the main thread (elsewhere a message says they are not).
 ``python -m titanlite.train`` installs them around ``Trainer.train()`` (``with trainer.preemption:``), as a
@@ -25,6 +33,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable
 
 from titanlite.hooks import Hook
@@ -32,14 +41,24 @@ from titanlite.hooks import Hook
 logger = logging.getLogger("titanlite.preemption")
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+REPEAT_WINDOW_S = 5.0  # the same signal again this soon is a forwarded copy of the first, not a second request
 
 
 class PreemptionHandler:
-    """Records a stop request on the first signal, exits at once on the second."""
+    """Records a stop request on the first signal, exits at once on the second; says what the exit status
+    of the process should be once the loop has stopped (:meth:`exit_status`)."""
 
-    def __init__(self, signals: Iterable[int] = DEFAULT_SIGNALS, exit_fn: Callable[[int], None] = os._exit):
-        self.signals, self.exit_fn = tuple(signals), exit_fn
+    def __init__(
+        self,
+        signals: Iterable[int] = DEFAULT_SIGNALS,
+        exit_fn: Callable[[int], None] = os._exit,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.signals, self.exit_fn, self.clock = tuple(signals), exit_fn, clock
         self.requested, self.signal_name = False, ""  # the first signal's name once requested
+        self.signum: int | None = None  # the first signal's number once requested
+        self.unsaved_stop = False  # set by PreemptionHook: stopped with no resumable checkpoint of that step
+        self._requested_at = 0.0
         self._previous: dict[int, object] = {}
 
     def install(self) -> PreemptionHandler:
@@ -61,26 +80,48 @@ class PreemptionHandler:
     def __exit__(self, *exc) -> None:
         self.uninstall()
 
-    def _handle(self, signum: int, frame) -> None:
-        name = signal.Signals(signum).name
-        if self.requested:
-            logger.warning("preemption: second signal (%s): exiting now without waiting", name)
-            for stream in (sys.stdout, sys.stderr):
-                with contextlib.suppress(Exception):  # exiting anyway
-                    stream.flush()
-            self.exit_fn(128 + signum)
-            return
-        self.requested, self.signal_name = True, name
+    def request(self, signum: int) -> None:
+        """Record a stop request as if ``signum`` had been received (the signal handler's first signal)."""
+        self.requested, self.signum, self.signal_name = True, int(signum), signal.Signals(signum).name
+        self._requested_at = self.clock()
         logger.warning(
             "preemption: received %s: finishing the current step, then saving a checkpoint and exiting "
-            "(send it again to exit at once)",
-            name,
+            "(another signal exits at once; the same one within %.0f s counts as this one)",
+            self.signal_name,
+            REPEAT_WINDOW_S,
         )
+
+    def exit_status(self) -> int:
+        """0, or 128 + the signal's number when the loop stopped on a request with nothing resumable saved for
+        the stopped step (SIGTERM's number when the request came from another rank): a job that was stopped
+        with nothing to resume from must not look finished to a scheduler."""
+        if not self.unsaved_stop:
+            return 0
+        return 128 + (self.signum if self.signum is not None else int(signal.SIGTERM))
+
+    def _handle(self, signum: int, frame) -> None:
+        if not self.requested:
+            self.request(signum)
+            return
+        name = signal.Signals(signum).name
+        if signum == self.signum and self.clock() - self._requested_at < REPEAT_WINDOW_S:
+            logger.info(
+                "preemption: %s again within %.0f s: the same request (e.g. forwarded by torchrun)",
+                name,
+                REPEAT_WINDOW_S,
+            )
+            return
+        logger.warning("preemption: second signal (%s): exiting now without waiting", name)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):  # exiting anyway
+                stream.flush()
+        self.exit_fn(128 + signum)
 
 
 class PreemptionHook(Hook):
     """Stop after a step on which a stop was requested (``result.stop_requested``, agreed across ranks by the
-    guard's check): a full checkpoint of that step unless one was just saved, then ``state.stop``."""
+    guard's check): a full checkpoint of that step unless one was just saved, then ``state.stop``. Whether a
+    resumable checkpoint of that step exists afterwards goes to ``handler.unsaved_stop`` (the exit status)."""
 
     def __init__(self, handler: PreemptionHandler, checkpointer=None):
         self.handler, self.checkpointer = handler, checkpointer
@@ -88,15 +129,26 @@ class PreemptionHook(Hook):
     def on_step_end(self, state, result) -> None:
         if not result.stop_requested or state.last_step:
             return
-        ckpt, step = self.checkpointer, state.step
-        saved = ckpt is not None and ckpt.enabled and (ckpt.last_saved_step == step or ckpt.save(step, force=True))
-        if ckpt is not None:
-            ckpt.wait()
-        what = (
-            f"checkpoint of step {step} saved; rerun the same command to resume"
-            if saved
-            else "checkpointing is off ([checkpoint] enable = false): nothing was saved"
-        )
+        step = state.step
+        saved, what = self._save(step)
+        self.handler.unsaved_stop = not saved
+        if not saved:
+            what += f"; the command exits with status {self.handler.exit_status()} (128 + the signal number)"
         on = self.handler.signal_name or "a signal on another rank"
         logger.warning("preemption: stopped after step %d of %d on %s; %s", step, state.total_steps, on, what)
         state.stop = True
+
+    def _save(self, step: int) -> tuple[bool, str]:
+        """A full checkpoint of ``step``, waited for: (whether it is on disk, what happened, for the log line).
+        A failed save is logged and reported, not raised: the stop goes on, with a non-zero exit status."""
+        ckpt = self.checkpointer
+        if ckpt is None or not ckpt.enabled:
+            return False, "checkpointing is off ([checkpoint] enable = false): nothing was saved"
+        try:
+            if ckpt.last_saved_step != step:
+                ckpt.save(step, force=True)
+            ckpt.wait()
+        except Exception as e:  # noqa: BLE001 - every rank sees the collective save fail the same way
+            logger.error("preemption: the checkpoint of step %d failed: %s: %s", step, type(e).__name__, e)
+            return False, f"the checkpoint of step {step} failed ({type(e).__name__}): nothing resumable was saved"
+        return True, f"checkpoint of step {step} saved; rerun the same command to resume"

@@ -31,7 +31,7 @@ from titanlite.dtypes import DTYPES
 from titanlite.guard import GuardHook, StepGuard, TrainingDivergedError
 from titanlite.hooks import Hook, LoopState, call_hooks
 from titanlite.loss import cross_entropy_sum  # noqa: F401  (registers the built-in loss)
-from titanlite.metrics import MetricsHook, MetricsLogger, matmul_dtype, num_params
+from titanlite.metrics import DiskFullError, MetricsHook, MetricsLogger, matmul_dtype, num_params
 from titanlite.models import get_model_spec, model_schema
 from titanlite.models.registry import model_args_for, model_counts
 from titanlite.optim import build_optimizer  # noqa: F401  (registers the built-in optimizers and schedules)
@@ -280,7 +280,8 @@ def setup_logging(rank: int) -> None:
 def main(argv: list[str] | None = None, trainer_cls: type | None = None, load_config: Callable | None = None) -> None:
     """The command line: ``load_config(argv)`` (default: titanlite's TOML + ``--section.key``
     overrides), then the dry run, or ``trainer_cls`` (default: the one ``[job] trainer`` names)
-    built and trained. Errors in the config or while building are one line and exit status 2."""
+    built and trained. Errors in the config or while building, and a full disk, are one line and exit status 2;
+    a stop on SIGTERM/SIGINT with nothing resumable saved exits 128 + the signal number (titanlite.preemption)."""
     argv = sys.argv[1:] if argv is None else argv
     cfg = load_config(argv) if load_config is not None else parse_args_or_exit(argv, model_schema=model_schema)
     if cfg.job.dry_run:  # check the layout at its stated scale with a fake process group, then exit
@@ -304,14 +305,14 @@ def main(argv: list[str] | None = None, trainer_cls: type | None = None, load_co
         exit_with_error(e, every_rank=True)
     if world.is_main and not trainer.complete:
         dump_config(cfg, Path(cfg.job.dump_folder) / "config.toml")
-    code = 0
     try:
-        with trainer.preemption:  # SIGTERM/SIGINT: finish the step, checkpoint, exit 0 (titanlite.preemption)
+        with trainer.preemption:  # SIGTERM/SIGINT: finish the step, checkpoint, exit (titanlite.preemption)
             trainer.train()
+        code = trainer.preemption.exit_status()  # 128 + signal number when stopped with nothing to resume from
     except TrainingDivergedError as e:  # [guard] policy = raise, or too many skips: every rank's verdict
         logger.error("training stopped: %s", e)
         code = 1
-    except (ResumeError, CheckpointWriteError) as e:  # nothing lost: the earlier checkpoints are intact
+    except (ResumeError, CheckpointWriteError, DiskFullError) as e:  # nothing lost: earlier checkpoints intact
         exit_with_error(e, every_rank=True)
     if torch.distributed.is_initialized():  # a gloo group left to interpreter exit can abort a rank; and no
         torch.distributed.barrier()  # rank may tear its connections down while another still uses them
