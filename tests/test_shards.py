@@ -13,6 +13,7 @@ from titanlite.data.shards import (
     HEADER_SIZE,
     MANIFEST,
     ShardedTokens,
+    ShardIntegrityError,
     ShardReader,
     build_manifest,
     dtype_for_vocab,
@@ -189,9 +190,9 @@ def test_altered_shard_refused_before_its_tokens_are_read(tmp_path):
             store[window[0] : window[1]]
         msg = str(e.value)
         assert msg.startswith(f"{bad}: checksum ") and "changed after it was prepared" in msg and "\n" not in msg
-    with pytest.raises(ValueError, match=r"train-00001\.bin: checksum"):
+    with pytest.raises(ShardIntegrityError, match=r"train-00001\.bin: checksum"):
         store.gather([0, s1 + 1], 3)
-    with pytest.raises(ValueError, match=r"train-00001\.bin: checksum"):
+    with pytest.raises(ShardIntegrityError, match=r"train-00001\.bin: checksum"):
         store[s1 + 2]
     assert store[s2 : s2 + 3].tolist() == [t for d in shard_docs[2] for t in d][:3]
 

@@ -94,6 +94,11 @@ _NAMES = {"uint16": 2, "uint32": 4}
 PathLike = str | os.PathLike
 
 
+class ShardIntegrityError(ValueError):
+    """A shard whose bytes do not match its manifest (changed after preparation, or ids outside the
+    vocabulary); raised while reading, so a launcher can tell it from other errors."""
+
+
 def dtype_for_vocab(vocab_size: int) -> str:
     """ "uint16" when every id of a ``vocab_size`` vocabulary fits in 16 bits (<= 65536), else "uint32"."""
     return "uint16" if vocab_size <= 65536 else "uint32"
@@ -407,16 +412,16 @@ def open_shard(manifest_path: Path, manifest: dict, entry: dict) -> ShardReader:
 
 def verify_shard_bytes(reader: ShardReader, entry: dict, vocab_size: int, manifest_path: PathLike) -> None:
     """Read the whole shard: its checksum must be the manifest's (or, for an entry without one, every
-    token id must be inside the vocabulary); one-line ValueError naming the file."""
+    token id must be inside the vocabulary); one-line :class:`ShardIntegrityError` naming the file."""
     if "checksum" in entry:
         got = reader.checksum()
         if got != entry["checksum"]:
-            raise ValueError(
+            raise ShardIntegrityError(
                 f"{reader.path}: checksum {got} differs from {entry['checksum']} in {manifest_path}: the file "
                 f"changed after it was prepared; restore it or prepare the data again"
             )
     elif (hi := reader.max_id()) >= vocab_size:
-        raise ValueError(
+        raise ShardIntegrityError(
             f"{reader.path}: holds token id {hi}, outside the vocabulary of {vocab_size} tokens recorded in "
             f"{manifest_path}; the file is damaged or was not made with that tokenizer"
         )
