@@ -10,8 +10,15 @@
   :class:`ShardedTokens`, both one ``store[a:b]`` per window + ``torch.stack`` (what the windowed
   loader does) and ``store.gather``; on the shards prepared above and on synthetic uint32 shards
   of ``--synthetic-tokens`` tokens.
+* ``integrity``: what the shard checks cost. CRC-32 throughput in memory and of
+  ``ShardReader.checksum()`` on a ``--checksum-mb`` shard file (page cache warm: it was just
+  written, so this is the CPU cost; from disk, the disk's read speed is the bound); the start-up
+  check of a folder of ``--startup-shards`` small shards (manifest, headers, recorded max ids,
+  tokenizer fingerprint); and both extrapolated to 1 TB of uint32 shards of 100M tokens (the
+  default ``--shard-tokens``): the start-up cost per shard times 2,500 shards, and the lazy
+  checksum cost (every byte hashed once per reading process) at the measured throughput.
 
-Default run: well under a minute on 2 CPU cores.
+Default run: well under a minute on 2 CPU cores (``--integrity-only``: a few seconds).
 """
 
 from __future__ import annotations
@@ -35,9 +42,18 @@ except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titanlite.data import prepare as prepare_data
-from titanlite.data.shards import MANIFEST, ShardedTokens, build_manifest, write_json_atomic, write_shard_flat
+from titanlite.data.shards import (
+    MANIFEST,
+    ShardedTokens,
+    ShardReader,
+    build_manifest,
+    checksum,
+    tokenizer_info,
+    write_json_atomic,
+    write_shard_flat,
+)
 from titanlite.data.sources import iter_documents
-from titanlite.tokenizer import build_tokenizer
+from titanlite.tokenizer import build_tokenizer, tokenizer_fingerprint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -133,12 +149,16 @@ def bench_read(folder: Path, seq_len: int, batch: int, seconds: float) -> dict:
     L = seq_len + 1
     hi = len(store) - L
     rng = random.Random(0)
+    t = time.perf_counter()
+    for i in range(len(store.shards)):  # the one-time lazy checksums, kept out of the read timings
+        store.verify_shard(i)
     res = {
         "tokens_in_store": len(store),
         "shards": len(store.shards),
         "dtype": store.dtype,
         "window": L,
         "batch": batch,
+        "first_read_checksums_seconds": round(time.perf_counter() - t, 3),
     }
     for mode in ("slice_stack", "gather"):
         n_batches = 0
@@ -158,6 +178,57 @@ def bench_read(folder: Path, seq_len: int, batch: int, seconds: float) -> dict:
     return res
 
 
+def best_seconds(fn, repeats: int = 3) -> float:
+    """The fastest of ``repeats`` runs of ``fn()`` (the machine is shared: the least disturbed one)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def bench_integrity(tmp: Path, tok_path: str, checksum_mb: int, startup_shards: int) -> dict:
+    """Checksum throughput, start-up check time per shard, and both extrapolated to 1 TB."""
+    blob = np.random.default_rng(0).integers(0, 1 << 32, size=checksum_mb << 18, dtype=np.uint32)
+    view = memoryview(blob).cast("B")
+    chunks = [view[i : i + (16 << 20)] for i in range(0, len(view), 16 << 20)]
+    crc_mem = blob.nbytes / best_seconds(lambda: checksum(chunks)) / 1e9
+    big = tmp / "checksum" / "train-00000.bin"
+    big.parent.mkdir()
+    write_shard_flat(big, blob, [blob.size], "uint32", fsync=False)
+    crc_file = big.stat().st_size / best_seconds(lambda: ShardReader(big).checksum()) / 1e9
+
+    tok = build_tokenizer(tok_path)
+    fingerprint_s = best_seconds(lambda: tokenizer_fingerprint(tok))
+    folder = tmp / "many"
+    folder.mkdir()
+    rng = np.random.default_rng(1)
+    entries = []
+    for i in range(startup_shards):
+        flat = rng.integers(0, tok.vocab_size, size=1000, dtype=np.uint32)
+        info = write_shard_flat(folder / f"train-{i:05d}.bin", flat, [500, 500], "uint32", fsync=False)
+        entries.append({**info, "split": "train"})
+    write_json_atomic(folder / MANIFEST, build_manifest(entries, "uint32", tokenizer_info(tok)))
+    startup_s = best_seconds(lambda: ShardedTokens(folder, "train", tokenizer=tok))
+    per_shard = (startup_s - fingerprint_s) / startup_shards
+    tb, shards_1tb = 1e12, int(1e12 // (100_000_000 * 4))
+    return {
+        "crc32_in_memory_GB_per_s": round(crc_mem, 2),
+        "shard_checksum_GB_per_s": round(crc_file, 2),
+        "shard_checksum_file_MB": round(big.stat().st_size / 1e6, 1),
+        "tokenizer": tok_path or "bytes",
+        "tokenizer_fingerprint_seconds": round(fingerprint_s, 4),
+        "startup_shards": startup_shards,
+        "startup_seconds": round(startup_s, 3),
+        "startup_ms_per_shard": round(1e3 * per_shard, 4),
+        "1TB_uint32_shards_of_100M_tokens": shards_1tb,
+        "1TB_startup_seconds": round(fingerprint_s + per_shard * shards_1tb, 2),
+        "1TB_lazy_checksum_seconds_per_reading_process": round(tb / (crc_file * 1e9), 1),
+        "1TB_lazy_checksum_seconds_per_shard": round(tb / shards_1tb / (crc_file * 1e9), 3),
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=2, help="Also time prepare_data with this many workers.")
@@ -167,11 +238,18 @@ def main() -> int:
     p.add_argument("--read-seconds", type=float, default=2.0, help="Time per read measurement.")
     p.add_argument("--synthetic-tokens", type=int, default=16_000_000)
     p.add_argument("--fallback-chars", type=int, default=2_000_000, help="Text size when shared data is absent.")
+    p.add_argument("--checksum-mb", type=int, default=256, help="Size of the shard whose checksum is timed.")
+    p.add_argument("--startup-shards", type=int, default=2000, help="Shards in the start-up check timing.")
+    p.add_argument("--integrity-only", action="store_true", help="Only the integrity figures.")
     args = p.parse_args()
     result: dict = {"torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
     with tempfile.TemporaryDirectory(prefix="titanlite_bench_") as tmp:
         tmp = Path(tmp)
         tok_path, inputs, desc = pick_inputs(tmp, args.fallback_chars)
+        result["integrity"] = bench_integrity(tmp, tok_path, args.checksum_mb, args.startup_shards)
+        if args.integrity_only:
+            print(json.dumps(result, indent=1))
+            return 0
         result["text"] = desc
         result["tokenize"] = bench_tokenize(tok_path, inputs, tmp, args.workers, args.repeats)
         result["read_prepared"] = bench_read(tmp / "prepared_w1", args.seq_len, args.batch, args.read_seconds)

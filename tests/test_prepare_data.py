@@ -3,8 +3,10 @@ determinism across worker counts, restart behaviour and one-line errors."""
 
 import io
 import json
+import shutil
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +17,7 @@ from shared_data import shared_file
 from titanlite.data import prepare as prep
 from titanlite.data.shards import MANIFEST, ShardedTokens, ShardReader
 from titanlite.data.sources import iter_documents, list_files
-from titanlite.tokenizer import build_tokenizer
+from titanlite.tokenizer import build_tokenizer, tokenizer_fingerprint
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "prepare_data.py"
@@ -114,6 +116,11 @@ def test_round_trip_cl100k_exact(cl100k_prepared, cl100k_inputs):
     assert len(docs) == 1001
     assert manifest["dtype"] == "uint32"  # > 65536 entries
     assert manifest["tokenizer"]["vocab_size"] == 100512 and manifest["tokenizer"]["eos_id"] == 100257
+    assert manifest["tokenizer"]["fingerprint"] == tokenizer_fingerprint(tok)
+    for e in manifest["shards"]:  # recorded at prepare time; recomputed here from the files themselves
+        data = (out / e["name"]).read_bytes()
+        assert e["checksum"] == f"crc32:{zlib.crc32(data):08x}"
+        assert e["max_id"] == int(ShardReader(out / e["name"]).tokens.max())
     assert json.loads((out / MANIFEST).read_text()) == manifest
     for split in ("train", "val"):
         store = ShardedTokens(out, split)
@@ -190,6 +197,8 @@ def test_rerun_skips_finished_shards_and_ignores_tmp(tmp_path):
     for p in shards[2:]:
         p.unlink()
     (out / (shards[2].name + ".tmp")).write_bytes(b"TLSHARD\0 half written garbage")
+    with open(out / prep.JOURNAL, "ab") as f:
+        f.write(b'{"name": "train-000')  # a journal line torn by the crash
     with pytest.raises(ValueError, match="manifest.json: not found"):
         ShardedTokens(out)
     log = io.StringIO()
@@ -221,7 +230,7 @@ def test_main_bad_inputs_one_line(tmp_path, capsys):
         (["--input", str(bad), "--output", str(tmp_path / "o4"), "--val-fraction", "2"], "--val-fraction"),
     ]
     for argv, needle in cases:
-        assert prep.main(argv + ["--workers", "1"]) == 1
+        assert prep.main(argv + ["--workers", "1"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("prepare_data: error: ") and needle in err[0], err
 
@@ -233,7 +242,7 @@ def test_cli_subprocess_error_no_traceback(tmp_path):
         text=True,
         timeout=60,
     )
-    assert r.returncode == 1
+    assert r.returncode == 2
     assert "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0
     assert "input not found" in r.stderr
 
@@ -251,3 +260,93 @@ def test_spawn_workers_match_in_process(tmp_path):
         flat = np.concatenate([r.result()[0] for r in results])
         lengths = np.concatenate([r.result()[1] for r in results])
     assert flat.dtype == np.uint16 and np.array_equal(flat, ref_flat) and np.array_equal(lengths, ref_len)
+
+
+# --- --overwrite deletes only what prepare_data wrote; --verify ----------------------------------------------
+
+
+@pytest.fixture()
+def small_prepared(tmp_path):
+    """A prepared folder (test tokenizer, 3+ train shards) and the arguments that made it."""
+    c4 = shared_file("text/c4_sample.jsonl")
+    src = tmp_path / "part.jsonl"
+    src.write_text("".join(c4.read_text(encoding="utf-8").splitlines(keepends=True)[:60]), encoding="utf-8")
+    out = tmp_path / "out"
+    kw = dict(val_fraction=0.1, shard_tokens=10_000, log=None)
+    tok = str(shared_file("tokenizers/test_tiktoken.model"))
+    manifest = prep.prepare(src, out, tok, **kw)
+    assert 3 <= manifest["totals"]["train"]["shards"] < 7
+    return src, out, tok, kw, manifest
+
+
+def test_overwrite_keeps_files_it_did_not_write(small_prepared):
+    src, out, tok, kw, manifest = small_prepared
+    stray = out / "train-00007.bin"  # the user's file, named like a shard; not in the manifest
+    stray.write_bytes(b"my own data, not a shard")
+    notes = out / "notes.txt"
+    notes.write_text("keep me")
+    before = shard_bytes(out)
+    with pytest.raises(ValueError) as e:  # even with --overwrite: refused before anything is deleted
+        prep.prepare(src, out, tok, **{**kw, "shard_tokens": 5_000, "overwrite": True})
+    msg = str(e.value)
+    assert msg.startswith(f"{stray}: named like a shard but listed in neither manifest.json") and "\n" not in msg
+    assert shard_bytes(out) == before and stray.read_bytes() == b"my own data, not a shard"
+    assert prep.main(["--input", str(src), "--output", str(out), "--tokenizer", tok, "--quiet"]) == 2
+
+    stray.rename(out.parent / stray.name)  # moved away: now --overwrite goes ahead
+    m = prep.prepare(src, out, tok, **{**kw, "shard_tokens": 5_000, "overwrite": True})
+    assert m["totals"]["train"]["shards"] > manifest["totals"]["train"]["shards"]
+    assert sorted(p.name for p in out.glob("*.bin")) == sorted(s["name"] for s in m["shards"])
+    assert notes.read_text() == "keep me" and (out.parent / stray.name).read_bytes() == b"my own data, not a shard"
+
+
+def test_overwrite_deletes_shards_of_an_interrupted_run(small_prepared):
+    """No manifest yet: the journal says which shards were ours, so none of them is left behind."""
+    src, out, tok, kw, manifest = small_prepared
+    (out / MANIFEST).unlink()
+    m = prep.prepare(src, out, tok, **{**kw, "shard_tokens": 40_000, "overwrite": True})
+    assert m["totals"]["train"]["shards"] < manifest["totals"]["train"]["shards"]
+    assert sorted(p.name for p in out.glob("*.bin")) == sorted(s["name"] for s in m["shards"])
+
+
+def test_verify_command(small_prepared, capsys):
+    _, out, _, _, manifest = small_prepared
+    assert prep.main(["--verify", str(out), "--workers", "2"]) == 0
+    assert f"{len(manifest['shards'])} of {len(manifest['shards'])} shards OK" in capsys.readouterr().err
+    bad = out / "train-00002.bin"
+    data = bytearray(bad.read_bytes())
+    data[-2:] = (65535).to_bytes(2, "little")  # the last token
+    bad.write_bytes(bytes(data))
+    short = out / "val-00000.bin"
+    short.write_bytes(short.read_bytes()[:-2])
+    assert prep.main(["--verify", str(out), "--quiet"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("prepare_data: error: ") for line in err)
+    assert f"{bad}: checksum" in err[0] and f"{short}: truncated shard" in err[1]
+    assert prep.main(["--verify", str(out.parent / "nope")]) == 2
+    assert "shard folder not found" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        prep.main(["--verify", str(out), "--output", str(out)])
+    assert e.value.code == 2
+
+
+def test_prepared_folder_copy_verifies(small_prepared, tmp_path):
+    """A faithful copy (e.g. to another file system) passes; the journal and state need not come along."""
+    _, out, _, _, _ = small_prepared
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for p in out.glob("*.bin"):
+        shutil.copyfile(p, copy / p.name)
+    shutil.copyfile(out / MANIFEST, copy / MANIFEST)
+    assert prep.verify(copy, log=None) == []
+
+
+def test_folder_of_an_older_version_needs_overwrite(small_prepared):
+    src, out, tok, kw, manifest = small_prepared
+    state = json.loads((out / prep.STATE).read_text())
+    del state["tokenizer"]["fingerprint"]  # what an older titanlite recorded
+    (out / prep.STATE).write_text(json.dumps(state))
+    (out / prep.JOURNAL).unlink()
+    with pytest.raises(ValueError, match=r"prepared by an older titanlite .*; use --overwrite"):
+        prep.prepare(src, out, tok, **kw)
+    assert prep.prepare(src, out, tok, **{**kw, "overwrite": True}) == manifest

@@ -36,6 +36,11 @@ def _check_dataset(section: str, dataset: str, path: str) -> None:
         raise ConfigError(f"invalid value {dataset!r} for '{section}.dataset': must be one of {', '.join(DATASETS)}")
     if dataset != "embedded" and not path:
         raise ConfigError(f"{section}.dataset_path must be set when {section}.dataset = {dataset!r}")
+    if dataset == "embedded" and path:  # the built-in text would be used and the path silently ignored
+        raise ConfigError(
+            f"{section}.dataset_path = {path!r} is ignored by {section}.dataset = 'embedded' (the built-in text): "
+            f"set {section}.dataset = 'shards' or 'text' to use it, or leave {section}.dataset_path empty"
+        )
 
 
 @dataclass

@@ -20,7 +20,9 @@ def load_token_store(dataset: str, path: str, split: str, tokenizer: Tokenizer) 
     """The token stream of a dataset kind and split, as BOS + document + EOS runs.
 
     - ``embedded``: the built-in standard-library corpus (train/val split by document);
-    - ``shards``: a folder written by ``scripts/prepare_data.py`` (memory-mapped, any size);
+    - ``shards``: a folder written by ``scripts/prepare_data.py`` (memory-mapped, any size); refused
+      when it was made with another tokenizer, and each shard is checked against its recorded
+      checksum on first read (see :mod:`titanlite.data.shards`);
     - ``text``: raw text / JSON Lines / Parquet files or folders, tokenized in memory at start (small
       data only: the same document order and BOS/EOS layout as prepared shards). The whole of
       ``path`` is used for the requested split, so give validation its own path.
@@ -28,13 +30,7 @@ def load_token_store(dataset: str, path: str, split: str, tokenizer: Tokenizer) 
     if dataset == "embedded":
         return embedded_token_stream(tokenizer, split)
     if dataset == "shards":
-        store = ShardedTokens(path, split)
-        if store.vocab_size != tokenizer.vocab_size:
-            raise ValueError(
-                f"shards in {path} were tokenized with a vocabulary of {store.vocab_size} "
-                f"tokens but model.tokenizer_path gives {tokenizer.vocab_size}"
-            )
-        return store
+        return ShardedTokens(path, split, tokenizer=tokenizer)
     if dataset == "text":
         docs = list(iter_documents(path))
         if not docs:

@@ -12,10 +12,17 @@ as soon as it holds >= ``--shard-tokens`` tokens (documents are never split acro
 the shard numbering is a function of the inputs and settings only.
 
 Restarts: shards are written to ``.tmp`` and renamed, so an existing ``<split>-NNNNN.bin`` is
-complete. A re-run with the same settings (recorded in ``prepare_state.json``) keeps the existing
-leading shards of each split, skips their documents without tokenizing them, and overwrites any
-leftover ``.tmp``. ``manifest.json`` is written last; a folder without it is unfinished. Changed
-settings or inputs are refused unless ``--overwrite`` is given (which deletes the old shards).
+complete; just before the rename, the shard (with its largest token id and checksum) is appended
+to ``prepare_journal.jsonl``, so every shard file this tool wrote is listed there or in the
+manifest. A re-run with the same settings (recorded in ``prepare_state.json``) keeps the existing
+leading shards of each split that the journal lists, skips their documents without tokenizing
+them, and overwrites any leftover ``.tmp``. ``manifest.json`` is written last; a folder without it
+is unfinished. Changed settings or inputs are refused unless ``--overwrite`` is given, which
+deletes only the files the manifest or the journal lists. A file named like a shard that neither
+lists is never deleted or overwritten: the run is refused until it is moved away.
+
+``--verify FOLDER`` reads every shard of a prepared folder and checks it against the manifest
+(header, largest token id, checksum), e.g. after copying the data to another file system.
 """
 
 from __future__ import annotations
@@ -25,9 +32,11 @@ import collections
 import hashlib
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TextIO
 
@@ -39,7 +48,12 @@ from titanlite.data.shards import (
     SPLITS,
     ShardReader,
     build_manifest,
+    describe_tokenizer,
     dtype_for_vocab,
+    open_shard,
+    read_manifest,
+    tokenizer_info,
+    verify_shard_bytes,
     write_json_atomic,
     write_shard_flat,
 )
@@ -47,6 +61,8 @@ from titanlite.data.sources import FORMATS, TXT_SPLITS, iter_file_documents, lis
 from titanlite.tokenizer import build_tokenizer
 
 STATE = "prepare_state.json"
+JOURNAL = "prepare_journal.jsonl"  # one line per shard written, appended before its rename
+_SHARD_NAME = re.compile(rf"({'|'.join(SPLITS)})-[0-9]+\.bin")
 DEFAULT_SHARD_TOKENS = 100_000_000
 CHUNK_CHARS = 1 << 18  # characters of text per task sent to a worker
 CHUNK_DOCS = 4096
@@ -90,29 +106,93 @@ class _SplitWriter:
     def flush(self) -> None:
         if self.lengths:
             path = self.out / shard_name(self.split, len(self.entries))
-            info = write_shard_flat(path, np.concatenate(self.parts), self.lengths, self.dtype)
+            record = lambda info: _append_journal(self.out, {**info, "split": self.split})  # noqa: E731
+            info = write_shard_flat(path, np.concatenate(self.parts), self.lengths, self.dtype, before_rename=record)
             self.entries.append({**info, "split": self.split})
             self.parts, self.lengths, self.tokens = [], [], 0
 
 
-def _existing_prefix(out: Path, split: str) -> list[dict]:
-    """The complete shards ``<split>-00000.bin, -00001, ...`` already in ``out`` (stops at a gap)."""
+def _append_journal(out: Path, entry: dict) -> None:
+    """Append ``entry`` to the journal and fsync it (a line torn by a crash is ended first)."""
+    with open(out / JOURNAL, "ab+") as f:
+        end = f.seek(0, os.SEEK_END)
+        torn = end > 0 and (f.seek(end - 1), f.read(1))[1] != b"\n"
+        f.write(b"\n" * torn + json.dumps(entry).encode() + b"\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_journal(out: Path) -> dict[str, dict]:
+    """Shard name -> its latest journal entry (lines torn by a crash are skipped)."""
+    try:
+        lines = (out / JOURNAL).read_bytes().splitlines()
+    except FileNotFoundError:
+        return {}
+    entries = {}
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and isinstance(entry.get("name"), str):
+            entries[entry["name"]] = entry
+    return entries
+
+
+def _known_shards(out: Path) -> dict[str, dict]:
+    """The shards this tool wrote in ``out``: name -> entry, from the manifest and then the journal."""
+    known = {}
+    if (out / MANIFEST).exists():
+        try:
+            known = {e["name"]: e for e in read_manifest(out)["shards"]}
+        except ValueError as e:
+            raise ValueError(f"{e}; it is needed to tell which files in {out} prepare_data wrote") from None
+    return {**known, **_read_journal(out)}
+
+
+def _refuse_strays(out: Path, known: dict[str, dict]) -> None:
+    """A file named like a shard that this tool did not write would be overwritten or mixed in: refuse."""
+    strays = sorted(p.name for p in out.iterdir() if _SHARD_NAME.fullmatch(p.name) and p.name not in known)
+    if strays:
+        more = f" (and {len(strays) - 1} more)" if len(strays) > 1 else ""
+        raise ValueError(
+            f"{out / strays[0]}{more}: named like a shard but listed in neither {MANIFEST} nor {JOURNAL}, so "
+            f"prepare_data did not write it; move it out of {out} or choose another --output"
+        )
+
+
+def _existing_prefix(out: Path, split: str, known: dict[str, dict]) -> list[dict]:
+    """The complete shards ``<split>-00000.bin, -00001, ...`` already in ``out`` whose header matches
+    their journal entry (stops at the first that does not: it and the later ones are rewritten)."""
     kept = []
     while True:
-        path = out / shard_name(split, len(kept))
-        if not path.is_file():
+        name = shard_name(split, len(kept))
+        entry = known.get(name)
+        if entry is None or not {"max_id", "checksum"} <= set(entry) or not (out / name).is_file():
             return kept
         try:
-            r = ShardReader(path)
+            r = ShardReader(out / name)
         except ValueError:
             return kept  # unreadable: it will be rewritten
-        kept.append({"name": path.name, "split": split, "tokens": r.num_tokens, "docs": r.num_docs})
+        if (r.num_tokens, r.num_docs) != (entry.get("tokens"), entry.get("docs")):
+            return kept
+        kept.append({**entry, "split": split})
 
 
-def _our_files(out: Path) -> list[Path]:
-    shards = [p for p in out.iterdir() if p.name.partition("-")[0] in SPLITS and p.name.endswith((".bin", ".bin.tmp"))]
-    others = [out / n for n in (MANIFEST, STATE, MANIFEST + ".tmp", STATE + ".tmp") if (out / n).exists()]
-    return sorted(shards + others)
+def _our_files(out: Path, known: dict[str, dict]) -> list[Path]:
+    """The files of ``out`` that --overwrite deletes: the listed shards, their .tmp, our own records."""
+    names = [*known, *(n + ".tmp" for n in known)]
+    names += [n + t for n in (MANIFEST, STATE, JOURNAL) for t in ("", ".tmp")]
+    return sorted(out / n for n in names if (out / n).is_file())
+
+
+def _why_not_resumable(state: dict, old_state: dict | None) -> str:
+    if old_state is None:
+        return f"holds shard files but no readable {STATE}"
+    if "fingerprint" not in old_state.get("tokenizer", {}):
+        return "was prepared by an older titanlite (no tokenizer fingerprint or shard checksums recorded)"
+    diff = sorted(k for k in set(state) | set(old_state) if state.get(k) != old_state.get(k))
+    return f"was prepared with different {', '.join(diff)} (see {STATE})"
 
 
 def prepare(
@@ -157,7 +237,7 @@ def prepare(
     tok_path = "" if tokenizer in ("", "bytes") else str(Path(tokenizer).resolve())
     tok = build_tokenizer(tok_path)
     dtype = dtype_for_vocab(tok.vocab_size)
-    tok_info = dict(path=tok_path, name=tok.name, vocab_size=tok.vocab_size, bos_id=tok.bos_id, eos_id=tok.eos_id)
+    tok_info = tokenizer_info(tok)
 
     out = Path(output)
     if out.exists() and not out.is_dir():
@@ -175,25 +255,25 @@ def prepare(
     }
     stats = [{"path": str(f.resolve()), "bytes": s, "mtime_ns": f.stat().st_mtime_ns} for f, s in zip(files, sizes)]
     state = {"settings": settings, "tokenizer": tok_info, "dtype": dtype, "input_files": stats}
-    old_files = _our_files(out)
+    known = _known_shards(out)
+    _refuse_strays(out, known)  # before anything is deleted or written
+    old_files = _our_files(out, known)
     try:
         old_state = json.loads((out / STATE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         old_state = None
+    old_state = old_state if isinstance(old_state, dict) else None
     if old_files and old_state != state:
         if not overwrite:
-            if old_state is None:
-                why = f"holds shard files but no readable {STATE}"
-            else:
-                diff = sorted(k for k in set(state) | set(old_state) if state.get(k) != old_state.get(k))
-                why = f"was prepared with different {', '.join(diff)} (see {STATE})"
+            why = _why_not_resumable(state, old_state)
             raise ValueError(f"{out}: {why}; use --overwrite to start over or choose another --output")
-        say(f"--overwrite: deleting {len(old_files)} old files in {out}")
+        say(f"--overwrite: deleting the {len(old_files)} files prepare_data wrote in {out}")
         for p in old_files:
             p.unlink()
+        known = {}
     write_json_atomic(out / STATE, state)
 
-    kept = {s: _existing_prefix(out, s) for s in SPLITS}
+    kept = {s: _existing_prefix(out, s, known) for s in SPLITS}
     skip = {s: sum(e["docs"] for e in kept[s]) for s in SPLITS}
     n_kept = sum(len(v) for v in kept.values())
     if n_kept:
@@ -292,6 +372,53 @@ def prepare(
     return manifest
 
 
+def verify(
+    folder: str | os.PathLike, workers: int = 1, log: TextIO | None = sys.stderr, progress_interval: float = 2.0
+) -> list[str]:
+    """Read every shard of a prepared folder and check it against the manifest: header, recorded
+    largest id against the vocabulary, checksum of every byte (``workers`` files at a time; hashing
+    releases the GIL). Returns one line per bad shard; an unusable manifest is a ValueError.
+
+    This is the whole check the loader does lazily, shard by shard, at once: worth running after
+    copying a dataset, before a long run starts (see :mod:`titanlite.data.shards`)."""
+    folder = Path(folder)
+    manifest, mpath = read_manifest(folder), folder / MANIFEST
+    vocab, entries = int(manifest["tokenizer"]["vocab_size"]), manifest["shards"]
+
+    def check(entry: dict) -> tuple[int, str]:
+        try:
+            reader = open_shard(mpath, manifest, entry)
+            verify_shard_bytes(reader, entry, vocab, mpath)
+        except ValueError as e:
+            return 0, str(e)
+        return reader.tokens.nbytes, ""
+
+    def say(msg: str) -> None:
+        if log is not None:
+            print(f"prepare_data: {msg}", file=log, flush=True)
+
+    errors, nbytes, t0 = [], 0, time.monotonic()
+    last = t0
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        for done, (n, error) in enumerate(pool.map(check, entries), start=1):
+            nbytes += n
+            errors += [error] if error else []
+            if progress_interval >= 0 and time.monotonic() - last >= progress_interval:
+                last = time.monotonic()
+                say(f"verified {done}/{len(entries)} shards, {nbytes / 1e9:.2f} GB, {len(errors)} bad")
+    el = max(time.monotonic() - t0, 1e-9)
+    unchecked = sum("checksum" not in e for e in entries)
+    notes = [f"{unchecked} have no checksum (older titanlite): only their token ids were checked"] * bool(unchecked)
+    if "fingerprint" not in manifest["tokenizer"]:
+        notes.append("no tokenizer fingerprint recorded")
+    say(
+        f"{mpath}: {len(entries) - len(errors)} of {len(entries)} shards OK ({nbytes / 1e9:.2f} GB of tokens in "
+        f"{el:.1f} s, {nbytes / el / 1e9:.2f} GB/s), tokenizer {describe_tokenizer(manifest['tokenizer'])}"
+        + "".join(f"; {n}" for n in notes)
+    )
+    return errors
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -300,16 +427,15 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--input",
         nargs="+",
-        required=True,
         metavar="PATH",
-        help="Text/JSONL/JSON/Parquet files or folders (read recursively, sorted).",
+        help="Text/JSONL/JSON/Parquet files or folders (read recursively, sorted). Required unless --verify.",
     )
     add(
         "--tokenizer",
         default="",
         help='tiktoken BPE file (e.g. Llama 3 tokenizer.model); "" or "bytes" = built-in byte tokenizer.',
     )
-    add("--output", required=True, metavar="DIR", help="Output folder for shards and manifest.json.")
+    add("--output", metavar="DIR", help="Output folder for shards and manifest.json. Required unless --verify.")
     add("--val-fraction", type=float, default=0.0, help="Fraction of documents held out as 'val'.")
     add("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)), help="Tokenizer worker processes.")
     add("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="Close a shard once it holds this many tokens.")
@@ -321,19 +447,49 @@ def build_parser() -> argparse.ArgumentParser:
         choices=TXT_SPLITS,
         help="Plain-text files: one document per file, or per blank-line separated paragraph.",
     )
-    add("--overwrite", action="store_true", help="Delete shards prepared with other settings instead of refusing.")
+    add(
+        "--overwrite",
+        action="store_true",
+        help="Delete the shards this tool prepared with other settings (those its manifest/journal list) "
+        "instead of refusing.",
+    )
+    add(
+        "--verify",
+        metavar="DIR",
+        help="Instead of preparing: check every shard of a prepared folder (header, token ids, checksum).",
+    )
     add("--quiet", action="store_true", help="No progress lines.")
     return p
 
 
+def _error(e: object) -> None:
+    msg = " ".join(str(e).split()) or type(e).__name__
+    print(f"prepare_data: error: {msg}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    kwargs = vars(build_parser().parse_args(argv))  # the option names are prepare()'s keyword arguments
+    """Exit status: 0 done, 1 damaged shards found by --verify or an OS error, 2 bad input or
+    settings (one ``prepare_data: error:`` line each), 130 interrupted."""
+    parser = build_parser()
+    kwargs = vars(parser.parse_args(argv))  # the option names are prepare()'s keyword arguments
     log = None if kwargs.pop("quiet") else sys.stderr
+    folder = kwargs.pop("verify")
+    if folder is not None and (kwargs["input"] or kwargs["output"]):
+        parser.error("--verify takes no --input or --output")
+    if folder is None and not (kwargs["input"] and kwargs["output"]):
+        parser.error("--input and --output are required (or --verify DIR)")
     try:
+        if folder is not None:
+            errors = verify(folder, kwargs["workers"], log=log)
+            for e in errors:
+                _error(e)
+            return 1 if errors else 0
         prepare(kwargs.pop("input"), kwargs.pop("output"), kwargs.pop("tokenizer"), log=log, **kwargs)
-    except (ValueError, ImportError, OSError) as e:
-        msg = " ".join(str(e).split()) or type(e).__name__
-        print(f"prepare_data: error: {msg}", file=sys.stderr)
+    except (ValueError, ImportError) as e:
+        _error(e)
+        return 2
+    except OSError as e:
+        _error(e)
         return 1
     except KeyboardInterrupt:
         print(

@@ -23,14 +23,36 @@ file with the final name is always complete; an interrupted write leaves only a 
 A prepared folder also holds ``manifest.json`` (written last)::
 
     {"format": "titanlite-shards", "version": 1, "dtype": "uint16",
-     "tokenizer": {"path": ..., "name": ..., "vocab_size": ..., "bos_id": ..., "eos_id": ...},
-     "shards": [{"name": "train-00000.bin", "split": "train", "tokens": ..., "docs": ...}, ...],
+     "tokenizer": {"path": ..., "name": ..., "vocab_size": ..., "bos_id": ..., "eos_id": ...,
+                   "fingerprint": "sha256:..."},
+     "shards": [{"name": "train-00000.bin", "split": "train", "tokens": ..., "docs": ...,
+                 "max_id": ..., "checksum": "crc32:0123abcd"}, ...],
      "totals": {"train": {"shards": ..., "tokens": ..., "docs": ...}, "val": {...}},
      ...settings used to prepare it...}
 
 :class:`ShardedTokens` presents all shards of one split, in manifest order, as ONE token array:
 ``len(store)`` tokens and ``store[a:b]`` -> 1-D int64 tensor (crossing shard boundaries as needed).
 Reads are memory-mapped (lazy, nothing is loaded up front) and cost one numpy copy per slice.
+
+Integrity checks, and what they cost (figures from ``scripts/bench_data.py`` in the README):
+
+* at start, free: the tokenizer fingerprint (:func:`titanlite.tokenizer.tokenizer_fingerprint`,
+  a hash of what every id means) against the model's tokenizer, each shard's header against the
+  manifest, and each shard's recorded ``max_id`` against the vocabulary. Nothing is read beyond
+  the headers, so start-up stays O(number of shards) however large the data.
+* lazily, once per shard and process: the first read of a shard first checks the CRC-32 of its
+  whole file against the manifest, so a shard altered after preparation (a token overwritten with
+  65535, a bad copy) is refused, naming the file, before any of its tokens reach the model. It is
+  done in the process that reads (a DataLoader worker verifies in the worker) and on the same
+  memory mapping the tokens are then read from, so the bytes checked are the bytes used. Checking
+  every shard at start instead would read the whole dataset before the first step (minutes per TB);
+  lazily, the cost is spread over the first reads of each shard and paid only for shards read.
+  ``scripts/prepare_data.py --verify FOLDER`` checks every shard at once (e.g. after a copy).
+  CRC-32 (zlib) is used because it is several times faster than a cryptographic hash and detects
+  every accidental change of up to 32 consecutive bits; it is no defence against deliberate edits.
+* manifests written before these fields existed still load, with a warning: the tokenizer is then
+  matched by vocabulary size only, and a shard without a checksum is scanned for its largest id
+  on first read instead.
 """
 
 from __future__ import annotations
@@ -38,14 +60,21 @@ from __future__ import annotations
 import bisect
 import itertools
 import json
+import logging
 import os
+import re
 import struct
-from collections.abc import Iterable, Sequence
+import zlib
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from titanlite.tokenizer import Tokenizer, tokenizer_fingerprint
+
+logger = logging.getLogger(__name__)
 
 MAGIC = b"TLSHARD\0"
 VERSION = 1
@@ -55,11 +84,19 @@ MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "titanlite-shards"
 SPLITS = ("train", "val")
 _ENTRY_KEYS = ("name", "split", "tokens", "docs")  # of each "shards" entry of the manifest
+CHECKSUM_PREFIX = "crc32:"  # the entries' optional "checksum" (and "max_id") are absent from older manifests
+_CHECKSUM_RE = re.compile(re.escape(CHECKSUM_PREFIX) + "[0-9a-f]{8}")
+_CHECKSUM_CHUNK = 16 << 20  # bytes hashed per call
 
 _DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 _NAMES = {"uint16": 2, "uint32": 4}
 
 PathLike = str | os.PathLike
+
+
+class ShardIntegrityError(ValueError):
+    """A shard whose bytes do not match its manifest (changed after preparation, or ids outside the
+    vocabulary); raised while reading, so a launcher can tell it from other errors."""
 
 
 def dtype_for_vocab(vocab_size: int) -> str:
@@ -79,21 +116,43 @@ def dtype_name(dtype: Any) -> str:
     return _DTYPES[_dtype_code(dtype)].name
 
 
-def _write_atomic(path: Path, chunks: Iterable[bytes], fsync: bool = True) -> None:
-    """Write ``<path>.tmp``, fsync it, rename it over ``path``: a file with the final name is complete."""
+def checksum(chunks: Iterable[Any], value: int = 0) -> str:
+    """``"crc32:xxxxxxxx"`` of the concatenated byte buffers (the checksum the manifest records)."""
+    for chunk in chunks:
+        value = zlib.crc32(chunk, value)
+    return f"{CHECKSUM_PREFIX}{value:08x}"
+
+
+def _write_atomic(
+    path: Path, chunks: Iterable[bytes], fsync: bool = True, before_rename: Callable[[], None] | None = None
+) -> None:
+    """Write ``<path>.tmp``, fsync it, rename it over ``path``: a file with the final name is complete.
+
+    ``before_rename`` runs between the fsync and the rename (prepare records the shard in its journal
+    there, so every file with a final name is one it knows it wrote)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.writelines(chunks)
         if fsync:
             f.flush()
             os.fsync(f.fileno())
+    if before_rename is not None:
+        before_rename()
     os.replace(tmp, path)
 
 
 def write_shard_flat(
-    path: PathLike, tokens: np.ndarray, lengths: Sequence[int], dtype: Any, fsync: bool = True
+    path: PathLike,
+    tokens: np.ndarray,
+    lengths: Sequence[int],
+    dtype: Any,
+    fsync: bool = True,
+    before_rename: Callable[[dict], None] | None = None,
 ) -> dict:
-    """Write one shard from concatenated ``tokens`` and per-document ``lengths`` (atomic rename)."""
+    """Write one shard from concatenated ``tokens`` and per-document ``lengths`` (atomic rename).
+
+    Returns its manifest entry: name, tokens, docs, ``max_id`` (-1 when empty) and the file's
+    ``checksum``; ``before_rename(entry)`` is called once the data is on disk, before the rename."""
     path, code = Path(path), _dtype_code(dtype)
     tokens = np.asarray(tokens)
     lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
@@ -110,8 +169,16 @@ def write_shard_flat(
     offsets = np.zeros(lengths.size + 1, dtype="<u8")
     np.cumsum(lengths, out=offsets[1:])
     head = HEADER.pack(MAGIC, VERSION, code, tokens.size, lengths.size)
-    _write_atomic(path, [head, offsets.tobytes(), np.ascontiguousarray(tokens, dtype=_DTYPES[code]).tobytes()], fsync)
-    return {"name": path.name, "tokens": int(tokens.size), "docs": int(lengths.size)}
+    chunks = [head, offsets.tobytes(), np.ascontiguousarray(tokens, dtype=_DTYPES[code]).tobytes()]
+    info = {
+        "name": path.name,
+        "tokens": int(tokens.size),
+        "docs": int(lengths.size),
+        "max_id": int(tokens.max()) if tokens.size else -1,
+        "checksum": checksum(chunks),
+    }
+    _write_atomic(path, chunks, fsync, before_rename and (lambda: before_rename(info)))
+    return info
 
 
 def write_shard(path: PathLike, docs_token_lists: Iterable[Sequence[int]], dtype: Any, fsync: bool = True) -> dict:
@@ -126,7 +193,8 @@ class ShardReader:
     """One shard file, validated and memory-mapped.
 
     ``num_tokens``, ``num_docs``, ``dtype`` (numpy), ``doc_offsets`` (uint64 numpy array, num_docs+1),
-    ``len(reader)``, ``reader[a:b]`` -> 1-D int64 tensor, ``reader[i]`` -> int, ``reader.doc(i)``.
+    ``len(reader)``, ``reader[a:b]`` -> 1-D int64 tensor, ``reader[i]`` -> int, ``reader.doc(i)``;
+    ``checksum()`` and ``max_id()`` read the whole file (the manifest's integrity fields).
     Errors are one-line ``ValueError``\\ s naming the file. Pickles as its path (reopened on unpickling,
     e.g. in DataLoader workers).
     """
@@ -168,11 +236,19 @@ class ShardReader:
             raise fail("corrupt document index (offsets must go from 0 to num_tokens, non-decreasing)")
         self.num_tokens, self.num_docs, self.dtype = int(num_tokens), int(num_docs), _DTYPES[code]
         self.doc_offsets = offsets
-        if self.num_tokens:
-            mm = np.memmap(self.path, dtype=self.dtype, mode="r", offset=tok_offset, shape=(self.num_tokens,))
-            self.tokens: np.ndarray = np.asarray(mm)  # plain ndarray view backed by the mapping
-        else:
-            self.tokens = np.zeros(0, dtype=self.dtype)
+        # One mapping of the whole file: the tokens are a view of it, and checksum() hashes it, so the
+        # bytes verified are the bytes read (even if the path is replaced by another file meanwhile).
+        self._file: np.ndarray = np.asarray(np.memmap(self.path, dtype=np.uint8, mode="r", shape=(size,)))
+        self.tokens: np.ndarray = self._file[tok_offset:].view(self.dtype)
+
+    def checksum(self) -> str:
+        """The CRC-32 of the whole file as mapped (reads every byte once; see the module docstring)."""
+        view = memoryview(self._file)
+        return checksum(view[i : i + _CHECKSUM_CHUNK] for i in range(0, len(view), _CHECKSUM_CHUNK))
+
+    def max_id(self) -> int:
+        """The largest token id in the shard (reads every token once); -1 when it has none."""
+        return int(self.tokens.max()) if self.num_tokens else -1
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -198,9 +274,20 @@ class ShardReader:
         )
 
 
+def _entry(sh: dict) -> dict:
+    """A manifest "shards" entry: the required keys, then max_id and checksum where known."""
+    entry = {k: sh[k] if k in ("name", "split") else int(sh[k]) for k in _ENTRY_KEYS}
+    if "max_id" in sh:
+        entry["max_id"] = int(sh["max_id"])
+    if "checksum" in sh:
+        entry["checksum"] = str(sh["checksum"])
+    return entry
+
+
 def build_manifest(shards: Sequence[dict], dtype: Any, tokenizer: dict, **settings: Any) -> dict:
-    """The manifest dict: ``shards`` entries need name, split, tokens, docs; totals are computed."""
-    entries = [{k: sh[k] if k in ("name", "split") else int(sh[k]) for k in _ENTRY_KEYS} for sh in shards]
+    """The manifest dict: ``shards`` entries need name, split, tokens, docs (max_id and checksum are
+    kept when given); totals are computed."""
+    entries = [_entry(sh) for sh in shards]
     totals = {s: {"shards": 0, "tokens": 0, "docs": 0} for s in SPLITS}
     for e in entries:
         t = totals.setdefault(e["split"], {"shards": 0, "tokens": 0, "docs": 0})
@@ -247,7 +334,97 @@ def read_manifest(folder: PathLike) -> dict:
     for i, sh in enumerate(manifest["shards"]):
         if not isinstance(sh, dict) or not set(_ENTRY_KEYS) <= set(sh):
             raise ValueError(f"{path}: shard entry {i} needs name, split, tokens and docs")
+        if "max_id" in sh and (not isinstance(sh["max_id"], int) or isinstance(sh["max_id"], bool)):
+            raise ValueError(f"{path}: shard entry {i} ({sh['name']}): max_id must be an integer, got {sh['max_id']!r}")
+        if "checksum" in sh and not (isinstance(sh["checksum"], str) and _CHECKSUM_RE.fullmatch(sh["checksum"])):
+            raise ValueError(
+                f"{path}: shard entry {i} ({sh['name']}): checksum must look like '{CHECKSUM_PREFIX}<8 hex digits>', "
+                f"got {sh['checksum']!r}"
+            )
     return manifest
+
+
+def describe_tokenizer(info: dict) -> str:
+    """One line naming a tokenizer from its manifest-style ``info`` (name, path, vocab_size, fingerprint)."""
+    fp = info.get("fingerprint")
+    where = info.get("path") or "built-in"
+    return f"{info.get('name')!r} ({where}, {info.get('vocab_size')} tokens, " + (
+        f"fingerprint {fp[:19]})" if fp else "no fingerprint recorded)"
+    )
+
+
+def tokenizer_info(tokenizer: Tokenizer) -> dict:
+    """What the manifest records about the tokenizer its shards were made with."""
+    t = tokenizer
+    return dict(
+        path=t.path,
+        name=t.name,
+        vocab_size=t.vocab_size,
+        bos_id=t.bos_id,
+        eos_id=t.eos_id,
+        fingerprint=tokenizer_fingerprint(t),
+    )
+
+
+def check_tokenizer(manifest: dict, manifest_path: PathLike, tokenizer: Tokenizer) -> None:
+    """Refuse shards made with another tokenizer (one-line ValueError naming the manifest and both).
+
+    The fingerprint is compared when the manifest has one; older manifests are matched by vocabulary
+    size only, with a warning: a different tokenizer of the same size would go unnoticed."""
+    recorded, ours = manifest["tokenizer"], tokenizer_info(tokenizer)
+    fp = recorded.get("fingerprint")
+    same = fp == ours["fingerprint"] if fp else int(recorded.get("vocab_size", -1)) == ours["vocab_size"]
+    if not same:
+        raise ValueError(
+            f"{manifest_path}: shards were tokenized with {describe_tokenizer(recorded)}, but the model's "
+            f"tokenizer (model.tokenizer_path) is {describe_tokenizer(ours)}; use the tokenizer the shards were "
+            f"prepared with, or prepare them again with this one"
+        )
+    if not fp:
+        logger.warning(
+            "%s: no tokenizer fingerprint (prepared by an older titanlite): only the vocabulary size (%d) could be "
+            "checked against %s; prepare the shards again to record one",
+            manifest_path,
+            ours["vocab_size"],
+            describe_tokenizer(ours),
+        )
+
+
+def open_shard(manifest_path: Path, manifest: dict, entry: dict) -> ShardReader:
+    """The shard of a manifest ``entry``, its header checked against the entry and its recorded
+    ``max_id`` against the vocabulary (reads the header only); one-line ValueError naming the file."""
+    reader = ShardReader(manifest_path.parent / entry["name"])
+    if reader.num_tokens != int(entry["tokens"]) or reader.num_docs != int(entry["docs"]):
+        raise ValueError(
+            f"{reader.path}: header says {reader.num_tokens} tokens / {reader.num_docs} docs, "
+            f"{manifest_path} says {entry['tokens']} / {entry['docs']}"
+        )
+    if reader.dtype.itemsize != _NAMES[manifest["dtype"]]:
+        raise ValueError(f"{reader.path}: dtype {reader.dtype.name} differs from {manifest_path} ({manifest['dtype']})")
+    vocab = int(manifest["tokenizer"]["vocab_size"])
+    if entry.get("max_id", -1) >= vocab:
+        raise ValueError(
+            f"{reader.path}: {manifest_path} records token id {entry['max_id']}, outside the vocabulary of "
+            f"{vocab} tokens (ids 0..{vocab - 1})"
+        )
+    return reader
+
+
+def verify_shard_bytes(reader: ShardReader, entry: dict, vocab_size: int, manifest_path: PathLike) -> None:
+    """Read the whole shard: its checksum must be the manifest's (or, for an entry without one, every
+    token id must be inside the vocabulary); one-line :class:`ShardIntegrityError` naming the file."""
+    if "checksum" in entry:
+        got = reader.checksum()
+        if got != entry["checksum"]:
+            raise ShardIntegrityError(
+                f"{reader.path}: checksum {got} differs from {entry['checksum']} in {manifest_path}: the file "
+                f"changed after it was prepared; restore it or prepare the data again"
+            )
+    elif (hi := reader.max_id()) >= vocab_size:
+        raise ShardIntegrityError(
+            f"{reader.path}: holds token id {hi}, outside the vocabulary of {vocab_size} tokens recorded in "
+            f"{manifest_path}; the file is damaged or was not made with that tokenizer"
+        )
 
 
 class ShardedTokens:
@@ -257,44 +434,59 @@ class ShardedTokens:
     ``eos_id``, ``bos_id``, ``vocab_size``, ``dtype`` (name), ``num_docs``, ``manifest``, ``shards``
     (:class:`ShardReader` list), ``shard_starts`` (first global token of each shard, then the total)
     and ``doc_offsets()``. Each shard's header is checked against the manifest (tokens, docs, dtype);
-    a mismatch or a split with no tokens is a one-line ``ValueError`` naming the file.
-    Pickles as (folder, split).
+    a mismatch, a recorded ``max_id`` outside the vocabulary or a split with no tokens is a one-line
+    ``ValueError`` naming the file; with ``tokenizer``, so is a manifest made with another tokenizer
+    (:func:`check_tokenizer`). Each shard's checksum is verified on its first read in this process
+    (:meth:`verify_shard`). Pickles as (folder, split): a DataLoader worker verifies for itself.
     """
 
-    def __init__(self, folder: PathLike, split: str = "train"):
+    def __init__(self, folder: PathLike, split: str = "train", tokenizer: Tokenizer | None = None):
         folder = Path(folder)
         if folder.name == MANIFEST and folder.is_file():
             folder = folder.parent
         self.folder, self.split = folder, split
         self.manifest = manifest = read_manifest(folder)
-        mpath = folder / MANIFEST
+        self.manifest_path = mpath = folder / MANIFEST
         tok = manifest["tokenizer"]
         self.vocab_size, self.bos_id, self.eos_id = (int(tok[k]) for k in ("vocab_size", "bos_id", "eos_id"))
+        if tokenizer is not None:
+            check_tokenizer(manifest, mpath, tokenizer)
         self.dtype = manifest["dtype"]
-        entries = [sh for sh in manifest["shards"] if sh["split"] == split]
+        self.entries = entries = [sh for sh in manifest["shards"] if sh["split"] == split]
         if not entries:
             splits = sorted({sh["split"] for sh in manifest["shards"]})
             raise ValueError(
                 f"{mpath}: split {split!r} has no shards (splits present: {', '.join(splits) or 'none'}"
                 f"{'; prepared with --val-fraction 0?' if split == 'val' else ''})"
             )
-        self.shards: list[ShardReader] = []
-        for sh in entries:
-            reader = ShardReader(folder / sh["name"])
-            if reader.num_tokens != int(sh["tokens"]) or reader.num_docs != int(sh["docs"]):
-                raise ValueError(
-                    f"{reader.path}: header says {reader.num_tokens} tokens / {reader.num_docs} docs, "
-                    f"{mpath} says {sh['tokens']} / {sh['docs']}"
-                )
-            if reader.dtype.itemsize != _NAMES[self.dtype]:
-                raise ValueError(f"{reader.path}: dtype {reader.dtype.name} differs from {mpath} ({self.dtype})")
-            self.shards.append(reader)
+        self.shards = [open_shard(mpath, manifest, sh) for sh in entries]
         self.shard_starts = [0, *itertools.accumulate(r.num_tokens for r in self.shards)]
         self._arrays = [r.tokens for r in self.shards]
+        self._verified = [False] * len(self.shards)  # per shard: checked in this process (verify_shard)
         self._len = self.shard_starts[-1]
         if self._len == 0:
             raise ValueError(f"{mpath}: split {split!r} has no tokens")
         self.num_docs = sum(r.num_docs for r in self.shards)
+        unchecked = sum("checksum" not in sh for sh in entries)
+        if unchecked:
+            logger.warning(
+                "%s: %d of the %d %s shards have no recorded checksum (prepared by an older titanlite): changes to "
+                "their bytes cannot be detected; each is scanned for token ids outside the vocabulary on first read",
+                mpath,
+                unchecked,
+                len(entries),
+                split,
+            )
+
+    def verify_shard(self, i: int) -> None:
+        """Check shard ``i`` against the manifest once per process, before any of its tokens are used.
+
+        The checksum of the whole file (or, for a manifest without one, the largest token id) is
+        computed on the memory mapping the tokens are read from; a one-line ValueError names the file.
+        """
+        if not self._verified[i]:
+            verify_shard_bytes(self.shards[i], self.entries[i], self.vocab_size, self.manifest_path)
+            self._verified[i] = True
 
     def __len__(self) -> int:
         return self._len
@@ -304,6 +496,8 @@ class ShardedTokens:
         starts, pos = self.shard_starts, 0
         i = bisect.bisect_right(starts, start) - 1
         while start < stop:
+            if not self._verified[i]:
+                self.verify_shard(i)
             end = min(stop, starts[i + 1])
             out[pos : pos + end - start] = self._arrays[i][start - starts[i] : end - starts[i]]
             pos += end - start
@@ -321,6 +515,7 @@ class ShardedTokens:
         if not 0 <= i < self._len:
             raise IndexError(f"token index {idx} out of range for {self._len} tokens")
         k = bisect.bisect_right(self.shard_starts, i) - 1
+        self.verify_shard(k)
         return int(self._arrays[k][i - self.shard_starts[k]])
 
     def gather(self, starts: Sequence[int], length: int) -> torch.Tensor:
