@@ -376,7 +376,8 @@ def test_entry_point_resumes_then_prefers_its_own_checkpoints(tmp_path, caplog, 
     assert [r["step"] for r in records if "loss" in r] == [2, 3, 4, 5]
     own = tmp_path / "out" / "checkpoint" / "titanlite" / "step-5"
     assert (own / "checkpoint.json").is_file() and (tmp_path / "out" / "checkpoint" / "step-1").is_dir()
-    again = compat_trainer(toml)
+    assert compat_trainer(toml).complete  # the same command again: the run is finished, nothing to do
+    again = compat_trainer(toml, ["--training.steps", "7"])
     assert again.checkpointer.plan.kind == "resume" and again.resume() == 5  # titanlite's own now
 
 

@@ -27,6 +27,7 @@ from titanlite import components
 from titanlite.checkpoint import CheckpointHook, CheckpointManager, CheckpointWriteError
 from titanlite.config import JobConfig, config_to_toml, dump_config, exit_with_error, parse_args_or_exit
 from titanlite.data.loader import build_dataloader, load_token_store
+from titanlite.data.shards import ShardIntegrityError
 from titanlite.dtypes import DTYPES
 from titanlite.guard import GuardHook, StepGuard, TrainingDivergedError
 from titanlite.hooks import Hook, LoopState, call_hooks
@@ -312,7 +313,7 @@ def main(argv: list[str] | None = None, trainer_cls: type | None = None, load_co
     except TrainingDivergedError as e:  # [guard] policy = raise, or too many skips: every rank's verdict
         logger.error("training stopped: %s", e)
         code = 1
-    except (ResumeError, CheckpointWriteError, DiskFullError) as e:  # nothing lost: earlier checkpoints intact
+    except (ResumeError, CheckpointWriteError, DiskFullError, ShardIntegrityError) as e:  # nothing lost
         exit_with_error(e, every_rank=True)
     if torch.distributed.is_initialized():  # a gloo group left to interpreter exit can abort a rank; and no
         torch.distributed.barrier()  # rank may tear its connections down while another still uses them
