@@ -434,6 +434,19 @@ def test_a_checkpoint_item_that_would_run_code_is_refused(tmp_path):
     assert not marker.exists()
     out = load_torchtitan_checkpoint(ckpt, model, model_only=True)  # the weights alone read no pickle
     assert out["step"] == 0 and out["loaded"] == ["model"]
+    # older torchtitan: a BytesIO holding a torch.save-d value; read as plain data too
+    for value, expect in ((5, None), (RunsCode(marker), "train_state.step is not an integer")):
+        inner = io.BytesIO()
+        torch.save(value, inner)
+        old = tmp_path / f"old-{expect is None}"
+        dcp.save({**model.state_dict(), "train_state": {"step": inner}}, checkpoint_id=str(old))
+        if expect is None:
+            assert load_torchtitan_checkpoint(old, model)["step"] == 5
+        else:
+            with pytest.raises(ValueError, match=expect) as e:
+                load_torchtitan_checkpoint(old, model)
+            assert "\n" not in str(e.value) and "weights_only=False" not in str(e.value), str(e.value)
+    assert not marker.exists()
 
     (ckpt / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
     with pytest.raises(ValueError, match="refused to load global io.open"):

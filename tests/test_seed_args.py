@@ -132,6 +132,9 @@ def test_model_args_from_a_seed_folder(tmp_path, caplog):
     bad = write_seed(tmp_path / "bad", "llama3", {"norm_eps": "tiny"})
     with pytest.raises(ValueError, match="invalid model args"):
         model_args_from_seed(spec, args, {}, bad)
+    (bad / "checkpoint.json").write_bytes(b"\xff\xfe garbage")
+    with pytest.raises(ValueError, match=r"checkpoint.initial_load_path=.*checkpoint.json is unreadable"):
+        model_args_from_seed(spec, args, {}, bad)
     assert set(RUN_ARGS) <= {f.name for f in dataclasses.fields(args)}
 
 

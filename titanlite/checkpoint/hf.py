@@ -216,7 +216,10 @@ def model_args_from_seed(spec, args: Any, explicit: Collection[str], seed: str |
                 "%s has no %s: its model args are not known, only tensor shapes are checked", what, layout.INFO_FILE
             )
         return args
-    info = _read_info(seed)
+    try:
+        info = layout.read_info(seed)
+    except ValueError as e:  # also UnicodeDecodeError: bytes that are not text
+        raise ValueError(f"{what}: {seed / layout.INFO_FILE} is unreadable ({' '.join(str(e).split())})") from None
     model = info.get("model")
     if not isinstance(model, dict) or not isinstance(model.get("args"), dict):
         raise ValueError(f"{what}: {seed / layout.INFO_FILE} records no model args")
@@ -354,7 +357,7 @@ def hf_to_dcp(
             with _safe_open(file) as f:
                 raw = f.get_tensor(hf_name)
         except Exception as e:  # the file changed or is damaged past its header
-            raise ValueError(f"{file}: cannot read {hf_name} ({_one_line(e)})") from None
+            raise ValueError(f"{file}: cannot read {hf_name} ({safe_load.one_line(e)})") from None
         _, tensor = adapter.from_hf(hf_name, raw)
         loaded.append(native)
         progress(len(loaded), len(expected), f"model.{native}", tuple(tensor.shape), tensor.dtype)
@@ -369,7 +372,9 @@ def hf_to_dcp(
             dcp.save(meta_state, storage_writer=writer, planner=planner, no_dist=True)
         except CheckpointException as e:  # a BaseException: a read error while writing, one line
             error = e.failures[min(e.failures)][0]
-            raise (error if isinstance(error, ValueError) else ValueError(f"{out_dir}: {_one_line(error)}")) from None
+            raise (
+                error if isinstance(error, ValueError) else ValueError(f"{out_dir}: {safe_load.one_line(error)}")
+            ) from None
         info = dict(step=0, tokens_seen=0, model_only=True, dtype=dtype_name(*dtypes) if len(dtypes) == 1 else None)
         info["model"] = {"name": spec.name, "flavor": None, "args": dataclasses.asdict(args)}
         bos, eos = (_first(config.get(f"{k}_token_id")) for k in ("bos", "eos"))
@@ -398,7 +403,7 @@ def _tensor_files(folder: Path) -> dict[str, str]:
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
         except (OSError, ValueError, AttributeError) as e:
-            raise ValueError(f"{index} is unreadable ({_one_line(e)})") from None
+            raise ValueError(f"{index} is unreadable ({safe_load.one_line(e)})") from None
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index} has no weight_map")
         for name, file in weight_map.items():
@@ -416,11 +421,7 @@ def _safe_open(file: Path):
     try:
         return safe_open(file, framework="pt")
     except Exception as e:  # SafetensorError (header too large, file not fully covered ...), OSError
-        raise ValueError(f"{file} is not a readable safetensors file ({_one_line(e)})") from None
-
-
-def _one_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {' '.join(str(e).split())}"[:300]
+        raise ValueError(f"{file} is not a readable safetensors file ({safe_load.one_line(e)})") from None
 
 
 def _first(v: Any) -> Any:

@@ -85,7 +85,7 @@ def _why(e: pickle.UnpicklingError) -> str:
     return f" (it names {match.group(1)})" if match else ""
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
     """``Type: message`` on one line; torch's weights-only refusal shortened to what it found (its
     advice to retry with ``weights_only=False`` is exactly what must not be done with such a file)."""
     text = " ".join(str(e).split())
@@ -108,9 +108,9 @@ class SafeFileSystemReader(FileSystemReader):
         except pickle.UnpicklingError as e:
             if str(e).startswith("refused"):
                 raise UnsafeCheckpointError(f"{file}: {e}; it was not written by DCP") from None
-            raise ValueError(f"{file} is unreadable ({_one_line(e)})") from None
+            raise ValueError(f"{file} is unreadable ({one_line(e)})") from None
         except Exception as e:  # truncated or random bytes: EOFError, UnicodeDecodeError, ...
-            raise ValueError(f"{file} is unreadable ({_one_line(e)})") from None
+            raise ValueError(f"{file} is unreadable ({one_line(e)})") from None
         if not isinstance(metadata, Metadata):
             raise ValueError(f"{file} is not DCP metadata (it holds a {type(metadata).__name__})")
         if getattr(metadata, "storage_meta", None) is None:
@@ -145,9 +145,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 raise UnsafeCheckpointError(
                     f"checkpoint item {fqn} is not plain data, refused to unpickle it{why}"
                 ) from None
-            raise ValueError(f"checkpoint item {fqn} is unreadable ({_one_line(e)})") from None
+            raise ValueError(f"checkpoint item {fqn} is unreadable ({one_line(e)})") from None
         except Exception as e:
-            raise ValueError(f"checkpoint item {fqn} is unreadable ({_one_line(e)})") from None
+            raise ValueError(f"checkpoint item {fqn} is unreadable ({one_line(e)})") from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
@@ -172,7 +172,7 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, **kwargs: Any) -> 
             raise UnsafeCheckpointError(f"{path}: {error}") from None
         if type(error) is ValueError:  # raised here, already one line
             raise ValueError(f"{path}: {error}") from None
-        raise ValueError(f"{path}: {_one_line(error)}") from None
+        raise ValueError(f"{path}: {one_line(error)}") from None
 
 
-__all__ = ["SafeFileSystemReader", "SafeLoadPlanner", "UnsafeCheckpointError", "load", "read_metadata"]
+__all__ = ["SafeFileSystemReader", "SafeLoadPlanner", "UnsafeCheckpointError", "load", "one_line", "read_metadata"]

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -150,26 +151,28 @@ def load_torchtitan_checkpoint(
         state["train_state"] = train_state
         loaded.append("train_state")
     safe_load.load(state, path)
+    step = tokens = 0
+    if train_state is not None:
+        step = _as_int(train_state.get("step", 0), f"{path}: train_state.step")
+        tokens = _as_int(train_state.get("ntokens_seen", 0), f"{path}: train_state.ntokens_seen")
     set_model_state_dict(model, model_sd if prefix == "" else state["model"])
     if osd is not None:
         osd.update(state["optimizer"])
         set_optimizer_state_dict(model, optimizer, osd, options=FLAT)
-    step = tokens = 0
-    if train_state is not None:
-        step = int(_as_int(train_state.get("step", 0)))
-        tokens = int(_as_int(train_state.get("ntokens_seen", 0)))
     if full and info["dataloader"] and "dataloader" not in exclude:
         skipped.append("dataloader")
     return {"step": step, "tokens_seen": tokens, "loaded": loaded, "skipped": skipped, "prefix": prefix}
 
 
-def _as_int(v: Any) -> int:
-    if isinstance(v, torch.Tensor):
-        return int(v.item())
-    if hasattr(v, "seek"):  # an old BytesIO value: a pickled int
-        v.seek(0)
-        return int(torch.load(v, weights_only=True))
-    return int(v)
+def _as_int(v: Any, what: str) -> int:
+    """An int, a one-element tensor, or (older torchtitan) a BytesIO holding a ``torch.save``-d one."""
+    try:
+        if hasattr(v, "seek"):
+            v.seek(0)
+            v = torch.load(v, weights_only=True)  # plain data only: a pickle that runs code is refused
+        return int(v.item() if isinstance(v, torch.Tensor) else v)
+    except (pickle.UnpicklingError, TypeError, ValueError, RuntimeError, EOFError) as e:
+        raise ValueError(f"{what} is not an integer ({safe_load.one_line(e)})") from None
 
 
 def choose_source(
