@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Convert a titanlite DCP checkpoint step folder to a Hugging Face folder (LlamaForCausalLM, or
-the model of a family from an extension that the checkpoint records).
+the model of a family from an extension named with --extensions).
 
     python scripts/convert_dcp_to_hf.py <dcp_step_dir> <hf_out_dir> [--dtype bfloat16|float32] [--max-shard-size 5GB]
         [--extensions MODULES]

@@ -96,7 +96,7 @@ DRIVER = textwrap.dedent("""
     from titanlite.hooks import Hook
     from titanlite.train import Trainer
 
-    tokens = torch.load(os.environ["TOKENS_FILE"])
+    tokens = torch.load(os.environ["TOKENS_FILE"], weights_only=True)
     train.load_token_store = lambda dataset, path, split, tokenizer: tokens
     metrics.peak_flops = lambda *a, **k: None
 

@@ -62,7 +62,7 @@ def train_worker(args: dict) -> dict:
     import titanlite.train as train
 
     # save start-up time: the tokens this test process already has, no CPU peak-FLOPs probe
-    tokens = torch.load(args["tokens"])
+    tokens = torch.load(args["tokens"], weights_only=True)
     train.load_token_store = lambda dataset, path, split, tokenizer: tokens
     import titanlite.metrics as metrics
 

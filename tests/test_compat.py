@@ -31,7 +31,7 @@ from dist_utils import run_workers
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 from torchtitan_ext.compat import CompatError, load_translated, translate
-from torchtitan_ext.compat.checkpoint import is_torchtitan_checkpoint, load_torchtitan_checkpoint
+from torchtitan_ext.compat.checkpoint import choose_source, is_torchtitan_checkpoint, load_torchtitan_checkpoint
 from torchtitan_ext.compat.train import CompatTrainer, main, torchtitan_lr_factor
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -401,6 +401,60 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path, no_peak_probe):
     bigger = CompatTrainer(load_translated(tr), settings=tr.settings)
     with pytest.raises(ValueError, match="tok_embeddings.weight is .* in the checkpoint but"):
         load_torchtitan_checkpoint(tmp_path / "ckpt", bigger.model, bigger.optimizer)
+
+
+class RunsCode:
+    """Unpickling this object calls ``open(marker, "w")``: a file appears when the pickle is executed."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_checkpoint_item_that_would_run_code_is_refused(tmp_path):
+    """A torchtitan checkpoint's non-tensor items (train_state ...) are unpickled as plain data only:
+    a crafted one, which torch's default reader would execute, is a one-line error and never runs;
+    a crafted ``.metadata`` is refused before anything else reads it."""
+    from titanlite.models.llama3 import Llama3ModelArgs, Transformer
+
+    marker = tmp_path / "marker"
+    model = Transformer(Llama3ModelArgs(dim=64, n_layers=1, n_heads=4, vocab_size=64, max_seq_len=32))
+    ckpt = tmp_path / "out" / "checkpoint" / "step-4"
+    dcp.save(
+        {**model.state_dict(), "train_state": {"step": RunsCode(marker), "ntokens_seen": 9}}, checkpoint_id=str(ckpt)
+    )
+    dcp.load({"train_state": {"step": 0}}, checkpoint_id=str(ckpt))  # torch's reader: the code runs
+    assert marker.exists()
+    marker.unlink()
+    with pytest.raises(ValueError) as e:
+        load_torchtitan_checkpoint(ckpt, model)
+    msg = str(e.value)
+    assert "\n" not in msg and "checkpoint item train_state.step is not plain data" in msg and str(ckpt) in msg, msg
+    assert not marker.exists()
+    out = load_torchtitan_checkpoint(ckpt, model, model_only=True)  # the weights alone read no pickle
+    assert out["step"] == 0 and out["loaded"] == ["model"]
+    # older torchtitan: a BytesIO holding a torch.save-d value; read as plain data too
+    for value, expect in ((5, None), (RunsCode(marker), "train_state.step is not an integer")):
+        inner = io.BytesIO()
+        torch.save(value, inner)
+        old = tmp_path / f"old-{expect is None}"
+        dcp.save({**model.state_dict(), "train_state": {"step": inner}}, checkpoint_id=str(old))
+        if expect is None:
+            assert load_torchtitan_checkpoint(old, model)["step"] == 5
+        else:
+            with pytest.raises(ValueError, match=expect) as e:
+                load_torchtitan_checkpoint(old, model)
+            assert "\n" not in str(e.value) and "weights_only=False" not in str(e.value), str(e.value)
+    assert not marker.exists()
+
+    (ckpt / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
+    with pytest.raises(ValueError, match="refused to load global io.open"):
+        load_torchtitan_checkpoint(ckpt, model, model_only=True)
+    with pytest.raises(ValueError, match=r"step-4 is damaged: .*\.metadata: refused to load global io.open"):
+        choose_source(str(ckpt.parent), -1, "", True)
+    assert not marker.exists()
 
 
 def fsdp_resume_worker(args: dict) -> dict:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,8 +26,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from tiny import TINY_MODEL
+from torch.distributed.checkpoint import FileSystemReader
 
 from titanlite.checkpoint import layout
+from titanlite.checkpoint.convert_cli import main_dcp_to_hf, main_hf_to_dcp
 from titanlite.checkpoint.hf import dcp_to_hf, hf_to_dcp
 from titanlite.models.llama3 import Llama3HFAdapter, Llama3ModelArgs, Transformer
 
@@ -412,3 +416,239 @@ def test_llama_args_from_hf_config_round_trip_and_refusals():
     ):
         with pytest.raises(ValueError, match=message):
             Llama3HFAdapter.args_from_hf_config({**config, **change})
+
+
+# ----------------------------------------------------------------------------- damaged and crafted inputs
+
+
+class RunsCode:
+    """Unpickling this object calls ``open(marker, "w")``: a file appears when the pickle is executed."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def run_clis(*calls: tuple[str, ...], pythonpath: str = "") -> list[subprocess.CompletedProcess]:
+    """Each ``(script, *args)`` in its own interpreter, all started at once (the interpreter start
+    dominates; two cores halve the wall time); each bounded by a timeout."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH", "")) if p)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(REPO / "scripts" / script), "--quiet", *args],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for script, *args in calls
+    ]
+    try:
+        done = []
+        for p in procs:
+            out, err = p.communicate(timeout=180)
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+        return done
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def one_line_error(proc: subprocess.CompletedProcess) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    return lines[0]
+
+
+def truncate(file: Path) -> None:
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+
+
+def garble(file: Path) -> None:
+    file.write_bytes(os.urandom(file.stat().st_size))
+
+
+def edit_json(file: Path, change) -> None:
+    data = json.loads(file.read_text())
+    change(data)
+    file.write_text(json.dumps(data))
+
+
+DCP_DAMAGE = {  # what is done to the step folder, the file the error must name
+    "metadata_random": (lambda d: garble(d / ".metadata"), ".metadata"),
+    "distcp_truncated": (lambda d: truncate(d / "__0_0.distcp"), "__0_0.distcp"),
+    "distcp_random": (lambda d: garble(d / "__0_0.distcp"), "__0_0.distcp"),
+    "info_random": (lambda d: garble(d / "checkpoint.json"), "checkpoint.json"),
+    "info_not_a_model": (
+        lambda d: edit_json(d / "checkpoint.json", lambda j: j.update(model="llama3")),
+        "checkpoint.json",
+    ),
+    "info_bad_arg": (
+        lambda d: edit_json(d / "checkpoint.json", lambda j: j["model"]["args"].update(norm_eps="tiny")),
+        "checkpoint.json",
+    ),
+}
+HF_DAMAGE = {
+    "safetensors_truncated": (lambda d: truncate(d / "model.safetensors"), "model.safetensors"),
+    "safetensors_random": (lambda d: garble(d / "model.safetensors"), "model.safetensors"),
+    "config_random": (lambda d: garble(d / "config.json"), "config.json"),
+    "config_bad_value": (
+        lambda d: edit_json(d / "config.json", lambda j: j.update(num_attention_heads="4")),
+        "config.json",
+    ),
+}
+
+
+def in_process(capsys, script: str, *args: str) -> subprocess.CompletedProcess:
+    """What ``scripts/<script>`` does (it only calls this ``main``), without an interpreter start."""
+    main = {"convert_dcp_to_hf.py": main_dcp_to_hf, "convert_hf_to_dcp.py": main_hf_to_dcp}[script]
+    capsys.readouterr()
+    code = main(["--quiet", *args])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess([script, *args], code, out, err)
+
+
+# damages also run through the script in a subprocess (the others run its main in-process: each
+# interpreter start costs seconds of import on a 2-core machine, and the scripts are main() alone)
+IN_SUBPROCESS = {"distcp_random", "safetensors_truncated"}
+
+
+def test_damaged_inputs_are_one_line_errors_and_write_nothing(tmp_path, capsys):
+    """Each damage: exit status 2, one ``error:`` line naming the damaged file, and no output: not
+    the output folder, not its missing parents, no ``.partial`` folder; an existing empty output
+    folder stays as it was. A ``.metadata`` whose pickle would run code is refused without running
+    it (torch's own reader runs it: the marker file proves the payload)."""
+    model = titanlite_model(tiny_args())
+    cases = []  # (case, file the error must name, output folder, script call)
+    for case, (damage, file) in DCP_DAMAGE.items():
+        step = save_step_folder(model, tmp_path / case / "step-7")
+        damage(step)
+        out = tmp_path / case / "new" / "hf"
+        cases.append((case, file, out, ("convert_dcp_to_hf.py", str(step), str(out))))
+    src = hf_model_folder(tmp_path, tie_word_embeddings=False)
+    for case, (damage, file) in HF_DAMAGE.items():
+        folder = tmp_path / case
+        shutil.copytree(src, folder)
+        damage(folder)
+        out = tmp_path / f"{case}_out"
+        out.mkdir()  # an existing empty output folder: left as it is
+        cases.append((case, file, out, ("convert_hf_to_dcp.py", str(folder), str(out))))
+    marker = tmp_path / "marker"
+    crafted = save_step_folder(model, tmp_path / "crafted" / "step-7")
+    (crafted / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
+    crafted_call = ("convert_dcp_to_hf.py", str(crafted), str(tmp_path / "crafted_out"))
+
+    *spawned, refused = run_clis(*[call for case, _, _, call in cases if case in IN_SUBPROCESS], crafted_call)
+    spawned = iter(spawned)
+    for case, file, out, call in cases:
+        proc = next(spawned) if case in IN_SUBPROCESS else in_process(capsys, *call)
+        line = one_line_error(proc)
+        assert file in line and "Traceback" not in proc.stderr, (case, line)
+        if out.name == "hf":  # created by nobody: neither it nor its parent
+            assert not out.parent.exists(), case
+        else:
+            assert out.is_dir() and not any(out.iterdir()), case
+        assert not list(out.parent.glob(f"{out.name}.partial-*")), case
+    for proc in (refused, in_process(capsys, *crafted_call)):
+        assert ".metadata: refused to load global io.open" in one_line_error(proc), proc.stderr
+    assert not marker.exists() and not (tmp_path / "crafted_out").exists()
+    FileSystemReader(str(crafted)).read_metadata()
+    assert marker.exists()  # the payload was real
+
+
+def test_extensions_recorded_in_a_checkpoint_are_not_imported(tmp_path, capsys, monkeypatch):
+    """checkpoint.json names extension modules; the converter imports only those also given with
+    --extensions. The module here leaves a marker file when imported."""
+    marker = tmp_path / "imported"
+    (tmp_path / "marker_ext_12.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = titanlite_model(tiny_args())
+    known = save_step_folder(model, tmp_path / "known")  # llama3: core knows it, the extension is not needed
+    edit_json(known / "checkpoint.json", lambda j: j.update(extensions=["marker_ext_12"]))
+    unknown = save_step_folder(model, tmp_path / "unknown")  # a family only the extension would register
+    edit_json(
+        unknown / "checkpoint.json",
+        lambda j: (j.update(extensions=["marker_ext_12"]), j["model"].update(name="mystery")),
+    )
+    ok = in_process(capsys, "convert_dcp_to_hf.py", str(known), str(tmp_path / "hf_known"))
+    assert ok.returncode == 0, ok.stderr
+    refused = in_process(capsys, "convert_dcp_to_hf.py", str(unknown), str(tmp_path / "hf_unknown"))
+    line = one_line_error(refused)
+    assert "extension marker_ext_12" in line and "pass --extensions marker_ext_12" in line, line
+    assert not marker.exists() and not (tmp_path / "hf_unknown").exists()
+    # named on the command line, it is imported (the marker proves the module would have run)
+    args = ("--extensions", "marker_ext_12", str(unknown), str(tmp_path / "hf_unknown"))
+    assert "unknown model family 'mystery'" in one_line_error(in_process(capsys, "convert_dcp_to_hf.py", *args))
+    assert marker.exists()
+
+
+# ----------------------------------------------------------------------------- seed model args
+
+
+def test_a_seed_trains_with_its_own_rope_and_norm_eps(tmp_path, caplog, capsys):
+    """An HF Llama with Llama 3.1 RoPE scaling, theta 1e4 and eps 1e-6, converted and used as
+    ``initial_load_path`` under a config without any of them (debugmodel: no scaling, theta 5e5,
+    eps 1e-5): the trainer takes the seed's values and gives transformers' logits; with the
+    config's own args the same weights are off by about 1e-2. Setting one of them explicitly to
+    another value is a one-line error."""
+    from titanlite.models import load_config
+    from titanlite.models.registry import RUN_ARGS, model_args_for
+    from titanlite.train import Trainer, main
+
+    src = hf_model_folder(
+        tmp_path,
+        tie_word_embeddings=False,
+        rope_scaling_factor=8.0,
+        rope_original_max_position=64,
+        rope_theta=1e4,
+        norm_eps=1e-6,
+    )
+    seed = hf_to_dcp(src, tmp_path / "dcp")
+    argv = [
+        *TINY_MODEL,
+        "--training.seq_len",
+        "32",
+        "--training.steps",
+        "1",
+        "--lr_scheduler.warmup_steps",
+        "0",
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+        "--checkpoint.initial_load_path",
+        str(seed),
+    ]
+    cfg = load_config(argv)
+    with caplog.at_level("INFO", logger="titanlite"):
+        trainer = Trainer(cfg)
+        trainer.checkpointer.load()
+    seed_args = layout.read_info(seed)["model"]["args"]
+    assert {k: getattr(trainer.model_args, k) for k in seed_args if k not in RUN_ARGS} == {
+        k: v for k, v in seed_args.items() if k not in RUN_ARGS
+    }
+    for key in ("rope_theta", "norm_eps", "rope_scaling_factor", "rope_original_max_position"):
+        assert f"model.{key} = " in caplog.text, key
+    with torch.no_grad():
+        got = trainer.model.eval()(tokens())
+    expected = hf_logits(src)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    # what training did before: the config's args, the same weights
+    plain = Transformer(model_args_for(cfg.model, trainer.tokenizer.vocab_size))
+    plain.load_state_dict(trainer.model.state_dict())
+    with torch.no_grad():
+        assert (plain.eval()(tokens()) - expected).abs().max() > 1e-3
+    records = trainer.train()
+    assert [r["step"] for r in records if "loss" in r] == [1] and torch.isfinite(torch.tensor(records[-1]["loss"]))
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--model.rope_theta", "500000", "--job.dump_folder", str(tmp_path / "run2")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert "model.rope_theta=500000.0" in err[0] and "rope_theta=10000.0" in err[0] and str(seed) in err[0], err

@@ -7,7 +7,7 @@ Layers, lowest first (a module may import its own layer or lower ones):
 0. leaves: ``config``, ``components``, ``hooks``, ``dtypes``, ``extensions``, ``tokenizer``, ``planner``, ``run_lock``
 1. ``parallel``: policies, mesh, FSDP/TP/AC/compile/float8, ``build_parallel_model``; and ``loss``
 2. ``models``: the registry and the families (a family's parallelize plan is built from ``parallel``)
-3. ``data``, ``checkpoint``, ``optim``
+3. ``data``, ``checkpoint`` (with ``checkpoint.safe_load``, which imports torch only), ``optim``
 4. the loop's pieces: ``train_step``, ``metrics``, ``guard``, ``preemption``, ``profiling``, ``validation``
 5. ``train``, ``dry_run``
 """
@@ -32,7 +32,7 @@ LAYERS = [
     ),
     ("titanlite.parallel", "titanlite.loss"),
     ("titanlite.models",),
-    ("titanlite.data", "titanlite.checkpoint", "titanlite.optim"),
+    ("titanlite.data", "titanlite.checkpoint", "titanlite.checkpoint.safe_load", "titanlite.optim"),
     (
         "titanlite.train_step",
         "titanlite.metrics",

@@ -408,8 +408,8 @@ def test_debug_config_trains_through_the_trainer_entry_point(tmp_path, capsys, m
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2]
 
-    # the converters, each in a fresh interpreter: DCP -> HF finds the family through the extensions
-    # the checkpoint records; HF -> DCP needs --extensions (and records it for the way back)
+    # the converters, each in a fresh interpreter: both need --extensions (a checkpoint's recorded
+    # extensions are never imported on its word alone); HF -> DCP records it for the way back
     def convert(script: str, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
             [sys.executable, str(REPO / "scripts" / script), "--quiet", *args],
@@ -421,7 +421,7 @@ def test_debug_config_trains_through_the_trainer_entry_point(tmp_path, capsys, m
 
     step = tmp_path / "out" / "checkpoint" / "step-2"
     assert layout.read_info(step)["extensions"] == ["torchtitan_ext.qwen3"]
-    out = convert("convert_dcp_to_hf.py", str(step), "hf")
+    out = convert("convert_dcp_to_hf.py", "--extensions", "torchtitan_ext.qwen3", str(step), "hf")
     assert out.returncode == 0, out.stderr
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
     out = convert("convert_hf_to_dcp.py", "hf", "dcp")

@@ -25,6 +25,7 @@ from torch import nn
 
 from titanlite import components
 from titanlite.checkpoint import CheckpointHook, CheckpointManager, CheckpointWriteError
+from titanlite.checkpoint.hf import model_args_from_seed
 from titanlite.config import JobConfig, config_to_toml, dump_config, exit_with_error, parse_args_or_exit
 from titanlite.data.loader import build_dataloader, load_token_store
 from titanlite.data.shards import ShardIntegrityError
@@ -34,7 +35,7 @@ from titanlite.hooks import Hook, LoopState, call_hooks
 from titanlite.loss import cross_entropy_sum  # noqa: F401  (registers the built-in loss)
 from titanlite.metrics import DiskFullError, MetricsHook, MetricsLogger, matmul_dtype, num_params
 from titanlite.models import get_model_spec, model_schema
-from titanlite.models.registry import model_args_for, model_counts
+from titanlite.models.registry import check_seq_len, model_args_for, model_counts
 from titanlite.optim import build_optimizer  # noqa: F401  (registers the built-in optimizers and schedules)
 from titanlite.parallel.build import build_parallel_model
 from titanlite.parallel.compile import CompilePolicy
@@ -92,6 +93,9 @@ class Trainer:
         self.spec = get_model_spec(cfg.model.name)
         self.tokenizer = self.build_tokenizer()
         self.model_args = model_args_for(cfg.model, self.tokenizer.vocab_size)
+        if seed := cfg.checkpoint.initial_load_path:  # the seed's RoPE, norm eps ... unless [model] sets them
+            self.model_args = model_args_from_seed(self.spec, self.model_args, cfg.model.overrides, seed)
+        check_seq_len(self.model_args, t.seq_len)
         self.model = self.build_model()
         self.n_params = num_params(self.model)
         self.flops_per_token = model_counts(self.spec, self.model_args, t.seq_len)[1]

@@ -1,7 +1,8 @@
 """Command lines of the DCP <-> Hugging Face converters (``scripts/convert_*.py``).
 
-Wrong inputs print one ``error: ...`` line on stderr and exit with status 2; nothing that existed
-before is modified (outputs are written to a new folder and renamed into place at the end).
+Wrong inputs (also damaged or crafted ones) print one ``error: ...`` line on stderr, naming the
+file, and exit with status 2; nothing that existed before is modified (outputs are written to a
+new folder and renamed into place at the end).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def _run(fn, a: argparse.Namespace, src: str, out: str, note: str = "", **kwargs
     extensions = [m.strip() for m in a.extensions.split(",") if m.strip()]
     try:
         fn(src, out, progress=_Printer(a.quiet), extensions=extensions, **kwargs)
-    except (ValueError, KeyError, FileNotFoundError) as e:
+    except (ValueError, KeyError, OSError) as e:  # OSError: an unwritable output folder, a full disk ...
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"error: {' '.join(str(msg).split())}", file=sys.stderr)
         return 2
@@ -63,14 +64,15 @@ def main_dcp_to_hf(argv: Sequence[str] | None = None) -> int:
         description=(
             "Convert a titanlite DCP checkpoint step folder into a Hugging Face folder (model.safetensors "
             "[sharded with an index past --max-shard-size], config.json, generation_config.json). A family "
-            "from an extension is found through the extensions recorded in the checkpoint."
+            "from an extension needs that extension in --extensions: the modules a checkpoint records are "
+            "never imported on its word alone (a checkpoint is data, an import runs code)."
         ),
     )
     p.add_argument("dcp_step_dir", help="a checkpoint step folder, e.g. outputs/checkpoint/step-1000")
     p.add_argument("hf_out_dir", help="output folder (must not exist, or be empty)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="dtype of the written weights (default: as stored)")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB (default 5GB)")
-    _add_common_args(p, " (needed only for checkpoints that do not record them)")
+    _add_common_args(p, "; a checkpoint that needs one not given is refused with the module to pass")
     a = p.parse_args(argv)
     try:
         max_bytes = parse_size(a.max_shard_size)

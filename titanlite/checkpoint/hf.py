@@ -11,8 +11,14 @@
   model-only step folder that ``[checkpoint] initial_load_path`` loads under any parallel layout.
 
 Both write into ``<out>.partial-<token>`` and rename at the end: an interrupted conversion leaves
-no half-written output behind the final name. Wrong inputs raise ``ValueError`` /
-``FileNotFoundError`` with a one-line message.
+no half-written output behind the final name. Wrong inputs (also damaged ones: a garbled
+``.metadata``, a truncated ``.distcp`` or ``.safetensors``, a ``config.json`` or ``checkpoint.json``
+that is not what it should be) raise ``ValueError`` / ``FileNotFoundError`` with a one-line
+message naming the file, and nothing is written.
+
+Checkpoints are data, never code: DCP folders are read through :mod:`titanlite.checkpoint.safe_load`
+(no pickle in them can run code), and the extension modules a ``checkpoint.json`` records are not
+imported unless the caller names them too (``extensions`` / ``--extensions``).
 """
 
 from __future__ import annotations
@@ -21,11 +27,12 @@ import contextlib
 import dataclasses
 import functools
 import json
+import logging
 import math
 import os
 import secrets
 import shutil
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +40,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from titanlite.checkpoint import layout
+from titanlite.checkpoint import layout, safe_load
 from titanlite.dtypes import dtype_name
 from titanlite.extensions import load_extensions
 from titanlite.models import get_model_spec, model_names
+from titanlite.models.registry import adopt_seed_args, state_shapes
+
+logger = logging.getLogger(__name__)
 
 Progress = Callable[[int, int, str, tuple, torch.dtype], None]
 INDEX_FILE = "model.safetensors.index.json"
@@ -63,21 +74,20 @@ def dcp_to_hf(
 ) -> Path:
     """Write ``model.safetensors`` (+ index), ``config.json`` and ``generation_config.json``.
 
-    The model family's extension modules, when it comes from one, are imported first: those that
-    ``checkpoint.json`` records (``[job] extensions`` of the run) and ``extensions``.
+    ``extensions`` (modules that register the model family) are imported first. Those that the
+    checkpoint's ``checkpoint.json`` records are never imported on that file's word alone: a
+    checkpoint is data, and importing a module it names would run code chosen by whoever wrote
+    it; a family that needs one gets an error naming the module to pass.
     """
     step_dir, out_dir = Path(step_dir), Path(out_dir)
-    load_extensions(extensions)
+    given = load_extensions(extensions)
     if not step_dir.is_dir():
         raise FileNotFoundError(f"{step_dir}: no such folder")
-    metadata = layout.read_metadata(step_dir)
-    try:
-        info = layout.read_info(step_dir)
-    except ValueError as e:
-        raise ValueError(f"{e}: cannot tell the model args (not a titanlite checkpoint step folder?)") from None
+    metadata = safe_load.read_metadata(step_dir)  # before layout's checks, which unpickle it unrestricted
+    info = _read_info(step_dir)
     if problem := layout.problem_with(step_dir):
         raise ValueError(f"{step_dir} is damaged: {problem}")
-    spec, args = _model_from_info(info, step_dir)
+    spec, args = model_from_info(info, step_dir, given)
     adapter = spec.hf_adapter(args)
     stored = {k[len("model.") :]: v for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
     expected = adapter.expected_shapes()
@@ -88,7 +98,7 @@ def dcp_to_hf(
         md = stored.get(src)
         if md is None or not hasattr(md, "size"):
             raise ValueError(
-                f"{step_dir} has no tensor model.{name} (it is not a {info['model']['name']} model "
+                f"{step_dir} has no tensor model.{name} (it is not a {spec.name} model "
                 "with the args in its checkpoint.json)"
             )
         if tuple(md.size) != shape:
@@ -101,14 +111,14 @@ def dcp_to_hf(
     shards = _plan_shards(sizes, max_shard_bytes)
     n = len(shards)
     files = [SINGLE_FILE] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
-    reader, weight_map = dcp.FileSystemReader(str(step_dir)), {}
+    reader, weight_map = safe_load.SafeFileSystemReader(str(step_dir)), {}
+    bos, eos = _token_ids(info, step_dir)
     with _atomic_output(out_dir) as partial, layout.quiet_single_process():
         for file, shard in zip(files, shards):
             tensors = {}  # one shard in memory at a time: save_file takes all of a file's tensors at once
             for name in shard:
                 src, md = sources[name]
-                tensor = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-                dcp.load({"model": {src: tensor}}, storage_reader=reader, no_dist=True)
+                tensor = _load_tensor(step_dir, metadata, reader, src, md)
                 hf_name, tensor = adapter.to_hf(name, tensor)
                 tensors[hf_name], weight_map[hf_name] = tensor.to(out_dtype).contiguous(), file
                 progress(len(weight_map), len(expected), hf_name, tuple(tensor.shape), out_dtype)
@@ -117,26 +127,117 @@ def dcp_to_hf(
         if n > 1:
             index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
             layout.write_json(partial / INDEX_FILE, index)
-        bos, eos = ((info.get("tokenizer") or {}).get(k) for k in ("bos_id", "eos_id"))
         hf_config = adapter.hf_config(dtype=out_dtype, bos_token_id=bos, eos_token_id=eos)
         layout.write_json(partial / "config.json", hf_config)
         layout.write_json(partial / "generation_config.json", adapter.generation_config(bos, eos))
     return out_dir
 
 
-def _model_from_info(info: dict[str, Any], where: Path):
-    load_extensions(info.get("extensions") or [])  # the family may come from a [job] extension
-    model = info.get("model") or {}
-    name = model.get("name")
+def _read_info(step_dir: Path) -> dict[str, Any]:
+    """``checkpoint.json``, or a one-line ValueError naming it (also for bytes that are not text)."""
+    try:
+        return layout.read_info(step_dir)
+    except UnicodeDecodeError:
+        raise ValueError(f"{step_dir / layout.INFO_FILE} is unreadable (not UTF-8 JSON text)") from None
+    except ValueError as e:
+        raise ValueError(f"{e}: cannot tell the model args (not a titanlite checkpoint step folder?)") from None
+
+
+def _load_tensor(step_dir: Path, metadata, reader, name: str, md) -> torch.Tensor:
+    """One stored model tensor; a damaged data file is a ValueError naming that file."""
+    tensor = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    try:
+        safe_load.load({"model": {name: tensor}}, step_dir, storage_reader=reader, no_dist=True)
+    except ValueError as e:
+        files = sorted({i.relative_path for idx, i in metadata.storage_data.items() if idx.fqn == f"model.{name}"})
+        where = ", ".join(str(step_dir / f) for f in files) or str(step_dir)
+        why = str(e).removeprefix(f"{step_dir}: ")
+        raise ValueError(f"{where}: cannot read model.{name} ({why})") from None
+    return tensor
+
+
+def _token_ids(info: dict[str, Any], where: Path) -> tuple[int | None, int | None]:
+    """``(bos_id, eos_id)`` recorded in checkpoint.json (None when unknown)."""
+    tok = info.get("tokenizer") or {}
+    ids = tuple(tok.get(k) if isinstance(tok, dict) else None for k in ("bos_id", "eos_id"))
+    for key, v in zip(("bos_id", "eos_id"), ids):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+            raise ValueError(f"{where / layout.INFO_FILE}: tokenizer.{key} must be an integer, got {v!r}")
+    return ids
+
+
+def model_from_info(info: dict[str, Any], where: Path, extensions: Sequence[str] = ()):
+    """``(spec, args)`` of the model a ``checkpoint.json`` describes; its family must be registered
+    (by core, or by one of ``extensions``, already imported). ValueError (one line) otherwise, naming
+    the extension module to pass when the file records one that was not given."""
+    file = where / layout.INFO_FILE
+    model = info.get("model")
+    name = model.get("name") if isinstance(model, dict) else None
+    if not isinstance(name, str):
+        raise ValueError(f"{file} names no model family (model.name)")
     if name not in model_names():
+        recorded = info.get("extensions") or []
+        if not isinstance(recorded, list) or not all(isinstance(m, str) for m in recorded):
+            raise ValueError(f"{file}: extensions must be a list of module names, got {recorded!r}")
+        if missing := [m for m in recorded if m not in extensions]:
+            raise ValueError(
+                f"{where}: model family {name!r} is registered by extension {', '.join(missing)} (recorded in "
+                f"{layout.INFO_FILE}, never imported from there): pass --extensions {','.join(missing)}"
+            )
         raise ValueError(f"{where}: unknown model family {name!r} in {layout.INFO_FILE}")
     spec = get_model_spec(name)
     if spec.hf_adapter is None:
         raise ValueError(f"model family {name!r} has no Hugging Face adapter")
     args = model.get("args") or {}
+    if not isinstance(args, dict):
+        raise ValueError(f"{file}: model.args must be a table of model args, got {args!r}")
     if unknown := sorted(set(args) - set(getattr(spec.args_cls, "__dataclass_fields__", {}))):
         raise ValueError(f"{where}: {layout.INFO_FILE} has model args unknown to this titanlite: {', '.join(unknown)}")
-    return spec, spec.args_cls(**args)
+    try:
+        return spec, spec.args_cls(**args)
+    except (TypeError, ValueError, ArithmeticError) as e:
+        raise ValueError(f"{file}: invalid model args ({' '.join(str(e).split())})") from None
+
+
+# ----------------------------------------------------------------------------- seeds
+
+
+def model_args_from_seed(spec, args: Any, explicit: Collection[str], seed: str | os.PathLike) -> Any:
+    """``args`` with the model args of the seed checkpoint ``seed`` (``[checkpoint]
+    initial_load_path``) taken by the rule of :func:`~titanlite.models.registry.adopt_seed_args`;
+    ``explicit``: the ``[model]`` keys the config sets (``model.overrides``). Each value taken is
+    logged. A folder without ``checkpoint.json`` (DCP written elsewhere), or no folder at all (the
+    checkpoint manager reports that, or ignores it when resuming), leaves ``args`` as they are."""
+    seed = Path(seed)
+    what = f"checkpoint.initial_load_path={seed}"
+    if not (seed / layout.INFO_FILE).is_file():
+        if seed.is_dir():
+            logger.info(
+                "%s has no %s: its model args are not known, only tensor shapes are checked", what, layout.INFO_FILE
+            )
+        return args
+    try:
+        info = layout.read_info(seed)
+    except ValueError as e:  # also UnicodeDecodeError: bytes that are not text
+        raise ValueError(f"{what}: {seed / layout.INFO_FILE} is unreadable ({' '.join(str(e).split())})") from None
+    model = info.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("args"), dict):
+        raise ValueError(f"{what}: {seed / layout.INFO_FILE} records no model args")
+    if model.get("name") != spec.name:
+        raise ValueError(
+            f"{what} holds a {model.get('name')!r} model but this config trains {spec.name!r} (model.name)"
+        )
+
+    def same_shapes(a: Any, b: Any) -> bool:
+        return state_shapes(spec, a) == state_shapes(spec, b)
+
+    kw = dict(run_args=spec.run_args, same_shapes=same_shapes, seed=str(seed))
+    new_args, adopted = adopt_seed_args(args, model["args"], explicit, **kw)
+    for k, v in adopted.items():
+        logger.info(
+            "model.%s = %r from the seed checkpoint %s (the config's flavor has %r)", k, v, seed, getattr(args, k)
+        )
+    return new_args
 
 
 # ----------------------------------------------------------------------------- HF -> DCP
@@ -163,15 +264,32 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
         raise ValueError(f"{hf_dir} is not a Hugging Face model folder (no config.json)")
     try:
         config = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # JSONDecodeError, UnicodeDecodeError (random bytes)
         raise ValueError(f"{file} is unreadable: {' '.join(str(e).split())}") from None
     if not isinstance(config, dict):
         raise ValueError(f"{file} is not a JSON object")
     return config
 
 
+def _model_for_hf(config: dict[str, Any], file: Path):
+    """``(spec, args)`` for an HF ``config.json``; any value of the wrong kind is a one-line
+    ValueError naming the file (a hand-edited or damaged config must not end in a traceback)."""
+    try:
+        spec = _family_for_hf(config)  # its ValueError says what the model is and what converts
+    except (TypeError, AttributeError) as e:
+        raise ValueError(f"{file} has an unusable value ({type(e).__name__}: {' '.join(str(e).split())})") from None
+    try:
+        return spec, spec.hf_adapter.args_from_hf_config(config)
+    except ValueError as e:
+        raise ValueError(f"{file}: {' '.join(str(e).split())}") from None
+    except (TypeError, KeyError, AttributeError, ArithmeticError) as e:
+        raise ValueError(f"{file} has an unusable value ({type(e).__name__}: {' '.join(str(e).split())})") from None
+
+
 def _family_for_hf(config: dict[str, Any]):
     archs = config.get("architectures") or []
+    if isinstance(archs, str):
+        archs = [archs]
     specs = [spec for spec in map(get_model_spec, model_names()) if spec.hf_adapter is not None]
     for spec in specs:
         if spec.hf_adapter.architecture in archs or config.get("model_type") == spec.hf_adapter.model_type:
@@ -196,8 +314,7 @@ def hf_to_dcp(
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     extensions = load_extensions(extensions)
     config = read_hf_config(hf_dir)
-    spec = _family_for_hf(config)
-    args = spec.hf_adapter.args_from_hf_config(config)
+    spec, args = _model_for_hf(config, hf_dir / "config.json")
     adapter = spec.hf_adapter(args)
     expected = adapter.expected_shapes()
     found: dict[str, tuple[str, Path, torch.Tensor]] = {}  # native name -> (hf name, file, meta tensor)
@@ -215,7 +332,9 @@ def hf_to_dcp(
             )
         if not (hf_dir / file).is_file():
             raise ValueError(f"{hf_dir}: {file} (holding {hf_name}) is missing")
-        with safe_open(hf_dir / file, framework="pt") as f:
+        with _safe_open(hf_dir / file) as f:
+            if hf_name not in f.keys():
+                raise ValueError(f"{hf_dir / file} has no tensor {hf_name} ({INDEX_FILE} says it does)")
             header = f.get_slice(hf_name)
             shape = tuple(header.get_shape())
             if shape != expected[native]:
@@ -234,8 +353,12 @@ def hf_to_dcp(
 
     def load(native: str) -> torch.Tensor:
         hf_name, file, _ = found[native]
-        with safe_open(file, framework="pt") as f:
-            _, tensor = adapter.from_hf(hf_name, f.get_tensor(hf_name))
+        try:
+            with _safe_open(file) as f:
+                raw = f.get_tensor(hf_name)
+        except Exception as e:  # the file changed or is damaged past its header
+            raise ValueError(f"{file}: cannot read {hf_name} ({safe_load.one_line(e)})") from None
+        _, tensor = adapter.from_hf(hf_name, raw)
         loaded.append(native)
         progress(len(loaded), len(expected), f"model.{native}", tuple(tensor.shape), tensor.dtype)
         return tensor.contiguous()
@@ -244,7 +367,14 @@ def hf_to_dcp(
     dtypes = {found[n][2].dtype for n in expected}
     with _atomic_output(out_dir) as partial, layout.quiet_single_process():
         writer = dcp.FileSystemWriter(str(partial), single_file_per_rank=False, sync_files=True, thread_count=1)
-        dcp.save({"model": {n: found[n][2] for n in expected}}, storage_writer=writer, planner=planner, no_dist=True)
+        meta_state = {"model": {n: found[n][2] for n in expected}}
+        try:
+            dcp.save(meta_state, storage_writer=writer, planner=planner, no_dist=True)
+        except CheckpointException as e:  # a BaseException: a read error while writing, one line
+            error = e.failures[min(e.failures)][0]
+            raise (
+                error if isinstance(error, ValueError) else ValueError(f"{out_dir}: {safe_load.one_line(error)}")
+            ) from None
         info = dict(step=0, tokens_seen=0, model_only=True, dtype=dtype_name(*dtypes) if len(dtypes) == 1 else None)
         info["model"] = {"name": spec.name, "flavor": None, "args": dataclasses.asdict(args)}
         bos, eos = (_first(config.get(f"{k}_token_id")) for k in ("bos", "eos"))
@@ -270,14 +400,28 @@ def _tensor_files(folder: Path) -> dict[str, str]:
     """``{tensor name: file name}`` of an HF folder's safetensors (index or single file)."""
     index = folder / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        except (OSError, ValueError, AttributeError) as e:
+            raise ValueError(f"{index} is unreadable ({safe_load.one_line(e)})") from None
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index} has no weight_map")
+        for name, file in weight_map.items():
+            if not isinstance(file, str) or Path(file).name != file:  # a plain file name in this folder
+                raise ValueError(f"{index}: weight_map[{name!r}] must be a file name in {folder}, got {file!r}")
         return weight_map
     if not (folder / SINGLE_FILE).is_file():
         raise ValueError(f"{folder} has no {SINGLE_FILE} or {INDEX_FILE} (only safetensors weights are supported)")
-    with safe_open(folder / SINGLE_FILE, framework="pt") as f:
+    with _safe_open(folder / SINGLE_FILE) as f:
         return dict.fromkeys(f.keys(), SINGLE_FILE)
+
+
+def _safe_open(file: Path):
+    """``safe_open(file)``; a truncated or garbled file is a one-line ValueError naming it."""
+    try:
+        return safe_open(file, framework="pt")
+    except Exception as e:  # SafetensorError (header too large, file not fully covered ...), OSError
+        raise ValueError(f"{file} is not a readable safetensors file ({safe_load.one_line(e)})") from None
 
 
 def _first(v: Any) -> Any:
@@ -286,9 +430,11 @@ def _first(v: Any) -> Any:
 
 @contextlib.contextmanager
 def _atomic_output(out_dir: Path) -> Iterator[Path]:
-    """Yields ``<out_dir>.partial-<token>``, renamed to ``out_dir`` at the end; removed on any error."""
+    """Yields ``<out_dir>.partial-<token>``, renamed to ``out_dir`` at the end; removed on any error,
+    with the parent folders this call created (an error leaves the file system as it found it)."""
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ValueError(f"output {out_dir} already exists and is not empty (nothing was overwritten)")
+    created = [p for p in reversed(out_dir.parents) if not p.exists()]
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     partial = out_dir.with_name(f"{out_dir.name}.partial-{secrets.token_hex(4)}")
     partial.mkdir()
@@ -296,6 +442,9 @@ def _atomic_output(out_dir: Path) -> Iterator[Path]:
         yield partial
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
+        for folder in reversed(created):
+            with contextlib.suppress(OSError):  # only while empty: something else may have appeared
+                folder.rmdir()
         raise
     if out_dir.is_dir():  # empty (checked at start)
         out_dir.rmdir()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +20,10 @@ import titanlite.config
 from titanlite.config import ConfigError, JobConfig, did_you_mean
 from titanlite.extensions import load_extensions
 from titanlite.planner import palm_flops_per_token
+
+# Args that say how a run computes, not what trained weights mean: the rotary table's length, the
+# attention kernel and mask, the initialization. A seed checkpoint's values of these are not taken.
+RUN_ARGS: tuple[str, ...] = ("max_seq_len", "attn_backend", "attn_mask_type", "depth_init")
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,8 @@ class ModelSpec:
     - ``num_params(args) -> int`` (tied tensors once) and ``flops_per_token(args, seq_len) -> int``
       (training FLOPs): the family's exact counts for MFU, the planner and the dry run; when None,
       :func:`model_counts` counts on a meta-built model (exact, a few seconds for the largest models).
+    - ``run_args``: args fields that describe the run rather than the weights (default :data:`RUN_ARGS`;
+      names the family lacks are ignored): never taken from a seed checkpoint (:func:`adopt_seed_args`).
     """
 
     name: str
@@ -50,6 +56,7 @@ class ModelSpec:
     tokenizer_builder: Callable[[str], Any] | None = None
     num_params: Callable[[Any], int] | None = None
     flops_per_token: Callable[[Any, int], int] | None = None
+    run_args: tuple[str, ...] = RUN_ARGS
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
@@ -102,6 +109,66 @@ def model_args_for(section: Any, vocab_size: int) -> Any:
         raise ValueError(
             f"invalid [model] {section.name}/{section.flavor}{' with ' + given if given else ''}: {e}"
         ) from None
+
+
+def check_seq_len(args: Any, seq_len: int) -> None:
+    """Refuse ``training.seq_len`` above the model's ``max_seq_len`` (its rotary table) now, with the
+    two keys named, instead of at the first forward pass; args without ``max_seq_len`` pass."""
+    max_len = getattr(args, "max_seq_len", None)
+    if max_len is not None and seq_len > max_len:
+        raise ValueError(
+            f"training.seq_len={seq_len} is longer than the model's max_seq_len={max_len} (model.max_seq_len, "
+            "the length of its rotary table): lower training.seq_len or raise model.max_seq_len"
+        )
+
+
+def state_shapes(spec: ModelSpec, args: Any) -> dict[str, tuple[int, ...]]:
+    """``{state-dict key: shape}`` of ``spec``'s model with ``args``, built on the meta device (no memory)."""
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def adopt_seed_args(
+    args: Any,
+    seed_args: Mapping[str, Any],
+    explicit: Collection[str],
+    *,
+    run_args: Collection[str],
+    same_shapes: Callable[[Any, Any], bool],
+    seed: str,
+) -> tuple[Any, dict[str, Any]]:
+    """The model args to train a seed checkpoint (``[checkpoint] initial_load_path``) with, and
+    ``{field: value}`` of those taken from it.
+
+    A checkpoint is loaded by tensor shape, but its RoPE theta and scaling, norm eps ... change
+    what the same weights compute, silently (a Llama 3.1 seed under a config without RoPE scaling
+    trains with the wrong positions). So every field ``seed_args`` (its ``checkpoint.json``) records
+    is taken, except ``run_args`` (how this run computes) and fields the config sets ``explicit``-ly
+    (``[model]`` keys, ``--model.*`` options: a value that differs from the seed's is an error, not a
+    silent choice). Fields that change tensor shapes are not taken either: when taking them all would
+    change ``same_shapes(args, new_args)``, ``args`` are returned unchanged and the checkpoint's
+    shape check names the tensor that differs. ``seed`` names the checkpoint in messages.
+    """
+    fields = {f.name for f in dataclasses.fields(args)}
+    if unknown := sorted(set(seed_args) - fields):
+        raise ValueError(f"{seed} has model args unknown to this titanlite: {', '.join(unknown)}")
+    differ = {k: v for k, v in seed_args.items() if k not in run_args and getattr(args, k) != v}
+    for k, v in differ.items():
+        if k in explicit:
+            raise ValueError(
+                f"model.{k}={getattr(args, k)!r} is set in the config but the seed checkpoint {seed} has "
+                f"{k}={v!r} (checkpoint.initial_load_path): drop model.{k} to train with the seed's value"
+            )
+    if not differ:
+        return args, {}
+    try:
+        adopted = dataclasses.replace(args, **differ)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{seed} has invalid model args ({' '.join(str(e).split())})") from None
+    if not same_shapes(args, adopted):
+        return args, {}
+    return adopted, differ
 
 
 def build_model(name: str, flavor: str, device: str | torch.device = "meta", **overrides: Any) -> nn.Module:

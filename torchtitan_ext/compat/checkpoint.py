@@ -30,14 +30,13 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -47,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from titanlite.checkpoint import layout, safe_load
 from titanlite.checkpoint.layout import list_step_folders
 
 logger = logging.getLogger("torchtitan_ext.compat")
@@ -67,8 +67,9 @@ def list_torchtitan_checkpoints(folder: str | os.PathLike) -> list[tuple[int, Pa
 
 
 def describe(path: str | os.PathLike) -> dict[str, Any]:
-    """What a torchtitan checkpoint holds (from its DCP metadata only)."""
-    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    """What a torchtitan checkpoint holds (from its DCP metadata only, read without running code
+    a crafted ``.metadata`` could carry: :mod:`titanlite.checkpoint.safe_load`)."""
+    keys = safe_load.read_metadata(path).state_dict_metadata
     if "tok_embeddings.weight" in keys:
         prefix = ""
     elif "model.tok_embeddings.weight" in keys:
@@ -109,7 +110,8 @@ def load_torchtitan_checkpoint(
 
     ``model_only`` (or a checkpoint that has nothing else) loads the weights only, step 0.
     ``exclude`` names top-level states not to load (torchtitan's ``checkpoint.exclude_from_loading``).
-    A model whose parameter names or shapes differ raises a one-line ``ValueError``.
+    A model whose parameter names or shapes differ raises a one-line ``ValueError``, and so does a
+    non-tensor item that is not plain data (a pickle that would run code is refused unread).
     """
     path = str(path)
     info = describe(path)
@@ -148,27 +150,29 @@ def load_torchtitan_checkpoint(
         }
         state["train_state"] = train_state
         loaded.append("train_state")
-    dcp.load(state, checkpoint_id=path)
+    safe_load.load(state, path)
+    step = tokens = 0
+    if train_state is not None:
+        step = _as_int(train_state.get("step", 0), f"{path}: train_state.step")
+        tokens = _as_int(train_state.get("ntokens_seen", 0), f"{path}: train_state.ntokens_seen")
     set_model_state_dict(model, model_sd if prefix == "" else state["model"])
     if osd is not None:
         osd.update(state["optimizer"])
         set_optimizer_state_dict(model, optimizer, osd, options=FLAT)
-    step = tokens = 0
-    if train_state is not None:
-        step = int(_as_int(train_state.get("step", 0)))
-        tokens = int(_as_int(train_state.get("ntokens_seen", 0)))
     if full and info["dataloader"] and "dataloader" not in exclude:
         skipped.append("dataloader")
     return {"step": step, "tokens_seen": tokens, "loaded": loaded, "skipped": skipped, "prefix": prefix}
 
 
-def _as_int(v: Any) -> int:
-    if isinstance(v, torch.Tensor):
-        return int(v.item())
-    if hasattr(v, "seek"):  # an old BytesIO value: a pickled int
-        v.seek(0)
-        return int(torch.load(v, weights_only=False))
-    return int(v)
+def _as_int(v: Any, what: str) -> int:
+    """An int, a one-element tensor, or (older torchtitan) a BytesIO holding a ``torch.save``-d one."""
+    try:
+        if hasattr(v, "seek"):
+            v.seek(0)
+            v = torch.load(v, weights_only=True)  # plain data only: a pickle that runs code is refused
+        return int(v.item() if isinstance(v, torch.Tensor) else v)
+    except (pickle.UnpicklingError, TypeError, ValueError, RuntimeError, EOFError) as e:
+        raise ValueError(f"{what} is not an integer ({safe_load.one_line(e)})") from None
 
 
 def choose_source(
@@ -176,8 +180,6 @@ def choose_source(
 ) -> dict[str, Any] | None:
     """Which torchtitan checkpoint to start from, torchtitan's way: the newest (or ``load_step``)
     step folder of the run's checkpoint folder, else ``initial_load_path``; step 0 is model-only."""
-    from titanlite.checkpoint import layout
-
     found = list_torchtitan_checkpoints(torchtitan_folder) if torchtitan_folder else []
     if found:
         if load_step != -1:
@@ -190,18 +192,28 @@ def choose_source(
             step, path = load_step, match[0]
         else:
             step, path = found[-1]
-        problem = layout.problem_with(path, require_info=False)
+        problem = _problem_with(path)
         if problem:
             raise ValueError(f"torchtitan checkpoint {path} is damaged: {problem}")
         return {"path": str(path), "model_only": step == 0, "why": "torchtitan checkpoint folder"}
     if initial_load_path:
         if not is_torchtitan_checkpoint(initial_load_path):
             raise ValueError(f"checkpoint.initial_load_path={initial_load_path}: not a DCP checkpoint folder")
-        problem = layout.problem_with(initial_load_path, require_info=False)
+        problem = _problem_with(initial_load_path)
         if problem:
             raise ValueError(f"checkpoint.initial_load_path={initial_load_path}: {problem}")
         return {"path": initial_load_path, "model_only": initial_model_only, "why": "checkpoint.initial_load_path"}
     return None
+
+
+def _problem_with(path: str | os.PathLike) -> str | None:
+    """:func:`layout.problem_with` once the metadata has been read safely: that check unpickles
+    ``.metadata`` without restriction, so a crafted one is refused here first."""
+    try:
+        safe_load.read_metadata(path)
+    except ValueError as e:
+        return str(e)
+    return layout.problem_with(path, require_info=False)
 
 
 def broadcast_from_rank0(fn):
