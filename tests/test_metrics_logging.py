@@ -13,6 +13,7 @@ from tiny import TINY_MODEL
 from torch import nn
 
 import titanlite.metrics as metrics
+from titanlite.checkpoint import layout
 from titanlite.metrics import RunProgress, UpdateRatio, format_duration, format_summary
 from titanlite.models import load_config
 from titanlite.train import Trainer
@@ -195,9 +196,13 @@ def test_failed_resume_leaves_the_metrics_log_alone(tmp_path):
     path = tmp_path / "metrics.jsonl"
     before = path.read_bytes()
     assert _steps(path) == [1, 2, 3, 4, 5, 6]
-    for data in (tmp_path / "checkpoint" / "step-3").glob("*.distcp"):  # same size: passes the planning checks
+    step3 = tmp_path / "checkpoint" / "step-3"
+    for data in step3.glob("*.distcp"):  # same size: passes the planning checks ...
         data.write_bytes(bytes(data.stat().st_size))
-    trainer = Trainer(load_config(cfg_args))
+    info = layout.read_info(step3)
+    del info["files"]  # ... once no checksums were recorded (an older checkpoint): the read itself fails
+    layout.write_info(step3, info)
+    trainer = Trainer(load_config(cfg_args + ["--training.steps", "8"]))  # 6 steps are done: extend the run
     assert path.read_bytes() == before  # opening the log truncated nothing
     with pytest.raises(RuntimeError, match="could be loaded"):
         trainer.train()

@@ -317,7 +317,9 @@ def main(argv: list[str] | None = None, trainer_cls: type | None = None, load_co
     except TrainingDivergedError as e:  # [guard] policy = raise, or too many skips: every rank's verdict
         logger.error("training stopped: %s", e)
         code = 1
-    except (ResumeError, CheckpointWriteError, DiskFullError, ShardIntegrityError) as e:  # nothing lost
+    except DiskFullError as e:  # the metrics log (rank 0); an asynchronous save may be failing behind it
+        exit_with_error(f"{e}; {trainer.checkpointer.intact()}" if trainer.checkpointer.enabled else e, every_rank=True)
+    except (ResumeError, CheckpointWriteError, ShardIntegrityError) as e:  # nothing lost
         exit_with_error(e, every_rank=True)
     if torch.distributed.is_initialized():  # a gloo group left to interpreter exit can abort a rank; and no
         torch.distributed.barrier()  # rank may tear its connections down while another still uses them

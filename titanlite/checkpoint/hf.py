@@ -83,9 +83,9 @@ def dcp_to_hf(
     given = load_extensions(extensions)
     if not step_dir.is_dir():
         raise FileNotFoundError(f"{step_dir}: no such folder")
-    metadata = safe_load.read_metadata(step_dir)  # before layout's checks, which unpickle it unrestricted
+    metadata = safe_load.read_metadata(step_dir)
     info = _read_info(step_dir)
-    if problem := layout.problem_with(step_dir):
+    if problem := layout.problem_with(step_dir, verify=True):  # sizes and the checksums recorded at save
         raise ValueError(f"{step_dir} is damaged: {problem}")
     spec, args = model_from_info(info, step_dir, given)
     adapter = spec.hf_adapter(args)

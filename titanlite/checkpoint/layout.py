@@ -104,16 +104,11 @@ def read_info(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def read_metadata(path: str | os.PathLike):
-    """DCP metadata of a step folder; ValueError (one line) when it is missing or unreadable."""
-    from torch.distributed.checkpoint import FileSystemReader
+    """DCP metadata of a step folder, read with an allowlist (:mod:`~titanlite.checkpoint.safe_load`:
+    a crafted ``.metadata`` cannot run code); ValueError (one line) when missing, unreadable or refused."""
+    from titanlite.checkpoint.safe_load import read_metadata as safe_read_metadata
 
-    meta_file = Path(path) / METADATA_FILE
-    if not meta_file.is_file():
-        raise ValueError(f"{path} is not a DCP checkpoint folder (no {METADATA_FILE})")
-    try:
-        return FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # truncated pickle, wrong format ...
-        raise ValueError(f"{meta_file} is unreadable ({type(e).__name__}: {' '.join(str(e).split())})") from None
+    return safe_read_metadata(path)
 
 
 def stored_entries(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], Any] | None]:

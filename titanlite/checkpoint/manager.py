@@ -73,7 +73,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from titanlite.checkpoint import codec, layout
+from titanlite.checkpoint import codec, layout, safe_load
 from titanlite.checkpoint.state import RNGState
 from titanlite.dtypes import DTYPES, dtype_name
 from titanlite.hooks import Hook
@@ -444,8 +444,8 @@ class CheckpointManager:
                     if key is not None and (found := stored(f"{k}.{key}.")):
                         state[k] = {key: found}
                         break
-        with layout.quiet_single_process():
-            dcp.load(state, checkpoint_id=path, process_group=self._pg, no_dist=not self.distributed)
+        with layout.quiet_single_process():  # allowlisted .metadata, non-tensor items refused unless plain data
+            safe_load.load(state, path, process_group=self._pg, no_dist=not self.distributed)
         for k in state:  # decoding is part of reading: a damaged value falls back too
             if k in self.shared:
                 state[k] = codec.decode(state[k])
@@ -626,14 +626,18 @@ class CheckpointManager:
             self._raise_if_disk_full(e, step)
             raise RuntimeError(f"asynchronous checkpoint save of step {step} failed: {type(e).__name__}: {e}") from e
 
+    def intact(self) -> str:
+        """``the previous checkpoints are intact (step-5, step-10)``: what a failure left to resume from."""
+        have = ", ".join(f.path.name for f in layout.list_step_folders(self.folder)) or "none"
+        return f"the previous checkpoints are intact ({have})"
+
     def _raise_if_disk_full(self, exc: Exception, step: int) -> None:
         if not _disk_full(exc, self.folder):
             return
-        have = ", ".join(f.path.name for f in layout.list_step_folders(self.folder)) or "none"
         free = shutil.disk_usage(self.folder).free / 2**20
         err = CheckpointWriteError(
             f"disk full: checkpoint step {step} could not be written to {self.folder} ({free:.0f} MiB free); "
-            f"the previous checkpoints are intact ({have}): free some space and rerun the same command to resume"
+            f"{self.intact()}: free some space and rerun the same command to resume"
         )
         err.errno = errno.ENOSPC
         raise err from exc
