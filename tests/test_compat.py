@@ -480,6 +480,7 @@ def test_torchtitan_checkpoint_resumes_under_fsdp2(tmp_path, no_peak_probe):
     saver = compat_trainer(toml, ["--checkpoint.enable_checkpoint", "false"])
     take_steps(saver, iter(saver.train_loader), 2)
     write_torchtitan_checkpoint(tmp_path / "out" / "checkpoint" / "step-2", saver)
+    saver.run_lock.release()  # the workers' run uses the same dump folder
     results = run_workers(fsdp_resume_worker, 2, {"toml": str(toml)}, timeout=180)
     want = get_optimizer_state_dict(saver.model, saver.optimizer, options=FLAT)
     for res in results:

@@ -69,16 +69,17 @@ def test_dump_folder_that_is_a_file_is_a_one_line_error(where, tmp_path, capsys)
     assert blocker.read_text() == "not a folder"
 
 
-def test_resume_with_changed_seq_len_is_one_line_and_loses_nothing(tmp_path, capsys):
+@pytest.mark.parametrize("key, value, says", [("seq_len", "16", "seq_len=32, this run has 16"), ("seed", "7", "seed=")])
+def test_resume_with_changed_data_is_one_line_and_loses_nothing(key, value, says, tmp_path, capsys):
     dump = tmp_path / "run"
     run_trainer(dump, "--training.steps", "10")
     before = (dump / "metrics.jsonl").read_bytes()
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
-        main(TINY + ["--job.dump_folder", str(dump), "--training.steps", "20", "--training.seq_len", "16"])
+        main(TINY + ["--job.dump_folder", str(dump), "--training.steps", "20", f"--training.{key}", value])
     assert e.value.code == 2
     err = one_line_error(capsys)
-    assert "cannot resume train data: checkpoint has seq_len=32, this run has 16" in err
+    assert f"cannot resume train data: checkpoint has {says}" in err
     assert (dump / "metrics.jsonl").read_bytes() == before  # not rewound by the failed resume
     assert steps_in(dump) == [5, 10]
 
