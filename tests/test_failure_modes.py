@@ -84,6 +84,45 @@ def test_resume_with_changed_data_is_one_line_and_loses_nothing(key, value, says
     assert steps_in(dump) == [5, 10]
 
 
+def test_failed_resume_from_an_older_step_moves_nothing_aside(tmp_path, capsys):
+    """load_step 5 with a changed seq_len fails to resume: the newer step-10 stays where it was (the
+    abandoned lineage moves aside only once a resume succeeded), and config.toml is not rewritten."""
+    dump = tmp_path / "run"
+    main(TINY + ["--job.dump_folder", str(dump), "--training.steps", "10"])
+    config = (dump / "config.toml").read_bytes()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(TINY + ["--job.dump_folder", str(dump), "--checkpoint.load_step", "5", "--training.seq_len", "16"])
+    assert e.value.code == 2 and "cannot resume train data" in one_line_error(capsys)
+    assert steps_in(dump) == [5, 10] and not list((dump / "checkpoint").glob("abandoned-*"))
+    assert (dump / "config.toml").read_bytes() == config
+
+
+def test_resume_keeps_the_model_args_the_run_trained_with(tmp_path, capsys):
+    """A run whose checkpoint records rope_theta 12345 (taken from a seed at its start) resumes with
+    it even when the seed is gone; a config that sets another value explicitly is a one-line error."""
+    dump = tmp_path / "run"
+    run_trainer(dump, "--training.steps", "5", "--model.rope_theta", "12345")
+    info = layout.read_info(dump / "checkpoint" / "step-5")
+    assert info["model"]["args"]["rope_theta"] == 12345
+    trainer = run_trainer(dump, "--training.steps", "6")  # no rope_theta in the config: the flavor's differs
+    assert trainer.model_args.rope_theta == 12345
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(TINY + ["--job.dump_folder", str(dump), "--training.steps", "8", "--model.rope_theta", "777"])
+    assert e.value.code == 2
+    assert "model.rope_theta=777" in one_line_error(capsys)
+
+
+def test_finished_run_rerun_with_another_model_is_an_error_not_complete(tmp_path, capsys):
+    dump = tmp_path / "run"
+    main(TINY + ["--job.dump_folder", str(dump), "--training.steps", "5"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(TINY + ["--job.dump_folder", str(dump), "--training.steps", "5", "--model.n_kv_heads", "4"])
+    assert e.value.code == 2 and "n_kv_heads" in one_line_error(capsys)  # not "the run is complete"
+
+
 def _can_mount_tmpfs(tmp_path: Path) -> bool:
     probe = tmp_path / "probe"
     probe.mkdir()

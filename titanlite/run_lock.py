@@ -6,8 +6,9 @@ A second run started in the same folder would clean up the first one's in-progre
 on the lock file and writes who holds it. The kernel releases it when the process ends however it
 ends (SIGKILL included), so a killed run never leaves a stale lock behind. POSIX locks belong to
 the process, not to the descriptor: a second trainer built in the same process (a notebook cell run
-again) takes it again instead of failing, and closing any descriptor of the file in that process
-releases it, which only weakens the protection against the process's own trainers. On a file
+again) takes it again instead of failing; but closing any descriptor of the file in that process
+(an earlier trainer released or garbage-collected) releases the lock for the whole process, so
+other processes could then take the folder while a later trainer of this one still trains. On a file
 system without locks the run goes on with a warning. Under torchrun rank 0 holds it for the job.
 """
 

@@ -11,6 +11,7 @@ Every piece is also usable from a foreign loop (README, "Use titanlite as a libr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 
 from titanlite import components
-from titanlite.checkpoint import CheckpointHook, CheckpointManager, CheckpointWriteError
+from titanlite.checkpoint import CheckpointHook, CheckpointManager, CheckpointWriteError, layout
 from titanlite.checkpoint.hf import model_args_from_seed
 from titanlite.config import JobConfig, config_to_toml, dump_config, exit_with_error, parse_args_or_exit
 from titanlite.data.loader import build_dataloader, load_token_store
@@ -93,8 +94,8 @@ class Trainer:
         self.spec = get_model_spec(cfg.model.name)
         self.tokenizer = self.build_tokenizer()
         self.model_args = model_args_for(cfg.model, self.tokenizer.vocab_size)
-        if seed := cfg.checkpoint.initial_load_path:  # the seed's RoPE, norm eps ... unless [model] sets them
-            self.model_args = model_args_from_seed(self.spec, self.model_args, cfg.model.overrides, seed)
+        if source := self.model_args_source():  # its RoPE, norm eps ... unless [model] sets them
+            self.model_args = model_args_from_seed(self.spec, self.model_args, cfg.model.overrides, *source)
         check_seq_len(self.model_args, t.seq_len)
         self.model = self.build_model()
         self.n_params = num_params(self.model)
@@ -204,6 +205,19 @@ class Trainer:
             hooks.append(CollectiveTimeoutHook(c.comm.train_timeout_seconds, self.parallel_dims.all_groups()))
         return hooks
 
+    def model_args_source(self) -> tuple[Path, str] | None:
+        """The checkpoint whose recorded model args this run takes (see ``model_args_from_seed``): the
+        newest step folder of this run (``load_step``'s when set) whose ``checkpoint.json`` is readable,
+        so a resume computes as the run did; else ``initial_load_path``; None for a fresh start."""
+        c = self.cfg.checkpoint
+        if c.enable:
+            folders = layout.list_step_folders(Path(self.cfg.job.dump_folder) / c.folder)
+            for f in reversed([f for f in folders if c.load_step in (-1, f.step)]):
+                with contextlib.suppress(ValueError):  # a damaged one is reported (and skipped) by the manager
+                    if isinstance(layout.read_info(f.path).get("model", {}).get("args"), dict):
+                        return f.path, "the run's checkpoint"
+        return (Path(c.initial_load_path), "checkpoint.initial_load_path") if c.initial_load_path else None
+
     @property
     def dp_rank(self) -> int:
         """Index among the data-parallel ranks; the TP ranks of one DP rank share it (same batches)."""
@@ -225,6 +239,9 @@ class Trainer:
             state.data_iter = iter(self.train_loader)  # the data position is checked here
         except (ValueError, FileNotFoundError) as e:
             raise ResumeError(str(e)) from e
+        self.checkpointer.commit_resume()  # a good resume: an abandoned newer lineage is moved aside now
+        if self.world.is_main:  # the config this run trains with (not written by a run that failed to resume)
+            dump_config(self.cfg, Path(self.cfg.job.dump_folder) / "config.toml")
         call_hooks(hooks, "on_train_start", state)
         try:
             with quiet_view_warning():
@@ -308,8 +325,6 @@ def main(argv: list[str] | None = None, trainer_cls: type | None = None, load_co
         trainer = cls(cfg, world)  # takes the dump folder's lock first
     except (ValueError, KeyError, FileNotFoundError) as e:
         exit_with_error(e, every_rank=True)
-    if world.is_main and not trainer.complete:
-        dump_config(cfg, Path(cfg.job.dump_folder) / "config.toml")
     try:
         with trainer.preemption:  # SIGTERM/SIGINT: finish the step, checkpoint, exit (titanlite.preemption)
             trainer.train()

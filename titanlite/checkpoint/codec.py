@@ -29,6 +29,8 @@ def encode(obj: Any, what: str = "state") -> dict[str, torch.Tensor]:
     def walk(v: Any, path: str) -> Any:
         if v is None or isinstance(v, (bool, int, float, str)):
             return v
+        if type(v).__module__ == "numpy" and hasattr(v, "item") and getattr(v, "ndim", 1) == 0:
+            return walk(v.item(), path)  # a numpy scalar: its Python value
         if isinstance(v, torch.Tensor):
             tensors.append(v.detach().cpu())
             return {_TAG: "tensor", "i": len(tensors) - 1}

@@ -80,9 +80,20 @@ def list_partial_folders(folder: str | os.PathLike) -> list[Path]:
 
 
 def write_json(file: str | os.PathLike, data: dict[str, Any], sort_keys: bool = False) -> None:
+    """Written and fsynced (a step folder is published right after: it must not hold an empty file)."""
     with open(file, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=2, sort_keys=sort_keys)
         f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_text(file: str | os.PathLike, text: str) -> None:
+    """Written and fsynced, like :func:`write_json`."""
+    with open(file, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def write_info(path: str | os.PathLike, info: dict[str, Any]) -> None:
@@ -135,8 +146,14 @@ def problem_with(path: str | os.PathLike, require_info: bool = True, verify: boo
         else:
             with contextlib.suppress(ValueError):  # another tool's folder: nothing recorded to verify
                 info = read_info(path)
-        if verify and info.get("files") and (problem := checksum_problem(path, info["files"])):
-            return problem
+        if verify and info.get("files"):
+            try:
+                if problem := checksum_problem(path, info["files"]):
+                    return problem
+            except (TypeError, KeyError, AttributeError):
+                return f"{INFO_FILE} has a malformed list of files"
+            except OSError as e:
+                return f"cannot read its files ({e.strerror or e})"
         metadata = read_metadata(path)
     except ValueError as e:
         return str(e)

@@ -74,6 +74,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite.checkpoint import codec, layout, safe_load
+from titanlite.checkpoint.safe_load import one_line
 from titanlite.checkpoint.state import RNGState
 from titanlite.dtypes import DTYPES, dtype_name
 from titanlite.hooks import Hook
@@ -202,6 +203,7 @@ class CheckpointManager:
             self._pg = dist.new_group(backend="gloo", timeout=timeout)
         self._stager = self._new_stager() if self.enabled and self.mode == "async_with_pinned_mem" else None
         self._pending: Future | None = None
+        self._resumed_step: int | None = None  # set by a resume, until commit_resume()
         self._pending_step: int | None = None
         self._staging: Future | None = None
         self._closed = False
@@ -237,7 +239,10 @@ class CheckpointManager:
         folders = layout.list_step_folders(self.folder)
         if self.final_step is None or self.cfg.load_step != -1 or not folders or folders[-1].step < self.final_step:
             return None
-        return None if layout.problem_with(folders[-1].path) else folders[-1].path
+        if layout.problem_with(folders[-1].path):
+            return None
+        self._check_model(folders[-1].path, "the finished run in this folder")  # another model: one-line error
+        return folders[-1].path
 
     def _plan_resume(self, newest: bool = False) -> LoadPlan:
         folders = layout.list_step_folders(self.folder)
@@ -344,7 +349,18 @@ class CheckpointManager:
             return None
         self.wait()  # an in-flight save may become the newest complete checkpoint
         plan = self._on_rank0(lambda: self._plan_resume(newest=True))
-        return self._load(plan) if plan.kind == "resume" else None
+        step = self._load(plan) if plan.kind == "resume" else None
+        self.commit_resume()
+        return step
+
+    def commit_resume(self) -> None:
+        """Once the resume is known to be good (the caller has also checked the data position, e.g. by
+        ``iter(loader)``), move the newer step folders of the abandoned lineage aside (see
+        :meth:`_set_aside_newer`). Collective; also done by the first :meth:`save`. A resume that fails
+        before this leaves the folder as it was."""
+        step, self._resumed_step = self._resumed_step, None
+        if step is not None:
+            self._on_rank0(lambda: self._set_aside_newer(step))
 
     def _load(self, plan: LoadPlan) -> int | None:
         for note in plan.notes:
@@ -371,23 +387,34 @@ class CheckpointManager:
                 self._warn(f"checkpoint {path} is {problem}; falling back to the previous one")
                 failures.append(f"{name}: {problem}")
                 continue
+            error = None
             try:
                 state = self._read(path, model_only=False)
             except _READ_ERRORS as e:
-                msg = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+                error = e
+            if not self._all_ranks_ok(error is None):  # every rank falls back together, or none does
+                msg = "failed on another rank" if error is None else one_line(error)
                 self._warn(f"checkpoint {path} could not be read ({msg}); falling back to the previous one")
                 failures.append(f"{name}: {msg[:150]}")
                 continue
             self._apply(state, path)
             info = self._on_rank0(lambda p=path: layout.read_info(p))
-            self._on_rank0(lambda s=info["step"]: self._set_aside_newer(s))
+            self._resumed_step = info["step"]  # newer folders move aside once the resume is committed
             tokens, what = info.get("tokens_seen") or 0, ", ".join(state)
             self._warn(f"checkpoint: RESUMED from {path}: step {info['step']}, {tokens:,} tokens seen; {what} restored")
             return info["step"]
-        raise RuntimeError(
+        raise ValueError(
             f"no checkpoint in {self.folder} could be loaded ({'; '.join(failures)}); "
             "the model may be partly overwritten, so training does not start"
         )
+
+    def _all_ranks_ok(self, ok: bool) -> bool:
+        """Whether ``ok`` holds on every rank (a MIN all-reduce on the checkpoint process group)."""
+        if not self.distributed or self._pg is None:
+            return ok
+        flag = torch.tensor([int(ok)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._pg)
+        return bool(flag.item())
 
     def _set_aside_newer(self, step: int) -> None:
         """Rank 0, after resuming ``step``: move every newer step folder (an abandoned lineage, after an
@@ -397,7 +424,7 @@ class CheckpointManager:
         if not newer:
             return
         aside = self.folder / f"abandoned-after-step-{step}-{self.token}"
-        aside.mkdir()
+        aside.mkdir(exist_ok=True)
         for f in newer:
             os.rename(f.path, aside / f.path.name)
         layout.fsync_dir(self.folder)
@@ -476,6 +503,7 @@ class CheckpointManager:
         started. Collective: every rank calls it with the same arguments."""
         if not self.enabled or (step % self.cfg.interval != 0 and not last and not force):
             return False
+        self.commit_resume()  # never write into the abandoned lineage's place
         model_only = last and self.cfg.last_save_model_only and not force
         dtype = DTYPES[self.cfg.export_dtype] if model_only else None
         t0 = time.perf_counter()
@@ -497,7 +525,7 @@ class CheckpointManager:
                 self._published(partial, final, info, stats, t0)
             except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
                 self._raise_if_disk_full(e, step)
-                raise
+                raise RuntimeError(f"checkpoint save of step {step} failed: {one_line(e)}") from e
             stats.blocked_s, self.last_saved_step = time.perf_counter() - t0, step
             logger.info(
                 "checkpoint %s saved in %.2f s%s", final, stats.blocked_s, " (model only)" if model_only else ""
@@ -579,7 +607,7 @@ class CheckpointManager:
             info["files"] = layout.file_checksums(partial)  # every rank's files are complete by now
             stats.checksum_s = time.perf_counter() - t1
             layout.write_info(partial, info)
-            (partial / layout.CONFIG_FILE).write_text(self.config_toml, encoding="utf-8")
+            layout.write_text(partial / layout.CONFIG_FILE, self.config_toml)
             layout.publish(partial, final, self.token)
             self._purge()
         stats.write_s = time.perf_counter() - t0
@@ -624,7 +652,7 @@ class CheckpointManager:
             fut.result()
         except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
             self._raise_if_disk_full(e, step)
-            raise RuntimeError(f"asynchronous checkpoint save of step {step} failed: {type(e).__name__}: {e}") from e
+            raise RuntimeError(f"asynchronous checkpoint save of step {step} failed: {one_line(e)}") from e
 
     def intact(self) -> str:
         """``the previous checkpoints are intact (step-5, step-10)``: what a failure left to resume from."""

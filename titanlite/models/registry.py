@@ -157,8 +157,8 @@ def adopt_seed_args(
     for k, v in differ.items():
         if k in explicit:
             raise ValueError(
-                f"model.{k}={getattr(args, k)!r} is set in the config but the seed checkpoint {seed} has "
-                f"{k}={v!r} (checkpoint.initial_load_path): drop model.{k} to train with the seed's value"
+                f"model.{k}={getattr(args, k)!r} is set in the config but the checkpoint {seed} has "
+                f"{k}={v!r}: drop model.{k} to train with the checkpoint's value"
             )
     if not differ:
         return args, {}

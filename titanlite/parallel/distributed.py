@@ -72,23 +72,28 @@ def set_collective_timeout(timeout_seconds: float, groups: Iterable[dist.Process
 
 
 def run_on_rank0(fn):
-    """Run ``fn`` on rank 0 only and give every rank its result (broadcast); a ValueError or
-    FileNotFoundError raised there is raised on every rank with the same message, so all ranks take
-    the same branch. Just ``fn()`` without a process group."""
+    """Run ``fn`` on rank 0 only and give every rank its result (broadcast). Any exception raised there
+    is raised on every rank (rank 0 its own; the others the same type when it is a ValueError or
+    FileNotFoundError, else a RuntimeError naming it), so no rank waits for a broadcast that never
+    comes. Just ``fn()`` without a process group."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return fn()
-    payload = None
+    payload, error = None, None
     if dist.get_rank() == 0:
         try:
             payload = ("ok", fn())
-        except (ValueError, FileNotFoundError) as e:
-            payload = (type(e).__name__, str(e))
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the others were told
+            payload, error = (type(e).__name__, " ".join(str(e).split())), e
     box = [payload]
     dist.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
     kind, value = box[0]
     if kind == "ok":
         return value
-    raise (FileNotFoundError if kind == "FileNotFoundError" else ValueError)(value)
+    if kind in ("ValueError", "FileNotFoundError"):
+        raise (FileNotFoundError if kind == "FileNotFoundError" else ValueError)(value)
+    raise RuntimeError(f"on rank 0: {kind}: {value}")
 
 
 def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
