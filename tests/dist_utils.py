@@ -149,7 +149,7 @@ def cache_token_stores() -> None:
     original, cache = train.load_token_store, {}
 
     def cached(dataset, path, split, tokenizer):
-        key = (dataset, path, split, getattr(tokenizer, "vocab_size", None))
+        key = (dataset, path, split, getattr(tokenizer, "vocab_size", None), getattr(tokenizer, "path", None))
         if key not in cache:
             cache[key] = original(dataset, path, split, tokenizer)
         return cache[key]

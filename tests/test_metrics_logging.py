@@ -204,7 +204,7 @@ def test_failed_resume_leaves_the_metrics_log_alone(tmp_path):
     layout.write_info(step3, info)
     trainer = Trainer(load_config(cfg_args + ["--training.steps", "8"]))  # 6 steps are done: extend the run
     assert path.read_bytes() == before  # opening the log truncated nothing
-    with pytest.raises(RuntimeError, match="could be loaded"):
+    with pytest.raises(ValueError, match="could be loaded"):
         trainer.train()
     assert path.read_bytes() == before
 

@@ -117,7 +117,7 @@ def test_model_args_from_a_seed_folder(tmp_path, caplog):
     # another shape (dim 128): nothing taken, the checkpoint's shape check will name the tensor
     wide = write_seed(tmp_path / "wide", "llama3", dataclasses.replace(scaled, dim=128, rope_theta=5e5))
     assert model_args_from_seed(spec, args, {}, wide) == args
-    with pytest.raises(ValueError, match=r"model.dim=64 is set in the config but the seed .* has dim=128"):
+    with pytest.raises(ValueError, match=r"model.dim=64 is set in the config but the checkpoint .* has dim=128"):
         model_args_from_seed(spec, args, cfg.model.overrides, wide)  # set explicitly: named, not left to shapes
     assert state_shapes(spec, args) != state_shapes(spec, dataclasses.replace(args, dim=128))
     # a tied seed into an untied flavor: tying is not visible in tensor shapes, so it is taken
