@@ -120,6 +120,12 @@ def run_cli(script: str, *args: str) -> subprocess.CompletedProcess:
 # ----------------------------------------------------------------------------- titanlite -> HF
 
 
+def seeded_run(seed, dump, *extra: str) -> list[str]:
+    """Arguments of a one-step tiny run in ``dump`` starting from the seed checkpoint ``seed``."""
+    run = ["--training.seq_len", "32", "--training.steps", "1", "--lr_scheduler.warmup_steps", "0"]
+    return [*TINY_MODEL, *extra, *run, "--job.dump_folder", str(dump), "--checkpoint.initial_load_path", str(seed)]
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_dcp_to_hf_loads_in_transformers_with_matching_logits(case, tmp_path):
     args = tiny_args(**CASES[case])
@@ -274,23 +280,7 @@ def test_hf_checkpoint_seeds_a_training_run(tmp_path, caplog):
     proc = run_cli("convert_hf_to_dcp.py", str(src), str(tmp_path / "dcp"))
     assert proc.returncode == 0, proc.stderr
     assert "initial_load_path" in proc.stdout.strip().splitlines()[-1]
-    cfg = load_config(
-        [
-            *TINY_MODEL,
-            "--model.max_seq_len",
-            "128",
-            "--training.seq_len",
-            "32",
-            "--training.steps",
-            "1",
-            "--lr_scheduler.warmup_steps",
-            "0",
-            "--job.dump_folder",
-            str(tmp_path / "run"),
-            "--checkpoint.initial_load_path",
-            str(tmp_path / "dcp"),
-        ]
-    )
+    cfg = load_config(seeded_run(tmp_path / "dcp", tmp_path / "run", "--model.max_seq_len", "128"))
     trainer = Trainer(cfg)
     with caplog.at_level("INFO", logger="titanlite"):
         trainer.checkpointer.load()
@@ -611,19 +601,7 @@ def test_a_seed_trains_with_its_own_rope_and_norm_eps(tmp_path, caplog, capsys):
         norm_eps=1e-6,
     )
     seed = hf_to_dcp(src, tmp_path / "dcp")
-    argv = [
-        *TINY_MODEL,
-        "--training.seq_len",
-        "32",
-        "--training.steps",
-        "1",
-        "--lr_scheduler.warmup_steps",
-        "0",
-        "--job.dump_folder",
-        str(tmp_path / "run"),
-        "--checkpoint.initial_load_path",
-        str(seed),
-    ]
+    argv = seeded_run(seed, tmp_path / "run")
     cfg = load_config(argv)
     with caplog.at_level("INFO", logger="titanlite"):
         trainer = Trainer(cfg)
