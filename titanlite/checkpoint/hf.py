@@ -33,6 +33,7 @@ import os
 import secrets
 import shutil
 from collections.abc import Callable, Collection, Iterator, Sequence
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ from titanlite.checkpoint import layout, safe_load
 from titanlite.dtypes import dtype_name
 from titanlite.extensions import load_extensions
 from titanlite.models import get_model_spec, model_names
-from titanlite.models.registry import adopt_seed_args, state_shapes
+from titanlite.models.registry import adopt_seed_args, matching_flavor, state_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -298,6 +299,10 @@ def _family_for_hf(config: dict[str, Any]):
             return spec
     known = ", ".join(spec.hf_adapter.architecture for spec in specs)
     model = f"model_type={config.get('model_type')!r}, architectures={archs}"
+    # installed extensions declare the architectures they convert (entry points: metadata, not imported)
+    hint = [ep.value for ep in entry_points(group="titanlite.hf_architectures") if ep.name in archs]
+    if hint:
+        raise ValueError(f"{model} is converted by the extension {hint[0]}: pass --extensions {hint[0]}")
     raise ValueError(f"unsupported Hugging Face model ({model}); titanlite converts: {known}")
 
 
@@ -378,9 +383,10 @@ def hf_to_dcp(
                 error if isinstance(error, ValueError) else ValueError(f"{out_dir}: {safe_load.one_line(error)}")
             ) from None
         info = dict(step=0, tokens_seen=0, model_only=True, dtype=dtype_name(*dtypes) if len(dtypes) == 1 else None)
-        info["model"] = {"name": spec.name, "flavor": None, "args": dataclasses.asdict(args)}
+        info["model"] = {"name": spec.name, "flavor": matching_flavor(spec, args), "args": dataclasses.asdict(args)}
         bos, eos = (_first(config.get(f"{k}_token_id")) for k in ("bos", "eos"))
         info.update(extensions=extensions, tokenizer={"path": "", "bos_id": bos, "eos_id": eos})
+        info["files"] = layout.file_checksums(partial)  # verified when the seed is loaded or converted
         layout.write_info(partial, {**info, "source": {"hugging_face": str(hf_dir.resolve())}})
     return out_dir
 

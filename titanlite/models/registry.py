@@ -80,6 +80,17 @@ def get_model_spec(name: str) -> ModelSpec:
     return _REGISTRY[name]
 
 
+def matching_flavor(spec: ModelSpec, args: Any) -> str | None:
+    """The flavor whose args equal ``args`` in every field but ``spec.run_args`` (how a run computes:
+    sequence length, attention kernel, ...), or None."""
+
+    def model_fields(a: Any) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(a).items() if k not in spec.run_args}
+
+    want = model_fields(args)
+    return next((name for name, flavor in spec.flavors.items() if model_fields(flavor) == want), None)
+
+
 def make_model_args(name: str, flavor: str, **overrides: Any) -> Any:
     """The flavor's args with ``overrides`` applied (each must be a field of the args class)."""
     spec = get_model_spec(name)

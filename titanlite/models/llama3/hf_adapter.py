@@ -61,7 +61,12 @@ class Llama3HFAdapter(HFDecoderAdapter):
                 "high_freq_factor": a.rope_high_freq_factor,
                 "original_max_position_embeddings": a.rope_original_max_position,
             }
-        return {"rope_theta": a.rope_theta, "rope_scaling": rope_scaling, "mlp_bias": False, "pretraining_tp": 1}
+        extra = {"rope_theta": a.rope_theta, "rope_scaling": rope_scaling, "mlp_bias": False, "pretraining_tp": 1}
+        if rope_scaling is not None and a.max_seq_len <= a.rope_original_max_position:
+            # transformers warns unless the context is longer than RoPE's original one: give the scaled
+            # context (what the scaling is for; max_seq_len is how long this run's sequences were)
+            extra["max_position_embeddings"] = int(a.rope_original_max_position * max(a.rope_scaling_factor, 2.0))
+        return extra
 
     @classmethod
     def args_from_hf_config(cls, config: Mapping[str, Any]) -> Llama3ModelArgs:
