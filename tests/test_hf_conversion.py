@@ -391,10 +391,12 @@ def test_llama_args_from_hf_config_round_trip_and_refusals():
     args = tiny_args(rope_scaling_factor=8.0)
     config = Llama3HFAdapter(args).hf_config(dtype=torch.bfloat16, bos_token_id=1, eos_token_id=2)
     assert config["torch_dtype"] == "bfloat16" and config["rope_scaling"]["rope_type"] == "llama3"
-    assert Llama3HFAdapter.args_from_hf_config(config) == args
+    back = Llama3HFAdapter.args_from_hf_config(config)  # max_seq_len: the scaled context (above RoPE's original)
+    assert config["max_position_embeddings"] > 8192 and back.max_seq_len == config["max_position_embeddings"]
+    assert dataclasses.replace(back, max_seq_len=args.max_seq_len) == args
     v5 = {k: v for k, v in config.items() if k not in ("rope_theta", "rope_scaling")}  # transformers 5 layout
     v5["rope_parameters"] = {**config["rope_scaling"], "rope_theta": args.rope_theta}
-    assert Llama3HFAdapter.args_from_hf_config(v5) == args
+    assert Llama3HFAdapter.args_from_hf_config(v5) == back
     for change, message in (
         ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "not a Llama config"),
         ({"hidden_size": None}, "lacks an integer 'hidden_size'"),

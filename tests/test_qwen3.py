@@ -425,7 +425,8 @@ def test_debug_config_trains_through_the_trainer_entry_point(tmp_path, capsys, m
     assert out.returncode == 0, out.stderr
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
     out = convert("convert_hf_to_dcp.py", "hf", "dcp")
-    assert out.returncode == 2 and out.stderr.startswith("error: unsupported Hugging Face model (model_type='qwen3'")
+    assert out.returncode == 2 and out.stderr.startswith("error: model_type='qwen3'")
+    assert "pass --extensions torchtitan_ext.qwen3" in out.stderr
     assert not (tmp_path / "dcp").exists()
     out = convert("convert_hf_to_dcp.py", "--extensions", "torchtitan_ext.qwen3", "hf", "dcp")
     assert out.returncode == 0, out.stderr
