@@ -1,4 +1,4 @@
-"""Translate a torchtitan classic (v0.2) TOML train config into a titanlite config.
+"""Translate a torchtitan classic (v0.2.0 - v0.2.2) TOML train config into a titanlite config.
 
 :func:`translate` reads the torchtitan file (plus ``--section.key value`` overrides in torchtitan's
 vocabulary), starts from torchtitan's own defaults for everything the file leaves out (so an
@@ -10,14 +10,16 @@ Three outcomes per key (the full table is in ``torchtitan_ext/compat/README.md``
 
 - **mapped**: same meaning in titanlite (renamed or moved where torchtitan renamed or moved it:
   ``[training] batch_size`` -> ``local_batch_size``, ``[training] tensor_parallel_degree`` ->
-  ``[parallelism]``, ``[float8]`` -> ``[quantize.linear.float8]`` ...);
+  ``[parallelism]``, ``[float8]`` -> ``[quantize.linear.float8]``, v0.2.1's ``[debug] seed`` ->
+  ``[training] seed`` ...);
 - **ignored with one warning**: a feature titanlite lacks that does not change the math (a logger,
   a communication optimization, a debugging aid). Warned once per key, and only when the config
   actually asks for it (a value other than torchtitan's default);
 - **refused** (:class:`CompatError`): a feature whose absence would train a different model or
   with different numerics: pipeline / context / expert parallelism, MoE and other model families,
   rowwise float8 and MX converters, fault tolerance, optimizer-in-backward, plug-in code
-  (``[experimental] custom_import``), loading HF weights, creating a seed checkpoint.
+  (``[experimental] custom_import``), loading HF weights, creating a seed checkpoint, bf16 training
+  without float32 master weights (``[training] dtype``).
 
 Keys that are not torchtitan's but are titanlite's (``[guard]``, ``[validation] dataset`` kinds,
 ``[job] dry_run`` ...) pass through unchanged, so one command line can mix both.
