@@ -82,7 +82,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "name": "llama3",
         "flavor": "debugmodel",
         "tokenizer_path": None,
-        "hf_assets_path": None,
+        "hf_assets_path": None,  # torchtitan's is its repo's tests/assets/tokenizer: no file here, so ask for one
         "converters": [],
         "print_after_conversion": False,
     },
@@ -188,7 +188,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "precompute_float8_dynamic_scale_for_fsdp": False,
         "force_recompute_fp8_weight_in_bwd": False,
         "recipe_name": None,
-        "filter_fqns": [],
+        "filter_fqns": [],  # v0.2.0 - v0.2.2 filter nothing by default (older torchtitan: ["output"])
         "emulate": False,
         "moe_fqns_prototype": [],
     },
