@@ -1,4 +1,4 @@
-"""Translate a torchtitan classic (v0.2) TOML train config into a titanlite config.
+"""Translate a torchtitan classic (v0.2.0 - v0.2.2) TOML train config into a titanlite config.
 
 :func:`translate` reads the torchtitan file (plus ``--section.key value`` overrides in torchtitan's
 vocabulary), starts from torchtitan's own defaults for everything the file leaves out (so an
@@ -10,14 +10,16 @@ Three outcomes per key (the full table is in ``torchtitan_ext/compat/README.md``
 
 - **mapped**: same meaning in titanlite (renamed or moved where torchtitan renamed or moved it:
   ``[training] batch_size`` -> ``local_batch_size``, ``[training] tensor_parallel_degree`` ->
-  ``[parallelism]``, ``[float8]`` -> ``[quantize.linear.float8]`` ...);
+  ``[parallelism]``, ``[float8]`` -> ``[quantize.linear.float8]``, v0.2.1's ``[debug] seed`` ->
+  ``[training] seed`` ...);
 - **ignored with one warning**: a feature titanlite lacks that does not change the math (a logger,
   a communication optimization, a debugging aid). Warned once per key, and only when the config
   actually asks for it (a value other than torchtitan's default);
 - **refused** (:class:`CompatError`): a feature whose absence would train a different model or
   with different numerics: pipeline / context / expert parallelism, MoE and other model families,
   rowwise float8 and MX converters, fault tolerance, optimizer-in-backward, plug-in code
-  (``[experimental] custom_import``), loading HF weights, creating a seed checkpoint.
+  (``[experimental] custom_import``), loading HF weights, creating a seed checkpoint, bf16 training
+  without float32 master weights (``[training] dtype``).
 
 Keys that are not torchtitan's but are titanlite's (``[guard]``, ``[validation] dataset`` kinds,
 ``[job] dry_run`` ...) pass through unchanged, so one command line can mix both.
@@ -46,19 +48,25 @@ class CompatError(ValueError):
 
 
 # --------------------------------------------------------------------------- torchtitan's defaults
-# torchtitan v0.2 JobConfig defaults (torchtitan/config/job_config.py) for every key compat reads.
+# torchtitan's JobConfig defaults (torchtitan/config/job_config.py) for every key v0.2.0, v0.2.1 and v0.2.2
+# document (a key one version dropped or added included), plus the older keys compat still reads. Where the
+# versions disagree the v0.2.0 value is here and the later one in _ALSO_DEFAULT.
 DEFAULTS: dict[str, dict[str, Any]] = {
     "job": {
         "config_file": None,
         "dump_folder": "./torchtitan/outputs",
         "description": "default job",
         "use_for_integration_test": False,
-        "print_args": False,
+        "print_config": False,
+        "save_config_file": None,
+        "custom_config_module": "",
     },
     "profiling": {
         "enable_profiling": False,
         "save_traces_folder": "profile_traces",
         "profile_freq": 10,
+        "profiler_active": 1,
+        "profiler_warmup": 3,
         "enable_memory_snapshot": False,
         "save_memory_snapshot_folder": "memory_snapshot",
     },
@@ -74,7 +82,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "name": "llama3",
         "flavor": "debugmodel",
         "tokenizer_path": None,
-        "hf_assets_path": None,
+        "hf_assets_path": None,  # torchtitan's is its repo's tests/assets/tokenizer: no file here, so ask for one
         "converters": [],
         "print_after_conversion": False,
     },
@@ -88,7 +96,13 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "implementation": "fused",
         "early_step_in_backward": False,
     },
-    "lr_scheduler": {"warmup_steps": 200, "decay_ratio": None, "decay_type": "linear", "min_lr_factor": 0.0},
+    "lr_scheduler": {
+        "warmup_steps": 200,
+        "total_steps": None,
+        "decay_ratio": None,
+        "decay_type": "linear",
+        "min_lr_factor": 0.0,
+    },
     "training": {
         "dataset": "c4_test",
         "dataset_path": None,
@@ -98,12 +112,19 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "max_norm": 1.0,
         "steps": 10000,
         "enable_cpu_offload": False,
+        "dtype": "float32",
         "mixed_precision_param": "bfloat16",
         "mixed_precision_reduce": "float32",
         "gc_freq": 50,
         "gc_debug": False,
         "seed": None,
         "deterministic": False,
+    },
+    "training.dataloader": {
+        "num_workers": 0,
+        "persistent_workers": False,
+        "pin_memory": False,
+        "prefetch_factor": None,
     },
     "parallelism": {
         "data_parallel_replicate_degree": 1,
@@ -114,15 +135,21 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "disable_loss_parallel": False,
         "enable_async_tensor_parallel": False,
         "pipeline_parallel_degree": 1,
+        "module_fqns_per_model_part": None,
+        "pipeline_parallel_first_stage_less_layers": 1,
+        "pipeline_parallel_last_stage_less_layers": 1,
         "pipeline_parallel_split_points": [],
         "pipeline_parallel_layers_per_stage": None,
         "pipeline_parallel_schedule": "1F1B",
         "pipeline_parallel_schedule_csv": "",
         "pipeline_parallel_microbatch_size": 1,
+        "pipeline_parallel_expert_parallel_overlap": True,
         "context_parallel_degree": 1,
+        "context_parallel_load_balancer": "headtail",
         "context_parallel_rotate_method": "allgather",
         "expert_parallel_degree": 1,
         "expert_tensor_parallel_degree": 1,
+        "expert_parallel_comm_backend": "standard",
     },
     "checkpoint": {
         "enable_checkpoint": False,
@@ -130,6 +157,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "initial_load_path": None,
         "initial_load_model_only": True,
         "initial_load_in_hf": False,
+        "initial_load_in_hf_quantized": False,
+        "enable_ft_dataloader_checkpoints": True,
+        "load_only": False,
         "interval": 500,
         "last_save_model_only": True,
         "export_dtype": "float32",
@@ -146,6 +176,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "selective_ac_option": "2",
         "per_op_sac_force_recompute_mm_shapes_by_fqns": ["moe.router.gate"],
         "early_stop": False,
+        "memory_budget": 0.5,
+        "visualize_memory_budget_pareto": False,
+        "preserve_rng_state": False,
+        "determinism_check": "default",
+        "debug": False,
     },
     "compile": {"enable": False, "components": ["model", "loss"], "backend": "inductor"},
     "quantize.linear.float8": {
@@ -153,22 +188,26 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "precompute_float8_dynamic_scale_for_fsdp": False,
         "force_recompute_fp8_weight_in_bwd": False,
         "recipe_name": None,
-        "filter_fqns": ["output"],
+        "filter_fqns": [],  # v0.2.0 - v0.2.2 filter nothing by default (older torchtitan: ["output"])
         "emulate": False,
         "moe_fqns_prototype": [],
     },
     "quantize.linear.mx": {
         "mxfp8_dim1_cast_kernel_choice": "triton",
-        "recipe_name": "mxfp8",
+        "recipe_name": "mxfp8_cublas",
         "filter_fqns": ["output"],
     },
+    "quantize.grouped_mm.float8": {"fqns": []},
+    "quantize.grouped_mm.mx": {"recipe_name": "mxfp8", "fqns": []},
     "comm": {
         "init_timeout_seconds": 300,
         "train_timeout_seconds": 100,
         "trace_buf_size": 20000,
         "save_traces_folder": "comm_traces",
+        "save_traces_file_prefix": "rank_",
+        "mode": "default",
     },
-    "memory_estimation": {"enabled": False, "disable_fake_mode": False},
+    "memory_estimation": {"enable": False, "disable_fake_mode": False},
     "fault_tolerance": {
         "enable": False,
         "process_group": "gloo",
@@ -192,16 +231,40 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "freq": 10,
         "steps": -1,
     },
+    "validation.dataloader": {
+        "num_workers": 0,
+        "persistent_workers": False,
+        "pin_memory": False,
+        "prefetch_factor": None,
+    },
+    "debug": {"deterministic_warn_only": False, "moe_force_load_balance": False},
+}
+# Defaults a later version changed: either value is "the default" (no warning).
+_ALSO_DEFAULT = {
+    ("job", "dump_folder"): "./outputs",  # v0.2.1+
+    ("activation_checkpoint", "preserve_rng_state"): True,  # v0.2.2
 }
 # Types of the keys whose default is None (for command-line strings).
 _NONE_TYPES = {
     ("lr_scheduler", "decay_ratio"): float,
     ("training", "seed"): int,
     ("parallelism", "pipeline_parallel_layers_per_stage"): int,
+    ("lr_scheduler", "total_steps"): int,
+    ("training.dataloader", "prefetch_factor"): int,
+    ("validation.dataloader", "prefetch_factor"): int,
 }
+# None-default keys where an empty command-line value means the empty string, not None:
+# ``--model.tokenizer_path ''`` asks for the built-in byte tokenizer.
+_EMPTY_IS_EMPTY = {("model", "tokenizer_path"), ("model", "hf_assets_path")}
 
-# Older spellings and locations (torchtitan moved or renamed them on the way to v0.2) -> canonical.
+# Other spellings and locations -> the one compat reads: older ones (torchtitan moved or renamed them on the
+# way to v0.2), and v0.2.1's [debug] section, which took seed and deterministic over from [training].
 LEGACY: dict[tuple[str, str], tuple[str, str]] = {
+    ("debug", "seed"): ("training", "seed"),
+    ("debug", "deterministic"): ("training", "deterministic"),
+    ("training", "debug_moe_force_load_balance"): ("debug", "moe_force_load_balance"),
+    ("job", "print_args"): ("job", "print_config"),
+    ("memory_estimation", "enabled"): ("memory_estimation", "enable"),
     ("training", "batch_size"): ("training", "local_batch_size"),
     ("training", "warmup_steps"): ("lr_scheduler", "warmup_steps"),
     ("training", "compile"): ("compile", "enable"),
@@ -264,15 +327,49 @@ IGNORED: dict[tuple[str, str], str] = {
     ("quantize.linear.float8", "emulate"): "titanlite's float8 needs hardware float8 (or runs its own CPU path)",
     ("comm", "trace_buf_size"): "no NCCL flight recorder set-up in titanlite (set TORCH_NCCL_TRACE_BUFFER_SIZE)",
     ("comm", "save_traces_folder"): "no NCCL flight recorder set-up in titanlite",
-    ("memory_estimation", "enabled"): "use titanlite's dry run (--job.dry_run true) or scripts/estimate.py",
+    ("memory_estimation", "enable"): "torchtitan's estimation script reads it, its trainer does not: for a memory "
+    "estimate run titanlite's dry run, --job.dry_run true (or scripts/estimate.py)",
     ("memory_estimation", "disable_fake_mode"): "use titanlite's dry run (--job.dry_run true)",
     ("compile", "backend"): "titanlite compiles with inductor",
     ("validation", "local_batch_size"): "titanlite validates with training.local_batch_size (same per-token loss)",
     ("validation", "seq_len"): "titanlite validates with training.seq_len",
+    # v0.2.0 - v0.2.2 keys
+    ("job", "save_config_file"): "titanlite writes the config it runs to <dump_folder>/config.toml",
+    ("debug", "deterministic_warn_only"): "titanlite's deterministic mode raises on an op without a deterministic "
+    "kernel (torch.use_deterministic_algorithms(True)); the math is the same",
+    ("debug", "moe_force_load_balance"): "an MoE routing aid; llama3 is dense, so it changes nothing",
+    ("parallelism", "pipeline_parallel_expert_parallel_overlap"): "only used with pipeline and expert parallelism "
+    "(refused when on)",
+    ("parallelism", "expert_parallel_comm_backend"): "only used with expert parallelism (refused when on)",
+    ("parallelism", "context_parallel_load_balancer"): "only used with context parallelism (refused when on)",
+    ("checkpoint", "enable_ft_dataloader_checkpoints"): "only used with fault tolerance (refused when on)",
+    ("checkpoint", "initial_load_in_hf_quantized"): "only used with initial_load_in_hf (refused when on)",
+    ("checkpoint", "load_only"): "titanlite still saves its own checkpoints (under <checkpoint.folder>/titanlite, "
+    "torchtitan's step folders stay untouched)",
+    ("activation_checkpoint", "memory_budget"): "only used with mode = memory_budget",
+    ("activation_checkpoint", "visualize_memory_budget_pareto"): "only used with mode = memory_budget",
+    ("activation_checkpoint", "preserve_rng_state"): "llama3's forward draws no random numbers, so recomputation "
+    "matches either way",
+    ("activation_checkpoint", "determinism_check"): "an activation-checkpoint debugging aid",
+    ("activation_checkpoint", "debug"): "an activation-checkpoint debugging aid",
+    ("quantize.grouped_mm.float8", "fqns"): "MoE grouped GEMMs only (MoE models are refused)",
+    ("quantize.grouped_mm.mx", "recipe_name"): "MoE grouped GEMMs only (MoE models are refused)",
+    ("quantize.grouped_mm.mx", "fqns"): "MoE grouped GEMMs only (MoE models are refused)",
+    ("quantize.linear.mx", "recipe_name"): "only used with the MX converter (refused)",
+    ("quantize.linear.mx", "filter_fqns"): "only used with the MX converter (refused)",
+    ("quantize.linear.mx", "mxfp8_dim1_cast_kernel_choice"): "only used with the MX converter (refused)",
+    ("comm", "save_traces_file_prefix"): "no NCCL flight recorder set-up in titanlite",
+    ("comm", "mode"): "titanlite has no LocalTensor simulation; it runs on the real ranks, with the same math",
 }
+for _section in ("training.dataloader", "validation.dataloader"):
+    for _key in DEFAULTS[_section]:
+        IGNORED[(_section, _key)] = "titanlite's own data loader (worker settings change speed, not the batches)"
 
 # Pipeline-parallel details only matter when pipeline parallelism is on (which is refused).
 _PP_DETAILS = {
+    "module_fqns_per_model_part",
+    "pipeline_parallel_first_stage_less_layers",
+    "pipeline_parallel_last_stage_less_layers",
     "pipeline_parallel_split_points",
     "pipeline_parallel_layers_per_stage",
     "pipeline_parallel_schedule",
@@ -285,8 +382,12 @@ _MATH_WORDS = re.compile(r"loss|label_smoothing|z_loss|moe|expert|router|routing
 
 MOE_MODELS = {"deepseek_v3", "llama4", "qwen3_moe", "gpt_oss", "moe", "dsv3"}
 
-# torchtitan llama3 flavors (torchtitan/models/llama3/__init__.py, v0.2) as titanlite llama3 flavors + overrides.
-# v0.2 applies Llama 3.1 RoPE scaling (factor 8, low 1, high 4, original 8192) to every flavor.
+# torchtitan llama3 flavors (torchtitan/models/llama3/__init__.py, v0.2.0 - v0.2.2) as titanlite llama3 flavors +
+# overrides. v0.2 applies Llama 3.1 RoPE scaling (factor 8, low 1, high 4, original 8192) to every flavor. The
+# vocabulary is the flavor's (torchtitan never resizes it to the tokenizer), so a torchtitan checkpoint's
+# embedding fits. Flex (attn_type "flex") and varlen (attn_type "varlen", packed documents) attention with
+# block-causal masks are both "attend within the token's own document": titanlite's block_causal mask, with
+# its own kernel choice (flex on CUDA, SDPA + a boolean mask on CPU), the same math.
 _ROPE31 = {
     "rope_theta": 500000.0,
     "rope_scaling_factor": 8.0,
@@ -295,6 +396,7 @@ _ROPE31 = {
     "rope_original_max_position": 8192,
 }
 _DEBUG = {
+    "vocab_size": 2048,
     "dim": 256,
     "n_layers": 6,
     "n_heads": 16,
@@ -304,12 +406,17 @@ _DEBUG = {
     "tie_word_embeddings": False,
     **_ROPE31,
 }
+_LLAMA31 = {"vocab_size": 128256}
+_DOCUMENTS = {"attn_mask_type": "block_causal"}
 LLAMA3_FLAVORS: dict[str, tuple[str, dict[str, Any]]] = {
     "debugmodel": ("debugmodel", dict(_DEBUG)),
-    "debugmodel_flex_attn": ("debugmodel", {**_DEBUG, "attn_mask_type": "block_causal"}),
-    "8B": ("8B", {}),
-    "70B": ("70B", {}),
-    "405B": ("405B", {}),
+    "debugmodel_flex_attn": ("debugmodel", {**_DEBUG, **_DOCUMENTS}),
+    "debugmodel_varlen_attn": ("debugmodel", {**_DEBUG, **_DOCUMENTS}),  # v0.2.1+
+    "8B": ("8B", dict(_LLAMA31)),
+    "8B_flex": ("8B", {**_LLAMA31, **_DOCUMENTS}),  # v0.2.1+
+    "8B_varlen": ("8B", {**_LLAMA31, **_DOCUMENTS}),  # v0.2.1+
+    "70B": ("70B", dict(_LLAMA31)),
+    "405B": ("405B", dict(_LLAMA31)),
 }
 
 
@@ -322,6 +429,7 @@ class CompatSettings:
     initial_load_path: str = ""  # a torchtitan-layout DCP folder to start from ("" = none)
     initial_load_model_only: bool = True
     exclude_from_loading: list[str] = dataclasses.field(default_factory=list)
+    lr_total_steps: int | None = None  # torchtitan's lr_scheduler.total_steps (v0.2.2): None = training.steps
     warnings: list[str] = dataclasses.field(default_factory=list)
 
 
@@ -412,7 +520,7 @@ def _convert_cli(section: str, key: str, value: Any) -> Any:
     default = DEFAULTS.get(section, {}).get(key)
     low = value.strip().lower()
     if default is None:
-        if low in ("none", "null", ""):
+        if low in ("none", "null") or (low == "" and (section, key) not in _EMPTY_IS_EMPTY):
             return None
         tp = _NONE_TYPES.get((section, key), str)
         return tp(value)
@@ -458,7 +566,10 @@ def translate(path: str | None, argv: Sequence[str] = ()) -> Translation:
     passthrough_cli: list[str] = []
     tl_sections = titanlite_keys()
 
+    spelled: dict[tuple[str, str, bool], tuple[str, Any]] = {}  # (section, key, from_cli) -> (as written, value)
+
     def accept(section: str, key: str, value: Any, from_cli: bool) -> None:
+        written = f"{section}.{key}"
         section = _LEGACY_SECTIONS.get(section, section)
         if (section, key) in LEGACY:
             section, key = LEGACY[(section, key)]
@@ -469,6 +580,7 @@ def translate(path: str | None, argv: Sequence[str] = ()) -> Translation:
                 passthrough_cli.extend([f"--{section}.{key}", "true" if value is True else str(value)])
                 return
         if section in DEFAULTS and key in DEFAULTS[section]:
+            _check_spellings(spelled, section, key, from_cli, written, value)
             given[(section, key)] = value
         elif section in tl_sections and key in tl_sections[section]:
             passthrough_file[(section, key)] = value  # a titanlite key: used as is
@@ -506,14 +618,31 @@ def translate(path: str | None, argv: Sequence[str] = ()) -> Translation:
         value = tt[section][key]
         if key == "export_dtype" and value in ("float32", "bfloat16"):
             continue
+        if (section, key) == ("comm", "mode") and value == "fake_backend":
+            continue  # a dry run: mapped in _build
+        if (section, key) in _ALSO_DEFAULT and value == _ALSO_DEFAULT[(section, key)]:
+            continue
         if value != default and not (section == "validation" and _same_as_training(tt, key, value)):
             warn(f"{section}.{key}", f"ignored ({reason})")
 
-    out, settings = _build(tt, warn)
+    cli_model_keys = {arg[len("--model.") :] for arg in passthrough_cli[::2] if arg.startswith("--model.")}
+    out, settings = _build(tt, warn, cli_model_keys)
     for (section, key), value in passthrough_file.items():
         out.setdefault(section, {})[key] = value
     settings.warnings = warn.messages
     return Translation(out, passthrough_cli, settings)
+
+
+def _check_spellings(spelled: dict, section: str, key: str, from_cli: bool, written: str, value: Any) -> None:
+    """Two spellings of one setting (``[training] seed`` and ``[debug] seed``) in the same place must agree:
+    which one torchtitan reads depends on its version, so a disagreement has no one meaning."""
+    earlier = spelled.setdefault((section, key, from_cli), (written, value))
+    if earlier[0] != written and earlier[1] != value:
+        where = "on the command line" if from_cli else "in the file"
+        raise CompatError(
+            f"{earlier[0]}={earlier[1]!r} and {written}={value!r} {where} are the same setting "
+            "(another torchtitan version's spelling) with different values; keep one"
+        )
 
 
 def _same_as_training(tt, key: str, value: Any) -> bool:
@@ -571,12 +700,22 @@ def _refuse(tt: dict[str, dict[str, Any]], given) -> None:
         )
     if tt["optimizer"]["name"] not in ("AdamW", "Adam"):
         raise CompatError(f"optimizer.name={tt['optimizer']['name']!r}: only AdamW and Adam are supported; refused")
-    for key in ("custom_import", "custom_args_module"):
-        if tt["experimental"].get(key):
+    for section, key in (
+        ("experimental", "custom_import"),
+        ("experimental", "custom_args_module"),
+        ("job", "custom_config_module"),
+    ):
+        if tt[section].get(key):
             raise CompatError(
-                f"experimental.{key}={tt['experimental'][key]!r}: torchtitan plug-in code cannot run in "
+                f"{section}.{key}={tt[section][key]!r}: torchtitan plug-in code cannot run in "
                 "titanlite (port it as a titanlite extension, [job] extensions); refused"
             )
+    if tt["training"].get("dtype", "float32") != "float32":
+        raise CompatError(
+            f"training.dtype={tt['training']['dtype']!r}: torchtitan then keeps parameters, gradients and "
+            "optimizer states in that dtype with no float32 master copy; titanlite always keeps float32 "
+            "master weights (use training.mixed_precision_param for bf16 compute); refused"
+        )
     ck = tt["checkpoint"]
     if ck.get("initial_load_in_hf"):
         raise CompatError(
@@ -590,7 +729,7 @@ def _refuse(tt: dict[str, dict[str, Any]], given) -> None:
         )
     if tt["training"].get("mixed_precision_reduce") not in ("float32", "bfloat16"):
         raise CompatError(f"training.mixed_precision_reduce={tt['training']['mixed_precision_reduce']!r}: unsupported")
-    if tt["activation_checkpoint"]["mode"] not in ("none", "full", "selective"):
+    if tt["activation_checkpoint"]["mode"] not in ("none", "full", "selective", "memory_budget"):
         raise CompatError(f"activation_checkpoint.mode={tt['activation_checkpoint']['mode']!r}: unknown mode")
 
 
@@ -637,7 +776,46 @@ def _tokenizer(model: dict[str, Any]) -> str:
     )
 
 
-def _build(tt: dict[str, dict[str, Any]], warn: _Warner) -> tuple[dict[str, dict[str, Any]], CompatSettings]:
+def _ac_mode(ac: dict[str, Any], warn: _Warner) -> str:
+    """torchtitan's AC mode as titanlite's: ``memory_budget`` (a compiler-chosen subset of activations is
+    recomputed) becomes ``full``; recomputing more costs time and recomputes the same values."""
+    if ac["mode"] != "memory_budget":
+        return ac["mode"]
+    warn(
+        "activation_checkpoint.mode",
+        "'memory_budget' is not in titanlite; using 'full' (more recomputation, same math)",
+    )
+    return "full"
+
+
+def _check_vocab(flavor: str, vocab: int, tokenizer: str, cli_model_keys: set[str], warn: _Warner) -> None:
+    """The torchtitan flavor fixes the vocabulary; say so when the tokenizer's differs (refuse a larger one:
+    its ids would index past the embedding, in torchtitan too). ``--model.vocab_size`` decides instead."""
+    if "vocab_size" in cli_model_keys:
+        return
+    from titanlite.tokenizer import build_tokenizer
+
+    try:
+        size = build_tokenizer(tokenizer).vocab_size
+    except (OSError, ValueError) as e:
+        raise CompatError(f"model.tokenizer_path: {e}") from None
+    name = tokenizer or "the built-in byte tokenizer"
+    if size > vocab:
+        raise CompatError(
+            f"model.flavor={flavor!r} has torchtitan's vocab_size {vocab:,} but {name} has {size:,} tokens; "
+            f"give a tokenizer of at most {vocab:,} tokens, or --model.vocab_size {size} (not torchtitan's model)"
+        )
+    if size != vocab:
+        warn(
+            "model.vocab_size",
+            f"kept torchtitan's {vocab:,} for flavor {flavor!r} ({name} has {size:,} tokens; the other rows "
+            "are never used), so torchtitan checkpoints load; --model.vocab_size N to choose another",
+        )
+
+
+def _build(
+    tt: dict[str, dict[str, Any]], warn: _Warner, cli_model_keys: set[str] = frozenset()
+) -> tuple[dict[str, dict[str, Any]], CompatSettings]:
     job, model, opt, sched = tt["job"], tt["model"], tt["optimizer"], tt["lr_scheduler"]
     t, par, ck, ac, comp = (
         tt["training"],
@@ -663,8 +841,8 @@ def _build(tt: dict[str, dict[str, Any]], warn: _Warner) -> tuple[dict[str, dict
 
         if flavor not in get_model_spec("llama3").flavors:
             raise CompatError(
-                f"model.flavor={flavor!r}: not a torchtitan llama3 flavor (debugmodel, "
-                f"debugmodel_flex_attn, 8B, 70B, 405B)"
+                f"model.flavor={flavor!r}: not a torchtitan llama3 flavor ({', '.join(LLAMA3_FLAVORS)}) "
+                "nor a titanlite one"
             )
         warn("model.flavor", f"{flavor!r} is not a torchtitan llama3 flavor; using titanlite's llama3/{flavor}")
         tl_flavor, overrides = flavor, {}
@@ -673,11 +851,16 @@ def _build(tt: dict[str, dict[str, Any]], warn: _Warner) -> tuple[dict[str, dict
     flavor_max = get_model_spec("llama3").flavors[tl_flavor].max_seq_len
     if t["seq_len"] > flavor_max:
         overrides["max_seq_len"] = int(t["seq_len"])
+    tokenizer = _tokenizer(model)
+    if "vocab_size" in overrides:
+        _check_vocab(flavor, overrides["vocab_size"], tokenizer, cli_model_keys, warn)
     steps = int(t["steps"])
+    total = steps if sched["total_steps"] is None else int(sched["total_steps"])
     warmup = int(sched["warmup_steps"])
-    if warmup > steps:
-        warn("lr_scheduler.warmup_steps", f"{warmup} > training.steps {steps}: clamped to {steps} (as torchtitan does)")
-        warmup = steps
+    if warmup > total:
+        what = "training.steps" if sched["total_steps"] is None else "lr_scheduler.total_steps"
+        warn("lr_scheduler.warmup_steps", f"{warmup} > {what} {total}: clamped to {total} (as torchtitan does)")
+        warmup = total
     decay_ratio = sched["decay_ratio"]
     ddp_only = par["data_parallel_replicate_degree"] > 1 and par["data_parallel_shard_degree"] == 1
     float8 = any(str(c) in ("float8", "quantize.linear.float8") for c in model.get("converters") or [])
@@ -687,12 +870,12 @@ def _build(tt: dict[str, dict[str, Any]], warn: _Warner) -> tuple[dict[str, dict
         "job": {
             "dump_folder": job["dump_folder"],
             "description": job["description"],
-            "print_config": job["print_args"],
+            "print_config": job["print_config"],
         },
         "model": {
             "name": "llama3",
             "flavor": tl_flavor,
-            "tokenizer_path": _tokenizer(model),
+            "tokenizer_path": tokenizer,
             **{k: ("none" if v is None else v) for k, v in overrides.items()},
         },
         "optimizer": {
@@ -732,6 +915,8 @@ def _build(tt: dict[str, dict[str, Any]], warn: _Warner) -> tuple[dict[str, dict
                 "enable_profiling",
                 "save_traces_folder",
                 "profile_freq",
+                "profiler_warmup",
+                "profiler_active",
                 "enable_memory_snapshot",
                 "save_memory_snapshot_folder",
             )
@@ -747,7 +932,7 @@ def _build(tt: dict[str, dict[str, Any]], warn: _Warner) -> tuple[dict[str, dict
             "init_timeout_seconds": int(comm["init_timeout_seconds"]),
             "train_timeout_seconds": int(comm["train_timeout_seconds"]),
         },
-        "activation_checkpoint": {"mode": ac["mode"], "selective_ac_option": str(ac["selective_ac_option"])},
+        "activation_checkpoint": {"mode": _ac_mode(ac, warn), "selective_ac_option": str(ac["selective_ac_option"])},
         "compile": {"enable": bool(comp["enable"]), "components": list(comp["components"])},
         "quantize.linear.float8": {"enable": float8, "filter_fqns": list(f8["filter_fqns"])},
     }
@@ -771,10 +956,14 @@ def _build(tt: dict[str, dict[str, Any]], warn: _Warner) -> tuple[dict[str, dict
             "degree of 1 in titanlite: replicated parameters, all-reduced gradients, the same math",
         )
 
+    if comm["mode"] == "fake_backend":
+        warn("comm.mode", "'fake_backend' is torchtitan's dry run: mapped to titanlite's (job.dry_run = true)")
+        out["job"]["dry_run"] = True
     settings = CompatSettings(
         exclude_from_loading=[str(x) for x in ck["exclude_from_loading"]],
         initial_load_model_only=bool(ck["initial_load_model_only"]),
         load_step=int(ck["load_step"]),
+        lr_total_steps=None if sched["total_steps"] is None else total,
     )
     folder = os.path.join(job["dump_folder"], ck["folder"])
     own = os.path.join(folder, TITANLITE_SUBFOLDER)

@@ -14,7 +14,8 @@ math differs between the two libraries set to torchtitan's:
 - optimizer: one parameter group, weight decay on *every* parameter (titanlite decays matrices
   only); ``Adam`` keeps torchtitan's coupled L2 weight decay;
 - learning-rate schedule: torchtitan v0.2's ``linear_warmup_stable_decay`` (warmup ``(i+1)/warmup``,
-  a virtual last step so the decay never reaches ``min_lr_factor``), not titanlite's WSD formula;
+  a virtual last step so the decay never reaches ``min_lr_factor``, over ``lr_scheduler.total_steps``
+  when set), not titanlite's WSD formula;
 - resume: torchtitan DCP checkpoints in ``<dump_folder>/<checkpoint.folder>/step-N`` (or
   ``checkpoint.initial_load_path``) are loaded by :mod:`torchtitan_ext.compat.checkpoint`;
   titanlite's own checkpoints go to ``<checkpoint.folder>/titanlite/`` and take precedence once
@@ -76,11 +77,15 @@ def torchtitan_lr_factor(
     return min_lr_factor + (1 - min_lr_factor) * shape
 
 
-def build_torchtitan_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: JobConfig) -> LambdaLR:
+def build_torchtitan_lr_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: JobConfig, total_steps: int | None = None
+) -> LambdaLR:
+    """torchtitan's schedule over ``total_steps`` (its v0.2.2 ``lr_scheduler.total_steps``: the LR curve of a
+    longer run, e.g. to debug its first steps), by default over ``training.steps``."""
     s = cfg.lr_scheduler
     fn = functools.partial(
         torchtitan_lr_factor,
-        total_steps=cfg.training.steps,
+        total_steps=cfg.training.steps if total_steps is None else total_steps,
         warmup_steps=s.warmup_steps,
         decay_ratio=None if s.decay_ratio < 0 else s.decay_ratio,
         decay_type=s.decay_type,
@@ -132,7 +137,7 @@ class CompatTrainer(Trainer):
         return build_torchtitan_optimizer(self.model, self.cfg)
 
     def build_lr_scheduler(self):
-        return build_torchtitan_lr_scheduler(self.optimizer, self.cfg)
+        return build_torchtitan_lr_scheduler(self.optimizer, self.cfg, self.compat.lr_total_steps)
 
     def resume(self) -> int | None:
         """titanlite's own checkpoint when there is one, else the torchtitan checkpoint chosen at start."""
