@@ -5,6 +5,8 @@
   it was sharded over), converts it with the family's HF adapter (names, q/k row order) and
   collects it into the current safetensors shard, which ``safetensors.torch.save_file`` writes as
   soon as it is full. Peak memory is about one shard (``max_shard_bytes``, or one larger tensor).
+  A torchtitan step folder of a Llama 3 model (v0.2 or 0.3.0 names, no ``checkpoint.json``) is
+  read too, with model args from :func:`torchtitan_model_args`.
 - :func:`hf_to_dcp`: reads ``config.json`` for the model args, plans the DCP checkpoint from the
   safetensors headers alone (meta tensors), and lets DCP pull each tensor lazily from the
   safetensors file while writing (one file per tensor, so nothing accumulates). The result is a
