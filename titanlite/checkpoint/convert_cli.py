@@ -8,10 +8,12 @@ new folder and renamed into place at the end).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -62,7 +64,8 @@ def main_dcp_to_hf(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="convert_dcp_to_hf.py",
         description=(
-            "Convert a titanlite DCP checkpoint step folder into a Hugging Face folder (model.safetensors "
+            "Convert a titanlite DCP checkpoint step folder (or a torchtitan v0.2 / 0.3.0 one of a Llama 3 "
+            "model) into a Hugging Face folder (model.safetensors "
             "[sharded with an index past --max-shard-size], config.json, generation_config.json). A family "
             "from an extension needs that extension in --extensions: the modules a checkpoint records are "
             "never imported on its word alone (a checkpoint is data, an import runs code)."
@@ -72,13 +75,40 @@ def main_dcp_to_hf(argv: Sequence[str] | None = None) -> int:
     p.add_argument("hf_out_dir", help="output folder (must not exist, or be empty)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="dtype of the written weights (default: as stored)")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB (default 5GB)")
+    p.add_argument(
+        "--model-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=(
+            "a llama3 model arg for a torchtitan step folder (no checkpoint.json), e.g. n_heads=16; repeatable. "
+            "Otherwise the shapes and torchtitan's llama3 flavors decide (see titanlite.checkpoint.hf)"
+        ),
+    )
     _add_common_args(p, "; a checkpoint that needs one not given is refused with the module to pass")
     a = p.parse_args(argv)
     try:
         max_bytes = parse_size(a.max_shard_size)
     except ValueError:
         p.error(f"--max-shard-size: cannot read {a.max_shard_size!r}")
-    return _run(dcp_to_hf, a, a.dcp_step_dir, a.hf_out_dir, dtype=DTYPES.get(a.dtype), max_shard_bytes=max_bytes)
+    try:
+        model_args = dict(parse_model_arg(text) for text in a.model_arg)
+    except ValueError as e:
+        p.error(str(e))
+    kwargs = dict(dtype=DTYPES.get(a.dtype), max_shard_bytes=max_bytes, model_args=model_args)
+    return _run(dcp_to_hf, a, a.dcp_step_dir, a.hf_out_dir, **kwargs)
+
+
+def parse_model_arg(text: str) -> tuple[str, Any]:
+    """``"n_heads=16"`` -> ``("n_heads", 16)``: the value as JSON (numbers, true/false, null),
+    else as a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"--model-arg {text!r}: expected KEY=VALUE")
+    try:
+        return key.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return key.strip(), value
 
 
 def main_hf_to_dcp(argv: Sequence[str] | None = None) -> int:

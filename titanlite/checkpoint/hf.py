@@ -5,6 +5,8 @@
   it was sharded over), converts it with the family's HF adapter (names, q/k row order) and
   collects it into the current safetensors shard, which ``safetensors.torch.save_file`` writes as
   soon as it is full. Peak memory is about one shard (``max_shard_bytes``, or one larger tensor).
+  A torchtitan step folder of a Llama 3 model (v0.2 or 0.3.0 names, no ``checkpoint.json``) is
+  read too, with model args from :func:`torchtitan_model_args`.
 - :func:`hf_to_dcp`: reads ``config.json`` for the model args, plans the DCP checkpoint from the
   safetensors headers alone (meta tensors), and lets DCP pull each tensor lazily from the
   safetensors file while writing (one file per tensor, so nothing accumulates). The result is a
@@ -32,7 +34,7 @@ import math
 import os
 import secrets
 import shutil
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -72,6 +74,7 @@ def dcp_to_hf(
     max_shard_bytes: int = 5 * 1000**3,
     progress: Progress = _no_progress,
     extensions: Sequence[str] = (),
+    model_args: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write ``model.safetensors`` (+ index), ``config.json`` and ``generation_config.json``.
 
@@ -79,35 +82,50 @@ def dcp_to_hf(
     checkpoint's ``checkpoint.json`` records are never imported on that file's word alone: a
     checkpoint is data, and importing a module it names would run code chosen by whoever wrote
     it; a family that needs one gets an error naming the module to pass.
+
+    A torchtitan step folder of a Llama 3 model (v0.2 or 0.3.0 names, no ``checkpoint.json``) is
+    read too; its model args are not recorded, so they come from :func:`torchtitan_model_args`
+    (the tensor shapes, torchtitan's llama3 defaults, and ``model_args`` given by the caller, which
+    win). ``model_args`` is refused for a titanlite folder: its ``checkpoint.json`` records them.
     """
     step_dir, out_dir = Path(step_dir), Path(out_dir)
     given = load_extensions(extensions)
     if not step_dir.is_dir():
         raise FileNotFoundError(f"{step_dir}: no such folder")
     metadata = safe_load.read_metadata(step_dir)
-    info = _read_info(step_dir)
-    if problem := layout.problem_with(step_dir, verify=True):  # sizes and the checksums recorded at save
-        raise ValueError(f"{step_dir} is damaged: {problem}")
-    spec, args = model_from_info(info, step_dir, given)
+    torchtitan = not (step_dir / layout.INFO_FILE).exists()
+    if torchtitan:
+        info, version = {}, torchtitan_version(metadata.state_dict_metadata, step_dir)
+        prefix = "model." if version == "old" else ""
+    else:
+        if model_args:
+            raise ValueError(f"{step_dir / layout.INFO_FILE} records the model args: model args are not taken too")
+        info, version, prefix = _read_info(step_dir), "titanlite", "model."
+    if problem := layout.problem_with(step_dir, require_info=not torchtitan, verify=True):
+        raise ValueError(f"{step_dir} is damaged: {problem}")  # sizes, and the checksums recorded at save
+    if torchtitan:
+        spec = get_model_spec("llama3")
+        args = torchtitan_model_args(metadata.state_dict_metadata, prefix, version, step_dir, model_args or {})
+        whose = "the model args taken for this torchtitan checkpoint"
+    else:
+        spec, args = model_from_info(info, step_dir, given)
+        whose = "the args in checkpoint.json"
     adapter = spec.hf_adapter(args)
-    stored = {k[len("model.") :]: v for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
+    stored = metadata.state_dict_metadata
     expected = adapter.expected_shapes()
     tied = bool(getattr(args, "tie_word_embeddings", False))
-    sources: dict[str, tuple[str, Any]] = {}  # native name written -> (native name read, its metadata)
+    sources: dict[str, tuple[str, Any]] = {}  # native name written -> (DCP key read, its metadata)
     for name, shape in expected.items():
-        src = "tok_embeddings.weight" if name == "output.weight" and tied and name not in stored else name
+        src = prefix + torchtitan_name(name, version)
+        if name == "output.weight" and tied and src not in stored:
+            src = prefix + "tok_embeddings.weight"
         md = stored.get(src)
         if md is None or not hasattr(md, "size"):
-            raise ValueError(
-                f"{step_dir} has no tensor model.{name} (it is not a {spec.name} model "
-                "with the args in its checkpoint.json)"
-            )
+            raise ValueError(f"{step_dir} has no tensor {src} (it is not a {spec.name} model with {whose})")
         if tuple(md.size) != shape:
-            raise ValueError(
-                f"{step_dir}: model.{src} has shape {list(md.size)}, the args in checkpoint.json give {list(shape)}"
-            )
+            raise ValueError(f"{step_dir}: {src} has shape {list(md.size)}, {whose} give {list(shape)}")
         sources[name] = (src, md)
-    out_dtype = dtype or stored["tok_embeddings.weight"].properties.dtype
+    out_dtype = dtype or stored[prefix + "tok_embeddings.weight"].properties.dtype
     sizes = {name: math.prod(shape) * out_dtype.itemsize for name, shape in expected.items()}
     shards = _plan_shards(sizes, max_shard_bytes)
     n = len(shards)
@@ -144,17 +162,108 @@ def _read_info(step_dir: Path) -> dict[str, Any]:
         raise ValueError(f"{e}: cannot tell the model args (not a titanlite checkpoint step folder?)") from None
 
 
-def _load_tensor(step_dir: Path, metadata, reader, name: str, md) -> torch.Tensor:
-    """One stored model tensor; a damaged data file is a ValueError naming that file."""
+def _load_tensor(step_dir: Path, metadata, reader, key: str, md) -> torch.Tensor:
+    """The stored tensor ``key`` (its DCP name, e.g. ``model.norm.weight``); a damaged data file is a
+    ValueError naming that file."""
     tensor = torch.empty(tuple(md.size), dtype=md.properties.dtype)
     try:
-        safe_load.load({"model": {name: tensor}}, step_dir, storage_reader=reader, no_dist=True)
+        safe_load.load({key: tensor}, step_dir, storage_reader=reader, no_dist=True)
     except ValueError as e:
-        files = sorted({i.relative_path for idx, i in metadata.storage_data.items() if idx.fqn == f"model.{name}"})
+        files = sorted({i.relative_path for idx, i in metadata.storage_data.items() if idx.fqn == key})
         where = ", ".join(str(step_dir / f) for f in files) or str(step_dir)
         why = str(e).removeprefix(f"{step_dir}: ")
-        raise ValueError(f"{where}: cannot read model.{name} ({why})") from None
+        raise ValueError(f"{where}: cannot read {key} ({why})") from None
     return tensor
+
+
+# ----------------------------------------------------------------------------- torchtitan step folders
+
+TORCHTITAN_QKV = ".attention.qkv_linear."  # torchtitan 0.3.0's Q/K/V projections inside a block
+# n_heads of torchtitan's llama3 flavors (v0.2 and 0.3.0), by model dim
+TORCHTITAN_LLAMA3_HEADS = {256: 16, 2048: 32, 3072: 24, 4096: 32, 8192: 64, 16384: 128}
+# RoPE and norm of every torchtitan llama3 flavor (v0.2 and 0.3.0): Llama 3.1 scaling, factor 8
+TORCHTITAN_LLAMA3_DEFAULTS = dict(
+    rope_theta=500000.0,
+    rope_scaling_factor=8.0,
+    rope_low_freq_factor=1.0,
+    rope_high_freq_factor=4.0,
+    rope_original_max_position=8192,
+    max_seq_len=131072,
+    norm_eps=1e-5,
+)
+
+
+def torchtitan_version(keys: Mapping[str, Any], where: Path | str) -> str:
+    """Which torchtitan wrote a Llama 3 DCP folder, from its keys: ``"0.3"`` (``lm_head``,
+    ``attention.qkv_linear.*``), ``"0.2"`` (Meta's names at the top level) or ``"old"`` (Meta's
+    names under ``model.``). A one-line ValueError when it holds no Llama 3 model."""
+    if "tok_embeddings.weight" in keys:
+        return "0.3" if any(k.startswith("layers.") and TORCHTITAN_QKV in k for k in keys) else "0.2"
+    if "model.tok_embeddings.weight" in keys:
+        return "old"
+    raise ValueError(
+        f"{where}: no checkpoint.json and no tok_embeddings.weight: neither a titanlite checkpoint "
+        "nor a torchtitan checkpoint of a Llama 3 model"
+    )
+
+
+def torchtitan_name(name: str, version: str, fused: bool = False) -> str:
+    """The name torchtitan ``version`` gives titanlite's Llama 3 parameter ``name``: 0.3.0 calls the
+    output ``lm_head`` and keeps the Q/K/V projections in ``attention.qkv_linear`` (``fused``: the
+    single ``qkv_linear.wqkv.weight`` parameter its optimizer state is keyed by); other versions
+    (and titanlite) use Meta's names."""
+    if version != "0.3":
+        return name
+    if name == "output.weight":
+        return "lm_head.weight"
+    block, sep, proj = name.rpartition(".attention.")
+    if sep and proj in ("wq.weight", "wk.weight", "wv.weight"):
+        return f"{block}{TORCHTITAN_QKV}{'wqkv.weight' if fused else proj}"
+    return name
+
+
+def torchtitan_model_args(
+    keys: Mapping[str, Any], prefix: str, version: str, where: Path, given: Mapping[str, Any]
+) -> Any:
+    """titanlite Llama 3 args for a torchtitan checkpoint, which records none. ``given`` wins; then
+    the shapes decide ``vocab_size``, ``dim``, ``n_layers``, ``n_kv_heads`` and the SwiGLU size;
+    ``n_heads`` comes from the torchtitan flavor of that ``dim`` (else it must be given); RoPE and
+    norm are torchtitan's llama3 constants (``TORCHTITAN_LLAMA3_DEFAULTS``)."""
+    spec = get_model_spec("llama3")
+    fields = set(spec.args_cls.__dataclass_fields__)
+    if unknown := sorted(set(given) - fields):
+        raise ValueError(f"unknown llama3 model args: {', '.join(unknown)} (known: {', '.join(sorted(fields))})")
+
+    def shape(name: str) -> list[int]:
+        md = keys.get(prefix + torchtitan_name(name, version))
+        if md is None or not hasattr(md, "size"):
+            raise ValueError(f"{where} has no tensor {prefix + torchtitan_name(name, version)}")
+        return list(md.size)
+
+    vocab, dim = shape("tok_embeddings.weight")
+    layers = {k[len(prefix) :].split(".")[1] for k in keys if k.startswith(prefix + "layers.")}
+    n_heads = given.get("n_heads", TORCHTITAN_LLAMA3_HEADS.get(dim))
+    if n_heads is None:
+        raise ValueError(
+            f"{where} has no checkpoint.json, and its model dim {dim} is no torchtitan llama3 flavor's: "
+            "give the model arg n_heads (--model-arg n_heads=N)"
+        )
+    kv_rows = shape("layers.0.attention.wk.weight")[0]
+    inferred = dict(vocab_size=vocab, dim=dim, n_layers=len(layers), n_heads=n_heads)
+    inferred["n_kv_heads"] = kv_rows // (dim // n_heads) if dim % n_heads == 0 else None
+    base = {**TORCHTITAN_LLAMA3_DEFAULTS, **inferred, **given}
+    try:
+        args = spec.args_cls(**base)
+        if "multiple_of" not in given and "ffn_dim_multiplier" not in given:
+            hidden = shape("layers.0.feed_forward.w1.weight")[0]
+            args = spec.args_cls(**{**base, "multiple_of": hidden, "ffn_dim_multiplier": None})
+            if args.ffn_hidden_dim != hidden:  # Meta's rounding gives more than hidden: scale it down
+                raw = int(2 * 4 * dim / 3)
+                args = spec.args_cls(**{**base, "multiple_of": hidden, "ffn_dim_multiplier": hidden / raw})
+    except (TypeError, ValueError, ArithmeticError) as e:
+        raise ValueError(f"{where}: invalid model args {base} ({' '.join(str(e).split())})") from None
+    logger.info("%s: torchtitan %s checkpoint, exported with llama3 model args %s", where, version, args)
+    return args
 
 
 def _token_ids(info: dict[str, Any], where: Path) -> tuple[int | None, int | None]:

@@ -24,6 +24,21 @@ trainer uses torchtitan's schedule formula). Not restored: the data position (to
 state describes its own datasets; titanlite's loader starts from the beginning of its data order,
 with a warning) and the optimizer hyper-parameters (taken from the config, as torchtitan does on
 resume, except that torchtitan would also restore its stored lr, which its scheduler overwrites).
+
+torchtitan 0.3.0 (read from its sources at the ``0.3.0rc1`` version commit) renamed two things and
+fused the attention input projections; everything else above is unchanged (``train_state.step`` /
+``ntokens_seen``, ``lr_scheduler.last_epoch``, ``dataloader.*``, the flat optimizer keys):
+
+- the output projection is ``lm_head.weight`` (titanlite, like v0.2: ``output.weight``);
+- each block's Q/K/V projections live in ``attention.qkv_linear``. With ``fuse_qkv`` (the default of
+  every llama3 flavor) the *parameter* is one ``qkv_linear.wqkv.weight`` of ``(n_heads + 2 *
+  n_kv_heads) * head_dim`` rows, grouped per key/value head: for kv head ``g`` the rows hold its
+  ``n_heads // n_kv_heads`` query heads, then key head ``g``, then value head ``g`` (``head_dim``
+  rows each) -- not ``[q; k; v]`` stacked. A state-dict hook splits it on save, so the *model*
+  keys are the stock ``qkv_linear.wq/wk/wv.weight`` (same rows as titanlite's ``wq/wk/wv``), while
+  the optimizer, which is keyed by parameter name, stores ``exp_avg``/``exp_avg_sq``/``step`` on
+  ``qkv_linear.wqkv.weight`` in the fused row order. :func:`split_fused_qkv` undoes that grouping.
+  Without ``fuse_qkv`` the optimizer state sits on ``qkv_linear.wq/wk/wv.weight``; both are read.
 """
 
 from __future__ import annotations
@@ -45,8 +60,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titanlite.checkpoint import layout, safe_load
+from titanlite.checkpoint.hf import torchtitan_name, torchtitan_version
 from titanlite.checkpoint.layout import list_step_folders
 
 logger = logging.getLogger("torchtitan_ext.compat")
@@ -66,9 +83,13 @@ def list_torchtitan_checkpoints(folder: str | os.PathLike) -> list[tuple[int, Pa
     return [(f.step, f.path) for f in list_step_folders(folder) if is_torchtitan_checkpoint(f.path)]
 
 
+FUSED_030 = "attention.qkv_linear.wqkv.weight"  # the parameter torchtitan 0.3.0's optimizer state is keyed by
+
+
 def describe(path: str | os.PathLike) -> dict[str, Any]:
     """What a torchtitan checkpoint holds (from its DCP metadata only, read without running code
-    a crafted ``.metadata`` could carry: :mod:`titanlite.checkpoint.safe_load`)."""
+    a crafted ``.metadata`` could carry: :mod:`titanlite.checkpoint.safe_load`). ``version`` is
+    ``"0.3"`` for torchtitan 0.3.0's names (``lm_head``, ``attention.qkv_linear.*``), else ``"0.2"``."""
     keys = safe_load.read_metadata(path).state_dict_metadata
     if "tok_embeddings.weight" in keys:
         prefix = ""
@@ -79,13 +100,32 @@ def describe(path: str | os.PathLike) -> dict[str, Any]:
             f"{path}: no tok_embeddings.weight (or model.tok_embeddings.weight): not a torchtitan "
             "checkpoint of a Llama 3 model"
         )
+    version = "0.3" if torchtitan_version(keys, path) == "0.3" else "0.2"
     return {
         "keys": keys,
         "prefix": prefix,
+        "version": version,
+        "fused_qkv": any(k.startswith("optimizer.state.") and FUSED_030 in k for k in keys),
         "optimizer": any(k.startswith("optimizer.state.") for k in keys),
         "train_state": "train_state.step" in keys,
         "dataloader": any(k.startswith("dataloader.") for k in keys),
     }
+
+
+def split_fused_qkv(fused: torch.Tensor, n_heads: int, n_kv_heads: int) -> tuple[torch.Tensor, ...]:
+    """``(q, k, v)`` rows of a torchtitan 0.3.0 fused ``wqkv``-shaped tensor (weight or its Adam
+    moments): rows are grouped per kv head ``g`` as ``[q heads of g; k head g; v head g]``, so q, k
+    and v come out in the stock per-projection head order (query head ``g * n_heads // n_kv_heads + j``)."""
+    per_kv = n_heads // n_kv_heads
+    rows, tail = fused.shape[0], tuple(fused.shape[1:])
+    head_dim, rest = divmod(rows, n_kv_heads * (per_kv + 2))
+    if rest or n_heads % n_kv_heads:
+        raise ValueError(f"a fused qkv tensor of {rows} rows does not fit {n_heads} heads / {n_kv_heads} kv heads")
+    grouped = fused.reshape(n_kv_heads, per_kv + 2, head_dim, *tail)
+    q = grouped[:, :per_kv].reshape(-1, *tail)
+    k = grouped[:, per_kv].reshape(-1, *tail)
+    v = grouped[:, per_kv + 1].reshape(-1, *tail)
+    return q.contiguous(), k.contiguous(), v.contiguous()
 
 
 def _placeholder(md) -> Any:
@@ -94,6 +134,26 @@ def _placeholder(md) -> Any:
     if isinstance(md, BytesStorageMetadata):
         return 0  # an int (or any object): DCP unpickles the stored value in its place
     raise ValueError(f"unexpected DCP metadata {type(md).__name__}")
+
+
+def _check_model(path: str, keys, model_sd: dict[str, Any], prefix: str, version: str) -> dict[str, str]:
+    """``{titanlite name: DCP key}`` for every model tensor; a one-line ValueError for a missing
+    key or another shape."""
+    names = {}
+    for name, tensor in model_sd.items():
+        key = prefix + torchtitan_name(name, version)
+        md = keys.get(key)
+        if md is None:
+            raise ValueError(
+                f"{path} has no {key}: it was saved from another model (read as a torchtitan {version} checkpoint)"
+            )
+        if tuple(md.size) != tuple(tensor.shape):
+            raise ValueError(
+                f"{path}: {name} is {list(md.size)} in the checkpoint but {list(tensor.shape)} in this "
+                "model (another flavor, or another tokenizer vocabulary)"
+            )
+        names[name] = key
+    return names
 
 
 @torch.no_grad()
@@ -105,8 +165,9 @@ def load_torchtitan_checkpoint(
     model_only: bool = False,
     exclude: Iterable[str] = (),
 ) -> dict[str, Any]:
-    """Load a torchtitan checkpoint into ``model`` (and ``optimizer``) in place; collective when
-    distributed. Returns ``{"step", "tokens_seen", "loaded": [...], "skipped": [...]}``.
+    """Load a torchtitan checkpoint (v0.2, older, or 0.3.0 layout) into ``model`` (and ``optimizer``)
+    in place; collective when distributed. Returns ``{"step", "tokens_seen", "loaded": [...],
+    "skipped": [...], "prefix", "version"}``.
 
     ``model_only`` (or a checkpoint that has nothing else) loads the weights only, step 0.
     ``exclude`` names top-level states not to load (torchtitan's ``checkpoint.exclude_from_loading``).
@@ -115,29 +176,17 @@ def load_torchtitan_checkpoint(
     """
     path = str(path)
     info = describe(path)
-    keys, prefix = info["keys"], info["prefix"]
+    keys, prefix, version = info["keys"], info["prefix"], info["version"]
     exclude = set(exclude)
     model_sd = get_model_state_dict(model)
-    for name, tensor in model_sd.items():
-        md = keys.get(prefix + name)
-        if md is None:
-            raise ValueError(f"{path} has no {prefix + name}: it was saved from another model")
-        if tuple(md.size) != tuple(tensor.shape):
-            raise ValueError(
-                f"{path}: {name} is {list(md.size)} in the checkpoint but {list(tensor.shape)} in this "
-                "model (another flavor, or another tokenizer vocabulary)"
-            )
-    state: dict[str, Any] = dict(model_sd) if prefix == "" else {"model": model_sd}
+    names = _check_model(path, keys, model_sd, prefix, version)
+    state: dict[str, Any] = {names[n]: t for n, t in model_sd.items()}  # the model's own tensors, filled in place
     loaded, skipped = ["model"], []
     full = not model_only
-    osd = None
+    osd, fused = None, {}
     if full and optimizer is not None and info["optimizer"] and "optimizer" not in exclude:
         osd = get_optimizer_state_dict(model, optimizer, options=FLAT)  # initializes empty AdamW state
-        moments = {k: v for k, v in osd.items() if k.startswith("state.")}
-        missing = [k for k in moments if f"optimizer.{k}" not in keys]
-        if missing:
-            raise ValueError(f"{path} lacks optimizer.{missing[0]} (saved with another optimizer or model)")
-        state["optimizer"] = moments
+        fused = _optimizer_targets(path, keys, osd, state, version, info["fused_qkv"])
         loaded.append("optimizer")
     elif full and "optimizer" not in exclude:
         skipped.append("optimizer")
@@ -151,17 +200,90 @@ def load_torchtitan_checkpoint(
         state["train_state"] = train_state
         loaded.append("train_state")
     safe_load.load(state, path)
+    if fused:
+        _load_fused_qkv(path, keys, osd, fused, _head_counts(model))
     step = tokens = 0
     if train_state is not None:
         step = _as_int(train_state.get("step", 0), f"{path}: train_state.step")
         tokens = _as_int(train_state.get("ntokens_seen", 0), f"{path}: train_state.ntokens_seen")
-    set_model_state_dict(model, model_sd if prefix == "" else state["model"])
+    set_model_state_dict(model, model_sd)
     if osd is not None:
-        osd.update(state["optimizer"])
         set_optimizer_state_dict(model, optimizer, osd, options=FLAT)
     if full and info["dataloader"] and "dataloader" not in exclude:
         skipped.append("dataloader")
-    return {"step": step, "tokens_seen": tokens, "loaded": loaded, "skipped": skipped, "prefix": prefix}
+    return {
+        "step": step,
+        "tokens_seen": tokens,
+        "loaded": loaded,
+        "skipped": skipped,
+        "prefix": prefix,
+        "version": version,
+    }
+
+
+def _optimizer_targets(
+    path: str, keys, osd: dict[str, Any], state: dict[str, Any], version: str, fused_qkv: bool
+) -> dict[str, list[str]]:
+    """Put every AdamW moment of ``osd`` that the checkpoint stores under its own name into
+    ``state`` (DCP key -> the optimizer's tensor, filled in place). Returns the moments stored on a
+    fused 0.3.0 ``wqkv`` instead: ``{fused DCP key: [the optimizer's q, k, v keys]}``."""
+    fused: dict[str, list[str]] = {}
+    for k in (k for k in osd if k.startswith("state.")):
+        name, _, moment = k[len("state.") :].rpartition(".")
+        is_fused = fused_qkv and torchtitan_name(name, version, fused=True) != torchtitan_name(name, version)
+        key = f"optimizer.state.{torchtitan_name(name, version, fused=is_fused)}.{moment}"
+        if key not in keys:
+            raise ValueError(f"{path} lacks {key} (saved with another optimizer or model)")
+        if is_fused:
+            fused.setdefault(key, []).append(k)
+        else:
+            state[key] = osd[k]
+    return fused
+
+
+def _head_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """``(n_heads, n_kv_heads)`` of a titanlite Llama 3 model (``model.args``)."""
+    args = getattr(model, "args", None)
+    if args is None or not hasattr(args, "kv_heads"):
+        raise ValueError("splitting torchtitan 0.3.0's fused qkv optimizer state needs a titanlite Llama 3 model")
+    return args.n_heads, args.kv_heads
+
+
+def _load_fused_qkv(path: str, keys, osd: dict[str, Any], fused: dict[str, list[str]], heads: tuple[int, int]) -> None:
+    """Read each fused ``wqkv`` moment whole (one block's at a time, so the extra memory is one
+    block's fused moments on every rank), split it into q/k/v rows and copy each part into the
+    optimizer's (possibly FSDP/TP-sharded) tensor of that projection."""
+    by_block: dict[str, list[str]] = {}
+    for key in fused:
+        by_block.setdefault(key.rsplit(".", 1)[0], []).append(key)
+    for block_keys in by_block.values():
+        whole = {key: _placeholder(keys[key]) for key in block_keys}
+        safe_load.load(whole, path)
+        for key, tensor in whole.items():
+            targets = sorted(fused[key], key=_projection_order)
+            parts = split_fused_qkv(tensor, *heads) if tensor.dim() else (tensor,) * 3  # ``step`` is a scalar
+            for target, part in zip(targets, parts):
+                _copy_into(osd[target], part)
+
+
+def _projection_order(optimizer_key: str) -> int:
+    """0, 1, 2 for the q, k, v projection's optimizer key."""
+    return ["wq", "wk", "wv"].index(optimizer_key.rsplit(".attention.", 1)[1].split(".")[0])
+
+
+def _copy_into(target: torch.Tensor, whole: torch.Tensor) -> None:
+    """Copy the full tensor ``whole`` into ``target``, or into this rank's shard of a DTensor
+    ``target`` (every rank holds ``whole``, so each cuts its own shard locally)."""
+    if isinstance(target, DTensor):
+        mine = distribute_tensor(
+            whole.to(device=target.device, dtype=target.dtype),
+            target.device_mesh,
+            target.placements,
+            src_data_rank=None,
+        )
+        target.to_local().copy_(mine.to_local())
+    else:
+        target.copy_(whole.to(device=target.device, dtype=target.dtype))
 
 
 def _as_int(v: Any, what: str) -> int:
