@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from shared_data import shared_file
 
-from titanlite.hf_tokenizer import byte_level_alphabet
+from titanlite.hf_tokenizer import byte_level_alphabet, tokenizer_files
 from titanlite.tokenizer import build_tokenizer, llama3_special_tokens, tokenizer_fingerprint
 
 tokenizers = pytest.importorskip("tokenizers", reason="HF tokenizers (test extra, via transformers) not installed")
@@ -220,6 +220,11 @@ REFUSED = {
         lambda d: d["added_tokens"][0].update(lstrip=True),
         r"added token .<\|begin_of_text\|>. has lstrip/rstrip/single_word",
     ),
+    "string_split_pattern": (
+        lambda d: d["pre_tokenizer"]["pretokenizers"][0].update(pattern={"String": " "}),
+        r"only a Split with a Regex pattern, behavior Isolated and invert=false",
+    ),
+    "normalizer_not_an_object": (lambda d: d.update(normalizer="NFC?"), r"normalizer NFC\? cannot be represented"),
     "bad_regex": (
         lambda d: d["pre_tokenizer"]["pretokenizers"][0]["pattern"].update(Regex="(unclosed"),
         r"tiktoken cannot use its pre-tokenizer regex",
@@ -298,3 +303,18 @@ def test_prepare_data_then_qwen3_trains_and_exports_the_tokenizer(tmp_path, qwen
     assert tokenizer_fingerprint(build_tokenizer(str(export))) == tokenizer_fingerprint(tok)
     config = json.loads((export / "config.json").read_text())
     assert config["vocab_size"] == tok.vocab_size and config["eos_token_id"] == tok.eos_id
+
+
+def test_tokenizer_files_for_an_export_rebuild_the_same_tokenizer(tmp_path, test_model_json):
+    """What DCP -> HF export copies, laid out in a folder, is a tokenizer folder with the same fingerprint."""
+    tiktoken_file = shared_file("tokenizers/test_tiktoken.model")
+    assert tokenizer_files(str(tiktoken_file)) == {"original/tokenizer.model": str(tiktoken_file)}
+    assert tokenizer_files(str(test_model_json)) == {"tokenizer.json": str(test_model_json)}
+    assert tokenizer_files("") == tokenizer_files(str(tmp_path / "gone.json")) == {}
+    for src in (tiktoken_file, test_model_json):
+        out = tmp_path / src.name
+        for name, file in tokenizer_files(str(src)).items():
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
+            (out / name).write_bytes(Path(file).read_bytes())
+        want = tokenizer_fingerprint(build_tokenizer(str(src)))
+        assert tokenizer_fingerprint(build_tokenizer(str(out))) == want
