@@ -10,7 +10,11 @@ vocabulary (so the real Llama 3 file gives BOS 128000 / EOS 128001, cl100k gives
 and Llama 3's pre-tokenization regex is used. A bad file raises a one-line ``ValueError`` naming
 the file and, where there is one, the line.
 
-This module imports nothing from titanlite: model families register :func:`build_tokenizer` as
+It also loads Hugging Face byte-level BPE ``tokenizer.json`` files (see :mod:`titanlite.hf_tokenizer`):
+the file's own vocabulary, regex and added tokens, BOS/EOS from ``tokenizer_config.json``. A path may
+also be an HF model folder (its ``tokenizer.json``, else ``original/tokenizer.model``).
+
+This module imports only :mod:`titanlite.hf_tokenizer` (a leaf too): model families register :func:`build_tokenizer` as
 their ``tokenizer_builder``, and model code must not depend on ``titanlite.data``.
 """
 
@@ -20,10 +24,13 @@ import base64
 import hashlib
 import os
 import string
+import unicodedata
 from collections.abc import Sequence
 
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
+
+from titanlite.hf_tokenizer import is_hf_tokenizer_file, load_hf_tokenizer, resolve_tokenizer_file
 
 # Llama 3's pre-tokenization regex: contractions, letter runs, 1-3 digit groups, punctuation runs,
 # newlines and other whitespace.
@@ -49,14 +56,34 @@ def llama3_special_tokens() -> list[str]:
     return [f"<|{name}|>" for name in named + reserved]
 
 
-class Tokenizer:
-    """A tiktoken encoding with Llama 3 conventions (BOS/EOS from its special tokens)."""
+class NFCEncoding(tiktoken.Encoding):
+    """A tiktoken encoding that puts text in Unicode NFC first, as a tokenizer.json "NFC" normalizer does.
 
-    def __init__(self, encoding: tiktoken.Encoding, name: str, path: str = ""):
+    A subclass (not a wrapper in :class:`Tokenizer`) so that callers that use ``tokenizer.encoding``
+    directly, like the data pipeline, normalize too; it pickles like its base class.
+    """
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        return super().encode_ordinary(unicodedata.normalize("NFC", text))
+
+    def encode(self, text: str, **kwargs) -> list[int]:
+        return super().encode(unicodedata.normalize("NFC", text), **kwargs)
+
+    def encode_ordinary_batch(self, text: list[str], **kwargs) -> list[list[int]]:
+        return super().encode_ordinary_batch([unicodedata.normalize("NFC", t) for t in text], **kwargs)
+
+    def encode_batch(self, text: list[str], **kwargs) -> list[list[int]]:
+        return super().encode_batch([unicodedata.normalize("NFC", t) for t in text], **kwargs)
+
+
+class Tokenizer:
+    """A tiktoken encoding plus its BOS/EOS ids (Llama 3's ``<|begin_of_text|>``/``<|end_of_text|>`` by default)."""
+
+    def __init__(self, encoding: tiktoken.Encoding, name: str, path: str = "", bos: str = "", eos: str = ""):
         # path: what build_tokenizer() was given ("" for the built-in byte tokenizer)
         self.encoding, self.name, self.path = encoding, name, path
-        self.bos_id = encoding.encode_single_token("<|begin_of_text|>")
-        self.eos_id = encoding.encode_single_token("<|end_of_text|>")
+        self.bos_id = encoding.encode_single_token(bos or "<|begin_of_text|>")
+        self.eos_id = encoding.encode_single_token(eos or "<|end_of_text|>")
 
     @property
     def vocab_size(self) -> int:
@@ -93,8 +120,6 @@ def load_tiktoken_ranks(path: str) -> dict[bytes, int]:
     tiktoken accepts repeated tokens and ranks, gaps, and files without every byte; we refuse them.
     When the file is refused, :func:`_first_bad_line` walks it to name the offending line.
     """
-    hint = " (this looks like a Hugging Face tokenizer.json; only tiktoken BPE files are supported)"
-    hint = hint if path.endswith(".json") else ""
     try:
         with open(path, "rb") as f:
             data = f.read()  # for the line count below and the error messages
@@ -120,11 +145,11 @@ def load_tiktoken_ranks(path: str) -> dict[bytes, int]:
         if saved is not None:
             os.environ["TIKTOKEN_CACHE_DIR"] = saved
     if ranks == {}:
-        raise ValueError(f"{path}: empty tokenizer file (no '<base64 token> <rank>' lines){hint}")
+        raise ValueError(f"{path}: empty tokenizer file (no '<base64 token> <rank>' lines)")
     # One entry per line (two fields each: no token repeated), ranks 0, 1, 2, ... in line order.
     in_order = ranks is not None and list(ranks.values()) == list(range(len(ranks)))
     if not in_order or len(data.split()) != 2 * len(ranks) or b"" in ranks or data.translate(None, _FILE_BYTES):
-        raise ValueError(_first_bad_line(path, data) + hint)
+        raise ValueError(_first_bad_line(path, data))
     if missing := [b for b in _UTF8_BYTES if bytes([b]) not in ranks]:
         shown = ", ".join(f"0x{b:02x}" for b in missing[:8]) + (", ..." if len(missing) > 8 else "")
         raise ValueError(
@@ -192,9 +217,30 @@ def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
     return "sha256:" + h.hexdigest()
 
 
+def build_hf_tokenizer(path: str, file: str) -> Tokenizer:
+    """Tokenizer from a byte-level BPE tokenizer.json ``file`` (``path`` is what the user gave).
+
+    With no BOS token (Qwen3 has none) documents start with the EOS token instead, so every document
+    is still framed on both sides and the data pipeline's ``BOS + tokens + EOS`` layout holds.
+    """
+    spec = load_hf_tokenizer(file)
+    cls = NFCEncoding if spec.normalizer == "NFC" else tiktoken.Encoding
+    name = os.path.basename(os.path.normpath(path)) or "tokenizer.json"
+    try:
+        encoding = cls(name, pat_str=spec.pat_str, mergeable_ranks=spec.ranks, special_tokens=spec.special_tokens)
+        encoding.encode_ordinary("a 1")  # the regex compiles lazily in some tiktoken versions
+    except ValueError as e:
+        raise ValueError(f"{file}: tiktoken cannot use its pre-tokenizer regex: {str(e).splitlines()[0]}") from None
+    return Tokenizer(encoding, name=name, path=path, bos=spec.bos_token or spec.eos_token, eos=spec.eos_token)
+
+
 def build_tokenizer(path: str = "") -> Tokenizer:
-    """Tokenizer from a tiktoken BPE file path; "" (or "bytes") selects the built-in byte tokenizer."""
+    """Tokenizer from a tiktoken BPE file, an HF tokenizer.json or an HF model folder; "" (or "bytes")
+    selects the built-in byte tokenizer."""
     path = str(path)
     if path in ("", "bytes"):
         return build_byte_tokenizer()
-    return _llama3_tokenizer(load_tiktoken_ranks(path), name=os.path.basename(path) or "tiktoken", path=path)
+    file = resolve_tokenizer_file(path)
+    if is_hf_tokenizer_file(file):
+        return build_hf_tokenizer(path, file)
+    return _llama3_tokenizer(load_tiktoken_ranks(file), name=os.path.basename(path) or "tiktoken", path=path)

@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from titanlite.checkpoint import layout, safe_load
 from titanlite.dtypes import dtype_name
 from titanlite.extensions import load_extensions
+from titanlite.hf_tokenizer import tokenizer_files
 from titanlite.models import get_model_spec, model_names
 from titanlite.models.registry import adopt_seed_args, matching_flavor, state_shapes
 
@@ -76,7 +77,8 @@ def dcp_to_hf(
     extensions: Sequence[str] = (),
     model_args: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write ``model.safetensors`` (+ index), ``config.json`` and ``generation_config.json``.
+    """Write ``model.safetensors`` (+ index), ``config.json``, ``generation_config.json`` and the tokenizer
+    files when the checkpoint's recorded tokenizer path still exists.
 
     ``extensions`` (modules that register the model family) are imported first. Those that the
     checkpoint's ``checkpoint.json`` records are never imported on that file's word alone: a
@@ -149,7 +151,19 @@ def dcp_to_hf(
         hf_config = adapter.hf_config(dtype=out_dtype, bos_token_id=bos, eos_token_id=eos)
         layout.write_json(partial / "config.json", hf_config)
         layout.write_json(partial / "generation_config.json", adapter.generation_config(bos, eos))
+        _copy_tokenizer(info, partial)
     return out_dir
+
+
+def _copy_tokenizer(info: dict[str, Any], out: Path) -> None:
+    """Copy the checkpoint's recorded tokenizer files into the export, so the HF folder is complete."""
+    path = str((info.get("tokenizer") or {}).get("path") or "")
+    files = tokenizer_files(path)
+    if path and not files:
+        logger.warning("tokenizer %s recorded in checkpoint.json not found: the export has no tokenizer files", path)
+    for name, src in files.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, out / name)
 
 
 def _read_info(step_dir: Path) -> dict[str, Any]:

@@ -433,7 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--tokenizer",
         default="",
-        help='tiktoken BPE file (e.g. Llama 3 tokenizer.model); "" or "bytes" = built-in byte tokenizer.',
+        help='tiktoken BPE file (e.g. Llama 3 tokenizer.model), HF tokenizer.json or HF model folder; "" or "bytes" '
+        "= built-in byte tokenizer.",
     )
     add("--output", metavar="DIR", help="Output folder for shards and manifest.json. Required unless --verify.")
     add("--val-fraction", type=float, default=0.0, help="Fraction of documents held out as 'val'.")

@@ -21,7 +21,7 @@ SPEC = register_model(
         model_cls=Qwen3Model,
         parallelize_fn=parallelize_qwen3,
         hf_adapter=Qwen3HFAdapter,
-        tokenizer_builder=build_tokenizer,  # tiktoken files or the built-in byte tokenizer (see README)
+        tokenizer_builder=build_tokenizer,  # tokenizer.json (Qwen3 ships only that), tiktoken, HF folder or bytes
         num_params=num_params_from_args,
         flops_per_token=flops_of,
     )

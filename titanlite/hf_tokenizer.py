@@ -1,0 +1,307 @@
+"""Hugging Face ``tokenizer.json`` files (byte-level BPE) read into tiktoken's terms, exactly or not at all.
+
+Llama 3 and Qwen models on the Hub ship a ``tokenizer.json`` (Qwen3 ships nothing else). A byte-level
+BPE file holds everything tiktoken needs: the vocabulary (strings in GPT-2's byte-to-character
+alphabet, mapped back to bytes here to give the ranks), the pre-tokenization regex, and the added
+(special) tokens. Nothing from the ``tokenizers`` library is needed at run time.
+
+tiktoken's BPE is not HF's: tiktoken merges the adjacent pair whose *concatenation* has the lowest
+rank (id), HF merges the pair that comes first in the *merge list*. :func:`_check_merges` refuses
+merge lists that are out of id order (the two would then pick different pairs) and tokens only
+tiktoken could output; what it cannot decide from the file alone is said there. Anything else
+tiktoken cannot represent exactly (Unigram/WordPiece models, a lowercasing normalizer, a prefix
+space, missing byte tokens, ...) is refused with a one-line ``ValueError`` naming the file: never
+an approximation.
+
+This module imports nothing from titanlite; :mod:`titanlite.tokenizer` builds the encoding from
+:class:`HFTokenizerSpec`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+# GPT-2's pre-tokenization regex: what a bare ByteLevel(use_regex=true) pre-tokenizer splits with.
+GPT2_PAT_STR = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# Bytes that can occur in UTF-8 text; a byte-level vocabulary needs a token for each.
+_UTF8_BYTES = [b for b in range(0xF5) if b not in (0xC0, 0xC1)]
+# Normalizers that change nothing (None, an empty Sequence) or that titanlite applies itself (NFC).
+_NORMALIZERS = {"NFC"}
+
+
+@dataclass
+class HFTokenizerSpec:
+    """What a tokenizer.json (+ tokenizer_config.json) says, in tiktoken's terms."""
+
+    ranks: dict[bytes, int]
+    pat_str: str
+    special_tokens: dict[str, int]
+    bos_token: str | None
+    eos_token: str | None
+    normalizer: str | None  # "NFC" or None
+
+
+def byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> character map: printable bytes stand for themselves, the rest for U+0100 onwards.
+
+    Byte-level BPE vocabularies store each token's bytes as a string of these characters.
+    """
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in kept]
+    return {**{b: chr(b) for b in kept}, **{b: chr(256 + i) for i, b in enumerate(shifted)}}
+
+
+def resolve_tokenizer_file(path: str) -> str:
+    """The file a ``[model] tokenizer_path`` names: the path itself, or in an HF model folder its
+    ``tokenizer.json``, else ``original/tokenizer.model`` (Meta's tiktoken file)."""
+    if not os.path.isdir(path):
+        return path
+    for name in ("tokenizer.json", os.path.join("original", "tokenizer.model")):
+        if os.path.isfile(os.path.join(path, name)):
+            return os.path.join(path, name)
+    raise ValueError(
+        f"{path}: tokenizer path is a folder without tokenizer.json or original/tokenizer.model "
+        "(expected a tiktoken file, a tokenizer.json or an HF model folder)"
+    )
+
+
+def is_hf_tokenizer_file(path: str) -> bool:
+    """A ``*.json`` file is read as a tokenizer.json, anything else as a tiktoken file.
+
+    By name, not by content: a JSON Lines corpus passed as the tokenizer by mistake then gets the
+    tiktoken reader's error naming its first line, not a confusing JSON one.
+    """
+    return path.endswith(".json")
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"{path}: tokenizer file not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: cannot read tokenizer file: {e}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def load_hf_tokenizer(path: str) -> HFTokenizerSpec:
+    """Read a byte-level BPE tokenizer.json (and tokenizer_config.json beside it, when present)."""
+    data = _read_json(path)
+    model = data.get("model")
+    if not isinstance(model, dict) or model.get("type", "BPE" if "merges" in (model or {}) else None) != "BPE":
+        kind = model.get("type") if isinstance(model, dict) else model
+        raise ValueError(f"{path}: model type {kind!r} cannot be represented by tiktoken (only byte-level BPE)")
+    normalizer = _normalizer(path, data.get("normalizer"))
+    pat_str = _pattern(path, data.get("pre_tokenizer"))
+    _check_bpe_options(path, model)
+    specials = _added_tokens(path, data.get("added_tokens") or [])
+    vocab = model.get("vocab")
+    if not isinstance(vocab, dict) or not vocab:
+        raise ValueError(f"{path}: model.vocab must be a non-empty object of token -> id")
+    # A special token trained into the vocabulary (same text, same id) is only a special token.
+    ranks = _ranks(path, {t: i for t, i in vocab.items() if specials.get(t) != i})
+    if clash := sorted(set(ranks.values()) & set(specials.values())):
+        raise ValueError(f"{path}: id {clash[0]} is both a vocab token and an added token with other text")
+    _check_merges(path, model, ranks)
+    bos, eos = _bos_eos(path, specials)
+    return HFTokenizerSpec(ranks, pat_str, specials, bos, eos, normalizer)
+
+
+def _normalizer(path: str, spec) -> str | None:
+    """None or "NFC" (which titanlite applies before tiktoken); anything else is refused."""
+    if spec is None:
+        return None
+    steps = spec.get("normalizers") if isinstance(spec, dict) and spec.get("type") == "Sequence" else [spec]
+    kinds = [n.get("type") if isinstance(n, dict) else n for n in steps or []]
+    if not kinds:
+        return None
+    if len(kinds) == 1 and kinds[0] in _NORMALIZERS:
+        return kinds[0]
+    raise ValueError(f"{path}: normalizer {'+'.join(map(str, kinds))} cannot be represented by tiktoken")
+
+
+def _pattern(path: str, spec) -> str:
+    """The regex tiktoken splits with: ByteLevel's own (GPT-2) or the Split regex in front of ByteLevel."""
+    steps = spec.get("pretokenizers") if isinstance(spec, dict) and spec.get("type") == "Sequence" else [spec]
+    steps = steps if isinstance(steps, list) else [steps]
+    kinds = [s.get("type") if isinstance(s, dict) else None for s in steps]
+    byte_level = steps[-1] if kinds and kinds[-1] == "ByteLevel" else None
+    if byte_level is None or len(steps) > 2 or (len(steps) == 2 and kinds[0] != "Split"):
+        shown = "+".join(map(str, kinds))
+        raise ValueError(
+            f"{path}: pre-tokenizer {shown} is not byte-level ([Split +] ByteLevel); tiktoken cannot run it"
+        )
+    if byte_level.get("add_prefix_space"):
+        raise ValueError(f"{path}: ByteLevel add_prefix_space=true cannot be represented by tiktoken")
+    if len(steps) == 1:
+        if not byte_level.get("use_regex", True):
+            raise ValueError(f"{path}: ByteLevel without a regex leaves text unsplit; tiktoken cannot do that")
+        return GPT2_PAT_STR
+    split = steps[0]
+    if byte_level.get("use_regex", True):
+        raise ValueError(f"{path}: a Split followed by ByteLevel(use_regex=true) splits twice; tiktoken splits once")
+    pattern = split.get("pattern")
+    regex = pattern.get("Regex") if isinstance(pattern, dict) else None
+    if not isinstance(regex, str) or split.get("behavior") != "Isolated" or split.get("invert"):
+        raise ValueError(f"{path}: only a Split with a Regex pattern, behavior Isolated and invert=false is supported")
+    # HF keeps the text between matches as pieces of their own; tiktoken would drop it. The second branch
+    # takes such a gap: characters where the regex does not match, up to where it matches again.
+    return f"(?:{regex})|(?:(?!(?:{regex}))(?s:.))+"
+
+
+def _check_bpe_options(path: str, model: dict) -> None:
+    """BPE options that change what HF produces in ways tiktoken has no counterpart for."""
+    neutral = {
+        "dropout": (None, 0, 0.0),
+        "continuing_subword_prefix": (None, ""),
+        "end_of_word_suffix": (None, ""),
+        "byte_fallback": (None, False),
+    }
+    for key, off in neutral.items():
+        if model.get(key) not in off:
+            raise ValueError(f"{path}: BPE {key}={model.get(key)!r} cannot be represented by tiktoken")
+
+
+def _ranks(path: str, vocab: dict) -> dict[bytes, int]:
+    """The vocabulary mapped back from byte-level strings to bytes: tiktoken's mergeable ranks."""
+    decode = {c: b for b, c in byte_level_alphabet().items()}
+    ranks: dict[bytes, int] = {}
+    for token, i in vocab.items():
+        if not isinstance(i, int) or i < 0:
+            raise ValueError(f"{path}: vocab id of {token!r} must be a non-negative integer, got {i!r}")
+        try:
+            ranks[bytes(decode[c] for c in token)] = i
+        except KeyError:
+            bad = next(c for c in token if c not in decode)
+            raise ValueError(
+                f"{path}: vocab token {token!r} (id {i}) has {bad!r}, which is not in the byte-level alphabet; "
+                "not a byte-level BPE vocabulary"
+            ) from None
+    if len(set(ranks.values())) != len(ranks):
+        raise ValueError(f"{path}: vocab gives the same id to two tokens")
+    if missing := [b for b in _UTF8_BYTES if bytes([b]) not in ranks]:
+        shown = ", ".join(f"0x{b:02x}" for b in missing[:8]) + (", ..." if len(missing) > 8 else "")
+        raise ValueError(
+            f"{path}: vocab has no token for {len(missing)} byte value(s) ({shown}); HF would drop such bytes, "
+            "tiktoken cannot"
+        )
+    return ranks
+
+
+def _added_tokens(path: str, added) -> dict[str, int]:
+    """Added (special or not) tokens as tiktoken special tokens; titanlite never matches them in documents."""
+    if not isinstance(added, list) or not all(isinstance(e, dict) for e in added):
+        raise ValueError(f"{path}: added_tokens must be a list of objects")
+    out: dict[str, int] = {}
+    for entry in added:
+        content, i = entry.get("content"), entry.get("id")
+        if not isinstance(content, str) or not isinstance(i, int) or i < 0 or content in out or i in out.values():
+            raise ValueError(f"{path}: added token {entry!r} needs a unique 'content' string and an integer 'id'")
+        if any(entry.get(k) for k in ("lstrip", "rstrip", "single_word")):
+            raise ValueError(f"{path}: added token {content!r} has lstrip/rstrip/single_word, which tiktoken lacks")
+        out[content] = i
+    return out
+
+
+def _merge_pairs(path: str, merges) -> list[tuple[str, str]]:
+    pairs = []
+    for n, m in enumerate(merges or []):
+        pair = tuple(m.split(" ")) if isinstance(m, str) else tuple(m) if isinstance(m, list) else ()
+        if len(pair) != 2 or not all(isinstance(p, str) and p for p in pair):
+            raise ValueError(f"{path}: merge {n} is {m!r}, expected 'left right' or [left, right]")
+        pairs.append(pair)
+    return pairs
+
+
+def _check_merges(path: str, model: dict, ranks: dict[bytes, int]) -> None:
+    """Refuse a merge list that tiktoken's rank-order BPE cannot follow.
+
+    Checked: (1) every merge makes a vocab token from two vocab tokens, and the ids it makes never
+    decrease along the list, so "lowest merge first" and "lowest id first" pick the same pair;
+    (2) without ``ignore_merges`` every multi-byte token is made by some merge (tiktoken takes a
+    whole piece that is a token at once; HF then would not). Not checked, because it depends on which
+    pieces can meet rather than on the lists alone: that tiktoken never merges two adjacent tokens
+    whose concatenation is a token through a split the list does not have; that HF's merges turn a
+    whole piece that is a token into that token; that two merges making the same token never compete
+    on overlapping pieces (``.... .. ....``: tiktoken merges the left pair, HF the one listed first).
+    Requiring every such split to be listed would refuse every HF-trained BPE (a tiny one trained in
+    the tests has ~1,500 unlisted splits in 3,000 tokens) although its ids match: BPE applies merges
+    in the order it learned them, so those pairs never end up side by side. The
+    parity tests check converted and trained files against HF on real text.
+    """
+    decode = {c: b for b, c in byte_level_alphabet().items()}
+    made: set[bytes] = set()
+    last = -1
+    for n, (left, right) in enumerate(_merge_pairs(path, model.get("merges"))):
+        try:
+            lb, rb = bytes(decode[c] for c in left), bytes(decode[c] for c in right)
+        except KeyError:
+            raise ValueError(f"{path}: merge {n} ({left} {right}) is not byte-level text") from None
+        rank = ranks.get(lb + rb)
+        if lb not in ranks or rb not in ranks or rank is None:
+            raise ValueError(f"{path}: merge {n} ({left} {right}) uses or makes a token not in the vocab")
+        if rank < last:
+            raise ValueError(
+                f"{path}: merge {n} ({left} {right}) makes id {rank} after a merge made id {last}; tiktoken merges "
+                "in id order, so its ids would differ from HF's"
+            )
+        last = rank
+        made.add(lb + rb)
+    if not model.get("ignore_merges"):
+        for token, i in ranks.items():
+            if len(token) > 1 and token not in made:
+                raise ValueError(
+                    f"{path}: vocab token id {i} is made by no merge and ignore_merges is false: HF never outputs "
+                    "it, tiktoken would"
+                )
+
+
+def _config_token(value) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _bos_eos(path: str, specials: dict[str, int]) -> tuple[str | None, str | None]:
+    """BOS/EOS token text: from tokenizer_config.json beside the file, else Llama 3's / GPT-2's names."""
+    config_path = os.path.join(os.path.dirname(path), "tokenizer_config.json")
+    if os.path.isfile(config_path):
+        config = _read_json(config_path)
+        bos, eos = _config_token(config.get("bos_token")), _config_token(config.get("eos_token"))
+        for key, tok in (("bos_token", bos), ("eos_token", eos)):
+            if tok is not None and tok not in specials:
+                raise ValueError(f"{config_path}: {key} {tok!r} is not an added token of {path}")
+        if eos is not None:
+            return bos, eos
+    if "<|end_of_text|>" in specials:
+        return ("<|begin_of_text|>" if "<|begin_of_text|>" in specials else None), "<|end_of_text|>"
+    if "<|endoftext|>" in specials:
+        return None, "<|endoftext|>"
+    raise ValueError(f"{path}: no EOS token: tokenizer_config.json has no eos_token and no known end token is added")
+
+
+def tokenizer_files(path: str) -> dict[str, str]:
+    """The files that make up the tokenizer at ``path``, as ``{name in an HF model folder: source file}``.
+
+    For an HF export: a tokenizer.json goes with the tokenizer_config.json beside it, a tiktoken
+    file becomes ``original/tokenizer.model`` (where :func:`resolve_tokenizer_file` looks for it).
+    Empty for the built-in tokenizer ("" / "bytes") or a path that no longer exists.
+    """
+    if path in ("", "bytes") or not os.path.exists(path):
+        return {}
+    try:
+        file = resolve_tokenizer_file(path)
+    except ValueError:
+        return {}
+    if not is_hf_tokenizer_file(file):
+        return {os.path.join("original", "tokenizer.model"): file}
+    files = {"tokenizer.json": file}
+    config = os.path.join(os.path.dirname(file), "tokenizer_config.json")
+    if os.path.isfile(config):
+        files["tokenizer_config.json"] = config
+    return files
