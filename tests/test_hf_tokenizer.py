@@ -214,7 +214,7 @@ REFUSED = {
         ),
         r"vocab token id \d+ is made by no merge and ignore_merges is false",
     ),
-    "missing_byte": (lambda d: d["model"]["vocab"].pop("Ġ"), r"vocab has no token for 1 byte value\(s\) \(0x20\)"),
+    "missing_byte": (lambda d: d["model"]["vocab"].pop("Ġ"), r"no single-byte token for 1 byte value\(s\) \(0x20\)"),
     "dropout": (lambda d: d["model"].update(dropout=0.1), r"BPE dropout=0.1 cannot be represented"),
     "lstrip": (
         lambda d: d["added_tokens"][0].update(lstrip=True),

@@ -186,13 +186,15 @@ def _ranks(path: str, vocab: dict) -> dict[bytes, int]:
             ) from None
     if len(set(ranks.values())) != len(ranks):
         raise ValueError(f"{path}: vocab gives the same id to two tokens")
+    check_every_byte(path, ranks, "HF would drop such bytes, tiktoken cannot")
+    return ranks
+
+
+def check_every_byte(path: str, ranks: dict[bytes, int], why: str) -> None:
+    """ValueError (one line) unless every byte that UTF-8 text can hold has a single-byte token."""
     if missing := [b for b in _UTF8_BYTES if bytes([b]) not in ranks]:
         shown = ", ".join(f"0x{b:02x}" for b in missing[:8]) + (", ..." if len(missing) > 8 else "")
-        raise ValueError(
-            f"{path}: vocab has no token for {len(missing)} byte value(s) ({shown}); HF would drop such bytes, "
-            "tiktoken cannot"
-        )
-    return ranks
+        raise ValueError(f"{path}: no single-byte token for {len(missing)} byte value(s) ({shown}); {why}")
 
 
 def _added_tokens(path: str, added) -> dict[str, int]:

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
-from titanlite.hf_tokenizer import is_hf_tokenizer_file, load_hf_tokenizer, resolve_tokenizer_file
+from titanlite.hf_tokenizer import check_every_byte, is_hf_tokenizer_file, load_hf_tokenizer, resolve_tokenizer_file
 
 # Llama 3's pre-tokenization regex: contractions, letter runs, 1-3 digit groups, punctuation runs,
 # newlines and other whitespace.
@@ -39,9 +39,6 @@ LLAMA3_PAT_STR = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 NUM_RESERVED_SPECIAL_TOKENS = 256
-# Bytes that can occur in UTF-8 text: every byte except 0xC0, 0xC1 and 0xF5-0xFF. A byte-level BPE
-# file must have a single-byte token for each, or tiktoken cannot encode some text.
-_UTF8_BYTES = [b for b in range(0xF5) if b not in (0xC0, 0xC1)]
 # What a tiktoken file is made of. tiktoken's base64 decoding drops any other byte without a word.
 _FILE_BYTES = (string.ascii_letters + string.digits + "+/= \t\r\n").encode()
 
@@ -150,12 +147,7 @@ def load_tiktoken_ranks(path: str) -> dict[bytes, int]:
     in_order = ranks is not None and list(ranks.values()) == list(range(len(ranks)))
     if not in_order or len(data.split()) != 2 * len(ranks) or b"" in ranks or data.translate(None, _FILE_BYTES):
         raise ValueError(_first_bad_line(path, data))
-    if missing := [b for b in _UTF8_BYTES if bytes([b]) not in ranks]:
-        shown = ", ".join(f"0x{b:02x}" for b in missing[:8]) + (", ..." if len(missing) > 8 else "")
-        raise ValueError(
-            f"{path}: no single-byte token for {len(missing)} byte value(s) ({shown}); "
-            "a byte-level BPE file needs one for every byte"
-        )
+    check_every_byte(path, ranks, "a byte-level BPE file needs one for every byte")
     return ranks
 
 

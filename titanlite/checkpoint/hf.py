@@ -195,15 +195,16 @@ def _load_tensor(step_dir: Path, metadata, reader, key: str, md) -> torch.Tensor
 TORCHTITAN_QKV = ".attention.qkv_linear."  # torchtitan 0.3.0's Q/K/V projections inside a block
 # n_heads of torchtitan's llama3 flavors (v0.2 and 0.3.0), by model dim
 TORCHTITAN_LLAMA3_HEADS = {256: 16, 2048: 32, 3072: 24, 4096: 32, 8192: 64, 16384: 128}
-# RoPE and norm of every torchtitan llama3 flavor (v0.2 and 0.3.0): Llama 3.1 scaling, factor 8
-TORCHTITAN_LLAMA3_DEFAULTS = dict(
-    rope_theta=500000.0,
-    rope_scaling_factor=8.0,
-    rope_low_freq_factor=1.0,
-    rope_high_freq_factor=4.0,
-    rope_original_max_position=8192,
-    max_seq_len=131072,
-    norm_eps=1e-5,
+# RoPE, norm eps and context of every torchtitan llama3 flavor (v0.2 and 0.3.0): Llama 3.1's (scaling
+# factor 8), as titanlite's own 8B flavor has them
+TORCHTITAN_LLAMA3_KEYS = (
+    "rope_theta",
+    "rope_scaling_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_position",
+    "max_seq_len",
+    "norm_eps",
 )
 
 
@@ -242,7 +243,7 @@ def torchtitan_model_args(
     """titanlite Llama 3 args for a torchtitan checkpoint, which records none. ``given`` wins; then
     the shapes decide ``vocab_size``, ``dim``, ``n_layers``, ``n_kv_heads`` and the SwiGLU size;
     ``n_heads`` comes from the torchtitan flavor of that ``dim`` (else it must be given); RoPE and
-    norm are torchtitan's llama3 constants (``TORCHTITAN_LLAMA3_DEFAULTS``)."""
+    norm are torchtitan's llama3 constants (``TORCHTITAN_LLAMA3_KEYS`` of the Llama 3.1 8B flavor)."""
     spec = get_model_spec("llama3")
     fields = set(spec.args_cls.__dataclass_fields__)
     if unknown := sorted(set(given) - fields):
@@ -265,7 +266,8 @@ def torchtitan_model_args(
     kv_rows = shape("layers.0.attention.wk.weight")[0]
     inferred = dict(vocab_size=vocab, dim=dim, n_layers=len(layers), n_heads=n_heads)
     inferred["n_kv_heads"] = kv_rows // (dim // n_heads) if dim % n_heads == 0 else None
-    base = {**TORCHTITAN_LLAMA3_DEFAULTS, **inferred, **given}
+    llama31 = get_model_spec("llama3").flavors["8B"]
+    base = {**{k: getattr(llama31, k) for k in TORCHTITAN_LLAMA3_KEYS}, **inferred, **given}
     try:
         args = spec.args_cls(**base)
         if "multiple_of" not in given and "ffn_dim_multiplier" not in given:
