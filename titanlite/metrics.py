@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from titanlite.dtypes import DTYPES
@@ -294,9 +295,9 @@ class UpdateRatio:
     difference: on logging steps only, as the copy costs a parameter-sized buffer. Healthy AdamW training
     shows ratios around 1e-3; a jump by orders of magnitude marks an unstable step."""
 
-    def __init__(self, model: nn.Module, per_layer: bool = False):
+    def __init__(self, model: nn.Module, per_layer: bool = False, pp_group: Any = None):
         self.named = list({id(p): (n, p) for n, p in model.named_parameters() if p.requires_grad}.values())
-        self.per_layer = per_layer
+        self.per_layer, self.pp_group = per_layer, pp_group  # pipeline stages: each holds some layers
         self._saved: list[torch.Tensor] | None = None
 
     @torch.no_grad()
@@ -314,12 +315,16 @@ class UpdateRatio:
         old, self._saved = self._saved, None
         sums = _global_square_sums([p.detach() - o for (_, p), o in zip(self.named, old)] + old)
         upd, par = sums[: len(old)], sums[len(old) :]  # relative to the parameters before the step
-        out = {"update_ratio": _ratio(sum(upd), sum(par))}
+        per: dict[str, tuple[float, float]] = {}
+        for (name, _), u, w in zip(self.named, upd, par):
+            su, sw = per.get(layer := _layer_of(name), (0.0, 0.0))
+            per[layer] = (su + u, sw + w)
+        if self.pp_group is not None:  # every stage's layers (each layer lives on one stage)
+            stages: list[Any] = [None] * dist.get_world_size(self.pp_group)
+            dist.all_gather_object(stages, per, group=self.pp_group)
+            per = {k: v for stage in stages for k, v in stage.items()}
+        out = {"update_ratio": _ratio(sum(u for u, _ in per.values()), sum(w for _, w in per.values()))}
         if self.per_layer:
-            per: dict[str, tuple[float, float]] = {}
-            for (name, _), u, w in zip(self.named, upd, par):
-                su, sw = per.get(layer := _layer_of(name), (0.0, 0.0))
-                per[layer] = (su + u, sw + w)
             out |= {f"update_ratio/{layer}": _ratio(u, w) for layer, (u, w) in per.items()}
         return out
 
@@ -435,11 +440,12 @@ class MetricsHook(Hook):
         matmul_dtype: str = "float32",
         model: nn.Module | None = None,
         summary_path: Path | None = None,
+        pp_group: Any = None,
     ):
         self.section, self.log, self.device, self.world_size = section, log, device, world_size
         self.flops_per_token, self.matmul_dtype, self.summary_path = flops_per_token, matmul_dtype, summary_path
         track = model is not None and section.log_update_ratio
-        self.update_ratio = UpdateRatio(model, section.update_ratio_per_layer) if track else None
+        self.update_ratio = UpdateRatio(model, section.update_ratio_per_layer, pp_group) if track else None
         self.progress = RunProgress(0)
         self.window = (time.perf_counter(), 0, 0, 0.0)  # start, steps, tokens, data wait
 

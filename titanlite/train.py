@@ -50,6 +50,7 @@ from titanlite.parallel.distributed import (
 from titanlite.parallel.float8 import float8_modules
 from titanlite.parallel.fsdp import quiet_view_warning
 from titanlite.parallel.parallel_dims import ParallelDims
+from titanlite.parallel.pipeline import Pipeline, PipelinePlan
 from titanlite.parallel.policies import Policies
 from titanlite.preemption import PreemptionHandler, PreemptionHook
 from titanlite.profiling import ProfilerHook
@@ -97,9 +98,10 @@ class Trainer:
         if source := self.model_args_source():  # its RoPE, norm eps ... unless [model] sets them
             self.model_args = model_args_from_seed(self.spec, self.model_args, cfg.model.overrides, *source)
         check_seq_len(self.model_args, t.seq_len)
+        self.pipeline_plan = self.build_pipeline_plan()
         self.model = self.build_model()
-        self.n_params = num_params(self.model)
-        self.flops_per_token = model_counts(self.spec, self.model_args, t.seq_len)[1]
+        n_params, self.flops_per_token = model_counts(self.spec, self.model_args, t.seq_len)
+        self.n_params = n_params if self.pipeline_plan else num_params(self.model)  # a stage holds a part
         self.optimizer = self.build_optimizer()
         self.lr_scheduler = self.build_lr_scheduler()
         self.train_loader = self.build_dataloader("train")
@@ -118,9 +120,23 @@ class Trainer:
         (``[comm] init_timeout_seconds``) and the named device mesh."""
         dims = ParallelDims.from_config(self.cfg.parallelism, self.world.world_size)
         dims.check_tp_divides(**{"training.seq_len (sequence parallelism)": self.cfg.training.seq_len})
+        if dims.pp_enabled and (n_layers := self.model_layers()):  # the split and schedule, before communicating
+            PipelinePlan.from_config(self.cfg.parallelism, n_layers, self.cfg.training.local_batch_size)
         init_distributed(self.world, self.cfg.comm.init_timeout_seconds)
         dims.build_mesh(self.device.type)
         return dims
+
+    def model_layers(self) -> int | None:
+        """``n_layers`` of the configured flavor (with ``[model]`` overrides), for checks before the model exists."""
+        m = self.cfg.model
+        return m.overrides.get("n_layers", getattr(get_model_spec(m.name).flavors.get(m.flavor), "n_layers", None))
+
+    def build_pipeline_plan(self) -> PipelinePlan | None:
+        """``[parallelism] pipeline_parallel_*``: the stages and the microbatches, or None without pipelining."""
+        if not self.parallel_dims.pp_enabled:
+            return None
+        c = self.cfg
+        return PipelinePlan.from_config(c.parallelism, self.model_args.n_layers, c.training.local_batch_size)
 
     def build_tokenizer(self):
         return self.spec.tokenizer_builder(self.cfg.model.tokenizer_path)
@@ -131,7 +147,7 @@ class Trainer:
         c = self.cfg
         sections = (c.parallelism, c.training, c.activation_checkpoint, c.compile, c.quantize_linear_float8)
         policies = Policies.from_config(*sections)
-        kw = dict(device=self.device, weight_init=c.parallelism.weight_init)
+        kw = dict(device=self.device, weight_init=c.parallelism.weight_init, pipeline=self.pipeline_plan)
         return build_parallel_model(self.spec, self.model_args, self.parallel_dims, policies, **kw)
 
     def build_optimizer(self) -> torch.optim.Optimizer:
@@ -158,10 +174,11 @@ class Trainer:
     def build_train_step(self) -> TrainStep:
         t = self.cfg.training
         kw = dict(grad_accum_steps=self.grad_accum_steps, max_norm=t.max_norm, parallel_dims=self.parallel_dims)
-        dtype = DTYPES[t.mixed_precision_param]
-        return TrainStep(
-            self.model, self.optimizer, self.lr_scheduler, loss_fn=self.build_loss(), autocast_dtype=dtype, **kw
-        )
+        dtype, loss = DTYPES[t.mixed_precision_param], self.build_loss()
+        if self.pipeline_plan is not None:  # the stages and the schedule that runs them
+            group = self.parallel_dims.pp_group
+            kw["pipeline"] = Pipeline(self.model, self.pipeline_plan, group, self.device, loss)
+        return TrainStep(self.model, self.optimizer, self.lr_scheduler, loss_fn=loss, autocast_dtype=dtype, **kw)
 
     def build_checkpointer(self) -> CheckpointManager:
         """``[checkpoint]``: what is saved, and what :meth:`resume` will load (user errors such as a
@@ -193,6 +210,7 @@ class Trainer:
             flops_per_token=self.flops_per_token,
             matmul_dtype=matmul_dtype(c.training.mixed_precision_param, float8, self.device),
             summary_path=Path(c.job.dump_folder) / "summary.json" if main else None,
+            pp_group=self.parallel_dims.pp_group,
         )
         stop = lambda: self.preemption.requested  # noqa: E731 - agreed across ranks by the guard's check
         kw = dict(checkpointer=self.checkpointer, loader=self.train_loader, grad_accum_steps=self.grad_accum_steps)
@@ -276,6 +294,7 @@ class Trainer:
         steps = self.cfg.validation.steps
         batches = None if steps == -1 else steps * self.grad_accum_steps
         kw = dict(parallel_dims=self.parallel_dims, device=self.device, autocast_dtype=self.train_step.autocast_dtype)
+        kw.update(pipeline=self.train_step.pipeline)
         return validation_loss(self.model, self.val_loader, max_batches=batches, **kw)
 
     def log_start(self) -> None:
@@ -288,6 +307,12 @@ class Trainer:
             f"batch: {self.global_batch} sequences x {t.seq_len} tokens = {self.global_batch * t.seq_len:,} tokens "
             f"per optimizer step (local batch {t.local_batch_size} x dp {dp} x grad accumulation {accum})"
         )
+        if (plan := self.pipeline_plan) is not None:
+            logger.info(
+                f"pipeline: {plan.schedule} over {plan.degree} ranks, {plan.num_stages} stages of "
+                f"{list(plan.stage_sizes)} blocks, {plan.n_microbatches} microbatches per local batch "
+                f"(expected bubble {100 * plan.bubble_fraction():.0f}%); this rank runs stages {self.model.stage_ids}"
+            )
 
 
 if __name__ != "__main__":  # under -m, the module imported below registers it (once, the same class extensions see)

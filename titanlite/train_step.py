@@ -15,6 +15,12 @@ over the data-parallel ranks instead of averaging them (:mod:`titanlite.parallel
 accumulation and data parallelism give exactly the update of one big batch, and the logged
 ``loss`` is the global token mean. A loss that adds terms (z-loss, ...) keeps the contract by
 returning their sum over tokens; validation always reports plain cross-entropy.
+
+**Pipeline parallelism** (``pipeline``, a :class:`~titanlite.parallel.pipeline.Pipeline`): each micro-batch
+is one run of the schedule over the local batch (which the schedule cuts into pipeline microbatches), so
+gradient accumulation composes with it. The loss exists on the last stage only; its sum is shared over the
+pipeline group so that every rank logs (and the guard judges) the true loss, and the gradient norm covers
+every stage's parameters.
 """
 
 from __future__ import annotations
@@ -115,10 +121,13 @@ class TrainStep:
         parallel_dims: Any = None,
         autocast_dtype: torch.dtype | None = None,
         device: torch.device | None = None,
+        pipeline: Any = None,
     ):
         self.model, self.optimizer, self.lr_scheduler, self.loss_fn = model, optimizer, lr_scheduler, loss_fn
         self.grad_accum_steps, self.max_norm, self.parallel_dims = grad_accum_steps, max_norm, parallel_dims
         self.device = device or next(model.parameters()).device
+        self.pipeline = pipeline
+        self.pp_group = None if parallel_dims is None else parallel_dims.pp_group
         use_autocast = autocast_dtype not in (None, torch.float32) and not is_fsdp(model)
         self.autocast_dtype = autocast_dtype if use_autocast else None
 
@@ -135,6 +144,9 @@ class TrainStep:
         """One micro-batch: backward of its token-sum loss / ``tokens``; returns the detached sum."""
         inputs, labels, extra = batch_to_device(batch, self.device)
         loss_parallel = getattr(self.parallel_dims, "loss_parallel_enabled", False)
+        if self.pipeline is not None:  # the schedule runs forward and backward of every stage
+            with loss_parallel_context(loss_parallel), self.autocast():
+                return self.pipeline.step(inputs, labels, extra, tokens)
         with loss_parallel_context(loss_parallel):  # vocab-sharded logits under TP
             with self.autocast():
                 logits = self.model(inputs, **extra)
@@ -143,6 +155,9 @@ class TrainStep:
         return to_local_value(loss.detach())
 
     def dp_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the pipeline stages (the loss lives on the last), then the data-parallel ranks."""
+        if self.pp_group is not None:
+            t = all_reduce_sum(t, self.pp_group)
         group = None if self.parallel_dims is None else self.parallel_dims.dp_group
         return t if group is None else all_reduce_sum(t, group)
 
@@ -170,8 +185,9 @@ class TrainStep:
         return result
 
     def clip_grad_norm(self) -> torch.Tensor:
-        """Pre-clip total gradient norm (exact over FSDP shards and TP ranks); clips when ``max_norm > 0``."""
-        return clip_grad_norm_(self.model.parameters(), self.max_norm)
+        """Pre-clip total gradient norm (exact over FSDP shards, TP ranks and pipeline stages); clips when
+        ``max_norm > 0``."""
+        return clip_grad_norm_(self.model.parameters(), self.max_norm, pp_group=self.pp_group)
 
     def update(self, lr_scale: float = 1.0) -> None:
         """``optimizer.step()`` (learning rates scaled by ``lr_scale`` for this step only), then the schedule."""

@@ -36,8 +36,10 @@ def validation_loss(
     parallel_dims: Any = None,
     device: torch.device | None = None,
     autocast_dtype: torch.dtype | None = None,
+    pipeline: Any = None,
 ) -> dict[str, float]:
-    """``{"val_loss", "val_perplexity"}`` over ``max_batches`` batches (None: all) of ``batches``."""
+    """``{"val_loss", "val_perplexity"}`` over ``max_batches`` batches (None: all) of ``batches``; with
+    ``pipeline`` (a :class:`~titanlite.parallel.pipeline.Pipeline`) through its schedule's evaluation mode."""
     device = device or next(model.parameters()).device
     dp_group = None if parallel_dims is None else parallel_dims.dp_group
     loss_parallel = getattr(parallel_dims, "loss_parallel_enabled", False)
@@ -51,11 +53,17 @@ def validation_loss(
     for batch in batches if max_batches is None else itertools.islice(batches, max_batches):
         inputs, labels, extra = batch_to_device(batch, device)
         with loss_parallel_context(loss_parallel), float8_disabled(model):
-            with autocast:
-                logits = model(inputs, **extra)
-            loss_sum += to_local_value(cross_entropy_sum(logits, labels))
+            if pipeline is not None:  # the sum exists on the last stage only: shared below
+                with autocast:
+                    loss_sum += pipeline.evaluate(inputs, labels, extra, cross_entropy_sum)
+            else:
+                with autocast:
+                    logits = model(inputs, **extra)
+                loss_sum += to_local_value(cross_entropy_sum(logits, labels))
         tokens += labels.numel()
     model.train()
+    if pipeline is not None and parallel_dims.pp_group is not None:
+        loss_sum = all_reduce_sum(loss_sum, parallel_dims.pp_group)
     if dp_group is not None:
         loss_sum, tokens = all_reduce_sum(loss_sum, dp_group), all_reduce_sum(tokens, dp_group)
     val_loss = (loss_sum / tokens).item()

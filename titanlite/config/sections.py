@@ -9,6 +9,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 DATASETS = ("embedded", "shards", "text")
+# torch.distributed.pipelining schedules by their torchtitan names (titanlite.parallel.pipeline)
+PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 class ConfigError(ValueError):
@@ -166,6 +168,19 @@ class Parallelism:
     enable_loss_parallel: bool = opt(True, "With TP: cross-entropy on vocabulary-sharded logits.")
     fsdp_reshard_after_forward: str = opt("default", "Reshard after forward.", choices=["default", "always", "never"])
     weight_init: str = opt("auto", "auto = sharded on CUDA, rank0 elsewhere.", choices=["auto", "sharded", "rank0"])
+    pipeline_parallel_degree: int = opt(1, "Pipeline stages' ranks (torch.distributed.pipelining); outermost.", min=1)
+    pipeline_parallel_schedule: str = opt("1F1B", "Pipeline schedule.", choices=list(PIPELINE_SCHEDULES))
+    pipeline_parallel_microbatch_size: int = opt(1, "Sequences per pipeline microbatch.", min=1)
+    pipeline_parallel_layers_per_stage: int = opt(-1, "Transformer blocks per stage; -1 = split evenly.", min=-1)
+    pipeline_parallel_split_points: list[str] = opt([], "Modules that start a new stage, e.g. ['layers.4'].")
+
+    def validate(self) -> None:
+        if self.pipeline_parallel_layers_per_stage == 0:
+            raise ConfigError("parallelism.pipeline_parallel_layers_per_stage must be -1 (split evenly) or >= 1")
+        if self.pipeline_parallel_split_points and self.pipeline_parallel_layers_per_stage != -1:
+            raise ConfigError(
+                "set one of parallelism.pipeline_parallel_split_points and pipeline_parallel_layers_per_stage, not both"
+            )
 
 
 @dataclass
@@ -233,10 +248,20 @@ class JobConfig:
         t, warmup = self.training, self.lr_scheduler.warmup_steps
         if warmup > t.steps:
             raise ConfigError(f"lr_scheduler.warmup_steps ({warmup}) must be <= training.steps ({t.steps})")
-        tokens = t.local_batch_size * t.seq_len
+        p = self.parallelism
+        if p.pipeline_parallel_degree > 1 and t.local_batch_size % p.pipeline_parallel_microbatch_size:
+            raise ConfigError(
+                f"training.local_batch_size ({t.local_batch_size}) must be a multiple of "
+                f"parallelism.pipeline_parallel_microbatch_size ({p.pipeline_parallel_microbatch_size}): "
+                "each pipeline step splits the local batch into microbatches of that size"
+            )
+        batch, name = t.local_batch_size, "training.local_batch_size"
+        if p.pipeline_parallel_degree > 1:
+            batch, name = p.pipeline_parallel_microbatch_size, "parallelism.pipeline_parallel_microbatch_size"
+        tokens = batch * t.seq_len
         if self.quantize_linear_float8.enable and tokens % 16:
             raise ConfigError(
-                f"quantize.linear.float8.enable needs training.local_batch_size x training.seq_len "
-                f"({t.local_batch_size} x {t.seq_len} = {tokens} tokens per micro-batch) to be a multiple of 16: "
+                f"quantize.linear.float8.enable needs {name} x training.seq_len "
+                f"({batch} x {t.seq_len} = {tokens} tokens per micro-batch) to be a multiple of 16: "
                 "float8 matmuls (torch._scaled_mm) need every matrix dimension divisible by 16"
             )

@@ -36,6 +36,9 @@ class ModelSpec:
       and ``forward(tokens) -> logits [batch, seq, vocab]``.
     - ``parallelize_fn``: ``parallelize_fn(model, parallel_dims, policies) -> model`` (on meta; see
       :mod:`titanlite.parallel.policies`); None: the family trains on one process only.
+    - ``pipeline_fn``: ``pipeline_fn(model, plan, stage_ids) -> [stage module, ...]``: the meta model cut
+      into this rank's pipeline stages (see :mod:`titanlite.parallel.pipeline`, whose
+      ``pipeline_decoder`` serves decoders with the usual module names); None: no pipeline parallelism.
     - ``hf_adapter``: class converting to and from Hugging Face (or None), with the interface of
       :class:`titanlite.models.hf_decoder.HFDecoderAdapter` plus ``args_from_hf_config(config) -> args``;
       used by ``scripts/convert_*.py``.
@@ -52,6 +55,7 @@ class ModelSpec:
     flavors: dict[str, Any]
     model_cls: type
     parallelize_fn: Callable[..., nn.Module] | None = None
+    pipeline_fn: Callable[..., list[nn.Module]] | None = None
     hf_adapter: Any = None
     tokenizer_builder: Callable[[str], Any] | None = None
     num_params: Callable[[Any], int] | None = None

@@ -13,6 +13,10 @@ The steps, each needed for a reason:
    is refused rather than trained untied.
 4. ``init_weights()`` initializes in place (it must also work on DTensor shards); with ``rank0`` the
    reference from step 1 is then broadcast into the shards.
+
+With pipeline parallelism (a :class:`~titanlite.parallel.pipeline.PipelinePlan`), step 2 first cuts
+the meta model into this rank's stages with the family's ``pipeline_fn``, parallelizes each stage,
+and returns them as one :class:`~titanlite.parallel.pipeline.ModelParts` under the full model's names.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from titanlite.parallel.parallel_dims import ParallelDims
+from titanlite.parallel.pipeline import ModelParts, PipelinePlan
 from titanlite.parallel.policies import Policies
 from titanlite.parallel.state_dict import load_full_state_dict
 from titanlite.parallel.weight_init import reference_state_dict, resolve_weight_init
@@ -61,21 +66,34 @@ def retie(model: nn.Module, groups: list[list[str]]) -> int:
 
 
 def check_parallelizable(spec: Any, dims: ParallelDims) -> None:
-    """A family without a parallelize function trains on one process only."""
-    if spec.parallelize_fn is None and (dims.dp_degree > 1 or dims.tp > 1):
+    """A family without a parallelize function trains on one process only; without a pipelining one, unpipelined."""
+    if spec.parallelize_fn is None and (dims.dp_degree > 1 or dims.tp > 1 or dims.pp > 1):
         raise ValueError(
             f"model family {spec.name!r} has no parallelize function, so it trains on one process only "
-            f"(asked: data-parallel degree {dims.dp_degree}, tensor-parallel degree {dims.tp})"
+            f"(asked: data-parallel degree {dims.dp_degree}, tensor-parallel degree {dims.tp}, "
+            f"pipeline-parallel degree {dims.pp})"
+        )
+    if dims.pp > 1 and getattr(spec, "pipeline_fn", None) is None:
+        raise ValueError(
+            f"model family {spec.name!r} has no pipelining function (ModelSpec.pipeline_fn), so "
+            f"parallelism.pipeline_parallel_degree must be 1 (asked: {dims.pp})"
         )
 
 
-def parallelize_on_meta(spec: Any, model_args: Any, dims: ParallelDims, policies: Policies) -> tuple[nn.Module, list]:
+def parallelize_on_meta(
+    spec: Any, model_args: Any, dims: ParallelDims, policies: Policies, pipeline: PipelinePlan | None = None
+) -> tuple[nn.Module, list]:
     """Step 2 of the module docstring: ``(the model on the meta device with the family's plan applied, the
-    groups of tied parameters it had before)``; no memory is allocated. The dry run inspects this model."""
+    groups of tied parameters it had before)``; no memory is allocated. The dry run inspects this model.
+    With ``pipeline``, the model is this rank's stages as one :class:`ModelParts`."""
     check_parallelizable(spec, dims)
     with torch.device("meta"):
         model = spec.model_cls(model_args)
     tied = tied_parameters(model)
+    if pipeline is not None and dims.pp > 1:
+        stage_ids = pipeline.stage_ids(dims.pp_rank)
+        stages = spec.pipeline_fn(model, pipeline, stage_ids)
+        return ModelParts(stage_ids, [spec.parallelize_fn(m, dims, policies) for m in stages]), []
     if spec.parallelize_fn is not None:
         return spec.parallelize_fn(model, dims, policies), tied
     policies.apply_single_device(model)
@@ -90,10 +108,12 @@ def build_parallel_model(
     *,
     device: str | torch.device = "cpu",
     weight_init: str = "auto",
+    pipeline: PipelinePlan | None = None,
 ) -> nn.Module:
     """``spec`` (a :class:`~titanlite.models.ModelSpec`)'s model of ``model_args``, parallelized over
-    ``parallel_dims`` (None: one process) with ``policies``, materialized on ``device`` and initialized
-    (see the module docstring). Collective when distributed: every rank calls it."""
+    ``parallel_dims`` (None: one process) with ``policies`` and cut into stages by ``pipeline`` (needed when
+    ``parallel_dims.pp > 1``), materialized on ``device`` and initialized (see the module docstring).
+    Collective when distributed: every rank calls it."""
     dims = parallel_dims or ParallelDims()
     policies = policies or Policies()
     device = torch.device(device)
@@ -101,7 +121,9 @@ def build_parallel_model(
     mode = resolve_weight_init(weight_init, dims.world_size > 1, device.type)
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     reference = reference_state_dict(spec.model_cls, model_args) if mode == "rank0" and rank == 0 else None
-    model, tied = parallelize_on_meta(spec, model_args, dims, policies)
+    if dims.pp > 1 and pipeline is None:
+        raise ValueError("build_parallel_model: pipeline_parallel_degree > 1 needs a PipelinePlan (pipeline=)")
+    model, tied = parallelize_on_meta(spec, model_args, dims, policies, pipeline)
     model.to_empty(device=device)
     if retie(model, tied):
         logger.debug("re-tied %s after to_empty", "; ".join(" = ".join(g) for g in tied))
@@ -115,7 +137,7 @@ def build_parallel_model(
             f"{spec.name}: init_weights() untied the shared parameters {', '.join(untied[0])}; "
             "initialize them in place instead of assigning new tensors"
         )
-    if mode == "rank0":
-        load_full_state_dict(model, reference)
+    if mode == "rank0":  # a pipeline stage holds a slice of the reference's keys: not strict
+        load_full_state_dict(model, reference, strict=dims.pp == 1)
     model.train()
     return model

@@ -77,4 +77,5 @@ def quiet_view_warning():
 
 
 def is_fsdp(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
+    """Whether FSDP wraps ``model`` (or, for pipeline stages merged in one module, its stages)."""
+    return any(isinstance(m, FSDPModule) for m in [model, *getattr(model, "stages", ())])

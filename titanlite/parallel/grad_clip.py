@@ -4,23 +4,32 @@ With FSDP each rank holds a slice of every gradient, with TP a slice of some and
 others (the sequence-parallel norm weights). The total norm is computed per group of gradients
 that share a mesh and placements (``DTensor`` norms then reduce over the sharded dimensions only,
 so replicated gradients are not counted twice), each group's norm is made a plain tensor with
-``full_tensor()``, and the groups' norms are combined. The result equals the norm of the full
-gradients in one process (up to summation order), on every rank.
+``full_tensor()``, and the groups' norms are combined. With pipeline parallelism each stage holds
+other parameters, so the stages' norms are combined too (``pp_group``: the sum of the p-th powers,
+or the maximum for the inf-norm). The result equals the norm of the full gradients in one process
+(up to summation order), on every rank.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
 def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, foreach: bool = True
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    foreach: bool = True,
+    pp_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
-    """Total gradient norm (a plain tensor, before clipping); scales gradients when ``max_norm > 0``."""
+    """Total gradient norm (a plain tensor, before clipping, over every pipeline stage of ``pp_group``);
+    scales gradients when ``max_norm > 0``."""
     groups: dict = defaultdict(list)  # (mesh, placements) of DTensor gradients, None for plain ones
     for p in parameters:
         if isinstance(p.grad, DTensor):
@@ -31,11 +40,24 @@ def clip_grad_norm_(
     for members in groups.values():
         norm = torch.nn.utils.get_total_norm([p.grad for p in members], norm_type, foreach=foreach)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    if not norms:
+    if not norms and pp_group is None:
         return torch.zeros(())
-    device = norms[0].device
+    device = norms[0].device if norms else torch.device("cpu")
     total = torch.nn.utils.get_total_norm([n.to(device) for n in norms], norm_type, foreach=False)
+    if pp_group is not None:
+        total = _over_stages(total, float(norm_type), pp_group)
     if max_norm > 0:
         for members in groups.values():
             torch.nn.utils.clip_grads_with_norm_(members, max_norm, total.to(members[0].device), foreach=foreach)
     return total
+
+
+def _over_stages(norm: torch.Tensor, norm_type: float, group: dist.ProcessGroup) -> torch.Tensor:
+    """The norm over every pipeline stage from each stage's own ``norm``."""
+    if math.isinf(norm_type):
+        norm = norm.clone()
+        dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
+        return norm
+    powered = norm.double() ** norm_type  # double: the p-th powers of large norms stay finite
+    dist.all_reduce(powered, op=dist.ReduceOp.SUM, group=group)
+    return (powered ** (1.0 / norm_type)).to(norm.dtype)

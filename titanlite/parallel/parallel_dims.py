@@ -1,17 +1,19 @@
 """Parallel degrees of a run and the named device mesh they define.
 
-``WORLD_SIZE = dp_replicate x dp_shard x tp``. The mesh is laid out ``(dp_replicate, dp_shard, tp)``
-with ``tp`` innermost, so the ranks of one tensor-parallel group are adjacent (on one node, where
-their many small collectives use the fast intra-node links), and rank
-``r = (replicate * dp_shard + shard) * tp + tp_rank``.
+``WORLD_SIZE = pp x dp_replicate x dp_shard x tp``. The mesh is laid out ``(pp, dp_replicate,
+dp_shard, tp)`` with ``tp`` innermost, so the ranks of one tensor-parallel group are adjacent (on one
+node, where their many small collectives use the fast intra-node links), and ``pp`` outermost, so
+pipeline stages talk across nodes with point-to-point sends only (the least traffic of any axis):
+rank ``r = ((pp_rank * dp_replicate + replicate) * dp_shard + shard) * tp + tp_rank``.
 
 Named views of the mesh:
 
-- ``"dp_replicate"``, ``"dp_shard"``, ``"tp"``: the three dimensions (size-1 dimensions included,
+- ``"pp"``, ``"dp_replicate"``, ``"dp_shard"``, ``"tp"``: the four dimensions (size-1 dimensions included,
   so every name always exists once the mesh is built);
 - ``"dp"``: ``dp_replicate x dp_shard`` flattened. It is both the *data* view (each of its ranks
   reads its own slice of the data; the TP ranks of one DP rank read the same batch) and the *loss*
-  view (the logged loss is summed over it). With context parallelism these two would differ.
+  view (the logged loss is summed over it). With context parallelism these two would differ. The
+  ranks of one DP rank in different pipeline stages read the same batch too.
 - ``"dp_shard_tp"`` (FSDP x TP only): ``dp_shard x tp`` flattened, which DTensor uses to reduce
   values sharded over both (the gradient norm) in one collective.
 - :attr:`ParallelDims.fsdp_mesh`: ``dp_shard``, or the 2-D ``(dp_replicate, dp_shard)`` for HSDP.
@@ -26,8 +28,9 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 _KEYS = {
+    "pp": "parallelism.pipeline_parallel_degree",
     "dp_replicate": "parallelism.data_parallel_replicate_degree",
     "dp_shard": "parallelism.data_parallel_shard_degree",
     "tp": "parallelism.tensor_parallel_degree",
@@ -40,6 +43,7 @@ class ParallelDims:
     dp_shard: int = -1  # -1: whatever is left of the world after dp_replicate and tp
     tp: int = 1
     world_size: int = 1
+    pp: int = 1
     enable_loss_parallel: bool = True
     mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
     _dp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
@@ -55,17 +59,19 @@ class ParallelDims:
         if self.world_size < 1:
             raise ValueError(f"WORLD_SIZE={self.world_size} must be >= 1")
         if self.dp_shard == -1:
-            other = self.dp_replicate * self.tp
+            other = self.pp * self.dp_replicate * self.tp
             if self.world_size % other:
                 raise ValueError(
-                    f"{_KEYS['dp_replicate']} ({self.dp_replicate}) x {_KEYS['tp']} ({self.tp}) = {other} "
+                    f"{_KEYS['pp']} ({self.pp}) x {_KEYS['dp_replicate']} ({self.dp_replicate}) x {_KEYS['tp']} "
+                    f"({self.tp}) = {other} "
                     f"does not divide the number of processes (WORLD_SIZE={self.world_size})"
                 )
             self.dp_shard = self.world_size // other
-        product = self.dp_replicate * self.dp_shard * self.tp
+        product = self.pp * self.dp_replicate * self.dp_shard * self.tp
         if product != self.world_size:
             raise ValueError(
-                f"parallelism degrees must multiply to the number of processes: data_parallel_replicate_degree "
+                f"parallelism degrees must multiply to the number of processes: pipeline_parallel_degree ({self.pp}) "
+                f"x data_parallel_replicate_degree "
                 f"({self.dp_replicate}) x data_parallel_shard_degree ({self.dp_shard}) x tensor_parallel_degree "
                 f"({self.tp}) = {product}, but WORLD_SIZE={self.world_size}"
             )
@@ -78,6 +84,7 @@ class ParallelDims:
             dp_shard=pcfg.data_parallel_shard_degree,
             tp=pcfg.tensor_parallel_degree,
             world_size=world_size,
+            pp=pcfg.pipeline_parallel_degree,
             enable_loss_parallel=pcfg.enable_loss_parallel,
         )
 
@@ -95,6 +102,10 @@ class ParallelDims:
     @property
     def hsdp_enabled(self) -> bool:
         return self.dp_replicate > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
 
     @property
     def tp_enabled(self) -> bool:
@@ -123,7 +134,8 @@ class ParallelDims:
             return self.mesh
         if not dist.is_initialized():
             raise RuntimeError("build_mesh needs the process group (init_distributed) first")
-        mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIMS)
+        shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
         self._dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")  # kept: slicing it back is deprecated
         if self.dp_shard > 1 and self.tp > 1:
             # FSDP x TP gradients are sharded over both; with this flattened view DTensor reduces
@@ -138,6 +150,19 @@ class ParallelDims:
     @property
     def tp_mesh(self) -> DeviceMesh | None:
         return self._sub("tp")
+
+    @property
+    def pp_mesh(self) -> DeviceMesh | None:
+        return self._sub("pp")
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        """Process group of this rank's pipeline stages, or None without pipeline parallelism."""
+        return self.pp_mesh.get_group() if self.pp_enabled and self.mesh is not None else None
+
+    @property
+    def pp_rank(self) -> int:
+        return self.pp_mesh.get_local_rank() if self.pp_enabled and self.mesh is not None else 0
 
     @property
     def dp_mesh(self) -> DeviceMesh | None:
@@ -155,8 +180,8 @@ class ParallelDims:
         return self.dp_mesh.get_group() if self.dp_degree > 1 and self.mesh is not None else None
 
     def dp_rank(self, global_rank: int) -> int:
-        """This rank's index among the data-parallel ranks (``tp`` is the innermost dimension)."""
-        return global_rank // self.tp if self.mesh is None else self.dp_mesh.get_local_rank()
+        """This rank's index among the data-parallel ranks (``tp`` is the innermost dimension, ``pp`` the outermost)."""
+        return (global_rank // self.tp) % self.dp_degree if self.mesh is None else self.dp_mesh.get_local_rank()
 
     def all_groups(self) -> list[dist.ProcessGroup]:
         """Every process group of the mesh (for timeouts)."""

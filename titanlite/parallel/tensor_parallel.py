@@ -11,8 +11,10 @@ inside :func:`loss_parallel_context`.
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import RowwiseParallel, loss_parallel
 
@@ -49,3 +51,9 @@ class SyncRowwiseParallel(RowwiseParallel):
         if outputs.placements != output_layouts:
             outputs = outputs.redistribute(placements=output_layouts, async_op=False)
         return outputs.to_local() if use_local_output else outputs
+
+
+def present_modules(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
+    """The entries of a top-level TP ``plan`` whose module ``model`` has: a pipeline stage lacks the
+    embedding or the norm and output (they are None there, see ``titanlite.parallel.pipeline``)."""
+    return {name: style for name, style in plan.items() if getattr(model, name, None) is not None}

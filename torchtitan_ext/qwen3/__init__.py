@@ -6,6 +6,7 @@ Activate it with ``[job] extensions = ["torchtitan_ext.qwen3"]`` in a train conf
 """
 
 from titanlite.models import ModelSpec, register_model
+from titanlite.parallel.pipeline import pipeline_decoder
 from titanlite.planner import flops_of
 from titanlite.tokenizer import build_tokenizer
 from torchtitan_ext.qwen3.args import QWEN3_FLAVORS, Qwen3ModelArgs, num_params_from_args
@@ -20,6 +21,7 @@ SPEC = register_model(
         flavors=QWEN3_FLAVORS,
         model_cls=Qwen3Model,
         parallelize_fn=parallelize_qwen3,
+        pipeline_fn=pipeline_decoder,
         hf_adapter=Qwen3HFAdapter,
         tokenizer_builder=build_tokenizer,  # tokenizer.json (Qwen3 ships only that), tiktoken, HF folder or bytes
         num_params=num_params_from_args,

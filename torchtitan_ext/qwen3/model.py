@@ -133,18 +133,20 @@ class Qwen3Model(nn.Module):
             self.rope_cache = rope_table(a.head_dim, a.max_seq_len, a.rope_theta)
         if a.tie_word_embeddings and self.output.weight is not self.tok_embeddings.weight:
             self.output.weight = self.tok_embeddings.weight  # re-tie after a conversion split them
-        nn.init.normal_(self.tok_embeddings.weight, std=a.dim**-0.5 if a.tie_word_embeddings else 1.0)
+        if self.tok_embeddings is not None:  # None: a later pipeline stage (titanlite.parallel.pipeline)
+            nn.init.normal_(self.tok_embeddings.weight, std=a.dim**-0.5 if a.tie_word_embeddings else 1.0)
         for layer in self.layers.values():
             layer.init_weights()
-        self.norm.reset_parameters()
-        if not a.tie_word_embeddings:
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if not a.tie_word_embeddings and self.output is not None:
             trunc_normal_(self.output.weight, a.dim**-0.5)
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # None: a later stage
         if tokens.shape[1] > self.rope_cache.shape[0]:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len {self.rope_cache.shape[0]}")
         mask = build_attention_mask(self.args.attn_mask_type, document_ids, self.args.attn_backend)
         for layer in self.layers.values():
             h = layer(h, self.rope_cache, mask)
-        return self.output(self.norm(h))
+        return self.output(self.norm(h)) if self.output is not None else h

@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titanlite.models.llama3.parallelize import apply_fsdp  # same groups: embedding, blocks, norm + output, root
-from titanlite.parallel.tensor_parallel import SyncRowwiseParallel
+from titanlite.parallel.tensor_parallel import SyncRowwiseParallel, present_modules
 
 logger = logging.getLogger(__name__)
 
@@ -71,15 +71,18 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, loss_parallel: bool) -> Non
     parallelize_module(
         model,
         tp_mesh,
-        {
-            "tok_embeddings": SyncRowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "output": ColwiseParallel(
-                input_layouts=Shard(1),
-                output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                use_local_output=not loss_parallel,
-            ),
-        },
+        present_modules(
+            model,
+            {
+                "tok_embeddings": SyncRowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+                "norm": SequenceParallel(),
+                "output": ColwiseParallel(
+                    input_layouts=Shard(1),
+                    output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                    use_local_output=not loss_parallel,
+                ),
+            },
+        ),
     )
     qk_norm = model.args.qk_norm
     for block in model.layers.values():
@@ -103,5 +106,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, loss_parallel: bool) -> Non
             plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
             plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         parallelize_module(block, tp_mesh, plan)
-    if model.args.tie_word_embeddings:  # both were replaced by DTensors: share the embedding's again
+    if (
+        model.args.tie_word_embeddings and model.output is not None
+    ):  # both were replaced by DTensors: share the embedding's again
         model.output.weight = model.tok_embeddings.weight

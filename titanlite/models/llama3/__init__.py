@@ -5,6 +5,7 @@ from titanlite.models.llama3.hf_adapter import Llama3HFAdapter
 from titanlite.models.llama3.model import Transformer
 from titanlite.models.llama3.parallelize import parallelize_llama
 from titanlite.models.registry import ModelSpec, register_model
+from titanlite.parallel.pipeline import pipeline_decoder
 from titanlite.planner import flops_of, params_of
 from titanlite.tokenizer import build_tokenizer
 
@@ -15,6 +16,7 @@ register_model(
         flavors=LLAMA3_FLAVORS,
         model_cls=Transformer,
         parallelize_fn=parallelize_llama,
+        pipeline_fn=pipeline_decoder,
         hf_adapter=Llama3HFAdapter,
         tokenizer_builder=build_tokenizer,
         num_params=params_of,

@@ -187,22 +187,27 @@ class Transformer(nn.Module):
         tied = self.args.tie_word_embeddings
         if tied and self.output.weight is not self.tok_embeddings.weight:  # re-tie if a conversion split them
             self.output.weight = self.tok_embeddings.weight
-        nn.init.normal_(self.tok_embeddings.weight, std=self.args.dim**-0.5 if tied else 1.0)
+        if self.tok_embeddings is not None:  # None: a later pipeline stage (titanlite.parallel.pipeline)
+            nn.init.normal_(self.tok_embeddings.weight, std=self.args.dim**-0.5 if tied else 1.0)
         for layer in self.layers.values():
             layer.init_weights()
-        self.norm.reset_parameters()
-        if not tied:
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if not tied and self.output is not None:
             trunc_normal_(self.output.weight, self.args.dim**-0.5)
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits ``[B, S, vocab]``; ``document_ids [B, S]`` is needed for ``block_causal`` masking."""
-        h = self.tok_embeddings(tokens)
+        """Logits ``[B, S, vocab]``; ``document_ids [B, S]`` is needed for ``block_causal`` masking.
+
+        A pipeline stage (see :func:`titanlite.parallel.pipeline.pipeline_decoder`) lacks the modules other
+        stages hold: without ``tok_embeddings`` it takes hidden states, without ``output`` it returns them."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if h.shape[1] > self.rope_cache.shape[0]:
             raise ValueError(f"sequence length {h.shape[1]} exceeds max_seq_len {self.rope_cache.shape[0]}")
         attn_mask = build_attention_mask(self.args.attn_mask_type, document_ids, self.args.attn_backend)
         for layer in self.layers.values():
             h = layer(h, self.rope_cache, attn_mask)
-        return self.output(self.norm(h))
+        return self.output(self.norm(h)) if self.output is not None else h
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -61,7 +61,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titanlite.parallel.fsdp import FSDPPolicy
-from titanlite.parallel.tensor_parallel import SyncRowwiseParallel
+from titanlite.parallel.tensor_parallel import SyncRowwiseParallel, present_modules
 
 logger = logging.getLogger(__name__)
 
@@ -102,15 +102,18 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, loss_parallel: bool) -> Non
     parallelize_module(
         model,
         tp_mesh,
-        {
-            "tok_embeddings": SyncRowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "output": ColwiseParallel(
-                input_layouts=Shard(1),
-                output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                use_local_output=not loss_parallel,
-            ),
-        },
+        present_modules(
+            model,
+            {
+                "tok_embeddings": SyncRowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+                "norm": SequenceParallel(),
+                "output": ColwiseParallel(
+                    input_layouts=Shard(1),
+                    output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                    use_local_output=not loss_parallel,
+                ),
+            },
+        ),
     )
     for block in model.layers.values():
         parallelize_module(
@@ -133,17 +136,19 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, loss_parallel: bool) -> Non
                 "feed_forward.w3": ColwiseParallel(),
             },
         )
-    if model.args.tie_word_embeddings:  # TP replaced both parameters: share the embedding's again
+    if (
+        model.args.tie_word_embeddings and model.output is not None
+    ):  # TP replaced both parameters: share the embedding's again
         model.output.weight = model.tok_embeddings.weight
 
 
 def apply_fsdp(model: nn.Module, policy: FSDPPolicy) -> None:
     """FSDP groups bottom-up (module docstring, step 5)."""
     tied = model.args.tie_word_embeddings
-    if not tied:
+    if not tied and model.tok_embeddings is not None:  # None: a later pipeline stage
         policy.shard(model.tok_embeddings)
     for block in model.layers.values():
         policy.shard(block)
-    if not tied:
+    if not tied and model.output is not None:  # None: an earlier pipeline stage
         policy.shard([model.norm, model.output], last=True)
     policy.finish(model)

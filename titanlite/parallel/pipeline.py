@@ -1,0 +1,335 @@
+"""Pipeline parallelism on ``torch.distributed.pipelining``: the split, the stages and the schedule.
+
+PyTorch provides the stages (point-to-point sends of activations and gradients) and the schedules
+(GPipe, 1F1B, interleaved and zero-bubble variants); titanlite adds what they leave to the caller:
+
+1. **The split** (:class:`PipelinePlan`, a pure function of the config and the layer count): the
+   blocks are cut into stages, evenly by default, by ``pipeline_parallel_layers_per_stage``, or at
+   ``pipeline_parallel_split_points`` (``"layers.4"`` starts a new stage). The first stage keeps the
+   embedding, the last the final norm and output. Stages go to ranks in a loop (stage ``s`` on pp
+   rank ``s % pp``) or, for the V schedules (ZBV, DualPipeV), in a V (rank ``r`` holds ``r`` and
+   ``2pp - 1 - r``). Each problem is a one-line ``ValueError`` naming the key, raised before any
+   communication.
+2. **The stage modules** (:func:`pipeline_decoder`, a family's ``pipeline_fn``): pruned copies of
+   the meta model, each keeping only its modules under their full-model names. The family's
+   parallelize function then applies float8, TP, AC, compile and FSDP to each stage.
+3. **One module per rank** (:class:`ModelParts`): the rank's stages merged under the full model's
+   names (``tok_embeddings``, ``layers.<i>``, ``norm``, ``output``), so the optimizer, gradient
+   clipping, metrics and DCP checkpoints see one module whose state dict is a slice of the
+   single-process one: checkpoints reshard freely between pipelined and plain layouts.
+4. **The step** (:class:`Pipeline`): the schedule runs the microbatches; the loss exists on the
+   last stage only, as the token *sum* divided by the step's global token count (``scale_grads``
+   off: the schedule must not divide by the microbatch count again), so gradient accumulation,
+   data and pipeline parallelism all give the single-process update. The raw sums are kept so that
+   the trainer can share the true loss with every stage.
+
+Tied parameters whose copies would fall in different stages (a tied embedding and output) are
+refused: the stages would train two separate copies, and torch's stages do not synchronize them.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleSingle,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+
+from titanlite.parallel.tensor_parallel import to_local_value
+
+SCHEDULES: dict[str, type] = {
+    "GPipe": ScheduleGPipe,
+    "1F1B": Schedule1F1B,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+    "ZBVZeroBubble": ScheduleZBVZeroBubble,
+    "DualPipeV": ScheduleDualPipeV,
+}
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # two stages per rank, placed in a V
+_KEY = "parallelism.pipeline_parallel"
+
+
+def is_multi_stage(schedule: str) -> bool:
+    """Whether ``schedule`` runs several (virtual) stages per rank."""
+    return not issubclass(SCHEDULES[schedule], PipelineScheduleSingle)
+
+
+def split_evenly(n_layers: int, num_stages: int) -> list[int]:
+    """Blocks per stage, as even as possible; the extra blocks go to the middle stages first (the first
+    stage holds the most activations in flight under 1F1B, the last one computes the output and loss)."""
+    base, extra = divmod(n_layers, num_stages)
+    middle = list(range(1, num_stages - 1))
+    order = middle + [num_stages - 1, 0] if num_stages > 1 else [0]
+    sizes = [base] * num_stages
+    for s in order[:extra]:
+        sizes[s] += 1
+    return sizes
+
+
+def _sizes_from_split_points(points: Sequence[str], n_layers: int) -> list[int]:
+    starts = []
+    for p in points:
+        m = re.fullmatch(r"layers\.(\d+)", p)
+        if m is None or not 0 < int(m.group(1)) < n_layers:
+            raise ValueError(
+                f"{_KEY}_split_points: {p!r} must name a block that starts a stage, 'layers.<i>' with 0 < i < "
+                f"{n_layers} (model.n_layers)"
+            )
+        starts.append(int(m.group(1)))
+    if starts != sorted(set(starts)):
+        raise ValueError(f"{_KEY}_split_points {list(points)} must be strictly increasing")
+    bounds = [0, *starts, n_layers]
+    return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelinePlan:
+    """How the model and the batch are cut (see the module docstring); build it with :meth:`from_config`."""
+
+    degree: int
+    schedule: str
+    n_microbatches: int
+    stage_sizes: tuple[int, ...]  # blocks per stage, in model order
+
+    @classmethod
+    def from_config(cls, section: Any, n_layers: int, local_batch_size: int) -> PipelinePlan:
+        """From ``[parallelism]``; ``ValueError`` (one line) for a split or schedule that cannot work."""
+        pp, name = section.pipeline_parallel_degree, section.pipeline_parallel_schedule
+        if name not in SCHEDULES:
+            raise ValueError(f"{_KEY}_schedule={name!r} must be one of {', '.join(SCHEDULES)}")
+        per_rank = 2 if is_multi_stage(name) else 1
+        if section.pipeline_parallel_split_points:
+            sizes = _sizes_from_split_points(section.pipeline_parallel_split_points, n_layers)
+            source = f"{_KEY}_split_points ({len(sizes)} stages)"
+        elif (lps := section.pipeline_parallel_layers_per_stage) > 0:
+            if n_layers % lps:
+                raise ValueError(f"{_KEY}_layers_per_stage={lps} does not divide model.n_layers ({n_layers})")
+            sizes, source = [lps] * (n_layers // lps), f"{_KEY}_layers_per_stage={lps} ({n_layers // lps} stages)"
+        else:
+            if n_layers < pp * per_rank:
+                raise ValueError(
+                    f"model.n_layers ({n_layers}) cannot be split into {pp * per_rank} pipeline stages "
+                    f"({_KEY}_degree={pp} x {per_rank} per rank for {name})"
+                )
+            sizes, source = split_evenly(n_layers, pp * per_rank), ""
+        plan = cls(pp, name, local_batch_size // section.pipeline_parallel_microbatch_size, tuple(sizes))
+        plan.check(source)
+        return plan
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_sizes)
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.num_stages // self.degree
+
+    def check(self, source: str = "") -> None:
+        """The stage count suits the schedule and the degree, and the microbatches suit the schedule."""
+        pp, s, name, m = self.degree, self.num_stages, self.schedule, self.n_microbatches
+        what = source or f"{s} stages"
+        if any(n < 1 for n in self.stage_sizes):
+            raise ValueError(f"{what}: every pipeline stage needs at least one block")
+        if not is_multi_stage(name) and s != pp:
+            raise ValueError(
+                f"{_KEY}_schedule={name} runs one stage per rank, so it needs {pp} stages ({_KEY}_degree), "
+                f"but {what}; use Interleaved1F1B or InterleavedZeroBubble for several stages per rank"
+            )
+        if is_multi_stage(name) and (s % pp or s < 2 * pp):
+            raise ValueError(
+                f"{_KEY}_schedule={name} needs virtual stages: a multiple of {_KEY}_degree ({pp}) and at least 2 per "
+                f"rank ({2 * pp}), but {what}"
+            )
+        if name in V_SCHEDULES and s != 2 * pp:
+            raise ValueError(f"{_KEY}_schedule={name} needs exactly 2 stages per rank ({2 * pp}), but {what}")
+        mb = "microbatches (training.local_batch_size / parallelism.pipeline_parallel_microbatch_size)"
+        if name in ("1F1B", "DualPipeV") and m < s:
+            raise ValueError(f"{_KEY}_schedule={name} needs at least as many {mb} as stages ({s}), got {m}")
+        if name in ("Interleaved1F1B", "InterleavedZeroBubble") and m % max(1, m // pp):
+            raise ValueError(
+                f"{_KEY}_schedule={name} needs a number of {mb} divisible by its rounds (max(1, {m} // {pp})), got {m}"
+            )
+
+    def stage_ids(self, pp_rank: int) -> list[int]:
+        """The stages pp rank ``pp_rank`` runs, in order (a loop, or a V for ZBV / DualPipeV)."""
+        if self.schedule in V_SCHEDULES:
+            return [pp_rank, 2 * self.degree - 1 - pp_rank]
+        return list(range(pp_rank, self.num_stages, self.degree))
+
+    def stage_layers(self, stage: int) -> range:
+        start = sum(self.stage_sizes[:stage])
+        return range(start, start + self.stage_sizes[stage])
+
+    def stage_modules(
+        self, stage: int, first: Sequence[str] = ("tok_embeddings",), last: Sequence[str] = ("norm", "output")
+    ) -> list[str]:
+        """Full-model names of the modules stage ``stage`` keeps (``layers.<i>`` for its blocks)."""
+        names = list(first) if stage == 0 else []
+        names += [f"layers.{i}" for i in self.stage_layers(stage)]
+        return names + (list(last) if stage == self.num_stages - 1 else [])
+
+    def bubble_fraction(self) -> float:
+        """Idle fraction of each rank's step for the schedule, in the usual model (equal stage times, backward
+        twice forward): ``(p-1)/(m+p-1)`` for GPipe and 1F1B, divided by the stages per rank ``v`` for the
+        interleaved ones, and about a third of that for the zero-bubble ones, whose weight gradients fill the gaps
+        (an estimate, not a measurement)."""
+        p, m, v = self.degree, self.n_microbatches, self.stages_per_rank
+        bubble = (p - 1) / (m + p - 1) if v == 1 else (p - 1) / (v * m + p - 1)
+        return bubble / 3 if self.schedule in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV") else bubble
+
+
+def pipeline_decoder(
+    model: nn.Module,
+    plan: PipelinePlan,
+    stage_ids: Sequence[int],
+    first: Sequence[str] = ("tok_embeddings",),
+    last: Sequence[str] = ("norm", "output"),
+) -> list[nn.Module]:
+    """A decoder family's ``pipeline_fn``: one pruned copy of the meta ``model`` per stage in ``stage_ids``,
+    keeping ``first`` (on stage 0), its blocks (``model.layers``, an ``nn.ModuleDict``) and ``last`` (on the
+    last stage). Dropped top-level modules become None: the family's forward skips them (the embedding is
+    skipped on later stages, which receive hidden states; norm and output on all but the last)."""
+    where = {n: s for s in range(plan.num_stages) for n in plan.stage_modules(s, first, last)}
+    check_ties(model, where)
+    stages = []
+    for s in stage_ids:
+        keep = set(plan.stage_modules(s, first, last))
+        stage = copy.deepcopy(model)
+        for name, child in list(stage.named_children()):
+            if isinstance(child, nn.ModuleDict):
+                for key in [k for k in child if f"{name}.{k}" not in keep]:
+                    del child[key]
+            elif name not in keep and (name in first or name in last):
+                setattr(stage, name, None)
+        stages.append(stage)
+    return stages
+
+
+def check_ties(model: nn.Module, stage_of: dict[str, int]) -> None:
+    """Refuse parameters shared by modules that land in different stages (one line)."""
+    owners: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(name)
+    for names in owners.values():
+        stages = {stage_of.get(_top_module(n)) for n in names}
+        if len(stages) > 1:
+            raise ValueError(
+                f"{' and '.join(names)} are one tied parameter but fall in different pipeline stages "
+                f"({', '.join(str(s) for s in sorted(stages, key=str))}); pipeline stages do not synchronize shared "
+                "weights (torchtitan refuses this too): set model.tie_word_embeddings = false or "
+                f"{_KEY}_degree = 1"
+            )
+
+
+def _top_module(param_name: str) -> str:
+    parts = param_name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
+
+
+class ModelParts(nn.Module):
+    """This rank's pipeline stages as one module under the full model's names (module docstring, step 3).
+
+    Parameters live in the stage modules (``stages``, which the schedule runs); this module only
+    *references* them, so its ``state_dict`` keys, ``named_parameters`` and ``parameters`` are the
+    full model's for the blocks this rank holds. It is never called itself."""
+
+    def __init__(self, stage_ids: Sequence[int], stages: Sequence[nn.Module]):
+        super().__init__()
+        for stage in stages:
+            for name, child in stage.named_children():
+                if isinstance(child, nn.ModuleDict):
+                    merged = self._modules.get(name) or nn.ModuleDict()
+                    merged.update(child)
+                    self.add_module(name, merged)
+                else:
+                    self.add_module(name, child)
+        self.stage_ids, self.stages = list(stage_ids), list(stages)  # a plain list: not submodules
+        self.args = getattr(stages[0], "args", None)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a pipelined model runs through its schedule (titanlite.parallel.pipeline.Pipeline)")
+
+    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> ModelParts:
+        for stage in self.stages:  # the stages own the buffers (the rotary table) too
+            stage.to_empty(device=device, recurse=recurse)
+        return self
+
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        for stage in self.stages:
+            stage.init_weights(buffer_device)
+
+    def train(self, mode: bool = True) -> ModelParts:
+        for stage in self.stages:
+            stage.train(mode)
+        return super().train(mode)
+
+
+class Pipeline:
+    """This rank's stages and their schedule: :meth:`step` (forward + backward of one local batch) and
+    :meth:`evaluate` (forward only). Both return the token-sum loss of the microbatches whose last stage
+    runs here, or 0 on a rank without the last stage; the caller sums it over the pipeline group.
+
+    Evaluation has its own schedule (stages over the same modules): a schedule re-infers its stages'
+    shapes, with a forward and a backward, each time it switches between training and evaluation."""
+
+    def __init__(
+        self,
+        parts: ModelParts,
+        plan: PipelinePlan,
+        group: Any,
+        device: torch.device,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ):
+        self.parts, self.plan, self.group, self.device, self.loss_fn = parts, plan, group, device, loss_fn
+        self.has_first, self.has_last = 0 in parts.stage_ids, plan.num_stages - 1 in parts.stage_ids
+        self.schedule = self._schedule()
+        self._eval_schedule = None
+        self._fn, self._divisor, self._sums = loss_fn, 1, []
+
+    def _schedule(self) -> Any:
+        plan = self.plan
+        stages = [PipelineStage(m, i, plan.num_stages, self.device, group=self.group) for i, m in self._stages()]
+        arg = stages if is_multi_stage(plan.schedule) else stages[0]
+        return SCHEDULES[plan.schedule](arg, n_microbatches=plan.n_microbatches, loss_fn=self._loss, scale_grads=False)
+
+    def _stages(self) -> list[tuple[int, nn.Module]]:
+        return list(zip(self.parts.stage_ids, self.parts.stages))
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        total = self._fn(logits, labels)
+        self._sums.append(to_local_value(total.detach()))
+        return total / self._divisor
+
+    def _run(self, run: Callable, inputs, labels, extra: dict, fn: Callable, divisor: int) -> torch.Tensor:
+        self._fn, self._divisor, self._sums = fn, divisor, []
+        args = (inputs,) if self.has_first else ()
+        run(*args, target=labels if self.has_last else None, return_outputs=False, **extra)
+        # the last n: a schedule's first run also calls the loss once to infer the backward's shapes
+        sums = self._sums[-self.plan.n_microbatches :] if self.has_last else []
+        self._sums = []
+        return torch.stack(sums).sum() if sums else torch.zeros((), device=self.device)
+
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor, extra: dict, tokens: int) -> torch.Tensor:
+        """Forward and backward of ``inputs`` (this rank's local batch), each microbatch's loss divided by
+        ``tokens`` (the optimizer step's global token count); returns the undivided sum (see the class)."""
+        return self._run(self.schedule.step, inputs, labels, extra, self.loss_fn, tokens)
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, extra: dict, loss_fn: Callable) -> torch.Tensor:
+        """Forward only, through the evaluation schedule; the summed ``loss_fn`` as for :meth:`step`."""
+        if self._eval_schedule is None:
+            self._eval_schedule = self._schedule()
+        return self._run(self._eval_schedule.eval, inputs, labels, extra, loss_fn, 1)
