@@ -46,6 +46,9 @@ from torch.distributed.pipelining.schedules import (
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
+    _Action,
+    _add_send_recv,
+    _ComputationType,
 )
 
 from titanlite.parallel.tensor_parallel import to_local_value
@@ -58,7 +61,8 @@ SCHEDULES: dict[str, type] = {
     "ZBVZeroBubble": ScheduleZBVZeroBubble,
     "DualPipeV": ScheduleDualPipeV,
 }
-V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # two stages per rank, placed in a V
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+_FORWARD = _ComputationType.FORWARD  # two stages per rank, placed in a V
 _KEY = "parallelism.pipeline_parallel"
 
 
@@ -299,11 +303,22 @@ class Pipeline:
         self._eval_schedule = None
         self._fn, self._divisor, self._sums = loss_fn, 1, []
 
-    def _schedule(self) -> Any:
+    def _schedule(self, forward_only: bool = False) -> Any:
         plan = self.plan
         stages = [PipelineStage(m, i, plan.num_stages, self.device, group=self.group) for i, m in self._stages()]
         arg = stages if is_multi_stage(plan.schedule) else stages[0]
-        return SCHEDULES[plan.schedule](arg, n_microbatches=plan.n_microbatches, loss_fn=self._loss, scale_grads=False)
+        kw = dict(n_microbatches=plan.n_microbatches, loss_fn=self._loss, scale_grads=False)
+        schedule = SCHEDULES[plan.schedule](arg, **kw)
+        if forward_only and plan.schedule in V_SCHEDULES:
+            # torch 2.13's V schedules still run their backward actions in eval mode (and fail): give them a
+            # forward-only order, each rank's stages in turn over every microbatch, with the sends and receives
+            # added by torch's own lowering (its validation, which insists on backward actions, is skipped)
+            n, to_rank = plan.n_microbatches, schedule.stage_index_to_group_rank
+            order = {
+                r: [_Action(s, _FORWARD, mb) for s in plan.stage_ids(r) for mb in range(n)] for r in range(plan.degree)
+            }
+            schedule.pipeline_order_with_comms = _add_send_recv(order, lambda s: to_rank[s], plan.num_stages)
+        return schedule
 
     def _stages(self) -> list[tuple[int, nn.Module]]:
         return list(zip(self.parts.stage_ids, self.parts.stages))
@@ -331,5 +346,5 @@ class Pipeline:
     def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, extra: dict, loss_fn: Callable) -> torch.Tensor:
         """Forward only, through the evaluation schedule; the summed ``loss_fn`` as for :meth:`step`."""
         if self._eval_schedule is None:
-            self._eval_schedule = self._schedule()
+            self._eval_schedule = self._schedule(forward_only=True)
         return self._run(self._eval_schedule.eval, inputs, labels, extra, loss_fn, 1)
