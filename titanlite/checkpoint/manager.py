@@ -151,15 +151,32 @@ class ModelState:
 class OptimizerState:
     """An optimizer as a DCP ``Stateful``: its state keyed by the model's parameter names."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
-        self.model, self.optimizer = model, optimizer
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Any = None):
+        self.model, self.optimizer, self.group = model, optimizer, group
 
     def state_dict(self) -> dict[str, Any]:
         sd = get_optimizer_state_dict(self.model, self.optimizer)
-        return {**sd, "param_groups": codec.encode(sd["param_groups"], "param_groups")}  # JSON, not pickles
+        groups = sd["param_groups"]
+        if hasattr(self.model, "stages"):  # pipeline stages: each rank's groups name other parameters
+            groups = all_ranks_param_groups(groups, self.group)
+        return {**sd, "param_groups": codec.encode(groups, "param_groups")}  # JSON, not pickles
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         set_optimizer_state_dict(self.model, self.optimizer, sd)
+
+
+def all_ranks_param_groups(groups: list[dict[str, Any]], group: Any = None) -> list[dict[str, Any]]:
+    """``groups`` with every rank's parameter names in each group's ``params``. DCP stores one copy of a value
+    every rank holds, so under pipeline parallelism (where each rank's groups list its own stages' parameters)
+    the stored groups must be the same on all ranks; a load keeps the names of the parameters it has."""
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, groups, group=group)
+    merged = [dict(g, params=list(g["params"])) for g in everyone[0]]
+    for other in everyone[1:]:
+        for mine, theirs in zip(merged, other):
+            seen = set(mine["params"])
+            mine["params"] += [p for p in theirs["params"] if p not in seen]
+    return merged
 
 
 class CheckpointManager:
@@ -579,7 +596,7 @@ class CheckpointManager:
         if model_only:
             return state
         for k, opt in self.optimizers.items():
-            state[k] = OptimizerState(self.model, opt)
+            state[k] = OptimizerState(self.model, opt, self._pg)
         for k, obj in self.shared.items():
             state[k] = codec.encode(obj.state_dict(), k)
         for k, (obj, key) in self.per_rank.items():

@@ -137,7 +137,7 @@ def build_parallel_model(
             f"{spec.name}: init_weights() untied the shared parameters {', '.join(untied[0])}; "
             "initialize them in place instead of assigning new tensors"
         )
-    if mode == "rank0":  # a pipeline stage holds a slice of the reference's keys: not strict
-        load_full_state_dict(model, reference, strict=dims.pp == 1)
+    if mode == "rank0":
+        load_full_state_dict(model, reference)
     model.train()
     return model

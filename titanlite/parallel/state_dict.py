@@ -25,8 +25,11 @@ def load_full_state_dict(
 ) -> None:
     """Copy a full state dict (needed on rank 0 only) into ``model`` (sharded or not), in place.
 
-    Parameter objects keep their identity, so an optimizer built before the call stays valid.
+    Parameter objects keep their identity, so an optimizer built before the call stays valid. A rank's
+    pipeline stages (a ``ModelParts``, with ``stages``) hold a slice of the keys: every key is broadcast
+    and each rank keeps its own (not strict, since rank 0's dict holds the other stages' keys too).
     """
+    strict = strict and not hasattr(model, "stages")
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if not distributed and not any(isinstance(p, DTensor) for p in model.parameters()):
         model.load_state_dict(full_state_dict or {}, strict=strict)
