@@ -39,6 +39,10 @@ def test_degrees_resolve_the_rest_of_the_world():
     assert one.dp_group is None and one.dp_rank(0) == 0 and one.build_mesh("cpu") is None
     assert ParallelDims(tp=2, world_size=4).dp_rank(3) == 1  # tp is the innermost dimension
     assert not ParallelDims(tp=2, world_size=2, enable_loss_parallel=False).loss_parallel_enabled
+    # pp is the outermost dimension: ranks 0-3 are stage 0, 4-7 stage 1; the rest is left to FSDP
+    d = ParallelDims(pp=2, tp=2, world_size=8)
+    assert (d.dp_shard, d.dp_degree, d.pp_enabled, d.pp_rank, d.pp_group) == (2, 2, True, 0, None)
+    assert [d.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
 
 
 @pytest.mark.parametrize(
@@ -56,6 +60,13 @@ def test_degrees_resolve_the_rest_of_the_world():
         ),
         (dict(dp_shard=0, world_size=2), "parallelism.data_parallel_shard_degree=0 must be >= 1 (or -1 for the rest"),
         (dict(tp=0, world_size=2), "parallelism.tensor_parallel_degree=0 must be >= 1"),
+        (
+            dict(pp=2, dp_shard=2, tp=2, world_size=4),
+            "pipeline_parallel_degree (2) x data_parallel_replicate_degree (1) x data_parallel_shard_degree (2) x "
+            "tensor_parallel_degree (2) = 8, but WORLD_SIZE=4",
+        ),
+        (dict(pp=3, world_size=4), "parallelism.pipeline_parallel_degree (3) x parallelism.data_parallel_replicate"),
+        (dict(pp=0, world_size=2), "parallelism.pipeline_parallel_degree=0 must be >= 1"),
     ],
 )
 def test_bad_degrees_are_one_line_errors(kwargs, message):

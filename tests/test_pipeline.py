@@ -13,6 +13,7 @@ all miss by far more (a missing stage's share of the norm is tens of percent).
 from __future__ import annotations
 
 import copy
+import json
 import shutil
 import subprocess
 import sys
@@ -349,3 +350,65 @@ def test_pipelined_checkpoints_reshard_and_resume_exactly(tmp_path, reference):
     assert set(exported) == set(expected)
     for k, v in expected.items():
         assert torch.equal(exported[k], v.to(exported[k].dtype)), k
+
+
+# ---------------------------------------------------------------------------------------------- Qwen3, guard
+
+QWEN3_ARGS = ["--model.name", "qwen3", "--model.head_dim", "32", "--model.ffn_hidden_dim", "128"]
+QWEN3_ARGS += ["--model.tie_word_embeddings", "false"]  # the debug flavor ties them: refused under PP
+GUARD = ["--guard.policy", "skip_step", "--guard.debug_inject_nan_at_step", "3", *PP_MODEL]
+MORE = {
+    "qwen3": ([*QWEN3_ARGS, *PP_MODEL], pp("1F1B", *QWEN3_ARGS)),
+    "guard": (GUARD, pp("1F1B", *GUARD[:4])),
+}
+
+
+def records_worker(args: dict) -> dict:
+    import tempfile
+
+    import torchtitan_ext.qwen3  # noqa: F401  (registers the family in this process)
+
+    cache_token_stores()
+    out = {}
+    for name, extra in args["configs"].items():
+        with tempfile.TemporaryDirectory() as dump:
+            trainer = RecordingTrainer(pp_config(dump, 1, extra))
+            if args["seeds"].get(name) is not None:
+                from titanlite.parallel.state_dict import load_full_state_dict
+
+                load_full_state_dict(trainer.model, args["seeds"][name])
+            out[name] = [
+                {k: r.get(k) for k in ("step", "loss", "grad_norm", "guard_skipped_steps")} for r in trainer.train()
+            ]
+    return out
+
+
+@pytest.mark.multiprocess
+def test_qwen3_and_the_guard_under_pipeline_parallelism(tmp_path):
+    """Qwen3 (qk-norm) trains under PP 2 with one process's losses; a NaN injected at step 3 under
+    ``skip_step`` is skipped by every stage (the verdict is agreed), as one process skips it."""
+    import torchtitan_ext.qwen3  # noqa: F401
+
+    cache_token_stores()
+    refs, seeds = {}, {}
+    for name, (single, _) in MORE.items():
+        trainer = RecordingTrainer(pp_config(str(tmp_path / name), 1, single))
+        seeds[name] = copy.deepcopy(trainer.model.state_dict())
+        refs[name] = [
+            {k: r.get(k) for k in ("step", "loss", "grad_norm", "guard_skipped_steps")} for r in trainer.train()
+        ]
+    args = {"configs": {name: extra for name, (_, extra) in MORE.items()}, "seeds": seeds}
+    results = run_workers(records_worker, 2, args, timeout=240)
+    for name, ref in refs.items():
+        same = json.dumps(results[0][name]) == json.dumps(results[1][name])  # (NaN != NaN in a comparison)
+        assert same, f"{name}: the stages logged different records"
+        got = [r for r in results[0][name] if r["loss"] is not None]
+        ref = [r for r in ref if r["loss"] is not None]
+        assert [r["step"] for r in got] == [r["step"] for r in ref]
+        for a, b in zip(got, ref):
+            for key in ("loss", "grad_norm"):
+                if b[key] != b[key]:  # the injected NaN
+                    assert a[key] != a[key], (name, a)
+                else:
+                    assert a[key] == pytest.approx(b[key], rel=RTOL), (name, key, a, b)
+    assert max(r["guard_skipped_steps"] or 0 for r in results[0]["guard"]) == 1

@@ -61,17 +61,17 @@ class ParallelDims:
         if self.dp_shard == -1:
             other = self.pp * self.dp_replicate * self.tp
             if self.world_size % other:
+                pp = f"{_KEYS['pp']} ({self.pp}) x " if self.pp > 1 else ""
                 raise ValueError(
-                    f"{_KEYS['pp']} ({self.pp}) x {_KEYS['dp_replicate']} ({self.dp_replicate}) x {_KEYS['tp']} "
-                    f"({self.tp}) = {other} "
+                    f"{pp}{_KEYS['dp_replicate']} ({self.dp_replicate}) x {_KEYS['tp']} ({self.tp}) = {other} "
                     f"does not divide the number of processes (WORLD_SIZE={self.world_size})"
                 )
             self.dp_shard = self.world_size // other
         product = self.pp * self.dp_replicate * self.dp_shard * self.tp
         if product != self.world_size:
+            pp = f"pipeline_parallel_degree ({self.pp}) x " if self.pp > 1 else ""
             raise ValueError(
-                f"parallelism degrees must multiply to the number of processes: pipeline_parallel_degree ({self.pp}) "
-                f"x data_parallel_replicate_degree "
+                f"parallelism degrees must multiply to the number of processes: {pp}data_parallel_replicate_degree "
                 f"({self.dp_replicate}) x data_parallel_shard_degree ({self.dp_shard}) x tensor_parallel_degree "
                 f"({self.tp}) = {product}, but WORLD_SIZE={self.world_size}"
             )
