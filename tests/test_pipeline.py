@@ -49,6 +49,7 @@ TWO_PROC = {
     "pp2_interleaved_zb": (1, pp("InterleavedZeroBubble")),
     "pp2_zbv": (1, pp("ZBVZeroBubble")),
     "pp2_dualpipev": (1, pp("DualPipeV")),
+    "pp2_1f1b_ac_full": (1, pp("1F1B", "--activation_checkpoint.mode", "full")),
     # gradient accumulation x PP: 2 schedule runs of 4 sequences (2 microbatches of 2) per optimizer step
     "pp2_1f1b_accum2": (
         1,
@@ -80,6 +81,7 @@ def train_from_seed(cfg, seed_state) -> dict:
         "loss": [r["loss"] for r in steps],
         "grad_norm": [r["grad_norm"] for r in steps],
         "val_loss": [r["val_loss"] for r in records if "val_loss" in r],
+        "tokens_seen": [r["tokens_seen"] for r in steps],
         "inputs": torch.cat(trainer.first_step_inputs),
         "dp_rank": trainer.dp_rank,
         "stage_ids": getattr(trainer.model, "stage_ids", None),
@@ -100,6 +102,7 @@ def reference(tmp_path_factory):
         "loss": [r["loss"] for r in steps],
         "grad_norm": [r["grad_norm"] for r in steps],
         "val_loss": [r["val_loss"] for r in records if "val_loss" in r],
+        "tokens_seen": [r["tokens_seen"] for r in steps],
         "inputs": torch.cat(single.first_step_inputs),
     }
 
@@ -126,6 +129,8 @@ def run_parity(configs: dict, nprocs: int, backend: str, reference) -> None:
             assert rank_res[name]["grad_norm"] == results[0][name]["grad_norm"], f"{name}: ranks disagree"
         check(name, results[0][name], reference, {"loss": RTOL, "grad_norm": RTOL, "val_loss": RTOL}, report)
         check_data(name, results, nprocs // dp, reference["inputs"])
+        # tokens (and so tokens/s and MFU, which divide them by the world size) count each token once
+        assert results[0][name]["tokens_seen"] == reference["tokens_seen"], name
         # each rank's module holds its stages' blocks under the full model's names, and together all of them
         keys = set().union(*(set(r[name]["keys"]) for r in results))
         assert keys == set(reference["seed"]), name

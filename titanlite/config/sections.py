@@ -166,7 +166,11 @@ class Parallelism:
     data_parallel_shard_degree: int = opt(-1, "FSDP degree; -1 = the ranks left by the other degrees.", min=-1)
     tensor_parallel_degree: int = opt(1, "Tensor (+ sequence) parallel degree.", min=1)
     enable_loss_parallel: bool = opt(True, "With TP: cross-entropy on vocabulary-sharded logits.")
-    fsdp_reshard_after_forward: str = opt("default", "Reshard after forward.", choices=["default", "always", "never"])
+    fsdp_reshard_after_forward: str = opt(
+        "default",
+        "Reshard after forward (default: all but the last group; none with PP).",
+        choices=["default", "always", "never"],
+    )
     weight_init: str = opt("auto", "auto = sharded on CUDA, rank0 elsewhere.", choices=["auto", "sharded", "rank0"])
     pipeline_parallel_degree: int = opt(1, "Pipeline stages' ranks (torch.distributed.pipelining); outermost.", min=1)
     pipeline_parallel_schedule: str = opt("1F1B", "Pipeline schedule.", choices=list(PIPELINE_SCHEDULES))

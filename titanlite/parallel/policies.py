@@ -43,10 +43,17 @@ class Policies:
         )
 
     def fsdp(self, parallel_dims) -> FSDPPolicy | None:
-        """The FSDP policy over ``parallel_dims``' data-parallel mesh, or None with one data-parallel rank."""
+        """The FSDP policy over ``parallel_dims``' data-parallel mesh, or None with one data-parallel rank.
+
+        Under pipeline parallelism ``default`` keeps the gathered parameters after forward: a stage runs the
+        forwards of several microbatches before their backwards, and would gather each block again for each
+        (torchtitan makes the same choice)."""
         if not parallel_dims.fsdp_enabled:
             return None
-        return FSDPPolicy(parallel_dims.fsdp_mesh, self.param_dtype, self.reduce_dtype, self.reshard_after_forward)
+        reshard = self.reshard_after_forward
+        if reshard == "default" and getattr(parallel_dims, "pp_enabled", False):
+            reshard = "never"
+        return FSDPPolicy(parallel_dims.fsdp_mesh, self.param_dtype, self.reduce_dtype, reshard)
 
     def apply_single_device(self, model: nn.Module) -> None:
         """Float8, AC and compile for a family without a parallelize function (one process only)."""
