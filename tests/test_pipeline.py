@@ -361,11 +361,15 @@ def test_pipelined_checkpoints_reshard_and_resume_exactly(tmp_path, reference):
 
 QWEN3_ARGS = ["--model.name", "qwen3", "--model.head_dim", "32", "--model.ffn_hidden_dim", "128"]
 QWEN3_ARGS += ["--model.tie_word_embeddings", "false"]  # the debug flavor ties them: refused under PP
+BF16 = ["--training.mixed_precision_param", "bfloat16"]
 GUARD = ["--guard.policy", "skip_step", "--guard.debug_inject_nan_at_step", "3", *PP_MODEL]
 MORE = {
     "qwen3": ([*QWEN3_ARGS, *PP_MODEL], pp("1F1B", *QWEN3_ARGS)),
     "guard": (GUARD, pp("1F1B", *GUARD[:4])),
+    # bf16 autocast without FSDP: only the stages' forwards autocast (the schedule also runs the backward)
+    "bf16": ([*BF16, *PP_MODEL], pp("1F1B", *BF16)),
 }
+TOLERANCE = {"bf16": 2e-3}  # bf16 matmuls over microbatches of 1 vs a batch of 8: other rounding (measured 4.3e-4)
 
 
 def records_worker(args: dict) -> dict:
@@ -389,9 +393,10 @@ def records_worker(args: dict) -> dict:
 
 
 @pytest.mark.multiprocess
-def test_qwen3_and_the_guard_under_pipeline_parallelism(tmp_path):
+def test_qwen3_the_guard_and_bf16_under_pipeline_parallelism(tmp_path):
     """Qwen3 (qk-norm) trains under PP 2 with one process's losses; a NaN injected at step 3 under
-    ``skip_step`` is skipped by every stage (the verdict is agreed), as one process skips it."""
+    ``skip_step`` is skipped by every stage (the verdict is agreed), as one process skips it; bf16 autocast
+    follows one process's bf16 run."""
     import torchtitan_ext.qwen3  # noqa: F401
 
     cache_token_stores()
@@ -410,10 +415,14 @@ def test_qwen3_and_the_guard_under_pipeline_parallelism(tmp_path):
         got = [r for r in results[0][name] if r["loss"] is not None]
         ref = [r for r in ref if r["loss"] is not None]
         assert [r["step"] for r in got] == [r["step"] for r in ref]
+        worst = max(
+            abs(a[k] - b[k]) / abs(b[k]) for a, b in zip(got, ref) for k in ("loss", "grad_norm") if b[k] == b[k]
+        )
+        print(f"{name}: max rel diff {worst:.1e}")
         for a, b in zip(got, ref):
             for key in ("loss", "grad_norm"):
                 if b[key] != b[key]:  # the injected NaN
                     assert a[key] != a[key], (name, a)
                 else:
-                    assert a[key] == pytest.approx(b[key], rel=RTOL), (name, key, a, b)
+                    assert a[key] == pytest.approx(b[key], rel=TOLERANCE.get(name, RTOL)), (name, key, a, b)
     assert max(r["guard_skipped_steps"] or 0 for r in results[0]["guard"]) == 1

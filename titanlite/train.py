@@ -177,7 +177,7 @@ class Trainer:
         dtype, loss = DTYPES[t.mixed_precision_param], self.build_loss()
         if self.pipeline_plan is not None:  # the stages and the schedule that runs them
             group = self.parallel_dims.pp_group
-            kw["pipeline"] = Pipeline(self.model, self.pipeline_plan, group, self.device, loss)
+            kw["pipeline"] = Pipeline(self.model, self.pipeline_plan, group, self.device, loss, autocast_dtype=dtype)
         return TrainStep(self.model, self.optimizer, self.lr_scheduler, loss_fn=loss, autocast_dtype=dtype, **kw)
 
     def build_checkpointer(self) -> CheckpointManager:

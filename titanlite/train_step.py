@@ -127,7 +127,7 @@ class TrainStep:
         self.grad_accum_steps, self.max_norm, self.parallel_dims = grad_accum_steps, max_norm, parallel_dims
         self.device = device or next(model.parameters()).device
         self.pipeline = pipeline
-        self.pp_group = None if parallel_dims is None else parallel_dims.pp_group
+        self.pp_group = getattr(parallel_dims, "pp_group", None)
         use_autocast = autocast_dtype not in (None, torch.float32) and not is_fsdp(model)
         self.autocast_dtype = autocast_dtype if use_autocast else None
 
@@ -144,8 +144,8 @@ class TrainStep:
         """One micro-batch: backward of its token-sum loss / ``tokens``; returns the detached sum."""
         inputs, labels, extra = batch_to_device(batch, self.device)
         loss_parallel = getattr(self.parallel_dims, "loss_parallel_enabled", False)
-        if self.pipeline is not None:  # the schedule runs forward and backward of every stage
-            with loss_parallel_context(loss_parallel), self.autocast():
+        if self.pipeline is not None:  # the schedule runs forward and backward of every stage (autocast included)
+            with loss_parallel_context(loss_parallel):
                 return self.pipeline.step(inputs, labels, extra, tokens)
         with loss_parallel_context(loss_parallel):  # vocab-sharded logits under TP
             with self.autocast():

@@ -53,9 +53,8 @@ def validation_loss(
     for batch in batches if max_batches is None else itertools.islice(batches, max_batches):
         inputs, labels, extra = batch_to_device(batch, device)
         with loss_parallel_context(loss_parallel), float8_disabled(model):
-            if pipeline is not None:  # the sum exists on the last stage only: shared below
-                with autocast:
-                    loss_sum += pipeline.evaluate(inputs, labels, extra, cross_entropy_sum)
+            if pipeline is not None:  # the sum exists on the last stage only: shared below; the stages autocast
+                loss_sum += pipeline.evaluate(inputs, labels, extra, cross_entropy_sum)
             else:
                 with autocast:
                     logits = model(inputs, **extra)

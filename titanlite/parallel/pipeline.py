@@ -51,6 +51,7 @@ from torch.distributed.pipelining.schedules import (
     _ComputationType,
 )
 
+from titanlite.parallel.fsdp import is_fsdp
 from titanlite.parallel.tensor_parallel import to_local_value
 
 SCHEDULES: dict[str, type] = {
@@ -296,8 +297,10 @@ class Pipeline:
         group: Any,
         device: torch.device,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        autocast_dtype: torch.dtype | None = None,
     ):
         self.parts, self.plan, self.group, self.device, self.loss_fn = parts, plan, group, device, loss_fn
+        self.autocast_dtype = autocast_dtype if autocast_dtype not in (None, torch.float32) else None
         self.has_first, self.has_last = 0 in parts.stage_ids, plan.num_stages - 1 in parts.stage_ids
         self.schedule = self._schedule()
         self._eval_schedule = None
@@ -321,7 +324,14 @@ class Pipeline:
         return schedule
 
     def _stages(self) -> list[tuple[int, nn.Module]]:
-        return list(zip(self.parts.stage_ids, self.parts.stages))
+        """(stage index, the module its PipelineStage runs): the stage itself, or, for autocast (stages without
+        FSDP, whose mixed precision policy casts instead), a wrapper running only its forward under autocast."""
+        if self.autocast_dtype is None:
+            return list(zip(self.parts.stage_ids, self.parts.stages))
+        return [
+            (i, m if is_fsdp(m) else _Autocast(m, self.autocast_dtype))
+            for i, m in zip(self.parts.stage_ids, self.parts.stages)
+        ]
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         total = self._fn(logits, labels)
@@ -348,3 +358,15 @@ class Pipeline:
         if self._eval_schedule is None:
             self._eval_schedule = self._schedule(forward_only=True)
         return self._run(self._eval_schedule.eval, inputs, labels, extra, loss_fn, 1)
+
+
+class _Autocast(nn.Module):
+    """A stage whose forward runs under ``torch.autocast`` (the schedule also runs the backward, which must not)."""
+
+    def __init__(self, stage: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.stage, self.dtype = stage, dtype
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(next(self.stage.parameters()).device.type, dtype=self.dtype):
+            return self.stage(*args, **kwargs)
