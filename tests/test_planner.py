@@ -1,5 +1,8 @@
 """Run planner: parameter/FLOP arithmetic for the 1B flavor by hand, and the memory model against
-what autograd keeps and against the measured memory of the debug model on this CPU."""
+what autograd keeps and against the measured memory of the debug model on this CPU. Pipeline
+parallelism: the microbatches in flight against the action order torch's schedules build, the bubble
+against its formulas, a per-stage breakdown by hand, and the measured memory of each stage of a
+2-process gloo pipeline."""
 
 import json
 import os
@@ -14,13 +17,20 @@ import torch
 from titanlite.metrics import num_params
 from titanlite.models import build_model, make_model_args
 from titanlite.planner import (
+    PIPELINE_SCHEDULES,
+    V_SCHEDULES,
     ModelShape,
     RunSetup,
     activation_bytes_per_token_layer,
     block_params,
     memory_breakdown,
+    microbatches_in_flight,
     param_count,
+    pipeline_bubble_fraction,
+    pipeline_memory,
+    pipeline_rank_stages,
     plan_run,
+    stage_shares,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -365,3 +375,177 @@ def test_memory_model_matches_measured_cpu_memory(tmp_path):
             again = result(start(mode))
             measured["increase"] = min(measured["increase"], again["increase"])
         assert predicted == pytest.approx(measured["increase"], rel=0.25), (mode, predicted / 1e6, measured)
+
+
+# ----------------------------------------------------------------------------- pipeline parallelism
+
+SCHEDULE_CLASSES = {
+    "GPipe": "ScheduleGPipe",
+    "1F1B": "Schedule1F1B",
+    "Interleaved1F1B": "ScheduleInterleaved1F1B",
+    "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble",
+    "ZBVZeroBubble": "ScheduleZBVZeroBubble",
+    "DualPipeV": "ScheduleDualPipeV",
+}
+
+
+def torch_pipeline_order(schedule: str, p: int, m: int, v: int) -> dict[int, list]:
+    """The per-rank action order torch.distributed.pipelining builds for ``schedule`` (its own code, called on a
+    stand-in for the schedule object: building real schedules needs stages and a process group)."""
+    import types
+
+    from torch.distributed.pipelining import schedules
+
+    cls = getattr(schedules, SCHEDULE_CLASSES[schedule])
+    rounds = max(1, m // p)
+    ns = types.SimpleNamespace(
+        pp_group_size=p,
+        _n_microbatches=m,
+        n_local_stages=v,
+        num_stages=p * v,
+        _num_stages=p * v,
+        number_of_rounds=rounds,
+        microbatches_per_round=m // rounds,
+    )
+    if schedule in ("GPipe", "1F1B"):
+        return cls._get_pipeline_order(ns)
+    return {r: cls._calculate_single_rank_operations(ns, r) for r in range(p)}
+
+
+def peak_in_flight(actions: list) -> int:
+    """Most forwards not yet followed by their (input-)backward, over one rank's actions."""
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+
+    def flat(a):
+        if a is None:
+            return []
+        return [x for sub in a.sub_actions for x in flat(sub)] if a.computation_type == C.OVERLAP_F_B else [a]
+
+    live = peak = 0
+    for action in actions:
+        for a in flat(action):
+            live += {C.FORWARD: 1, C.FULL_BACKWARD: -1, C.BACKWARD_INPUT: -1}.get(a.computation_type, 0)
+            peak = max(peak, live)
+    return peak
+
+
+def pipeline_cases():
+    for schedule in PIPELINE_SCHEDULES:
+        vs = (
+            (2, 3)
+            if schedule in ("Interleaved1F1B", "InterleavedZeroBubble")
+            else (2,)
+            if schedule in V_SCHEDULES
+            else (1,)
+        )
+        for v in vs:
+            for p in (2, 4, 8):
+                for m in sorted({1, 2, p, p + 2, 2 * p, 3 * p, 4 * p, 8 * p}):
+                    if schedule.startswith("Interleaved") and m % max(1, m // p):
+                        continue  # torch refuses these (and PipelinePlan.check does too)
+                    if schedule in ("1F1B", "DualPipeV") and m < p * v:
+                        continue
+                    yield schedule, p, m, v
+
+
+def test_microbatches_in_flight_match_torchs_schedules():
+    """The planner's closed forms against the peak of (forwards - backwards) in the order torch itself builds,
+    for every schedule, rank, degree 2/4/8 and microbatch count torch accepts."""
+    checked = 0
+    for schedule, p, m, v in pipeline_cases():
+        order = torch_pipeline_order(schedule, p, m, v)
+        got = [microbatches_in_flight(schedule, p, m, v, r) for r in range(p)]
+        assert got == [peak_in_flight(order[r]) for r in range(p)], (schedule, p, m, v)
+        checked += 1
+    assert checked > 100
+
+
+def test_bubble_fraction_formulas():
+    assert pipeline_bubble_fraction("1F1B", 1, 8) == 0.0
+    for schedule in ("GPipe", "1F1B"):
+        assert pipeline_bubble_fraction(schedule, 4, 8) == pytest.approx(3 / 11)  # (p-1)/(m+p-1)
+        assert pipeline_bubble_fraction(schedule, 8, 64) == pytest.approx(7 / 71)
+    assert pipeline_bubble_fraction("Interleaved1F1B", 4, 8, 2) == pytest.approx(3 / 19)  # (p-1)/(vm+p-1)
+    assert pipeline_bubble_fraction("Interleaved1F1B", 8, 64, 2) == pytest.approx(7 / 135)
+    for schedule in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):  # a third of the interleaved ramp
+        assert pipeline_bubble_fraction(schedule, 4, 8, 2) == pytest.approx(3 / 19 / 3)
+    with pytest.raises(ValueError, match="must be one of"):
+        pipeline_bubble_fraction("Looped", 4, 8)
+
+
+def test_pipeline_plan_uses_the_planners_bubble_and_stage_placement():
+    """PipelinePlan.bubble_fraction is the planner's; the planner's stage -> rank placement is the plan's."""
+    import types
+
+    from titanlite.parallel.pipeline import PipelinePlan
+
+    for schedule in PIPELINE_SCHEDULES:
+        section = types.SimpleNamespace(
+            pipeline_parallel_degree=4,
+            pipeline_parallel_schedule=schedule,
+            pipeline_parallel_microbatch_size=1,
+            pipeline_parallel_split_points=[],
+            pipeline_parallel_layers_per_stage=-1,
+        )
+        plan = PipelinePlan.from_config(section, 16, 8)
+        v = plan.stages_per_rank
+        assert plan.bubble_fraction() == pipeline_bubble_fraction(schedule, 4, 8, v)
+        setup = RunSetup(num_gpus=4, pp=4, local_batch_size=8, pp_schedule=schedule, pp_stage_sizes=plan.stage_sizes)
+        for share in stage_shares(shape("1B"), setup):
+            assert list(share.stages) == plan.stage_ids(share.pp_rank)
+            assert pipeline_rank_stages(schedule, 4, plan.num_stages, share.pp_rank) == plan.stage_ids(share.pp_rank)
+            assert share.layers == tuple(i for st in plan.stage_ids(share.pp_rank) for i in plan.stage_layers(st))
+
+
+def test_pipeline_memory_by_hand():
+    """8B over 4 pp ranks x 2 FSDP ranks, 1F1B, 8 microbatches of 1 x 2048 tokens, full AC, bf16."""
+    s = shape("8B")
+    d, vocab = s.dim, s.vocab_size
+    blk = block_params(s)
+    kw = dict(num_gpus=8, pp=4, local_batch_size=8, seq_len=2048, ac_mode="full", pp_schedule="1F1B")
+    setup = RunSetup(**kw)
+    assert setup.dp_degree == setup.dp_shard == 2 and setup.n_microbatches == 8
+    mem = pipeline_memory(s, setup)
+    params = [8 * blk + vocab * d, 8 * blk, 8 * blk, 8 * blk + d + vocab * d]
+    assert [m["params"] for m in mem] == params and sum(params) == param_count(s)
+    layer = activation_bytes_per_token_layer(s, setup)
+    for rank, m in enumerate(mem):
+        local = params[rank] / 2
+        assert m["gradients"] == 4 * local and m["optimizer"] == 8 * local
+        assert m["in_flight"] == 4 - rank  # 1F1B: p - rank
+        kept = (4 - rank) * 8 * 2 * d  # full AC: each in-flight microbatch keeps its 8 block inputs (bf16)
+        final_norm = (2 * 2 * d + 2 * d) if rank == 3 else 0
+        assert m["activations"] == 2048 * (kept + layer + final_norm)
+        assert m["logits"] == (2048 * vocab * (2 + 4 + 8) if rank == 3 else 0)
+        assert m["pipeline_fsdp_buffers"] == (2 + 4) * params[rank]  # gathered bf16 weights + fp32 grads
+    # the worst stage decides: memory_breakdown and plan_run report it
+    worst = max(mem, key=lambda m: m["total"])
+    assert memory_breakdown(s, setup) == worst
+    # GPipe keeps all 8 microbatches on every rank, and all 8 last-stage logits
+    gpipe = pipeline_memory(s, RunSetup(**(kw | {"pp_schedule": "GPipe"})))
+    assert [m["in_flight"] for m in gpipe] == [8] * 4
+    assert gpipe[3]["logits"] == 2048 * vocab * (6 * 8 + 8)
+    assert all(g["activations"] > m["activations"] for g, m in zip(gpipe, mem))
+    # interleaved: 2 stages per rank, more in flight but each a half-size stage: about (1 + 1/v) x on rank 0
+    inter = pipeline_memory(s, RunSetup(**(kw | {"pp_schedule": "Interleaved1F1B"})))
+    assert inter[0]["in_flight"] == min(1 * 4 + 2 * 3, 16) + 1 == 11
+    assert inter[0]["activations"] == 2048 * (11 * 4 * 2 * d + layer)
+
+
+def test_time_estimate_includes_the_bubble():
+    s = shape("8B")
+    common = dict(tokens=1e9, mfu=0.4, peak_flops=989.5e12, matmul_dtype="bfloat16", gpu_memory=80e9)
+    flat = plan_run(s, RunSetup(num_gpus=8, local_batch_size=8, global_batch_size=64, seq_len=2048), **common)
+    pp = plan_run(
+        s,
+        RunSetup(num_gpus=32, pp=4, local_batch_size=8, global_batch_size=64, seq_len=2048, ac_mode="full"),
+        **common,
+    )
+    assert pp.bubble == pytest.approx(3 / 11)  # 1F1B, p = 4, m = 8
+    # same data-parallel layout and batch on 4x the GPUs: a quarter of the time, stretched by the bubble
+    assert pp.steps == flat.steps and flat.bubble == 0
+    assert pp.wall_s == pytest.approx(flat.wall_s / 4 / (1 - 3 / 11))
+    with pytest.raises(ValueError, match="pipeline_parallel_degree"):
+        RunSetup(num_gpus=12, pp=8)
+    with pytest.raises(ValueError, match="microbatch size"):
+        RunSetup(num_gpus=8, pp=2, local_batch_size=3, pp_microbatch_size=2)
