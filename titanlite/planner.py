@@ -188,24 +188,29 @@ def check_pipeline(schedule: str, local_batch_size: int, microbatch_size: int, s
 
 
 def pipeline_bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
-    """Idle share of each pipeline rank's time in one schedule run, in the usual model (equal stage times,
-    backward twice the forward, no communication time), for ``p`` ranks, ``m`` microbatches and ``v`` stages
-    per rank:
+    """Idle share of each pipeline rank's time in one schedule run, for ``p`` ranks, ``m`` microbatches and
+    ``v`` stages per rank, in the usual unit model (every stage equally fast, a backward twice its forward, no
+    communication time):
 
     - GPipe and 1F1B: ``(p - 1) / (m + p - 1)`` (Huang et al. 2019; Narayanan et al. 2021): the first
       microbatch needs ``p - 1`` stage times to reach the last rank, and the last one as many to come back;
-    - Interleaved1F1B: ``(p - 1) / (v m + p - 1)``: the ramp is ``p - 1`` *virtual* stage times, each ``1/v``
-      of a rank's share of the model (Narayanan et al. 2021, section 2.2);
-    - the zero-bubble schedules (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV): a third of the interleaved
-      value: the weight gradients, computed apart from the input gradients, fill most of the ramp (Qi et al.
-      2023 report ZB-H1 at about a third of 1F1B's bubble); an estimate, not a bound.
+    - Interleaved1F1B: ``(p - 1) / (v m + p - 1)`` (Narayanan et al. 2021): the ramp is ``p - 1`` *virtual*
+      stage times, each ``1/v`` of a rank's share. With fewer microbatches than ranks a round cannot fill
+      the pipeline and it is ``1 - v m / (v p + m - 1)``; both are ``1 - v m / max(v m + p - 1, v p + m - 1)``;
+    - the zero-bubble schedules (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV), whose backward is split
+      into an input-gradient and a weight-gradient half (each as long as the forward): the weight halves fill
+      the backward ramp, leaving ``(p - 1) / (3 v m + p - 1)``. Exact for ``m >= p`` (InterleavedZeroBubble)
+      and ``m >= 2p`` (ZBV, DualPipeV); with fewer microbatches the schedules idle more than this.
+
+    tests/test_planner.py replays torch's own action orders in the unit model and finds these values.
     """
     if schedule not in PIPELINE_SCHEDULES:
         raise ValueError(f"pipeline schedule {schedule!r} must be one of {', '.join(PIPELINE_SCHEDULES)}")
     if p <= 1:
         return 0.0
-    bubble = (p - 1) / (m + p - 1) if v == 1 else (p - 1) / (v * m + p - 1)
-    return bubble / 3 if schedule in ZERO_BUBBLE_SCHEDULES else bubble
+    if schedule in ZERO_BUBBLE_SCHEDULES:
+        return (p - 1) / (3 * v * m + p - 1)
+    return 1 - v * m / max(v * m + p - 1, v * p + m - 1)
 
 
 def pipeline_rank_stages(schedule: str, p: int, num_stages: int, rank: int) -> list[int]:
