@@ -238,3 +238,21 @@ def test_v_schedule_dry_run_puts_two_stages_on_each_pp_rank():
     # ranks 0-1 are pp rank 0 (its two FSDP shards), ranks 2-3 pp rank 1
     assert r["per_rank"][0] + r["per_rank"][1] == pl["ranks"][0]["params"]
     assert r["per_rank"][2] + r["per_rank"][3] == pl["ranks"][1]["params"]
+
+
+def test_a_pipeline_split_the_schedule_cannot_run_fails_before_any_process_group(capsys):
+    """1F1B needs as many microbatches as stages: the trainer's PipelinePlan refuses it, here before the fake
+    process group exists; through the entry point it is one line and exit status 2."""
+    import torch.distributed as dist
+
+    from titanlite.train import main
+
+    argv = ["--parallelism.pipeline_parallel_degree", "4", "--job.dry_run_world_size", "4"]
+    argv += ["--training.local_batch_size", "2", "--model.vocab_size", "512"]
+    with pytest.raises(ValueError, match="needs at least as many microbatches"):
+        dry_run(load_config(argv), out=lambda line: None)
+    assert not dist.is_initialized()
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--job.dry_run", "true"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "pipeline_parallel_schedule=1F1B" in err[0], err

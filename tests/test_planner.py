@@ -209,6 +209,14 @@ def test_estimate_script(capsys):
         "4",
     )
     assert rc == 2 and "not divisible" in err
+    # pipelined: the trainer's split, the bubble in the time (1F1B, p = 2, m = 8: 1/9) and the worst stage
+    pp = ["--parallelism.pipeline_parallel_degree", "2", "--gpu", "H100", "--num-gpus", "16", "--tokens", "20e9"]
+    rc, out, err = run(*base, *pp)
+    assert rc == 0, err
+    for needle in ("pp 2 (1F1B, 8 microbatches)", "and a 11.1% pipeline bubble", "unsharded stage (PP)", "pp rank"):
+        assert needle in out, (needle, out)
+    rc, _, err = run(*base, *pp, "--parallelism.pipeline_parallel_microbatch_size", "3")
+    assert rc == 2 and "pipeline_parallel_microbatch_size" in err
 
 
 @pytest.mark.parametrize("family,dtype", [("llama3", "float32"), ("llama3", "bfloat16"), ("qwen3", "float32")])
