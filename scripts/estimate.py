@@ -70,6 +70,11 @@ def build(args: argparse.Namespace, rest: list[str]):
     params, flops = model_counts(spec, model_args, cfg.training.seq_len)  # the family's own counts
     shape = ModelShape.from_args(model_args, num_params=params)
     par, t = cfg.parallelism, cfg.training
+    stage_sizes = ()
+    if par.pipeline_parallel_degree > 1:  # the trainer's own split (and its checks of the schedule)
+        from titanlite.parallel.pipeline import PipelinePlan
+
+        stage_sizes = PipelinePlan.from_config(par, model_args.n_layers, t.local_batch_size).stage_sizes
     setup = RunSetup(
         num_gpus=args.num_gpus,
         tp=par.tensor_parallel_degree,
@@ -82,11 +87,17 @@ def build(args: argparse.Namespace, rest: list[str]):
         compute_dtype=t.mixed_precision_param,
         float8=cfg.quantize_linear_float8.enable,
         optimizer_impl="fused" if cfg.optimizer.implementation == "auto" else cfg.optimizer.implementation,
+        pp=par.pipeline_parallel_degree,
+        pp_schedule=par.pipeline_parallel_schedule,
+        pp_microbatch_size=par.pipeline_parallel_microbatch_size,
+        pp_stage_sizes=stage_sizes,
+        reduce_dtype=t.mixed_precision_reduce,
+        fsdp_reshard_after_forward=par.fsdp_reshard_after_forward,
     )
     if par.data_parallel_shard_degree not in (-1, setup.dp_shard):
         raise ValueError(
             f"parallelism.data_parallel_shard_degree={par.data_parallel_shard_degree} does not fit "
-            f"{args.num_gpus} GPUs with tp={setup.tp} and replicate={setup.dp_replicate} "
+            f"{args.num_gpus} GPUs with tp={setup.tp}, pp={setup.pp} and replicate={setup.dp_replicate} "
             f"(it would be {setup.dp_shard}; -1 derives it)"
         )
     dtype = matmul_dtype(t.mixed_precision_param, setup.float8, torch.device("cuda"))
@@ -114,7 +125,9 @@ def report(args, cfg, shape: ModelShape, setup: RunSetup, plan) -> str:
         f"ffn {shape.ffn_hidden_dim}, "
         f"vocab {shape.vocab_size:,}{', tied embeddings' if shape.tie_word_embeddings else ''}",
         f"layout     {setup.num_gpus} x {args.gpu}: dp {setup.dp_degree} (shard {setup.dp_shard} x replicate "
-        f"{setup.dp_replicate}{', FSDP' if setup.fsdp else ''}), tp {setup.tp}; {setup.compute_dtype}"
+        f"{setup.dp_replicate}{', FSDP' if setup.fsdp else ''}), tp {setup.tp}"
+        f"{f', pp {setup.pp} ({setup.pp_schedule}, {setup.n_microbatches} microbatches)' if setup.pp > 1 else ''}; "
+        f"{setup.compute_dtype}"
         f"{' + float8' if setup.float8 else ''}; activation checkpointing {setup.ac_mode}"
         f"{' (' + setup.ac_option + ')' if setup.ac_mode == 'selective' else ''}",
         f"batch      {setup.global_batch} sequences x {setup.seq_len} tokens = {setup.tokens_per_step:,} tokens/step "
@@ -129,10 +142,11 @@ def report(args, cfg, shape: ModelShape, setup: RunSetup, plan) -> str:
             "(titanlite.metrics.PEAK_TFLOPS)"
         )
     else:
-        tps = setup.num_gpus * plan.peak_flops * plan.mfu / plan.flops_per_token
+        tps = setup.num_gpus * plan.peak_flops * plan.mfu * (1 - plan.bubble) / plan.flops_per_token
+        bubble = f" and a {plan.bubble:.1%} pipeline bubble" if setup.pp > 1 else ""
         lines.append(
             f"time       {format_duration(plan.wall_s)} ({plan.wall_s / 3600:,.1f} h) at MFU "
-            f"{plan.mfu:.0%} of {plan.peak_flops / 1e12:,.1f} TFLOP/s dense {plan.matmul_dtype} per GPU: "
+            f"{plan.mfu:.0%} of {plan.peak_flops / 1e12:,.1f} TFLOP/s dense {plan.matmul_dtype} per GPU{bubble}: "
             f"{tps:,.0f} tokens/s, "
             f"{tps / setup.num_gpus:,.0f} per GPU, {plan.steps / plan.wall_s:.2f} steps/s"
         )
@@ -152,7 +166,10 @@ def report(args, cfg, shape: ModelShape, setup: RunSetup, plan) -> str:
         ("optimizer_scratch", "optimizer step scratch"),
     ):
         lines.append(f"             {label:<24}{m[key] / gb:9.2f}")
-    lines.append(f"             {'total (modelled peak)':<24}{m['total'] / gb:9.2f}   at the {m['peak_at']}")
+    if setup.pp > 1:
+        lines.append(f"             {'unsharded stage (PP)':<24}{m['pipeline_fsdp_buffers'] / gb:9.2f}")
+    worst = f" (pp rank {m['pp_rank']}, the worst stage)" if setup.pp > 1 else ""
+    lines.append(f"             {'total (modelled peak)':<24}{m['total'] / gb:9.2f}   at the {m['peak_at']}{worst}")
     if plan.gpu_memory is None:
         lines.append(f"verdict    unknown: memory of GPU '{args.gpu}' not in the table")
     else:

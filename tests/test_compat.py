@@ -241,7 +241,10 @@ enabled = false
 
 
 REFUSED = {
-    "pipeline parallelism": ("[experimental]\npipeline_parallel_degree = 2", "pipeline_parallel_degree=2"),
+    "pipeline schedule from a CSV": (
+        "--parallelism.pipeline_parallel_degree 2\n--parallelism.pipeline_parallel_schedule_csv s.csv",
+        "schedule_csv",
+    ),
     "context parallelism": ("--parallelism.context_parallel_degree 2", "context_parallel_degree=2"),
     "expert parallelism": ("--parallelism.expert_parallel_degree 4", "expert parallelism"),
     "MoE model": ("--model.name deepseek_v3", "mixture-of-experts"),

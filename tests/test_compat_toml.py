@@ -307,3 +307,76 @@ def test_two_spellings_of_the_seed_must_agree(tmp_path):
     assert load_translated(translate(str(path), LOCAL)).training.seed == 3
     path.write_text("[training]\nseed = 1\n")  # the command line overrides the file, whatever the spelling
     assert load_translated(translate(str(path), [*LOCAL, "--debug.seed", "4"])).training.seed == 4
+
+
+# ----------------------------------------------------------------------------- pipeline parallelism
+
+
+def test_pipeline_keys_map_one_to_one_and_the_trainer_accepts_them(tmp_path):
+    """The debug fixture already names Interleaved1F1B (with degree 1, where torchtitan and compat ignore it);
+    degree 2 turns it on: degree, schedule, microbatch size and the split reach titanlite unchanged, and the
+    trainer's own PipelinePlan and the dry run accept them."""
+    from titanlite.dry_run import dry_run
+    from titanlite.parallel.pipeline import PipelinePlan
+
+    path = FIXTURES / "debug_model.toml"
+    off = load_translated(translate(str(path), LOCAL)).parallelism
+    assert off.pipeline_parallel_degree == 1 and off.pipeline_parallel_schedule == "1F1B"  # ignored at degree 1
+    args = [
+        *LOCAL,
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_microbatch_size",
+        "2",
+    ]
+    tr = translate(str(path), args)
+    assert warnings_of(tr) == []
+    cfg = load_translated(tr)
+    par = cfg.parallelism
+    assert (par.pipeline_parallel_degree, par.pipeline_parallel_schedule, par.pipeline_parallel_microbatch_size) == (
+        2,
+        "Interleaved1F1B",
+        2,
+    )
+    assert (par.pipeline_parallel_layers_per_stage, par.pipeline_parallel_split_points) == (-1, [])  # torchtitan's None
+    plan = PipelinePlan.from_config(par, 6, cfg.training.local_batch_size)  # torchtitan's debugmodel: 6 layers
+    assert (plan.num_stages, plan.n_microbatches) == (4, 4)
+    report = dry_run(
+        load_translated(translate(str(path), [*args, "--job.dry_run_world_size", "2"])), out=lambda x: None
+    )
+    assert [k["stages"] for k in report["pipeline"]["ranks"]] == [[0, 2], [1, 3]]
+    # the split, from the file (split points) or the command line (layers per stage), and a lower-case schedule
+    text = path.read_text().replace(
+        "pipeline_parallel_degree = 1", 'pipeline_parallel_degree = 2\npipeline_parallel_split_points = ["layers.3"]'
+    )
+    (tmp_path / "pp.toml").write_text(text.replace('"Interleaved1F1B"', '"gpipe"'))
+    par = load_translated(translate(str(tmp_path / "pp.toml"), LOCAL)).parallelism
+    assert (par.pipeline_parallel_schedule, par.pipeline_parallel_split_points) == ("GPipe", ["layers.3"])
+    (tmp_path / "pp.toml").write_text(text.replace('pipeline_parallel_split_points = ["layers.3"]', ""))
+    lps = ["--parallelism.pipeline_parallel_layers_per_stage", "3", "--parallelism.pipeline_parallel_schedule", "1F1B"]
+    par = load_translated(translate(str(tmp_path / "pp.toml"), [*LOCAL, *lps])).parallelism
+    assert (par.pipeline_parallel_layers_per_stage, par.pipeline_parallel_schedule) == (3, "1F1B")
+
+
+PP_REFUSED = {
+    "first stage weighting": ("--parallelism.pipeline_parallel_first_stage_less_layers 2", "first_stage_less_layers=2"),
+    "last stage weighting": ("--parallelism.pipeline_parallel_last_stage_less_layers 0", "last_stage_less_layers=0"),
+    "schedule from a CSV": ("--parallelism.pipeline_parallel_schedule_csv sched.csv", "schedule_csv"),
+    "unknown schedule": ("--parallelism.pipeline_parallel_schedule LoopedBFS", "'LoopedBFS'"),
+    "module lists per stage": ("--parallelism.module_fqns_per_model_part tok_embeddings", "module_fqns_per_model_part"),
+}
+
+
+@pytest.mark.parametrize("case", list(PP_REFUSED))
+def test_pipeline_keys_titanlite_lacks_are_refused_in_one_line(case, capsys):
+    option, message = PP_REFUSED[case]
+    args = [*LOCAL, "--parallelism.pipeline_parallel_degree", "2", *option.split(" ", 1)]
+    path = str(FIXTURES / "debug_model.toml")
+    with pytest.raises(CompatError, match=message):
+        translate(path, args)
+    with pytest.raises(SystemExit) as e:
+        main(["--config", path, *args, "--translate-only"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.startswith("error: ") and "\n" not in err and message.strip("'") in err
+    # at degree 1 torchtitan never reads them: nothing is refused
+    load_translated(translate(path, [*LOCAL, *option.split(" ", 1)]))

@@ -1,5 +1,8 @@
 """Run planner: parameter/FLOP arithmetic for the 1B flavor by hand, and the memory model against
-what autograd keeps and against the measured memory of the debug model on this CPU."""
+what autograd keeps and against the measured memory of the debug model on this CPU. Pipeline
+parallelism: the microbatches in flight against the action order torch's schedules build, the bubble
+against its formulas, a per-stage breakdown by hand, and the measured memory of each stage of a
+2-process gloo pipeline."""
 
 import json
 import os
@@ -14,13 +17,20 @@ import torch
 from titanlite.metrics import num_params
 from titanlite.models import build_model, make_model_args
 from titanlite.planner import (
+    PIPELINE_SCHEDULES,
+    V_SCHEDULES,
     ModelShape,
     RunSetup,
     activation_bytes_per_token_layer,
     block_params,
     memory_breakdown,
+    microbatches_in_flight,
     param_count,
+    pipeline_bubble_fraction,
+    pipeline_memory,
+    pipeline_rank_stages,
     plan_run,
+    stage_shares,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -199,6 +209,14 @@ def test_estimate_script(capsys):
         "4",
     )
     assert rc == 2 and "not divisible" in err
+    # pipelined: the trainer's split, the bubble in the time (1F1B, p = 2, m = 8: 1/9) and the worst stage
+    pp = ["--parallelism.pipeline_parallel_degree", "2", "--gpu", "H100", "--num-gpus", "16", "--tokens", "20e9"]
+    rc, out, err = run(*base, *pp)
+    assert rc == 0, err
+    for needle in ("pp 2 (1F1B, 8 microbatches)", "and a 11.1% pipeline bubble", "unsharded stage (PP)", "pp rank"):
+        assert needle in out, (needle, out)
+    rc, _, err = run(*base, *pp, "--parallelism.pipeline_parallel_microbatch_size", "3")
+    assert rc == 2 and "pipeline_parallel_microbatch_size" in err
 
 
 @pytest.mark.parametrize("family,dtype", [("llama3", "float32"), ("llama3", "bfloat16"), ("qwen3", "float32")])
@@ -365,3 +383,357 @@ def test_memory_model_matches_measured_cpu_memory(tmp_path):
             again = result(start(mode))
             measured["increase"] = min(measured["increase"], again["increase"])
         assert predicted == pytest.approx(measured["increase"], rel=0.25), (mode, predicted / 1e6, measured)
+
+
+# ----------------------------------------------------------------------------- pipeline parallelism
+
+SCHEDULE_CLASSES = {
+    "GPipe": "ScheduleGPipe",
+    "1F1B": "Schedule1F1B",
+    "Interleaved1F1B": "ScheduleInterleaved1F1B",
+    "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble",
+    "ZBVZeroBubble": "ScheduleZBVZeroBubble",
+    "DualPipeV": "ScheduleDualPipeV",
+}
+
+
+def torch_pipeline_order(schedule: str, p: int, m: int, v: int) -> dict[int, list]:
+    """The per-rank action order torch.distributed.pipelining builds for ``schedule`` (its own code, called on a
+    stand-in for the schedule object: building real schedules needs stages and a process group)."""
+    import types
+
+    from torch.distributed.pipelining import schedules
+
+    cls = getattr(schedules, SCHEDULE_CLASSES[schedule])
+    rounds = max(1, m // p)
+    ns = types.SimpleNamespace(
+        pp_group_size=p,
+        _n_microbatches=m,
+        n_local_stages=v,
+        num_stages=p * v,
+        _num_stages=p * v,
+        number_of_rounds=rounds,
+        microbatches_per_round=m // rounds,
+    )
+    if schedule in ("GPipe", "1F1B"):
+        return cls._get_pipeline_order(ns)
+    return {r: cls._calculate_single_rank_operations(ns, r) for r in range(p)}
+
+
+def peak_in_flight(actions: list) -> int:
+    """Most forwards not yet followed by their (input-)backward, over one rank's actions."""
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+
+    def flat(a):
+        if a is None:
+            return []
+        return [x for sub in a.sub_actions for x in flat(sub)] if a.computation_type == C.OVERLAP_F_B else [a]
+
+    live = peak = 0
+    for action in actions:
+        for a in flat(action):
+            live += {C.FORWARD: 1, C.FULL_BACKWARD: -1, C.BACKWARD_INPUT: -1}.get(a.computation_type, 0)
+            peak = max(peak, live)
+    return peak
+
+
+def pipeline_cases():
+    for schedule in PIPELINE_SCHEDULES:
+        vs = (
+            (2, 3)
+            if schedule in ("Interleaved1F1B", "InterleavedZeroBubble")
+            else (2,)
+            if schedule in V_SCHEDULES
+            else (1,)
+        )
+        for v in vs:
+            for p in (2, 4, 8):
+                for m in sorted({1, 2, p, p + 2, 2 * p, 3 * p, 4 * p, 8 * p}):
+                    if schedule.startswith("Interleaved") and m % max(1, m // p):
+                        continue  # torch refuses these (and PipelinePlan.check does too)
+                    if schedule in ("1F1B", "DualPipeV") and m < p * v:
+                        continue
+                    yield schedule, p, m, v
+
+
+def test_microbatches_in_flight_match_torchs_schedules():
+    """The planner's closed forms against the peak of (forwards - backwards) in the order torch itself builds,
+    for every schedule, rank, degree 2/4/8 and microbatch count torch accepts."""
+    checked = 0
+    for schedule, p, m, v in pipeline_cases():
+        order = torch_pipeline_order(schedule, p, m, v)
+        got = [microbatches_in_flight(schedule, p, m, v, r) for r in range(p)]
+        assert got == [peak_in_flight(order[r]) for r in range(p)], (schedule, p, m, v)
+        checked += 1
+    assert checked > 100
+
+
+def replay_idle_fraction(schedule: str, p: int, m: int, v: int) -> float:
+    """Idle share of the ranks when torch's action order for the schedule is replayed in the unit model: a
+    virtual stage's forward takes ``1/v``, a full backward ``2/v``, an input- or weight-gradient half ``1/v``;
+    an action starts when its rank is free and its inputs exist (the forward of the previous stage, the
+    backward of the next one, its own forward; a weight half after its input half); no communication time.
+    (torch 2.13's Schedule1F1B order numbers the last rank's microbatches from 1: renumbered in order.)"""
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+
+    cost = {C.FORWARD: 1 / v, C.FULL_BACKWARD: 2 / v, C.BACKWARD_INPUT: 1 / v, C.BACKWARD_WEIGHT: 1 / v}
+    kind = {C.FORWARD: "F", C.FULL_BACKWARD: "B", C.BACKWARD_INPUT: "B", C.BACKWARD_WEIGHT: "W"}
+
+    def flat(a):
+        if a is None:
+            return []
+        if a.computation_type == C.OVERLAP_F_B:
+            return [x for sub in a.sub_actions for x in flat(sub)]
+        return [a] if a.computation_type in cost else []
+
+    queues = []
+    for actions in torch_pipeline_order(schedule, p, m, v).values():
+        seen: dict = {}
+        queue = []
+        for a in (x for action in actions for x in flat(action)):
+            mb = seen[(a.stage_index, a.computation_type)] = seen.get((a.stage_index, a.computation_type), -1) + 1
+            mb = mb if schedule == "1F1B" else a.microbatch_index
+            queue.append((a.stage_index, kind[a.computation_type], mb, cost[a.computation_type]))
+        queues.append(queue)
+    last, done, free, busy, pos = p * v - 1, {}, [0.0] * p, [0.0] * p, [0] * p
+    while any(pos[r] < len(queues[r]) for r in range(p)):
+        moved = False
+        for r in range(p):
+            while pos[r] < len(queues[r]):
+                stage, k, mb, length = queues[r][pos[r]]
+                needs = {
+                    "F": [(stage - 1, "F", mb)] if stage else [],
+                    "B": [(stage, "F", mb)] + ([(stage + 1, "B", mb)] if stage < last else []),
+                    "W": [(stage, "B", mb)],
+                }[k]
+                if any(n not in done for n in needs):
+                    break
+                done[(stage, k, mb)] = free[r] = max([free[r]] + [done[n] for n in needs]) + length
+                busy[r] += length
+                pos[r] += 1
+                moved = True
+        assert moved, f"the replay of {schedule} (p={p}, m={m}, v={v}) is stuck"
+    return 1 - sum(busy) / (p * max(free))
+
+
+def test_bubble_fraction_matches_torchs_schedule_orders():
+    """The planner's bubble against the replay of torch's own action orders (unit model): exact for GPipe,
+    1F1B and Interleaved1F1B, and for the zero-bubble schedules once they have enough microbatches (below
+    that the planner's value is lower than what they idle)."""
+    for schedule, p, m, v in pipeline_cases():
+        replayed = replay_idle_fraction(schedule, p, m, v)
+        predicted = pipeline_bubble_fraction(schedule, p, m, v)
+        enough = m >= {"InterleavedZeroBubble": p, "ZBVZeroBubble": 2 * p, "DualPipeV": 2 * p}.get(schedule, 0)
+        if enough:
+            assert predicted == pytest.approx(replayed, abs=1e-9), (schedule, p, m, v)
+        else:
+            assert predicted <= replayed + 1e-9, (schedule, p, m, v)
+
+
+def test_bubble_fraction_formulas():
+    assert pipeline_bubble_fraction("1F1B", 1, 8) == 0.0
+    for schedule in ("GPipe", "1F1B"):
+        assert pipeline_bubble_fraction(schedule, 4, 8) == pytest.approx(3 / 11)  # (p-1)/(m+p-1)
+        assert pipeline_bubble_fraction(schedule, 8, 64) == pytest.approx(7 / 71)
+    assert pipeline_bubble_fraction("Interleaved1F1B", 4, 8, 2) == pytest.approx(3 / 19)  # (p-1)/(vm+p-1)
+    assert pipeline_bubble_fraction("Interleaved1F1B", 8, 64, 2) == pytest.approx(7 / 135)
+    assert pipeline_bubble_fraction("Interleaved1F1B", 8, 2, 2) == pytest.approx(1 - 4 / 17)  # m < p: 1-vm/(vp+m-1)
+    for schedule in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):  # (p-1)/(3vm+p-1)
+        assert pipeline_bubble_fraction(schedule, 4, 8, 2) == pytest.approx(3 / 51)
+    with pytest.raises(ValueError, match="must be one of"):
+        pipeline_bubble_fraction("Looped", 4, 8)
+
+
+def test_pipeline_plan_uses_the_planners_bubble_and_stage_placement():
+    """PipelinePlan.bubble_fraction is the planner's; the planner's stage -> rank placement is the plan's."""
+    import types
+
+    from titanlite.parallel.pipeline import PipelinePlan
+
+    for schedule in PIPELINE_SCHEDULES:
+        section = types.SimpleNamespace(
+            pipeline_parallel_degree=4,
+            pipeline_parallel_schedule=schedule,
+            pipeline_parallel_microbatch_size=1,
+            pipeline_parallel_split_points=[],
+            pipeline_parallel_layers_per_stage=-1,
+        )
+        plan = PipelinePlan.from_config(section, 16, 8)
+        v = plan.stages_per_rank
+        assert plan.bubble_fraction() == pipeline_bubble_fraction(schedule, 4, 8, v)
+        setup = RunSetup(num_gpus=4, pp=4, local_batch_size=8, pp_schedule=schedule, pp_stage_sizes=plan.stage_sizes)
+        for share in stage_shares(shape("1B"), setup):
+            assert list(share.stages) == plan.stage_ids(share.pp_rank)
+            assert pipeline_rank_stages(schedule, 4, plan.num_stages, share.pp_rank) == plan.stage_ids(share.pp_rank)
+            assert share.layers == tuple(i for st in plan.stage_ids(share.pp_rank) for i in plan.stage_layers(st))
+
+
+def test_pipeline_memory_by_hand():
+    """8B over 4 pp ranks x 2 FSDP ranks, 1F1B, 8 microbatches of 1 x 2048 tokens, full AC, bf16."""
+    s = shape("8B")
+    d, vocab = s.dim, s.vocab_size
+    blk = block_params(s)
+    kw = dict(num_gpus=8, pp=4, local_batch_size=8, seq_len=2048, ac_mode="full", pp_schedule="1F1B")
+    setup = RunSetup(**kw)
+    assert setup.dp_degree == setup.dp_shard == 2 and setup.n_microbatches == 8
+    mem = pipeline_memory(s, setup)
+    params = [8 * blk + vocab * d, 8 * blk, 8 * blk, 8 * blk + d + vocab * d]
+    assert [m["params"] for m in mem] == params and sum(params) == param_count(s)
+    layer = activation_bytes_per_token_layer(s, setup)
+    for rank, m in enumerate(mem):
+        local = params[rank] / 2
+        assert m["gradients"] == 4 * local and m["optimizer"] == 8 * local
+        assert m["in_flight"] == 4 - rank  # 1F1B: p - rank
+        kept = (4 - rank) * 8 * 2 * d  # full AC: each in-flight microbatch keeps its 8 block inputs (bf16)
+        final_norm = (2 * 2 * d + 2 * d) if rank == 3 else 0
+        assert m["activations"] == 2048 * (kept + layer + final_norm)
+        assert m["logits"] == (2048 * vocab * (2 + 4 + 8) if rank == 3 else 0)
+        assert m["pipeline_fsdp_buffers"] == (2 + 4) * params[rank]  # gathered bf16 weights + fp32 grads
+    # the worst stage decides: memory_breakdown and plan_run report it
+    worst = max(mem, key=lambda m: m["total"])
+    assert memory_breakdown(s, setup) == worst
+    # GPipe keeps all 8 microbatches on every rank, and all 8 last-stage logits
+    gpipe = pipeline_memory(s, RunSetup(**(kw | {"pp_schedule": "GPipe"})))
+    assert [m["in_flight"] for m in gpipe] == [8] * 4
+    assert gpipe[3]["logits"] == 2048 * vocab * (6 * 8 + 8)
+    assert all(g["activations"] > m["activations"] for g, m in zip(gpipe, mem))
+    # interleaved: 2 stages per rank, more in flight but each a half-size stage: about (1 + 1/v) x on rank 0
+    inter = pipeline_memory(s, RunSetup(**(kw | {"pp_schedule": "Interleaved1F1B"})))
+    assert inter[0]["in_flight"] == min(1 * 4 + 2 * 3, 16) + 1 == 11
+    assert inter[0]["activations"] == 2048 * (11 * 4 * 2 * d + layer)
+
+
+def test_time_estimate_includes_the_bubble():
+    s = shape("8B")
+    common = dict(tokens=1e9, mfu=0.4, peak_flops=989.5e12, matmul_dtype="bfloat16", gpu_memory=80e9)
+    flat = plan_run(s, RunSetup(num_gpus=8, local_batch_size=8, global_batch_size=64, seq_len=2048), **common)
+    pp = plan_run(
+        s,
+        RunSetup(num_gpus=32, pp=4, local_batch_size=8, global_batch_size=64, seq_len=2048, ac_mode="full"),
+        **common,
+    )
+    assert pp.bubble == pytest.approx(3 / 11)  # 1F1B, p = 4, m = 8
+    # same data-parallel layout and batch on 4x the GPUs: a quarter of the time, stretched by the bubble
+    assert pp.steps == flat.steps and flat.bubble == 0
+    assert pp.wall_s == pytest.approx(flat.wall_s / 4 / (1 - 3 / 11))
+    with pytest.raises(ValueError, match="pipeline_parallel_degree"):
+        RunSetup(num_gpus=12, pp=8)
+    with pytest.raises(ValueError, match="microbatch size"):
+        RunSetup(num_gpus=8, pp=2, local_batch_size=3, pp_microbatch_size=2)
+
+
+def _status(key: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def pipeline_rss_worker(args: dict) -> dict:
+    """One pp rank of a 2-process gloo pipeline (debug model, fp32, no FSDP): the growth of its peak RSS over
+    two training steps of ``args['schedule']``, measured as RSS_SCRIPT measures the single process."""
+    import ctypes
+    import resource
+
+    from titanlite.config import load_config
+    from titanlite.loss import cross_entropy_sum
+    from titanlite.models import get_model_spec
+    from titanlite.optim import build_optimizer
+    from titanlite.parallel.activation_checkpoint import ActivationCheckpoint
+    from titanlite.parallel.build import build_parallel_model
+    from titanlite.parallel.distributed import init_distributed, world_from_env
+    from titanlite.parallel.parallel_dims import ParallelDims
+    from titanlite.parallel.pipeline import Pipeline, PipelinePlan
+    from titanlite.parallel.policies import Policies
+
+    world = world_from_env()
+    init_distributed(world, timeout_seconds=120)
+    dims = ParallelDims(pp=2, world_size=2)
+    dims.build_mesh("cpu")
+    par = [
+        "--parallelism.pipeline_parallel_schedule",
+        args["schedule"],
+        "--training.local_batch_size",
+        str(args["batch"]),
+    ]
+    par += ["--parallelism.pipeline_parallel_degree", "2"]
+    cfg = load_config([*par, "--parallelism.pipeline_parallel_microbatch_size", str(args["microbatch"])])
+    spec = get_model_spec("llama3")
+    torch.manual_seed(0)
+    model_args = spec.flavors["debugmodel"]
+    plan = PipelinePlan.from_config(cfg.parallelism, model_args.n_layers, args["batch"])
+    policies = Policies(activation_checkpoint=ActivationCheckpoint(args["ac"]))
+    parts = build_parallel_model(spec, model_args, dims, policies, pipeline=plan)
+    optimizer = build_optimizer(parts, cfg.optimizer)  # AdamW, foreach on CPU
+    pipe = Pipeline(parts, plan, dims.pp_group, torch.device("cpu"), cross_entropy_sum)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, model_args.vocab_size, (args["batch"], args["seq"]), generator=g)
+    y = torch.randint(0, model_args.vocab_size, (args["batch"], args["seq"]), generator=g)
+
+    def step():
+        pipe.step(x, y, {}, y.numel())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    anon0 = _status("RssAnon")
+    step()  # warm-up: the AdamW state, shape inference, the code of every op
+    optimizer_state = _status("RssAnon") - anon0
+    locked = ctypes.CDLL(None, use_errno=True).mlockall(1) == 0
+    torch.distributed.barrier()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status("VmRSS")
+    step()
+    step()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {
+        "pp_rank": dims.pp_rank,
+        "stage_sizes": plan.stage_sizes,
+        "optimizer_state": optimizer_state,
+        "increase": peak - before,
+        "locked": locked,
+    }
+
+
+@pytest.mark.memory_measurement
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
+def test_pipeline_stage_memory_matches_measured_cpu_memory(schedule, monkeypatch):
+    """Each stage of a 2-process gloo pipeline (debug model, 6 blocks cut 3 + 3, fp32, no FSDP, AdamW foreach,
+    4 microbatches of 2 x 256 tokens) against the planner's stage model, within 25%, measured per process as
+    the single-process test above measures (anonymous-RSS growth over a warm-up step for the AdamW state; peak
+    RSS growth over two steps for the rest). The schedules differ where the planner says they do: 1F1B keeps
+    2 microbatches in flight on pp rank 0 and 1 on pp rank 1, GPipe all 4 on both."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError as e:
+        pytest.skip(f"cannot reset the peak RSS here (/proc/self/clear_refs: {e})")
+    from dist_utils import run_workers
+
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    args = dict(schedule=schedule, batch=8, microbatch=2, seq=256, ac="none")
+    setup = RunSetup(
+        num_gpus=2,
+        pp=2,
+        local_batch_size=8,
+        seq_len=256,
+        compute_dtype="float32",
+        optimizer_impl="foreach",
+        pp_schedule=schedule,
+        pp_microbatch_size=2,
+    )
+    predicted = {m["pp_rank"]: m for m in pipeline_memory(shape("debugmodel"), setup)}
+
+    def measure() -> dict[int, dict]:
+        return {r["pp_rank"]: r for r in run_workers(pipeline_rss_worker, 2, args, timeout=240)}
+
+    measured = measure()
+    for rank in (0, 1):
+        m, got = predicted[rank], measured[rank]
+        assert got["stage_sizes"] == (3, 3)
+        assert m["optimizer"] == pytest.approx(got["optimizer_state"], rel=0.25), rank
+        want = m["total"] - m["parameters"] - m["optimizer"]
+        if want != pytest.approx(got["increase"], rel=0.25):  # outside effects only inflate a peak: once more
+            got["increase"] = min(got["increase"], measure()[rank]["increase"])
+        print(f"{schedule} pp rank {rank}: planner {want / 1e6:.1f} MB, measured {got['increase'] / 1e6:.1f} MB")
+        assert want == pytest.approx(got["increase"], rel=0.25), (schedule, rank, want / 1e6, got)

@@ -23,15 +23,17 @@ CONFIGS = sorted(
     str(p.relative_to(REPO))
     for p in [*(REPO / "train_configs").glob("*.toml"), *(REPO / "torchtitan_ext" / "configs").glob("*.toml")]
 )
-# config -> (dp_replicate, dp_shard, tp), parameters, tokens per optimizer step
+# config -> (dp_replicate, dp_shard, tp), parameters, tokens per optimizer step (pipeline degrees in PIPELINED)
 EXPECTED = {
     "train_configs/debug_model.toml": ((1, 1, 1), 4_984_064, 16 * 256),
     "train_configs/llama1b.toml": ((1, 8, 1), 1_235_814_400, 512 * 2048),
     "train_configs/llama3b.toml": ((1, 8, 1), 3_212_749_824, 512 * 2048),
     "train_configs/llama8b.toml": ((4, 8, 1), 8_030_261_248, 512 * 8192),
     "train_configs/llama70b.toml": ((1, 8, 8), 70_553_706_496, 512 * 8192),
+    "train_configs/llama405b.toml": ((1, 8, 8), 405_853_388_800, 1024 * 8192),
     "torchtitan_ext/configs/qwen3_debug.toml": ((1, 1, 1), 4_066_048, 16 * 256),
 }
+PIPELINED = {"train_configs/llama405b.toml": 8}  # config -> pipeline_parallel_degree (1 when not listed)
 
 DRY_RUN_ALL = """
 import json, sys
@@ -41,7 +43,7 @@ out = {}
 for path in sys.argv[1:]:
     r = dry_run(load_config(["--config", path]), out=lambda line: None)  # imports [job] extensions
     out[path] = {k: r[k] for k in ("world_size", "world_size_source", "degrees", "params", "per_rank", "fits",
-                                   "tokens_per_step", "groups")}
+                                   "tokens_per_step", "groups", "pipeline")}
 print("REPORT" + json.dumps(out))
 """
 
@@ -90,10 +92,17 @@ def test_config_dry_runs_at_its_stated_world_size(path, dry_runs):
     assert r["params"] == params and r["tokens_per_step"] == tokens
     assert r["fits"] is True
     rep, shard, tp = degrees
+    pp = PIPELINED.get(path, 1)
+    assert r["degrees"]["pp"] == pp and (r["pipeline"] is None) == (pp == 1)
     assert len(r["per_rank"]) == stated
-    # each model replica (one dp_replicate group) holds every parameter exactly once, except the
-    # parameters TP replicates (the RMSNorm gains), held once per TP rank
+    # each model replica (one dp_replicate group: in every pp rank, the ranks of replica 0) holds every
+    # parameter exactly once, except the parameters TP replicates (the RMSNorm gains), held once per TP rank
     replicated_by_tp = sum(g["numel"] for g in r["groups"] if g["placements"].endswith("tp:Replicate"))
-    per_replica = sum(r["per_rank"][: shard * tp])
+    block = shard * tp  # ranks of one replica within one pp rank (pp outermost, then dp_replicate)
+    per_replica = sum(sum(r["per_rank"][k * rep * block : k * rep * block + block]) for k in range(pp))
     assert per_replica == params + (tp - 1) * replicated_by_tp
     assert sum(r["per_rank"]) == rep * per_replica
+    if pp > 1:  # every pp rank's stages, together the whole model, and each stage fits
+        ranks = r["pipeline"]["ranks"]
+        assert len(ranks) == pp and sum(k["params"] for k in ranks) == params
+        assert all(k["fits"] for k in ranks)

@@ -13,12 +13,18 @@
 4. prints the parameter count of every rank (computed from each parameter's DTensor placements for
    every mesh coordinate), the sharding of each parameter group, and the planner's per-GPU memory
    estimate (:mod:`titanlite.planner`) against ``job.dry_run_gpu``;
+5. with pipeline parallelism, builds the stages of *every* pp rank (the family's ``pipeline_fn`` and
+   ``parallelize_fn`` on a view of the mesh whose ``pp_rank`` is that rank: as rank 0 of the fake
+   group only pp rank 0 would be seen) and prints, per pp rank, its modules (``tok_embeddings,
+   layers.0-15``), its parameters and the planner's memory estimate for that stage; the worst stage
+   decides the verdict;
 
 and exits without allocating a single weight. :func:`dry_run` returns the same facts as a dict.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import os
@@ -29,6 +35,21 @@ from typing import Any
 import torch
 
 GB = 1e9
+
+
+def _at_pp_rank(dims, pp_rank: int):
+    """A copy of ``dims`` (same mesh) whose ``pp_rank`` is ``pp_rank``: the fake process group's one real
+    process is global rank 0, so the mesh alone would only ever show pp rank 0's stages."""
+    from titanlite.parallel.parallel_dims import ParallelDims
+
+    class PipelineRankDims(ParallelDims):
+        @property
+        def pp_rank(self) -> int:
+            return pp_rank
+
+    view = copy.copy(dims)
+    view.__class__ = PipelineRankDims
+    return view
 
 
 def resolve_world_size(cfg) -> tuple[int, str]:
@@ -97,8 +118,9 @@ def dry_run(cfg, world_size: int | None = None, out: Callable[[str], None] = pri
     from titanlite.models.registry import model_args_for, model_counts
     from titanlite.parallel.build import parallelize_on_meta
     from titanlite.parallel.parallel_dims import MESH_DIMS, ParallelDims
+    from titanlite.parallel.pipeline import PipelinePlan
     from titanlite.parallel.policies import Policies
-    from titanlite.planner import ModelShape, RunSetup, memory_breakdown, param_count, usable_memory
+    from titanlite.planner import ModelShape, RunSetup, param_count, pipeline_memory, usable_memory
     from titanlite.train_step import grad_accum_steps
 
     world_size, source = resolve_world_size(cfg) if world_size is None else (world_size, "argument")
@@ -108,6 +130,7 @@ def dry_run(cfg, world_size: int | None = None, out: Callable[[str], None] = pri
     spec = get_model_spec(cfg.model.name)
     vocab, vocab_note = _vocab_size(cfg, spec)
     args = model_args_for(cfg.model, vocab)
+    plan = PipelinePlan.from_config(par, args.n_layers, t.local_batch_size) if dims.pp_enabled else None
 
     if world_size > 1:
         if dist.is_available() and dist.is_initialized():
@@ -118,8 +141,15 @@ def dry_run(cfg, world_size: int | None = None, out: Callable[[str], None] = pri
     try:
         dims.build_mesh("cpu")
         dims.check_tp_divides(**{"training.seq_len (sequence parallelism)": t.seq_len})
-        model, _ = parallelize_on_meta(spec, args, dims, Policies.from_config(par, t, ac, cfg.compile, f8))
-        report = _inspect(model, dims, world_size, MESH_DIMS)
+        policies = Policies.from_config(par, t, ac, cfg.compile, f8)
+        if plan is None:
+            models = [parallelize_on_meta(spec, args, dims, policies)[0]]
+        else:  # every pp rank's stages, each rank's as one ModelParts under the full model's names
+            models = [
+                parallelize_on_meta(spec, args, _at_pp_rank(dims, k), policies, pipeline=plan)[0]
+                for k in range(dims.pp)
+            ]
+        report = _inspect(models, dims, world_size, MESH_DIMS)
     finally:
         if world_size > 1:  # the fake process group created above
             dist.destroy_process_group()
@@ -137,15 +167,22 @@ def dry_run(cfg, world_size: int | None = None, out: Callable[[str], None] = pri
         compute_dtype=t.mixed_precision_param,
         float8=f8.enable,
         optimizer_impl="fused" if cfg.optimizer.implementation == "auto" else cfg.optimizer.implementation,
+        pp=dims.pp,
+        pp_schedule=par.pipeline_parallel_schedule,
+        pp_microbatch_size=par.pipeline_parallel_microbatch_size,
+        pp_stage_sizes=plan.stage_sizes if plan else (),
+        reduce_dtype=t.mixed_precision_reduce,
+        fsdp_reshard_after_forward=par.fsdp_reshard_after_forward,
     )
-    memory = memory_breakdown(shape, setup)
+    stage_memory = pipeline_memory(shape, setup)
+    memory = max(stage_memory, key=lambda m: m["total"])
     gpu_bytes = gpu_memory_bytes(cfg.job.dry_run_gpu)
     usable = None if gpu_bytes is None else usable_memory(gpu_bytes)
     report |= {
         "model": f"{cfg.model.name}/{cfg.model.flavor}",
         "world_size": world_size,
         "world_size_source": source,
-        "degrees": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp},
+        "degrees": {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp},
         "grad_accum": accum,
         "global_batch": t.local_batch_size * dims.dp_degree * accum,
         "tokens_per_step": t.local_batch_size * dims.dp_degree * accum * t.seq_len,
@@ -155,10 +192,60 @@ def dry_run(cfg, world_size: int | None = None, out: Callable[[str], None] = pri
         "usable_bytes": usable,
         "fits": None if usable is None else memory["total"] <= usable,
         "vocab_note": vocab_note,
+        "pipeline": None if plan is None else _pipeline_report(plan, report, stage_memory, usable),
     }
     for line in format_report(report, cfg):
         out(line)
     return report
+
+
+def _layer_ranges(names: list[str]) -> list[str]:
+    """``["tok_embeddings", "layers.0", ..., "layers.15"]`` -> ``["tok_embeddings", "layers.0-15"]``."""
+    out, run = [], []
+    for name in [*names, ""]:
+        m = re.fullmatch(r"layers\.(\d+)", name)
+        if m and (not run or int(m.group(1)) == run[-1] + 1):
+            run.append(int(m.group(1)))
+            continue
+        if run:
+            out.append(f"layers.{run[0]}" + (f"-{run[-1]}" if len(run) > 1 else ""))
+            run = []
+        if m:
+            run = [int(m.group(1))]
+        elif name:
+            out.append(name)
+    return out
+
+
+def _pipeline_report(plan, report: dict[str, Any], stage_memory: list[dict], usable: float | None) -> dict[str, Any]:
+    """Per pp rank: its stages and their modules, its parameters (all, and per GPU) and the planner's memory."""
+    ranks = []
+    for k, (mem, params) in enumerate(zip(stage_memory, report["stage_params"])):
+        stages = plan.stage_ids(k)
+        per_gpu = report["per_rank"][
+            k * len(report["per_rank"]) // plan.degree : (k + 1) * len(report["per_rank"]) // plan.degree
+        ]
+        ranks.append(
+            {
+                "pp_rank": k,
+                "stages": stages,
+                "modules": {s: ", ".join(_layer_ranges(plan.stage_modules(s))) for s in stages},
+                "params": params,
+                "per_gpu_min": min(per_gpu),
+                "per_gpu_max": max(per_gpu),
+                "memory": mem,
+                "fits": None if usable is None else mem["total"] <= usable,
+            }
+        )
+    return {
+        "degree": plan.degree,
+        "schedule": plan.schedule,
+        "num_stages": plan.num_stages,
+        "stage_sizes": list(plan.stage_sizes),
+        "n_microbatches": plan.n_microbatches,
+        "bubble": plan.bubble_fraction(),
+        "ranks": ranks,
+    }
 
 
 def _vocab_size(cfg, spec) -> tuple[int, str]:
@@ -174,31 +261,38 @@ def _vocab_size(cfg, spec) -> tuple[int, str]:
     return flavor_vocab, (f"tokenizer {path} is not on this machine: using the flavor's vocab_size {flavor_vocab:,}")
 
 
-def _inspect(model: torch.nn.Module, dims, world: int, mesh_names: tuple[str, ...]) -> dict[str, Any]:
+def _inspect(models: list[torch.nn.Module], dims, world: int, mesh_names: tuple[str, ...]) -> dict[str, Any]:
+    """Parameter counts of every global rank (from each parameter's placements at the rank's mesh coordinate)
+    and the parameter groups; ``models[k]`` is what pp rank ``k`` holds (one model without pipelining)."""
     from torch.distributed.tensor import DTensor
 
-    mesh_shape = (dims.dp_replicate, dims.dp_shard, dims.tp)
+    mesh_shape = (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp)
     coords = list(itertools.product(*map(range, mesh_shape)))  # of every global rank (row-major)
     numel = _local_numel_fn(mesh_names)
-    params = list(model.named_parameters())  # shared (tied) parameters once
     per_rank = [0] * world
     groups: dict[tuple, dict] = {}
-    for name, p in params:
-        for r, c in enumerate(coords):
-            per_rank[r] += numel(p, c)
-        if isinstance(p, DTensor):
-            names = p.device_mesh.mesh_dim_names or ()
-            placement = " ".join(f"{n}:{_placement_text(pl)}" for n, pl in zip(names, p.placements))
-            local = list(p.to_local().shape)
-        else:
-            placement, local = "replicated (plain tensor)", list(p.shape)
-        key = (re.sub(r"^layers\.\d+\.", "layers.*.", name), tuple(p.shape), placement)  # all blocks in one group
-        new = dict(group=key[0], count=0, shape=list(p.shape), placements=placement, rank0_shape=local, numel=0)
-        g = groups.setdefault(key, new)
-        g["count"] += 1
-        g["numel"] += p.numel()
+    stage_params = []
+    for k, model in enumerate(models):
+        params = list(model.named_parameters())  # shared (tied) parameters once
+        stage_params.append(sum(p.numel() for _, p in params))
+        for name, p in params:
+            for r, c in enumerate(coords):
+                if c[0] == k:
+                    per_rank[r] += numel(p, c)
+            if isinstance(p, DTensor):
+                names = p.device_mesh.mesh_dim_names or ()
+                placement = " ".join(f"{n}:{_placement_text(pl)}" for n, pl in zip(names, p.placements))
+                local = list(p.to_local().shape)
+            else:
+                placement, local = "replicated (plain tensor)", list(p.shape)
+            key = (re.sub(r"^layers\.\d+\.", "layers.*.", name), tuple(p.shape), placement)  # all blocks in one group
+            new = dict(group=key[0], count=0, shape=list(p.shape), placements=placement, rank0_shape=local, numel=0)
+            g = groups.setdefault(key, new)
+            g["count"] += 1
+            g["numel"] += p.numel()
     return {
-        "params": sum(p.numel() for _, p in params),
+        "params": sum(stage_params),
+        "stage_params": stage_params,
         "per_rank": per_rank,
         "min_rank": min(range(world), key=per_rank.__getitem__),
         "max_rank": max(range(world), key=per_rank.__getitem__),
@@ -219,7 +313,11 @@ def _rank_runs(per: list[int], limit: int = 8) -> str:
 def format_report(r: dict[str, Any], cfg) -> list[str]:
     d, t, ac, w = r["degrees"], cfg.training, cfg.activation_checkpoint, r["world_size"]
     per, lo, hi, m = r["per_rank"], r["min_rank"], r["max_rank"], r["memory"]
-    layout = [f"HSDP replicas {d['dp_replicate']}"] if d["dp_replicate"] > 1 else []
+    pl = r.get("pipeline")
+    layout = [f"PP {pl['degree']} ({pl['schedule']}, {pl['num_stages']} stages)"] if pl else []
+    layout += [f"HSDP replicas {d['dp_replicate']}"] if d["dp_replicate"] > 1 else []
+    pp_dim = f"pp {pl['degree']} x " if pl else ""
+    worst = f", worst stage (pp rank {m['pp_rank']})" if pl else ""
     if d["dp_replicate"] * d["dp_shard"] > 1:
         layout.append(f"FSDP over {d['dp_shard']}")
     if d["tp"] > 1:
@@ -229,7 +327,7 @@ def format_report(r: dict[str, Any], cfg) -> list[str]:
     lines = [
         f"dry run: {r['model']} on {w} rank{'s' if w != 1 else ''} ({r['world_size_source']}); "
         f"{'fake process group, ' if w > 1 else ''}meta device, nothing allocated",
-        f"mesh       dp_replicate {d['dp_replicate']} x dp_shard {d['dp_shard']} x tp {d['tp']} = {w}"
+        f"mesh       {pp_dim}dp_replicate {d['dp_replicate']} x dp_shard {d['dp_shard']} x tp {d['tp']} = {w}"
         f" | {', '.join(layout) or 'single process, no sharding'}",
         f"training   AC {ac.mode}{' (' + ac.selective_ac_option + ')' if ac.mode == 'selective' else ''}"
         f", compile {'on' if cfg.compile.enable else 'off'}, float8 "
@@ -247,6 +345,8 @@ def format_report(r: dict[str, Any], cfg) -> list[str]:
         )
     if r.get("vocab_note"):
         lines.append(f"note       {r['vocab_note']}")
+    if pl:
+        lines += _pipeline_lines(pl, r, cfg)
     return lines + [
         "sharding   parameter group                              count  global shape        placements"
         "                                   rank-0 shard",
@@ -255,7 +355,7 @@ def format_report(r: dict[str, Any], cfg) -> list[str]:
             f"{g['rank0_shape']}"
             for g in r["groups"]
         ),
-        f"memory     planner per GPU (GB = 1e9 B): parameters {m['parameters'] / GB:.2f}, gradients "
+        f"memory     planner per GPU (GB = 1e9 B){worst}: parameters {m['parameters'] / GB:.2f}, gradients "
         f"{m['gradients'] / GB:.2f}, optimizer {m['optimizer'] / GB:.2f}, activations "
         f"{m['activations'] / GB:.2f}, logits {m['logits'] / GB:.2f} -> total {m['total'] / GB:.2f}",
         "           fp32 weights + gradients + AdamW state of the largest rank, from the sharded model: "
@@ -266,3 +366,36 @@ def format_report(r: dict[str, Any], cfg) -> list[str]:
         f"{r['usable_bytes'] / GB:.1f} GB usable on a {r['gpu']}",
         "dry run complete: no weights were allocated; exiting",
     ]
+
+
+def _pipeline_lines(pl: dict[str, Any], r: dict[str, Any], cfg) -> list[str]:
+    """The pipeline section: the split, the schedule's microbatches and bubble, and one line per pp rank."""
+    mb = cfg.parallelism.pipeline_parallel_microbatch_size
+    usable = r["usable_bytes"]
+    lines = [
+        f"pipeline   {pl['schedule']} over {pl['degree']} pp ranks, {pl['num_stages']} stages of "
+        f"{_sizes_text(pl['stage_sizes'])} blocks; {pl['n_microbatches']} microbatches of {mb} sequence"
+        f"{'s' if mb != 1 else ''} per local batch; bubble {pl['bubble']:.1%} (planner estimate)"
+    ]
+    for k in pl["ranks"]:
+        m = k["memory"]
+        modules = "; ".join(f"stage {s}: {k['modules'][s]}" for s in k["stages"])
+        per_gpu = (
+            f"{k['per_gpu_max']:,}"
+            if k["per_gpu_min"] == k["per_gpu_max"]
+            else (f"{k['per_gpu_min']:,}-{k['per_gpu_max']:,}")
+        )
+        verdict = "" if usable is None else (" FITS" if k["fits"] else " DOES NOT FIT")
+        lines.append(
+            f"  pp {k['pp_rank']:<3}  {modules} | {k['params']:,} params, {per_gpu} per GPU | "
+            f"{m['in_flight']} microbatches in flight | memory {m['total'] / GB:.1f} GB (sharded weights+grads+AdamW "
+            f"{(m['parameters'] + m['gradients'] + m['optimizer']) / GB:.1f}, unsharded stage weights+grads "
+            f"{m['pipeline_fsdp_buffers'] / GB:.1f}, activations {m['activations'] / GB:.1f}, logits "
+            f"{m['logits'] / GB:.1f}){verdict}"
+        )
+    return lines
+
+
+def _sizes_text(sizes: list[int]) -> str:
+    """``[16, 16, 16]`` -> ``"16"``; uneven sizes listed."""
+    return str(sizes[0]) if len(set(sizes)) == 1 else "/".join(map(str, sizes))

@@ -54,9 +54,17 @@ Other families are modelled as that block with their own sizes: parameters and F
 (``head_dim``, QK-norm weights), activations are a lower bound where a block keeps more (Qwen3's
 QK-norm and fp32 half-split RoPE keep ~2x as much per token under bf16 autocast).
 
+Pipeline parallelism (``pp > 1``): each pp rank holds only its stages' blocks (plus the embedding on
+the first stage, the final norm and output on the last), so parameters, gradients and optimizer state
+are the rank's share; its activations are one pipeline microbatch's (``pp_microbatch_size`` sequences)
+times the microbatches its schedule keeps in flight (:func:`microbatches_in_flight`: all ``m`` for
+GPipe, ``p - rank`` for 1F1B, about ``(1 + 1/v)`` times that for interleaved 1F1B); the worst rank
+decides the verdict (:func:`pipeline_memory`). The time estimate divides by ``1 - bubble``
+(:func:`pipeline_bubble_fraction`).
+
 Not modelled: the CUDA context and communication buffers and allocator fragmentation (the verdict
 keeps a reserve for them, :data:`RESERVE_BYTES` and :data:`FRAGMENTATION`), torch.compile's fusions
-(which save less), pipeline parallelism.
+(which save less), the pipeline's send/receive buffers (one microbatch's hidden states per neighbour).
 """
 
 from __future__ import annotations
@@ -159,6 +167,89 @@ def flops_of(args: Any, seq_len: int) -> int:
     return flops_per_token(ModelShape.from_args(args), seq_len)
 
 
+# torch.distributed.pipelining schedules by their torchtitan names (as [parallelism] pipeline_parallel_schedule)
+PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # rank r holds stages r and 2p - 1 - r
+ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+def check_pipeline(schedule: str, local_batch_size: int, microbatch_size: int, stage_sizes: tuple[int, ...]) -> None:
+    """The planner's own checks of a pipeline setup (the trainer's full ones are ``PipelinePlan.check``)."""
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"pipeline schedule {schedule!r} must be one of {', '.join(PIPELINE_SCHEDULES)}")
+    if microbatch_size < 1 or local_batch_size % microbatch_size:
+        raise ValueError(
+            f"local_batch_size ({local_batch_size}) must be a multiple of the pipeline microbatch size "
+            f"({microbatch_size})"
+        )
+    if any(n < 1 for n in stage_sizes):
+        raise ValueError(f"every pipeline stage needs at least one block, got {list(stage_sizes)}")
+
+
+def pipeline_bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """Idle share of each pipeline rank's time in one schedule run, for ``p`` ranks, ``m`` microbatches and
+    ``v`` stages per rank, in the usual unit model (every stage equally fast, a backward twice its forward, no
+    communication time):
+
+    - GPipe and 1F1B: ``(p - 1) / (m + p - 1)`` (Huang et al. 2019; Narayanan et al. 2021): the first
+      microbatch needs ``p - 1`` stage times to reach the last rank, and the last one as many to come back;
+    - Interleaved1F1B: ``(p - 1) / (v m + p - 1)`` (Narayanan et al. 2021): the ramp is ``p - 1`` *virtual*
+      stage times, each ``1/v`` of a rank's share. With fewer microbatches than ranks a round cannot fill
+      the pipeline and it is ``1 - v m / (v p + m - 1)``; both are ``1 - v m / max(v m + p - 1, v p + m - 1)``;
+    - the zero-bubble schedules (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV), whose backward is split
+      into an input-gradient and a weight-gradient half (each as long as the forward): the weight halves fill
+      the backward ramp, leaving ``(p - 1) / (3 v m + p - 1)``. Exact for ``m >= p`` (InterleavedZeroBubble)
+      and ``m >= 2p`` (ZBV, DualPipeV); with fewer microbatches the schedules idle more than this.
+
+    tests/test_planner.py replays torch's own action orders in the unit model and finds these values.
+    """
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"pipeline schedule {schedule!r} must be one of {', '.join(PIPELINE_SCHEDULES)}")
+    if p <= 1:
+        return 0.0
+    if schedule in ZERO_BUBBLE_SCHEDULES:
+        return (p - 1) / (3 * v * m + p - 1)
+    return 1 - v * m / max(v * m + p - 1, v * p + m - 1)
+
+
+def pipeline_rank_stages(schedule: str, p: int, num_stages: int, rank: int) -> list[int]:
+    """The stages pp rank ``rank`` runs: a loop (``rank, rank + p, ...``), or a V for ZBV and DualPipeV."""
+    return [rank, 2 * p - 1 - rank] if schedule in V_SCHEDULES else list(range(rank, num_stages, p))
+
+
+def microbatches_in_flight(schedule: str, p: int, m: int, v: int, rank: int) -> int:
+    """The most (microbatch, local stage) forwards whose activations pp rank ``rank`` holds at once, i.e.
+    forwards minus (input-)backwards, maximized over torch.distributed.pipelining's order for the schedule
+    (torch 2.13; tests/test_planner.py checks each against the order torch builds):
+
+    - GPipe: ``m`` (every forward runs before the first backward);
+    - 1F1B: ``min(m, p - rank)`` (warm-up forwards, then one backward before each forward);
+    - Interleaved1F1B: ``min(W + 1, v m)`` with ``W = min((v - 1) k + 2 (p - 1 - rank), v m)`` warm-up
+      forwards, ``k = m / max(1, m // p)`` microbatches per round (one more forward runs before the first
+      backward): about ``(1 + 1/v)`` times the 1F1B stage's activations on the first rank;
+    - InterleavedZeroBubble: the same with ``W = (v - 1) k + (p - 1 - rank)`` (its warm-up grows by one per hop);
+    - ZBVZeroBubble: ``min(2p, m + rank + 1, 2m)``; DualPipeV: ``2p + 1`` (it needs ``m >= 2p``).
+
+    For the zero-bubble schedules a backward counts when its input-gradient half runs: the weight-gradient
+    half, run later, still needs the saved matmul inputs, so their peak is somewhat higher (not modelled).
+    """
+    if p <= 1 or schedule == "GPipe":
+        return m * v
+    if schedule == "1F1B":
+        return min(m, p - rank)
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        per_round = m // max(1, m // p)
+        hops = (2 if schedule == "Interleaved1F1B" else 1) * (p - 1 - rank)
+        warmup = min((v - 1) * per_round + hops, v * m)
+        return min(warmup + 1, v * m)
+    if schedule == "ZBVZeroBubble":
+        return min(2 * p, m + rank + 1, 2 * m)
+    if schedule == "DualPipeV":
+        return min(2 * p + 1, 2 * m)
+    raise ValueError(f"pipeline schedule {schedule!r} must be one of {', '.join(PIPELINE_SCHEDULES)}")
+
+
 @dataclasses.dataclass(frozen=True)
 class RunSetup:
     """How the run is laid out on the GPUs (from the job config and the command line)."""
@@ -174,13 +265,21 @@ class RunSetup:
     compute_dtype: str = "bfloat16"
     float8: bool = False
     optimizer_impl: str = "fused"  # fused | foreach | for-loop
+    pp: int = 1  # pipeline-parallel degree
+    pp_schedule: str = "1F1B"
+    pp_microbatch_size: int = 1  # sequences per pipeline microbatch
+    pp_stage_sizes: tuple[int, ...] = ()  # blocks per stage (a PipelinePlan's); () = as even as possible
+    reduce_dtype: str = "float32"  # FSDP's gradient dtype (mixed_precision_reduce)
+    fsdp_reshard_after_forward: str = "default"  # default | always | never
 
     def __post_init__(self) -> None:
-        if self.num_gpus < 1 or self.num_gpus % (self.tp * self.dp_replicate):
+        if self.num_gpus < 1 or self.num_gpus % (self.tp * self.dp_replicate * self.pp):
             raise ValueError(
                 f"{self.num_gpus} GPUs are not divisible by tensor_parallel_degree ({self.tp}) x "
-                f"data_parallel_replicate_degree ({self.dp_replicate})"
+                f"data_parallel_replicate_degree ({self.dp_replicate}) x pipeline_parallel_degree ({self.pp})"
             )
+        if self.pp > 1:
+            check_pipeline(self.pp_schedule, self.local_batch_size, self.pp_microbatch_size, self.pp_stage_sizes)
         if self.global_batch_size != -1 and self.global_batch_size % (self.local_batch_size * self.dp_degree):
             raise ValueError(
                 f"global_batch_size {self.global_batch_size} is not a multiple of local_batch_size "
@@ -193,7 +292,7 @@ class RunSetup:
 
     @property
     def dp_degree(self) -> int:
-        return self.num_gpus // self.tp
+        return self.num_gpus // (self.tp * self.pp)
 
     @property
     def dp_shard(self) -> int:
@@ -224,6 +323,22 @@ class RunSetup:
     def micro_batch_tokens(self) -> int:
         return self.local_batch_size * self.seq_len
 
+    @property
+    def n_microbatches(self) -> int:
+        """Pipeline microbatches per schedule run (one local batch); 1 without pipelining."""
+        return self.local_batch_size // self.pp_microbatch_size if self.pp > 1 else 1
+
+    def stage_sizes(self, n_layers: int) -> tuple[int, ...]:
+        """Blocks per pipeline stage: ``pp_stage_sizes``, else ``n_layers`` cut as evenly as possible into the
+        schedule's stages (``pp``, or ``2 pp`` for the multi-stage schedules), the larger stages first."""
+        if self.pp_stage_sizes:
+            return self.pp_stage_sizes
+        if self.pp == 1:
+            return (n_layers,)
+        num = self.pp * (2 if self.pp_schedule in MULTI_STAGE_SCHEDULES else 1)
+        base, extra = divmod(n_layers, num)
+        return tuple(base + (i < extra) for i in range(num))
+
 
 def _bytes(setup: RunSetup) -> tuple[int, int, int]:
     """(compute c, residual r, saved-matmul-input l) bytes, see the module docstring."""
@@ -245,61 +360,184 @@ def activation_bytes_per_token_layer(s: ModelShape, setup: RunSetup) -> float:
     return norms + matmul_inputs + attention + ffn + 8
 
 
-def activation_bytes(s: ModelShape, setup: RunSetup) -> float:
-    """Activation memory of one micro-batch on one GPU, by activation-checkpointing mode."""
-    tokens = setup.micro_batch_tokens / setup.tp
-    c, r, lin = _bytes(setup)
+def _activation_per_token(s: ModelShape, setup: RunSetup, n_layers: float) -> tuple[float, float]:
+    """``(kept, recomputed)`` bytes per token for ``n_layers`` blocks: what stays saved from forward to backward,
+    and what activation checkpointing adds while one block is recomputed in backward."""
+    c, r, _ = _bytes(setup)
     d, q = s.dim, s.q_dim
     layer = activation_bytes_per_token_layer(s, setup)
     keep_input = r * d
-    final_norm = 2 * r * d + lin * d
     if setup.ac_mode == "none":
-        per_token = s.n_layers * layer
-    elif setup.ac_mode == "full":
-        per_token = s.n_layers * keep_input + layer  # + one block recomputed in backward
-    elif setup.ac_option.strip() == "op":  # the block input and the matmul/attention outputs are kept
+        return n_layers * layer, 0.0
+    if setup.ac_mode == "full":
+        return n_layers * keep_input, layer
+    if setup.ac_option.strip() == "op":  # the block input and the matmul/attention outputs are kept
         kept = r * d + c * (q + 2 * s.kv_dim) + c * q + 4 * s.n_heads + c * d + 2 * c * s.ffn_hidden_dim + c * d
-        per_token = s.n_layers * kept + (layer - kept)
-    else:
-        n_ac = s.n_layers // int(setup.ac_option)  # full AC on every N-th block
-        per_token = n_ac * keep_input + (s.n_layers - n_ac) * layer + (layer if n_ac else 0)
-    return tokens * (per_token + final_norm)
+        return n_layers * kept, layer - kept
+    n_ac = int(n_layers) // int(setup.ac_option)  # full AC on every N-th block
+    return n_ac * keep_input + (n_layers - n_ac) * layer, (layer if n_ac else 0.0)
 
 
-def memory_breakdown(s: ModelShape, setup: RunSetup) -> dict[str, Any]:
-    """Per-GPU bytes by component (see the module docstring); ``total`` is the modelled peak, reached
-    at ``peak_at`` (start of backward, end of backward or optimizer step)."""
-    local = param_count(s) / (setup.tp * (setup.dp_shard if setup.fsdp else 1))
+def _float8_saved_blocks(setup: RunSetup, n_layers: float) -> tuple[float, float]:
+    """``(kept, recomputed)`` blocks whose float8 weight copies autograd holds: a block under full AC saves
+    nothing from its forward (its casts run again when it is recomputed)."""
+    if setup.ac_mode == "none" or (setup.ac_mode == "selective" and setup.ac_option.strip() == "op"):
+        return n_layers, 0.0
+    if setup.ac_mode == "full":
+        return 0.0, 1.0
+    n_ac = int(n_layers) // int(setup.ac_option)
+    return n_layers - n_ac, (1.0 if n_ac else 0.0)
+
+
+def _final_norm_per_token(setup: RunSetup, s: ModelShape) -> float:
+    _, r, lin = _bytes(setup)
+    return 2 * r * s.dim + lin * s.dim
+
+
+def activation_bytes(s: ModelShape, setup: RunSetup) -> float:
+    """Activation memory of one micro-batch on one GPU, by activation-checkpointing mode (no pipelining)."""
+    kept, recomputed = _activation_per_token(s, setup, s.n_layers)
+    return setup.micro_batch_tokens / setup.tp * (kept + recomputed + _final_norm_per_token(setup, s))
+
+
+@dataclasses.dataclass(frozen=True)
+class StageShare:
+    """What one pipeline rank holds: its stages, blocks, whether it has the embedding (first stage) and the
+    final norm and output (last stage), and the microbatches in flight (:func:`microbatches_in_flight`)."""
+
+    pp_rank: int
+    stages: tuple[int, ...]
+    layers: tuple[int, ...]  # the block indices, in order
+    first: bool
+    last: bool
+    in_flight: int  # (microbatch, local stage) activations held at once
+    last_in_flight: int  # of those, on the last stage (logits, final norm): m for GPipe, else 1
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+
+def stage_shares(s: ModelShape, setup: RunSetup) -> list[StageShare]:
+    """Each pipeline rank's share of the model and of the schedule (one share, everything, without pipelining)."""
+    sizes = setup.stage_sizes(s.n_layers)
+    if sum(sizes) != s.n_layers:
+        raise ValueError(f"pipeline stage sizes {list(sizes)} do not add up to n_layers ({s.n_layers})")
+    if len(sizes) % setup.pp:
+        raise ValueError(f"{len(sizes)} pipeline stages are not a multiple of pipeline_parallel_degree ({setup.pp})")
+    p, m, v = setup.pp, setup.n_microbatches, len(sizes) // setup.pp
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    shares = []
+    for rank in range(p):
+        ids = pipeline_rank_stages(setup.pp_schedule, p, len(sizes), rank) if p > 1 else [0]
+        layers = tuple(i for st in ids for i in range(starts[st], starts[st] + sizes[st]))
+        last = len(sizes) - 1 in ids
+        in_flight = microbatches_in_flight(setup.pp_schedule, p, m, v, rank) if p > 1 else 1
+        last_in_flight = (m if setup.pp_schedule == "GPipe" else 1) if last else 0
+        shares.append(StageShare(rank, tuple(ids), layers, 0 in ids, last, in_flight, last_in_flight))
+    return shares
+
+
+def stage_params(s: ModelShape, share: StageShare) -> int:
+    """Parameters a pipeline rank holds: its blocks, plus the embedding on the first stage and the final norm
+    and output on the last (all of :func:`param_count` without pipelining)."""
+    if share.first and share.last:
+        return param_count(s)
+    embed = s.vocab_size * s.dim
+    return share.n_layers * block_params(s) + (embed if share.first else 0) + ((s.dim + embed) if share.last else 0)
+
+
+def stage_memory_breakdown(s: ModelShape, setup: RunSetup, share: StageShare) -> dict[str, Any]:
+    """Per-GPU bytes of one pipeline rank (``share``) by component, as :func:`memory_breakdown` (the module
+    docstring) with the rank's blocks only and its schedule's microbatches in flight:
+
+    - parameters, gradients and optimizer state: the rank's blocks (+ embedding on the first stage, final
+      norm and output on the last), sharded over ``dp_shard x tp``; the bf16 gathered copies are ~2 blocks,
+      plus the output on the last stage;
+    - activations: ``in_flight x`` one microbatch's (``pp_microbatch_size x seq_len`` tokens) kept bytes for
+      ``n_layers / v`` blocks (a local stage, ``v`` stages per rank), plus the block being recomputed under
+      AC, plus the final norm for the last stage's microbatches in flight; float8 weight copies are saved by
+      every forward of a block outside full AC, so they count ``in_flight`` times too;
+    - logits (last stage only): logits and fp32 log-softmax (``c + 4`` bytes per vocabulary entry) for each
+      microbatch in flight on the last stage (all ``m`` under GPipe, else 1), plus the two fp32 gradients
+      (8 bytes) of the one in backward;
+    - at the start of backward the gradients count when they accumulate over several micro-batches, or when
+      the schedule's steady state (a backward before each forward) reaches the same microbatches in flight;
+    - with FSDP, torch's pipeline stages keep every microbatch's backward from resharding and from reducing
+      (``set_reshard_after_backward(False)``, ``set_requires_gradient_sync(False)``) until the last one: from
+      the first backward on, the stage's gathered weights (``c`` bytes per parameter / ``tp``; from the first
+      forward with ``fsdp_reshard_after_forward = "never"``) and its unsharded gradients, accumulated in the
+      reduce dtype (4 bytes for fp32), are alive (``pipeline_fsdp_buffers``); they count at the start of
+      backward in the steady state, and always at the end of backward.
+
+    Without pipelining this is exactly the single-stage model (one share, one microbatch of
+    ``local_batch_size`` sequences in flight)."""
+    p = setup.pp
+    v = len(setup.stage_sizes(s.n_layers)) // p
+    local = stage_params(s, share) / (setup.tp * (setup.dp_shard if setup.fsdp else 1))
     c = _bytes(setup)[0]
+    matmul = share.n_layers * _block_matmul_params(s) + (s.vocab_size * s.dim if share.last else 0)
     params = 4 * local
     if setup.fsdp and c != 4:  # gathered compute-dtype copies: ~2 blocks + the last group (norm + output)
-        params += c * (2 * block_params(s) + s.vocab_size * s.dim) / setup.tp
+        params += c * (2 * block_params(s) + (s.vocab_size * s.dim if share.last else 0)) / setup.tp
     elif setup.autocast:  # autocast caches a bf16 copy of every matmul weight for backward
-        params += c * matmul_param_count(s) / setup.tp
+        params += c * matmul / setup.tp
     grads, optimizer = 4 * local, 8 * local  # fp32 gradients; AdamW's two fp32 moments
-    activations = activation_bytes(s, setup)
-    if setup.float8:  # float8 copies of the (converted) block weights, saved for backward
-        activations += s.n_layers * _block_matmul_params(s) / setup.tp
-    logits = setup.micro_batch_tokens * s.vocab_size / setup.tp * (c + 12)
+    sequences = setup.pp_microbatch_size if p > 1 else setup.local_batch_size
+    tokens = sequences * setup.seq_len / setup.tp
+    kept, recomputed_per_token = _activation_per_token(s, setup, share.n_layers / v)
+    final_norm = share.last_in_flight * _final_norm_per_token(setup, s)
+    activations = tokens * (share.in_flight * kept + recomputed_per_token + final_norm)
+    if setup.float8:  # float8 copies of the block weights, saved for backward by every forward outside AC
+        kept_blocks, recomputed_blocks = _float8_saved_blocks(setup, share.n_layers / v)
+        activations += (share.in_flight * kept_blocks + recomputed_blocks) * _block_matmul_params(s) / setup.tp
+    vocab_bytes = (c + 4) * share.last_in_flight + (8 if share.last else 0)
+    logits = sequences * setup.seq_len * s.vocab_size / setup.tp * vocab_bytes
     scratch = 4 * local if setup.optimizer_impl == "foreach" else 0.0
-    layer = setup.micro_batch_tokens / setup.tp * activation_bytes_per_token_layer(s, setup)
-    recomputed = 0.0 if setup.ac_mode == "none" else layer
+    recomputed = 0.0 if setup.ac_mode == "none" else tokens * activation_bytes_per_token_layer(s, setup)
+    steady = p > 1 and setup.pp_schedule != "GPipe" and setup.n_microbatches * v > share.in_flight
+    unsharded_params = unsharded_grads = 0.0
+    if p > 1 and setup.fsdp:  # torch's stages keep FSDP's gathered weights and unsharded gradients to the last backward
+        unsharded_params = c * stage_params(s, share) / setup.tp
+        unsharded_grads = DTYPES[setup.reduce_dtype].itemsize * stage_params(s, share) / setup.tp
+    params_at_peak = unsharded_params if steady or setup.fsdp_reshard_after_forward == "never" else 0.0
     moments = {
-        "start of backward": (grads if setup.grad_accum > 1 else 0.0) + activations + logits,
-        "end of backward": grads + recomputed,
+        "start of backward": (grads if setup.grad_accum > 1 or steady else 0.0)
+        + activations
+        + logits
+        + params_at_peak
+        + (unsharded_grads if steady else 0.0),
+        "end of backward": grads + recomputed + unsharded_params + unsharded_grads,
         "optimizer step": grads + scratch,
     }
     peak_at = max(moments, key=moments.get)
     return {
+        "pp_rank": share.pp_rank,
+        "stages": list(share.stages),
+        "params": stage_params(s, share),
+        "in_flight": share.in_flight,
         "parameters": params,
         "gradients": grads,
         "optimizer": optimizer,
         "activations": activations,
         "logits": logits,
         "optimizer_scratch": scratch,
+        "pipeline_fsdp_buffers": unsharded_params + unsharded_grads,
         "total": params + optimizer + moments[peak_at],
         "peak_at": peak_at,
     }
+
+
+def pipeline_memory(s: ModelShape, setup: RunSetup) -> list[dict[str, Any]]:
+    """:func:`stage_memory_breakdown` of every pipeline rank, in pp-rank order."""
+    return [stage_memory_breakdown(s, setup, share) for share in stage_shares(s, setup)]
+
+
+def memory_breakdown(s: ModelShape, setup: RunSetup) -> dict[str, Any]:
+    """Per-GPU bytes by component (see the module docstring); ``total`` is the modelled peak, reached
+    at ``peak_at`` (start of backward, end of backward or optimizer step). With pipelining, the breakdown of
+    the pipeline rank with the largest total (it decides whether the run fits; ``pp_rank`` says which)."""
+    return max(pipeline_memory(s, setup), key=lambda m: m["total"])
 
 
 def usable_memory(gpu_bytes: float) -> float:
@@ -322,6 +560,7 @@ class Plan:
     memory: dict[str, float]
     gpu_memory: float | None
     fits: bool | None
+    bubble: float = 0.0  # pipeline bubble fraction (idle share of each rank's time)
 
 
 def plan_run(
@@ -337,7 +576,11 @@ def plan_run(
     flops_per_token_: int | None = None,
 ) -> Plan:
     """Steps, FLOPs, wall time, cost and memory of training on ``tokens`` tokens at ``mfu``
-    (``flops_per_token_``: the family's own count, default :func:`flops_per_token` of the shape)."""
+    (``flops_per_token_``: the family's own count, default :func:`flops_per_token` of the shape).
+
+    ``mfu`` is the utilization while a GPU computes; with pipelining each rank also idles for the schedule's
+    bubble (:func:`pipeline_bubble_fraction`), so the wall time is the compute time / (1 - bubble) and the
+    run's overall MFU is ``mfu x (1 - bubble)``. The memory is the worst pipeline rank's."""
     if tokens <= 0:
         raise ValueError(f"token target must be positive, got {tokens}")
     if not 0 < mfu <= 1:
@@ -346,10 +589,25 @@ def plan_run(
     steps = math.ceil(tokens / setup.tokens_per_step)
     trained = steps * setup.tokens_per_step
     total = fpt * trained
-    wall = None if peak_flops is None else total / (setup.num_gpus * peak_flops * mfu)
+    v = len(setup.stage_sizes(s.n_layers)) // setup.pp
+    bubble = pipeline_bubble_fraction(setup.pp_schedule, setup.pp, setup.n_microbatches, v)
+    wall = None if peak_flops is None else total / (setup.num_gpus * peak_flops * mfu) / (1 - bubble)
     cost = None if wall is None or price_per_gpu_hour is None else wall / 3600 * setup.num_gpus * price_per_gpu_hour
     mem = memory_breakdown(s, setup)
     fits = None if gpu_memory is None else mem["total"] <= usable_memory(gpu_memory)
     return Plan(
-        param_count(s), fpt, trained, steps, total, peak_flops, matmul_dtype, mfu, wall, cost, mem, gpu_memory, fits
+        param_count(s),
+        fpt,
+        trained,
+        steps,
+        total,
+        peak_flops,
+        matmul_dtype,
+        mfu,
+        wall,
+        cost,
+        mem,
+        gpu_memory,
+        fits,
+        bubble,
     )

@@ -53,6 +53,7 @@ from torch.distributed.pipelining.schedules import (
 
 from titanlite.parallel.fsdp import is_fsdp
 from titanlite.parallel.tensor_parallel import to_local_value
+from titanlite.planner import pipeline_bubble_fraction
 
 SCHEDULES: dict[str, type] = {
     "GPipe": ScheduleGPipe,
@@ -187,13 +188,9 @@ class PipelinePlan:
         return names + (list(last) if stage == self.num_stages - 1 else [])
 
     def bubble_fraction(self) -> float:
-        """Idle fraction of each rank's step for the schedule, in the usual model (equal stage times, backward
-        twice forward): ``(p-1)/(m+p-1)`` for GPipe and 1F1B, divided by the stages per rank ``v`` for the
-        interleaved ones, and about a third of that for the zero-bubble ones, whose weight gradients fill the gaps
-        (an estimate, not a measurement)."""
-        p, m, v = self.degree, self.n_microbatches, self.stages_per_rank
-        bubble = (p - 1) / (m + p - 1) if v == 1 else (p - 1) / (v * m + p - 1)
-        return bubble / 3 if self.schedule in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV") else bubble
+        """Idle fraction of each rank's step for the schedule (the planner's model,
+        :func:`titanlite.planner.pipeline_bubble_fraction`: an estimate, not a measurement)."""
+        return pipeline_bubble_fraction(self.schedule, self.degree, self.n_microbatches, self.stages_per_rank)
 
 
 def pipeline_decoder(

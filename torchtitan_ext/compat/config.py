@@ -11,12 +11,12 @@ Three outcomes per key (the full table is in ``torchtitan_ext/compat/README.md``
 - **mapped**: same meaning in titanlite (renamed or moved where torchtitan renamed or moved it:
   ``[training] batch_size`` -> ``local_batch_size``, ``[training] tensor_parallel_degree`` ->
   ``[parallelism]``, ``[float8]`` -> ``[quantize.linear.float8]``, v0.2.1's ``[debug] seed`` ->
-  ``[training] seed`` ...);
+  ``[training] seed``, the pipeline-parallel degree, schedule, microbatch size and split ...);
 - **ignored with one warning**: a feature titanlite lacks that does not change the math (a logger,
   a communication optimization, a debugging aid). Warned once per key, and only when the config
   actually asks for it (a value other than torchtitan's default);
 - **refused** (:class:`CompatError`): a feature whose absence would train a different model or
-  with different numerics: pipeline / context / expert parallelism, MoE and other model families,
+  with different numerics: context / expert parallelism, MoE and other model families,
   rowwise float8 and MX converters, fault tolerance, optimizer-in-backward, plug-in code
   (``[experimental] custom_import``), loading HF weights, creating a seed checkpoint, bf16 training
   without float32 master weights (``[training] dtype``).
@@ -339,7 +339,7 @@ IGNORED: dict[tuple[str, str], str] = {
     "kernel (torch.use_deterministic_algorithms(True)); the math is the same",
     ("debug", "moe_force_load_balance"): "an MoE routing aid; llama3 is dense, so it changes nothing",
     ("parallelism", "pipeline_parallel_expert_parallel_overlap"): "only used with pipeline and expert parallelism "
-    "(refused when on)",
+    "together (expert parallelism is refused)",
     ("parallelism", "expert_parallel_comm_backend"): "only used with expert parallelism (refused when on)",
     ("parallelism", "context_parallel_load_balancer"): "only used with context parallelism (refused when on)",
     ("checkpoint", "enable_ft_dataloader_checkpoints"): "only used with fault tolerance (refused when on)",
@@ -365,16 +365,10 @@ for _section in ("training.dataloader", "validation.dataloader"):
     for _key in DEFAULTS[_section]:
         IGNORED[(_section, _key)] = "titanlite's own data loader (worker settings change speed, not the batches)"
 
-# Pipeline-parallel details only matter when pipeline parallelism is on (which is refused).
-_PP_DETAILS = {
-    "module_fqns_per_model_part",
-    "pipeline_parallel_first_stage_less_layers",
-    "pipeline_parallel_last_stage_less_layers",
-    "pipeline_parallel_split_points",
-    "pipeline_parallel_layers_per_stage",
-    "pipeline_parallel_schedule",
-    "pipeline_parallel_schedule_csv",
-    "pipeline_parallel_microbatch_size",
+# torchtitan's pipeline schedule names (torch's get_schedule_class, case-insensitive) titanlite runs, as it spells them.
+PIPELINE_SCHEDULES = {
+    name.lower(): name
+    for name in ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 }
 
 # Unknown keys whose name says they touch the objective or the experts are refused, not ignored.
@@ -663,7 +657,6 @@ def _refuse(tt: dict[str, dict[str, Any]], given) -> None:
             "llama3 in core, qwen3 from torchtitan_ext.qwen3 with titanlite configs); refused"
         )
     for key, what in (
-        ("pipeline_parallel_degree", "pipeline parallelism"),
         ("context_parallel_degree", "context parallelism"),
         ("expert_parallel_degree", "expert parallelism"),
         ("expert_tensor_parallel_degree", "expert tensor parallelism"),
@@ -731,6 +724,44 @@ def _refuse(tt: dict[str, dict[str, Any]], given) -> None:
         raise CompatError(f"training.mixed_precision_reduce={tt['training']['mixed_precision_reduce']!r}: unsupported")
     if tt["activation_checkpoint"]["mode"] not in ("none", "full", "selective", "memory_budget"):
         raise CompatError(f"activation_checkpoint.mode={tt['activation_checkpoint']['mode']!r}: unknown mode")
+
+
+def _pipeline(par: dict[str, Any]) -> dict[str, Any]:
+    """torchtitan's pipeline-parallel keys as titanlite's (one to one), or CompatError for what titanlite cannot
+    split or schedule the same way. With a degree of 1 torchtitan ignores them, and so does compat."""
+    degree = int(par["pipeline_parallel_degree"])
+    if degree <= 1:
+        return {}
+    key = "parallelism.pipeline_parallel"
+    schedule = str(par["pipeline_parallel_schedule"])
+    if par["pipeline_parallel_schedule_csv"]:
+        raise CompatError(
+            f"{key}_schedule_csv={par['pipeline_parallel_schedule_csv']!r}: titanlite runs torch's built-in "
+            f"schedules only ({', '.join(PIPELINE_SCHEDULES.values())}), not a schedule read from a CSV file; refused"
+        )
+    if schedule.lower() not in PIPELINE_SCHEDULES:
+        raise CompatError(
+            f"{key}_schedule={schedule!r}: titanlite runs {', '.join(PIPELINE_SCHEDULES.values())}; refused"
+        )
+    for end in ("first", "last"):
+        if par[f"pipeline_parallel_{end}_stage_less_layers"] != 1:
+            raise CompatError(
+                f"{key}_{end}_stage_less_layers={par[f'pipeline_parallel_{end}_stage_less_layers']}: titanlite has "
+                f"no stage weighting; give the split as {key}_split_points (or _layers_per_stage) instead; refused"
+            )
+    if par.get("module_fqns_per_model_part"):
+        raise CompatError(
+            "parallelism.module_fqns_per_model_part: titanlite cuts stages at block boundaries only; give the "
+            f"split as {key}_split_points (e.g. ['layers.4']) instead; refused"
+        )
+    layers = par["pipeline_parallel_layers_per_stage"]
+    return {
+        "pipeline_parallel_degree": degree,
+        "pipeline_parallel_schedule": PIPELINE_SCHEDULES[schedule.lower()],
+        "pipeline_parallel_microbatch_size": int(par["pipeline_parallel_microbatch_size"]),
+        "pipeline_parallel_layers_per_stage": -1 if layers is None else int(layers),
+        "pipeline_parallel_split_points": [str(p) for p in par["pipeline_parallel_split_points"]],
+    }
 
 
 def _dataset(section: str, tt_section: dict[str, Any]) -> tuple[str, str]:
@@ -927,6 +958,7 @@ def _build(
             "tensor_parallel_degree": int(par["tensor_parallel_degree"]),
             "enable_loss_parallel": not par["disable_loss_parallel"],
             "fsdp_reshard_after_forward": par["fsdp_reshard_after_forward"],
+            **_pipeline(par),
         },
         "comm": {
             "init_timeout_seconds": int(comm["init_timeout_seconds"]),
