@@ -163,6 +163,19 @@ def section(**kw):
     return cfg.parallelism
 
 
+def test_schedule_lists_agree_with_torch():
+    """The config's choices, the planner's lists and the schedule classes name the same schedules."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+    from titanlite.config.sections import PIPELINE_SCHEDULES
+    from titanlite.parallel.pipeline import SCHEDULES, is_multi_stage
+    from titanlite.planner import PIPELINE_SCHEDULES as PLANNED
+
+    assert tuple(SCHEDULES) == PIPELINE_SCHEDULES == PLANNED
+    for name, cls in SCHEDULES.items():
+        assert is_multi_stage(name) == (not issubclass(cls, PipelineScheduleSingle)), name
+
+
 def test_split_evenly_gives_extra_blocks_to_the_middle_stages():
     assert split_evenly(6, 2) == [3, 3]
     assert split_evenly(6, 4) == [1, 2, 2, 1]
