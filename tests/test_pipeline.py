@@ -25,7 +25,8 @@ from dist_utils import REPO, backends, cache_token_stores, run_workers
 from test_parallel_parity import RTOL, STEPS, RecordingTrainer, check, check_data, make_config
 
 from titanlite.models import load_config as parse_args
-from titanlite.parallel.pipeline import PipelinePlan, split_evenly
+from titanlite.parallel.pipeline import PipelinePlan
+from titanlite.planner import split_evenly
 
 PP_MODEL = ["--model.n_layers", "4"]
 

@@ -213,6 +213,17 @@ def pipeline_bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float
     return 1 - v * m / max(v * m + p - 1, v * p + m - 1)
 
 
+def split_evenly(n_layers: int, num_stages: int) -> list[int]:
+    """Blocks per stage, as even as possible; the extra blocks go to the middle stages first (the first
+    stage holds the most activations in flight under 1F1B, the last one computes the output and loss)."""
+    base, extra = divmod(n_layers, num_stages)
+    order = [*range(1, num_stages - 1), num_stages - 1, 0] if num_stages > 1 else [0]
+    sizes = [base] * num_stages
+    for s in order[:extra]:
+        sizes[s] += 1
+    return sizes
+
+
 def pipeline_rank_stages(schedule: str, p: int, num_stages: int, rank: int) -> list[int]:
     """The stages pp rank ``rank`` runs: a loop (``rank, rank + p, ...``), or a V for ZBV and DualPipeV."""
     return [rank, 2 * p - 1 - rank] if schedule in V_SCHEDULES else list(range(rank, num_stages, p))
@@ -330,14 +341,12 @@ class RunSetup:
 
     def stage_sizes(self, n_layers: int) -> tuple[int, ...]:
         """Blocks per pipeline stage: ``pp_stage_sizes``, else ``n_layers`` cut as evenly as possible into the
-        schedule's stages (``pp``, or ``2 pp`` for the multi-stage schedules), the larger stages first."""
+        schedule's stages (``pp``, or ``2 pp`` for the multi-stage schedules) by :func:`split_evenly`."""
         if self.pp_stage_sizes:
             return self.pp_stage_sizes
         if self.pp == 1:
             return (n_layers,)
-        num = self.pp * (2 if self.pp_schedule in MULTI_STAGE_SCHEDULES else 1)
-        base, extra = divmod(n_layers, num)
-        return tuple(base + (i < extra) for i in range(num))
+        return tuple(split_evenly(n_layers, self.pp * (2 if self.pp_schedule in MULTI_STAGE_SCHEDULES else 1)))
 
 
 def _bytes(setup: RunSetup) -> tuple[int, int, int]:

@@ -52,7 +52,13 @@ from torch.distributed.pipelining.schedules import (
 
 from titanlite.parallel.fsdp import is_fsdp
 from titanlite.parallel.tensor_parallel import to_local_value
-from titanlite.planner import MULTI_STAGE_SCHEDULES, V_SCHEDULES, pipeline_bubble_fraction
+from titanlite.planner import (
+    MULTI_STAGE_SCHEDULES,
+    V_SCHEDULES,
+    pipeline_bubble_fraction,
+    pipeline_rank_stages,
+    split_evenly,
+)
 
 SCHEDULES: dict[str, type] = {
     "GPipe": ScheduleGPipe,
@@ -70,18 +76,6 @@ def is_multi_stage(schedule: str) -> bool:
     """Whether ``schedule`` runs several (virtual) stages per rank (the planner's list, which the tests check
     against torch's classes); V_SCHEDULES place two per rank in a V."""
     return schedule in MULTI_STAGE_SCHEDULES
-
-
-def split_evenly(n_layers: int, num_stages: int) -> list[int]:
-    """Blocks per stage, as even as possible; the extra blocks go to the middle stages first (the first
-    stage holds the most activations in flight under 1F1B, the last one computes the output and loss)."""
-    base, extra = divmod(n_layers, num_stages)
-    middle = list(range(1, num_stages - 1))
-    order = middle + [num_stages - 1, 0] if num_stages > 1 else [0]
-    sizes = [base] * num_stages
-    for s in order[:extra]:
-        sizes[s] += 1
-    return sizes
 
 
 def _sizes_from_split_points(points: Sequence[str], n_layers: int) -> list[int]:
@@ -170,9 +164,7 @@ class PipelinePlan:
 
     def stage_ids(self, pp_rank: int) -> list[int]:
         """The stages pp rank ``pp_rank`` runs, in order (a loop, or a V for ZBV / DualPipeV)."""
-        if self.schedule in V_SCHEDULES:
-            return [pp_rank, 2 * self.degree - 1 - pp_rank]
-        return list(range(pp_rank, self.num_stages, self.degree))
+        return pipeline_rank_stages(self.schedule, self.degree, self.num_stages, pp_rank)
 
     def stage_layers(self, stage: int) -> range:
         start = sum(self.stage_sizes[:stage])
