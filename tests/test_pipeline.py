@@ -440,3 +440,65 @@ def test_qwen3_the_guard_and_bf16_under_pipeline_parallelism(tmp_path):
                 else:
                     assert a[key] == pytest.approx(b[key], rel=TOLERANCE.get(name, RTOL)), (name, key, a, b)
     assert max(r["guard_skipped_steps"] or 0 for r in results[0]["guard"]) == 1
+
+
+def init_worker(args: dict) -> dict:
+    import tempfile
+
+    cache_token_stores()
+    with tempfile.TemporaryDirectory() as dump:
+        trainer = RecordingTrainer(pp_config(dump, 1, args["extra"]))
+        return {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+
+@pytest.mark.multiprocess
+def test_sharded_init_draws_each_stage_from_its_own_seed():
+    """``weight_init = sharded`` (the GPU default) on PP 4 with one block per stage: every rank starts from
+    the same RNG state, so without a per-stage seed the middle stages (no embedding, no output) would draw
+    the same block; here all four blocks differ, and a rerun draws the same values."""
+    extra = [
+        *pp("1F1B", "--parallelism.weight_init", "sharded"),
+        "--parallelism.pipeline_parallel_degree",
+        "4",
+    ]
+    runs = [run_workers(init_worker, 4, {"extra": extra}, timeout=120) for _ in range(2)]
+    for a, b in zip(*runs):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    blocks = [runs[0][i][f"layers.{i}.attention.wq.weight"] for i in range(4)]
+    for i in range(4):
+        for j in range(i):
+            assert not torch.equal(blocks[i], blocks[j]), (i, j)
+
+
+def clip_worker(args: dict) -> list[dict]:
+    import torch.distributed as dist
+
+    from titanlite.parallel.grad_clip import clip_grad_norm_
+
+    dist.init_process_group("gloo")
+    out = []
+    for grads in args["cases"]:
+        p = torch.nn.Parameter(torch.zeros(3))
+        p.grad = torch.tensor(grads[dist.get_rank()])
+        norms = {
+            str(t): clip_grad_norm_([p], 0.0, t, pp_group=dist.group.WORLD).item() for t in (2.0, 1.0, float("inf"))
+        }
+        out.append(norms)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_gradient_norm_over_stages():
+    """Each stage holds other parameters: the 2-, 1- and inf-norms over 2 stages equal the norms of all the
+    gradients in one vector, and a NaN on either stage makes every norm NaN on both ranks (a MAX all-reduce
+    for the inf-norm would drop rank 1's NaN on gloo)."""
+    grads = [[3.0, -4.0, 1.0], [2.0, 0.5, -6.0]]
+    cases = [grads, [[3.0, float("nan"), 1.0], grads[1]], [grads[0], [2.0, float("nan"), -6.0]]]
+    results = run_workers(clip_worker, 2, {"cases": cases}, timeout=60)
+    everything = torch.tensor(grads[0] + grads[1])
+    for case in range(3):
+        for norm_type in (2.0, 1.0, float("inf")):
+            want = torch.linalg.vector_norm(everything, norm_type).item()
+            for r in results:
+                got = r[case][str(norm_type)]
+                assert (got != got) if case else got == pytest.approx(want, rel=1e-6), (case, norm_type, got)

@@ -5,14 +5,12 @@ others (the sequence-parallel norm weights). The total norm is computed per grou
 that share a mesh and placements (``DTensor`` norms then reduce over the sharded dimensions only,
 so replicated gradients are not counted twice), each group's norm is made a plain tensor with
 ``full_tensor()``, and the groups' norms are combined. With pipeline parallelism each stage holds
-other parameters, so the stages' norms are combined too (``pp_group``: the sum of the p-th powers,
-or the maximum for the inf-norm). The result equals the norm of the full gradients in one process
-(up to summation order), on every rank.
+other parameters, so the stages' norms are gathered and combined too (``pp_group``). The result
+equals the norm of the full gradients in one process (up to summation order), on every rank.
 """
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Iterable
 
@@ -53,11 +51,8 @@ def clip_grad_norm_(
 
 
 def _over_stages(norm: torch.Tensor, norm_type: float, group: dist.ProcessGroup) -> torch.Tensor:
-    """The norm over every pipeline stage from each stage's own ``norm``."""
-    if math.isinf(norm_type):
-        norm = norm.clone()
-        dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
-        return norm
-    powered = norm.double() ** norm_type  # double: the p-th powers of large norms stay finite
-    dist.all_reduce(powered, op=dist.ReduceOp.SUM, group=group)
-    return (powered ** (1.0 / norm_type)).to(norm.dtype)
+    """The norm over every pipeline stage from each stage's own ``norm``: the stages' norms gathered and
+    combined as one vector's (a NaN on any stage stays NaN, which a MAX all-reduce may drop on gloo)."""
+    norms = [torch.empty_like(norm) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(norms, norm.contiguous(), group=group)
+    return torch.nn.utils.get_total_norm(norms, norm_type, foreach=False)

@@ -261,8 +261,14 @@ class ModelParts(nn.Module):
         return self
 
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
-        for stage in self.stages:
-            stage.init_weights(buffer_device)
+        """Each stage from its own seed, derived from the run's seed and the stage index: every rank starts from
+        the same RNG state, so stages drawn from it would repeat one another's blocks. The RNG state is
+        restored afterwards (so later random draws do not depend on the layout either)."""
+        for stage_id, stage in zip(self.stage_ids, self.stages):
+            device = next(stage.parameters()).device
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                seed_stage(torch.initial_seed() + 1_000_003 * (stage_id + 1), stage)
+                stage.init_weights(buffer_device)
 
     def train(self, mode: bool = True) -> ModelParts:
         for stage in self.stages:
@@ -270,13 +276,26 @@ class ModelParts(nn.Module):
         return super().train(mode)
 
 
+def seed_stage(seed: int, stage: nn.Module) -> None:
+    """Seed torch, and DTensor's RNG on the stage's mesh where DTensor has one (CUDA): otherwise DTensor would
+    create it on its first random op by broadcasting rank 0's state to every rank, all stages included."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._random import is_rng_supported_mesh, manual_seed
+
+    torch.manual_seed(seed)
+    mesh = next((p.device_mesh for p in stage.parameters() if isinstance(p, DTensor)), None)
+    if mesh is not None and is_rng_supported_mesh(mesh):
+        manual_seed(seed, mesh)
+
+
 class Pipeline:
     """This rank's stages and their schedule: :meth:`step` (forward + backward of one local batch) and
     :meth:`evaluate` (forward only). Both return the token-sum loss of the microbatches whose last stage
     runs here, or 0 on a rank without the last stage; the caller sums it over the pipeline group.
 
-    Evaluation has its own schedule (stages over the same modules): a schedule re-infers its stages'
-    shapes, with a forward and a backward, each time it switches between training and evaluation."""
+    Evaluation runs the same schedule in its forward-only mode (torch re-infers the stages' shapes, with one
+    microbatch's forward and backward, at each switch), except for the V schedules, whose evaluation mode
+    fails in torch 2.13: they get a second schedule with a forward-only order (see ``_schedule``)."""
 
     def __init__(
         self,
@@ -343,6 +362,8 @@ class Pipeline:
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, extra: dict, loss_fn: Callable) -> torch.Tensor:
         """Forward only, through the evaluation schedule; the summed ``loss_fn`` as for :meth:`step`."""
+        if self.plan.schedule not in V_SCHEDULES:  # torch re-infers the shapes at each switch to evaluation and back
+            return self._run(self.schedule.eval, inputs, labels, extra, loss_fn, 1)
         if self._eval_schedule is None:
             self._eval_schedule = self._schedule(forward_only=True)
         return self._run(self._eval_schedule.eval, inputs, labels, extra, loss_fn, 1)
