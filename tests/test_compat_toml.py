@@ -345,20 +345,17 @@ def test_pipeline_keys_map_one_to_one_and_the_trainer_accepts_them(tmp_path):
         load_translated(translate(str(path), [*args, "--job.dry_run_world_size", "2"])), out=lambda x: None
     )
     assert [k["stages"] for k in report["pipeline"]["ranks"]] == [[0, 2], [1, 3]]
-    # the split, from the file (split points) or the command line (layers per stage), and a lower-case schedule
+    # the split, from the file (split points), and a lower-case schedule
     text = path.read_text().replace(
         "pipeline_parallel_degree = 1", 'pipeline_parallel_degree = 2\npipeline_parallel_split_points = ["layers.3"]'
     )
     (tmp_path / "pp.toml").write_text(text.replace('"Interleaved1F1B"', '"gpipe"'))
     par = load_translated(translate(str(tmp_path / "pp.toml"), LOCAL)).parallelism
     assert (par.pipeline_parallel_schedule, par.pipeline_parallel_split_points) == ("GPipe", ["layers.3"])
-    (tmp_path / "pp.toml").write_text(text.replace('pipeline_parallel_split_points = ["layers.3"]', ""))
-    lps = ["--parallelism.pipeline_parallel_layers_per_stage", "3", "--parallelism.pipeline_parallel_schedule", "1F1B"]
-    par = load_translated(translate(str(tmp_path / "pp.toml"), [*LOCAL, *lps])).parallelism
-    assert (par.pipeline_parallel_layers_per_stage, par.pipeline_parallel_schedule) == (3, "1F1B")
 
 
 PP_REFUSED = {
+    "layers per stage": ("--parallelism.pipeline_parallel_layers_per_stage 3", "layers_per_stage=3: torchtitan counts"),
     "first stage weighting": ("--parallelism.pipeline_parallel_first_stage_less_layers 2", "first_stage_less_layers=2"),
     "last stage weighting": ("--parallelism.pipeline_parallel_last_stage_less_layers 0", "last_stage_less_layers=0"),
     "schedule from a CSV": ("--parallelism.pipeline_parallel_schedule_csv sched.csv", "schedule_csv"),

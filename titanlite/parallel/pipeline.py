@@ -197,6 +197,13 @@ def pipeline_decoder(
     skipped on later stages, which receive hidden states; norm and output on all but the last)."""
     where = {n: s for s in range(plan.num_stages) for n in plan.stage_modules(s, first, last)}
     check_ties(model, where)
+    for name, child in model.named_children():  # it would be copied into every stage: trained as several copies
+        placed = name in first or name in last or isinstance(child, nn.ModuleDict)
+        if not placed and any(True for _ in child.parameters()):
+            raise ValueError(
+                f"{type(model).__name__}.{name} has parameters but no pipeline stage (pipeline_decoder places "
+                f"{', '.join([*first, *last])} and the blocks): give the family a pipeline_fn that places it"
+            )
     stages = []
     for s in stage_ids:
         keep = set(plan.stage_modules(s, first, last))

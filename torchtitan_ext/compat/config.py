@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from titanlite.config import ConfigError, read_toml, toml_value
+from titanlite.config import sections
 
 logger = logging.getLogger("torchtitan_ext.compat")
 
@@ -366,10 +367,7 @@ for _section in ("training.dataloader", "validation.dataloader"):
         IGNORED[(_section, _key)] = "titanlite's own data loader (worker settings change speed, not the batches)"
 
 # torchtitan's pipeline schedule names (torch's get_schedule_class, case-insensitive) titanlite runs, as it spells them.
-PIPELINE_SCHEDULES = {
-    name.lower(): name
-    for name in ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-}
+PIPELINE_SCHEDULES = {name.lower(): name for name in sections.PIPELINE_SCHEDULES}  # torchtitan matches any case
 
 # Unknown keys whose name says they touch the objective or the experts are refused, not ignored.
 _MATH_WORDS = re.compile(r"loss|label_smoothing|z_loss|moe|expert|router|routing", re.IGNORECASE)
@@ -727,8 +725,10 @@ def _refuse(tt: dict[str, dict[str, Any]], given) -> None:
 
 
 def _pipeline(par: dict[str, Any]) -> dict[str, Any]:
-    """torchtitan's pipeline-parallel keys as titanlite's (one to one), or CompatError for what titanlite cannot
-    split or schedule the same way. With a degree of 1 torchtitan ignores them, and so does compat."""
+    """torchtitan's pipeline-parallel keys as titanlite's, or CompatError for what titanlite cannot split or schedule
+    the same way. Without layers_per_stage or split points, titanlite splits the blocks evenly where torchtitan
+    also weighs the embedding and output as a layer each: the end stages may hold one block more (where the work
+    runs, not the math). With a degree of 1 torchtitan ignores the keys, and so does compat."""
     degree = int(par["pipeline_parallel_degree"])
     if degree <= 1:
         return {}
@@ -754,12 +754,16 @@ def _pipeline(par: dict[str, Any]) -> dict[str, Any]:
             "parallelism.module_fqns_per_model_part: titanlite cuts stages at block boundaries only; give the "
             f"split as {key}_split_points (e.g. ['layers.4']) instead; refused"
         )
-    layers = par["pipeline_parallel_layers_per_stage"]
+    if (layers := par["pipeline_parallel_layers_per_stage"]) is not None:
+        raise CompatError(
+            f"{key}_layers_per_stage={layers}: torchtitan counts the embedding and the output as one layer each in "
+            f"it (first/last_stage_less_layers) and titanlite counts blocks only, so the stages would differ; give "
+            f"the split as {key}_split_points instead; refused"
+        )
     return {
         "pipeline_parallel_degree": degree,
         "pipeline_parallel_schedule": PIPELINE_SCHEDULES[schedule.lower()],
         "pipeline_parallel_microbatch_size": int(par["pipeline_parallel_microbatch_size"]),
-        "pipeline_parallel_layers_per_stage": -1 if layers is None else int(layers),
         "pipeline_parallel_split_points": [str(p) for p in par["pipeline_parallel_split_points"]],
     }
 
