@@ -36,8 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from titanlite.config import ConfigError, read_toml, toml_value
-from titanlite.config import sections
+from titanlite.config import ConfigError, read_toml, sections, toml_value
 
 logger = logging.getLogger("torchtitan_ext.compat")
 
