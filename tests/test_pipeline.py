@@ -431,9 +431,16 @@ def test_qwen3_the_guard_and_bf16_under_pipeline_parallelism(tmp_path):
     args = {"configs": {name: extra for name, (_, extra) in MORE.items()}, "seeds": seeds}
     results = run_workers(records_worker, 2, args, timeout=240)
     for name, ref in refs.items():
-        same = json.dumps(results[0][name]) == json.dumps(results[1][name])  # (NaN != NaN in a comparison)
-        assert same, f"{name}: the stages logged different records"
-        got = [r for r in results[0][name] if r["loss"] is not None]
+        if name == "guard":  # the last stage saw a NaN the first did not: both skipped step 3, then trained alike
+            ranks = [
+                [{k: v for k, v in r.items() if k not in ("loss", "grad_norm") or r["step"] != 3} for r in res[name]]
+                for res in results
+            ]
+            assert json.dumps(ranks[0]) == json.dumps(ranks[1]), "the stages took different guard verdicts"
+        else:
+            same = json.dumps(results[0][name]) == json.dumps(results[1][name])  # (NaN != NaN in a comparison)
+            assert same, f"{name}: the stages logged different records"
+        got = [r for r in results[1][name] if r["loss"] is not None]  # rank 1: the last stage
         ref = [r for r in ref if r["loss"] is not None]
         assert [r["step"] for r in got] == [r["step"] for r in ref]
         worst = max(
@@ -446,7 +453,8 @@ def test_qwen3_the_guard_and_bf16_under_pipeline_parallelism(tmp_path):
                     assert a[key] != a[key], (name, a)
                 else:
                     assert a[key] == pytest.approx(b[key], rel=TOLERANCE.get(name, RTOL)), (name, key, a, b)
-    assert max(r["guard_skipped_steps"] or 0 for r in results[0]["guard"]) == 1
+    for res in results:
+        assert max(r["guard_skipped_steps"] or 0 for r in res["guard"]) == 1
 
 
 def init_worker(args: dict) -> dict:
