@@ -32,9 +32,11 @@ Reported (rank 0 prints; values are rank 0's, the data-parallel ranks do identic
   ``bubble_measured`` is the fraction of the timed steps' wall time in which the stage's pp rank
   computed none of its stages (so optimizer, data and logging time count as idle), and
   ``bubble_measured_in_schedule`` the same fraction of the time spent inside the schedule's runs
-  (the quantity the planner predicts; needs the time split). Compute time comes from hooks
-  (:class:`StageActivity`), not from a profiler: forward pre/post hooks on each stage module and
-  autograd gradient hooks closed by the engine's end-of-pass callback for the backward.
+  (the quantity the planner predicts; needs the time split; the last rank's schedule returns before
+  the first rank's last backward ends, so its drain shows in ``bubble_measured`` only). Compute time
+  comes from hooks (:class:`StageActivity`), not from a profiler: forward pre/post hooks on each
+  stage module, and pre-hooks on the stage's autograd nodes closed by the engine's end-of-pass
+  callback for the backward.
 
 ``--compare-pp`` runs the config twice under ``torchrun`` (2 processes each, one after the other,
 alternating the order with ``--compare-repeats``): pipeline parallel degree 2 against FSDP degree 2
