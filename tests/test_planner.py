@@ -589,6 +589,8 @@ def test_pipeline_memory_by_hand():
         assert m["activations"] == 2048 * (kept + layer + final_norm)
         assert m["logits"] == (2048 * vocab * (2 + 4 + 8) if rank == 3 else 0)
         assert m["pipeline_fsdp_buffers"] == (2 + 4) * params[rank]  # gathered bf16 weights + fp32 grads
+        # a bf16 hidden state (2048 x d) per microbatch received from the previous stage, a gradient from the next
+        assert m["pipeline_receive_buffers"] == ((rank > 0) + (rank < 3)) * 8 * 2048 * d * 2
     # the worst stage decides: memory_breakdown and plan_run report it
     worst = max(mem, key=lambda m: m["total"])
     assert memory_breakdown(s, setup) == worst

@@ -390,8 +390,8 @@ def _pipeline_lines(pl: dict[str, Any], r: dict[str, Any], cfg) -> list[str]:
             f"  pp {k['pp_rank']:<3}  {modules} | {k['params']:,} params, {per_gpu} per GPU | "
             f"{m['in_flight']} microbatches in flight | memory {m['total'] / GB:.1f} GB (sharded weights+grads+AdamW "
             f"{(m['parameters'] + m['gradients'] + m['optimizer']) / GB:.1f}, unsharded stage weights+grads "
-            f"{m['pipeline_fsdp_buffers'] / GB:.1f}, activations {m['activations'] / GB:.1f}, logits "
-            f"{m['logits'] / GB:.1f}){verdict}"
+            f"{m['pipeline_fsdp_buffers'] / GB:.1f}, receive buffers {m['pipeline_receive_buffers'] / GB:.1f}, "
+            f"activations {m['activations'] / GB:.1f}, logits {m['logits'] / GB:.1f}){verdict}"
         )
     return lines
 

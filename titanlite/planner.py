@@ -64,7 +64,8 @@ decides the verdict (:func:`pipeline_memory`). The time estimate divides by ``1 
 
 Not modelled: the CUDA context and communication buffers and allocator fragmentation (the verdict
 keeps a reserve for them, :data:`RESERVE_BYTES` and :data:`FRAGMENTATION`), torch.compile's fusions
-(which save less), the pipeline's send/receive buffers (one microbatch's hidden states per neighbour).
+(which save less). The pipeline's receive buffers (a hidden state and a gradient per microbatch and
+stage, :func:`pipeline_receive_buffers`) are counted.
 """
 
 from __future__ import annotations
@@ -520,6 +521,7 @@ def stage_memory_breakdown(s: ModelShape, setup: RunSetup, share: StageShare) ->
         "optimizer step": grads + scratch,
     }
     peak_at = max(moments, key=moments.get)
+    p2p = pipeline_receive_buffers(s, setup, share)
     return {
         "pp_rank": share.pp_rank,
         "stages": list(share.stages),
@@ -532,9 +534,23 @@ def stage_memory_breakdown(s: ModelShape, setup: RunSetup, share: StageShare) ->
         "logits": logits,
         "optimizer_scratch": scratch,
         "pipeline_fsdp_buffers": unsharded_params + unsharded_grads,
-        "total": params + optimizer + moments[peak_at],
+        "pipeline_receive_buffers": p2p,
+        "total": params + optimizer + p2p + moments[peak_at],
         "peak_at": peak_at,
     }
+
+
+def pipeline_receive_buffers(s: ModelShape, setup: RunSetup, share: StageShare) -> float:
+    """Bytes of the receive buffers torch's pipeline stages keep for the whole run: one per microbatch for the
+    hidden states each stage but the first receives, and one per microbatch for the gradients each stage but
+    the last receives (``pp_microbatch_size x seq_len / tp`` tokens of ``dim`` values, in the compute dtype
+    with FSDP, else fp32: the residual stream stays fp32 under autocast)."""
+    if setup.pp == 1:
+        return 0.0
+    num_stages = len(setup.stage_sizes(s.n_layers))
+    hidden = setup.pp_microbatch_size * setup.seq_len / setup.tp * s.dim * (_bytes(setup)[0] if setup.fsdp else 4)
+    buffers = sum((stage > 0) + (stage < num_stages - 1) for stage in share.stages)
+    return buffers * setup.n_microbatches * hidden
 
 
 def pipeline_memory(s: ModelShape, setup: RunSetup) -> list[dict[str, Any]]:
