@@ -24,7 +24,6 @@ and exits without allocating a single weight. :func:`dry_run` returns the same f
 
 from __future__ import annotations
 
-import copy
 import itertools
 import math
 import os
@@ -35,21 +34,6 @@ from typing import Any
 import torch
 
 GB = 1e9
-
-
-def _at_pp_rank(dims, pp_rank: int):
-    """A copy of ``dims`` (same mesh) whose ``pp_rank`` is ``pp_rank``: the fake process group's one real
-    process is global rank 0, so the mesh alone would only ever show pp rank 0's stages."""
-    from titanlite.parallel.parallel_dims import ParallelDims
-
-    class PipelineRankDims(ParallelDims):
-        @property
-        def pp_rank(self) -> int:
-            return pp_rank
-
-    view = copy.copy(dims)
-    view.__class__ = PipelineRankDims
-    return view
 
 
 def resolve_world_size(cfg) -> tuple[int, str]:
@@ -146,8 +130,7 @@ def dry_run(cfg, world_size: int | None = None, out: Callable[[str], None] = pri
             models = [parallelize_on_meta(spec, args, dims, policies)[0]]
         else:  # every pp rank's stages, each rank's as one ModelParts under the full model's names
             models = [
-                parallelize_on_meta(spec, args, _at_pp_rank(dims, k), policies, pipeline=plan)[0]
-                for k in range(dims.pp)
+                parallelize_on_meta(spec, args, dims, policies, pipeline=plan, pp_rank=k)[0] for k in range(dims.pp)
             ]
         report = _inspect(models, dims, world_size, MESH_DIMS)
     finally:

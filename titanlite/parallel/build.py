@@ -81,17 +81,22 @@ def check_parallelizable(spec: Any, dims: ParallelDims) -> None:
 
 
 def parallelize_on_meta(
-    spec: Any, model_args: Any, dims: ParallelDims, policies: Policies, pipeline: PipelinePlan | None = None
+    spec: Any,
+    model_args: Any,
+    dims: ParallelDims,
+    policies: Policies,
+    pipeline: PipelinePlan | None = None,
+    pp_rank: int | None = None,
 ) -> tuple[nn.Module, list]:
     """Step 2 of the module docstring: ``(the model on the meta device with the family's plan applied, the
     groups of tied parameters it had before)``; no memory is allocated. The dry run inspects this model.
-    With ``pipeline``, the model is this rank's stages as one :class:`ModelParts`."""
+    With ``pipeline``, the model is the stages of ``pp_rank`` (default: this rank's) as one :class:`ModelParts`."""
     check_parallelizable(spec, dims)
     with torch.device("meta"):
         model = spec.model_cls(model_args)
     tied = tied_parameters(model)
     if pipeline is not None and dims.pp > 1:
-        stage_ids = pipeline.stage_ids(dims.pp_rank)
+        stage_ids = pipeline.stage_ids(dims.pp_rank if pp_rank is None else pp_rank)
         stages = spec.pipeline_fn(model, pipeline, stage_ids)
         return ModelParts(stage_ids, [spec.parallelize_fn(m, dims, policies) for m in stages]), []
     if spec.parallelize_fn is not None:
