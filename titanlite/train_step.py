@@ -155,10 +155,8 @@ class TrainStep:
         return to_local_value(loss.detach())
 
     def dp_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` summed over the pipeline stages (the loss lives on the last), then the data-parallel ranks."""
-        if self.pp_group is not None:
-            t = all_reduce_sum(t, self.pp_group)
-        group = None if self.parallel_dims is None else self.parallel_dims.dp_group
+        """``t`` summed over the data-parallel ranks, and the pipeline stages (where only the last holds the loss)."""
+        group = getattr(self.parallel_dims, "loss_group", getattr(self.parallel_dims, "dp_group", None))
         return t if group is None else all_reduce_sum(t, group)
 
     def __call__(

@@ -47,6 +47,7 @@ class ParallelDims:
     enable_loss_parallel: bool = True
     mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
     _dp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
+    _pp_dp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in MESH_DIMS:
@@ -137,6 +138,8 @@ class ParallelDims:
         shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
         self._dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")  # kept: slicing it back is deprecated
+        if self.pp > 1:  # the training loss (on the last stage only) is summed over stages and DP ranks at once
+            self._pp_dp_mesh = mesh["pp", "dp_replicate", "dp_shard"]._flatten("pp_dp")
         if self.dp_shard > 1 and self.tp > 1:
             # FSDP x TP gradients are sharded over both; with this flattened view DTensor reduces
             # their norms (gradient clipping) in one all-reduce instead of one per dimension
@@ -179,6 +182,14 @@ class ParallelDims:
         """Process group of the data-parallel ranks, or None when there is only one."""
         return self.dp_mesh.get_group() if self.dp_degree > 1 and self.mesh is not None else None
 
+    @property
+    def loss_group(self) -> dist.ProcessGroup | None:
+        """Process group over which a step's loss sum is reduced: the data-parallel ranks, and with pipeline
+        parallelism the stages too (``"pp_dp"``: only the last stage holds a nonzero sum); None when alone."""
+        if self._pp_dp_mesh is not None:
+            return self._pp_dp_mesh.get_group()
+        return self.dp_group
+
     def dp_rank(self, global_rank: int) -> int:
         """This rank's index among the data-parallel ranks (``tp`` is the innermost dimension, ``pp`` the outermost)."""
         return (global_rank // self.tp) % self.dp_degree if self.mesh is None else self.dp_mesh.get_local_rank()
@@ -187,4 +198,5 @@ class ParallelDims:
         """Every process group of the mesh (for timeouts)."""
         if self.mesh is None:
             return []
-        return [self.mesh.get_group(name) for name in MESH_DIMS] + [self.dp_mesh.get_group()]
+        flat = [m.get_group() for m in (self._dp_mesh, self._pp_dp_mesh) if m is not None]
+        return [self.mesh.get_group(name) for name in MESH_DIMS] + flat
