@@ -15,8 +15,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import RowwiseParallel, loss_parallel
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
 
 def loss_parallel_context(enabled: bool):
@@ -53,7 +59,18 @@ class SyncRowwiseParallel(RowwiseParallel):
         return outputs.to_local() if use_local_output else outputs
 
 
-def present_modules(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
-    """The entries of a top-level TP ``plan`` whose module ``model`` has: a pipeline stage lacks the
-    embedding or the norm and output (they are None there, see ``titanlite.parallel.pipeline``)."""
-    return {name: style for name, style in plan.items() if getattr(model, name, None) is not None}
+def parallelize_decoder_ends(model: nn.Module, tp_mesh: Any, loss_parallel: bool) -> None:
+    """The TP plan of a decoder's ends (Llama 3, Qwen3): the embedding row-wise (a vocabulary-sharded table) with
+    its output sharded along the sequence, the final norm sequence-parallel, the output column-wise (logits
+    vocabulary-sharded with ``loss_parallel``, else gathered). A pipeline stage lacks the embedding or the
+    norm and output (None there, see ``titanlite.parallel.pipeline``): only the modules present are planned."""
+    plan = {
+        "tok_embeddings": SyncRowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+    parallelize_module(model, tp_mesh, {k: v for k, v in plan.items() if getattr(model, k, None) is not None})

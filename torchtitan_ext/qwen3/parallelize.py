@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titanlite.models.llama3.parallelize import apply_fsdp  # same groups: embedding, blocks, norm + output, root
-from titanlite.parallel.tensor_parallel import SyncRowwiseParallel, present_modules
+from titanlite.parallel.tensor_parallel import parallelize_decoder_ends
 
 logger = logging.getLogger(__name__)
 
@@ -68,22 +68,7 @@ def parallelize_qwen3(model: nn.Module, parallel_dims, policies) -> nn.Module:
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
-    parallelize_module(
-        model,
-        tp_mesh,
-        present_modules(
-            model,
-            {
-                "tok_embeddings": SyncRowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-                "norm": SequenceParallel(),
-                "output": ColwiseParallel(
-                    input_layouts=Shard(1),
-                    output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                    use_local_output=not loss_parallel,
-                ),
-            },
-        ),
-    )
+    parallelize_decoder_ends(model, tp_mesh, loss_parallel)
     qk_norm = model.args.qk_norm
     for block in model.layers.values():
         plan = {

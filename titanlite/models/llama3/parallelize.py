@@ -61,7 +61,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titanlite.parallel.fsdp import FSDPPolicy
-from titanlite.parallel.tensor_parallel import SyncRowwiseParallel, present_modules
+from titanlite.parallel.tensor_parallel import parallelize_decoder_ends
 
 logger = logging.getLogger(__name__)
 
@@ -99,22 +99,7 @@ def check_llama_parallelism(args, parallel_dims) -> None:
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
     """The Llama TP + sequence-parallel plan (module docstring, step 2)."""
-    parallelize_module(
-        model,
-        tp_mesh,
-        present_modules(
-            model,
-            {
-                "tok_embeddings": SyncRowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-                "norm": SequenceParallel(),
-                "output": ColwiseParallel(
-                    input_layouts=Shard(1),
-                    output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                    use_local_output=not loss_parallel,
-                ),
-            },
-        ),
-    )
+    parallelize_decoder_ends(model, tp_mesh, loss_parallel)
     for block in model.layers.values():
         parallelize_module(
             block,
