@@ -381,8 +381,8 @@ class _Autocast(nn.Module):
 
     def __init__(self, stage: nn.Module, dtype: torch.dtype):
         super().__init__()
-        self.stage, self.dtype = stage, dtype
+        self.stage, self.dtype, self.device_type = stage, dtype, next(stage.parameters()).device.type
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(next(self.stage.parameters()).device.type, dtype=self.dtype):
+        with torch.autocast(self.device_type, dtype=self.dtype):
             return self.stage(*args, **kwargs)
