@@ -75,25 +75,7 @@ def build(args: argparse.Namespace, rest: list[str]):
         from titanlite.parallel.pipeline import PipelinePlan
 
         stage_sizes = PipelinePlan.from_config(par, model_args.n_layers, t.local_batch_size).stage_sizes
-    setup = RunSetup(
-        num_gpus=args.num_gpus,
-        tp=par.tensor_parallel_degree,
-        dp_replicate=par.data_parallel_replicate_degree,
-        local_batch_size=t.local_batch_size,
-        seq_len=t.seq_len,
-        global_batch_size=t.global_batch_size,
-        ac_mode=cfg.activation_checkpoint.mode,
-        ac_option=cfg.activation_checkpoint.selective_ac_option,
-        compute_dtype=t.mixed_precision_param,
-        float8=cfg.quantize_linear_float8.enable,
-        optimizer_impl="fused" if cfg.optimizer.implementation == "auto" else cfg.optimizer.implementation,
-        pp=par.pipeline_parallel_degree,
-        pp_schedule=par.pipeline_parallel_schedule,
-        pp_microbatch_size=par.pipeline_parallel_microbatch_size,
-        pp_stage_sizes=stage_sizes,
-        reduce_dtype=t.mixed_precision_reduce,
-        fsdp_reshard_after_forward=par.fsdp_reshard_after_forward,
-    )
+    setup = RunSetup.from_config(cfg, args.num_gpus, stage_sizes)
     if par.data_parallel_shard_degree not in (-1, setup.dp_shard):
         raise ValueError(
             f"parallelism.data_parallel_shard_degree={par.data_parallel_shard_degree} does not fit "

@@ -138,25 +138,7 @@ def dry_run(cfg, world_size: int | None = None, out: Callable[[str], None] = pri
             dist.destroy_process_group()
 
     shape = ModelShape.from_args(args, num_params=model_counts(spec, args, t.seq_len)[0])
-    setup = RunSetup(
-        num_gpus=world_size,
-        tp=dims.tp,
-        dp_replicate=dims.dp_replicate,
-        local_batch_size=t.local_batch_size,
-        seq_len=t.seq_len,
-        global_batch_size=t.global_batch_size,
-        ac_mode=ac.mode,
-        ac_option=ac.selective_ac_option,
-        compute_dtype=t.mixed_precision_param,
-        float8=f8.enable,
-        optimizer_impl="fused" if cfg.optimizer.implementation == "auto" else cfg.optimizer.implementation,
-        pp=dims.pp,
-        pp_schedule=par.pipeline_parallel_schedule,
-        pp_microbatch_size=par.pipeline_parallel_microbatch_size,
-        pp_stage_sizes=plan.stage_sizes if plan else (),
-        reduce_dtype=t.mixed_precision_reduce,
-        fsdp_reshard_after_forward=par.fsdp_reshard_after_forward,
-    )
+    setup = RunSetup.from_config(cfg, world_size, plan.stage_sizes if plan else ())
     stage_memory = pipeline_memory(shape, setup)
     memory = max(stage_memory, key=lambda m: m["total"])
     gpu_bytes = gpu_memory_bytes(cfg.job.dry_run_gpu)

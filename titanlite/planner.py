@@ -284,6 +284,31 @@ class RunSetup:
     reduce_dtype: str = "float32"  # FSDP's gradient dtype (mixed_precision_reduce)
     fsdp_reshard_after_forward: str = "default"  # default | always | never
 
+    @classmethod
+    def from_config(cls, cfg: Any, num_gpus: int, pp_stage_sizes: tuple[int, ...] = ()) -> RunSetup:
+        """From a job config's sections (a :class:`titanlite.config.JobConfig`), on ``num_gpus`` GPUs."""
+        par, t, ac = cfg.parallelism, cfg.training, cfg.activation_checkpoint
+        impl = cfg.optimizer.implementation
+        return cls(
+            num_gpus=num_gpus,
+            tp=par.tensor_parallel_degree,
+            dp_replicate=par.data_parallel_replicate_degree,
+            local_batch_size=t.local_batch_size,
+            seq_len=t.seq_len,
+            global_batch_size=t.global_batch_size,
+            ac_mode=ac.mode,
+            ac_option=ac.selective_ac_option,
+            compute_dtype=t.mixed_precision_param,
+            float8=cfg.quantize_linear_float8.enable,
+            optimizer_impl="fused" if impl == "auto" else impl,
+            pp=par.pipeline_parallel_degree,
+            pp_schedule=par.pipeline_parallel_schedule,
+            pp_microbatch_size=par.pipeline_parallel_microbatch_size,
+            pp_stage_sizes=pp_stage_sizes,
+            reduce_dtype=t.mixed_precision_reduce,
+            fsdp_reshard_after_forward=par.fsdp_reshard_after_forward,
+        )
+
     def __post_init__(self) -> None:
         if self.num_gpus < 1 or self.num_gpus % (self.tp * self.dp_replicate * self.pp):
             raise ValueError(
