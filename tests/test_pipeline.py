@@ -248,9 +248,10 @@ def run_cli(*args: str, nprocs: int = 2, timeout: int = 120) -> subprocess.Compl
     return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
-def test_config_errors_exit_2_before_training(tmp_path):
-    """Config errors are one line with exit status 2: a microbatch size that does not divide the local batch
-    (checked when the config is read), a tied embedding and output under PP (refused like torchtitan)."""
+def test_config_errors_are_one_line_and_stop_the_run(tmp_path):
+    """A microbatch size that does not divide the local batch: one line, exit status 2, when the config is read.
+    A tied embedding and output under PP (refused like torchtitan): one line naming both parameters, and the
+    run stops (each rank exits 2 while building the model; torchrun itself reports 1)."""
     base = [
         "--config",
         str(REPO / "train_configs/debug_model.toml"),
