@@ -1,0 +1,166 @@
+"""A trained model for inference (generation, evaluation): from a titanlite step folder or a Hugging Face folder.
+
+:func:`load_model` builds the family's model on one device with the full weights and its tokenizer.
+It serves ``titanlite.generate``, ``titanlite.eval`` and the evaluation watcher. During training the
+loop evaluates its own (possibly sharded) model instead and never calls this.
+
+- **A titanlite step folder** (``checkpoint.json`` beside the DCP files): the family and its args
+  come from ``checkpoint.json``, the weights from DCP (any layout it was saved from, resumable or
+  model-only, any stored dtype). The tokenizer is the one ``checkpoint.json`` records.
+- **A Hugging Face folder** (``config.json`` + safetensors): the family is the one whose adapter
+  converts that architecture, the weights go through the adapter (names, q/k row order). The
+  tokenizer is read from the folder's tokenizer files.
+
+``tokenizer_path`` overrides either (``"bytes"``: the built-in byte-level tokenizer, which a debug
+model's HF export carries no file for). Every error is a one-line ``ValueError`` or
+``FileNotFoundError`` naming the file. As for the converters, the extension modules a
+``checkpoint.json`` records are never imported on its word alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from titanlite.checkpoint import hf, layout, safe_load
+from titanlite.extensions import load_extensions
+from titanlite.hf_tokenizer import tokenizer_files
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """The model (eval mode, on ``device``), its tokenizer, the family's spec and args, the training
+    ``step`` (None for an HF folder), the token ids that end a generation, and where it came from."""
+
+    model: nn.Module
+    tokenizer: Any
+    spec: Any
+    args: Any
+    step: int | None
+    eos_ids: tuple[int, ...]
+    path: Path
+
+
+def is_step_folder(path: str | os.PathLike) -> bool:
+    return (Path(path) / layout.INFO_FILE).is_file()
+
+
+def load_model(
+    path: str | os.PathLike,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    tokenizer_path: str | None = None,
+    extensions: tuple[str, ...] | list[str] = (),
+) -> LoadedModel:
+    """Load the model in ``path`` (a titanlite step folder or an HF folder) onto ``device`` in ``dtype``."""
+    path = Path(path)
+    given = load_extensions(extensions)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such folder")
+    if is_step_folder(path):
+        spec, args, state, info = _from_step_folder(path, given)
+        step, recorded = info.get("step"), (info.get("tokenizer") or {}).get("path", "")
+        tokenizer = _tokenizer(spec, tokenizer_path, recorded, f"the tokenizer {recorded!r} recorded in {path}")
+        eos_ids = _ints(hf._token_ids(info, path)[1])
+    elif (path / "config.json").is_file():
+        config = hf.read_hf_config(path)
+        spec, args = hf._model_for_hf(config, path / "config.json")
+        state, step = _from_hf_folder(path, spec.hf_adapter(args)), None
+        if tokenizer_path is None and not tokenizer_files(str(path)):
+            raise ValueError(
+                f"{path} has no tokenizer files: pass a tokenizer path (bytes for the built-in byte-level tokenizer)"
+            )
+        tokenizer = _tokenizer(spec, tokenizer_path, str(path), f"the tokenizer files in {path}")
+        eos_ids = _ints(config.get("eos_token_id"))
+    else:
+        raise ValueError(f"{path} is neither a titanlite checkpoint step folder nor a Hugging Face model folder")
+    model = _build(spec, args, state, device, dtype, path)
+    eos_ids = tuple(dict.fromkeys((*eos_ids, tokenizer.eos_id)))
+    return LoadedModel(model, tokenizer, spec, args, step, eos_ids, path)
+
+
+def _ints(value: Any) -> tuple[int, ...]:
+    values = value if isinstance(value, list) else [value]
+    return tuple(v for v in values if isinstance(v, int) and not isinstance(v, bool))
+
+
+def _tokenizer(spec, override: str | None, recorded: str, what: str):
+    """The family's tokenizer from ``override`` when given, else from ``recorded``."""
+    source = recorded if override is None else override
+    builder = spec.tokenizer_builder
+    if builder is None:
+        raise ValueError(f"model family {spec.name!r} registers no tokenizer")
+    try:
+        return builder("" if source == "bytes" else source)
+    except FileNotFoundError as e:
+        where = "the tokenizer path given" if override is not None else what
+        raise ValueError(f"{where} cannot be read ({e}): pass another tokenizer path") from None
+
+
+def _from_step_folder(path: Path, extensions: list[str]) -> tuple[Any, Any, dict[str, torch.Tensor], dict]:
+    info = hf._read_info(path)
+    if problem := layout.problem_with(path, verify=True):  # sizes and the checksums recorded at save
+        raise ValueError(f"{path} is damaged: {problem}")
+    spec, args = hf.model_from_info(info, path, extensions)
+    stored = safe_load.read_metadata(path).state_dict_metadata
+    expected = spec.hf_adapter(args).expected_shapes()
+    tied = bool(getattr(args, "tie_word_embeddings", False))
+    state = {}
+    for name, shape in expected.items():
+        key = f"model.{name}"
+        if name == "output.weight" and tied and key not in stored:
+            continue  # one tensor, stored under the embedding's name
+        md = stored.get(key)
+        if md is None or not hasattr(md, "size"):
+            raise ValueError(f"{path} has no tensor {key} (it is not the {spec.name} model its checkpoint.json says)")
+        if tuple(md.size) != shape:
+            raise ValueError(f"{path}: {key} has shape {list(md.size)}, the args in checkpoint.json give {list(shape)}")
+        state[key] = torch.empty(shape, dtype=md.properties.dtype)
+    with layout.quiet_single_process():
+        safe_load.load(state, path, no_dist=True)
+    return spec, args, {k.removeprefix("model."): v for k, v in state.items()}, info
+
+
+def _from_hf_folder(path: Path, adapter: Any) -> dict[str, torch.Tensor]:
+    expected, state = adapter.expected_shapes(), {}
+    for hf_name, file in hf._tensor_files(path).items():
+        try:
+            native = adapter.from_hf_name(hf_name)
+        except KeyError as e:
+            raise ValueError(f"{path}: {e.args[0]}") from None
+        if native is None:
+            continue
+        with hf._safe_open(path / file) as f:
+            if hf_name not in f.keys():
+                raise ValueError(f"{path / file} has no tensor {hf_name}")
+            _, tensor = adapter.from_hf(hf_name, f.get_tensor(hf_name))
+        if native not in expected or tuple(tensor.shape) != expected[native]:
+            want = list(expected[native]) if native in expected else "no such tensor"
+            raise ValueError(f"{path}: {hf_name} has shape {list(tensor.shape)}, config.json implies {want}")
+        state[native] = tensor
+    return state
+
+
+def _build(spec, args, state: dict[str, torch.Tensor], device, dtype: torch.dtype, where: Path) -> nn.Module:
+    """The family's model with ``state`` loaded; rotary tables and other buffers from ``init_weights``,
+    which runs under a forked RNG so a caller's random stream (a training run's) is left as it was."""
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    model.to_empty(device=device)
+    with torch.random.fork_rng(devices=[]):
+        model.init_weights()
+    if bool(getattr(args, "tie_word_embeddings", False)):
+        state.pop("output.weight", None)  # tied: loaded through the embedding
+    params = dict(model.named_parameters())
+    if missing := [n for n in params if n not in state]:
+        raise ValueError(f"{where} lacks {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    with torch.no_grad():
+        for name, tensor in state.items():
+            params[name].copy_(tensor)
+    return model.to(dtype).eval()
