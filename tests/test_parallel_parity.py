@@ -215,6 +215,7 @@ def train_from_seed(cfg, seed_state) -> dict:
         "loss": [r["loss"] for r in records],
         "grad_norm": [r["grad_norm"] for r in records],
         "val_loss": [r["val_loss"] for r in all_records if "val_loss" in r],
+        "val_bpb": [r["val_bpb"] for r in all_records if "val_bpb" in r],
         "inputs": torch.cat(trainer.first_step_inputs),
         "dp_rank": trainer.dp_rank,
         "compiled_graphs": counters["stats"]["unique_graphs"] - graphs,
@@ -236,6 +237,7 @@ def reference(tmp_path_factory):
         "loss": [r["loss"] for r in records],
         "grad_norm": [r["grad_norm"] for r in records],
         "val_loss": [r["val_loss"] for r in all_records if "val_loss" in r],
+        "val_bpb": [r["val_bpb"] for r in all_records if "val_bpb" in r],
         "inputs": torch.cat(single.first_step_inputs),
     }
     out["float8"] = train_from_seed(make_config(dump, 1, ["--quantize.linear.float8.enable", "true"]), seed)
@@ -276,7 +278,7 @@ def parity_worker(args: dict) -> dict:
 def check(name: str, got: dict, ref: dict, rtols: dict, report: list) -> None:
     for key, rtol in rtols.items():
         a, b = torch.tensor(got[key], dtype=torch.float64), torch.tensor(ref[key], dtype=torch.float64)
-        assert len(a) == len(b) == (2 if key == "val_loss" else STEPS), (name, key, len(a))
+        assert len(a) == len(b) == (2 if key.startswith("val_") else STEPS), (name, key, len(a))
         rel = ((a - b).abs() / b.abs()).max().item()
         report.append(f"{name:22s} {key:9s} max rel diff {rel:.2e} (tolerance {rtol:.0e})")
         assert rel <= rtol, f"{name}: {key} differs from one process by {rel:.2e} > {rtol:.0e}\n{a}\n{b}"
@@ -308,7 +310,7 @@ def run_group(configs: dict, nprocs: int, backend: str, reference, extra_args=No
             rtols = {"loss": RTOL_FLOAT8, "grad_norm": RTOL_FLOAT8_GRAD_NORM, "val_loss": RTOL_FLOAT8}
         else:
             rtol = RTOL_COMPILE if "compile" in name else RTOL
-            rtols = {"loss": rtol, "grad_norm": rtol, "val_loss": rtol}
+            rtols = {"loss": rtol, "grad_norm": rtol, "val_loss": rtol, "val_bpb": rtol}
         check(name, results[0][name], ref, rtols, report)
         check_data(name, results, nprocs // dp, reference["fp32"]["inputs"])
         graphs = results[0][name]["compiled_graphs"]

@@ -84,6 +84,7 @@ def train_from_seed(cfg, seed_state) -> dict:
         "loss": [r["loss"] for r in steps],
         "grad_norm": [r["grad_norm"] for r in steps],
         "val_loss": [r["val_loss"] for r in records if "val_loss" in r],
+        "val_bpb": [r["val_bpb"] for r in records if "val_bpb" in r],
         "tokens_seen": [r["tokens_seen"] for r in steps],
         "inputs": torch.cat(trainer.first_step_inputs),
         "dp_rank": trainer.dp_rank,
@@ -105,6 +106,7 @@ def reference(tmp_path_factory):
         "loss": [r["loss"] for r in steps],
         "grad_norm": [r["grad_norm"] for r in steps],
         "val_loss": [r["val_loss"] for r in records if "val_loss" in r],
+        "val_bpb": [r["val_bpb"] for r in records if "val_bpb" in r],
         "tokens_seen": [r["tokens_seen"] for r in steps],
         "inputs": torch.cat(single.first_step_inputs),
     }
@@ -130,7 +132,13 @@ def run_parity(configs: dict, nprocs: int, backend: str, reference) -> None:
         for rank_res in results[1:]:  # every stage logs the true loss, not just the last one
             assert rank_res[name]["loss"] == results[0][name]["loss"], f"{name}: ranks disagree on the loss"
             assert rank_res[name]["grad_norm"] == results[0][name]["grad_norm"], f"{name}: ranks disagree"
-        check(name, results[0][name], reference, {"loss": RTOL, "grad_norm": RTOL, "val_loss": RTOL}, report)
+        check(
+            name,
+            results[0][name],
+            reference,
+            {"loss": RTOL, "grad_norm": RTOL, "val_loss": RTOL, "val_bpb": RTOL},
+            report,
+        )
         check_data(name, results, nprocs // dp, reference["inputs"])
         # tokens (and so tokens/s and MFU, which divide them by the world size) count each token once
         assert results[0][name]["tokens_seen"] == reference["tokens_seen"], name

@@ -236,3 +236,19 @@ def build_tokenizer(path: str = "") -> Tokenizer:
     if is_hf_tokenizer_file(file):
         return build_hf_tokenizer(path, file)
     return _llama3_tokenizer(load_tiktoken_ranks(file), name=os.path.basename(path) or "tiktoken", path=path)
+
+
+def token_byte_lengths(tokenizer: Tokenizer, size: int | None = None) -> list[int]:
+    """How many bytes of text each id ``0 .. size-1`` stands for (``size``: the vocabulary, or a model's
+    larger padded one). Special tokens and ids no token has count 0: bits per byte measure the text only,
+    so they are comparable across tokenizers (as nanochat reports them)."""
+    enc = tokenizer.encoding
+    specials = {enc.encode_single_token(s) for s in enc.special_tokens_set}
+    lengths = [0] * (size or enc.n_vocab)
+    for i in range(min(len(lengths), enc.n_vocab)):
+        if i not in specials:
+            try:
+                lengths[i] = len(enc.decode_single_token_bytes(i))
+            except KeyError:  # an id no token has (tiktoken allows gaps)
+                pass
+    return lengths

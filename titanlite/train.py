@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import random
@@ -55,6 +56,7 @@ from titanlite.parallel.policies import Policies
 from titanlite.preemption import PreemptionHandler, PreemptionHook
 from titanlite.profiling import ProfilerHook
 from titanlite.run_lock import RunLock
+from titanlite.tokenizer import token_byte_lengths
 from titanlite.train_step import TrainStep, grad_accum_steps
 from titanlite.validation import ValidationHook, validation_loss
 
@@ -294,8 +296,15 @@ class Trainer:
         steps = self.cfg.validation.steps
         batches = None if steps == -1 else steps * self.grad_accum_steps
         kw = dict(parallel_dims=self.parallel_dims, device=self.device, autocast_dtype=self.train_step.autocast_dtype)
-        kw.update(pipeline=self.train_step.pipeline)
+        kw.update(pipeline=self.train_step.pipeline, token_bytes=self.token_bytes)
         return validation_loss(self.model, self.val_loader, max_batches=batches, **kw)
+
+    @functools.cached_property
+    def token_bytes(self) -> torch.Tensor | None:
+        """Bytes of text per token id, for bits per byte (None for a tokenizer that is not tiktoken-based)."""
+        if getattr(self.tokenizer, "encoding", None) is None:
+            return None
+        return torch.tensor(token_byte_lengths(self.tokenizer, self.model_args.vocab_size), device=self.device)
 
     def log_start(self) -> None:
         t, c, dp, accum = self.cfg.training, self.cfg, self.parallel_dims.dp_degree, self.grad_accum_steps

@@ -3,11 +3,17 @@
 Always plain cross-entropy, whatever the training loss adds (z-loss, ...), in high precision for
 float8 linears, over the same windows every time (the validation loader restarts from its first
 window), summed over the data-parallel ranks, so the figure does not depend on the layout.
+
+Bits per byte (``val_bpb``) divide the same loss, in bits, by the bytes of text the predicted tokens
+stand for: the loss per token depends on how much text a token holds, the loss per byte does not,
+so runs with different tokenizers compare. As nanochat does, tokens that stand for no text (special
+tokens such as EOS) are left out of both sums.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import math
@@ -37,9 +43,12 @@ def validation_loss(
     device: torch.device | None = None,
     autocast_dtype: torch.dtype | None = None,
     pipeline: Any = None,
+    token_bytes: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """``{"val_loss", "val_perplexity"}`` over ``max_batches`` batches (None: all) of ``batches``; with
-    ``pipeline`` (a :class:`~titanlite.parallel.pipeline.Pipeline`) through its schedule's evaluation mode."""
+    ``pipeline`` (a :class:`~titanlite.parallel.pipeline.Pipeline`) through its schedule's evaluation mode;
+    with ``token_bytes`` (the bytes of text each token id stands for, see
+    :func:`titanlite.tokenizer.token_byte_lengths`) also ``val_bpb``."""
     device = device or next(model.parameters()).device
     dp_group = None if parallel_dims is None else parallel_dims.dp_group
     loss_parallel = getattr(parallel_dims, "loss_parallel_enabled", False)
@@ -47,26 +56,45 @@ def validation_loss(
         torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
     )
     model.eval()
-    loss_sum = torch.zeros((), device=device)
+    loss_sums = torch.zeros(2, device=device)  # nats over all tokens, and over the tokens that stand for text
     tokens = torch.zeros((), device=device)
+    text_bytes = torch.zeros((), device=device, dtype=torch.int64)
+    token_bytes = None if token_bytes is None else token_bytes.to(device)
+    sums = functools.partial(loss_sums_of, token_bytes=token_bytes)
     # islice stops without pulling one batch too many: every layout consumes the same windows
     for batch in batches if max_batches is None else itertools.islice(batches, max_batches):
         inputs, labels, extra = batch_to_device(batch, device)
         with loss_parallel_context(loss_parallel), float8_disabled(model):
-            if pipeline is not None:  # the sum exists on the last stage only: shared below; the stages autocast
-                loss_sum += pipeline.evaluate(inputs, labels, extra, cross_entropy_sum)
+            if pipeline is not None:  # the sums exist on the last stage only (0 elsewhere): shared below
+                loss_sums += pipeline.evaluate(inputs, labels, extra, sums)
             else:
                 with autocast:
                     logits = model(inputs, **extra)
-                loss_sum += to_local_value(cross_entropy_sum(logits, labels))
+                loss_sums += sums(logits, labels)
         tokens += labels.numel()
+        if token_bytes is not None:
+            text_bytes += token_bytes[labels].sum()
     model.train()
     if pipeline is not None and parallel_dims.pp_group is not None:
-        loss_sum = all_reduce_sum(loss_sum, parallel_dims.pp_group)
+        loss_sums = all_reduce_sum(loss_sums, parallel_dims.pp_group)
     if dp_group is not None:
-        loss_sum, tokens = all_reduce_sum(loss_sum, dp_group), all_reduce_sum(tokens, dp_group)
-    val_loss = (loss_sum / tokens).item()
-    return {"val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 80.0))}
+        loss_sums, tokens = all_reduce_sum(loss_sums, dp_group), all_reduce_sum(tokens, dp_group)
+        text_bytes = all_reduce_sum(text_bytes, dp_group)
+    val_loss = (loss_sums[0] / tokens).item()
+    out = {"val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 80.0))}
+    if token_bytes is not None:
+        out["val_bpb"] = loss_sums[1].item() / math.log(2) / max(text_bytes.item(), 1)
+    return out
+
+
+def loss_sums_of(logits: torch.Tensor, labels: torch.Tensor, token_bytes: torch.Tensor | None) -> torch.Tensor:
+    """``[cross-entropy sum over all tokens, sum over the tokens that stand for text]`` (the second is 0
+    without ``token_bytes``), as plain local values: the loss of a pipeline's evaluation runs this too."""
+    total = to_local_value(cross_entropy_sum(logits, labels))
+    if token_bytes is None:
+        return torch.stack([total, torch.zeros_like(total)])
+    text_labels = labels.masked_fill(token_bytes[labels] == 0, -100)  # -100: cross_entropy's ignore_index
+    return torch.stack([total, to_local_value(cross_entropy_sum(logits, text_labels))])
 
 
 class ValidationHook(Hook):
@@ -79,6 +107,11 @@ class ValidationHook(Hook):
         if state.step % self.freq == 0 or state.last_step:
             val = {"step": state.step, **self.evaluate()}
             state.log(val)
+            bpb = f" | bits per byte {val['val_bpb']:.4f}" if "val_bpb" in val else ""
             logger.info(
-                "step %d | validation loss %.4f | perplexity %.2f", state.step, val["val_loss"], val["val_perplexity"]
+                "step %d | validation loss %.4f | perplexity %.2f%s",
+                state.step,
+                val["val_loss"],
+                val["val_perplexity"],
+                bpb,
             )

@@ -359,7 +359,7 @@ class Pipeline:
         # the last n: a schedule's first run also calls the loss once to infer the backward's shapes
         sums = self._sums[-self.plan.n_microbatches :] if self.has_last else []
         self._sums = []
-        return torch.stack(sums).sum() if sums else torch.zeros((), device=self.device)
+        return torch.stack(sums).sum(0) if sums else torch.zeros((), device=self.device)  # a loss may be a vector
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor, extra: dict, tokens: int) -> torch.Tensor:
         """Forward and backward of ``inputs`` (this rank's local batch), each microbatch's loss divided by
