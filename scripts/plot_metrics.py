@@ -4,8 +4,10 @@
     python scripts/plot_metrics.py outputs/run_a [outputs/run_b ...] -o curves.png [--smooth 0.9]
 
 Panels against the optimizer step: training loss (validation loss as markers, NaN-guard events as
-dotted lines), learning rate, gradient norm, tokens/s per device and MFU. A folder or a
-``metrics.jsonl`` path may be given; runs are labelled by folder name. Needs matplotlib, which
+dotted lines), learning rate, gradient norm, tokens/s per device and MFU; and when the runs logged
+them, validation bits per byte and the downstream scores (``eval/<task>/<metric>``, from the in-loop
+``[eval]`` or the ``--watch`` watcher): accuracies in one panel, perplexities in another. A folder or
+a ``metrics.jsonl`` path may be given; runs are labelled by folder name. Needs matplotlib, which
 titanlite itself does not depend on (``pip install matplotlib``).
 """
 
@@ -42,13 +44,27 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
-    xs, ys = [], []
+    """``key``'s values by step, in step order (a watcher appends its scores after later training steps)."""
+    points = []
     for r in records:
         v = r.get(key)
         if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and "step" in r:
-            xs.append(r["step"])
-            ys.append(float(v))
-    return xs, ys
+            points.append((r["step"], float(v)))
+    points.sort(key=lambda p: p[0])
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def extra_panels(runs: list[tuple[str, list[dict]]]) -> list[tuple[str, list[str], bool]]:
+    """``(title, keys, log scale)`` of the panels whose metrics some run logged: bits per byte, downstream
+    accuracies (``eval/<task>/acc...``) and downstream perplexities."""
+    keys = {k for _, records in runs for r in records for k in r}
+    evals = sorted(k for k in keys if k.startswith("eval/"))
+    panels = [("validation bits per byte", ["val_bpb"], False)] if "val_bpb" in keys else []
+    if acc := [k for k in evals if k.rsplit("/", 1)[-1].startswith("acc")]:
+        panels.append(("downstream accuracy", acc, False))
+    if ppl := [k for k in evals if k.endswith("/perplexity")]:
+        panels.append(("downstream perplexity", ppl, True))
+    return panels
 
 
 def ema(ys: list[float], alpha: float) -> list[float]:
@@ -90,7 +106,21 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         label = path.parent.name or str(path.parent)
         runs.append((label, read_metrics(path)))
-    fig, axes = plt.subplots(len(PANELS), 1, figsize=(9, 2.6 * len(PANELS)), sharex=True)
+    extra = extra_panels(runs)
+    n = len(PANELS) + len(extra)
+    fig, axes = plt.subplots(n, 1, figsize=(9, 2.6 * n), sharex=True)
+    for ax, (title, keys, log) in zip(axes[len(PANELS) :], extra):
+        for i, (label, records) in enumerate(runs):  # a color per metric, a line style per run
+            for j, key in enumerate(keys):
+                xs, ys = series(records, key)
+                name = key.removeprefix("eval/")
+                style = dict(marker="o", markersize=3, linestyle=("-", "--", ":")[i % 3], color=f"C{j % 10}")
+                ax.plot(xs, ys, label=f"{label} {name}", **style)
+        if log:
+            ax.set_yscale("log")
+        ax.set_ylabel(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
     for i, (label, records) in enumerate(runs):
         color = f"C{i % 10}"
         for ax, (title, key, log) in zip(axes, PANELS):
@@ -115,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     fig.tight_layout()
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.output, dpi=110)
-    print(f"wrote {args.output} ({len(runs)} run(s))")
+    titles = [p[0] for p in PANELS] + [p[0] for p in extra]
+    print(f"wrote {args.output} ({len(runs)} run(s); panels: {', '.join(titles)})")
     return 0
 
 

@@ -27,6 +27,10 @@ def _fake_run(folder: Path, scale: float) -> None:
         )
         if step % 10 == 0:
             lines.append({"step": step, "val_loss": scale * (6.2 - step * 0.2), "val_perplexity": 100.0})
+            lines.append({"step": step, "val_bpb": 4.0 - step * 0.1})
+    for step in (20, 10):  # a watcher's scores, appended late and out of order
+        scores = {"eval/hellaswag/acc": 0.25 + step / 1000, "eval/hellaswag/acc_norm": 0.26, "eval/piqa/acc": 0.5}
+        lines.append({"step": step, **scores, "eval/lambada/perplexity": 3000.0 / step, "eval_source": "watcher"})
     lines.insert(8, {"step": 7, "guard_event": "nonfinite", "guard_action": "skip"})
     torn = '{"step": 21, "lo'  # a last line cut by a crash
     (folder / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n" + torn)
@@ -55,6 +59,10 @@ def test_plot_writes_a_png(tmp_path):
     assert r.returncode == 0, r.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
     assert "2 run(s)" in r.stdout
+    # the runs logged bits per byte and downstream scores: each gets its panel
+    assert r.stdout.strip().endswith("MFU, validation bits per byte, downstream accuracy, downstream perplexity)"), (
+        r.stdout
+    )
 
 
 def test_plot_without_matplotlib_says_how_to_get_it(tmp_path):
