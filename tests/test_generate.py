@@ -168,6 +168,22 @@ def test_cached_logits_equal_the_uncached_forward_with_left_padding(family):
             torch.testing.assert_close(logits[b], alone[b][len(p) + i], rtol=0, atol=1e-5)
 
 
+def test_cache_positions_start_after_each_rows_padding_and_the_mask_hides_the_filler():
+    """RoPE is shift-invariant, so logits alone cannot see the positions: check them and the mask by hand."""
+    table = torch.arange(10.0)[:, None].expand(10, 4)  # row p holds p
+    cache = KVCache(6, [2, 0])
+    rope, mask = cache.step(table, 4)
+    assert rope[..., 0].tolist() == [[0, 0, 0, 1], [0, 1, 2, 3]]  # filler slots clamped to position 0
+    causal = [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
+    filler = [[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]  # a filler query sees itself only
+    assert mask.shape == (2, 1, 4, 4) and mask[0, 0].int().tolist() == filler and mask[1, 0].int().tolist() == causal
+    rope, mask = cache.step(table, 1)
+    assert rope[..., 0].tolist() == [[2], [4]]
+    assert mask[:, 0, 0].int().tolist() == [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]
+    cache.truncate(4)
+    assert cache.step(table, 2)[0][..., 0].tolist() == [[2, 3], [4, 5]]  # the truncated slot is reused
+
+
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
 def test_a_batch_generates_what_each_prompt_generates_alone(family):
     model = random_model(family)
@@ -198,6 +214,22 @@ def test_the_cache_refuses_more_slots_than_it_has():
         model(torch.zeros(1, 7, dtype=torch.long), cache=cache)
     with pytest.raises(ValueError, match="exceed the model's max_seq_len 128"):
         generate(model, [[1] * 100], max_new_tokens=29)
+
+
+def test_a_per_block_compiled_model_generates_eagerly():
+    """titanlite's per-block compile: generation runs the blocks eagerly (no graph per sequence length)."""
+    from torch._dynamo.utils import counters
+
+    from titanlite.parallel.compile import CompilePolicy
+
+    model = random_model("llama3")
+    prompts = token_prompts(3)
+    expected = generate(model, prompts, max_new_tokens=6)
+    assert CompilePolicy(enable=True, components=["model"]).apply(model) == 2
+    torch._dynamo.reset()
+    counters.clear()
+    assert generate(model, prompts, max_new_tokens=6) == expected
+    assert not counters["stats"]["unique_graphs"]
 
 
 # ----------------------------------------------------------------------------- stopping and sampling
