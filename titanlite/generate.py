@@ -13,7 +13,9 @@ in-loop samples, the evaluation watcher and the command line below all call thes
   run's random stream is the same with or without samples.
 - Distributed (FSDP and/or tensor parallel): every rank of ``sync_group`` calls :func:`generate` with
   the same prompts and runs every forward (they hold shards); the group's first rank picks the next
-  tokens and broadcasts them, so all ranks continue and stop together.
+  tokens and broadcasts them, so all ranks continue and stop together. Under tensor parallelism every
+  forward is padded on the right with filler up to a multiple of the TP degree (titanlite's plan shards
+  the sequence evenly over the TP ranks); causal attention keeps the real tokens blind to it.
 - Under ``torch.no_grad`` and ``torch.compiler.set_stance("force_eager")``: per-block compiled
   models run eagerly, instead of recompiling for every new sequence length.
 
@@ -189,7 +191,7 @@ def sequence_multiple(model: nn.Module) -> int:
     TP plan shards activations along the sequence, evenly: a 1-token step would leave a rank none), else 1.
     Found from the parameters' mesh dimension named ``tp`` (titanlite's ``ParallelDims`` names it so)."""
     for p in model.parameters():
-        names = p.device_mesh.mesh_dim_names or () if isinstance(p, DTensor) else ()
+        names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
         if "tp" in names:
             return p.device_mesh.size(names.index("tp"))
     return 1
