@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from titanlite.models.attention import AttentionMask, attention, build_attention_mask
+from titanlite.models.kv_cache import KVCache, LayerKV
 from titanlite.models.llama3.model import FeedForward, repeat_kv, trunc_normal_  # same MLP, GQA repeat, init
 from torchtitan_ext.qwen3.args import Qwen3ModelArgs
 
@@ -46,9 +47,11 @@ def rope_table(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
 
 def apply_rope_half(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Rotate ``x [B, S, H, head_dim]`` in the half-split layout: feature ``j`` pairs with feature
-    ``j + head_dim / 2``. Computed in fp32, returned in ``x``'s dtype."""
+    ``j + head_dim / 2``. Computed in fp32, returned in ``x``'s dtype. ``table``: rows ``[:S]`` are used,
+    or it holds each row's own rows ``[B, S, head_dim]`` (from a KV cache)."""
     seqlen, half = x.shape[1], x.shape[-1] // 2
-    cos, sin = table[:seqlen].view(1, seqlen, 1, 2, half).unbind(dim=3)
+    rows = table[:seqlen] if table.dim() == 2 else table
+    cos, sin = rows.view(-1, seqlen, 1, 2, half).unbind(dim=3)
     xf = x.float()
     x1, x2 = xf[..., :half], xf[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
@@ -74,7 +77,9 @@ class Qwen3Attention(nn.Module):
             if norm is not None:
                 norm.reset_parameters()
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, attn_mask: AttentionMask = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, attn_mask: AttentionMask = None, cache: LayerKV | None = None
+    ) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         # -1: the (local) head count comes from the projection (tensor parallel shards the heads)
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
@@ -83,6 +88,8 @@ class Qwen3Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope_half(q, rope), apply_rope_half(k, rope)
+        if cache is not None:  # generation: all keys/values so far, GQA's few heads (titanlite.models.kv_cache)
+            k, v = cache.update(k, v)
         k, v = repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep)
         out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
@@ -104,13 +111,15 @@ class Qwen3Block(nn.Module):
         self.attention.init_weights(self.weight_init_std)
         self.feed_forward.init_weights(self.weight_init_std)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, attn_mask: AttentionMask = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, attn_mask)
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, attn_mask: AttentionMask = None, cache: LayerKV | None = None
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, attn_mask, cache=cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
 class Qwen3Model(nn.Module):
-    """``forward(tokens [B, S], document_ids=None) -> logits [B, S, vocab]``."""
+    """``forward(tokens [B, S], document_ids=None, cache=None) -> logits [B, S, vocab]``."""
 
     def __init__(self, args: Qwen3ModelArgs):
         super().__init__()
@@ -142,11 +151,17 @@ class Qwen3Model(nn.Module):
         if not a.tie_word_embeddings and self.output is not None:
             trunc_normal_(self.output.weight, a.dim**-0.5)
 
-    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, cache: KVCache | None = None
+    ) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # None: a later stage
         if tokens.shape[1] > self.rope_cache.shape[0]:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len {self.rope_cache.shape[0]}")
-        mask = build_attention_mask(self.args.attn_mask_type, document_ids, self.args.attn_backend)
-        for layer in self.layers.values():
-            h = layer(h, self.rope_cache, mask)
+        if cache is None:
+            mask = build_attention_mask(self.args.attn_mask_type, document_ids, self.args.attn_backend)
+            rope = self.rope_cache
+        else:  # generation: each row's rotary rows, a mask over the cached slots (titanlite.models.kv_cache)
+            rope, mask = cache.step(self.rope_cache, tokens.shape[1])
+        for name, layer in self.layers.items():
+            h = layer(h, rope, mask, cache=None if cache is None else cache.layer(name))
         return self.output(self.norm(h)) if self.output is not None else h

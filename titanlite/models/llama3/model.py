@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titanlite.models.attention import AttentionMask, attention, build_attention_mask
+from titanlite.models.kv_cache import KVCache, LayerKV
 from titanlite.models.llama3.args import Llama3ModelArgs
 
 # ----------------------------------------------------------------------------- rotary embeddings
@@ -69,9 +70,11 @@ def precompute_rope(head_dim: int, max_seq_len: int, *args: float, **kwargs: flo
 
 
 def apply_rope(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [B, S, H, head_dim]`` in the interleaved layout, using rows ``[:S]`` of the table."""
+    """Rotate ``x [B, S, H, head_dim]`` in the interleaved layout, using rows ``[:S]`` of the table
+    (or, from a KV cache, each row's own rows ``[B, S, head_dim]``)."""
     bsz, seqlen, n_heads, head_dim = x.shape
-    cos, sin = rope_cache[:seqlen].view(1, seqlen, 1, 2, head_dim // 2).unbind(dim=3)
+    table = rope_cache[:seqlen] if rope_cache.dim() == 2 else rope_cache
+    cos, sin = table.view(-1, seqlen, 1, 2, head_dim // 2).unbind(dim=3)
     pairs = x.float().view(bsz, seqlen, n_heads, head_dim // 2, 2)
     x0, x1 = pairs[..., 0], pairs[..., 1]
     out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
@@ -106,13 +109,17 @@ class Attention(nn.Module):
             trunc_normal_(linear.weight, 0.02)
         trunc_normal_(self.wo.weight, init_std)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, attn_mask: AttentionMask = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope_cache: torch.Tensor, attn_mask: AttentionMask = None, cache: LayerKV | None = None
+    ) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         # -1: the number of (local) heads comes from the projection, not from args (TP shards it)
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, rope_cache), apply_rope(k, rope_cache)
+        if cache is not None:  # generation: all keys/values so far, GQA's few heads (models/kv_cache.py)
+            k, v = cache.update(k, v)
         k, v = repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
         out = attention(q, k, v, attn_mask)  # causal, or the document mask (models/attention.py)
@@ -155,8 +162,10 @@ class TransformerBlock(nn.Module):
         self.attention.init_weights(self.weight_init_std)
         self.feed_forward.init_weights(self.weight_init_std)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, attn_mask: AttentionMask = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache, attn_mask)
+    def forward(
+        self, x: torch.Tensor, rope_cache: torch.Tensor, attn_mask: AttentionMask = None, cache: LayerKV | None = None
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope_cache, attn_mask, cache=cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -196,17 +205,24 @@ class Transformer(nn.Module):
         if not tied and self.output is not None:
             trunc_normal_(self.output.weight, self.args.dim**-0.5)
 
-    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, cache: KVCache | None = None
+    ) -> torch.Tensor:
         """Logits ``[B, S, vocab]``; ``document_ids [B, S]`` is needed for ``block_causal`` masking.
+        With a ``cache`` (generation, :mod:`titanlite.models.kv_cache`) ``tokens`` continue the cached ones.
 
         A pipeline stage (see :func:`titanlite.parallel.pipeline.pipeline_decoder`) lacks the modules other
         stages hold: without ``tok_embeddings`` it takes hidden states, without ``output`` it returns them."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if h.shape[1] > self.rope_cache.shape[0]:
             raise ValueError(f"sequence length {h.shape[1]} exceeds max_seq_len {self.rope_cache.shape[0]}")
-        attn_mask = build_attention_mask(self.args.attn_mask_type, document_ids, self.args.attn_backend)
-        for layer in self.layers.values():
-            h = layer(h, self.rope_cache, attn_mask)
+        if cache is None:
+            attn_mask = build_attention_mask(self.args.attn_mask_type, document_ids, self.args.attn_backend)
+            rope = self.rope_cache
+        else:  # generation: each row's rotary rows, a mask over the cached slots (models/kv_cache.py)
+            rope, attn_mask = cache.step(self.rope_cache, tokens.shape[1])
+        for name, layer in self.layers.items():
+            h = layer(h, rope, attn_mask, cache=None if cache is None else cache.layer(name))
         return self.output(self.norm(h)) if self.output is not None else h
 
 
