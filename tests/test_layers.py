@@ -9,7 +9,8 @@ Layers, lowest first (a module may import its own layer or lower ones):
 1. ``parallel``: policies, mesh, FSDP/TP/AC/compile/float8, ``build_parallel_model``; and ``loss``
 2. ``models``: the registry and the families (a family's parallelize plan is built from ``parallel``)
 3. ``data``, ``checkpoint`` (with ``checkpoint.safe_load``, which imports torch only), ``optim``
-4. the loop's pieces: ``train_step``, ``metrics``, ``guard``, ``preemption``, ``profiling``, ``validation``
+4. the loop's pieces: ``train_step``, ``metrics``, ``guard``, ``preemption``, ``profiling``, ``validation``,
+   ``eval`` (downstream benchmarks; its CLI loads checkpoints)
 5. ``train``, ``dry_run``
 """
 
@@ -42,6 +43,7 @@ LAYERS = [
         "titanlite.preemption",
         "titanlite.profiling",
         "titanlite.validation",
+        "titanlite.eval",
     ),
     ("titanlite.train", "titanlite.dry_run"),
 ]
