@@ -122,5 +122,7 @@ def summary_line(name: str, result: dict) -> str:
     """``hellaswag: acc 0.2600 acc_norm 0.2800 (100 items)`` (every numeric metric, then the counts)."""
     skip = ("items", "num_items", "num_truncated")
     metrics = " ".join(f"{k} {v:.4f}" for k, v in result.items() if k not in skip)
-    counts = f"{result['num_items']} items" + (f", {result['num_truncated']} truncated" if result["num_truncated"] else "")
+    counts = f"{result['num_items']} items" + (
+        f", {result['num_truncated']} truncated" if result["num_truncated"] else ""
+    )
     return f"{name}: {metrics} ({counts})"

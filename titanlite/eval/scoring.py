@@ -246,7 +246,13 @@ def _results(
             loglik, greedy = [scores[k][0] for k in ks], [scores[k][1] for k in ks]
             records.append(task.record(i, item, loglik, [requests[k].num_cont for k in ks], greedy))
         if truncated:
-            logger.warning("%s: %d of %d items truncated from the left to max_seq_len %s", task.name, truncated, len(items), max_seq_len)
+            logger.warning(
+                "%s: %d of %d items truncated from the left to max_seq_len %s",
+                task.name,
+                truncated,
+                len(items),
+                max_seq_len,
+            )
         else:
             logger.info("%s: %d items, none truncated", task.name, len(items))
         out[task.name] = {**task.metrics(records), "num_truncated": truncated, "items": records}

@@ -15,7 +15,8 @@ set ``name`` and ``files`` and write ``item(row)`` for one parsed JSON line, the
         files = ("boolq/dev.jsonl",)
 
         def item(self, row):
-            return Item(f"{row['passage']}\\nQuestion: {row['question']}?\\nAnswer:", (" no", " yes"), int(row["answer"]))
+            context = f"{row['passage']}\\nQuestion: {row['question']}?\\nAnswer:"
+            return Item(context, (" no", " yes"), int(row["answer"]))
 
 An extension module (``--extensions``) registers its tasks the same way when it is imported.
 Tasks whose files are not one JSON object a line override :meth:`Task.items` (see :class:`PIQA`).
@@ -66,7 +67,9 @@ class Task:
         """``data_dir / rel``; a one-line ValueError when it is not a file."""
         path = Path(data_dir) / rel
         if not path.is_file():
-            raise ValueError(f"{path}: no such file (the {self.name} task reads {', '.join(self.files)} under the data folder)")
+            raise ValueError(
+                f"{path}: no such file (the {self.name} task reads {', '.join(self.files)} under the data folder)"
+            )
         return path
 
     def record(self, index: int, item: Item, loglik: list[float], num_tokens: list[int], greedy: list[bool]) -> dict:
