@@ -5,7 +5,8 @@
   LAMBADA's greedy verdicts are the ones transformers' numbers give, for a few items of every task.
 - The metrics equal a hand computation from the per-item records.
 - 2 gloo ranks (a plain model split by dp_rank, then an FSDP-sharded one): the per-item records are
-  bitwise those of one process, with a limit the rank count does not divide.
+  bitwise those of one process, with a limit the rank count does not divide; a TP-2 model (vocabulary-
+  sharded DTensor logits) gives them within 1e-4.
 - Left truncation to max_seq_len, counted; label parsing on real ARC/PIQA items; malformed files.
 - The CLI: its JSON, and one-line errors with exit status 2.
 
@@ -137,6 +138,16 @@ def test_the_model_mode_is_restored_and_a_briefly_trained_model_beats_nothing_by
     assert all(math.isfinite(ll) and ll < 0 for r in out["piqa"]["items"] for ll in r["loglik"])
 
 
+def test_bf16_autocast_is_applied_and_stays_close(loaded, results, data_dir):
+    out = evaluate(
+        loaded.model, loaded.tokenizer, ["arc_easy"], data_dir, limit=3, batch_size=4, autocast_dtype=torch.bfloat16
+    )
+    got = [ll for r in out["arc_easy"]["items"] for ll in r["loglik"]]
+    want = [ll for r in results["arc_easy"]["items"] for ll in r["loglik"]]
+    assert got != want  # bf16 matmuls ran
+    assert all(abs(a - b) <= 0.02 * abs(b) for a, b in zip(got, want)), (got, want)
+
+
 # ----------------------------------------------------------------------------- several ranks
 
 
@@ -146,6 +157,7 @@ DIST_LIMIT = 5  # 5 items a task: 4 + 10 + 5 = 19 requests, 5 batches of 4 over 
 
 def dist_worker(args: dict) -> dict:
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
     from titanlite.parallel.build import build_parallel_model
     from titanlite.parallel.distributed import init_distributed, world_from_env
@@ -164,6 +176,13 @@ def dist_worker(args: dict) -> dict:
     load_full_state_dict(sharded, plain.model.state_dict() if rank == 0 else None)
     assert type(sharded.tok_embeddings.weight).__name__ == "DTensor"
     out["fsdp"] = evaluate(sharded, plain.tokenizer, DIST_TASKS, args["data_dir"], **common)
+    # tensor parallel with loss parallel: vocabulary-sharded DTensor logits; both ranks are one DP rank
+    dims = ParallelDims(dp_shard=1, tp=2, world_size=2)
+    dims.build_mesh("cpu")
+    tp_model = build_parallel_model(plain.spec, plain.args, dims, device="cpu")
+    load_full_state_dict(tp_model, plain.model.state_dict() if rank == 0 else None)
+    assert isinstance(tp_model(torch.zeros(1, 8, dtype=torch.long)), DTensor)
+    out["tp"] = evaluate(tp_model, plain.tokenizer, DIST_TASKS, args["data_dir"], limit=DIST_LIMIT, batch_size=4)
     atexit.register(skip_finalization)
     return out
 
@@ -179,13 +198,17 @@ def skip_finalization() -> None:
     os._exit(0)
 
 
-def test_two_ranks_give_bitwise_the_records_of_one_process(checkpoint, loaded, data_dir):
+def test_two_ranks_give_the_records_of_one_process(checkpoint, loaded, data_dir):
     one = evaluate(loaded.model, loaded.tokenizer, DIST_TASKS, data_dir, limit=DIST_LIMIT, batch_size=4)
     per_rank = run_workers(dist_worker, 2, dict(checkpoint=str(checkpoint), data_dir=str(data_dir)), timeout=240)
     for rank, out in enumerate(per_rank):
         for kind in ("plain", "fsdp"):
             for name in DIST_TASKS:
                 assert out[kind][name] == one[name], (rank, kind, name)  # floats compared exactly
+        for name in DIST_TASKS:  # TP sums in another order (K-split matmuls, sharded log-sum-exp): not bitwise
+            for got, want in zip(out["tp"][name]["items"], one[name]["items"]):
+                assert max(abs(a - b) for a, b in zip(got["loglik"], want["loglik"])) <= ATOL, (rank, name)
+                assert (got["pred"], got["pred_norm"]) == (want["pred"], want["pred_norm"]), (rank, name)
 
 
 # ----------------------------------------------------------------------------- truncation
