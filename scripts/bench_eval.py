@@ -90,7 +90,7 @@ def table(rows: list[dict], batch_sizes: list[int]) -> str:
     for model, task in keys:
         by_batch = {r["batch_size"]: r for r in rows if (r["model"], r["task"]) == (model, task)}
         first = next(iter(by_batch.values()))
-        cells = [f"{by_batch[b]['items_per_s']:,.1f}, {by_batch[b]['tokens_per_s']:,.0f}" for b in batch_sizes]
+        cells = [f"{by_batch[b]['items_per_s']:.3g}, {by_batch[b]['tokens_per_s']:,.0f}" for b in batch_sizes]
         lines.append(f"| {model} | {task} | {first['items']} | {first['tokens']:,} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
