@@ -10,7 +10,8 @@ Layers, lowest first (a module may import its own layer or lower ones):
 2. ``models``: the registry and the families (a family's parallelize plan is built from ``parallel``)
 3. ``data``, ``checkpoint`` (with ``checkpoint.safe_load``, which imports torch only), ``optim``
 4. the loop's pieces: ``train_step``, ``metrics``, ``guard``, ``preemption``, ``profiling``, ``validation``;
-   and ``generate`` (the loop's samples and the command line call it; it loads models through ``checkpoint``)
+   ``generate`` and ``sampling`` (generation, the loop's samples), ``eval`` (downstream benchmarks, the
+   checkpoint watcher); their command lines load models through ``checkpoint``
 5. ``train``, ``dry_run``
 """
 
@@ -44,6 +45,8 @@ LAYERS = [
         "titanlite.profiling",
         "titanlite.validation",
         "titanlite.generate",
+        "titanlite.sampling",
+        "titanlite.eval",
     ),
     ("titanlite.train", "titanlite.dry_run"),
 ]

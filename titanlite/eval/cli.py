@@ -1,0 +1,128 @@
+"""``python -m titanlite.eval --checkpoint DIR --tasks hellaswag,arc_easy,arc_challenge,piqa,lambada``.
+
+Loads the model of ``DIR`` (a titanlite checkpoint step folder or a Hugging Face folder, see
+:func:`titanlite.checkpoint.load_model.load_model`), scores the tasks (:func:`titanlite.eval.evaluate`),
+prints one line per task and, with ``--output``, writes the results (per task: metrics and per-item
+records, plus ``"step"`` and ``"checkpoint"``) as JSON, atomically (a temporary file renamed into place).
+
+Wrong input (an unknown task, a missing data folder or file, a checkpoint that cannot be loaded)
+prints one ``error: ...`` line on stderr and exits with status 2; an existing ``--output`` file is
+only ever replaced by a complete one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+
+from titanlite.checkpoint.load_model import load_model
+from titanlite.data.shards import write_json_atomic
+from titanlite.dtypes import DTYPES
+from titanlite.eval.scoring import evaluate
+from titanlite.eval.tasks import get_task, task_names
+from titanlite.extensions import load_extensions
+
+DATA_ENV = "TITANLITE_EVAL_DATA"
+
+
+class UsageError(Exception):
+    """Bad command-line input: reported as one ``error:`` line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors as one line (no usage block), so every user error looks the same."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="python -m titanlite.eval",
+        description="Score a checkpoint on downstream benchmarks by log-likelihood (see titanlite.eval).",
+    )
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", metavar="DIR", help="a titanlite checkpoint step folder or an HF model folder")
+    # A watcher over a dump folder's checkpoints (--watch DUMP_FOLDER) joins this group.
+    p.add_argument("--tasks", required=True, help=f"comma-separated task names (known: {', '.join(task_names())})")
+    p.add_argument("--limit", type=int, help="score only the first N items of each task")
+    p.add_argument("--output", metavar="FILE.json", help="write the metrics and per-item results here")
+    p.add_argument("--data-dir", help=f"the eval data folder (default: ${DATA_ENV})")
+    p.add_argument("--batch-size", type=int, default=16, help="requests (context + one choice) per forward pass")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the model's weight dtype")
+    p.add_argument("--tokenizer", metavar="PATH|bytes", help="override the checkpoint's tokenizer")
+    p.add_argument("--extensions", default="", metavar="MODULES", help="comma-separated modules to import first")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        a = build_parser().parse_args(argv)
+        load_extensions([m.strip() for m in a.extensions.split(",") if m.strip()])  # they may register tasks
+        tasks, data_dir = check_args(a)
+        results = evaluate_checkpoint(a.checkpoint, a, tasks, data_dir)
+    except (UsageError, ValueError, OSError) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    for name in tasks:
+        print(summary_line(name, results[name]))
+    if a.output:
+        write_json_atomic(a.output, results)
+    return 0
+
+
+def check_args(a: argparse.Namespace) -> tuple[list[str], Path]:
+    """The task names and the data folder; everything that can be wrong with them before a model is loaded."""
+    tasks = [t.strip() for t in a.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise UsageError("--tasks: give at least one task name")
+    chosen = [get_task(name) for name in tasks]
+    if a.limit is not None and a.limit < 1:
+        raise UsageError(f"--limit must be at least 1, got {a.limit}")
+    if a.batch_size < 1:
+        raise UsageError(f"--batch-size must be at least 1, got {a.batch_size}")
+    data_dir = a.data_dir or os.environ.get(DATA_ENV)
+    if not data_dir:
+        raise UsageError(f"no eval data folder: pass --data-dir or set ${DATA_ENV}")
+    if not Path(data_dir).is_dir():
+        raise UsageError(f"--data-dir {data_dir}: no such folder")
+    for task in chosen:
+        for rel in task.files:
+            task.path(data_dir, rel)
+    if a.output and (Path(a.output).is_dir() or not Path(a.output).resolve().parent.is_dir()):
+        raise UsageError(f"--output {a.output}: expected a file path in an existing folder")
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {a.device}: CUDA is not available")
+    return tasks, Path(data_dir)
+
+
+def evaluate_checkpoint(path: str, a: argparse.Namespace, tasks: list[str], data_dir: Path) -> dict[str, Any]:
+    """Load ``path`` and score it: the results dict of :func:`evaluate` plus ``step`` and ``checkpoint``.
+    One call per checkpoint, so a watcher can call it for each new one."""
+    extensions = [m.strip() for m in a.extensions.split(",") if m.strip()]
+    try:
+        device = torch.device(a.device)
+    except RuntimeError:
+        raise UsageError(f"--device {a.device!r}: expected cpu, cuda or cuda:N") from None
+    loaded = load_model(path, device=device, dtype=DTYPES[a.dtype], tokenizer_path=a.tokenizer, extensions=extensions)
+    results = evaluate(loaded.model, loaded.tokenizer, tasks, data_dir, limit=a.limit, batch_size=a.batch_size)
+    return {**results, "step": loaded.step, "checkpoint": str(loaded.path)}
+
+
+def summary_line(name: str, result: dict) -> str:
+    """``hellaswag: acc 0.2600 acc_norm 0.2800 (100 items)`` (every numeric metric, then the counts)."""
+    skip = ("items", "num_items", "num_truncated")
+    metrics = " ".join(f"{k} {v:.4f}" for k, v in result.items() if k not in skip)
+    counts = f"{result['num_items']} items" + (
+        f", {result['num_truncated']} truncated" if result["num_truncated"] else ""
+    )
+    return f"{name}: {metrics} ({counts})"
