@@ -447,5 +447,5 @@ def test_cli_user_errors_are_one_line_and_leave_the_output_alone(capsys, checkpo
     assert "--batch-size: invalid int value" in one_error_line(
         capsys, [*base, "--data-dir", str(data_dir), "--batch-size", "x"]
     )
-    assert "one of the arguments --checkpoint is required" in one_error_line(capsys, ["--tasks", "piqa"])
+    assert "one of the arguments --checkpoint --watch is required" in one_error_line(capsys, ["--tasks", "piqa"])
     assert out.read_text() == '{"kept": true}'

@@ -187,6 +187,8 @@ class MetricsLogger:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
                     self.writer.add_scalar(key, value, record["step"])
+                elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+                    self.writer.add_text(key, as_markdown(value), record["step"])  # e.g. [sampling]'s prompts
 
     def _append(self, line: bytes, step: Any) -> None:
         """Write one whole line, or nothing: on an error midway the file is truncated back to its previous end
@@ -212,6 +214,11 @@ class MetricsLogger:
             self.file.close()
             if self.writer is not None:
                 self.writer.close()
+
+
+def as_markdown(items: list[dict[str, Any]]) -> str:
+    """TensorBoard text of a list of records: one paragraph each, a bold key before each value."""
+    return "\n\n".join("  \n".join(f"**{k}**: {v}" for k, v in item.items()) for item in items)
 
 
 def write_file_whole(path: Path, text: str) -> None:

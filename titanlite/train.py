@@ -32,6 +32,8 @@ from titanlite.config import JobConfig, config_to_toml, dump_config, exit_with_e
 from titanlite.data.loader import build_dataloader, load_token_store
 from titanlite.data.shards import ShardIntegrityError
 from titanlite.dtypes import DTYPES
+from titanlite.eval import evaluate, get_task
+from titanlite.eval.hook import EvalHook
 from titanlite.guard import GuardHook, StepGuard, TrainingDivergedError
 from titanlite.hooks import Hook, LoopState, call_hooks
 from titanlite.loss import cross_entropy_sum  # noqa: F401  (registers the built-in loss)
@@ -48,7 +50,7 @@ from titanlite.parallel.distributed import (
     run_on_rank0,
     world_from_env,
 )
-from titanlite.parallel.float8 import float8_modules
+from titanlite.parallel.float8 import float8_disabled, float8_modules
 from titanlite.parallel.fsdp import quiet_view_warning
 from titanlite.parallel.parallel_dims import ParallelDims
 from titanlite.parallel.pipeline import Pipeline, PipelinePlan
@@ -56,6 +58,7 @@ from titanlite.parallel.policies import Policies
 from titanlite.preemption import PreemptionHandler, PreemptionHook
 from titanlite.profiling import ProfilerHook
 from titanlite.run_lock import RunLock
+from titanlite.sampling import SamplingHook
 from titanlite.tokenizer import token_byte_lengths
 from titanlite.train_step import TrainStep, grad_accum_steps
 from titanlite.validation import ValidationHook, validation_loss
@@ -96,6 +99,9 @@ class Trainer:
         set_seed(t.seed, t.deterministic)
         self.spec = get_model_spec(cfg.model.name)
         self.tokenizer = self.build_tokenizer()
+        if cfg.eval.enable:  # unknown task names, then bad data files: stop now, not at the first evaluation
+            for task in [get_task(name) for name in cfg.eval.tasks]:
+                task.items(cfg.eval.data_dir)
         self.model_args = model_args_for(cfg.model, self.tokenizer.vocab_size)
         if source := self.model_args_source():  # its RoPE, norm eps ... unless [model] sets them
             self.model_args = model_args_from_seed(self.spec, self.model_args, cfg.model.overrides, *source)
@@ -220,6 +226,11 @@ class Trainer:
         hooks: list[Hook] = [metrics, guard, ProfilerHook(c.profiling, c.job.dump_folder, rank, self.device)]
         if self.val_loader is not None:
             hooks.append(ValidationHook(c.validation, self.validate))
+        if c.sampling.enable:
+            kw = dict(device=self.device, autocast_dtype=self.train_step.autocast_dtype)
+            hooks.append(SamplingHook(c.sampling, self.model, self.tokenizer, **kw))
+        if c.eval.enable:
+            hooks.append(EvalHook(c.eval, self.evaluate_tasks))
         hooks += [CheckpointHook(self.checkpointer), PreemptionHook(self.preemption, self.checkpointer)]
         if self.world.world_size > 1:
             hooks.append(CollectiveTimeoutHook(c.comm.train_timeout_seconds, self.parallel_dims.all_groups()))
@@ -298,6 +309,16 @@ class Trainer:
         kw = dict(parallel_dims=self.parallel_dims, device=self.device, autocast_dtype=self.train_step.autocast_dtype)
         kw.update(pipeline=self.train_step.pipeline, token_bytes=self.token_bytes)
         return validation_loss(self.model, self.val_loader, max_batches=batches, **kw)
+
+    def evaluate_tasks(self) -> dict[str, dict]:
+        """``[eval]``: each task's scores (:func:`titanlite.eval.evaluate`); every rank takes part, each
+        data-parallel rank scoring its share of the items, float8 linears in high precision."""
+        e, dims = self.cfg.eval, self.parallel_dims
+        kw = dict(limit=None if e.limit == -1 else e.limit, batch_size=e.batch_size, device=self.device)
+        kw.update(max_seq_len=self.model_args.max_seq_len, autocast_dtype=self.train_step.autocast_dtype)
+        kw.update(dp_rank=self.dp_rank, dp_world=dims.dp_degree, dp_group=dims.dp_group)
+        with float8_disabled(self.model):
+            return evaluate(self.model, self.tokenizer, e.tasks, e.data_dir, **kw)
 
     @functools.cached_property
     def token_bytes(self) -> torch.Tensor | None:

@@ -161,6 +161,39 @@ class Validation:
 
 
 @dataclass
+class Sampling:
+    enable: bool = opt(False, "Complete fixed prompts during training; rank 0 logs the text (titanlite.generate).")
+    prompts: list[str] = opt(["The meaning of life is", "Once upon a time"], "Prompts completed every freq steps.")
+    freq: int = opt(100, "Sample every N steps (and at the last step).", min=1)
+    max_new_tokens: int = opt(32, "Tokens generated per prompt (fewer if EOS comes first).", min=1)
+    temperature: float = opt(0.0, "Sampling temperature; 0 = greedy.", min=0.0)
+    top_k: int = opt(0, "Sample among the k likeliest tokens; 0 = all.", min=0)
+    top_p: float = opt(1.0, "Sample among the likeliest tokens holding this probability; 1 = all.", gt=0.0, max=1.0)
+    seed: int = opt(0, "Seed of the sampler's own generator (the training RNG is never touched).", min=0)
+
+
+EVAL_TASKS = ["hellaswag", "arc_easy", "arc_challenge", "piqa", "lambada"]
+
+
+@dataclass
+class Eval:
+    enable: bool = opt(False, "Score downstream tasks during training (titanlite.eval).")
+    tasks: list[str] = opt(list(EVAL_TASKS), "Tasks by registered name.")
+    data_dir: str = opt("", "Folder with the tasks' data files (hellaswag/, arc/, piqa/, lambada/).")
+    freq: int = opt(500, "Evaluate every N steps (and at the last step).", min=1)
+    limit: int = opt(-1, "First N items of each task; -1 = all.", min=-1)
+    batch_size: int = opt(16, "Sequences per scoring forward pass on each data-parallel rank.", min=1)
+
+    def validate(self) -> None:
+        if self.enable and not self.data_dir:
+            raise ConfigError("eval.data_dir must name the folder holding the tasks' data when eval.enable = true")
+        if self.enable and not self.tasks:
+            raise ConfigError("eval.tasks is empty: name at least one task, or set eval.enable = false")
+        if self.limit == 0:
+            raise ConfigError("invalid value 0 for 'eval.limit': must be -1 (every item) or >= 1")
+
+
+@dataclass
 class Parallelism:
     data_parallel_replicate_degree: int = opt(1, "HSDP replica groups (gradients all-reduced).", min=1)
     data_parallel_shard_degree: int = opt(-1, "FSDP degree; -1 = the ranks left by the other degrees.", min=-1)
@@ -236,6 +269,8 @@ class JobConfig:
     training: Training = field(default_factory=Training)
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)
+    sampling: Sampling = field(default_factory=Sampling)
+    eval: Eval = field(default_factory=Eval)
     profiling: Profiling = field(default_factory=Profiling)
     guard: Guard = field(default_factory=Guard)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
@@ -259,6 +294,12 @@ class JobConfig:
                 f"parallelism.pipeline_parallel_microbatch_size ({p.pipeline_parallel_microbatch_size}): "
                 "each pipeline step splits the local batch into microbatches of that size"
             )
+        for key in ("sampling", "eval"):
+            if getattr(self, key).enable and p.pipeline_parallel_degree > 1:
+                raise ConfigError(
+                    f"{key}.enable is not supported with pipeline parallelism (parallelism.pipeline_parallel_degree"
+                    f" = {p.pipeline_parallel_degree}): evaluate the checkpoints with python -m titanlite.eval --watch"
+                )
         batch, name = t.local_batch_size, "training.local_batch_size"
         if p.pipeline_parallel_degree > 1:
             batch, name = p.pipeline_parallel_microbatch_size, "parallelism.pipeline_parallel_microbatch_size"

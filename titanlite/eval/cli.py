@@ -1,4 +1,5 @@
-"""``python -m titanlite.eval --checkpoint DIR --tasks hellaswag,arc_easy,arc_challenge,piqa,lambada``.
+"""``python -m titanlite.eval --checkpoint DIR --tasks hellaswag,arc_easy,arc_challenge,piqa,lambada``,
+and ``python -m titanlite.eval --watch DUMP_FOLDER`` (the checkpoint watcher, :mod:`titanlite.eval.watch`).
 
 Loads the model of ``DIR`` (a titanlite checkpoint step folder or a Hugging Face folder, see
 :func:`titanlite.checkpoint.load_model.load_model`), scores the tasks (:func:`titanlite.eval.evaluate`),
@@ -27,6 +28,7 @@ from titanlite.data.shards import write_json_atomic
 from titanlite.dtypes import DTYPES
 from titanlite.eval.scoring import evaluate
 from titanlite.eval.tasks import get_task, task_names
+from titanlite.eval.watch import watch
 from titanlite.extensions import load_extensions
 
 DATA_ENV = "TITANLITE_EVAL_DATA"
@@ -50,16 +52,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", metavar="DIR", help="a titanlite checkpoint step folder or an HF model folder")
-    # A watcher over a dump folder's checkpoints (--watch DUMP_FOLDER) joins this group.
-    p.add_argument("--tasks", required=True, help=f"comma-separated task names (known: {', '.join(task_names())})")
+    source.add_argument(
+        "--watch", metavar="DUMP_FOLDER", help="score a run's checkpoints as they land (settings: its [eval])"
+    )
+    p.add_argument("--tasks", help=f"comma-separated task names (known: {', '.join(task_names())})")
     p.add_argument("--limit", type=int, help="score only the first N items of each task")
     p.add_argument("--output", metavar="FILE.json", help="write the metrics and per-item results here")
     p.add_argument("--data-dir", help=f"the eval data folder (default: ${DATA_ENV})")
-    p.add_argument("--batch-size", type=int, default=16, help="requests (context + one choice) per forward pass")
+    p.add_argument("--batch-size", type=int, help="requests (context + one choice) per forward pass (default 16)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the model's weight dtype")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="the model's weight dtype (default float32)")
     p.add_argument("--tokenizer", metavar="PATH|bytes", help="override the checkpoint's tokenizer")
     p.add_argument("--extensions", default="", metavar="MODULES", help="comma-separated modules to import first")
+    watch = p.add_argument_group("--watch only")
+    watch.add_argument("--once", action="store_true", help="score the checkpoints there are now, then exit")
+    watch.add_argument("--poll-seconds", type=float, default=30.0, help="wait between looks for new checkpoints")
+    watch.add_argument("--threads", type=int, help="CPU threads (leave the training run its cores)")
     return p
 
 
@@ -68,6 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         a = build_parser().parse_args(argv)
         load_extensions([m.strip() for m in a.extensions.split(",") if m.strip()])  # they may register tasks
+        if a.watch:
+            return run_watch(a)
         tasks, data_dir = check_args(a)
         results = evaluate_checkpoint(a.checkpoint, a, tasks, data_dir)
     except (UsageError, ValueError, OSError) as e:
@@ -80,14 +90,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def run_watch(a: argparse.Namespace) -> int:
+    """``--watch``: the run's ``[eval]`` settings, each given option overriding its own (see :func:`watch`)."""
+    if a.output or a.dtype:
+        raise UsageError("--output and --dtype apply to --checkpoint only (the watcher logs to the run's metrics)")
+    if a.poll_seconds <= 0 or (a.threads is not None and a.threads < 1):
+        raise UsageError("--poll-seconds must be > 0 and --threads >= 1")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    logging.getLogger("titanlite").setLevel(logging.INFO)
+    tasks = [t.strip() for t in a.tasks.split(",") if t.strip()] if a.tasks else None
+    kw = dict(tasks=tasks, data_dir=a.data_dir, limit=a.limit, batch_size=a.batch_size, device=a.device)
+    kw.update(tokenizer_path=a.tokenizer, extensions=[m.strip() for m in a.extensions.split(",") if m.strip()])
+    watch(a.watch, poll_seconds=a.poll_seconds, once=a.once, **kw)
+    return 0
+
+
 def check_args(a: argparse.Namespace) -> tuple[list[str], Path]:
     """The task names and the data folder; everything that can be wrong with them before a model is loaded."""
-    tasks = [t.strip() for t in a.tasks.split(",") if t.strip()]
+    tasks = [t.strip() for t in (a.tasks or "").split(",") if t.strip()]
     if not tasks:
         raise UsageError("--tasks: give at least one task name")
     chosen = [get_task(name) for name in tasks]
     if a.limit is not None and a.limit < 1:
         raise UsageError(f"--limit must be at least 1, got {a.limit}")
+    a.batch_size = 16 if a.batch_size is None else a.batch_size
     if a.batch_size < 1:
         raise UsageError(f"--batch-size must be at least 1, got {a.batch_size}")
     data_dir = a.data_dir or os.environ.get(DATA_ENV)
@@ -113,7 +140,8 @@ def evaluate_checkpoint(path: str, a: argparse.Namespace, tasks: list[str], data
         device = torch.device(a.device)
     except RuntimeError:
         raise UsageError(f"--device {a.device!r}: expected cpu, cuda or cuda:N") from None
-    loaded = load_model(path, device=device, dtype=DTYPES[a.dtype], tokenizer_path=a.tokenizer, extensions=extensions)
+    dtype = DTYPES[a.dtype or "float32"]
+    loaded = load_model(path, device=device, dtype=dtype, tokenizer_path=a.tokenizer, extensions=extensions)
     results = evaluate(loaded.model, loaded.tokenizer, tasks, data_dir, limit=a.limit, batch_size=a.batch_size)
     return {**results, "step": loaded.step, "checkpoint": str(loaded.path)}
 

@@ -1,0 +1,51 @@
+"""Downstream scores in the training loop (``[eval]``), and the metrics record they make.
+
+The in-loop evaluation and the watcher (:mod:`titanlite.eval.watch`) write the same keys,
+``eval/<task>/<metric>`` (``eval/hellaswag/acc_norm``, ``eval/lambada/perplexity`` ...), under the
+step of the weights they scored, so a curve drawn from ``metrics.jsonl`` or TensorBoard does not care
+which of the two computed a point.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from titanlite.hooks import Hook, LoopState
+
+logger = logging.getLogger("titanlite")
+
+
+def eval_record(step: int, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``{"step", "eval/<task>/<metric>": value}`` of every numeric metric in ``results`` (items left out)."""
+    record: dict[str, Any] = {"step": step}
+    for task, metrics in results.items():
+        for name, value in metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                record[f"eval/{task}/{name}"] = value
+    return record
+
+
+def scores_line(results: dict[str, dict[str, Any]]) -> str:
+    """One log line: ``hellaswag acc 0.2600 acc_norm 0.2700 | lambada acc 0.0100 perplexity 2e+03 ...``."""
+    parts = []
+    for task, metrics in results.items():
+        values = [
+            f"{k} {v:.4g}" for k, v in metrics.items() if isinstance(v, float) or (k != "items" and isinstance(v, int))
+        ]
+        parts.append(f"{task} {' '.join(values)}")
+    return " | ".join(parts)
+
+
+class EvalHook(Hook):
+    """``[eval]``: ``evaluate()`` (every rank takes part) every ``freq`` steps and at the last step."""
+
+    def __init__(self, section: Any, evaluate: Callable[[], dict[str, dict[str, Any]]]):
+        self.freq, self.evaluate = section.freq, evaluate
+
+    def on_step_end(self, state: LoopState, result: Any) -> None:
+        if state.step % self.freq == 0 or state.last_step:
+            results = self.evaluate()
+            state.log(eval_record(state.step, results))
+            logger.info("step %d | eval | %s", state.step, scores_line(results))

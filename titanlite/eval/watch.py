@@ -1,0 +1,158 @@
+"""Evaluate a run's checkpoints as they land, beside the run: ``python -m titanlite.eval --watch DUMP_FOLDER``.
+
+The watcher is a separate process (on another GPU, or on CPU cores the training leaves free): the
+training process never waits for it and does not know it exists. It reads the run's ``config.toml``
+(written when the run starts) for the checkpoint folder, the ``[eval]`` tasks and the precision, then
+polls the checkpoint folder. Each published step folder it has not scored yet is loaded
+(:func:`titanlite.checkpoint.load_model.load_model`), scored (:func:`titanlite.eval.evaluate`) and
+its scores are appended to the run's ``metrics.jsonl`` under the checkpoint's step, with the keys the
+in-loop ``[eval]`` writes (:func:`titanlite.eval.hook.eval_record`) plus ``"eval_source": "watcher"``,
+and to TensorBoard (an event file of its own in the run's folder) when the run writes TensorBoard.
+
+- **Sharing the log with the run.** Each record is one ``write`` of one whole line to a file opened
+  for appending at that moment: the kernel appends it after whatever the run has written, and a run
+  that rewinds the log on resume (it replaces the file) cannot swallow later records.
+- **Restarts.** The scores in ``metrics.jsonl`` are the watcher's memory: on start it skips every step
+  that already has a watcher record, so a restarted watcher goes on where it stopped, and a step whose
+  record a resumed run dropped (it will train that step again) is scored again.
+- **Checkpoints that go away.** ``keep_latest_k`` may delete a step folder while it is read: the
+  failed read is logged and the watcher moves on. A step folder that is damaged is logged and skipped
+  (tried again after a restart).
+- **When it stops.** After scoring the run's final step (``training.steps``), or with ``once`` after
+  one pass over what exists; otherwise it polls every ``poll_seconds``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from titanlite.checkpoint import layout
+from titanlite.checkpoint.load_model import load_model
+from titanlite.eval.hook import eval_record, scores_line
+
+logger = logging.getLogger("titanlite")
+
+SOURCE = "watcher"
+
+
+def read_run_config(dump_folder: Path):
+    """The run's ``config.toml`` as a :class:`~titanlite.config.JobConfig`."""
+    from titanlite.models import load_config
+
+    path = dump_folder / "config.toml"
+    if not path.is_file():
+        raise ValueError(f"{dump_folder} has no config.toml (a titanlite run writes it when it starts)")
+    cfg = load_config(["--config", str(path)])
+    if not cfg.checkpoint.enable:
+        raise ValueError(f"{path}: checkpoint.enable is false, so the run saves no checkpoints to evaluate")
+    return cfg
+
+
+def watched_steps(metrics_file: Path) -> set[int]:
+    """Steps that already have a watcher record in ``metrics_file`` (a torn last line is ignored)."""
+    steps = set()
+    with contextlib.suppress(FileNotFoundError), open(metrics_file, encoding="utf-8") as f:
+        for line in f:
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if isinstance(record, dict) and record.get("eval_source") == SOURCE:
+                    steps.add(record["step"])
+    return steps
+
+
+def append_record(metrics_file: Path, record: dict[str, Any]) -> None:
+    """Append one line in one ``write`` to a file opened now (see the module docstring)."""
+    line = (json.dumps(record) + "\n").encode("utf-8")
+    with open(metrics_file, "ab", buffering=0) as f:
+        if f.write(line) != len(line):
+            raise OSError(f"{metrics_file}: short write of the record of step {record['step']}")
+
+
+def watch(
+    dump_folder: str | os.PathLike,
+    *,
+    tasks: Sequence[str] | None = None,
+    data_dir: str | None = None,
+    limit: int | None = None,
+    batch_size: int | None = None,
+    device: str = "cpu",
+    tokenizer_path: str | None = None,
+    extensions: Sequence[str] = (),
+    poll_seconds: float = 30.0,
+    once: bool = False,
+    evaluate_fn: Callable[..., dict[str, dict[str, Any]]] | None = None,
+) -> list[int]:
+    """Score the run's checkpoints as they appear (see the module docstring); returns the steps scored.
+
+    ``tasks``, ``data_dir``, ``limit``, ``batch_size``: the run's ``[eval]`` values unless given
+    (``data_dir`` also from ``$TITANLITE_EVAL_DATA``). ``evaluate_fn``: :func:`titanlite.eval.evaluate`
+    unless given (tests)."""
+    dump = Path(dump_folder)
+    if not dump.is_dir():
+        raise FileNotFoundError(f"{dump}: no such folder")
+    cfg = read_run_config(dump)
+    e = cfg.eval
+    tasks = list(tasks or e.tasks)
+    data_dir = data_dir or e.data_dir or os.environ.get("TITANLITE_EVAL_DATA", "")
+    if not data_dir:
+        raise ValueError("no evaluation data folder: pass --data-dir, or set eval.data_dir in the run's config")
+    limit = limit if limit is not None else (None if e.limit == -1 else e.limit)
+    batch_size = batch_size or e.batch_size
+    autocast = torch.bfloat16 if cfg.training.mixed_precision_param == "bfloat16" else None  # as the run computes
+    folder, final = dump / cfg.checkpoint.folder, cfg.training.steps
+    metrics_file = dump / "metrics.jsonl"
+    writer = None
+    if cfg.metrics.enable_tensorboard:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(str(dump / cfg.metrics.save_tb_folder), filename_suffix=".eval_watcher")
+    if evaluate_fn is None:
+        from titanlite.eval import evaluate as evaluate_fn
+        from titanlite.eval import get_task
+
+        for task in [get_task(name) for name in tasks]:  # unknown names, then bad data: errors now, not later
+            task.items(data_dir)
+    done, skipped, scored = watched_steps(metrics_file), set(), []
+    logger.info("watching %s: tasks %s, %d step(s) already scored", folder, ",".join(tasks), len(done))
+    try:
+        while True:
+            for f in layout.list_step_folders(folder):
+                if f.step in done or f.step in skipped:
+                    continue
+                try:
+                    loaded = load_model(f.path, device=device, tokenizer_path=tokenizer_path, extensions=extensions)
+                except (ValueError, OSError) as err:
+                    skipped.add(f.step)
+                    if not f.path.exists():
+                        logger.info("%s was removed while it was read (keep_latest_k); skipped", f.path)
+                    else:
+                        logger.warning("%s cannot be evaluated: %s", f.path, " ".join(str(err).split()))
+                    continue
+                kw = dict(limit=limit, batch_size=batch_size, max_seq_len=loaded.args.max_seq_len)
+                kw.update(device=torch.device(device), autocast_dtype=autocast)
+                results = evaluate_fn(loaded.model, loaded.tokenizer, tasks, data_dir, **kw)
+                record = {**eval_record(f.step, results), "eval_source": SOURCE}
+                append_record(metrics_file, record)
+                if writer is not None:
+                    for key, value in record.items():
+                        if key.startswith("eval/"):
+                            writer.add_scalar(key, value, f.step)
+                    writer.flush()
+                done.add(f.step)
+                scored.append(f.step)
+                logger.info("step %d | eval (watcher) | %s", f.step, scores_line(results))
+            if once or final in done | skipped:
+                return scored
+            time.sleep(poll_seconds)
+    finally:
+        if writer is not None:
+            writer.close()

@@ -1,0 +1,82 @@
+"""In-loop samples (``[sampling]``): the model completes fixed prompts every ``freq`` steps.
+
+Watching a few prompts being completed shows what the model learned long before downstream scores
+move. Every rank takes part in each forward pass (FSDP gathers, TP shards), and the tokens chosen
+on rank 0 are broadcast (:func:`titanlite.generate.generate`), so the ranks stay in step; rank 0
+logs the text to the console, ``metrics.jsonl`` (``{"step", "samples": [{"prompt", "completion"}]}``)
+and TensorBoard (as text).
+
+Sampling leaves training exactly as it was: the tokens are drawn from a generator of its own,
+reseeded from ``[sampling] seed`` each time (so successive samples differ only by what the model
+learned), float8 linears run in high precision and the model goes back to training mode. The
+losses are bitwise the same with sampling on or off. With ``enable = false`` the hook is not even
+built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from titanlite.generate import generate
+from titanlite.hooks import Hook, LoopState
+from titanlite.parallel.float8 import float8_disabled
+
+logger = logging.getLogger("titanlite")
+
+
+class SamplingHook(Hook):
+    def __init__(
+        self,
+        section: Any,
+        model: nn.Module,
+        tokenizer: Any,
+        *,
+        device: torch.device,
+        autocast_dtype: torch.dtype | None = None,
+    ):
+        self.section, self.model, self.tokenizer, self.device = section, model, tokenizer, device
+        self.autocast_dtype = autocast_dtype
+        self.prompt_ids = [tokenizer.encode(p, bos=True) for p in section.prompts]
+
+    def on_step_end(self, state: LoopState, result: Any) -> None:
+        if state.step % self.section.freq == 0 or state.last_step:
+            samples = self.sample()
+            state.log({"step": state.step, "samples": samples})
+            for s in samples:
+                logger.info("step %d | sample | %r -> %r", state.step, s["prompt"], s["completion"])
+
+    @torch.no_grad()
+    def sample(self) -> list[dict[str, str]]:
+        """Each prompt and its completion (without the EOS that ended it)."""
+        s, model = self.section, self.model
+        generator = torch.Generator(device=self.device).manual_seed(s.seed)
+        autocast = (
+            torch.autocast(self.device.type, dtype=self.autocast_dtype)
+            if self.autocast_dtype is not None
+            else contextlib.nullcontext()
+        )
+        kw = dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, eos_ids=(self.tokenizer.eos_id,))
+        was_training = model.training
+        model.eval()
+        try:
+            with float8_disabled(model), autocast:
+                out = generate(
+                    model,
+                    self.prompt_ids,
+                    max_new_tokens=s.max_new_tokens,
+                    generator=generator,
+                    device=self.device,
+                    **kw,
+                )
+        finally:
+            model.train(was_training)
+        eos = self.tokenizer.eos_id
+        return [
+            {"prompt": p, "completion": self.tokenizer.decode(ids[:-1] if ids and ids[-1] == eos else ids)}
+            for p, ids in zip(s.prompts, out)
+        ]
