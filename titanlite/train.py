@@ -312,12 +312,13 @@ class Trainer:
 
     def evaluate_tasks(self) -> dict[str, dict]:
         """``[eval]``: each task's scores (:func:`titanlite.eval.evaluate`); every rank takes part, each
-        data-parallel rank scoring its share of the items, float8 linears in high precision."""
+        data-parallel rank scoring its share of the items, float8 linears in high precision, compiled
+        blocks run eagerly (the items' lengths vary: no recompilation per length)."""
         e, dims = self.cfg.eval, self.parallel_dims
         kw = dict(limit=None if e.limit == -1 else e.limit, batch_size=e.batch_size, device=self.device)
         kw.update(max_seq_len=self.model_args.max_seq_len, autocast_dtype=self.train_step.autocast_dtype)
         kw.update(dp_rank=self.dp_rank, dp_world=dims.dp_degree, dp_group=dims.dp_group)
-        with float8_disabled(self.model):
+        with float8_disabled(self.model), torch.compiler.set_stance("force_eager"):
             return evaluate(self.model, self.tokenizer, e.tasks, e.data_dir, **kw)
 
     @functools.cached_property
