@@ -130,3 +130,23 @@ def test_mfu_by_hand(tmp_path):
     next(h for h in t2.hooks if isinstance(h, MetricsHook)).peak_flops = None  # an unknown GPU: not guessed
     (r2,) = t2.train()
     assert r2["mfu"] is None and math.isfinite(r2["tokens_per_s"])
+
+
+def test_validation_time_is_left_out_of_tokens_per_s(tmp_path):
+    """Evaluation hooks (validation, samples, downstream scores) run between steps: their time must not
+    show up as a training slowdown in the next logged tokens/s."""
+    import time
+
+    from titanlite.models import load_config
+    from titanlite.train import Trainer
+    from titanlite.validation import ValidationHook
+
+    args = [*TINY[:-4], "--training.steps", "4", "--metrics.log_freq", "2", "--validation.enable"]
+    t = Trainer(load_config(args + ["--validation.freq", "1", "--job.dump_folder", str(tmp_path)]))
+    hook = next(h for h in t.hooks if isinstance(h, ValidationHook))
+    evaluate = hook.evaluate
+    hook.evaluate = lambda: (time.sleep(1.0), evaluate())[1]  # a slow validation after every step
+    records = [r for r in t.train() if "tokens_per_s" in r]
+    assert [r["step"] for r in records] == [1, 2, 4]
+    for r in records[1:]:  # windows of 2 steps, each followed by a 1 s validation: 2 s if it were counted
+        assert 2 * 4 * 32 / r["tokens_per_s"] < 1.0, r

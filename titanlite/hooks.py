@@ -18,7 +18,9 @@ foreign loop can drive them the same way with its own :class:`LoopState`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,7 +31,9 @@ class LoopState:
 
     ``state_dict``/``load_state_dict`` carry ``step`` and ``tokens_seen`` (the checkpoint's
     ``train_state``). ``data_iter`` is the training batches' iterator (a rollback replaces it);
-    ``stop`` ends the loop after the current step; ``sink`` receives every logged record.
+    ``stop`` ends the loop after the current step; ``sink`` receives every logged record;
+    ``side_seconds`` counts the time hooks spent evaluating the model (validation, samples, downstream
+    scores: see :meth:`side_work`), which training throughput leaves out.
     """
 
     total_steps: int
@@ -39,6 +43,16 @@ class LoopState:
     data_iter: Iterator | None = None
     records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     sink: Any = None  # anything with .log(record), e.g. a MetricsLogger
+    side_seconds: float = 0.0
+
+    @contextlib.contextmanager
+    def side_work(self) -> Iterator[None]:
+        """Time spent inside goes to ``side_seconds``, out of the tokens/s of the steps around it."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.side_seconds += time.perf_counter() - start
 
     def log(self, record: dict[str, Any]) -> None:
         self.records.append(record)

@@ -455,6 +455,7 @@ class MetricsHook(Hook):
         self.update_ratio = UpdateRatio(model, section.update_ratio_per_layer, pp_group) if track else None
         self.progress = RunProgress(0)
         self.window = (time.perf_counter(), 0, 0, 0.0)  # start, steps, tokens, data wait
+        self.side_start = 0.0  # the loop's side_seconds when the window started
 
     def is_log_step(self, step: int, total: int) -> bool:
         return step == 1 or step % self.section.log_freq == 0 or step == total
@@ -471,7 +472,7 @@ class MetricsHook(Hook):
         """Drop the records after ``state.step`` (a resumed run logs them again); a new timing window."""
         self.log.rewind(state.step)
         state.records[:] = [r for r in state.records if r["step"] <= state.step]
-        self.window = (time.perf_counter(), 0, 0, 0.0)
+        self.window, self.side_start = (time.perf_counter(), 0, 0, 0.0), state.side_seconds
         if self.update_ratio is not None:
             self.update_ratio.cancel()  # a copy taken for a step that was rolled back
 
@@ -495,7 +496,7 @@ class MetricsHook(Hook):
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        elapsed = time.perf_counter() - start
+        elapsed = time.perf_counter() - start - (state.side_seconds - self.side_start)  # training time only
         tps = tokens / self.world_size / elapsed
         mfu = None if self.peak_flops is None else tps * self.flops_per_token / self.peak_flops
         loss, grad_norm = result.fetch()
@@ -518,7 +519,7 @@ class MetricsHook(Hook):
         self.progress.record(record, elapsed, steps)
         state.log(record)
         self.log_line(record, state.total_steps)
-        self.window = (time.perf_counter(), 0, 0, 0.0)
+        self.window, self.side_start = (time.perf_counter(), 0, 0, 0.0), state.side_seconds
 
     def on_resume(self, state: LoopState, result: Any) -> None:
         """After a rollback to ``state.step``: its later records go, the ETA clock restarts."""

@@ -45,7 +45,8 @@ class SamplingHook(Hook):
 
     def on_step_end(self, state: LoopState, result: Any) -> None:
         if state.step % self.section.freq == 0 or state.last_step:
-            samples = self.sample()
+            with state.side_work():
+                samples = self.sample()
             state.log({"step": state.step, "samples": samples})
             for s in samples:
                 logger.info("step %d | sample | %r -> %r", state.step, s["prompt"], s["completion"])

@@ -105,7 +105,8 @@ class ValidationHook(Hook):
 
     def on_step_end(self, state: LoopState, result: Any) -> None:
         if state.step % self.freq == 0 or state.last_step:
-            val = {"step": state.step, **self.evaluate()}
+            with state.side_work():
+                val = {"step": state.step, **self.evaluate()}
             state.log(val)
             bpb = f" | bits per byte {val['val_bpb']:.4f}" if "val_bpb" in val else ""
             logger.info(

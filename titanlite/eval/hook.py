@@ -28,12 +28,10 @@ def eval_record(step: int, results: dict[str, dict[str, Any]]) -> dict[str, Any]
 
 
 def scores_line(results: dict[str, dict[str, Any]]) -> str:
-    """One log line: ``hellaswag acc 0.2600 acc_norm 0.2700 | lambada acc 0.0100 perplexity 2e+03 ...``."""
+    """One log line of the scores: ``hellaswag acc 0.26 acc_norm 0.27 | lambada acc 0.01 perplexity 2e+03 ...``."""
     parts = []
     for task, metrics in results.items():
-        values = [
-            f"{k} {v:.4g}" for k, v in metrics.items() if isinstance(v, float) or (k != "items" and isinstance(v, int))
-        ]
+        values = [f"{k} {v:.4g}" for k, v in metrics.items() if isinstance(v, float) and not k.startswith("num_")]
         parts.append(f"{task} {' '.join(values)}")
     return " | ".join(parts)
 
@@ -46,6 +44,7 @@ class EvalHook(Hook):
 
     def on_step_end(self, state: LoopState, result: Any) -> None:
         if state.step % self.freq == 0 or state.last_step:
-            results = self.evaluate()
+            with state.side_work():
+                results = self.evaluate()
             state.log(eval_record(state.step, results))
             logger.info("step %d | eval | %s", state.step, scores_line(results))
