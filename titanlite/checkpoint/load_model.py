@@ -98,9 +98,9 @@ def _tokenizer(spec, override: str | None, recorded: str, what: str):
         raise ValueError(f"model family {spec.name!r} registers no tokenizer")
     try:
         return builder("" if source == "bytes" else source)
-    except FileNotFoundError as e:
+    except (ValueError, OSError) as e:  # a moved or damaged tokenizer file
         where = "the tokenizer path given" if override is not None else what
-        raise ValueError(f"{where} cannot be read ({e}): pass another tokenizer path") from None
+        raise ValueError(f"{where} cannot be read ({' '.join(str(e).split())}): pass a tokenizer path") from None
 
 
 def _from_step_folder(path: Path, extensions: list[str]) -> tuple[Any, Any, dict[str, torch.Tensor], dict]:
