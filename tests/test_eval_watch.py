@@ -93,6 +93,26 @@ def test_a_restarted_watcher_goes_on_where_it_stopped(run, tmp_path):
     assert [r["step"] for r in watcher_records(dump)] == [2, 4, 6]  # no step twice
 
 
+def test_records_a_rewind_of_the_run_drops_are_scored_again(run, tmp_path, monkeypatch):
+    """The run resumes (or its guard rolls back) to step 4 while the watcher waits: rewinding the log cuts it
+    after the run's first record past step 4, which takes the watcher's records of steps 2 and 4 (appended
+    later) with it. The live watcher must score them again, not only a restarted one."""
+    from titanlite.eval import watch as watch_module
+    from titanlite.metrics import rewind_metrics_log
+
+    dump = copy_run(run, tmp_path)
+    shutil.move(dump / "checkpoint" / "step-6", tmp_path / "step-6")  # the run stopped after saving step 4
+
+    def the_run_resumes(seconds):
+        if (tmp_path / "step-6").exists():
+            rewind_metrics_log(dump / "metrics.jsonl", 4)
+            shutil.move(tmp_path / "step-6", dump / "checkpoint" / "step-6")
+
+    monkeypatch.setattr(watch_module.time, "sleep", the_run_resumes)
+    assert watch(dump, evaluate_fn=probe, poll_seconds=0.01) == [2, 4, 2, 4, 6]
+    assert [r["step"] for r in watcher_records(dump)] == [2, 4, 6]
+
+
 def test_a_checkpoint_deleted_while_it_is_read_is_skipped(run, tmp_path, monkeypatch, caplog):
     dump = copy_run(run, tmp_path)
     real = safe_load.load

@@ -10,11 +10,12 @@ in-loop ``[eval]`` writes (:func:`titanlite.eval.hook.eval_record`) plus ``"eval
 and to TensorBoard (an event file of its own in the run's folder) when the run writes TensorBoard.
 
 - **Sharing the log with the run.** Each record is one ``write`` of one whole line to a file opened
-  for appending at that moment: the kernel appends it after whatever the run has written, and a run
-  that rewinds the log on resume (it replaces the file) cannot swallow later records.
-- **Restarts.** The scores in ``metrics.jsonl`` are the watcher's memory: on start it skips every step
-  that already has a watcher record, so a restarted watcher goes on where it stopped, and a step whose
-  record a resumed run dropped (it will train that step again) is scored again.
+  for appending at that moment: the kernel appends it after whatever the run has written.
+- **Restarts and rewinds.** The scores in ``metrics.jsonl`` are the watcher's memory: before each pass
+  over the checkpoints it skips every step that already has a watcher record there, so a restarted
+  watcher goes on where it stopped. A run that resumes or rolls back to step K cuts the log after its
+  first record past K (:func:`titanlite.metrics.rewind_metrics_log`), which drops the watcher's records
+  appended after that one, even of steps <= K; the next pass scores those checkpoints again.
 - **Checkpoints that go away.** ``keep_latest_k`` may delete a step folder while it is read: the
   failed read is logged and the watcher moves on. A step folder that is damaged is logged and skipped
   (tried again after a restart).
@@ -121,10 +122,13 @@ def watch(
 
         for task in [get_task(name) for name in tasks]:  # unknown names, then bad data: errors now, not later
             task.items(data_dir)
-    done, skipped, scored = watched_steps(metrics_file), set(), []
-    logger.info("watching %s: tasks %s, %d step(s) already scored", folder, ",".join(tasks), len(done))
+    skipped, scored = set(), []
+    logger.info(
+        "watching %s: tasks %s, %d step(s) already scored", folder, ",".join(tasks), len(watched_steps(metrics_file))
+    )
     try:
         while True:
+            done = watched_steps(metrics_file)  # read again each pass: a rewind of the run may drop records
             for f in layout.list_step_folders(folder):
                 if f.step in done or f.step in skipped:
                     continue
