@@ -132,7 +132,9 @@ def test_fsdp_and_tp_runs_log_the_single_process_samples_and_scores(tmp_path, ev
         (["--eval.enable"], "eval.data_dir must name the folder"),
         (["--eval.enable", "--eval.data_dir", "DATA", "--eval.tasks", "hellaswag,mmlu"], "mmlu"),
         (["--eval.enable", "--eval.data_dir", "/nonexistent"], "/nonexistent/hellaswag"),
+        (["--eval.enable", "--eval.data_dir", "DATA", "--eval.tasks", "piqa,piqa"], "'piqa' more than once"),
         (["--sampling.enable", "--parallelism.pipeline_parallel_degree", "2"], "not supported with pipeline"),
+        (["--sampling.enable", "--sampling.max_new_tokens", "5000"], "exceed the model's max_seq_len 2048"),
     ],
 )
 def test_bad_sampling_and_eval_settings_stop_the_run_at_start(tmp_path, eval_data, extra, message):

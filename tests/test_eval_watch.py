@@ -156,6 +156,9 @@ def test_a_folder_that_is_no_run_is_a_clear_error(tmp_path, run):
         (["--watch", "DUMP", "--tasks", "piqa,mmlu", "--data-dir", "DUMP"], "mmlu"),
         (["--watch", "DUMP", "--checkpoint", "DUMP"], "not allowed with argument"),
         (["--watch", "NOWHERE"], "NOWHERE: no such folder"),
+        (["--watch", "DUMP", "--limit", "0"], "--limit must be at least 1"),  # not NaN scores in the run's log
+        (["--watch", "DUMP", "--batch-size", "0"], "--batch-size must be at least 1"),
+        (["--watch", "DUMP", "--device", "bogus"], "--device 'bogus': expected cpu, cuda or cuda:N"),
     ],
 )
 def test_watcher_command_line_errors_are_one_line(run, tmp_path, capsys, argv, message):

@@ -127,7 +127,7 @@ def generate(
     world when torch.distributed is initialized. Sampling without a ``generator`` uses a fresh one
     seeded by the operating system (still not the global RNG)."""
     check_sampling(temperature, top_k, top_p)
-    _check_request(model, prompts, max_new_tokens, sequence_multiple(model))
+    check_request(model, prompts, max_new_tokens, sequence_multiple(model))
     if not prompts or max_new_tokens == 0:
         return [[] for _ in prompts]
     device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -152,7 +152,7 @@ def generate(
     return completions
 
 
-def _check_request(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, multiple: int) -> None:
+def check_request(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, multiple: int) -> None:
     """One-line ``ValueError`` for a request the model cannot run (before any forward). ``multiple``: see
     :func:`sequence_multiple`; a forward may carry up to ``multiple - 1`` filler tokens after the real ones."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:

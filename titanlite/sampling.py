@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from titanlite.generate import generate
+from titanlite.generate import check_request, generate, sequence_multiple
 from titanlite.hooks import Hook, LoopState
 from titanlite.parallel.float8 import float8_disabled
 
@@ -42,6 +42,10 @@ class SamplingHook(Hook):
         self.section, self.model, self.tokenizer, self.device = section, model, tokenizer, device
         self.autocast_dtype = autocast_dtype
         self.prompt_ids = [tokenizer.encode(p, bos=True) for p in section.prompts]
+        try:  # now, not at the first sample after freq steps of training
+            check_request(model, self.prompt_ids, section.max_new_tokens, sequence_multiple(model))
+        except ValueError as e:
+            raise ValueError(f"sampling.prompts / sampling.max_new_tokens: {e}") from None
 
     def on_step_end(self, state: LoopState, result: Any) -> None:
         if state.step % self.section.freq == 0 or state.last_step:

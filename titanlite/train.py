@@ -208,6 +208,8 @@ class Trainer:
         """The loop's hooks, in calling order (see :mod:`titanlite.hooks`)."""
         c, rank, main = self.cfg, self.world.rank, self.world.is_main
         float8 = any(True for _ in float8_modules(self.model))  # enabled but every linear skipped: no fp8 peak
+        kw = dict(device=self.device, autocast_dtype=self.train_step.autocast_dtype)  # first: it checks its prompts
+        sampling = SamplingHook(c.sampling, self.model, self.tokenizer, **kw) if c.sampling.enable else None
         log = MetricsLogger(c.metrics, c.job.dump_folder, rank)
         metrics = MetricsHook(
             c.metrics,
@@ -226,9 +228,8 @@ class Trainer:
         hooks: list[Hook] = [metrics, guard, ProfilerHook(c.profiling, c.job.dump_folder, rank, self.device)]
         if self.val_loader is not None:
             hooks.append(ValidationHook(c.validation, self.validate))
-        if c.sampling.enable:
-            kw = dict(device=self.device, autocast_dtype=self.train_step.autocast_dtype)
-            hooks.append(SamplingHook(c.sampling, self.model, self.tokenizer, **kw))
+        if sampling is not None:
+            hooks.append(sampling)
         if c.eval.enable:
             hooks.append(EvalHook(c.eval, self.evaluate_tasks))
         hooks += [CheckpointHook(self.checkpointer), PreemptionHook(self.preemption, self.checkpointer)]

@@ -189,6 +189,8 @@ class Eval:
             raise ConfigError("eval.data_dir must name the folder holding the tasks' data when eval.enable = true")
         if self.enable and not self.tasks:
             raise ConfigError("eval.tasks is empty: name at least one task, or set eval.enable = false")
+        if repeated := sorted({t for t in self.tasks if self.tasks.count(t) > 1}):
+            raise ConfigError(f"eval.tasks names {repeated[0]!r} more than once: name each task once")
         if self.limit == 0:
             raise ConfigError("invalid value 0 for 'eval.limit': must be -1 (every item) or >= 1")
 

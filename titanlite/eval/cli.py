@@ -96,6 +96,7 @@ def run_watch(a: argparse.Namespace) -> int:
         raise UsageError("--output and --dtype apply to --checkpoint only (the watcher logs to the run's metrics)")
     if a.poll_seconds <= 0 or (a.threads is not None and a.threads < 1):
         raise UsageError("--poll-seconds must be > 0 and --threads >= 1")
+    check_numbers_and_device(a)  # before any checkpoint is read or a record written
     if a.threads:
         torch.set_num_threads(a.threads)
     logging.getLogger("titanlite").setLevel(logging.INFO)
@@ -112,11 +113,8 @@ def check_args(a: argparse.Namespace) -> tuple[list[str], Path]:
     if not tasks:
         raise UsageError("--tasks: give at least one task name")
     chosen = [get_task(name) for name in tasks]
-    if a.limit is not None and a.limit < 1:
-        raise UsageError(f"--limit must be at least 1, got {a.limit}")
     a.batch_size = 16 if a.batch_size is None else a.batch_size
-    if a.batch_size < 1:
-        raise UsageError(f"--batch-size must be at least 1, got {a.batch_size}")
+    check_numbers_and_device(a)
     data_dir = a.data_dir or os.environ.get(DATA_ENV)
     if not data_dir:
         raise UsageError(f"no eval data folder: pass --data-dir or set ${DATA_ENV}")
@@ -127,9 +125,21 @@ def check_args(a: argparse.Namespace) -> tuple[list[str], Path]:
             task.path(data_dir, rel)
     if a.output and (Path(a.output).is_dir() or not Path(a.output).resolve().parent.is_dir()):
         raise UsageError(f"--output {a.output}: expected a file path in an existing folder")
-    if a.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device {a.device}: CUDA is not available")
     return tasks, Path(data_dir)
+
+
+def check_numbers_and_device(a: argparse.Namespace) -> None:
+    """``--limit``, ``--batch-size`` (when given) and ``--device``, for ``--checkpoint`` and ``--watch`` alike."""
+    if a.limit is not None and a.limit < 1:
+        raise UsageError(f"--limit must be at least 1, got {a.limit}")
+    if a.batch_size is not None and a.batch_size < 1:
+        raise UsageError(f"--batch-size must be at least 1, got {a.batch_size}")
+    try:
+        device = torch.device(a.device)
+    except RuntimeError:
+        raise UsageError(f"--device {a.device!r}: expected cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {a.device}: CUDA is not available")
 
 
 def evaluate_checkpoint(path: str, a: argparse.Namespace, tasks: list[str], data_dir: Path) -> dict[str, Any]:
