@@ -108,7 +108,8 @@ def watch(
         raise ValueError("no evaluation data folder: pass --data-dir, or set eval.data_dir in the run's config")
     limit = limit if limit is not None else (None if e.limit == -1 else e.limit)
     batch_size = batch_size or e.batch_size
-    autocast = torch.bfloat16 if cfg.training.mixed_precision_param == "bfloat16" else None  # as the run computes
+    # bf16 runs: bf16 autocast on the saved weights (an FSDP run computes with bf16 weights instead: close, not equal)
+    autocast = torch.bfloat16 if cfg.training.mixed_precision_param == "bfloat16" else None
     folder, final = dump / cfg.checkpoint.folder, cfg.training.steps
     metrics_file = dump / "metrics.jsonl"
     writer = None
