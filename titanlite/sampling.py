@@ -15,13 +15,13 @@ built.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Any
 
 import torch
 from torch import nn
 
+from titanlite import dtypes
 from titanlite.generate import check_request, generate, sequence_multiple
 from titanlite.hooks import Hook, LoopState
 from titanlite.parallel.float8 import float8_disabled
@@ -60,11 +60,7 @@ class SamplingHook(Hook):
         """Each prompt and its completion (without the EOS that ended it)."""
         s, model = self.section, self.model
         generator = torch.Generator(device=self.device).manual_seed(s.seed)
-        autocast = (
-            torch.autocast(self.device.type, dtype=self.autocast_dtype)
-            if self.autocast_dtype is not None
-            else contextlib.nullcontext()
-        )
+        autocast = dtypes.autocast(self.device.type, self.autocast_dtype)
         kw = dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, eos_ids=(self.tokenizer.eos_id,))
         was_training = model.training
         model.eval()

@@ -25,7 +25,6 @@ every stage's parameters.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Iterator
@@ -34,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from titanlite import dtypes
 from titanlite.loss import cross_entropy_sum
 from titanlite.parallel.distributed import all_reduce_sum
 from titanlite.parallel.fsdp import is_fsdp
@@ -136,9 +136,7 @@ class TrainStep:
         return 1 if self.parallel_dims is None else self.parallel_dims.dp_degree
 
     def autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+        return dtypes.autocast(self.device.type, self.autocast_dtype)
 
     def forward_backward(self, batch: dict[str, torch.Tensor], tokens: int) -> torch.Tensor:
         """One micro-batch: backward of its token-sum loss / ``tokens``; returns the detached sum."""

@@ -12,7 +12,6 @@ tokens such as EOS) are left out of both sums.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import logging
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from titanlite import dtypes
 from titanlite.hooks import Hook, LoopState
 from titanlite.loss import cross_entropy_sum
 from titanlite.parallel.distributed import all_reduce_sum
@@ -52,9 +52,7 @@ def validation_loss(
     device = device or next(model.parameters()).device
     dp_group = None if parallel_dims is None else parallel_dims.dp_group
     loss_parallel = getattr(parallel_dims, "loss_parallel_enabled", False)
-    autocast = (
-        torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
-    )
+    autocast = dtypes.autocast(device.type, autocast_dtype)
     model.eval()
     loss_sums = torch.zeros(2, device=device)  # nats over all tokens, and over the tokens that stand for text
     tokens = torch.zeros((), device=device)

@@ -23,7 +23,6 @@ reported per task as ``num_truncated`` (items with at least one truncated choice
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
@@ -36,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from titanlite import dtypes
 from titanlite.eval.tasks import Item, Task, get_task
 
 logger = logging.getLogger(__name__)
@@ -182,12 +182,7 @@ class _Scorer:
     def _forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """Full (not vocabulary-sharded) logits; fp32 comes later, on the few positions that are scored."""
         kwargs = {"document_ids": torch.zeros_like(inputs)} if self.document_ids else {}
-        autocast = (
-            torch.autocast(self.device.type, dtype=self.autocast_dtype)
-            if self.autocast_dtype is not None
-            else contextlib.nullcontext()
-        )
-        with autocast:
+        with dtypes.autocast(self.device.type, self.autocast_dtype):
             logits = self.model(inputs, **kwargs)
         return logits.full_tensor() if isinstance(logits, DTensor) else logits
 
