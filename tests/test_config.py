@@ -605,7 +605,7 @@ def test_help(capsys):
     for f in dataclasses.fields(JobConfig):
         assert f"\n[{f.metadata.get('toml', f.name)}]:\n" in out  # one argument group per section
     flat = " ".join(out.split())  # argparse wraps the help texts to the terminal width
-    assert "--training.steps [int] Optimizer steps to train. (default 50; >= 1)" in flat
+    assert "--training.steps [int] Optimizer steps to train (unless tokens is set). (default 50; >= 1)" in flat
     assert "--job.dump_folder [str]" in flat and '(default "./outputs")' in flat
     assert "--optimizer.lr [float] Peak learning rate. (default 0.0008; > 0.0)" in flat
     assert "--training.deterministic [bool]" in flat and "(default false)" in flat

@@ -8,7 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-DATASETS = ("embedded", "shards", "text")
+DATASETS = ("embedded", "shards", "text", "chat")
+MIXTURE_KEYS = {"path": str, "weight": (int, float), "name": str, "dataset": str}
+STAGE_KEYS = {"seq_len": int, "fraction": (int, float), "steps": int, "global_batch_size": int}
 # torch.distributed.pipelining schedules by their torchtitan names (titanlite.parallel.pipeline)
 PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
@@ -43,6 +45,41 @@ def _check_dataset(section: str, dataset: str, path: str) -> None:
             f"{section}.dataset_path = {path!r} is ignored by {section}.dataset = 'embedded' (the built-in text): "
             f"set {section}.dataset = 'shards' or 'text' to use it, or leave {section}.dataset_path empty"
         )
+
+
+def _check_tables(key: str, tables: list, allowed: dict[str, Any], required: tuple[str, ...]) -> None:
+    """Each entry of a list-of-tables key: a table with only ``allowed`` keys of their types, ``required`` present."""
+    for i, entry in enumerate(tables):
+        where = f"{key}[{i}]"
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{where} must be a table such as {{{', '.join(f'{k} = ...' for k in required)}}}")
+        for k, v in entry.items():
+            if k not in allowed:
+                raise ConfigError(f"unknown key {k!r} in {where}: expected {', '.join(allowed)}")
+            if not isinstance(v, allowed[k]) or isinstance(v, bool):
+                kind = allowed[k] if isinstance(allowed[k], type) else allowed[k][-1]
+                raise ConfigError(f"{where}.{k} = {v!r} must be {'a string' if kind is str else 'a number'}")
+        if missing := [k for k in required if k not in entry]:
+            raise ConfigError(f"{where} has no {missing[0]!r} key")
+
+
+def check_mixture(key: str, mixture: list) -> None:
+    """``[{path, weight[, name, dataset]}, ...]``: positive weights, distinct names (default: the path's base name)."""
+    _check_tables(key, mixture, MIXTURE_KEYS, ("path", "weight"))
+    names = []
+    for i, entry in enumerate(mixture):
+        if not entry["weight"] > 0:
+            raise ConfigError(f"{key}[{i}].weight = {entry['weight']} must be > 0")
+        if entry.get("dataset", "auto") not in ("auto", *DATASETS):
+            raise ConfigError(f"{key}[{i}].dataset = {entry['dataset']!r} must be auto or one of {', '.join(DATASETS)}")
+        names.append(mixture_source_name(entry))
+    if repeated := sorted({n for n in names if names.count(n) > 1}):
+        raise ConfigError(f"{key} has two sources named {repeated[0]!r}: give them distinct 'name' keys")
+
+
+def mixture_source_name(entry: dict) -> str:
+    """A source's name in metrics (``tokens_seen/<name>``, ``val_loss/<name>``): ``name``, else the path's base name."""
+    return entry.get("name") or entry["path"].rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1].split(".")[0]
 
 
 @dataclass
@@ -97,8 +134,17 @@ class Training:
     loss: str = opt("cross_entropy", "Loss by registered name: a token-sum fn (logits, labels) -> loss.")
     local_batch_size: int = opt(8, "Sequences per micro-batch on each data-parallel rank.", min=1)
     global_batch_size: int = opt(-1, "Sequences per optimizer step, all ranks; -1 = no accumulation.")
+    mixture: list[dict] = opt(
+        [], "Weighted sources [{path, weight[, name, dataset]}, ...] instead of dataset/dataset_path (TOML only)."
+    )
+    mixture_on_exhausted: str = opt("wrap", "A mixture source read to its end.", choices=["wrap", "stop"])
+    loss_mask: str = opt("none", "assistant: loss on chat data's assistant tokens only.", choices=["none", "assistant"])
     seq_len: int = opt(256, "Tokens per training sequence.", min=1)
-    steps: int = opt(50, "Optimizer steps to train.", min=1)
+    seq_len_schedule: list[dict] = opt(
+        [], "Stages [{seq_len, fraction | steps[, global_batch_size]}, ...] (TOML only); [] = seq_len throughout."
+    )
+    steps: int = opt(50, "Optimizer steps to train (unless tokens is set).", min=1)
+    tokens: int = opt(-1, "Token budget: train this many tokens instead of steps; -1 = use steps.", min=-1)
     max_norm: float = opt(1.0, "Gradient clipping max total norm; 0 disables clipping.", min=0.0)
     seed: int = opt(0, "Seed for weight init and data order.", min=0)
     deterministic: bool = opt(False, "Use deterministic algorithms (slower on GPU).")
@@ -109,7 +155,15 @@ class Training:
         g, b = self.global_batch_size, self.local_batch_size
         if g != -1 and (g <= 0 or g % b):
             raise ConfigError(f"training.global_batch_size ({g}) must be -1 or a multiple of local_batch_size ({b})")
-        _check_dataset("training", self.dataset, self.dataset_path)
+        if self.tokens == 0:
+            raise ConfigError("invalid value 0 for 'training.tokens': must be -1 (use training.steps) or >= 1")
+        if self.mixture:
+            check_mixture("training.mixture", self.mixture)
+            if self.dataset != "embedded" or self.dataset_path:
+                raise ConfigError("set training.mixture or training.dataset/dataset_path, not both")
+        else:
+            _check_dataset("training", self.dataset, self.dataset_path)
+        _check_tables("training.seq_len_schedule", self.seq_len_schedule, STAGE_KEYS, ("seq_len",))
 
 
 @dataclass
@@ -151,13 +205,19 @@ class Validation:
     enable: bool = opt(False, "Run validation during training.")
     dataset: str = opt("embedded", "Validation data, same kinds as [training] dataset.")
     dataset_path: str = opt("", "Path for the validation dataset.")
+    mixture: list[dict] = opt([], "Sources [{path, weight[, name, dataset]}]: a loss each, val_loss weighted (TOML).")
     freq: int = opt(50, "Validate every N steps (and at the last step).", min=1)
     steps: int = opt(4, "Global batches per validation; -1 = the whole held-out split.")
 
     def validate(self) -> None:
         if self.steps != -1 and self.steps < 1:
             raise ConfigError(f"invalid value {self.steps} for 'validation.steps': must be -1 (whole split) or >= 1")
-        _check_dataset("validation", self.dataset, self.dataset_path)
+        if self.mixture:
+            check_mixture("validation.mixture", self.mixture)
+            if self.dataset != "embedded" or self.dataset_path:
+                raise ConfigError("set validation.mixture or validation.dataset/dataset_path, not both")
+        else:
+            _check_dataset("validation", self.dataset, self.dataset_path)
 
 
 @dataclass
@@ -170,6 +230,7 @@ class Sampling:
     top_k: int = opt(0, "Sample among the k likeliest tokens; 0 = all.", min=0)
     top_p: float = opt(1.0, "Sample among the likeliest tokens holding this probability; 1 = all.", gt=0.0, max=1.0)
     seed: int = opt(0, "Seed of the sampler's own generator (the training RNG is never touched).", min=0)
+    chat: bool = opt(False, "Prompt as a user turn of the Llama 3 chat template; the reply ends at <|eot_id|>.")
 
 
 EVAL_TASKS = ["hellaswag", "arc_easy", "arc_challenge", "piqa", "lambada"]
@@ -256,7 +317,7 @@ class Checkpoint:
     last_save_model_only: bool = opt(True, "The last step saves model weights only (in export_dtype).")
     export_dtype: str = opt("float32", "Weight dtype of a model-only last save.", choices=["float32", "bfloat16"])
     load_step: int = opt(-1, "Resume from this step (an error if missing); -1 = the newest.", min=-1)
-    initial_load_path: str = opt("", "Step folder loaded when there is nothing to resume.")
+    initial_load_path: str = opt("", "Step folder (or HF model folder) loaded when there is nothing to resume.")
     initial_load_model_only: bool = opt(True, "Load only the weights from initial_load_path.")
 
 
@@ -287,7 +348,7 @@ class JobConfig:
         for f in fields(self):
             getattr(getattr(self, f.name), "validate", lambda: None)()
         t, warmup = self.training, self.lr_scheduler.warmup_steps
-        if warmup > t.steps:
+        if warmup > t.steps and t.tokens == -1:  # with a token budget the trainer checks it once steps are known
             raise ConfigError(f"lr_scheduler.warmup_steps ({warmup}) must be <= training.steps ({t.steps})")
         p = self.parallelism
         if p.pipeline_parallel_degree > 1 and t.local_batch_size % p.pipeline_parallel_microbatch_size:
