@@ -548,3 +548,32 @@ def test_rewind_metrics_log(tmp_path):
         appender.write(json.dumps({"step": 6, "loss": 0.5}) + "\n")
     got = [json.loads(l) for l in path.read_text().splitlines()]
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 5, 6] and got[-1]["loss"] == 0.5
+
+
+def test_initial_load_path_takes_an_hf_folder(baseline, tmp_path, caplog):
+    """A stage can start from a Hugging Face folder: the weights load through the family's adapter and
+    equal the step folder they were exported from; the optimizer is fresh."""
+    from titanlite.checkpoint.hf import dcp_to_hf
+
+    ref_dump, _ = baseline
+    source = ref_dump / "checkpoint" / "step-20"
+    hf_dir = dcp_to_hf(source, tmp_path / "hf")
+    extra = ["--training.steps", "1", "--lr_scheduler.warmup_steps", "0", "--checkpoint.initial_load_path"]
+    cache_token_stores()
+    with caplog.at_level(logging.INFO, logger="titanlite"):
+        trainer = Trainer(load_config(TINY + ["--job.dump_folder", str(tmp_path / "run"), *extra, str(hf_dir)]))
+        trainer.checkpointer.load()
+    assert "loaded model weights only from initial_load_path" in caplog.text
+    expected = {k: torch.empty_like(v) for k, v in trainer.model.state_dict().items()}
+    dcp_load({"model": expected}, checkpoint_id=str(source))
+    for k, v in trainer.model.state_dict().items():
+        assert torch.equal(v, expected[k]), k
+    assert trainer.state.step == 0 and not trainer.optimizer.state
+    # a model of another shape is refused before anything is loaded: config.json's args are the seed's
+    with pytest.raises(ValueError, match="model.dim=96 is set in the config but the checkpoint .*hf has dim=64"):
+        Trainer(
+            load_config(TINY + ["--job.dump_folder", str(tmp_path / "b"), "--model.dim", "96", *extra, str(hf_dir)])
+        )
+    with pytest.raises(ValueError, match="Hugging Face folder .weights only.: set checkpoint.initial_load_model_only"):
+        args = ["--checkpoint.initial_load_model_only", "false", *extra, str(hf_dir)]
+        Trainer(load_config(TINY + ["--job.dump_folder", str(tmp_path / "c"), *args]))

@@ -338,12 +338,33 @@ def model_args_from_seed(
     checkpoint manager reports that, or ignores it when resuming), leaves ``args`` as they are."""
     seed = Path(seed)
     what = f"{what}={seed}"
-    if not (seed / layout.INFO_FILE).is_file():
+    if not (seed / layout.INFO_FILE).is_file() and (found := hf_seed(seed)) is not None:  # an HF model folder
+        name, seed_args = found[0].name, dataclasses.asdict(found[1])
+    elif not (seed / layout.INFO_FILE).is_file():
         if seed.is_dir():
             logger.info(
                 "%s has no %s: its model args are not known, only tensor shapes are checked", what, layout.INFO_FILE
             )
         return args
+    else:
+        name, seed_args = _recorded_args(seed, what)
+    if name != spec.name:
+        raise ValueError(f"{what} holds a {name!r} model but this config trains {spec.name!r} (model.name)")
+
+    def same_shapes(a: Any, b: Any) -> bool:
+        return state_shapes(spec, a) == state_shapes(spec, b)
+
+    kw = dict(run_args=spec.run_args, same_shapes=same_shapes, seed=str(seed))
+    new_args, adopted = adopt_seed_args(args, seed_args, explicit, **kw)
+    for k, v in adopted.items():
+        logger.info(
+            "model.%s = %r from the seed checkpoint %s (the config's flavor has %r)", k, v, seed, getattr(args, k)
+        )
+    return new_args
+
+
+def _recorded_args(seed: Path, what: str) -> tuple[Any, dict]:
+    """The family name and model args a step folder's ``checkpoint.json`` records."""
     try:
         info = layout.read_info(seed)
     except ValueError as e:  # also UnicodeDecodeError: bytes that are not text
@@ -351,21 +372,7 @@ def model_args_from_seed(
     model = info.get("model")
     if not isinstance(model, dict) or not isinstance(model.get("args"), dict):
         raise ValueError(f"{what}: {seed / layout.INFO_FILE} records no model args")
-    if model.get("name") != spec.name:
-        raise ValueError(
-            f"{what} holds a {model.get('name')!r} model but this config trains {spec.name!r} (model.name)"
-        )
-
-    def same_shapes(a: Any, b: Any) -> bool:
-        return state_shapes(spec, a) == state_shapes(spec, b)
-
-    kw = dict(run_args=spec.run_args, same_shapes=same_shapes, seed=str(seed))
-    new_args, adopted = adopt_seed_args(args, model["args"], explicit, **kw)
-    for k, v in adopted.items():
-        logger.info(
-            "model.%s = %r from the seed checkpoint %s (the config's flavor has %r)", k, v, seed, getattr(args, k)
-        )
-    return new_args
+    return model.get("name"), model["args"]
 
 
 # ----------------------------------------------------------------------------- HF -> DCP
@@ -397,6 +404,33 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise ValueError(f"{file} is not a JSON object")
     return config
+
+
+def hf_state_dict(path: Path, adapter: Any) -> dict[str, torch.Tensor]:
+    """The full weights of the HF folder ``path`` under titanlite's names (``adapter``: the family's
+    HF adapter for the folder's args); a tensor of a shape ``config.json`` does not imply is an error."""
+    expected, state = adapter.expected_shapes(), {}
+    for hf_name, file in _tensor_files(path).items():
+        try:
+            native = adapter.from_hf_name(hf_name)
+        except KeyError as e:
+            raise ValueError(f"{path}: {e.args[0]}") from None
+        if native is None:
+            continue
+        with _safe_open(path / file) as f:
+            if hf_name not in f.keys():
+                raise ValueError(f"{path / file} has no tensor {hf_name}")
+            _, tensor = adapter.from_hf(hf_name, f.get_tensor(hf_name))
+        if native not in expected or tuple(tensor.shape) != expected[native]:
+            want = list(expected[native]) if native in expected else "no such tensor"
+            raise ValueError(f"{path}: {hf_name} has shape {list(tensor.shape)}, config.json implies {want}")
+        state[native] = tensor
+    return state
+
+
+def hf_seed(path: Path) -> tuple[Any, Any] | None:
+    """``(spec, args)`` of an HF model folder (``config.json``), or None when ``path`` is not one."""
+    return _model_for_hf(read_hf_config(path), path / "config.json") if (path / "config.json").is_file() else None
 
 
 def _model_for_hf(config: dict[str, Any], file: Path):

@@ -71,7 +71,7 @@ def load_model(
     elif (path / "config.json").is_file():
         config = hf.read_hf_config(path)
         spec, args = hf._model_for_hf(config, path / "config.json")
-        state, step = _from_hf_folder(path, spec.hf_adapter(args)), None
+        state, step = hf.hf_state_dict(path, spec.hf_adapter(args)), None
         if tokenizer_path is None and not tokenizer_files(str(path)):
             raise ValueError(
                 f"{path} has no tokenizer files: pass a tokenizer path (bytes for the built-in byte-level tokenizer)"
@@ -125,26 +125,6 @@ def _from_step_folder(path: Path, extensions: list[str]) -> tuple[Any, Any, dict
     with layout.quiet_single_process():
         safe_load.load(state, path, no_dist=True)
     return spec, args, {k.removeprefix("model."): v for k, v in state.items()}, info
-
-
-def _from_hf_folder(path: Path, adapter: Any) -> dict[str, torch.Tensor]:
-    expected, state = adapter.expected_shapes(), {}
-    for hf_name, file in hf._tensor_files(path).items():
-        try:
-            native = adapter.from_hf_name(hf_name)
-        except KeyError as e:
-            raise ValueError(f"{path}: {e.args[0]}") from None
-        if native is None:
-            continue
-        with hf._safe_open(path / file) as f:
-            if hf_name not in f.keys():
-                raise ValueError(f"{path / file} has no tensor {hf_name}")
-            _, tensor = adapter.from_hf(hf_name, f.get_tensor(hf_name))
-        if native not in expected or tuple(tensor.shape) != expected[native]:
-            want = list(expected[native]) if native in expected else "no such tensor"
-            raise ValueError(f"{path}: {hf_name} has shape {list(tensor.shape)}, config.json implies {want}")
-        state[native] = tensor
-    return state
 
 
 def _build(spec, args, state: dict[str, torch.Tensor], device, dtype: torch.dtype, where: Path) -> nn.Module:

@@ -66,6 +66,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -73,7 +74,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from titanlite.checkpoint import codec, layout, safe_load
+from titanlite.checkpoint import codec, hf, layout, safe_load
 from titanlite.checkpoint.safe_load import one_line
 from titanlite.checkpoint.state import RNGState
 from titanlite.dtypes import DTYPES, dtype_name
@@ -118,6 +119,7 @@ class LoadPlan:
     kind: str = "none"  # none | resume | initial | complete (a checkpoint of final_step exists: nothing to do)
     paths: list[str] = dataclasses.field(default_factory=list)  # candidates, preferred first
     model_only: bool = False
+    hf: bool = False  # an initial load from a Hugging Face model folder (weights through the family's adapter)
     notes: list[str] = dataclasses.field(default_factory=list)  # logged (warnings) at load
 
 
@@ -317,6 +319,8 @@ class CheckpointManager:
         what = f"checkpoint.initial_load_path={path}"
         if not path.is_dir():
             raise FileNotFoundError(f"{what}: no such folder")
+        if not (path / layout.INFO_FILE).is_file() and (path / "config.json").is_file():
+            return self._plan_initial_hf(path, what)
         problem = layout.problem_with(path, require_info=False, verify=True)
         if problem:
             raise ValueError(f"{what}: {problem}")
@@ -327,6 +331,32 @@ class CheckpointManager:
                 raise ValueError(f"{what} holds no optimizer state; set checkpoint.initial_load_model_only = true")
         self._check_model(path, what)
         return LoadPlan("initial", [str(path)], model_only=model_only)
+
+    def _plan_initial_hf(self, path: Path, what: str) -> LoadPlan:
+        """An HF model folder as the initial weights (model only): its tensors must have this model's shapes."""
+        if not self.cfg.initial_load_model_only:
+            raise ValueError(f"{what} is a Hugging Face folder (weights only): set checkpoint.initial_load_model_only")
+        spec, args = hf.hf_seed(path)
+        expected = spec.hf_adapter(args).expected_shapes()
+        for name, shape in self._shapes.items():
+            if name not in expected:
+                raise ValueError(f"{what}: the folder's {spec.name} model has no tensor {name}")
+            if tuple(expected.get(name, shape)) != shape:
+                raise ValueError(
+                    f"{what}: {name} has shape {list(expected[name])} in the folder but {list(shape)} in this "
+                    "model (the model config differs from config.json)"
+                )
+        return LoadPlan("initial", [str(path)], model_only=True, hf=True)
+
+    def _read_hf(self, path: str) -> dict[str, Any]:
+        """The full weights of an HF folder, as this rank's part of the model state (every rank reads the
+        files, memory-mapped); set_model_state_dict shards them to the model's layout."""
+        spec, args = hf.hf_seed(Path(path))
+        state = hf.hf_state_dict(Path(path), spec.hf_adapter(args))
+        if bool(getattr(args, "tie_word_embeddings", False)):  # tied: the folder stores the embedding once
+            state.setdefault("output.weight", state["tok_embeddings.weight"])
+        mine = get_model_state_dict(self.model)  # a pipeline stage holds only its own part
+        return {k: state[k] for k in mine}
 
     def _check_model(self, path: str | Path, what: str) -> None:
         """The checkpoint's model tensors must exist with this model's (global) shapes."""
@@ -390,7 +420,11 @@ class CheckpointManager:
             return None
         if plan.kind == "initial":
             path = plan.paths[0]
-            self._apply(self._read(path, model_only=plan.model_only), path)
+            if plan.hf:
+                full = StateDictOptions(full_state_dict=True)
+                set_model_state_dict(self.model, self._read_hf(path), options=full)
+            else:
+                self._apply(self._read(path, model_only=plan.model_only), path)
             what = "model weights only" if plan.model_only else "the full training state"
             self._warn(
                 f"checkpoint: no checkpoint to resume in {self.folder}; loaded {what} from initial_load_path {path}"

@@ -64,10 +64,13 @@ def _check_tables(key: str, tables: list, allowed: dict[str, Any], required: tup
 
 
 def check_mixture(key: str, mixture: list) -> None:
-    """``[{path, weight[, name, dataset]}, ...]``: positive weights, distinct names (default: the path's base name)."""
-    _check_tables(key, mixture, MIXTURE_KEYS, ("path", "weight"))
+    """``[{path, weight[, name, dataset]}, ...]``: positive weights, distinct names (default: the path's base name);
+    ``{dataset = "embedded", weight}`` is the built-in corpus."""
+    _check_tables(key, mixture, MIXTURE_KEYS, ("weight",))
     names = []
     for i, entry in enumerate(mixture):
+        if entry.get("dataset") != "embedded" and not entry.get("path"):
+            raise ConfigError(f"{key}[{i}] has no 'path' key (only dataset = 'embedded' needs none)")
         if not entry["weight"] > 0:
             raise ConfigError(f"{key}[{i}].weight = {entry['weight']} must be > 0")
         if entry.get("dataset", "auto") not in ("auto", *DATASETS):
@@ -79,7 +82,9 @@ def check_mixture(key: str, mixture: list) -> None:
 
 def mixture_source_name(entry: dict) -> str:
     """A source's name in metrics (``tokens_seen/<name>``, ``val_loss/<name>``): ``name``, else the path's base name."""
-    return entry.get("name") or entry["path"].rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1].split(".")[0]
+    if "name" in entry or "path" not in entry:
+        return entry.get("name") or "embedded"
+    return entry["path"].rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1].split(".")[0]
 
 
 @dataclass
