@@ -739,3 +739,40 @@ def test_extension_family_keys_through_titanlite_models(tmp_path, monkeypatch):
     assert "neither a [model] key nor a field of ExtArgs" in msg and "did you mean 'model.width'?" in msg
     assert "unknown flavor 'tniy'" in error_of(["--config", path, "--model.flavor", "tniy"])
     assert "did you mean 'tiny'?" in error_of(["--config", path, "--model.flavor", "tniy"])
+
+
+MIXTURE_ERRORS = {
+    'mixture = [{path = "a", weight = 0}]': r"training.mixture\[0\].weight = 0 must be > 0",
+    'mixture = [{path = "a"}]': r"training.mixture\[0\] has no 'weight' key",
+    "mixture = [{weight = 1.0}]": r"training.mixture\[0\] has no 'path' key",
+    'mixture = [{path = "a", weight = 1, wieght = 2}]': r"unknown key 'wieght' in training.mixture\[0\]",
+    'mixture = [{path = "a", weight = "x"}]': r"training.mixture\[0\].weight = 'x' must be a number",
+    'mixture = [{path = "a/web", weight = 1}, {path = "b/web.jsonl", weight = 1}]': "two sources named 'web'",
+    'mixture = [{path = "a", weight = 1, dataset = "parquet"}]': r"mixture\[0\].dataset = 'parquet' must be auto or",
+    'mixture = ["a"]': "for 'training.mixture' in config file .*: expected a TOML table",
+    'mixture = [{path = "a", weight = 1}]\ndataset = "text"\ndataset_path = "b"': "not both",
+    "seq_len_schedule = [{steps = 3}]": r"training.seq_len_schedule\[0\] has no 'seq_len' key",
+    "seq_len_schedule = [{seq_len = 64, until = 0.5}]": r"unknown key 'until' in training.seq_len_schedule\[0\]",
+    "tokens = 0": "invalid value 0 for 'training.tokens'",
+}
+
+
+@pytest.mark.parametrize("body", list(MIXTURE_ERRORS))
+def test_mixture_and_stage_tables_are_checked(body, tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[training]\n" + body + "\n")
+    with pytest.raises(ConfigError, match=MIXTURE_ERRORS[body]):
+        load_config(["--config", str(path)])
+
+
+def test_mixture_round_trips_through_config_toml(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text(
+        '[training]\nmixture = [{path = "a/web", weight = 0.7}, {dataset = "embedded", weight = 0.3}]\n'
+        "seq_len_schedule = [{seq_len = 32, fraction = 0.5}, {seq_len = 64}]\n"
+    )
+    cfg = load_config(["--config", str(path)])
+    assert cfg.training.mixture[1] == {"dataset": "embedded", "weight": 0.3}
+    again = tmp_path / "again.toml"
+    again.write_text(titanlite.config.config_to_toml(cfg))
+    assert load_config(["--config", str(again)]) == cfg
