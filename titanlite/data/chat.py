@@ -38,7 +38,9 @@ def special_id(tokenizer: Any, token: str) -> int:
         return tokenizer.encoding.encode_single_token(token)
     except KeyError:
         name = getattr(tokenizer, "path", "") or getattr(tokenizer, "name", "tokenizer")
-        raise ValueError(f"tokenizer {name!r} has no special token {token} (the Llama 3 chat template needs it)") from None
+        raise ValueError(
+            f"tokenizer {name!r} has no special token {token} (needed by the Llama 3 chat template)"
+        ) from None
 
 
 def check_messages(messages: Any, where: str = "conversation") -> None:
@@ -110,7 +112,7 @@ def encode_conversations(tokenizer: Any, path: str | os.PathLike) -> tuple[torch
         mask += m + [0]
         offsets.append(len(ids))
     if len(offsets) == 1:
-        raise ValueError(f"{path}: no conversations found (expected JSONL lines {{\"messages\": [...]}})")
+        raise ValueError(f'{path}: no conversations found (expected JSONL lines {{"messages": [...]}})')
     return (
         torch.tensor(ids, dtype=torch.int64),
         torch.tensor(mask, dtype=torch.uint8),
