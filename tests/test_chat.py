@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import tiktoken
@@ -27,7 +28,7 @@ from titanlite.generate import main
 from titanlite.models.llama3 import Llama3ModelArgs, Transformer
 from titanlite.tokenizer import Tokenizer, build_byte_tokenizer, build_tokenizer
 
-FIXTURES = "tests/fixtures/chat"
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "chat"
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' }}"
     "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] | trim + '<|eot_id|>' }}{% endgeneration %}"
