@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,9 @@ import torch.distributed.checkpoint as dcp
 from shared_data import shared_file
 
 from titanlite.checkpoint import layout
-from titanlite.data.chat import chat_prompt_ids, encode_conversations, render_conversation
+from titanlite.data.chat import chat_prompt_ids, encode_conversations, load_chat_data, render_conversation
+from titanlite.data.prepare import main as prepare_main
+from titanlite.data.shards import ShardedTokens, ShardIntegrityError, is_chat_folder
 from titanlite.generate import main
 from titanlite.models.llama3 import Llama3ModelArgs, Transformer
 from titanlite.tokenizer import Tokenizer, build_byte_tokenizer, build_tokenizer
@@ -232,3 +235,116 @@ def test_sampling_hook_chat_prompts(tmp_path):
     plain = SamplingHook(Section(chat=False), model, tok, device=torch.device("cpu"))
     assert plain.prompt_ids == [tok.encode("Reverse: cat", bos=True)]
     assert plain.sample() == [{"prompt": "Reverse: cat", "completion": "<|eot_id|>" * 4}]
+
+
+# ----------------------------------------------------------------------------- prepared chat shards
+
+
+def docs_of(tokens, mask, offsets) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    return [
+        (tuple(tokens[a:b].tolist()), tuple(mask[a:b].tolist()))
+        for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())
+    ]
+
+
+def folder_bytes(folder) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.suffix in (".bin", ".json")}
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    out = tmp_path_factory.mktemp("chat") / "shards"
+    argv = ["--input", str(FIXTURES / "train.jsonl"), "--output", str(out), "--format", "chat"]
+    assert prepare_main([*argv, "--val-fraction", "0.2", "--shard-tokens", "4000", "--quiet"]) == 0
+    return out
+
+
+def test_prepared_shards_hold_each_rendering_plus_eos_and_its_mask(prepared):
+    tok = build_byte_tokenizer()
+    reference = docs_of(*encode_conversations(tok, FIXTURES / "train.jsonl"))  # input order, rendering + EOS
+    manifest = json.loads((prepared / "manifest.json").read_text())
+    assert manifest["content"] == "chat" and is_chat_folder(prepared)
+    assert all(e["mask"]["name"] == e["name"].replace(".bin", ".mask.bin") for e in manifest["shards"])
+    assert manifest["totals"]["train"]["shards"] >= 3  # resumption below cuts between shards
+    splits = {s: docs_of(*load_chat_data("shards", prepared, s, tok)) for s in ("train", "val")}
+    assert 0 < len(splits["val"]) < len(splits["train"])
+    assert sorted(splits["train"] + splits["val"]) == sorted(reference)
+    for docs in splits.values():  # each split keeps the input order
+        assert docs == [d for d in reference if d in set(docs)]
+    assert all(d[0][0] == tok.bos_id and d[0][1] != tok.bos_id and d[0][-1] == tok.eos_id for d in reference)
+
+
+def test_raw_chat_kind_is_the_in_memory_encoding():
+    tok = build_byte_tokenizer()
+    got, want = (
+        load_chat_data("chat", FIXTURES / "val.jsonl", "train", tok),
+        encode_conversations(tok, FIXTURES / "val.jsonl"),
+    )
+    assert docs_of(*got) == docs_of(*want)
+
+
+def test_interrupted_chat_prepare_resumes_to_identical_files(prepared, tmp_path):
+    out = tmp_path / "out"
+    argv = ["--input", str(FIXTURES / "train.jsonl"), "--output", str(out), "--format", "chat"]
+    argv += ["--val-fraction", "0.2", "--shard-tokens", "4000", "--quiet"]
+    assert prepare_main(argv) == 0
+    full = folder_bytes(prepared)
+    assert folder_bytes(out) == full  # a second folder: the same bytes
+    # Interrupted while writing train shard 2: its mask shard was renamed, the token shard was not.
+    (out / "manifest.json").unlink()
+    for p in sorted(out.glob("train-0000[2-9].bin")):
+        p.unlink()
+    for p in sorted(out.glob("train-0000[3-9].mask.bin")):
+        p.unlink()
+    (out / "train-00002.bin.tmp").write_bytes(b"TLSHARD\0 half written")
+    (out / "train-00001.mask.bin").write_bytes(b"TLSHARD\0 damaged")  # a bad mask: its shard is rewritten too
+    assert prepare_main(argv) == 0
+    assert folder_bytes(out) == full and not list(out.glob("*.tmp"))
+
+
+def test_verify_checks_the_mask_shards(prepared, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    shutil.copytree(prepared, copy)
+    assert prepare_main(["--verify", str(copy), "--quiet"]) == 0
+    mask = copy / "train-00001.mask.bin"
+    data = bytearray(mask.read_bytes())
+    data[-1] ^= 1  # a mask bit flipped: the tokens are untouched
+    mask.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert prepare_main(["--verify", str(copy), "--quiet"]) == 1
+    assert f"{mask}: checksum" in capsys.readouterr().err
+    masks = ShardedTokens(copy, "train").masks()  # headers fine: opens; the first read of the shard refuses
+    with pytest.raises(ShardIntegrityError, match="train-00001.mask.bin: checksum"):
+        masks[: len(masks)]
+
+
+def test_masks_of_a_text_folder_is_a_one_line_error(tmp_path):
+    src = tmp_path / "a.txt"
+    src.write_text("hello world\n")
+    out = tmp_path / "text"
+    assert prepare_main(["--input", str(src), "--output", str(out), "--quiet"]) == 0
+    assert not is_chat_folder(out)
+    with pytest.raises(ValueError, match=r"manifest.json: has no loss-mask stream \(not chat data"):
+        ShardedTokens(out).masks()
+    with pytest.raises(ValueError, match="dataset kind 'text' has no loss masks"):
+        load_chat_data("text", src, "train", build_byte_tokenizer())
+
+
+def test_chat_manifest_without_mask_entries_is_refused(prepared, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(prepared, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    del manifest["shards"][0]["mask"]
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=r"shard entry 0 \(train-00000.bin\): chat data needs a 'mask' entry"):
+        ShardedTokens(copy)
+
+
+def test_bad_conversation_stops_prepare_with_exit_2(tmp_path, capsys):
+    src = tmp_path / "c.jsonl"
+    src.write_text(
+        '{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": [{"role": "bot", "content": "x"}]}\n'
+    )
+    assert prepare_main(["--input", str(src), "--output", str(tmp_path / "o"), "--format", "chat", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"prepare_data: error: {src}:2: messages[0] has role 'bot'") and "\n" not in err
