@@ -15,12 +15,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import tiktoken
 import torch
 import torch.distributed.checkpoint as dcp
+from dist_utils import REPO
 from shared_data import shared_file
 
 from titanlite.checkpoint import layout
@@ -348,3 +352,30 @@ def test_bad_conversation_stops_prepare_with_exit_2(tmp_path, capsys):
     assert prepare_main(["--input", str(src), "--output", str(tmp_path / "o"), "--format", "chat", "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"prepare_data: error: {src}:2: messages[0] has role 'bot'") and "\n" not in err
+
+
+def test_killed_chat_prepare_reruns_to_identical_files(tmp_path):
+    """A real SIGKILL while shards are being written (not a simulation): the rerun gives the same bytes."""
+    lines = (FIXTURES / "train.jsonl").read_text().splitlines(keepends=True)
+    src = tmp_path / "big.jsonl"
+    src.write_text("".join(lines * 20))
+    args = ["--input", str(src), "--format", "chat", "--val-fraction", "0.1", "--shard-tokens", "3000", "--quiet"]
+    assert prepare_main([*args, "--output", str(tmp_path / "full")]) == 0
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "titanlite.data.prepare", *args, "--output", str(out)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            journal = out / "prepare_journal.jsonl"
+            if journal.exists() and journal.read_bytes().count(b"\n") >= 5:
+                break
+            time.sleep(0.005)
+        proc.kill()
+    finally:
+        proc.wait(timeout=30)
+    killed_early = not (out / "manifest.json").exists()
+    assert prepare_main([*args, "--output", str(out)]) == 0
+    assert folder_bytes(out) == folder_bytes(tmp_path / "full")
+    if not killed_early:
+        pytest.skip("the run finished before the kill (machine too fast for this input): nothing was resumed")
