@@ -44,8 +44,11 @@ class SamplingHook(Hook):
         self.autocast_dtype = autocast_dtype
         self.chat = getattr(section, "chat", False)
         if self.chat:  # each prompt is a user turn; a reply ends at <|eot_id|>
-            self.prompt_ids = [chat_prompt_ids(tokenizer, p) for p in section.prompts]
-            self.stop_ids = (tokenizer.eos_id, special_id(tokenizer, "<|eot_id|>"))
+            try:
+                self.prompt_ids = [chat_prompt_ids(tokenizer, p) for p in section.prompts]
+                self.stop_ids = (tokenizer.eos_id, special_id(tokenizer, "<|eot_id|>"))
+            except ValueError as e:
+                raise ValueError(f"sampling.chat: {e}") from None
         else:
             self.prompt_ids = [tokenizer.encode(p, bos=True) for p in section.prompts]
             self.stop_ids = (tokenizer.eos_id,)

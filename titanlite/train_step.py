@@ -106,7 +106,10 @@ class TrainStep:
       vocabulary-sharded logits when loss parallelism is on;
     - ``autocast_dtype``: run forward under autocast (bf16 from fp32 weights) when the model is not
       FSDP-wrapped; FSDP's mixed-precision policy casts instead;
-    - ``max_norm``: clip the total gradient norm (exact over FSDP shards and TP ranks); 0 disables.
+    - ``max_norm``: clip the total gradient norm (exact over FSDP shards and TP ranks); 0 disables;
+    - ``count_unmasked``: divide by the labels that carry loss (``!= -100``, e.g. chat data's assistant
+      tokens) over the whole step instead of every label (:meth:`loss_token_count`); the count is
+      reported as ``result.extra["loss_tokens"]``, ``result.tokens`` stays the tokens processed.
     """
 
     def __init__(

@@ -6,7 +6,8 @@ window), summed over the data-parallel ranks, so the figure does not depend on t
 
 Bits per byte (``val_bpb``) divide the same loss, in bits, by the bytes of text the predicted tokens
 stand for: the loss per token depends on how much text a token holds, the loss per byte does not,
-so runs with different tokenizers compare. As nanochat does, tokens that stand for no text (special
+so runs with different tokenizers compare. Labels of -100 (chat data's non-assistant tokens) count in
+neither the loss nor the tokens nor the bytes. As nanochat does, tokens that stand for no text (special
 tokens such as EOS) are left out of both sums.
 """
 

@@ -136,6 +136,6 @@ def load_chat_data(kind: str, path: str | os.PathLike, split: str, tokenizer: An
     if kind == "shards":
         from titanlite.data.shards import ShardedTokens
 
-        store = ShardedTokens(path, split)
+        store = ShardedTokens(path, split, tokenizer)  # refuses shards made with another tokenizer
         return store, store.masks(), store.doc_offsets()
     raise ValueError(f"dataset kind {kind!r} has no loss masks: expected 'chat' or prepared chat 'shards'")
