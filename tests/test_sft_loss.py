@@ -4,7 +4,7 @@ References, independent of the code under test:
 
 - a hand computation: log-softmax of the model's logits picked at the mask-1 positions, averaged over them;
 - one big batch: 2 micro-batches with different unmasked counts give its gradients (fp32, 1e-6);
-- one process: 2 gloo ranks (FSDP, and TP with loss parallelism) give its losses over 3 updates;
+- one process: 2 gloo ranks (FSDP, TP with loss parallelism, 2 pipeline stages) give its losses over 3 updates;
 - with the flag off, the old contract: the masked-label sum over every label (``numel``).
 """
 
@@ -46,6 +46,20 @@ def model_and_step(dims=None, **kw):
     model = build_parallel_model(get_model_spec("llama3"), Llama3ModelArgs(**ARGS), dims, device="cpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return model, TrainStep(model, optimizer, max_norm=0.0, parallel_dims=dims, **kw)
+
+
+def pipelined_step(dims):
+    from titanlite.loss import cross_entropy_sum
+    from titanlite.models import get_model_spec
+    from titanlite.parallel import build_parallel_model
+    from titanlite.parallel.pipeline import Pipeline, PipelinePlan
+
+    plan = PipelinePlan(degree=dims.pp, schedule="1F1B", n_microbatches=2, stage_sizes=(1, 1))
+    torch.manual_seed(0)
+    model = build_parallel_model(get_model_spec("llama3"), Llama3ModelArgs(**ARGS), dims, device="cpu", pipeline=plan)
+    pipe = Pipeline(model, plan, dims.pp_group, torch.device("cpu"), cross_entropy_sum)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, TrainStep(model, optimizer, max_norm=0.0, parallel_dims=dims, pipeline=pipe, count_unmasked=True)
 
 
 def grads_of(step: TrainStep, batches: list[dict]):
@@ -117,9 +131,12 @@ def dist_losses(args: dict) -> list[float]:
 
     world = world_from_env()
     init_distributed(world)
-    dims = ParallelDims(tp=args["tp"], world_size=world.world_size)
+    dims = ParallelDims(tp=args["tp"], pp=args.get("pp", 1), world_size=world.world_size)
     dims.build_mesh("cpu")
-    _, step = model_and_step(dims, count_unmasked=True)
+    if dims.pp > 1:  # two stages of one block each, 2 microbatches through 1F1B
+        _, step = pipelined_step(dims)
+    else:
+        _, step = model_and_step(dims, count_unmasked=True)
     dp_rank, dp = dims.dp_rank(world.rank), dims.dp_degree
     losses = []
     for i in range(3):
@@ -130,9 +147,9 @@ def dist_losses(args: dict) -> list[float]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("tp", [1, 2], ids=["fsdp2", "tp2"])
-def test_two_gloo_ranks_with_masks_equal_one_process(tp):
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)], ids=["fsdp2", "tp2", "pp2"])
+def test_two_gloo_ranks_with_masks_equal_one_process(tp, pp):
     single = dist_losses({"tp": 1})
-    results = run_workers(dist_losses, 2, {"tp": tp}, timeout=240)
+    results = run_workers(dist_losses, 2, {"tp": tp, "pp": pp}, timeout=240)
     assert results[0] == results[1]
     torch.testing.assert_close(torch.tensor(results[0]), torch.tensor(single), rtol=2e-5, atol=0)
