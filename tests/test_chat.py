@@ -379,3 +379,19 @@ def test_killed_chat_prepare_reruns_to_identical_files(tmp_path):
     assert folder_bytes(out) == folder_bytes(tmp_path / "full")
     if not killed_early:
         pytest.skip("the run finished before the kill (machine too fast for this input): nothing was resumed")
+
+
+def test_sampling_chat_with_a_tokenizer_without_chat_tokens_names_the_key():
+    from titanlite.sampling import SamplingHook
+
+    enc = tiktoken.Encoding(
+        "plain",
+        pat_str=r"\S+|\s+",
+        mergeable_ranks={bytes([i]): i for i in range(256)},
+        special_tokens={"<|begin_of_text|>": 256, "<|end_of_text|>": 257},
+    )
+    section = type("Section", (), {"chat": True, "prompts": ["hi"], "max_new_tokens": 4})()
+    with pytest.raises(
+        ValueError, match=r"^sampling.chat: tokenizer 'plain' has no special token <\|start_header_id\|>"
+    ):
+        SamplingHook(section, None, Tokenizer(enc, name="plain"), device=torch.device("cpu"))
