@@ -8,7 +8,8 @@ Layers, lowest first (a module may import its own layer or lower ones):
    ``planner``, ``run_lock``
 1. ``parallel``: policies, mesh, FSDP/TP/AC/compile/float8, ``build_parallel_model``; and ``loss``
 2. ``models``: the registry and the families (a family's parallelize plan is built from ``parallel``)
-3. ``data``, ``checkpoint`` (with ``checkpoint.safe_load``, which imports torch only), ``optim``
+3. ``data`` (``data.chat``: the chat template, used by ``generate`` and ``sampling``),
+   ``checkpoint`` (with ``checkpoint.safe_load``, which imports torch only), ``optim``
 4. the loop's pieces: ``train_step``, ``metrics``, ``guard``, ``preemption``, ``profiling``, ``validation``;
    ``generate`` and ``sampling`` (generation, the loop's samples), ``eval`` (downstream benchmarks, the
    checkpoint watcher); their command lines load models through ``checkpoint``
@@ -36,7 +37,13 @@ LAYERS = [
     ),
     ("titanlite.parallel", "titanlite.loss"),
     ("titanlite.models",),
-    ("titanlite.data", "titanlite.checkpoint", "titanlite.checkpoint.safe_load", "titanlite.optim"),
+    (
+        "titanlite.data",
+        "titanlite.data.chat",
+        "titanlite.checkpoint",
+        "titanlite.checkpoint.safe_load",
+        "titanlite.optim",
+    ),
     (
         "titanlite.train_step",
         "titanlite.metrics",

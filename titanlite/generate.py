@@ -45,6 +45,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titanlite.checkpoint.load_model import load_model
+from titanlite.data.chat import chat_prompt_ids, special_id
 from titanlite.dtypes import DTYPES
 from titanlite.models.kv_cache import KVCache
 
@@ -284,6 +285,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--extensions", default="", metavar="MODULES", help="comma-separated modules registering a family")
     p.add_argument("--no-bos", action="store_true", help="do not start the prompts with BOS")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole prefix each step")
+    p.add_argument(
+        "--chat", action="store_true", help="prompts are user turns of the Llama 3 chat template; stop at <|eot_id|>"
+    )
     return p
 
 
@@ -320,7 +324,12 @@ def _run(a: argparse.Namespace) -> list[dict]:
         a.checkpoint, device=a.device, dtype=DTYPES[a.dtype], tokenizer_path=a.tokenizer, extensions=extensions
     )
     tok = loaded.tokenizer
-    prompt_ids = [tok.encode(p, bos=not a.no_bos) for p in prompts]
+    eos_ids = tuple(loaded.eos_ids)
+    if a.chat:  # the rendering starts with <|begin_of_text|> itself; a reply ends with <|eot_id|>
+        prompt_ids = [chat_prompt_ids(tok, p) for p in prompts]
+        eos_ids += (special_id(tok, "<|eot_id|>"),)
+    else:
+        prompt_ids = [tok.encode(p, bos=not a.no_bos) for p in prompts]
     completions = generate(
         loaded.model,
         prompt_ids,
@@ -328,13 +337,13 @@ def _run(a: argparse.Namespace) -> list[dict]:
         temperature=a.temperature,
         top_k=a.top_k,
         top_p=a.top_p,
-        eos_ids=loaded.eos_ids,
+        eos_ids=eos_ids,
         generator=torch.Generator(device=a.device).manual_seed(a.seed),
         use_cache=not a.no_cache,
     )
     records = []
     for text, ids, out in zip(prompts, prompt_ids, completions):
-        body = out[:-1] if out and out[-1] in loaded.eos_ids else out
+        body = out[:-1] if out and out[-1] in eos_ids else out
         records.append({"prompt": text, "completion": tok.decode(body), "prompt_ids": ids, "completion_ids": out})
     return records
 

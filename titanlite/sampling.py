@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from titanlite import dtypes
+from titanlite.data.chat import chat_prompt_ids, special_id
 from titanlite.generate import check_request, generate, sequence_multiple
 from titanlite.hooks import Hook, LoopState
 from titanlite.parallel.float8 import float8_disabled
@@ -41,7 +42,16 @@ class SamplingHook(Hook):
     ):
         self.section, self.model, self.tokenizer, self.device = section, model, tokenizer, device
         self.autocast_dtype = autocast_dtype
-        self.prompt_ids = [tokenizer.encode(p, bos=True) for p in section.prompts]
+        self.chat = getattr(section, "chat", False)
+        if self.chat:  # each prompt is a user turn; a reply ends at <|eot_id|>
+            try:
+                self.prompt_ids = [chat_prompt_ids(tokenizer, p) for p in section.prompts]
+                self.stop_ids = (tokenizer.eos_id, special_id(tokenizer, "<|eot_id|>"))
+            except ValueError as e:
+                raise ValueError(f"sampling.chat: {e}") from None
+        else:
+            self.prompt_ids = [tokenizer.encode(p, bos=True) for p in section.prompts]
+            self.stop_ids = (tokenizer.eos_id,)
         try:  # now, not at the first sample after freq steps of training
             check_request(model, self.prompt_ids, section.max_new_tokens, sequence_multiple(model))
         except ValueError as e:
@@ -57,11 +67,11 @@ class SamplingHook(Hook):
 
     @torch.no_grad()
     def sample(self) -> list[dict[str, str]]:
-        """Each prompt and its completion (without the EOS that ended it)."""
+        """Each prompt and its completion (without the EOS, or with ``chat`` the <|eot_id|>, that ended it)."""
         s, model = self.section, self.model
         generator = torch.Generator(device=self.device).manual_seed(s.seed)
         autocast = dtypes.autocast(self.device.type, self.autocast_dtype)
-        kw = dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, eos_ids=(self.tokenizer.eos_id,))
+        kw = dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, eos_ids=self.stop_ids)
         was_training = model.training
         model.eval()
         try:
@@ -76,8 +86,8 @@ class SamplingHook(Hook):
                 )
         finally:
             model.train(was_training)
-        eos = self.tokenizer.eos_id
+        stop = self.stop_ids
         return [
-            {"prompt": p, "completion": self.tokenizer.decode(ids[:-1] if ids and ids[-1] == eos else ids)}
+            {"prompt": p, "completion": self.tokenizer.decode(ids[:-1] if ids and ids[-1] in stop else ids)}
             for p, ids in zip(s.prompts, out)
         ]

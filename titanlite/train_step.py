@@ -106,7 +106,10 @@ class TrainStep:
       vocabulary-sharded logits when loss parallelism is on;
     - ``autocast_dtype``: run forward under autocast (bf16 from fp32 weights) when the model is not
       FSDP-wrapped; FSDP's mixed-precision policy casts instead;
-    - ``max_norm``: clip the total gradient norm (exact over FSDP shards and TP ranks); 0 disables.
+    - ``max_norm``: clip the total gradient norm (exact over FSDP shards and TP ranks); 0 disables;
+    - ``count_unmasked``: divide by the labels that carry loss (``!= -100``, e.g. chat data's assistant
+      tokens) over the whole step instead of every label (:meth:`loss_token_count`); the count is
+      reported as ``result.extra["loss_tokens"]``, ``result.tokens`` stays the tokens processed.
     """
 
     def __init__(
@@ -122,11 +125,13 @@ class TrainStep:
         autocast_dtype: torch.dtype | None = None,
         device: torch.device | None = None,
         pipeline: Any = None,
+        count_unmasked: bool = False,
     ):
         self.model, self.optimizer, self.lr_scheduler, self.loss_fn = model, optimizer, lr_scheduler, loss_fn
         self.grad_accum_steps, self.max_norm, self.parallel_dims = grad_accum_steps, max_norm, parallel_dims
         self.device = device or next(model.parameters()).device
         self.pipeline = pipeline
+        self.count_unmasked = count_unmasked
         self.pp_group = getattr(parallel_dims, "pp_group", None)
         use_autocast = autocast_dtype not in (None, torch.float32) and not is_fsdp(model)
         self.autocast_dtype = autocast_dtype if use_autocast else None
@@ -166,12 +171,15 @@ class TrainStep:
         micro = [next(batches) for _ in range(self.grad_accum_steps)]
         data_s = time.perf_counter() - t0
         tokens = sum(b["labels"].numel() for b in micro) * self.dp_degree
+        divisor = self.loss_token_count(micro) if self.count_unmasked else tokens
         loss_sum = torch.zeros((), device=self.device)
         for batch in micro:
-            loss_sum += self.forward_backward(batch, tokens)
+            loss_sum += self.forward_backward(batch, divisor)
         grad_norm = self.clip_grad_norm()
         lr = self.optimizer.param_groups[0]["lr"]
-        result = StepResult(step, self.dp_sum(loss_sum) / tokens, grad_norm, tokens, lr, data_s)
+        result = StepResult(step, self.dp_sum(loss_sum) / divisor, grad_norm, tokens, lr, data_s)
+        if self.count_unmasked:
+            result.extra["loss_tokens"] = divisor
         if before_update is not None:
             before_update(result)
         result.lr = lr * result.lr_scale
@@ -179,6 +187,17 @@ class TrainStep:
             self.update(result.lr_scale)
         self.optimizer.zero_grad(set_to_none=True)
         return result
+
+    def loss_token_count(self, micro: list[dict]) -> int:
+        """Labels that carry loss (``!= -100``) over every micro-batch of the step and every data-parallel
+        rank: one scalar all-reduce before the first backward, so each micro-batch's sum is divided by
+        the global count and accumulation + DP equal one big batch whatever each batch's share. At least
+        1, so a step whose labels are all masked contributes a zero loss instead of NaN."""
+        local = sum(int((b["labels"] != -100).sum()) for b in micro)
+        group = getattr(self.parallel_dims, "dp_group", None)
+        if group is not None:
+            local = int(all_reduce_sum(torch.tensor(local, dtype=torch.int64, device=self.device), group).item())
+        return max(local, 1)
 
     def clip_grad_norm(self) -> torch.Tensor:
         """Pre-clip total gradient norm (exact over FSDP shards, TP ranks and pipeline stages); clips when

@@ -6,7 +6,8 @@ window), summed over the data-parallel ranks, so the figure does not depend on t
 
 Bits per byte (``val_bpb``) divide the same loss, in bits, by the bytes of text the predicted tokens
 stand for: the loss per token depends on how much text a token holds, the loss per byte does not,
-so runs with different tokenizers compare. As nanochat does, tokens that stand for no text (special
+so runs with different tokenizers compare. Labels of -100 (chat data's non-assistant tokens) count in
+neither the loss nor the tokens nor the bytes. As nanochat does, tokens that stand for no text (special
 tokens such as EOS) are left out of both sums.
 """
 
@@ -69,9 +70,9 @@ def validation_loss(
                 with autocast:
                     logits = model(inputs, **extra)
                 loss_sums += sums(logits, labels)
-        tokens += labels.numel()
+        tokens += (labels != -100).sum()  # masked labels (chat data's non-assistant tokens) carry no loss
         if token_bytes is not None:
-            text_bytes += token_bytes[labels].sum()
+            text_bytes += bytes_of(token_bytes, labels).sum()
     model.train()
     if pipeline is not None and parallel_dims.pp_group is not None:
         loss_sums = all_reduce_sum(loss_sums, parallel_dims.pp_group)
@@ -91,8 +92,13 @@ def loss_sums_of(logits: torch.Tensor, labels: torch.Tensor, token_bytes: torch.
     total = to_local_value(cross_entropy_sum(logits, labels))
     if token_bytes is None:
         return torch.stack([total, torch.zeros_like(total)])
-    text_labels = labels.masked_fill(token_bytes[labels] == 0, -100)  # -100: cross_entropy's ignore_index
+    text_labels = labels.masked_fill(bytes_of(token_bytes, labels) == 0, -100)  # -100: cross_entropy's ignore_index
     return torch.stack([total, to_local_value(cross_entropy_sum(logits, text_labels))])
+
+
+def bytes_of(token_bytes: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The bytes of text each label stands for, 0 at masked labels (-100 would index from the end)."""
+    return torch.where(labels == -100, 0, token_bytes[labels.clamp(min=0)])
 
 
 class ValidationHook(Hook):

@@ -21,6 +21,13 @@ is unfinished. Changed settings or inputs are refused unless ``--overwrite`` is 
 deletes only the files the manifest or the journal lists. A file named like a shard that neither
 lists is never deleted or overwritten: the run is refused until it is moved away.
 
+``--format chat`` reads JSONL conversations (``{"messages": [{"role", "content"}, ...]}``, see
+:mod:`titanlite.data.chat`): each conversation is one document, its Llama 3 chat rendering (which starts
+with BOS itself) + EOS, and every token shard gets a loss-mask shard ``<split>-NNNNN.mask.bin`` (uint8, 1 on
+the assistant tokens trained on), written before the token shard and recorded with its checksum in the
+token shard's journal and manifest entry; the manifest says ``"content": "chat"``. The split is decided
+by a hash of the conversation's JSON, resuming and ``--verify`` work as for text.
+
 ``--verify FOLDER`` reads every shard of a prepared folder and checks it against the manifest
 (header, largest token id, checksum), e.g. after copying the data to another file system.
 """
@@ -42,14 +49,17 @@ from typing import TextIO
 
 import numpy as np
 
+from titanlite.data.chat import iter_conversations, render_conversation
 from titanlite.data.encode import ParallelEncoder
 from titanlite.data.shards import (
+    CHAT_CONTENT,
     MANIFEST,
     SPLITS,
     ShardReader,
     build_manifest,
     describe_tokenizer,
     dtype_for_vocab,
+    mask_entry,
     open_shard,
     read_manifest,
     tokenizer_info,
@@ -82,6 +92,11 @@ def shard_name(split: str, index: int) -> str:
     return f"{split}-{index:05d}.bin"
 
 
+def mask_name(shard: str) -> str:
+    """The loss-mask shard of token shard ``shard`` (chat data): ``train-00000.bin`` -> ``train-00000.mask.bin``."""
+    return shard.removesuffix(".bin") + ".mask.bin"
+
+
 def _fmt_time(seconds: float) -> str:
     h, rem = divmod(int(max(0, seconds)), 3600)
     m, s = divmod(rem, 60)
@@ -91,13 +106,16 @@ def _fmt_time(seconds: float) -> str:
 class _SplitWriter:
     """Accumulates one split's documents and writes a shard whenever it reaches ``shard_tokens``."""
 
-    def __init__(self, out: Path, split: str, dtype: str, shard_tokens: int, kept: list[dict]):
+    def __init__(self, out: Path, split: str, dtype: str, shard_tokens: int, kept: list[dict], chat: bool = False):
         self.out, self.split, self.dtype, self.shard_tokens = out, split, dtype, shard_tokens
         self.entries = list(kept)  # shards kept from an earlier run, then the ones written now
         self.parts, self.lengths, self.tokens = [], [], 0  # arrays, their sizes, their sum
+        self.chat, self.masks = chat, []  # chat data: each document's loss mask (uint8), written as a mask shard
 
-    def add(self, tokens: np.ndarray) -> None:
+    def add(self, tokens: np.ndarray, mask: np.ndarray | None = None) -> None:
         self.parts.append(tokens)
+        if self.chat:
+            self.masks.append(mask)
         self.lengths.append(tokens.size)
         self.tokens += tokens.size
         if self.tokens >= self.shard_tokens:
@@ -106,10 +124,14 @@ class _SplitWriter:
     def flush(self) -> None:
         if self.lengths:
             path = self.out / shard_name(self.split, len(self.entries))
-            record = lambda info: _append_journal(self.out, {**info, "split": self.split})  # noqa: E731
+            extra = {"split": self.split}
+            if self.chat:  # the mask shard first: a token shard with its final name always has its mask on disk
+                mask = write_shard_flat(self.out / mask_name(path.name), np.concatenate(self.masks), self.lengths, "u1")
+                extra["mask"] = {"name": mask["name"], "checksum": mask["checksum"]}
+            record = lambda info: _append_journal(self.out, {**info, **extra})  # noqa: E731
             info = write_shard_flat(path, np.concatenate(self.parts), self.lengths, self.dtype, before_rename=record)
-            self.entries.append({**info, "split": self.split})
-            self.parts, self.lengths, self.tokens = [], [], 0
+            self.entries.append({**info, **extra})
+            self.parts, self.lengths, self.tokens, self.masks = [], [], 0, []
 
 
 def _append_journal(out: Path, entry: dict) -> None:
@@ -176,12 +198,24 @@ def _existing_prefix(out: Path, split: str, known: dict[str, dict]) -> list[dict
             return kept  # unreadable: it will be rewritten
         if (r.num_tokens, r.num_docs) != (entry.get("tokens"), entry.get("docs")):
             return kept
+        if "mask" in entry and not _mask_matches(out / entry["mask"]["name"], r):
+            return kept
         kept.append({**entry, "split": split})
 
 
+def _mask_matches(path: Path, shard: ShardReader) -> bool:
+    """Whether the loss-mask shard at ``path`` is readable and has ``shard``'s tokens and documents count."""
+    try:
+        m = ShardReader(path)
+    except ValueError:
+        return False
+    return (m.num_tokens, m.num_docs, m.dtype.itemsize) == (shard.num_tokens, shard.num_docs, 1)
+
+
 def _our_files(out: Path, known: dict[str, dict]) -> list[Path]:
-    """The files of ``out`` that --overwrite deletes: the listed shards, their .tmp, our own records."""
-    names = [*known, *(n + ".tmp" for n in known)]
+    """The files of ``out`` that --overwrite deletes: the listed shards (and masks), their .tmp, our own records."""
+    listed = [*known, *(e["mask"]["name"] for e in known.values() if isinstance(e.get("mask"), dict))]
+    names = [*listed, *(n + ".tmp" for n in listed)]
     names += [n + t for n in (MANIFEST, STATE, JOURNAL) for t in ("", ".tmp")]
     return sorted(out / n for n in names if (out / n).is_file())
 
@@ -221,7 +255,10 @@ def prepare(
         (not 0.0 <= val_fraction <= 1.0, f"--val-fraction must be in [0, 1], got {val_fraction}"),
         (workers < 1, f"--workers must be >= 1, got {workers}"),
         (shard_tokens < 1, f"--shard-tokens must be >= 1, got {shard_tokens}"),
-        (file_format not in FORMATS, f"unknown file format {file_format!r} (choose from {', '.join(FORMATS)})"),
+        (
+            file_format not in (*FORMATS, "chat"),
+            f"unknown file format {file_format!r} (choose from {', '.join(FORMATS)}, chat)",
+        ),
         (txt_split not in TXT_SPLITS, f"unknown --txt-split {txt_split!r} (choose from {', '.join(TXT_SPLITS)})"),
     ):
         if bad:
@@ -281,7 +318,8 @@ def prepare(
             f"resuming: keeping {n_kept} finished shards "
             f"({', '.join(f'{s} {len(kept[s])}' for s in SPLITS)}); skipping their documents"
         )
-    writers = {s: _SplitWriter(out, s, dtype, shard_tokens, kept[s]) for s in SPLITS}
+    chat = file_format == "chat"
+    writers = {s: _SplitWriter(out, s, dtype, shard_tokens, kept[s], chat) for s in SPLITS}
 
     total_bytes = sum(sizes)
     t0 = last = time.monotonic()
@@ -312,7 +350,10 @@ def prepare(
         n_docs += len(splits)
         n_tokens += int(flat.size)
 
-    with ParallelEncoder(tok, np.dtype(dtype), workers) as encoder:
+    if chat:  # rendering is cheap next to BPE on long text: one process
+        n_docs, n_skipped, n_tokens = _add_conversations(files, tok, val_fraction, skip, writers)
+        bytes_read = total_bytes
+    with ParallelEncoder(tok, np.dtype(dtype), 1 if chat else workers) as encoder:
         chunk: list[tuple[str, str]] = []  # (split, text) of the documents of the next task
         chunk_chars = 0
 
@@ -326,7 +367,7 @@ def prepare(
                 consume_one()
 
         done_before = 0
-        for f, size in zip(files, sizes):
+        for f, size in zip([] if chat else files, sizes):
             for text, pos in iter_file_documents(f, text_field, file_format, txt_split):
                 bytes_read = done_before + min(pos, size)
                 split = split_of(text, val_fraction)
@@ -356,7 +397,7 @@ def prepare(
         w.flush()
 
     shards = [e for w in writers.values() for e in w.entries]
-    manifest = build_manifest(shards, dtype, tok_info, **settings)
+    manifest = build_manifest(shards, dtype, tok_info, **settings, **({"content": CHAT_CONTENT} if chat else {}))
     write_json_atomic(out / MANIFEST, manifest)
     report(final=True)
     t = manifest["totals"]
@@ -370,6 +411,23 @@ def prepare(
     if t["train"]["docs"] == 0:
         say("warning: the train split is empty")
     return manifest
+
+
+def _add_conversations(files: list[Path], tok, val_fraction: float, skip: dict, writers: dict) -> tuple[int, int, int]:
+    """Render every conversation of ``files`` (rendering + EOS, its mask + 0) into its split's writer,
+    skipping the first ``skip[split]`` of each split (kept shards hold them); returns (docs, skipped, tokens)."""
+    n_docs = n_skipped = n_tokens = 0
+    for f in files:
+        for where, messages in iter_conversations(f):
+            split = split_of(json.dumps(messages, sort_keys=True, ensure_ascii=False), val_fraction)
+            if skip[split] > 0:
+                skip[split] -= 1
+                n_skipped += 1
+                continue
+            ids, mask = render_conversation(tok, messages, where=where)
+            writers[split].add(np.asarray(ids + [tok.eos_id], dtype=np.int64), np.asarray(mask + [0], dtype=np.uint8))
+            n_docs, n_tokens = n_docs + 1, n_tokens + len(ids) + 1
+    return n_docs, n_skipped, n_tokens
 
 
 def verify(
@@ -389,6 +447,9 @@ def verify(
         try:
             reader = open_shard(mpath, manifest, entry)
             verify_shard_bytes(reader, entry, vocab, mpath)
+            if "mask" in entry:  # chat data: the loss-mask shard, the same checks
+                mask = open_shard(mpath, {**manifest, "dtype": "uint8"}, mask_entry(entry))
+                verify_shard_bytes(mask, mask_entry(entry), vocab, mpath)
         except ValueError as e:
             return 0, str(e)
         return reader.tokens.nbytes, ""
@@ -441,7 +502,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)), help="Tokenizer worker processes.")
     add("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="Close a shard once it holds this many tokens.")
     add("--text-field", default="text", help="JSON/Parquet field holding the document text.")
-    add("--format", dest="file_format", default="auto", choices=FORMATS, help="Input format (auto = by file suffix).")
+    add(
+        "--format",
+        dest="file_format",
+        default="auto",
+        choices=[*FORMATS, "chat"],
+        help="Input format (auto = by file suffix; chat = JSONL conversations, with a loss-mask stream).",
+    )
     add(
         "--txt-split",
         default="file",

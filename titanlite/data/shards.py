@@ -5,7 +5,7 @@ Shard file format (version 1, all integers little-endian)::
     offset  size        field
     0       8           magic b"TLSHARD\\0"
     8       4  uint32   format version (1)
-    12      4  uint32   dtype code: bytes per token, 2 = uint16, 4 = uint32
+    12      4  uint32   dtype code: bytes per token, 2 = uint16, 4 = uint32 (1 = uint8: loss-mask shards)
     16      8  uint64   num_tokens  (T)
     24      8  uint64   num_docs    (D)
     32      8*(D+1)     document offsets, uint64: doc i is tokens[off[i]:off[i+1]];
@@ -50,6 +50,11 @@ Integrity checks, and what they cost (figures from ``scripts/bench_data.py`` in 
   ``scripts/prepare_data.py --verify FOLDER`` checks every shard at once (e.g. after a copy).
   CRC-32 (zlib) is used because it is several times faster than a cryptographic hash and detects
   every accidental change of up to 32 consecutive bits; it is no defence against deliberate edits.
+* chat data (``prepare_data.py --format chat``, manifest ``"content": "chat"``) has a loss-mask stream:
+  next to each token shard ``<split>-NNNNN.bin`` a shard ``<split>-NNNNN.mask.bin`` in the same format with
+  dtype code 1 (uint8, 1 = the token is trained on), the same tokens and documents count, recorded in the
+  shard's entry as ``"mask": {"name", "checksum"}`` and checked the same way (header at start, CRC lazily).
+  ``ShardedTokens.masks()`` opens it; :func:`is_chat_folder` tells such a folder apart.
 * manifests written before these fields existed still load, with a warning: the tokenizer is then
   matched by vocabulary size only, and a shard without a checksum is scanned for its largest id
   on first read instead.
@@ -88,8 +93,10 @@ CHECKSUM_PREFIX = "crc32:"  # the entries' optional "checksum" (and "max_id") ar
 _CHECKSUM_RE = re.compile(re.escape(CHECKSUM_PREFIX) + "[0-9a-f]{8}")
 _CHECKSUM_CHUNK = 16 << 20  # bytes hashed per call
 
-_DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
-_NAMES = {"uint16": 2, "uint32": 4}
+_DTYPES = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4")}
+_NAMES = {"uint8": 1, "uint16": 2, "uint32": 4}
+TOKEN_DTYPES = ("uint16", "uint32")  # what a manifest's token "dtype" may be; uint8 is for mask shards only
+CHAT_CONTENT = "chat"  # the manifest's "content" for chat data (token shards + loss-mask shards)
 
 PathLike = str | os.PathLike
 
@@ -108,7 +115,7 @@ def _dtype_code(dtype: Any) -> int:
     dt = np.dtype(dtype)
     if dt.kind == "u" and dt.itemsize in _DTYPES:
         return dt.itemsize
-    raise ValueError(f"unsupported shard dtype {dtype!r} (use uint16 or uint32)")
+    raise ValueError(f"unsupported shard dtype {dtype!r} (use uint16 or uint32, or uint8 for masks)")
 
 
 def dtype_name(dtype: Any) -> str:
@@ -217,7 +224,7 @@ class ShardReader:
                 if version != VERSION:
                     raise fail(f"unsupported shard format version {version} (this build reads {VERSION})")
                 if code not in _DTYPES:
-                    raise fail(f"bad dtype code {code} in header (expected 2=uint16 or 4=uint32)")
+                    raise fail(f"bad dtype code {code} in header (expected 1=uint8, 2=uint16 or 4=uint32)")
                 tok_offset = HEADER_SIZE + 8 * (num_docs + 1)
                 expected = tok_offset + code * num_tokens
                 if size != expected:
@@ -281,6 +288,8 @@ def _entry(sh: dict) -> dict:
         entry["max_id"] = int(sh["max_id"])
     if "checksum" in sh:
         entry["checksum"] = str(sh["checksum"])
+    if "mask" in sh:
+        entry["mask"] = {"name": str(sh["mask"]["name"]), "checksum": str(sh["mask"]["checksum"])}
     return entry
 
 
@@ -329,7 +338,7 @@ def read_manifest(folder: PathLike) -> dict:
     for key in ("dtype", "tokenizer", "shards"):
         if key not in manifest:
             raise ValueError(f"{path}: missing {key!r}")
-    if manifest["dtype"] not in _NAMES:
+    if manifest["dtype"] not in TOKEN_DTYPES:
         raise ValueError(f"{path}: bad dtype {manifest['dtype']!r}")
     for i, sh in enumerate(manifest["shards"]):
         if not isinstance(sh, dict) or not set(_ENTRY_KEYS) <= set(sh):
@@ -341,7 +350,28 @@ def read_manifest(folder: PathLike) -> dict:
                 f"{path}: shard entry {i} ({sh['name']}): checksum must look like '{CHECKSUM_PREFIX}<8 hex digits>', "
                 f"got {sh['checksum']!r}"
             )
+        mask = sh.get("mask")
+        if mask is not None and not (
+            isinstance(mask, dict)
+            and isinstance(mask.get("name"), str)
+            and isinstance(mask.get("checksum"), str)
+            and _CHECKSUM_RE.fullmatch(mask["checksum"])
+        ):
+            raise ValueError(f"{path}: shard entry {i} ({sh['name']}): mask must be {{name, checksum}}, got {mask!r}")
+        if manifest.get("content") == CHAT_CONTENT and mask is None:
+            raise ValueError(f"{path}: shard entry {i} ({sh['name']}): chat data needs a 'mask' entry")
     return manifest
+
+
+def is_chat_folder(folder: PathLike) -> bool:
+    """Whether a prepared folder holds chat data (token shards with loss-mask shards)."""
+    return read_manifest(folder).get("content") == CHAT_CONTENT
+
+
+def mask_entry(entry: dict) -> dict:
+    """The manifest-style entry of a token shard's loss-mask shard (same tokens and docs, ids 0/1)."""
+    mask = entry["mask"]
+    return {**entry, "name": mask["name"], "checksum": mask["checksum"], "max_id": 1}
 
 
 def describe_tokenizer(info: dict) -> str:
@@ -440,11 +470,13 @@ class ShardedTokens:
     (:meth:`verify_shard`). Pickles as (folder, split): a DataLoader worker verifies for itself.
     """
 
-    def __init__(self, folder: PathLike, split: str = "train", tokenizer: Tokenizer | None = None):
+    def __init__(
+        self, folder: PathLike, split: str = "train", tokenizer: Tokenizer | None = None, stream: str = "tokens"
+    ):
         folder = Path(folder)
         if folder.name == MANIFEST and folder.is_file():
             folder = folder.parent
-        self.folder, self.split = folder, split
+        self.folder, self.split, self.stream = folder, split, stream
         self.manifest = manifest = read_manifest(folder)
         self.manifest_path = mpath = folder / MANIFEST
         tok = manifest["tokenizer"]
@@ -453,6 +485,11 @@ class ShardedTokens:
             check_tokenizer(manifest, mpath, tokenizer)
         self.dtype = manifest["dtype"]
         self.entries = entries = [sh for sh in manifest["shards"] if sh["split"] == split]
+        if stream == "mask":  # the loss-mask shards, checked like token shards (see the module docstring)
+            if manifest.get("content") != CHAT_CONTENT:
+                raise ValueError(f"{mpath}: has no loss-mask stream (not chat data: prepare it with --format chat)")
+            self.entries = entries = [mask_entry(sh) for sh in entries]
+            self.dtype, manifest = "uint8", {**manifest, "dtype": "uint8"}
         if not entries:
             splits = sorted({sh["split"] for sh in manifest["shards"]})
             raise ValueError(
@@ -533,8 +570,12 @@ class ShardedTokens:
         parts = [r.doc_offsets[1:].astype(np.int64) + s0 for r, s0 in zip(self.shards, self.shard_starts)]
         return np.concatenate([np.zeros(1, dtype=np.int64), *parts])
 
+    def masks(self) -> ShardedTokens:
+        """The split's loss-mask stream (chat data): ``store[a:b]`` is 1 where tokens ``a..b`` are trained on."""
+        return ShardedTokens(self.folder, self.split, stream="mask")
+
     def __reduce__(self):
-        return type(self), (self.folder, self.split)
+        return type(self), (self.folder, self.split, None, self.stream)
 
     def __repr__(self) -> str:
         return (

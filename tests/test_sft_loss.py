@@ -1,0 +1,155 @@
+"""Assistant-only loss: ``TrainStep(count_unmasked=True)`` and validation with masked labels (-100).
+
+References, independent of the code under test:
+
+- a hand computation: log-softmax of the model's logits picked at the mask-1 positions, averaged over them;
+- one big batch: 2 micro-batches with different unmasked counts give its gradients (fp32, 1e-6);
+- one process: 2 gloo ranks (FSDP, TP with loss parallelism, 2 pipeline stages) give its losses over 3 updates;
+- with the flag off, the old contract: the masked-label sum over every label (``numel``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_utils import REPO, run_workers
+
+from titanlite.data.chat import encode_conversations
+from titanlite.models.llama3 import Llama3ModelArgs
+from titanlite.tokenizer import build_byte_tokenizer
+from titanlite.train_step import TrainStep
+from titanlite.validation import validation_loss
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+SEQ = 48
+ARGS = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, multiple_of=64, max_seq_len=SEQ)
+
+
+def chat_batch(n: int, start: int = 0) -> dict[str, torch.Tensor]:
+    """``n`` consecutive windows of the fixture conversations; labels -100 where the mask is 0."""
+    tokens, mask, _ = encode_conversations(build_byte_tokenizer(), REPO / "tests/fixtures/chat/train.jsonl")
+    rows = [slice(start + i * SEQ, start + (i + 1) * SEQ + 1) for i in range(n)]
+    inputs = torch.stack([tokens[r][:-1] for r in rows])
+    labels = torch.stack([tokens[r][1:].masked_fill(mask[r][1:] == 0, -100) for r in rows])
+    return {"input_ids": inputs, "labels": labels}
+
+
+def split(batch: dict, parts: int) -> list[dict]:
+    return [dict(zip(batch, vals)) for vals in zip(*(v.chunk(parts) for v in batch.values()))]
+
+
+def model_and_step(dims=None, **kw):
+    from titanlite.models import get_model_spec
+    from titanlite.parallel import build_parallel_model
+
+    torch.manual_seed(0)
+    model = build_parallel_model(get_model_spec("llama3"), Llama3ModelArgs(**ARGS), dims, device="cpu")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, TrainStep(model, optimizer, max_norm=0.0, parallel_dims=dims, **kw)
+
+
+def pipelined_step(dims):
+    from titanlite.loss import cross_entropy_sum
+    from titanlite.models import get_model_spec
+    from titanlite.parallel import build_parallel_model
+    from titanlite.parallel.pipeline import Pipeline, PipelinePlan
+
+    plan = PipelinePlan(degree=dims.pp, schedule="1F1B", n_microbatches=2, stage_sizes=(1, 1))
+    torch.manual_seed(0)
+    model = build_parallel_model(get_model_spec("llama3"), Llama3ModelArgs(**ARGS), dims, device="cpu", pipeline=plan)
+    pipe = Pipeline(model, plan, dims.pp_group, torch.device("cpu"), cross_entropy_sum)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, TrainStep(model, optimizer, max_norm=0.0, parallel_dims=dims, pipeline=pipe, count_unmasked=True)
+
+
+def grads_of(step: TrainStep, batches: list[dict]):
+    out = {}
+
+    def keep(result):
+        out["grads"] = [p.grad.detach().clone() for p in step.model.parameters()]
+        result.action = "skip"
+
+    result = step(iter(batches), before_update=keep)
+    return result, out["grads"]
+
+
+def test_assistant_only_loss_equals_a_hand_computation():
+    batch = chat_batch(2)
+    labels = batch["labels"]
+    assert 0 < (labels != -100).sum() < labels.numel() // 4
+    model, step = model_and_step(count_unmasked=True)
+    with torch.no_grad():
+        logp = model(batch["input_ids"]).float().log_softmax(-1)
+    picked = [-logp[b, t, labels[b, t]] for b in range(2) for t in range(SEQ) if labels[b, t] != -100]
+    expected = torch.stack(picked).mean()
+    result = step(iter([batch]))
+    torch.testing.assert_close(result.loss, expected, rtol=1e-6, atol=0)
+    assert result.tokens == labels.numel() and result.extra["loss_tokens"] == len(picked)
+
+
+def test_flag_off_keeps_the_old_divisor():
+    batch = chat_batch(2)
+    model, step = model_and_step()
+    with torch.no_grad():
+        logits = model(batch["input_ids"]).float()
+    total = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="sum")
+    result = step(iter([batch]))
+    assert result.loss == total / batch["labels"].numel() and "loss_tokens" not in result.extra
+
+
+def test_accumulation_with_unequal_masks_equals_one_big_batch():
+    batch = chat_batch(4, start=300)
+    counts = [int((b["labels"] != -100).sum()) for b in split(batch, 2)]
+    assert counts[0] != counts[1], counts  # a per-micro-batch mean would weigh them wrongly
+    _, big = model_and_step(count_unmasked=True)
+    _, accum = model_and_step(count_unmasked=True, grad_accum_steps=2)
+    big_result, big_grads = grads_of(big, [batch])
+    acc_result, acc_grads = grads_of(accum, split(batch, 2))
+    torch.testing.assert_close(acc_result.loss, big_result.loss, rtol=1e-6, atol=0)
+    assert acc_result.extra["loss_tokens"] == big_result.extra["loss_tokens"] == sum(counts)
+    for a, b in zip(acc_grads, big_grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_validation_counts_unmasked_labels_and_bytes():
+    batch = chat_batch(2, start=100)
+    labels = batch["labels"]
+    model, _ = model_and_step()
+    with torch.no_grad():
+        logp = model(batch["input_ids"]).float().log_softmax(-1)
+    keep = labels != -100
+    nll = -logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)[keep]
+    token_bytes = torch.ones(512, dtype=torch.int64)  # every label counts 1 byte: masked ones must count 0
+    out = validation_loss(model, [batch], token_bytes=token_bytes)
+    assert out["val_loss"] == pytest.approx(nll.mean().item(), rel=1e-6)
+    assert out["val_bpb"] == pytest.approx(nll.sum().item() / torch.log(torch.tensor(2.0)).item() / keep.sum().item())
+
+
+def dist_losses(args: dict) -> list[float]:
+    """3 steps of assistant-only training on this rank's half of each batch (or all of it alone)."""
+    from titanlite.parallel import ParallelDims, init_distributed, world_from_env
+
+    world = world_from_env()
+    init_distributed(world)
+    dims = ParallelDims(tp=args["tp"], pp=args.get("pp", 1), world_size=world.world_size)
+    dims.build_mesh("cpu")
+    if dims.pp > 1:  # two stages of one block each, 2 microbatches through 1F1B
+        _, step = pipelined_step(dims)
+    else:
+        _, step = model_and_step(dims, count_unmasked=True)
+    dp_rank, dp = dims.dp_rank(world.rank), dims.dp_degree
+    losses = []
+    for i in range(3):
+        batch = chat_batch(4, start=i * 4 * SEQ)
+        mine = split(batch, dp)[dp_rank]
+        losses.append(step(iter([mine])).loss_value)
+    return losses
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)], ids=["fsdp2", "tp2", "pp2"])
+def test_two_gloo_ranks_with_masks_equal_one_process(tp, pp):
+    single = dist_losses({"tp": 1})
+    results = run_workers(dist_losses, 2, {"tp": tp, "pp": pp}, timeout=240)
+    assert results[0] == results[1]
+    torch.testing.assert_close(torch.tensor(results[0]), torch.tensor(single), rtol=2e-5, atol=0)
