@@ -29,9 +29,10 @@ from typing import Any
 class LoopState:
     """Where the loop is: ``step`` optimizer steps done, ``tokens_seen``, the logged ``records``.
 
-    ``state_dict``/``load_state_dict`` carry ``step`` and ``tokens_seen`` (the checkpoint's
-    ``train_state``). ``data_iter`` is the training batches' iterator (a rollback replaces it);
-    ``stop`` ends the loop after the current step; ``sink`` receives every logged record;
+    ``state_dict``/``load_state_dict`` carry ``step``, ``tokens_seen`` and a mixture's tokens per
+    source, ``source_tokens`` (the checkpoint's ``train_state``). ``data_iter`` is the training batches'
+    iterator (a rollback replaces it); ``stop`` ends the loop after the current step; ``sink`` receives
+    every logged record;
     ``side_seconds`` counts the time hooks spent evaluating the model (validation, samples, downstream
     scores: see :meth:`side_work`), which training throughput leaves out.
     """
@@ -44,6 +45,7 @@ class LoopState:
     records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     sink: Any = None  # anything with .log(record), e.g. a MetricsLogger
     side_seconds: float = 0.0
+    source_tokens: dict[str, int] = dataclasses.field(default_factory=dict)  # a mixture's tokens per source
 
     @contextlib.contextmanager
     def side_work(self) -> Iterator[None]:
@@ -64,10 +66,18 @@ class LoopState:
         return self.step >= self.total_steps
 
     def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen}
+        per_source = {f"tokens_seen/{name}": n for name, n in self.source_tokens.items()}
+        return {"step": self.step, "tokens_seen": self.tokens_seen, **per_source}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+        prefix = "tokens_seen/"
+        self.source_tokens = {k[len(prefix) :]: int(v) for k, v in state.items() if k.startswith(prefix)}
+
+    def count_sources(self, names: list[str], tokens: list[int]) -> None:
+        """Add a step's tokens per mixture source (``StepResult.extra["source_tokens"]``)."""
+        for name, n in zip(names, tokens):
+            self.source_tokens[name] = self.source_tokens.get(name, 0) + int(n)
 
 
 class Hook:

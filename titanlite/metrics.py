@@ -509,6 +509,7 @@ class MetricsHook(Hook):
             "tokens_per_s_global": tps * self.world_size,
             "mfu": mfu,
             "tokens_seen": state.tokens_seen,
+            **{f"tokens_seen/{name}": n for name, n in state.source_tokens.items()},  # a mixture's sources
             "data_wait_frac": data_s / elapsed,
             "eta_s": self.progress.eta_seconds(),
             **memory_stats(self.device),

@@ -180,6 +180,9 @@ class TrainStep:
         result = StepResult(step, self.dp_sum(loss_sum) / divisor, grad_norm, tokens, lr, data_s)
         if self.count_unmasked:
             result.extra["loss_tokens"] = divisor
+        if "source_counts" in micro[0]:  # a mixture: tokens of each source in the step, over every rank
+            windows = sum(b["source_counts"].sum(0) for b in micro)
+            result.extra["source_tokens"] = (windows * micro[0]["labels"].shape[-1]).tolist()
         if before_update is not None:
             before_update(result)
         result.lr = lr * result.lr_scale

@@ -42,7 +42,8 @@ def load_token_store(dataset: str, path: str, split: str, tokenizer: Tokenizer) 
 def build_dataloader(
     store: Any,
     *,
-    seq_len: int,
+    dataset: Any = None,
+    seq_len: int = 0,
     batch_size: int,
     dp_rank: int = 0,
     dp_world: int = 1,
@@ -56,9 +57,10 @@ def build_dataloader(
 
     Batches are dicts of ``[batch_size, seq_len]`` int64 tensors: ``input_ids``, ``labels`` and, when
     ``eos_id`` is given, ``document_ids``. ``state_dict()``/``load_state_dict()`` resume exactly.
+    ``dataset`` (e.g. a :class:`~titanlite.data.mixture.MixtureWindows`) replaces the windows of ``store``.
     """
     kwargs = dict(dp_rank=dp_rank, dp_world=dp_world, seed=seed, batch_size=batch_size, eos_id=eos_id, name=name)
-    windows = TokenWindows(store, seq_len, shuffle=train, infinite=train, **kwargs)
+    windows = dataset if dataset is not None else TokenWindows(store, seq_len, shuffle=train, infinite=train, **kwargs)
     with warnings.catch_warnings():  # torchdata 0.11 calls the deprecated torch.set_vital here; harmless
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
         pin = torch.cuda.is_available()

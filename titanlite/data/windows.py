@@ -17,6 +17,16 @@ sequence is the same as with no workers.
 
 A finite dataset (``infinite=False``, used for validation) restarts from its first window on every
 ``iter()``, so each evaluation sees the same windows however far the previous one read.
+
+**Packing whole documents** (``doc_offsets``, for chat data): instead of cutting the stream every
+``seq_len + 1`` tokens, windows are filled with whole consecutive documents, next-fit (the next document
+that does not fit starts a new window), and the rest of each window is padding: ``pad_id`` inputs whose
+labels are -100 (no loss) and, with ``eos_id`` given, each pad its own document. A document longer
+than a window is truncated to ``seq_len + 1`` tokens (counted in ``num_truncated``, logged once). So no
+conversation is split between windows, and under block-causal attention none attends to another.
+
+**Loss masks** (``mask``, a store as long as the tokens with 1 = train on this token): labels whose
+target token has mask 0 become -100, so the loss covers, e.g., only the assistant's replies.
 """
 
 from __future__ import annotations
@@ -25,10 +35,40 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 logger = logging.getLogger(__name__)
+
+
+IGNORE_INDEX = -100  # labels that carry no loss (F.cross_entropy's default ignore_index)
+
+
+def pack_documents(doc_offsets: Any, window_tokens: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Next-fit packing of whole documents into windows of ``window_tokens`` tokens: ``(starts, lengths,
+    num_truncated)``, window ``w`` holding ``tokens[starts[w] : starts[w] + lengths[w]]``. Consecutive
+    documents share a window while they fit; a longer document gets a window of its own, truncated."""
+    offsets = np.asarray(doc_offsets, dtype=np.int64)
+    sizes = np.diff(offsets)
+    starts, lengths = [], []
+    start, fill = 0, 0  # the open window: its first token and how many tokens it holds
+    for doc_start, size in zip(offsets[:-1].tolist(), sizes.tolist()):
+        if size == 0:
+            continue
+        if fill and fill + size > window_tokens:  # does not fit: close the open window
+            starts.append(start)
+            lengths.append(fill)
+            fill = 0
+        if not fill:
+            start = doc_start
+        fill += size
+    if fill:
+        starts.append(start)
+        lengths.append(fill)
+    lengths_arr = np.asarray(lengths, dtype=np.int64)
+    truncated = int((lengths_arr > window_tokens).sum())
+    return np.asarray(starts, dtype=np.int64), np.minimum(lengths_arr, window_tokens), truncated
 
 
 def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -54,11 +94,28 @@ class TokenWindows(IterableDataset):
         batch_size: int = 1,
         eos_id: int | None = None,
         name: str = "train",
+        mask: Any = None,
+        doc_offsets: Any = None,
+        pad_id: int | None = None,
     ):
         self.store, self.seq_len, self.name = store, seq_len, name
         self.dp_rank, self.dp_world, self.seed = dp_rank, dp_world, seed
         self.shuffle, self.infinite, self.batch_size, self.eos_id = shuffle, infinite, batch_size, eos_id
-        self.num_windows = len(store) // (seq_len + 1)
+        self.mask, self.pad_id = mask, pad_id if pad_id is not None else eos_id
+        self.packed = None  # (starts, lengths) of whole-document windows
+        if doc_offsets is not None:
+            if self.pad_id is None:
+                raise ValueError(f"{name} data: packing documents needs a pad_id (or eos_id) for the padding")
+            starts, lengths, self.num_truncated = pack_documents(doc_offsets, seq_len + 1)
+            self.packed = (starts, lengths)
+            if self.num_truncated:
+                logger.info(
+                    "%s data: %d documents are longer than seq_len+1 = %d tokens and are truncated",
+                    name,
+                    self.num_truncated,
+                    seq_len + 1,
+                )
+        self.num_windows = len(store) // (seq_len + 1) if self.packed is None else len(self.packed[0])
         if self.num_windows < dp_world:
             raise ValueError(
                 f"{name} data has {len(store)} tokens: fewer than one window of seq_len+1={seq_len + 1} "
@@ -73,9 +130,16 @@ class TokenWindows(IterableDataset):
         return torch.randperm(self.num_windows, generator=g)
 
     def _window(self, w: int) -> dict[str, torch.Tensor]:
-        start = w * (self.seq_len + 1)
-        tokens = self.store[start : start + self.seq_len + 1].to(torch.int64)
-        item = {"input_ids": tokens[:-1], "labels": tokens[1:]}
+        size = self.seq_len + 1
+        start, n = (w * size, size) if self.packed is None else (int(self.packed[0][w]), int(self.packed[1][w]))
+        tokens = self.store[start : start + n].to(torch.int64)
+        keep = None if self.mask is None else self.mask[start : start + n].to(torch.bool)
+        if n < size:  # a packed window's padding: never a target
+            tokens = torch.cat([tokens, tokens.new_full((size - n,), self.pad_id)])
+            pad = torch.zeros(size - n, dtype=torch.bool)
+            keep = torch.cat([torch.ones(n, dtype=torch.bool) if keep is None else keep, pad])
+        labels = tokens[1:] if keep is None else tokens[1:].masked_fill(~keep[1:], IGNORE_INDEX)
+        item = {"input_ids": tokens[:-1], "labels": labels}
         if self.eos_id is not None:
             item["document_ids"] = document_ids(item["input_ids"], self.eos_id)
         return item

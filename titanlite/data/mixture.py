@@ -1,0 +1,172 @@
+"""A weighted mixture of data sources, sampled window by window, resumable exactly.
+
+``MixtureWindows`` draws each training window from one of several sources (each a
+:class:`~titanlite.data.windows.TokenWindows`) with probability proportional to its weight:
+
+- **Which source.** Global window ``g`` (counting the windows of every data-parallel rank together)
+  comes from the source that a uniform draw ``u_g`` falls into on the cumulative weights. The draws are
+  made in blocks of ``BLOCK`` from a generator seeded by ``(seed, block)``, so the sequence of sources
+  depends on the seed and the weights only: not on the number of ranks or DataLoader workers.
+- **Which window of that source.** Each source walks its own shuffled window order (the source's
+  permutation for its current epoch) with its own cursor; the ``k``-th time a source is picked it gives
+  the ``k``-th window of that order. A source read to its end wraps to its next epoch (a new
+  permutation, logged) with ``on_exhausted = "wrap"``, or raises :class:`DataExhausted` with ``"stop"``.
+- **Ranks.** As in ``TokenWindows``, a global cursor ``pos`` walks ``dp_world`` windows at a time and
+  rank ``r`` takes global window ``pos + r``. Every rank advances every source's cursor for all the
+  windows of the row (integer bookkeeping), so each knows the global count of windows per source (the
+  ``"source_counts"`` of its items: the step's tokens per source need no communication), and a resume
+  with another data-parallel degree continues exactly where the old run stopped.
+
+Items are the source's items plus ``"source"`` (its index) and ``"source_counts"``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from titanlite.data.windows import TokenWindows
+
+logger = logging.getLogger(__name__)
+
+BLOCK = 4096  # source draws per generator seed
+
+
+class DataExhausted(RuntimeError):
+    """A mixture source ran out with ``training.mixture_on_exhausted = "stop"``."""
+
+
+class MixtureWindows(IterableDataset):
+    """Stateful iterable over one rank's windows of a weighted mixture (see the module docstring)."""
+
+    def __init__(
+        self,
+        sources: Sequence[TokenWindows],
+        weights: Sequence[float],
+        names: Sequence[str],
+        *,
+        seed: int = 0,
+        dp_rank: int = 0,
+        dp_world: int = 1,
+        batch_size: int = 1,
+        on_exhausted: str = "wrap",
+    ):
+        if not (len(sources) == len(weights) == len(names)) or not sources:
+            raise ValueError("a mixture needs one weight and one name per source, and at least one source")
+        if on_exhausted not in ("wrap", "stop"):
+            raise ValueError(f"on_exhausted must be 'wrap' or 'stop', got {on_exhausted!r}")
+        self.sources, self.names = list(sources), list(names)
+        self.weights = [float(w) for w in weights]
+        self.seed, self.dp_rank, self.dp_world, self.batch_size = seed, dp_rank, dp_world, batch_size
+        self.on_exhausted = on_exhausted
+        total = sum(self.weights)
+        self.bounds = torch.tensor(self.weights, dtype=torch.float64).cumsum(0) / total
+        self.pos, self.sample = 0, 0  # global windows taken by all ranks; this rank's samples
+        self.epochs = [0] * len(sources)
+        self.cursors = [0] * len(sources)
+        self._block: tuple[int, list[int]] | None = None
+
+    # ---- the deterministic sequence of sources ----
+    def source_of(self, g: int) -> int:
+        """The source of global window ``g``."""
+        block = g // BLOCK
+        if self._block is None or self._block[0] != block:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + 7_919 * block + 104_729)
+            u = torch.rand(BLOCK, generator=gen, dtype=torch.float64)
+            picks = torch.searchsorted(self.bounds, u, right=True).clamp(max=len(self.sources) - 1)
+            self._block = (block, picks.tolist())
+        return self._block[1][g % BLOCK]
+
+    def _take(self, s: int, orders: dict[int, torch.Tensor], log: bool) -> int:
+        """The next window index of source ``s`` (advancing its cursor, wrapping or stopping at its end)."""
+        src = self.sources[s]
+        if self.cursors[s] >= src.num_windows:
+            if self.on_exhausted == "stop":
+                raise DataExhausted(
+                    f"training data source {self.names[s]!r} ran out after {self.epochs[s] + 1} epoch(s) of "
+                    f"{src.num_windows} windows (training.mixture_on_exhausted = 'stop')"
+                )
+            self.epochs[s], self.cursors[s] = self.epochs[s] + 1, 0
+            orders.pop(s, None)
+            if log:
+                logger.info(
+                    "mixture source %r: starting epoch %d (%d windows)", self.names[s], self.epochs[s], src.num_windows
+                )
+        if s not in orders:
+            orders[s] = src._order(self.epochs[s])
+        w = int(orders[s][self.cursors[s]])
+        self.cursors[s] += 1
+        return w
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        info = get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        orders: dict[int, torch.Tensor] = {}
+        n = len(self.sources)
+        while True:
+            row = [self.source_of(self.pos + j) for j in range(self.dp_world)]
+            taken = [self._take(s, orders, log=worker == 0) for s in row]
+            counts = torch.bincount(torch.tensor(row), minlength=n)
+            mine = (self.sample // self.batch_size) % num_workers == worker
+            self.pos += self.dp_world
+            self.sample += 1
+            if mine:
+                s = row[self.dp_rank]
+                item = self.sources[s]._window(taken[self.dp_rank])
+                item["source"] = torch.tensor(s)
+                item["source_counts"] = counts
+                yield item
+
+    # ---- checkpointing ----
+    def setup(self) -> dict[str, Any]:
+        """What must not change for a resume: the sources, their weights and windowing, the seed."""
+        return {
+            "names": list(self.names),
+            "weights": list(self.weights),
+            "num_windows": [src.num_windows for src in self.sources],
+            "seq_len": self.sources[0].seq_len,
+            "seed": self.seed,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {"pos": self.pos, "sample": self.sample, "dp_world": self.dp_world}
+        return {**state, "epochs": list(self.epochs), "cursors": list(self.cursors), "setup": self.setup()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved, now = state["setup"], self.setup()
+        if saved["names"] != now["names"]:
+            raise ValueError(
+                f"cannot resume the mixture: checkpoint has sources {saved['names']}, this run has {now['names']}"
+            )
+        for key, what in (("seq_len", "seq_len"), ("seed", "seed")):
+            if saved[key] != now[key]:
+                raise ValueError(
+                    f"cannot resume the mixture: checkpoint has {what}={saved[key]}, this run has {now[key]}"
+                )
+        for key, what in (("weights", "weight"), ("num_windows", "number of windows")):
+            for name, old, new in zip(now["names"], saved[key], now[key]):
+                if old != new:
+                    raise ValueError(
+                        f"cannot resume the mixture: source {name!r} {what} changed from {old} to {new}"
+                        + (" (its data changed)" if key == "num_windows" else "")
+                    )
+        if state["dp_world"] != self.dp_world:
+            change = f"the mixture from {state['dp_world']} to {self.dp_world}"
+            if get_worker_info() is not None:
+                raise ValueError(
+                    f"cannot re-partition {change} ranks with DataLoader workers; resume with num_workers=0"
+                )
+            if state["sample"] % self.batch_size:
+                raise ValueError(f"cannot re-partition {change} ranks in the middle of a batch")
+            logger.info(
+                "mixture: re-partitioning from %d to %d data-parallel ranks at window %d",
+                state["dp_world"],
+                self.dp_world,
+                state["pos"],
+            )
+        self.pos, self.sample = int(state["pos"]), int(state["sample"])
+        self.epochs, self.cursors = [int(e) for e in state["epochs"]], [int(c) for c in state["cursors"]]

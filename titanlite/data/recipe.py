@@ -1,0 +1,123 @@
+"""From the ``[training]`` / ``[validation]`` data keys to datasets: one source or a weighted mixture.
+
+A *source* is one corpus: the built-in text (``embedded``), a prepared shard folder (``shards``), raw
+text files (``text``) or raw chat JSONL (``chat``). :func:`source_kind` settles ``dataset = "auto"`` (a
+mixture entry's default) from the path: a folder with ``manifest.json`` is shards, a ``.jsonl`` file
+whose first record has ``"messages"`` is chat, anything else is text.
+
+Chat data (raw chat JSONL, or shards prepared with ``--format chat``) is read with its loss-mask
+stream and packed as whole conversations (:class:`~titanlite.data.windows.TokenWindows` with
+``doc_offsets``), so no conversation is cut in two or attends to another under block-causal
+attention; with ``loss_mask = "assistant"`` only the assistant's tokens are trained on. Other data
+is cut into windows from the token stream, as always.
+
+Every function takes explicit arguments (a section's values), not the whole job config, so a foreign
+loop can build the same datasets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from titanlite.config.sections import mixture_source_name
+from titanlite.data.chat import load_chat_data
+from titanlite.data.loader import load_token_store
+from titanlite.data.mixture import MixtureWindows
+from titanlite.data.shards import MANIFEST, is_chat_folder
+from titanlite.data.windows import TokenWindows
+
+
+@dataclasses.dataclass
+class SourceData:
+    """A loaded source: its token store, and for chat data its loss-mask store and document offsets."""
+
+    name: str
+    tokens: Any
+    mask: Any = None
+    doc_offsets: Any = None
+
+    @property
+    def chat(self) -> bool:
+        return self.doc_offsets is not None
+
+
+def source_kind(dataset: str, path: str) -> str:
+    """``dataset``, or for ``"auto"`` the kind the path holds (see the module docstring)."""
+    if dataset != "auto":
+        return dataset
+    p = Path(path)
+    if p.is_dir():
+        return "shards" if (p / MANIFEST).is_file() else "text"
+    if p.suffix == ".jsonl" and p.is_file():
+        with open(p, encoding="utf-8", errors="replace") as f:
+            first = next((line for line in f if line.strip()), "")
+        try:
+            record = json.loads(first)
+        except ValueError:
+            return "text"  # the text reader names the bad line
+        return "chat" if isinstance(record, dict) and "messages" in record else "text"
+    return "text"
+
+
+def load_source(name: str, dataset: str, path: str, split: str, tokenizer: Any) -> SourceData:
+    """One source's stores for ``split`` (a shard folder's own split; any other kind's path is the split)."""
+    kind = source_kind(dataset, path)
+    if kind == "chat" or kind == "shards" and is_chat_folder(path):
+        tokens, mask, offsets = load_chat_data(kind, path, split, tokenizer)
+        return SourceData(name, tokens, mask, offsets)
+    return SourceData(name, load_token_store(kind, path, split, tokenizer))
+
+
+def mixture_entries(section: Any) -> list[dict]:
+    """The section's sources as mixture entries: ``mixture``, or its single ``dataset``/``dataset_path``."""
+    if section.mixture:
+        return [dict(e, name=mixture_source_name(e)) for e in section.mixture]
+    return [{"name": "data", "dataset": section.dataset, "path": section.dataset_path, "weight": 1.0}]
+
+
+def source_windows(
+    data: SourceData,
+    seq_len: int,
+    *,
+    loss_mask: str = "none",
+    eos_id: int | None = None,
+    seed: int = 0,
+    **kwargs: Any,
+) -> TokenWindows:
+    """The windows of one source: whole conversations packed for chat data (masked to the assistant's
+    tokens with ``loss_mask = "assistant"``), the cut token stream otherwise."""
+    if data.chat:
+        mask = data.mask if loss_mask == "assistant" else None
+        return TokenWindows(data.tokens, seq_len, mask=mask, doc_offsets=data.doc_offsets, seed=seed, **kwargs)
+    return TokenWindows(data.tokens, seq_len, eos_id=eos_id, seed=seed, **kwargs)
+
+
+def training_dataset(
+    sources: list[SourceData],
+    weights: list[float],
+    seq_len: int,
+    *,
+    loss_mask: str,
+    eos_id: int | None,
+    seed: int,
+    dp_rank: int,
+    dp_world: int,
+    batch_size: int,
+    on_exhausted: str,
+    mixture: bool,
+) -> Any:
+    """The training windows: one source's :class:`TokenWindows` (the same windows, order and state as
+    before mixtures existed), or a :class:`MixtureWindows` over several (each source with its own seed)."""
+    kw = dict(dp_rank=dp_rank, dp_world=dp_world, batch_size=batch_size, loss_mask=loss_mask, eos_id=eos_id)
+    if not mixture:
+        return source_windows(sources[0], seq_len, seed=seed, name="train", **kw)
+    windows = [
+        source_windows(s, seq_len, seed=seed * 1_000 + i + 1, name=f"train/{s.name}", **kw)
+        for i, s in enumerate(sources)
+    ]
+    names = [s.name for s in sources]
+    kw = dict(seed=seed, dp_rank=dp_rank, dp_world=dp_world, batch_size=batch_size, on_exhausted=on_exhausted)
+    return MixtureWindows(windows, weights, names, **kw)
