@@ -29,7 +29,9 @@ from titanlite import components
 from titanlite.checkpoint import CheckpointHook, CheckpointManager, CheckpointWriteError, layout
 from titanlite.checkpoint.hf import model_args_from_seed
 from titanlite.config import JobConfig, config_to_toml, dump_config, exit_with_error, parse_args_or_exit
-from titanlite.data.loader import build_dataloader, load_token_store
+from titanlite.data.loader import build_dataloader
+from titanlite.data.mixture import DataExhausted
+from titanlite.data.recipe import SourceData, load_source, mixture_entries, source_windows, training_dataset
 from titanlite.data.shards import ShardIntegrityError
 from titanlite.dtypes import DTYPES
 from titanlite.eval import evaluate, get_task
@@ -61,7 +63,7 @@ from titanlite.run_lock import RunLock
 from titanlite.sampling import SamplingHook
 from titanlite.tokenizer import token_byte_lengths
 from titanlite.train_step import TrainStep, grad_accum_steps
-from titanlite.validation import ValidationHook, validation_loss
+from titanlite.validation import ValidationHook, combine_validation, validation_loss
 
 logger = logging.getLogger("titanlite")
 
@@ -113,7 +115,7 @@ class Trainer:
         self.optimizer = self.build_optimizer()
         self.lr_scheduler = self.build_lr_scheduler()
         self.train_loader = self.build_dataloader("train")
-        self.val_loader = self.build_dataloader("val") if cfg.validation.enable else None
+        self.val_loaders = self.build_val_loaders() if cfg.validation.enable else {}
         self.train_step = self.build_train_step()
         self.state = LoopState(total_steps=t.steps)
         self.preemption = PreemptionHandler()
@@ -170,18 +172,67 @@ class Trainer:
         loss = components.get("loss", self.cfg.training.loss)
         return CompilePolicy.from_config(self.cfg.compile).compile_loss(loss, self.parallel_dims.tp_enabled)
 
-    def build_dataloader(self, split: str):
-        t, dims = self.cfg.training, self.parallel_dims
-        section = t if split == "train" else self.cfg.validation
-        store = load_token_store(section.dataset, section.dataset_path, split, self.tokenizer)
+    def load_sources(self, split: str) -> list[tuple[SourceData, float]]:
+        """``[training]`` (``split = "train"``) or ``[validation]`` data: each source and its weight, one
+        unless the section sets ``mixture``. Shards are checked against the tokenizer here."""
+        section = self.cfg.training if split == "train" else self.cfg.validation
+        out = []
+        for entry in mixture_entries(section):
+            data = load_source(
+                entry["name"], entry.get("dataset", "auto"), entry.get("path", ""), split, self.tokenizer
+            )
+            out.append((data, float(entry["weight"])))
+        if self.cfg.training.loss_mask == "assistant" and not any(data.chat for data, _ in out):
+            key = "training" if split == "train" else "validation"
+            raise ValueError(
+                f"training.loss_mask = 'assistant' needs chat data, but no {key} source is chat data "
+                "(dataset = 'chat' for JSONL conversations, or shards prepared with --format chat)"
+            )
+        if any(data.chat for data, _ in out) and self.eos_id_for_documents is None:
+            logger.warning(
+                "chat data packs several conversations per window; with [model] attn_mask_type = 'causal' they "
+                "attend to one another: set attn_mask_type = 'block_causal' to keep them apart"
+            )
+        return out
+
+    @functools.cached_property
+    def train_sources(self) -> list[tuple[SourceData, float]]:
+        return self.load_sources("train")
+
+    @property
+    def eos_id_for_documents(self) -> int | None:
+        """The EOS id that separates documents for block-causal attention (None for causal attention)."""
         block_causal = getattr(self.model_args, "attn_mask_type", "causal") != "causal"
-        eos_id = self.tokenizer.eos_id if block_causal else None  # document ids for block-causal attention
-        kw = dict(dp_rank=self.dp_rank, dp_world=dims.dp_degree, seed=t.seed, train=split == "train", name=split)
-        return build_dataloader(store, seq_len=t.seq_len, batch_size=t.local_batch_size, eos_id=eos_id, **kw)
+        return self.tokenizer.eos_id if block_causal else None
+
+    def build_dataloader(self, split: str = "train"):
+        """The training batches: one source's windows, or a weighted mixture of ``[training] mixture``."""
+        t, dims = self.cfg.training, self.parallel_dims
+        sources = self.train_sources
+        kw = dict(loss_mask=t.loss_mask, eos_id=self.eos_id_for_documents, seed=t.seed, dp_rank=self.dp_rank)
+        kw["pad_id"] = self.tokenizer.eos_id
+        kw.update(dp_world=dims.dp_degree, batch_size=t.local_batch_size, on_exhausted=t.mixture_on_exhausted)
+        weights = [w for _, w in sources]
+        dataset = training_dataset([s for s, _ in sources], weights, t.seq_len, mixture=bool(t.mixture), **kw)
+        return build_dataloader(None, dataset=dataset, batch_size=t.local_batch_size)
+
+    def build_val_loaders(self) -> dict[str, tuple[float, Any]]:
+        """``[validation]``: a finite, unshuffled loader per source (name -> (weight, loader))."""
+        t, dims = self.cfg.training, self.parallel_dims
+        kw = dict(loss_mask=t.loss_mask, eos_id=self.eos_id_for_documents, dp_rank=self.dp_rank)
+        kw["pad_id"] = self.tokenizer.eos_id
+        kw.update(dp_world=dims.dp_degree, batch_size=t.local_batch_size, shuffle=False, infinite=False)
+        loaders = {}
+        for data, weight in self.load_sources("val"):
+            name = f"val/{data.name}" if self.cfg.validation.mixture else "val"
+            windows = source_windows(data, t.seq_len, seed=t.seed, name=name, **kw)
+            loaders[data.name] = (weight, build_dataloader(None, dataset=windows, batch_size=t.local_batch_size))
+        return loaders
 
     def build_train_step(self) -> TrainStep:
         t = self.cfg.training
         kw = dict(grad_accum_steps=self.grad_accum_steps, max_norm=t.max_norm, parallel_dims=self.parallel_dims)
+        kw["count_unmasked"] = any(data.chat for data, _ in self.train_sources)  # masks or packing padding
         dtype, loss = DTYPES[t.mixed_precision_param], self.build_loss()
         if self.pipeline_plan is not None:  # the stages and the schedule that runs them
             group = self.parallel_dims.pp_group
@@ -226,7 +277,7 @@ class Trainer:
         kw = dict(checkpointer=self.checkpointer, loader=self.train_loader, grad_accum_steps=self.grad_accum_steps)
         guard = GuardHook(self.guard, stop_requested=stop, **kw)
         hooks: list[Hook] = [metrics, guard, ProfilerHook(c.profiling, c.job.dump_folder, rank, self.device)]
-        if self.val_loader is not None:
+        if self.val_loaders:
             hooks.append(ValidationHook(c.validation, self.validate))
         if sampling is not None:
             hooks.append(sampling)
@@ -285,6 +336,8 @@ class Trainer:
                         continue
                     state.step += 1
                     state.tokens_seen += result.tokens
+                    if (per_source := result.extra.pop("source_tokens", None)) is not None:
+                        state.count_sources([data.name for data, _ in self.train_sources], per_source)
                     call_hooks(hooks, "on_step_end", state, result)
         except BaseException:  # the loop's error is the one to report; closing may fail too (a full disk)
             try:
@@ -309,7 +362,13 @@ class Trainer:
         batches = None if steps == -1 else steps * self.grad_accum_steps
         kw = dict(parallel_dims=self.parallel_dims, device=self.device, autocast_dtype=self.train_step.autocast_dtype)
         kw.update(pipeline=self.train_step.pipeline, token_bytes=self.token_bytes)
-        return validation_loss(self.model, self.val_loader, max_batches=batches, **kw)
+        results = {
+            name: (w, validation_loss(self.model, loader, max_batches=batches, **kw))
+            for name, (w, loader) in self.val_loaders.items()
+        }
+        if not self.cfg.validation.mixture:
+            return next(iter(results.values()))[1]
+        return combine_validation(results)
 
     def evaluate_tasks(self) -> dict[str, dict]:
         """``[eval]``: each task's scores (:func:`titanlite.eval.evaluate`); every rank takes part, each
@@ -386,8 +445,8 @@ def main(argv: list[str] | None = None, trainer_cls: type | None = None, load_co
         with trainer.preemption:  # SIGTERM/SIGINT: finish the step, checkpoint, exit (titanlite.preemption)
             trainer.train()
         code = trainer.preemption.exit_status()  # 128 + signal number when stopped with nothing to resume from
-    except TrainingDivergedError as e:  # [guard] policy = raise, or too many skips: every rank's verdict
-        logger.error("training stopped: %s", e)
+    except (TrainingDivergedError, DataExhausted) as e:  # [guard] policy = raise, or too many skips; a
+        logger.error("training stopped: %s", e)  # mixture source ran out with mixture_on_exhausted = "stop"
         code = 1
     except DiskFullError as e:  # the metrics log (rank 0); an asynchronous save may be failing behind it
         exit_with_error(f"{e}; {trainer.checkpointer.intact()}" if trainer.checkpointer.enabled else e, every_rank=True)

@@ -96,6 +96,21 @@ def loss_sums_of(logits: torch.Tensor, labels: torch.Tensor, token_bytes: torch.
     return torch.stack([total, to_local_value(cross_entropy_sum(logits, text_labels))])
 
 
+def combine_validation(results: dict[str, tuple[float, dict[str, float]]]) -> dict[str, float]:
+    """A mixture's validation from each source's (``name -> (weight, validation_loss result)``): every
+    source's figures as ``val_loss/<name>`` (``val_bpb/<name>``), and ``val_loss`` (``val_bpb``) as their
+    mean weighted by the mixture weights, the loss the training mixture is expected to have."""
+    total = sum(w for w, _ in results.values())
+    out: dict[str, float] = {}
+    for key in ("val_loss", "val_bpb"):
+        if all(key in r for _, r in results.values()):
+            out[key] = sum(w * r[key] for w, r in results.values()) / total
+    out["val_perplexity"] = math.exp(min(out["val_loss"], 80.0))
+    for name, (_, r) in results.items():
+        out.update({f"{key}/{name}": value for key, value in r.items() if key != "val_perplexity"})
+    return out
+
+
 def bytes_of(token_bytes: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The bytes of text each label stands for, 0 at masked labels (-100 would index from the end)."""
     return torch.where(labels == -100, 0, token_bytes[labels.clamp(min=0)])
@@ -113,10 +128,13 @@ class ValidationHook(Hook):
                 val = {"step": state.step, **self.evaluate()}
             state.log(val)
             bpb = f" | bits per byte {val['val_bpb']:.4f}" if "val_bpb" in val else ""
+            names = [k.removeprefix("val_loss/") for k in val if k.startswith("val_loss/")]
+            per_source = " | " + ", ".join(f"{n} {val['val_loss/' + n]:.4f}" for n in names) if names else ""
             logger.info(
-                "step %d | validation loss %.4f | perplexity %.2f%s",
+                "step %d | validation loss %.4f | perplexity %.2f%s%s",
                 state.step,
                 val["val_loss"],
                 val["val_perplexity"],
                 bpb,
+                per_source,
             )

@@ -84,6 +84,7 @@ def source_windows(
     *,
     loss_mask: str = "none",
     eos_id: int | None = None,
+    pad_id: int | None = None,
     seed: int = 0,
     **kwargs: Any,
 ) -> TokenWindows:
@@ -91,7 +92,8 @@ def source_windows(
     tokens with ``loss_mask = "assistant"``), the cut token stream otherwise."""
     if data.chat:
         mask = data.mask if loss_mask == "assistant" else None
-        return TokenWindows(data.tokens, seq_len, mask=mask, doc_offsets=data.doc_offsets, seed=seed, **kwargs)
+        kwargs.update(mask=mask, doc_offsets=data.doc_offsets, pad_id=pad_id)
+        return TokenWindows(data.tokens, seq_len, eos_id=eos_id, seed=seed, **kwargs)
     return TokenWindows(data.tokens, seq_len, eos_id=eos_id, seed=seed, **kwargs)
 
 
@@ -102,6 +104,7 @@ def training_dataset(
     *,
     loss_mask: str,
     eos_id: int | None,
+    pad_id: int | None,
     seed: int,
     dp_rank: int,
     dp_world: int,
@@ -112,6 +115,7 @@ def training_dataset(
     """The training windows: one source's :class:`TokenWindows` (the same windows, order and state as
     before mixtures existed), or a :class:`MixtureWindows` over several (each source with its own seed)."""
     kw = dict(dp_rank=dp_rank, dp_world=dp_world, batch_size=batch_size, loss_mask=loss_mask, eos_id=eos_id)
+    kw["pad_id"] = pad_id
     if not mixture:
         return source_windows(sources[0], seq_len, seed=seed, name="train", **kw)
     windows = [

@@ -1,0 +1,175 @@
+"""Training recipes end to end: a two-source mixture (accounting, per-source validation, exact resume),
+an SFT stage started from a pretraining checkpoint with assistant-only loss, and packed conversations
+kept apart by the block-causal mask."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny import TINY_MODEL
+
+from titanlite.data.chat import encode_conversations, render_conversation
+from titanlite.data.recipe import SourceData, source_windows
+from titanlite.models import load_config
+from titanlite.train import Trainer, main
+
+CHAT = Path(__file__).parent / "fixtures" / "chat"
+PACKAGE = Path(__file__).resolve().parents[1] / "titanlite"
+BASE = [*TINY_MODEL, "--training.seq_len", "64", "--metrics.log_freq", "1", "--training.seed", "3"]
+BASE += ["--lr_scheduler.warmup_steps", "1", "--training.local_batch_size", "4"]
+
+
+def text_corpus(tmp_path: Path) -> Path:
+    """A second corpus of real text: titanlite's own data modules."""
+    folder = tmp_path / "corpus"
+    folder.mkdir(exist_ok=True)
+    for f in sorted((PACKAGE / "data").glob("*.py")):
+        (folder / f"{f.stem}.txt").write_text(f.read_text())
+    return folder
+
+
+def mixture_toml(tmp_path: Path, corpus: Path, validation: bool = True) -> Path:
+    body = f"""[training]
+mixture = [{{dataset = "embedded", weight = 0.75}}, {{path = "{corpus}", weight = 0.25, name = "ours"}}]
+"""
+    if validation:
+        body += f"""[validation]
+enable = true
+freq = 4
+steps = 2
+mixture = [{{dataset = "embedded", weight = 0.75}}, {{path = "{corpus}", weight = 0.25, name = "ours"}}]
+"""
+    path = tmp_path / "mixture.toml"
+    path.write_text(body)
+    return path
+
+
+def records(dump: Path) -> list[dict]:
+    return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+
+
+def train(dump: Path, *args: str) -> Trainer:
+    trainer = Trainer(load_config(BASE + ["--job.dump_folder", str(dump), *args]))
+    trainer.train()
+    return trainer
+
+
+def test_mixture_run_accounts_per_source_and_resumes_exactly(tmp_path):
+    toml = mixture_toml(tmp_path, text_corpus(tmp_path))
+    run = ["--config", str(toml), "--training.steps", "8", "--checkpoint.enable", "--checkpoint.interval", "4"]
+    run += ["--checkpoint.last_save_model_only", "false"]
+    full = train(tmp_path / "full", *run)
+    steps = [r for r in records(tmp_path / "full") if "loss" in r]
+    assert len(steps) == 8
+    # tokens per source add up to the tokens seen, and follow the weights
+    for r in steps:
+        assert r["tokens_seen/embedded"] + r["tokens_seen/ours"] == r["tokens_seen"]
+    share = steps[-1]["tokens_seen/ours"] / steps[-1]["tokens_seen"]
+    n = 8 * 4  # windows
+    assert abs(share - 0.25) < 4 * math.sqrt(0.25 * 0.75 / n)
+    # validation reports each source and their weighted mean
+    val = [r for r in records(tmp_path / "full") if "val_loss" in r]
+    assert [v["step"] for v in val] == [4, 8]
+    for v in val:
+        assert v["val_loss"] == pytest.approx(0.75 * v["val_loss/embedded"] + 0.25 * v["val_loss/ours"], rel=1e-12)
+    assert val[0]["val_loss/ours"] != val[0]["val_loss/embedded"]
+    full.checkpointer.close()
+
+    # resume from step 4: the same losses, bitwise, and the same accounting
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoint").mkdir(parents=True)
+    shutil.copytree(tmp_path / "full" / "checkpoint" / "step-4", resumed / "checkpoint" / "step-4")
+    train(resumed, *run)
+    again = [r for r in records(resumed) if "loss" in r]
+    for a, b in zip(again[-4:], steps[-4:]):
+        assert a["step"] == b["step"]
+        assert (a["loss"], a["tokens_seen/embedded"], a["tokens_seen/ours"]) == (
+            b["loss"],
+            b["tokens_seen/embedded"],
+            b["tokens_seen/ours"],
+        )
+
+
+def test_a_source_that_runs_out_stops_the_run_with_one_line(tmp_path, caplog):
+    small = tmp_path / "small"
+    small.mkdir()
+    (small / "a.txt").write_text("x" * 400)  # 6 windows of 65 tokens
+    toml = tmp_path / "m.toml"
+    toml.write_text(
+        f'[training]\nmixture_on_exhausted = "stop"\n'
+        f'mixture = [{{dataset = "embedded", weight = 0.5}}, {{path = "{small}", weight = 0.5}}]\n'
+    )
+    with pytest.raises(SystemExit) as e, caplog.at_level(logging.INFO, logger="titanlite"):
+        main(BASE + ["--job.dump_folder", str(tmp_path / "run"), "--config", str(toml), "--training.steps", "20"])
+    assert e.value.code == 1
+    out = caplog.text
+    assert "training stopped: training data source 'small' ran out after 1 epoch(s) of 6 windows" in out
+
+
+def first_batch_loss(model, tokenizer, seq_len: int) -> float:
+    """The assistant-only loss of the first SFT batch, computed here from the conversations themselves."""
+    tokens, mask, offsets = encode_conversations(tokenizer, CHAT / "train.jsonl")
+    data = SourceData("chat", tokens, mask, offsets)
+    eos = tokenizer.eos_id
+    windows = source_windows(data, seq_len, loss_mask="assistant", eos_id=eos, pad_id=eos, seed=3, batch_size=4)
+    it = iter(windows)
+    batch = [next(it) for _ in range(4)]
+    inputs = torch.stack([b["input_ids"] for b in batch])
+    labels = torch.stack([b["labels"] for b in batch])
+    doc = torch.stack([b["document_ids"] for b in batch])
+    with torch.no_grad():
+        logits = model(inputs, document_ids=doc)
+    logp = F.log_softmax(logits.float(), -1)
+    keep = labels != -100
+    return float(-logp[keep].gather(-1, labels[keep][:, None]).mean())
+
+
+def test_sft_stage_from_a_pretraining_checkpoint_trains_on_assistant_tokens(tmp_path):
+    pre = ["--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "4"]
+    train(tmp_path / "pretrain", *pre)
+    seed = tmp_path / "pretrain" / "checkpoint" / "step-4"
+    sft = ["--training.dataset", "chat", "--training.dataset_path", str(CHAT / "train.jsonl")]
+    sft += ["--training.loss_mask", "assistant", "--model.attn_mask_type", "block_causal"]
+    sft += ["--checkpoint.initial_load_path", str(seed), "--training.steps", "12", "--optimizer.lr", "1e-2"]
+    trainer = Trainer(load_config(BASE + ["--job.dump_folder", str(tmp_path / "sft"), *sft]))
+    trainer.resume()
+    expected = first_batch_loss(trainer.model, trainer.tokenizer, 64)
+    trainer.train()
+    steps = [r for r in records(tmp_path / "sft") if "loss" in r]
+    assert steps[0]["loss"] == pytest.approx(expected, rel=1e-5)  # the loaded weights, assistant tokens only
+    assert 0 < steps[0]["loss_tokens"] < steps[0]["tokens_seen"]
+    assert trainer.state.step == 12 and sum(r["loss"] for r in steps[-3:]) / 3 < 0.8 * steps[0]["loss"]
+
+
+def test_packed_conversations_do_not_attend_to_each_other(tmp_path):
+    """Block-causal packing: a conversation's logits do not depend on the one before it in its window
+    (with plain causal attention they do: the check has teeth)."""
+    trainer = Trainer(
+        load_config(BASE + ["--job.dump_folder", str(tmp_path), "--model.attn_mask_type", "block_causal"])
+    )
+    tok, model = trainer.tokenizer, trainer.model
+    convs = [
+        [{"role": "user", "content": "Reverse: catdog"}, {"role": "assistant", "content": "godtac"}],
+        [{"role": "user", "content": "Reverse: dogcat"}, {"role": "assistant", "content": "tacgod"}],  # same length
+        [{"role": "user", "content": "Uppercase: moon"}, {"role": "assistant", "content": "MOON"}],
+    ]
+    ids = [render_conversation(tok, c)[0] + [tok.eos_id] for c in convs]
+    assert len(ids[0]) == len(ids[1])
+    first, second = torch.tensor([ids[0] + ids[2]]), torch.tensor([ids[1] + ids[2]])
+    from titanlite.data.windows import document_ids
+
+    with torch.no_grad():
+        a = model(first, document_ids=document_ids(first, tok.eos_id))
+        b = model(second, document_ids=document_ids(second, tok.eos_id))
+        one_doc = torch.zeros_like(first)  # one document: plain causal attention
+        causal_a, causal_b = model(first, document_ids=one_doc), model(second, document_ids=one_doc)
+    tail = slice(len(ids[0]), None)
+    assert torch.equal(a[0, tail], b[0, tail])
+    assert not torch.allclose(causal_a[0, tail], causal_b[0, tail])
