@@ -173,3 +173,52 @@ def test_packed_conversations_do_not_attend_to_each_other(tmp_path):
     tail = slice(len(ids[0]), None)
     assert torch.equal(a[0, tail], b[0, tail])
     assert not torch.allclose(causal_a[0, tail], causal_b[0, tail])
+
+
+def stages_toml(tmp_path: Path) -> Path:
+    path = tmp_path / "stages.toml"
+    path.write_text("[training]\nseq_len_schedule = [{seq_len = 32, fraction = 0.5}, {seq_len = 64}]\n")
+    return path
+
+
+def test_seq_len_schedule_switches_mid_run_and_resumes_exactly_across_the_switch(tmp_path, caplog):
+    run = ["--config", str(stages_toml(tmp_path)), "--training.steps", "6", "--checkpoint.enable"]
+    run += ["--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "false"]
+    with caplog.at_level(logging.INFO, logger="titanlite"):
+        full = train(tmp_path / "full", *run)
+    steps = [r for r in records(tmp_path / "full") if "loss" in r]
+    # the global batch in tokens is constant: 4 x 64 = 8 x 32 tokens per step
+    assert [r["tokens_seen"] for r in steps] == [256 * k for k in range(1, 7)]
+    assert "stage 2 of 2 from step 4: seq_len 64, 4 sequences per micro-batch" in caplog.text
+    # MFU follows each stage's FLOPs per token (attention grows with seq_len)
+    assert full.stage_flops[0] < full.stage_flops[1]
+    full.checkpointer.close()
+    # a checkpoint in stage 1 (step 2) resumed: the switch at step 4 and every loss as uninterrupted
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoint").mkdir(parents=True)
+    shutil.copytree(tmp_path / "full" / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
+    train(resumed, *run)
+    again = {r["step"]: r["loss"] for r in records(resumed) if "loss" in r}
+    assert again == {r["step"]: r["loss"] for r in steps if r["step"] > 2}
+
+
+def test_stage_batches_have_the_stage_shape(tmp_path):
+    trainer = Trainer(load_config(BASE + ["--job.dump_folder", str(tmp_path), "--config", str(stages_toml(tmp_path))]))
+    trainer.enter_stage(1)
+    first = next(iter(trainer.train_loader))
+    trainer.enter_stage(trainer.run_plan.stages[1].first_step)
+    second = next(iter(trainer.train_loader))
+    assert first["input_ids"].shape == (8, 32) and second["input_ids"].shape == (4, 64)
+
+
+def test_a_token_budget_stops_at_exactly_the_budget(tmp_path, caplog):
+    budget = 5 * 4 * 64  # 5 steps of 4 sequences x 64 tokens
+    with caplog.at_level(logging.INFO, logger="titanlite"):
+        trainer = train(tmp_path / "run", "--training.tokens", str(budget), "--training.steps", "1000")
+    assert trainer.state.step == 5 and trainer.state.tokens_seen == budget
+    assert (
+        "5 steps x 256 tokens (local batch 4 x dp 1 x grad accumulation 1 x seq_len 64) = 1,280 tokens" in caplog.text
+    )
+    assert "token budget training.tokens = 1,280: 5 steps train 1,280 tokens, exactly the budget" in caplog.text
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["tokens_seen"] == budget

@@ -33,6 +33,7 @@ from titanlite.data.loader import build_dataloader
 from titanlite.data.mixture import DataExhausted
 from titanlite.data.recipe import SourceData, load_source, mixture_entries, source_windows, training_dataset
 from titanlite.data.shards import ShardIntegrityError
+from titanlite.data.staged import StagedLoader
 from titanlite.dtypes import DTYPES
 from titanlite.eval import evaluate, get_task
 from titanlite.eval.hook import EvalHook
@@ -60,6 +61,7 @@ from titanlite.parallel.policies import Policies
 from titanlite.preemption import PreemptionHandler, PreemptionHook
 from titanlite.profiling import ProfilerHook
 from titanlite.run_lock import RunLock
+from titanlite.run_plan import RunPlan, plan_run
 from titanlite.sampling import SamplingHook
 from titanlite.tokenizer import token_byte_lengths
 from titanlite.train_step import TrainStep, grad_accum_steps
@@ -98,6 +100,8 @@ class Trainer:
         run_on_rank0(lambda: self.run_lock.acquire() and None)
         self.grad_accum_steps = grad_accum_steps(t.global_batch_size, t.local_batch_size, self.parallel_dims.dp_degree)
         self.global_batch = t.local_batch_size * self.parallel_dims.dp_degree * self.grad_accum_steps
+        self.run_plan = self.build_run_plan()  # the token budget and the seq_len stages, checked before building
+        self.total_steps = self.run_plan.total_steps
         set_seed(t.seed, t.deterministic)
         self.spec = get_model_spec(cfg.model.name)
         self.tokenizer = self.build_tokenizer()
@@ -107,17 +111,18 @@ class Trainer:
         self.model_args = model_args_for(cfg.model, self.tokenizer.vocab_size)
         if source := self.model_args_source():  # its RoPE, norm eps ... unless [model] sets them
             self.model_args = model_args_from_seed(self.spec, self.model_args, cfg.model.overrides, *source)
-        check_seq_len(self.model_args, t.seq_len)
+        check_seq_len(self.model_args, max(t.seq_len, self.run_plan.max_seq_len))
         self.pipeline_plan = self.build_pipeline_plan()
         self.model = self.build_model()
         n_params, self.flops_per_token = model_counts(self.spec, self.model_args, t.seq_len)
+        self.stage_flops = [model_counts(self.spec, self.model_args, s.seq_len)[1] for s in self.run_plan.stages]
         self.n_params = n_params if self.pipeline_plan else num_params(self.model)  # a stage holds a part
         self.optimizer = self.build_optimizer()
         self.lr_scheduler = self.build_lr_scheduler()
-        self.train_loader = self.build_dataloader("train")
+        self.train_loader = self.build_train_loader()
         self.val_loaders = self.build_val_loaders() if cfg.validation.enable else {}
         self.train_step = self.build_train_step()
-        self.state = LoopState(total_steps=t.steps)
+        self.state = LoopState(total_steps=self.total_steps)
         self.preemption = PreemptionHandler()
         self.guard = StepGuard(cfg.guard, self.device)
         self.checkpointer = self.build_checkpointer()  # it checks what to resume against the model
@@ -165,7 +170,7 @@ class Trainer:
 
     def build_lr_scheduler(self) -> Any:
         build = components.get("lr_scheduler", self.cfg.lr_scheduler.name)
-        return build(self.optimizer, self.cfg.lr_scheduler, self.cfg.training.steps)
+        return build(self.optimizer, self.cfg.lr_scheduler, self.total_steps)
 
     def build_loss(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """The ``[training] loss`` (a token sum), compiled with ``[compile] components = ["loss"]``."""
@@ -205,16 +210,66 @@ class Trainer:
         block_causal = getattr(self.model_args, "attn_mask_type", "causal") != "causal"
         return self.tokenizer.eos_id if block_causal else None
 
-    def build_dataloader(self, split: str = "train"):
-        """The training batches: one source's windows, or a weighted mixture of ``[training] mixture``."""
+    def build_run_plan(self) -> RunPlan:
+        """``[training] steps | tokens`` and ``seq_len_schedule`` as stages (:mod:`titanlite.run_plan`)."""
+        c, t, dims = self.cfg, self.cfg.training, self.parallel_dims
+        kw = dict(seq_len=t.seq_len, local_batch_size=t.local_batch_size, grad_accum_steps=self.grad_accum_steps)
+        plan = plan_run(steps=t.steps, tokens=t.tokens, dp_degree=dims.dp_degree, schedule=t.seq_len_schedule, **kw)
+        if c.lr_scheduler.warmup_steps > plan.total_steps:
+            raise ValueError(
+                f"lr_scheduler.warmup_steps ({c.lr_scheduler.warmup_steps}) must be <= the run's {plan.total_steps} "
+                f"steps (training.tokens = {t.tokens:,})"
+            )
+        if t.seq_len_schedule:
+            if dims.pp_enabled:
+                raise ValueError("training.seq_len_schedule is not supported with pipeline parallelism")
+            if c.guard.policy == "rollback" and c.guard.rollback_skip_data:
+                raise ValueError(
+                    "guard.policy = 'rollback' with guard.rollback_skip_data is not supported with "
+                    "training.seq_len_schedule (the skipped batches may span stages): set rollback_skip_data = false"
+                )
+            for i, s in enumerate(plan.stages):
+                dims.check_tp_divides(**{f"training.seq_len_schedule[{i}].seq_len": s.seq_len})
+        return plan
+
+    def build_train_loader(self):
+        """The training batches; with a ``seq_len_schedule``, a :class:`StagedLoader` over the stages."""
+        if not self.cfg.training.seq_len_schedule:
+            return self.build_dataloader("train")
+        return StagedLoader(lambda i: self.build_dataloader("train", stage=i), self.run_plan.stage_index(1))
+
+    def build_dataloader(self, split: str = "train", stage: int | None = None):
+        """The training batches: one source's windows, or a weighted mixture of ``[training] mixture``; at
+        ``stage``'s seq_len and local batch (its data order seeded from the seed and the stage)."""
         t, dims = self.cfg.training, self.parallel_dims
+        seq_len, batch, seed = t.seq_len, t.local_batch_size, t.seed
+        if stage is not None:
+            s = self.run_plan.stages[stage]
+            seq_len, batch, seed = s.seq_len, s.local_batch_size, t.seed + 1_000 * stage
         sources = self.train_sources
-        kw = dict(loss_mask=t.loss_mask, eos_id=self.eos_id_for_documents, seed=t.seed, dp_rank=self.dp_rank)
+        kw = dict(loss_mask=t.loss_mask, eos_id=self.eos_id_for_documents, seed=seed, dp_rank=self.dp_rank)
         kw["pad_id"] = self.tokenizer.eos_id
-        kw.update(dp_world=dims.dp_degree, batch_size=t.local_batch_size, on_exhausted=t.mixture_on_exhausted)
+        kw.update(dp_world=dims.dp_degree, batch_size=batch, on_exhausted=t.mixture_on_exhausted)
         weights = [w for _, w in sources]
-        dataset = training_dataset([s for s, _ in sources], weights, t.seq_len, mixture=bool(t.mixture), **kw)
-        return build_dataloader(None, dataset=dataset, batch_size=t.local_batch_size)
+        dataset = training_dataset([s for s, _ in sources], weights, seq_len, mixture=bool(t.mixture), **kw)
+        return build_dataloader(None, dataset=dataset, batch_size=batch)
+
+    def enter_stage(self, step: int) -> None:
+        """Put the loader, the accumulation and the FLOPs per token (MFU) on the stage of ``step``."""
+        if not self.cfg.training.seq_len_schedule:
+            return
+        i = self.run_plan.stage_index(step)
+        stage = self.run_plan.stages[i]
+        self.train_step.grad_accum_steps = stage.grad_accum_steps
+        if getattr(self, "metrics_hook", None) is not None:
+            self.metrics_hook.flops_per_token = self.stage_flops[i]
+        if self.train_loader.stage != i:
+            self.train_loader.set_stage(i)
+            logger.info(
+                f"stage {i + 1} of {len(self.run_plan.stages)} from step {step}: seq_len {stage.seq_len}, "
+                f"{stage.local_batch_size} sequences per micro-batch x grad accumulation {stage.grad_accum_steps}, "
+                f"{stage.tokens_per_step:,} tokens per step"
+            )
 
     def build_val_loaders(self) -> dict[str, tuple[float, Any]]:
         """``[validation]``: a finite, unshuffled loader per source (name -> (weight, loader))."""
@@ -252,7 +307,7 @@ class Trainer:
         states.update(dataloader=self.train_loader, train_state=self.state, guard=self.guard)
         folder = Path(c.job.dump_folder) / c.checkpoint.folder
         kw = dict(dp_rank=self.dp_rank, device=self.device, info=info, config_toml=config_to_toml(c))
-        kw.update(final_step=c.training.steps)
+        kw.update(final_step=self.total_steps)
         return CheckpointManager(c.checkpoint, folder, states, **kw)
 
     def build_hooks(self) -> list[Hook]:
@@ -262,13 +317,13 @@ class Trainer:
         kw = dict(device=self.device, autocast_dtype=self.train_step.autocast_dtype)  # first: it checks its prompts
         sampling = SamplingHook(c.sampling, self.model, self.tokenizer, **kw) if c.sampling.enable else None
         log = MetricsLogger(c.metrics, c.job.dump_folder, rank)
-        metrics = MetricsHook(
+        self.metrics_hook = metrics = MetricsHook(
             c.metrics,
             log,
             device=self.device,
             world_size=self.world.world_size,
             model=self.model,
-            flops_per_token=self.flops_per_token,
+            flops_per_token=self.stage_flops[self.run_plan.stage_index(self.state.step + 1)],
             matmul_dtype=matmul_dtype(c.training.mixed_precision_param, float8, self.device),
             summary_path=Path(c.job.dump_folder) / "summary.json" if main else None,
             pp_group=self.parallel_dims.pp_group,
@@ -329,6 +384,7 @@ class Trainer:
         try:
             with quiet_view_warning():
                 while state.step < state.total_steps and not state.stop:
+                    self.enter_stage(state.step + 1)
                     before_update = lambda r: call_hooks(hooks, "before_update", state, r)  # noqa: E731
                     result = self.train_step(state.data_iter, before_update, step=state.step + 1)
                     if result.action == "rollback":  # the guard reloaded a checkpoint: state.step went back
@@ -398,6 +454,9 @@ class Trainer:
             f"batch: {self.global_batch} sequences x {t.seq_len} tokens = {self.global_batch * t.seq_len:,} tokens "
             f"per optimizer step (local batch {t.local_batch_size} x dp {dp} x grad accumulation {accum})"
         )
+        if t.tokens > 0 or t.seq_len_schedule:
+            for line in self.run_plan.log_lines:
+                logger.info(line)
         if (plan := self.pipeline_plan) is not None:
             logger.info(
                 f"pipeline: {plan.schedule} over {plan.degree} ranks, {plan.num_stages} stages of "

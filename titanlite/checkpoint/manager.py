@@ -206,7 +206,10 @@ class CheckpointManager:
             raise ValueError(f"CheckpointManager needs exactly one nn.Module in states, got {len(modules)}")
         self.model_key, self.model = modules[0]
         self.optimizers = {k: v for k, v in states.items() if isinstance(v, torch.optim.Optimizer)}
-        self.per_rank = {k: (v, f"dp_rank_{dp_rank}") for k, v in states.items() if isinstance(v, StatefulDataLoader)}
+        per_rank = [
+            k for k, v in states.items() if isinstance(v, StatefulDataLoader) or getattr(v, "per_rank_state", 0)
+        ]
+        self.per_rank = {k: (states[k], f"dp_rank_{dp_rank}") for k in per_rank}  # data positions
         self.per_rank["rng"] = (RNGState(device), f"rank_{self.rank}")
         self.shared = {
             k: v

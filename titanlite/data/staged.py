@@ -1,0 +1,56 @@
+"""The training batches of a run with sequence-length stages (``[training] seq_len_schedule``).
+
+:class:`StagedLoader` holds the current stage's loader, built by ``build(stage_index)`` (a
+StatefulDataLoader at that stage's seq_len and local batch, its data order seeded from the training
+seed and the stage). Iterating it yields the current stage's batches; :meth:`set_stage` switches to
+a fresh loader for another stage, which starts at that stage's beginning (a new shuffle of the data:
+the windows of another length are other windows). Its state, saved per data-parallel rank like a
+plain loader's, is the stage index plus that stage's loader state, so a resume on either side of a
+switch continues exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class StagedLoader:
+    per_rank_state = True  # checkpointed per data-parallel rank, like a StatefulDataLoader
+
+    def __init__(self, build: Callable[[int], Any], stage: int = 0):
+        self.build, self.stage = build, stage
+        self.loader = build(stage)
+        self._it: Iterator | None = None
+
+    def set_stage(self, stage: int) -> None:
+        """Train on ``stage`` from now on (a no-op when it is the current one)."""
+        if stage == self.stage:
+            return
+        self.stage, self.loader = stage, self.build(stage)
+        self._it = iter(self.loader)
+
+    def __iter__(self) -> Iterator[dict]:
+        self._it = iter(self.loader)
+
+        def batches() -> Iterator[dict]:
+            while True:  # reads whichever stage's iterator is current (set_stage swaps it)
+                try:
+                    batch = next(self._it)
+                except StopIteration:
+                    return
+                yield batch
+
+        return batches()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stage": self.stage, "loader": self.loader.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        stage = int(state["stage"])
+        if stage != self.stage:
+            self.stage, self.loader = stage, self.build(stage)
+        self.loader.load_state_dict(state["loader"])
