@@ -99,6 +99,50 @@ def build(args: argparse.Namespace, rest: list[str]):
     return cfg, shape, setup, plan
 
 
+def stage_plans(args, cfg, shape: ModelShape, setup: RunSetup, plan) -> list[tuple]:
+    """With ``[training] seq_len_schedule``: each stage's (stage, planner plan), planned at its own seq_len,
+    micro-batch and share of the tokens (``plan.tokens``), with the family's FLOPs per token at that length."""
+    import copy
+
+    from titanlite.models import get_model_spec, make_model_args
+    from titanlite.models.registry import model_counts
+    from titanlite.run_plan import plan_run as plan_stages
+
+    t = cfg.training
+    kw = dict(seq_len=t.seq_len, local_batch_size=t.local_batch_size, grad_accum_steps=setup.grad_accum)
+    stages = plan_stages(steps=1, tokens=int(plan.tokens), dp_degree=setup.dp_degree, schedule=t.seq_len_schedule, **kw)
+    args_ = make_model_args(cfg.model.name, cfg.model.flavor, **cfg.model.overrides)
+    out = []
+    for st in stages.stages:
+        c = copy.deepcopy(cfg)
+        c.training.seq_len, c.training.local_batch_size = st.seq_len, st.local_batch_size
+        c.training.global_batch_size = st.local_batch_size * setup.dp_degree * st.grad_accum_steps
+        s_setup = RunSetup.from_config(c, setup.num_gpus, setup.pp_stage_sizes)
+        fpt = model_counts(get_model_spec(cfg.model.name), args_, st.seq_len)[1]
+        kw = dict(mfu=plan.mfu, peak_flops=plan.peak_flops, matmul_dtype=plan.matmul_dtype, flops_per_token_=fpt)
+        kw.update(gpu_memory=plan.gpu_memory, price_per_gpu_hour=args.price_per_gpu_hour)
+        out.append((st, plan_run(shape, s_setup, tokens=st.steps * st.tokens_per_step, **kw)))
+    return out
+
+
+def stages_report(stages: list[tuple]) -> str:
+    """One line per stage, then the run: the stages' times added, the largest memory peak."""
+    lines = ["stages     (training.seq_len_schedule; each planned at its own seq_len and micro-batch)"]
+    for i, (st, p) in enumerate(stages):
+        wall = "time unknown" if p.wall_s is None else format_duration(p.wall_s)
+        lines.append(
+            f"  {i + 1}. seq_len {st.seq_len}: {p.steps:,} steps x {st.tokens_per_step:,} tokens, "
+            f"{p.flops_per_token:.4g} FLOPs/token, {wall}, memory peak {p.memory['total'] / 1e9:.2f} GB"
+        )
+    walls = [p.wall_s for _, p in stages]
+    worst = max(p.memory["total"] for _, p in stages)
+    total = "unknown" if None in walls else format_duration(sum(walls))
+    fits = all(p.fits for _, p in stages) if all(p.fits is not None for _, p in stages) else None
+    verdict = "" if fits is None else f"; {'FITS' if fits else 'DOES NOT FIT'} at every stage"
+    lines.append(f"  run: {total} in all, largest memory peak {worst / 1e9:.2f} GB{verdict}")
+    return "\n".join(lines)
+
+
 def report(args, cfg, shape: ModelShape, setup: RunSetup, plan) -> str:
     gb = 1e9
     lines = [
@@ -184,6 +228,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out, indent=1, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v))
     else:
         print(report(args, cfg, shape, setup, plan))
+        if cfg.training.seq_len_schedule:
+            try:
+                print(stages_report(stage_plans(args, cfg, shape, setup, plan)))
+            except (ConfigError, ValueError) as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
     return 0
 
 

@@ -739,3 +739,33 @@ def test_pipeline_stage_memory_matches_measured_cpu_memory(schedule, monkeypatch
             got["increase"] = min(got["increase"], measure()[rank]["increase"])
         print(f"{schedule} pp rank {rank}: planner {want / 1e6:.1f} MB, measured {got['increase'] / 1e6:.1f} MB")
         assert want == pytest.approx(got["increase"], rel=0.25), (schedule, rank, want / 1e6, got)
+
+
+def test_estimate_plans_each_seq_len_stage(tmp_path, capsys):
+    """With a seq_len_schedule each stage is planned at its own length: its FLOPs per token are the
+    single-length plan's at that length, its steps the stage's share, and the run's time is their sum."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("estimate", REPO / "scripts" / "estimate.py")
+    estimate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(estimate)
+    toml = tmp_path / "s.toml"
+    toml.write_text(
+        "[model]\nflavor = '1B'\n[training]\nseq_len = 2048\nlocal_batch_size = 8\nglobal_batch_size = 512\n"
+        "seq_len_schedule = [{seq_len = 2048, fraction = 0.9}, {seq_len = 4096}]\n"
+    )
+    common = ["--gpu", "H100", "--num-gpus", "8", "--tokens", "20e9", "--json"]
+
+    def plan(*extra):
+        assert estimate.main(["--model.flavor", "1B", "--training.local_batch_size", "8", *extra, *common]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    at_2048 = plan("--training.seq_len", "2048", "--training.global_batch_size", "512")
+    at_4096 = plan(
+        "--training.seq_len", "4096", "--training.global_batch_size", "256", "--training.local_batch_size", "4"
+    )
+    assert estimate.main(["--config", str(toml), *common[:-1]]) == 0
+    out = capsys.readouterr().out
+    assert f"seq_len 2048: 17,167 steps x 1,048,576 tokens, {at_2048['flops_per_token']:.4g} FLOPs/token" in out
+    assert f"seq_len 4096: 1,907 steps x 1,048,576 tokens, {at_4096['flops_per_token']:.4g} FLOPs/token" in out
+    assert 17_167 + 1_907 == at_2048["steps"]

@@ -24,6 +24,7 @@ and exits without allocating a single weight. :func:`dry_run` returns the same f
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import os
@@ -93,6 +94,17 @@ def _local_numel_fn(global_mesh_names: tuple[str, ...]) -> Callable:
     return fn
 
 
+def _stage_memory(cfg: Any, shape: Any, world_size: int, stage: Any) -> dict[str, Any]:
+    """The modelled memory of one seq_len stage: its length, micro-batch and accumulation."""
+    from titanlite.planner import RunSetup, pipeline_memory
+
+    c = copy.deepcopy(cfg)
+    c.training.seq_len, c.training.local_batch_size = stage.seq_len, stage.local_batch_size
+    dp = RunSetup.from_config(cfg, world_size).dp_degree
+    c.training.global_batch_size = stage.local_batch_size * dp * stage.grad_accum_steps
+    return max(pipeline_memory(shape, RunSetup.from_config(c, world_size)), key=lambda m: m["total"])
+
+
 def dry_run(cfg, world_size: int | None = None, out: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the dry run for ``cfg`` (see module docstring); prints through ``out``, returns a report."""
     import torch.distributed as dist
@@ -105,6 +117,7 @@ def dry_run(cfg, world_size: int | None = None, out: Callable[[str], None] = pri
     from titanlite.parallel.pipeline import PipelinePlan
     from titanlite.parallel.policies import Policies
     from titanlite.planner import ModelShape, RunSetup, param_count, pipeline_memory, usable_memory
+    from titanlite.run_plan import plan_run as plan_stages
     from titanlite.train_step import grad_accum_steps
 
     world_size, source = resolve_world_size(cfg) if world_size is None else (world_size, "argument")
@@ -115,6 +128,8 @@ def dry_run(cfg, world_size: int | None = None, out: Callable[[str], None] = pri
     vocab, vocab_note = _vocab_size(cfg, spec)
     args = model_args_for(cfg.model, vocab)
     plan = PipelinePlan.from_config(par, args.n_layers, t.local_batch_size) if dims.pp_enabled else None
+    kw = dict(seq_len=t.seq_len, local_batch_size=t.local_batch_size, grad_accum_steps=accum, dp_degree=dims.dp_degree)
+    stages = plan_stages(steps=t.steps, tokens=t.tokens, schedule=t.seq_len_schedule, **kw).stages
 
     if world_size > 1:
         if dist.is_available() and dist.is_initialized():
@@ -125,6 +140,8 @@ def dry_run(cfg, world_size: int | None = None, out: Callable[[str], None] = pri
     try:
         dims.build_mesh("cpu")
         dims.check_tp_divides(**{"training.seq_len (sequence parallelism)": t.seq_len})
+        for i, st in enumerate(stages):
+            dims.check_tp_divides(**{f"training.seq_len_schedule[{i}].seq_len": st.seq_len})
         policies = Policies.from_config(par, t, ac, cfg.compile, f8)
         if plan is None:
             models = [parallelize_on_meta(spec, args, dims, policies)[0]]
@@ -141,6 +158,8 @@ def dry_run(cfg, world_size: int | None = None, out: Callable[[str], None] = pri
     setup = RunSetup.from_config(cfg, world_size, plan.stage_sizes if plan else ())
     stage_memory = pipeline_memory(shape, setup)
     memory = max(stage_memory, key=lambda m: m["total"])
+    if t.seq_len_schedule:  # the seq_len stage with the largest modelled peak decides
+        memory = max([memory] + [_stage_memory(cfg, shape, world_size, st) for st in stages], key=lambda m: m["total"])
     gpu_bytes = gpu_memory_bytes(cfg.job.dry_run_gpu)
     usable = None if gpu_bytes is None else usable_memory(gpu_bytes)
     report |= {
