@@ -222,3 +222,29 @@ def test_a_token_budget_stops_at_exactly_the_budget(tmp_path, caplog):
     assert "token budget training.tokens = 1,280: 5 steps train 1,280 tokens, exactly the budget" in caplog.text
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["tokens_seen"] == budget
+
+
+def test_prepared_chat_shards_train_exactly_like_the_raw_conversations(tmp_path):
+    """scripts/prepare_data.py --format chat + dataset = "shards" gives the losses of dataset = "chat"
+    on the same JSONL (same conversations, same packing and masks); a mixture source of such shards
+    made with another tokenizer is refused, naming the folder."""
+    from titanlite.data.prepare import prepare
+
+    shards = tmp_path / "shards"
+    prepare(CHAT / "train.jsonl", shards, "", file_format="chat", log=None)
+    common = ["--training.loss_mask", "assistant", "--model.attn_mask_type", "block_causal", "--training.steps", "3"]
+    raw = train(
+        tmp_path / "raw", *common, "--training.dataset", "chat", "--training.dataset_path", str(CHAT / "train.jsonl")
+    )
+    prepared = train(tmp_path / "prep", *common, "--training.dataset", "shards", "--training.dataset_path", str(shards))
+    assert [r["loss"] for r in raw.state.records if "loss" in r] == [
+        r["loss"] for r in prepared.state.records if "loss" in r
+    ]
+
+    from shared_data import shared_file
+
+    toml = tmp_path / "m.toml"
+    toml.write_text(f'[training]\nmixture = [{{path = "{shards}", weight = 1.0}}]\n')
+    other = ["--model.tokenizer_path", str(shared_file("tokenizers/test_tiktoken.model"))]
+    with pytest.raises(ValueError, match=f"{shards}.*tokenizer"):
+        Trainer(load_config(BASE + ["--job.dump_folder", str(tmp_path / "x"), "--config", str(toml), *other]))
