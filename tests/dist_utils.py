@@ -142,11 +142,11 @@ def run_workers(
 
 def cache_token_stores() -> None:
     """Tokenize each (dataset, split) once per process: tests build many Trainers on the same data."""
-    import titanlite.train as train
+    import titanlite.data.recipe as recipe
 
-    if getattr(train.load_token_store, "_cached", False):
+    if getattr(recipe.load_token_store, "_cached", False):
         return
-    original, cache = train.load_token_store, {}
+    original, cache = recipe.load_token_store, {}
 
     def cached(dataset, path, split, tokenizer):
         key = (dataset, path, split, getattr(tokenizer, "vocab_size", None), getattr(tokenizer, "path", None))
@@ -155,7 +155,7 @@ def cache_token_stores() -> None:
         return cache[key]
 
     cached._cached = True
-    train.load_token_store = cached
+    recipe.load_token_store = cached
 
 
 def _worker_main(module_file: str, fn_name: str, work: str) -> None:

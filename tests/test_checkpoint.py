@@ -25,7 +25,7 @@ from dist_utils import cache_token_stores
 from tiny import TINY_MODEL
 from torch.distributed.checkpoint import load as dcp_load
 
-import titanlite.train as train
+import titanlite.data.recipe as recipe
 from titanlite.checkpoint import layout
 from titanlite.metrics import rewind_metrics_log
 from titanlite.models import load_config
@@ -91,13 +91,14 @@ DRIVER = textwrap.dedent("""
     import torch
     import torch.distributed.checkpoint.filesystem as fs
     import titanlite.metrics as metrics
+    import titanlite.data.recipe as recipe
     import titanlite.train as train
     from titanlite.models import load_config
     from titanlite.hooks import Hook
     from titanlite.train import Trainer
 
     tokens = torch.load(os.environ["TOKENS_FILE"], weights_only=True)
-    train.load_token_store = lambda dataset, path, split, tokenizer: tokens
+    recipe.load_token_store = lambda dataset, path, split, tokenizer: tokens
     metrics.peak_flops = lambda *a, **k: None
 
     kill_at = int(os.environ.get("KILL_AT_STEP", "0"))
@@ -134,7 +135,7 @@ def run_killed(dump: Path, env: dict, *extra: str) -> None:
         from titanlite.models import get_model_spec
 
         tokenizer = get_model_spec(cfg.model.name).tokenizer_builder(cfg.model.tokenizer_path)
-        torch.save(train.load_token_store("embedded", "", "train", tokenizer), tokens_file)
+        torch.save(recipe.load_token_store("embedded", "", "train", tokenizer), tokens_file)
     cmd = [sys.executable, "-c", DRIVER, *TINY, "--job.dump_folder", str(dump), *extra]
     proc = subprocess.run(
         cmd,

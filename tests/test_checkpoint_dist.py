@@ -59,11 +59,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def train_worker(args: dict) -> dict:
+    import titanlite.data.recipe as recipe
     import titanlite.train as train
 
     # save start-up time: the tokens this test process already has, no CPU peak-FLOPs probe
     tokens = torch.load(args["tokens"], weights_only=True)
-    train.load_token_store = lambda dataset, path, split, tokenizer: tokens
+    recipe.load_token_store = lambda dataset, path, split, tokenizer: tokens
     import titanlite.metrics as metrics
 
     metrics.peak_flops = lambda *a, **k: None
@@ -73,13 +74,13 @@ def train_worker(args: dict) -> dict:
 
 
 def tokens_file(folder: Path) -> str:
-    import titanlite.train as train
+    import titanlite.data.recipe as recipe
     from titanlite.tokenizer import build_tokenizer
 
     path = folder / "train_tokens.pt"
     if not path.exists():
         cache_token_stores()
-        torch.save(train.load_token_store("embedded", "", "train", build_tokenizer("")), path)
+        torch.save(recipe.load_token_store("embedded", "", "train", build_tokenizer("")), path)
     return str(path)
 
 

@@ -27,7 +27,7 @@ import torch
 from dist_utils import cache_token_stores
 from test_checkpoint import TINY
 
-import titanlite.train as train
+import titanlite.data.recipe as recipe
 from titanlite.checkpoint import layout
 from titanlite.models import load_config
 from titanlite.train import Trainer
@@ -66,13 +66,14 @@ DRIVER = textwrap.dedent("""
     import titanlite.checkpoint.layout as layout
     import titanlite.checkpoint.manager as manager
     import titanlite.metrics as metrics
+    import titanlite.data.recipe as recipe
     import titanlite.train as train
     from titanlite.hooks import Hook
     from titanlite.models import load_config
     from titanlite.train import Trainer
 
     tokens = torch.load(os.environ["TOKENS_FILE"])
-    train.load_token_store = lambda dataset, path, split, tokenizer: tokens
+    recipe.load_token_store = lambda dataset, path, split, tokenizer: tokens
     metrics.peak_flops = lambda *a, **k: None
     moment, saves = os.environ["KILL"], []
 
@@ -175,7 +176,7 @@ def reference(tmp_path_factory):
     from titanlite.models import get_model_spec
 
     tokenizer = get_model_spec(cfg.model.name).tokenizer_builder(cfg.model.tokenizer_path)
-    torch.save(train.load_token_store("embedded", "", "train", tokenizer), root / "tokens.pt")
+    torch.save(recipe.load_token_store("embedded", "", "train", tokenizer), root / "tokens.pt")
     return root, recs
 
 
