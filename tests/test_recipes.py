@@ -248,3 +248,29 @@ def test_prepared_chat_shards_train_exactly_like_the_raw_conversations(tmp_path)
     other = ["--model.tokenizer_path", str(shared_file("tokenizers/test_tiktoken.model"))]
     with pytest.raises(ValueError, match=f"{shards}.*tokenizer"):
         Trainer(load_config(BASE + ["--job.dump_folder", str(tmp_path / "x"), "--config", str(toml), *other]))
+
+
+def test_shipped_midtrain_and_sft_configs_run_from_a_pretraining_checkpoint(tmp_path, monkeypatch):
+    """train_configs/debug_{model,midtrain,sft}.toml chain: a (short) pretraining run's final checkpoint
+    seeds both stages, which run their mixture / chat data with the configs' own paths."""
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(repo)  # the configs name tests/fixtures/chat/... relative to the repository
+
+    def run(config: str, *extra: str) -> Trainer:
+        args = ["--config", str(repo / "train_configs" / config), "--job.dump_folder", str(tmp_path / config)]
+        args += ["--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps", "1", *extra]
+        trainer = Trainer(load_config(args))
+        trainer.train()
+        return trainer
+
+    short = ["--training.steps", "2", "--training.global_batch_size", "8", "--validation.steps", "1"]
+    run("debug_model.toml", *short, "--checkpoint.interval", "2")
+    seed = str(tmp_path / "debug_model.toml" / "checkpoint" / "step-2")
+    later = [*short, "--checkpoint.interval", "2", "--checkpoint.initial_load_path", seed, "--sampling.enable", "false"]
+    mid = run("debug_midtrain.toml", *later, "--validation.freq", "2")
+    last = [r for r in mid.state.records if "loss" in r][-1]
+    assert last["tokens_seen/chat"] + last["tokens_seen/embedded"] == last["tokens_seen"] == 2 * 8 * 256
+    assert {"val_loss/chat", "val_loss/embedded"} <= set([r for r in mid.state.records if "val_loss" in r][-1])
+    sft = run("debug_sft.toml", *later, "--validation.freq", "2")
+    record = [r for r in sft.state.records if "loss" in r][-1]
+    assert 0 < record["loss_tokens"] < record["tokens_seen"] / 2  # the assistant's tokens only

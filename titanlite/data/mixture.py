@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from titanlite.data.windows import TokenWindows
+from titanlite.data.windows import TokenWindows, check_repartition
 
 logger = logging.getLogger(__name__)
 
@@ -155,13 +155,7 @@ class MixtureWindows(IterableDataset):
                         + (" (its data changed)" if key == "num_windows" else "")
                     )
         if state["dp_world"] != self.dp_world:
-            change = f"the mixture from {state['dp_world']} to {self.dp_world}"
-            if get_worker_info() is not None:
-                raise ValueError(
-                    f"cannot re-partition {change} ranks with DataLoader workers; resume with num_workers=0"
-                )
-            if state["sample"] % self.batch_size:
-                raise ValueError(f"cannot re-partition {change} ranks in the middle of a batch")
+            check_repartition("the mixture", state["dp_world"], self.dp_world, state["sample"], self.batch_size)
             logger.info(
                 "mixture: re-partitioning from %d to %d data-parallel ranks at window %d",
                 state["dp_world"],

@@ -78,6 +78,16 @@ def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
     return starts.cumsum(-1)
 
 
+def check_repartition(what: str, old_world: int, new_world: int, sample: int, batch_size: int) -> None:
+    """A resume onto another data-parallel degree continues from the global cursor; it is refused (one line)
+    inside DataLoader workers (each would re-partition alone) and in the middle of a batch."""
+    change = f"{what} from {old_world} to {new_world}"
+    if get_worker_info() is not None:
+        raise ValueError(f"cannot re-partition {change} ranks with DataLoader workers; resume with num_workers=0")
+    if sample % batch_size:
+        raise ValueError(f"cannot re-partition {change} ranks in the middle of a batch")
+
+
 class TokenWindows(IterableDataset):
     """Stateful iterable over ``{"input_ids", "labels"[, "document_ids"]}`` windows of one rank."""
 
@@ -176,13 +186,7 @@ class TokenWindows(IterableDataset):
                     f"{getattr(self, key)} (the data or its windowing changed)"
                 )
         if state["dp_world"] != self.dp_world:
-            change = f"{self.name} data from {state['dp_world']} to {self.dp_world}"
-            if get_worker_info() is not None:
-                raise ValueError(
-                    f"cannot re-partition {change} ranks with DataLoader workers; resume with num_workers=0"
-                )
-            if state["sample"] % self.batch_size:
-                raise ValueError(f"cannot re-partition {change} ranks in the middle of a batch")
+            check_repartition(f"{self.name} data", state["dp_world"], self.dp_world, state["sample"], self.batch_size)
             msg = "%s data: re-partitioning from %d to %d data-parallel ranks at epoch %d, window %d"
             logger.info(msg, self.name, state["dp_world"], self.dp_world, state["epoch"], state["pos"])
         self.epoch, self.pos, self.sample = state["epoch"], state["pos"], state["sample"]
