@@ -26,6 +26,8 @@ CONFIGS = sorted(
 # config -> (dp_replicate, dp_shard, tp), parameters, tokens per optimizer step (pipeline degrees in PIPELINED)
 EXPECTED = {
     "train_configs/debug_model.toml": ((1, 1, 1), 4_984_064, 16 * 256),
+    "train_configs/debug_midtrain.toml": ((1, 1, 1), 4_984_064, 16 * 256),
+    "train_configs/debug_sft.toml": ((1, 1, 1), 4_984_064, 16 * 256),
     "train_configs/llama1b.toml": ((1, 8, 1), 1_235_814_400, 512 * 2048),
     "train_configs/llama3b.toml": ((1, 8, 1), 3_212_749_824, 512 * 2048),
     "train_configs/llama8b.toml": ((4, 8, 1), 8_030_261_248, 512 * 8192),
