@@ -15,9 +15,7 @@ The eval data is the shared folder's (tests/shared_data.py): tests skip when it 
 
 from __future__ import annotations
 
-import atexit
 import json
-import logging
 import math
 import os
 import subprocess
@@ -183,19 +181,7 @@ def dist_worker(args: dict) -> dict:
     load_full_state_dict(tp_model, plain.model.state_dict() if rank == 0 else None)
     assert isinstance(tp_model(torch.zeros(1, 8, dtype=torch.long)), DTensor)
     out["tp"] = evaluate(tp_model, plain.tokenizer, DIST_TASKS, args["data_dir"], limit=DIST_LIMIT, batch_size=4)
-    atexit.register(skip_finalization)
-    return out
-
-
-def skip_finalization() -> None:
-    """Registered once a worker has its result: dist_utils writes it and destroys the process group, then
-    this ends the process before the interpreter finalizes. A gloo thread that frees a finished
-    all-gather's work during finalization aborts the rank ("terminate called without an active
-    exception", about 1 run in 6 here; scripts/bench.py skips the teardown for the same reason)."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    return out  # dist_utils ends the worker without interpreter finalization (gloo teardown aborts)
 
 
 def test_two_ranks_give_the_records_of_one_process(checkpoint, loaded, data_dir):
