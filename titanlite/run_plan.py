@@ -152,7 +152,7 @@ def plan_run(
 def _log_lines(stages: list[Stage], budget: int | None, dp: int) -> list[str]:
     lines = []
     for i, s in enumerate(stages):
-        what = f"stage {i + 1}: steps {s.first_step}-{s.last_step} " if len(stages) > 1 else ""
+        what = f"stage {i + 1} (steps {s.first_step}-{s.last_step}): " if len(stages) > 1 else ""
         lines.append(
             f"{what}{s.steps:,} steps x {s.tokens_per_step:,} tokens (local batch {s.local_batch_size} x dp {dp} x "
             f"grad accumulation {s.grad_accum_steps} x seq_len {s.seq_len}) = {s.steps * s.tokens_per_step:,} tokens"
