@@ -274,3 +274,13 @@ def test_shipped_midtrain_and_sft_configs_run_from_a_pretraining_checkpoint(tmp_
     sft = run("debug_sft.toml", *later, "--validation.freq", "2")
     record = [r for r in sft.state.records if "loss" in r][-1]
     assert 0 < record["loss_tokens"] < record["tokens_seen"] / 2  # the assistant's tokens only
+
+
+def test_assistant_loss_needs_chat_training_data_but_validation_may_be_plain_text(tmp_path):
+    with pytest.raises(ValueError, match="training.loss_mask = 'assistant' needs chat data, but no training source"):
+        Trainer(load_config(BASE + ["--job.dump_folder", str(tmp_path / "a"), "--training.loss_mask", "assistant"]))
+    sft = ["--training.dataset", "chat", "--training.dataset_path", str(CHAT / "train.jsonl")]
+    sft += ["--training.loss_mask", "assistant", "--model.attn_mask_type", "block_causal", "--training.steps", "1"]
+    sft += ["--validation.enable", "--validation.steps", "1"]  # the embedded corpus: forgetting is watched
+    trainer = train(tmp_path / "b", *sft)
+    assert [r["val_loss"] for r in trainer.state.records if "val_loss" in r][0] > 0

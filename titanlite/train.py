@@ -187,10 +187,9 @@ class Trainer:
                 entry["name"], entry.get("dataset", "auto"), entry.get("path", ""), split, self.tokenizer
             )
             out.append((data, float(entry["weight"])))
-        if self.cfg.training.loss_mask == "assistant" and not any(data.chat for data, _ in out):
-            key = "training" if split == "train" else "validation"
+        if split == "train" and self.cfg.training.loss_mask == "assistant" and not any(d.chat for d, _ in out):
             raise ValueError(
-                f"training.loss_mask = 'assistant' needs chat data, but no {key} source is chat data "
+                "training.loss_mask = 'assistant' needs chat data, but no training source is chat data "
                 "(dataset = 'chat' for JSONL conversations, or shards prepared with --format chat)"
             )
         if any(data.chat for data, _ in out) and self.eos_id_for_documents is None:
