@@ -89,7 +89,8 @@ def source_windows(
     **kwargs: Any,
 ) -> TokenWindows:
     """The windows of one source: whole conversations packed for chat data (masked to the assistant's
-    tokens with ``loss_mask = "assistant"``), the cut token stream otherwise."""
+    tokens with ``loss_mask = "assistant"``), the cut token stream otherwise. ``eos_id``: document ids for
+    block-causal attention (None: causal); ``pad_id``: the token that fills the rest of a packed window."""
     if data.chat:
         mask = data.mask if loss_mask == "assistant" else None
         kwargs.update(mask=mask, doc_offsets=data.doc_offsets, pad_id=pad_id)
