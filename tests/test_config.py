@@ -776,3 +776,18 @@ def test_mixture_round_trips_through_config_toml(tmp_path):
     again = tmp_path / "again.toml"
     again.write_text(titanlite.config.config_to_toml(cfg))
     assert load_config(["--config", str(again)]) == cfg
+
+
+def test_tables_on_the_command_line_are_toml_literals(tmp_path):
+    # a list of tables (mixture, seq_len_schedule) is given on the command line as a TOML literal, like in the file
+    mixture = '[{path = "a/web", weight = 0.7}, {dataset = "embedded", weight = 0.3}]'
+    cfg = load_config(["--training.mixture", mixture, "--training.seq_len_schedule=[{seq_len = 32, steps = 2}]"])
+    assert cfg.training.mixture == [{"path": "a/web", "weight": 0.7}, {"dataset": "embedded", "weight": 0.3}]
+    assert cfg.training.seq_len_schedule == [{"seq_len": 32, "steps": 2}]
+    path = tmp_path / "c.toml"
+    path.write_text('[training]\nmixture = [{path = "a", weight = 1}]\n')
+    assert load_config(["--config", str(path), "--training.mixture", "[]"]).training.mixture == []
+    # the same table checks as in a file, and a broken literal says so
+    assert "training.mixture[0].weight = -1 must be > 0" in error_of(["--training.mixture", "[{path='a', weight=-1}]"])
+    msg = error_of(["--training.mixture", "[{path = 'a'"])
+    assert "'training.mixture' on the command line" in msg and "TOML literal" in msg

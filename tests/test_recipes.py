@@ -284,3 +284,12 @@ def test_assistant_loss_needs_chat_training_data_but_validation_may_be_plain_tex
     sft += ["--validation.enable", "--validation.steps", "1"]  # the embedded corpus: forgetting is watched
     trainer = train(tmp_path / "b", *sft)
     assert [r["val_loss"] for r in trainer.state.records if "val_loss" in r][0] > 0
+
+
+def test_a_missing_mixture_source_is_named_by_its_key(tmp_path, capsys):
+    mixture = f'[{{dataset = "embedded", weight = 1}}, {{path = "{tmp_path / "nope.txt"}", weight = 1}}]'
+    with pytest.raises(SystemExit) as e:
+        main(BASE + ["--job.dump_folder", str(tmp_path / "run"), "--training.mixture", mixture])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "training.mixture[1] (source 'nope'): " in err[0] and "nope.txt: input not found" in err[0]

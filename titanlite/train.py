@@ -182,10 +182,16 @@ class Trainer:
         unless the section sets ``mixture``. Shards are checked against the tokenizer here."""
         section = self.cfg.training if split == "train" else self.cfg.validation
         out = []
-        for entry in mixture_entries(section):
-            data = load_source(
-                entry["name"], entry.get("dataset", "auto"), entry.get("path", ""), split, self.tokenizer
-            )
+        for i, entry in enumerate(mixture_entries(section)):
+            try:
+                data = load_source(
+                    entry["name"], entry.get("dataset", "auto"), entry.get("path", ""), split, self.tokenizer
+                )
+            except (ValueError, FileNotFoundError) as e:
+                if not section.mixture:
+                    raise
+                key = f"{'training' if split == 'train' else 'validation'}.mixture[{i}]"
+                raise type(e)(f"{key} (source '{entry['name']}'): {e}") from e
             out.append((data, float(entry["weight"])))
         if split == "train" and self.cfg.training.loss_mask == "assistant" and not any(d.chat for d, _ in out):
             raise ValueError(

@@ -83,6 +83,11 @@ def _convert(value: Any, tp: Any, cli: bool) -> Any:
         raise ConfigError(f"expected a value ({what}; one that starts with '-' needs --key=VALUE)")
     if optional and (value is None or inner is not str and str(value).strip().lower() in ("none", "null")):
         return None
+    item = typing.get_origin(_item_type(inner)) or _item_type(inner)
+    tables = origin is dict or origin in (list, tuple) and item is dict
+    if cli and tables:  # a table, or a list of tables, is written as a TOML literal: [{path = "a", weight = 1.0}]
+        value = _toml_literal(value, what)
+        cli = False
     bad = ConfigError(f"expected {what}" + " (comma-separated)" * (cli and origin in (list, tuple)))
     if origin in (list, tuple):
         items = [s.strip() for s in value.split(",") if s.strip()] if cli else value
@@ -103,6 +108,19 @@ def _convert(value: Any, tp: Any, cli: bool) -> Any:
         if inner is int and (isinstance(value, int) or math.isfinite(value) and value.is_integer()):
             return int(value)
     raise bad
+
+
+def _item_type(tp: Any) -> Any:
+    """The item type of a ``list[X]`` or ``tuple[X, ...]`` annotation."""
+    return (typing.get_args(tp) or (Any,))[0]
+
+
+def _toml_literal(value: str, what: str) -> Any:
+    """A command-line value that is a TOML inline table or array (``{a = 1}``, ``[{a = 1}]``)."""
+    try:
+        return tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"expected {what} written as a TOML literal ({e})") from None
 
 
 def _rules(meta: Mapping[str, Any]) -> list[tuple[Callable[[Any], bool], str]]:
