@@ -127,3 +127,16 @@ def test_packed_windows_pad_mask_and_separate_documents():
     assert second["labels"].tolist() == [eos, *[IGNORE_INDEX] * 6]
     assert first["document_ids"].tolist() == [0, 0, 0, 1, 1, 1, 1]
     assert second["document_ids"].tolist() == [0, 0, 1, 2, 3, 4, 5]  # each pad its own document
+
+
+@pytest.mark.parametrize("eos", [99, 98], ids=["end_of_text", "eot_is_eos"])
+def test_packed_document_ids_keep_each_conversation_whole(eos):
+    """An Instruct tokenizer's EOS is <|eot_id|>, which also ends every message: the document ids of a
+    packed window come from the conversation offsets, so each conversation stays one document."""
+    eot = 98
+    docs = [[1, eot, 2, 3, eot, eos], [4, eot, 5, eot, eos]]  # two conversations of two messages each
+    tokens = torch.tensor([t for d in docs for t in d])
+    w = TokenWindows(tokens, 13, shuffle=False, eos_id=eos, doc_offsets=[0, 6, 11])
+    window = w._window(0)
+    assert window["input_ids"].tolist() == [*docs[0], *docs[1], eos, eos]
+    assert window["document_ids"].tolist() == [0] * 6 + [1] * 5 + [2, 3]

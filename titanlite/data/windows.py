@@ -21,7 +21,10 @@ A finite dataset (``infinite=False``, used for validation) restarts from its fir
 **Packing whole documents** (``doc_offsets``, for chat data): instead of cutting the stream every
 ``seq_len + 1`` tokens, windows are filled with whole consecutive documents, next-fit (the next document
 that does not fit starts a new window), and the rest of each window is padding: ``pad_id`` inputs whose
-labels are -100 (no loss) and, with ``eos_id`` given, each pad its own document. A document longer
+labels are -100 (no loss) and, with ``eos_id`` given, each pad its own document. A packed window's
+document ids come from the document offsets, not from EOS tokens: a chat tokenizer whose EOS is
+``<|eot_id|>`` ends every message with it, and an EOS scan would cut each conversation into messages
+that cannot see each other. A document longer
 than a window is truncated to ``seq_len + 1`` tokens (counted in ``num_truncated``, logged once). So no
 conversation is split between windows, and under block-causal attention none attends to another.
 
@@ -116,7 +119,8 @@ class TokenWindows(IterableDataset):
         if doc_offsets is not None:
             if self.pad_id is None:
                 raise ValueError(f"{name} data: packing documents needs a pad_id (or eos_id) for the padding")
-            starts, lengths, self.num_truncated = pack_documents(doc_offsets, seq_len + 1)
+            self.doc_offsets = np.asarray(doc_offsets, dtype=np.int64)
+            starts, lengths, self.num_truncated = pack_documents(self.doc_offsets, seq_len + 1)
             self.packed = (starts, lengths)
             if self.num_truncated:
                 logger.info(
@@ -150,9 +154,22 @@ class TokenWindows(IterableDataset):
             keep = torch.cat([torch.ones(n, dtype=torch.bool) if keep is None else keep, pad])
         labels = tokens[1:] if keep is None else tokens[1:].masked_fill(~keep[1:], IGNORE_INDEX)
         item = {"input_ids": tokens[:-1], "labels": labels}
-        if self.eos_id is not None:
+        if self.eos_id is not None and self.packed is None:
             item["document_ids"] = document_ids(item["input_ids"], self.eos_id)
+        elif self.eos_id is not None:
+            item["document_ids"] = self._packed_document_ids(start, n)
         return item
+
+    def _packed_document_ids(self, start: int, n: int) -> torch.Tensor:
+        """Document ids of the packed window holding ``tokens[start : start + n]``: a new document at every
+        document offset inside it, and at every padding position (each pad its own document)."""
+        size = self.seq_len + 1
+        offsets = self.doc_offsets
+        inner = offsets[np.searchsorted(offsets, start, side="right") : np.searchsorted(offsets, start + n)] - start
+        new_doc = torch.zeros(size, dtype=torch.int64)
+        new_doc[torch.from_numpy(inner)] = 1
+        new_doc[n:] = 1
+        return new_doc.cumsum(0)[:-1]
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         info = get_worker_info()
