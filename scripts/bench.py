@@ -53,7 +53,6 @@ import argparse
 import contextlib
 import functools
 import json
-import logging
 import os
 import signal
 import statistics
@@ -71,7 +70,7 @@ import torch.distributed as dist  # noqa: E402
 from titanlite.config import exit_with_error, parse_args_or_exit  # noqa: E402
 from titanlite.metrics import MetricsHook, memory_stats, peak_flops  # noqa: E402
 from titanlite.models import get_model_spec, model_schema  # noqa: E402
-from titanlite.parallel.distributed import world_from_env  # noqa: E402
+from titanlite.parallel.distributed import exit_skipping_finalization, world_from_env  # noqa: E402
 from titanlite.parallel.parallel_dims import ParallelDims  # noqa: E402
 from titanlite.parallel.pipeline import PipelinePlan  # noqa: E402
 from titanlite.train import Trainer, setup_logging  # noqa: E402
@@ -592,12 +591,5 @@ def compare_pp(args, rest: list[str]) -> dict:
 
 if __name__ == "__main__":
     main()
-    if dist.is_initialized():
-        # Under torchrun, skip the interpreter's teardown (the result is printed and written, the kernel
-        # releases the run lock): a gloo worker thread that frees a finished collective's work object while
-        # Python finalizes must take the GIL to drop the work's tensors, cannot, and aborts the rank
-        # ("terminate called without an active exception", seen in about 1 run in 8 here).
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    if dist.is_initialized():  # the result is printed and written; the kernel releases the run lock
+        exit_skipping_finalization(0)

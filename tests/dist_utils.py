@@ -15,7 +15,6 @@ GPUs. Workers run with ``OMP_NUM_THREADS=1``: several processes share the cores.
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 import pickle
 import signal
@@ -29,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from titanlite.parallel.distributed import exit_skipping_finalization
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -175,18 +176,7 @@ def _worker_main(module_file: str, fn_name: str, work: str) -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-    skip_finalization()
-
-
-def skip_finalization() -> None:
-    """End a worker whose result is written before the interpreter finalizes. A gloo thread that frees a
-    finished collective's work during finalization aborts the rank now and then ("terminate called without
-    an active exception", "malloc(): unaligned tcache chunk detected": about 1 two-rank run in 6 on this
-    machine; scripts/bench.py skips the teardown for the same reason)."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_skipping_finalization(0)  # a gloo thread may abort a finishing rank (see there)
 
 
 if __name__ == "__main__":

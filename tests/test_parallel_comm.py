@@ -1,7 +1,12 @@
-"""Collective timeouts ([comm]): a rank that never joins a collective makes the others fail fast."""
+"""Collective timeouts ([comm]): a rank that never joins a collective makes the others fail fast. And the
+command-line exit under torchrun: the exit status kept, the interpreter's finalization skipped."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -45,3 +50,44 @@ def test_hung_collective_fails_after_timeout(backend):
     )
     assert res[0]["error"] is not None, res[0]
     assert 0.8 <= res[0]["seconds"] < 4.5, res[0]
+
+
+EXIT_SCRIPT = """
+import atexit, logging, sys
+from pathlib import Path
+from titanlite.parallel.distributed import main_then_exit
+
+out = Path(sys.argv[1])
+logging.basicConfig(filename=out / "log.txt", level=logging.INFO)
+atexit.register(lambda: (out / "finalized").write_text("yes"))
+
+def entry():
+    logging.getLogger("t").info("trained")
+    sys.stdout.write("partial line without a newline")
+    outcome = sys.argv[2]
+    if outcome == "error":
+        raise RuntimeError("a bug")
+    if outcome != "ok":
+        raise SystemExit(int(outcome))
+
+main_then_exit(entry)
+"""
+
+
+@pytest.mark.parametrize("outcome,code", [("ok", 0), ("3", 3), ("error", 1)])
+@pytest.mark.parametrize("world_size", ["1", "2"])
+def test_main_then_exit_keeps_the_status_and_skips_finalization_under_torchrun(tmp_path, outcome, code, world_size):
+    """Under torchrun (WORLD_SIZE > 1) a finished rank leaves with os._exit, after logging and stdout are
+    flushed, so no gloo thread meets a finalizing interpreter (atexit handlers do not run); one process
+    exits as Python does. Either way the status is the entry's."""
+    script = tmp_path / "entry.py"
+    script.write_text(textwrap.dedent(EXIT_SCRIPT))
+    env = dict(os.environ, WORLD_SIZE=world_size)
+    out = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), outcome], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == code, out.stderr
+    assert out.stdout == "partial line without a newline"
+    assert "INFO:t:trained" in (tmp_path / "log.txt").read_text()
+    assert (tmp_path / "finalized").exists() == (world_size == "1")
+    assert ("RuntimeError: a bug" in out.stderr) == (outcome == "error")

@@ -524,6 +524,7 @@ def main(argv: list[str] | None = None, trainer_cls: type | None = None, load_co
 
 
 if __name__ == "__main__":
+    from titanlite.parallel.distributed import main_then_exit
     from titanlite.train import main as titanlite_main
 
-    titanlite_main()
+    main_then_exit(titanlite_main)  # under torchrun: no interpreter finalization after the run (see there)
