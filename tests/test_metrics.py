@@ -1,11 +1,13 @@
 """FLOPs-per-token formula and peak table, checked by hand."""
 
 import math
+import types
 
 import pytest
 import torch
 from tiny import TINY_MODEL
 
+from titanlite import metrics
 from titanlite.metrics import MetricsHook, gpu_memory_bytes, matmul_dtype, num_params, peak_flops, peak_flops_for_name
 from titanlite.models import build_model, get_model_spec, make_model_args
 from titanlite.models.registry import model_counts
@@ -54,6 +56,23 @@ def test_peak_table():
 def test_cpu_peak_is_measured():
     rate = peak_flops(torch.device("cpu"), "float32")
     assert 1e8 < rate < 1e14
+
+
+@pytest.mark.parametrize("gflops,largest", [(1.0, 256), (100.0, 1024), (10_000.0, 2048)])
+def test_cpu_peak_sizes_the_matmul_to_the_rate(monkeypatch, gflops, largest):
+    """On a fake clock where a matmul costs 2 n^3 / rate: the size doubles from 256 while one matmul takes
+    under 20 ms (bf16 without a native kernel stays small and cheap), and the peak is the rate."""
+    clock, sizes = [0.0], []
+
+    def fake_mm(a, b):
+        sizes.append(a.shape[0])
+        clock[0] += 2 * a.shape[0] ** 3 / (gflops * 1e9)
+
+    monkeypatch.setattr(metrics, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(torch, "mm", fake_mm)
+    rate = metrics.measure_cpu_matmul_peak.__wrapped__("bfloat16", threads=7)
+    assert max(sizes) == largest and sizes[-1] == largest
+    assert rate == pytest.approx(gflops * 1e9)
 
 
 @pytest.mark.parametrize(

@@ -103,15 +103,25 @@ def matmul_dtype(compute_dtype: str, float8: bool = False, device: torch.device 
 
 
 @functools.cache
-def measure_cpu_matmul_peak(dtype: str = "float32", n: int = 2048, trials: int = 5, threads: int = 0) -> float:
+def measure_cpu_matmul_peak(dtype: str = "float32", max_n: int = 2048, trials: int = 5, threads: int = 0) -> float:
     """Matmul FLOP/s of this CPU in ``dtype``, cached per process and ``threads`` (intra-op threads, 0: current).
 
-    The best of ``trials`` ~0.1 s timings, so a busy moment does not lower the peak and inflate MFU (a
-    loaded CPU still does: CPU MFU is indicative). A private generator leaves torch's global RNG alone."""
+    Square matmuls from 256 up, the size doubled while one takes under 20 ms (at most ``max_n``): large
+    enough to reach the kernel's rate, small enough that a dtype without a native kernel costs a second,
+    not minutes (bf16 on an AVX2-only CPU runs at ~1 GFLOP/s: one 2048 matmul took ~25 s there). Then the
+    best of ``trials`` ~0.1 s timings, so a busy moment does not lower the peak and inflate MFU (a loaded
+    CPU still does: CPU MFU is indicative). A private generator leaves torch's global RNG alone."""
     dt = DTYPES.get(dtype, torch.float32)
     g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(n, n, generator=g).to(dt), torch.randn(n, n, generator=g).to(dt)
-    torch.mm(a, b)  # warm-up
+    n = 256
+    while True:
+        a, b = torch.randn(n, n, generator=g).to(dt), torch.randn(n, n, generator=g).to(dt)
+        torch.mm(a, b)  # warm-up
+        start = time.perf_counter()
+        torch.mm(a, b)
+        if n * 2 > max_n or time.perf_counter() - start >= 0.02:
+            break
+        n *= 2
     best = 0.0
     for _ in range(trials):
         iters, start = 0, time.perf_counter()
