@@ -70,7 +70,7 @@ import torch.distributed as dist  # noqa: E402
 from titanlite.config import exit_with_error, parse_args_or_exit  # noqa: E402
 from titanlite.metrics import MetricsHook, memory_stats, peak_flops  # noqa: E402
 from titanlite.models import get_model_spec, model_schema  # noqa: E402
-from titanlite.parallel.distributed import exit_skipping_finalization, world_from_env  # noqa: E402
+from titanlite.parallel.distributed import main_then_exit, world_from_env  # noqa: E402
 from titanlite.parallel.parallel_dims import ParallelDims  # noqa: E402
 from titanlite.parallel.pipeline import PipelinePlan  # noqa: E402
 from titanlite.train import Trainer, setup_logging  # noqa: E402
@@ -590,6 +590,4 @@ def compare_pp(args, rest: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    main()
-    if dist.is_initialized():  # the result is printed and written; the kernel releases the run lock
-        exit_skipping_finalization(0)
+    main_then_exit(main)  # under torchrun: no interpreter finalization once the result is written (see there)

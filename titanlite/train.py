@@ -516,8 +516,8 @@ def main(argv: list[str] | None = None, trainer_cls: type | None = None, load_co
         exit_with_error(f"{e}; {trainer.checkpointer.intact()}" if trainer.checkpointer.enabled else e, every_rank=True)
     except (ResumeError, CheckpointWriteError, ShardIntegrityError) as e:  # nothing lost
         exit_with_error(e, every_rank=True)
-    if torch.distributed.is_initialized():  # a gloo group left to interpreter exit can abort a rank; and no
-        torch.distributed.barrier()  # rank may tear its connections down while another still uses them
+    if torch.distributed.is_initialized():  # no rank may tear its connections down while another still uses
+        torch.distributed.barrier()  # them (the process exit itself: main_then_exit, below)
         torch.distributed.destroy_process_group()
     if code:
         raise SystemExit(code)
