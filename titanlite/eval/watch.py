@@ -19,6 +19,9 @@ and to TensorBoard (an event file of its own in the run's folder) when the run w
 - **Checkpoints that go away.** ``keep_latest_k`` may delete a step folder while it is read: the
   failed read is logged and the watcher moves on. A step folder that is damaged is logged and skipped
   (tried again after a restart).
+- **What it imports.** Only the modules of its own ``extensions`` (``--extensions``), never the ``[job]
+  extensions`` the watched ``config.toml`` names (importing runs code; ``python -m`` run from inside the watched
+  folder would import a module file placed there): a run whose family comes from an extension needs it named.
 - **When it stops.** After scoring the run's final step (``training.steps``), or with ``once`` after
   one pass over what exists; otherwise it polls every ``poll_seconds``.
 """
@@ -39,20 +42,35 @@ import torch
 from titanlite.checkpoint import layout
 from titanlite.checkpoint.load_model import load_model
 from titanlite.eval.hook import eval_record, scores_line
+from titanlite.extensions import load_extensions
 
 logger = logging.getLogger("titanlite")
 
 SOURCE = "watcher"
 
 
-def read_run_config(dump_folder: Path):
-    """The run's ``config.toml`` as a :class:`~titanlite.config.JobConfig`."""
-    from titanlite.models import load_config
+def read_run_config(dump_folder: Path, extensions: Sequence[str] = ()):
+    """The run's ``config.toml`` as a :class:`~titanlite.config.JobConfig`. Its ``[job] extensions`` are never
+    imported (a module file in the watched folder, or the folder the watcher runs in, would run): the family must
+    be registered already, by core or by one of ``extensions`` (the watcher's own ``--extensions``)."""
+    from titanlite.config import ConfigError, load_config
+    from titanlite.models import model_names
+    from titanlite.models.registry import registered_schema
 
     path = dump_folder / "config.toml"
     if not path.is_file():
         raise ValueError(f"{dump_folder} has no config.toml (a titanlite run writes it when it starts)")
-    cfg = load_config(["--config", str(path)])
+
+    def schema(cfg):
+        missing = [m for m in cfg.job.extensions if m not in extensions]
+        if cfg.model.name not in model_names() and missing:
+            raise ConfigError(
+                f"{path}: model family {cfg.model.name!r} comes from the run's [job] extensions, which the watcher "
+                f"never imports from its config (importing runs code): pass --extensions {','.join(missing)}"
+            )
+        return registered_schema(cfg)
+
+    cfg = load_config(["--config", str(path)], schema)
     if not cfg.checkpoint.enable:
         raise ValueError(f"{path}: checkpoint.enable is false, so the run saves no checkpoints to evaluate")
     return cfg
@@ -100,7 +118,8 @@ def watch(
     dump = Path(dump_folder)
     if not dump.is_dir():
         raise FileNotFoundError(f"{dump}: no such folder")
-    cfg = read_run_config(dump)
+    load_extensions(extensions)  # the caller's own modules only (see read_run_config)
+    cfg = read_run_config(dump, extensions)
     e = cfg.eval
     tasks = list(tasks or e.tasks)
     data_dir = data_dir or e.data_dir or os.environ.get("TITANLITE_EVAL_DATA", "")
