@@ -3,7 +3,7 @@
 - the eval watcher imports only the modules on its own ``--extensions``, never the ``[job] extensions`` of the
   ``config.toml`` it watches (a module file beside it would run);
 - ``prepare_data --overwrite`` deletes only plain shard files inside its output folder, whatever its manifest or
-  journal list;
+  journal list (tests/test_prepare_data.py);
 - the run lock covers the checkpoint folder wherever it lives, and a ``CheckpointManager`` used as a library takes
   it too;
 - nothing writes into a checkpoint step folder (a dump folder there, ``eval --output <step>/checkpoint.json``).
@@ -19,12 +19,10 @@ from pathlib import Path
 
 import pytest
 from shared_data import shared_file
-from test_prepare_data import small_prepared  # noqa: F401  (a fixture)
+from test_checkpoint import TINY, run_trainer
 from tiny import TINY_MODEL
 
 from titanlite.config import config_to_toml
-from titanlite.data import prepare as prep
-from titanlite.data.shards import MANIFEST
 from titanlite.models import load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,51 +78,101 @@ def test_watcher_names_the_extension_a_family_needs_instead_of_importing_it(tmp_
     assert "planted_family_ext_27" not in sys.modules
 
 
-# ---------------------------------------------------------------- 2. prepare_data --overwrite deletes only its shards
-@pytest.mark.parametrize("where", ["journal_parent", "journal_absolute", "manifest_parent", "manifest_mask"])
-def test_overwrite_refuses_a_listing_that_names_files_outside_the_shards(small_prepared, where):
-    """manifest.json and prepare_journal.jsonl are what --overwrite deletes: an entry naming ``../victim.txt``, an
-    absolute path or another mask file used to be deleted with the shards."""
-    src, out, tok, kw, _ = small_prepared
-    victim = out.parent / "victim.txt"
-    victim.write_text("the user's file")
-    name = str(victim) if where == "journal_absolute" else "../victim.txt"
-    if where.startswith("journal"):
-        with open(out / prep.JOURNAL, "a") as f:
-            f.write(json.dumps({"name": name, "tokens": 1, "docs": 1}) + "\n")
-    else:
-        manifest = json.loads((out / MANIFEST).read_text())
-        entry = manifest["shards"][0]
-        if where == "manifest_mask":
-            entry["mask"] = {"name": "../victim.txt", "checksum": entry["checksum"]}
-        else:
-            entry["name"] = name
-        (out / MANIFEST).write_text(json.dumps(manifest))
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
-    with pytest.raises(ValueError) as e:
-        prep.prepare(src, out, tok, **{**kw, "shard_tokens": 5_000, "overwrite": True})
-    msg = str(e.value)
-    listing = prep.JOURNAL if where.startswith("journal") else MANIFEST
-    assert msg.startswith(f"{out / listing}: entry {name!r} is not a shard file of this folder") and "\n" not in msg
-    assert victim.read_text() == "the user's file"
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing deleted or written
+# ---------------------------------------------------------------- 3. the lock covers the checkpoint folder
+HOLDER = """
+import sys, time, torch
+from titanlite.checkpoint import CheckpointManager
+from titanlite.config import load_config
+argv = ["--checkpoint.enable", "--checkpoint.interval", "10", "--checkpoint.keep_latest_k", "0"]
+section = load_config(argv).checkpoint
+manager = CheckpointManager(section, sys.argv[1], {"model": torch.nn.Linear(2, 2)})
+manager.save(10)
+manager.save(20)
+print("saved", flush=True)
+time.sleep(120)
+"""
 
 
-@pytest.mark.parametrize("kind", ["symlink", "folder"])
-def test_overwrite_refuses_a_listed_shard_that_is_no_plain_file(small_prepared, kind):
-    src, out, tok, kw, manifest = small_prepared
-    victim = out.parent / "victim.txt"
-    victim.write_text("the user's file")
-    shard = out / manifest["shards"][0]["name"]
-    shard.unlink()
-    if kind == "symlink":
-        shard.symlink_to(victim)
-    else:
-        shard.mkdir()
-        (shard / "inside.txt").write_text("kept")
-    with pytest.raises(ValueError) as e:
-        prep.prepare(src, out, tok, **{**kw, "shard_tokens": 5_000, "overwrite": True})
-    msg = str(e.value)
-    assert msg.startswith(f"{shard} is {'a symbolic link' if kind == 'symlink' else 'not a plain file'}"), msg
-    assert "\n" not in msg and victim.read_text() == "the user's file"
-    assert shard.is_symlink() if kind == "symlink" else (shard / "inside.txt").read_text() == "kept"
+@pytest.fixture()
+def live_checkpoints(tmp_path):
+    """A process that uses ``run1/checkpoint`` through a CheckpointManager (as a library) and saved steps 10 and 20."""
+    folder = tmp_path / "run1" / "checkpoint"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(folder)], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "saved"
+        yield folder, holder.pid
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("spelling", ["relative", "absolute"])
+def test_a_run_pointed_into_a_live_checkpoint_folder_is_refused(live_checkpoints, tmp_path, spelling, capsys):
+    from titanlite.train import main
+
+    folder, pid = live_checkpoints
+    before = folder_bytes(folder)
+    where = "../run1/checkpoint" if spelling == "relative" else str(folder)
+    with pytest.raises(SystemExit) as e:
+        main(TINY + ["--job.dump_folder", str(tmp_path / "run2"), "--checkpoint.folder", where])
+    assert e.value.code == 2
+    err = one_line_error(capsys)
+    assert f"checkpoint.folder={tmp_path / 'run2' / where if spelling == 'relative' else folder} is in use" in err
+    assert f"(pid {pid} on " in err
+    assert folder_bytes(folder) == before
+
+
+def test_a_second_checkpoint_manager_on_a_live_folder_is_refused(live_checkpoints):
+    """A library user's second process on the same folder, resuming an older step, used to move step-20 aside."""
+    import torch
+
+    from titanlite.checkpoint import CheckpointManager
+
+    folder, pid = live_checkpoints
+    before = folder_bytes(folder)
+    section = load_config(["--checkpoint.enable", "--checkpoint.load_step", "10"]).checkpoint
+    with pytest.raises(ValueError, match=rf"checkpoint.folder={folder} is in use by another run \(pid {pid} on "):
+        manager = CheckpointManager(section, folder, {"model": torch.nn.Linear(2, 2)})
+        manager.load()
+        manager.commit_resume()
+    assert folder_bytes(folder) == before and (folder / "step-20").is_dir()
+
+
+PROBE = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+try:
+    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    print("free")
+except OSError:
+    print("held")
+"""
+
+
+def lock_state(folder: Path) -> str:
+    """Whether another process can take the lock of ``folder`` (plain fcntl, not titanlite's RunLock)."""
+    probe = [sys.executable, "-c", PROBE, str(folder / ".titanlite.lock")]
+    return subprocess.run(probe, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_one_process_can_lock_a_folder_twice_and_holds_it_until_the_last_release(tmp_path):
+    """A checkpoint folder that is the dump folder (or a trainer built again in a notebook): the same process locks
+    it twice; releasing one must not release the other's lock (closing any descriptor of the file would)."""
+    from titanlite.run_lock import RunLock
+
+    first = RunLock(tmp_path, "job.dump_folder").acquire()
+    second = RunLock(tmp_path / ".." / tmp_path.name, "checkpoint.folder").acquire()
+    assert lock_state(tmp_path) == "held"
+    first.release()
+    assert lock_state(tmp_path) == "held"
+    second.release()
+    assert lock_state(tmp_path) == "free"
+    run_trainer(tmp_path / "run", "--training.steps", "5", "--checkpoint.folder", ".")  # both locks on one file
+    assert lock_state(tmp_path / "run") == "free"  # released when the run ended

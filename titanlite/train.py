@@ -374,6 +374,7 @@ class Trainer:
             path = self.checkpointer.plan.paths[0]
             logger.info(f"the run is complete ({path} exists, training.steps = {state.total_steps}); nothing to do")
             logger.info("to train further, raise training.steps and rerun")
+            self.checkpointer.close()  # its folder's lock
             self.run_lock.release()
             return state.records
         self.log_start()

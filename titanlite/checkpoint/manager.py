@@ -80,6 +80,7 @@ from titanlite.checkpoint.state import RNGState
 from titanlite.dtypes import DTYPES, dtype_name
 from titanlite.hooks import Hook
 from titanlite.parallel.distributed import run_on_rank0
+from titanlite.run_lock import RunLock
 
 logger = logging.getLogger("titanlite.checkpoint")
 
@@ -233,6 +234,7 @@ class CheckpointManager:
         self._shapes: dict[str, tuple[int, ...]] = {}
         if self.enabled or section.initial_load_path:
             self._shapes = {k: tuple(v.shape) for k, v in get_model_state_dict(self.model).items()}
+        self._lock = RunLock(self.folder, "checkpoint.folder")  # rank 0 holds it while enabled (see _prepare)
         self.token, self.plan = self._on_rank0(self._prepare)
 
     # ------------------------------------------------------------------ planning (constructor)
@@ -240,6 +242,8 @@ class CheckpointManager:
         """Rank 0: clean leftovers, choose what to load, validate it. ValueError on user errors."""
         token = secrets.token_hex(4)
         plan = LoadPlan()
+        if self.enabled:  # one run per checkpoint folder, wherever it lives: before anything is read or cleaned
+            self._lock.acquire()
         if self.enabled and (done := self._finished()):
             return token, LoadPlan("complete", [str(done)])
         if self.enabled:
@@ -681,7 +685,7 @@ class CheckpointManager:
         self._wait_pending()
 
     def close(self) -> None:
-        """Wait for the last save, then release the stager and the checkpoint process group."""
+        """Wait for the last save, then release the stager, the checkpoint process group and the folder's lock."""
         if self._closed:
             return
         self._closed = True
@@ -695,6 +699,7 @@ class CheckpointManager:
             if self._pg is not None:
                 dist.destroy_process_group(self._pg)
                 self._pg = None
+            self._lock.release()
 
     def _wait_pending(self) -> None:
         self.wait_for_staging()
