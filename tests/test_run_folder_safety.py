@@ -176,3 +176,56 @@ def test_one_process_can_lock_a_folder_twice_and_holds_it_until_the_last_release
     assert lock_state(tmp_path) == "free"
     run_trainer(tmp_path / "run", "--training.steps", "5", "--checkpoint.folder", ".")  # both locks on one file
     assert lock_state(tmp_path / "run") == "free"  # released when the run ended
+
+
+# ---------------------------------------------------------------- 5. nothing writes into a checkpoint step folder
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("finished") / "run"
+    run_trainer(dump, "--training.steps", "5")
+    return dump / "checkpoint" / "step-5"
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_a_dump_folder_in_a_checkpoint_step_folder_is_refused(finished, inside, capsys):
+    """It used to write config.toml over the step's own, metrics and a nested checkpoint/ into the finished step."""
+    from titanlite.train import main
+
+    before = folder_bytes(finished)
+    dump = finished / "again" if inside else finished
+    with pytest.raises(SystemExit) as e:
+        main(TINY + ["--job.dump_folder", str(dump), "--training.steps", "10"])
+    assert e.value.code == 2
+    where = "lies inside" if inside else "is"
+    assert one_line_error(capsys) == (
+        f"error: job.dump_folder={dump} {where} the checkpoint step folder {finished}: writing there would change or "
+        "replace that checkpoint's files; choose a path outside it"
+    )
+    assert folder_bytes(finished) == before and sorted(p.name for p in finished.iterdir()) == sorted(before)
+
+
+def test_eval_output_into_a_checkpoint_step_folder_is_refused(finished, tmp_path, capsys):
+    """``--output <step>/checkpoint.json`` used to replace the checkpoint's description: the step no longer loaded."""
+    from titanlite.checkpoint.load_model import load_model
+    from titanlite.eval import cli
+
+    eval_data = shared_file("eval")
+    before = folder_bytes(finished)
+    output = finished / "checkpoint.json"
+    argv = ["--checkpoint", str(finished), "--tasks", "piqa", "--limit", "2", "--data-dir", str(eval_data)]
+    assert cli.main([*argv, "--output", str(output)]) == 2
+    assert f"--output {output} lies inside the checkpoint step folder {finished}" in one_line_error(capsys)
+    assert folder_bytes(finished) == before
+    assert load_model(finished).step == 5
+
+
+def test_a_checkpoint_folder_in_a_step_folder_is_refused(finished):
+    import torch
+
+    from titanlite.checkpoint import CheckpointManager
+
+    before = folder_bytes(finished)
+    section = load_config(["--checkpoint.enable"]).checkpoint
+    with pytest.raises(ValueError, match=rf"^checkpoint.folder={finished}/checkpoint lies inside the checkpoint step"):
+        CheckpointManager(section, finished / "checkpoint", {"model": torch.nn.Linear(2, 2)})
+    assert folder_bytes(finished) == before

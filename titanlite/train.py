@@ -96,6 +96,7 @@ class Trainer:
         self.world = world or world_from_env()
         self.device = self.world.device
         self.parallel_dims = self.build_parallel_dims()
+        layout.refuse_inside_step_folder(cfg.job.dump_folder, f"job.dump_folder={cfg.job.dump_folder}")
         self.run_lock = RunLock(cfg.job.dump_folder)  # rank 0 holds it: one run per dump folder
         run_on_rank0(lambda: self.run_lock.acquire() and None)
         self.grad_accum_steps = grad_accum_steps(t.global_batch_size, t.local_batch_size, self.parallel_dims.dp_degree)

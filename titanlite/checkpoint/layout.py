@@ -114,6 +114,28 @@ def read_info(path: str | os.PathLike) -> dict[str, Any]:
     return info
 
 
+def enclosing_step_folder(path: str | os.PathLike) -> Path | None:
+    """The checkpoint step folder that ``path`` is or lies in (a folder holding ``checkpoint.json`` or DCP's
+    ``.metadata``), or None. Tools refuse to write there: a dump folder would put its ``config.toml`` over the
+    step's, an output file named ``checkpoint.json`` would replace its description."""
+    p = Path(path).expanduser().resolve()
+    for folder in (p, *p.parents):
+        if (folder / INFO_FILE).is_file() or (folder / METADATA_FILE).is_file():
+            return folder
+    return None
+
+
+def refuse_inside_step_folder(path: str | os.PathLike, what: str) -> None:
+    """ValueError (one line) when ``path`` is or lies in a checkpoint step folder (:func:`enclosing_step_folder`);
+    ``what`` names the setting (``job.dump_folder=...``, ``--output ...``)."""
+    if (step := enclosing_step_folder(path)) is not None:
+        where = "is" if step == Path(path).expanduser().resolve() else "lies inside"
+        raise ValueError(
+            f"{what} {where} the checkpoint step folder {step}: writing there would change or replace that "
+            "checkpoint's files; choose a path outside it"
+        )
+
+
 def read_metadata(path: str | os.PathLike):
     """DCP metadata of a step folder, read with an allowlist (:mod:`~titanlite.checkpoint.safe_load`:
     a crafted ``.metadata`` cannot run code); ValueError (one line) when missing, unreadable or refused."""

@@ -41,7 +41,10 @@ it recorded in ``checkpoint.json`` after the save (on the writer thread for asyn
 Resuming from an older step than the newest (``load_step``, or a fallback) moves the newer step
 folders aside (``abandoned-after-step-N-*``): they are never purged, overwritten or resumed later.
 A folder whose newest checkpoint is at ``final_step`` is a finished run: ``plan.kind = "complete"``,
-nothing is loaded or cleaned. A save that fails for lack of space raises :class:`CheckpointWriteError`
+nothing is loaded or cleaned. An enabled manager holds ``<folder>/.titanlite.lock`` (rank 0, from the
+constructor to :meth:`close`; :class:`~titanlite.run_lock.RunLock`): a second process on the same folder is
+refused in one line before anything is read, cleaned or moved, and a folder inside a step folder is refused.
+A save that fails for lack of space raises :class:`CheckpointWriteError`
 (one line; the earlier checkpoints are intact, the partial folder is removed at the next start).
 """
 
@@ -243,6 +246,7 @@ class CheckpointManager:
         token = secrets.token_hex(4)
         plan = LoadPlan()
         if self.enabled:  # one run per checkpoint folder, wherever it lives: before anything is read or cleaned
+            layout.refuse_inside_step_folder(self.folder, f"checkpoint.folder={self.folder}")
             self._lock.acquire()
         if self.enabled and (done := self._finished()):
             return token, LoadPlan("complete", [str(done)])

@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from titanlite.checkpoint import layout
 from titanlite.checkpoint.load_model import load_model
 from titanlite.data.shards import write_json_atomic
 from titanlite.dtypes import DTYPES
@@ -125,6 +126,8 @@ def check_args(a: argparse.Namespace) -> tuple[list[str], Path]:
             task.path(data_dir, rel)
     if a.output and (Path(a.output).is_dir() or not Path(a.output).resolve().parent.is_dir()):
         raise UsageError(f"--output {a.output}: expected a file path in an existing folder")
+    if a.output:
+        layout.refuse_inside_step_folder(a.output, f"--output {a.output}")
     return tasks, Path(data_dir)
 
 

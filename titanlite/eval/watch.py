@@ -118,6 +118,7 @@ def watch(
     dump = Path(dump_folder)
     if not dump.is_dir():
         raise FileNotFoundError(f"{dump}: no such folder")
+    layout.refuse_inside_step_folder(dump, f"--watch {dump} (the run's dump folder, where scores are logged)")
     load_extensions(extensions)  # the caller's own modules only (see read_run_config)
     cfg = read_run_config(dump, extensions)
     e = cfg.eval
