@@ -13,9 +13,9 @@ and to TensorBoard (an event file of its own in the run's folder) when the run w
   for appending at that moment: the kernel appends it after whatever the run has written.
 - **Restarts and rewinds.** The scores in ``metrics.jsonl`` are the watcher's memory: before each pass
   over the checkpoints it skips every step that already has a watcher record there, so a restarted
-  watcher goes on where it stopped. A run that resumes or rolls back to step K cuts the log after its
-  first record past K (:func:`titanlite.metrics.rewind_metrics_log`), which drops the watcher's records
-  appended after that one, even of steps <= K; the next pass scores those checkpoints again.
+  watcher goes on where it stopped. A run that resumes or rolls back to step K drops the log's records of
+  steps after K (:func:`titanlite.metrics.rewind_metrics_log`), the watcher's with them; the next pass
+  scores those checkpoints again.
 - **Checkpoints that go away.** ``keep_latest_k`` may delete a step folder while it is read: the
   failed read is logged and the watcher moves on. A step folder that is damaged is logged and skipped
   (tried again after a restart).
@@ -43,6 +43,7 @@ from titanlite.checkpoint import layout
 from titanlite.checkpoint.load_model import load_model
 from titanlite.eval.hook import eval_record, scores_line
 from titanlite.extensions import load_extensions
+from titanlite.metrics import strict_json_line
 
 logger = logging.getLogger("titanlite")
 
@@ -90,7 +91,7 @@ def watched_steps(metrics_file: Path) -> set[int]:
 
 def append_record(metrics_file: Path, record: dict[str, Any]) -> None:
     """Append one line in one ``write`` to a file opened now (see the module docstring)."""
-    line = (json.dumps(record) + "\n").encode("utf-8")
+    line = strict_json_line(record)  # no bare NaN (an empty task's score): null plus a "nonfinite" flag
     with open(metrics_file, "ab", buffering=0) as f:
         if f.write(line) != len(line):
             raise OSError(f"{metrics_file}: short write of the record of step {record['step']}")
