@@ -172,6 +172,8 @@ def _read_info(step_dir: Path) -> dict[str, Any]:
         return layout.read_info(step_dir)
     except UnicodeDecodeError:
         raise ValueError(f"{step_dir / layout.INFO_FILE} is unreadable (not UTF-8 JSON text)") from None
+    except layout.InfoIntegrityError:  # says what to do itself
+        raise
     except ValueError as e:
         raise ValueError(f"{e}: cannot tell the model args (not a titanlite checkpoint step folder?)") from None
 
