@@ -242,7 +242,8 @@ class Trainer:
         """The training batches; with a ``seq_len_schedule``, a :class:`StagedLoader` over the stages."""
         if not self.cfg.training.seq_len_schedule:
             return self.build_dataloader("train")
-        return StagedLoader(lambda i: self.build_dataloader("train", stage=i), self.run_plan.stage_index(1))
+        build = lambda i: self.build_dataloader("train", stage=i)  # noqa: E731
+        return StagedLoader(build, self.run_plan.stage_index(1), num_stages=len(self.run_plan.stages))
 
     def build_dataloader(self, split: str = "train", stage: int | None = None):
         """The training batches: one source's windows, or a weighted mixture of ``[training] mixture``; at
