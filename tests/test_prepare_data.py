@@ -69,7 +69,7 @@ def test_sources_errors(tmp_path):
         list(iter_documents(tmp_path / "missing.txt"))
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"ok \xff\xfe")
-    with pytest.raises(ValueError, match=rf"^{bad}: not valid UTF-8"):
+    with pytest.raises(ValueError, match=rf"^{bad}:1: not valid UTF-8 \(byte 4 of the line\)"):
         list(iter_documents(bad))
 
 

@@ -372,16 +372,18 @@ class CheckpointManager:
     def _check_model(self, path: str | Path, what: str) -> None:
         """The checkpoint's model tensors must exist with this model's (global) shapes."""
         stored = layout.read_metadata(path).state_dict_metadata
+        own = path is not None and Path(path).parent == self.folder  # this folder's run: another model needs its own
+        hint = "; to train another model, start a new run in another folder (job.dump_folder)" if own else ""
         for name, shape in self._shapes.items():
             md = stored.get(f"{self.model_key}.{name}")
             if md is None or not hasattr(md, "size"):
                 raise ValueError(
-                    f"{what}: {path} has no tensor {self.model_key}.{name}; it was saved from a different model"
+                    f"{what}: {path} has no tensor {self.model_key}.{name}; it was saved from a different model{hint}"
                 )
             if tuple(md.size) != shape:
                 raise ValueError(
                     f"{what}: {path} has {self.model_key}.{name} of shape {list(md.size)} but this "
-                    f"model's is {list(shape)} (the model config differs from the checkpoint's)"
+                    f"model's is {list(shape)} (the model config differs from the checkpoint's){hint}"
                 )
 
     # ------------------------------------------------------------------ loading

@@ -295,15 +295,16 @@ def prepare(
         if log is not None:
             print(f"prepare_data: {msg}", file=log, flush=True)
 
+    inputs = [Path(p).expanduser() for p in inputs]  # a leading ~ is the home folder (also in --input=~/x)
     files = list_files(inputs)
     if not files:
         raise ValueError(f"no input files (.txt/.md/.jsonl/.json/.parquet) found in {', '.join(map(str, inputs))}")
-    tok_path = "" if tokenizer in ("", "bytes") else str(Path(tokenizer).resolve())
+    tok_path = "" if tokenizer in ("", "bytes") else str(Path(tokenizer).expanduser().resolve())
     tok = build_tokenizer(tok_path)
     dtype = dtype_for_vocab(tok.vocab_size)
     tok_info = tokenizer_info(tok)
 
-    out = Path(output)
+    out = Path(output).expanduser()
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out}: output exists and is not a folder")
     out.mkdir(parents=True, exist_ok=True)
@@ -466,7 +467,7 @@ def verify(
 
     This is the whole check the loader does lazily, shard by shard, at once: worth running after
     copying a dataset, before a long run starts (see :mod:`titanlite.data.shards`)."""
-    folder = Path(folder)
+    folder = Path(folder).expanduser()
     manifest, mpath = read_manifest(folder), folder / MANIFEST
     vocab, entries = int(manifest["tokenizer"]["vocab_size"]), manifest["shards"]
 

@@ -76,6 +76,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         a = build_parser().parse_args(argv)
+        for key in ("checkpoint", "watch", "data_dir", "output", "tokenizer"):  # --output=~/x: the shell leaves ~
+            if getattr(a, key):
+                setattr(a, key, os.path.expanduser(getattr(a, key)))
         load_extensions([m.strip() for m in a.extensions.split(",") if m.strip()])  # they may register tasks
         if a.watch:
             return run_watch(a)

@@ -78,9 +78,9 @@ def read_run_config(dump_folder: Path, extensions: Sequence[str] = ()):
 
 
 def watched_steps(metrics_file: Path) -> set[int]:
-    """Steps that already have a watcher record in ``metrics_file`` (a torn last line is ignored)."""
+    """Steps that already have a watcher record in ``metrics_file`` (a torn or non-UTF-8 line is ignored)."""
     steps = set()
-    with contextlib.suppress(FileNotFoundError), open(metrics_file, encoding="utf-8") as f:
+    with contextlib.suppress(FileNotFoundError), open(metrics_file, "rb") as f:
         for line in f:
             with contextlib.suppress(ValueError):
                 record = json.loads(line)
