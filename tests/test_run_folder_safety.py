@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from shared_data import shared_file
 from test_checkpoint import TINY, run_trainer
+from test_failure_modes import one_line_error
 from tiny import TINY_MODEL
 
 from titanlite.config import config_to_toml
@@ -28,12 +29,6 @@ from titanlite.models import load_config
 REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def one_line_error(capsys) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
 
 
 # ---------------------------------------------------------------- 1. the watcher imports only its own --extensions

@@ -372,7 +372,7 @@ class CheckpointManager:
     def _check_model(self, path: str | Path, what: str) -> None:
         """The checkpoint's model tensors must exist with this model's (global) shapes."""
         stored = layout.read_metadata(path).state_dict_metadata
-        own = path is not None and Path(path).parent == self.folder  # this folder's run: another model needs its own
+        own = Path(path).parent == self.folder  # this folder's run: another model needs a run of its own
         hint = "; to train another model, start a new run in another folder (job.dump_folder)" if own else ""
         for name, shape in self._shapes.items():
             md = stored.get(f"{self.model_key}.{name}")
