@@ -107,7 +107,7 @@ class InfoIntegrityError(ValueError):
 def info_digest(info: dict[str, Any]) -> str:
     """SHA-256 of a ``checkpoint.json`` content without its own ``sha256`` key, as canonical JSON (sorted keys,
     no spaces), so the digest does not depend on how the file is indented."""
-    body = {k: v for k, v in info.items() if k != DIGEST_KEY}
+    body = json.loads(json.dumps({k: v for k, v in info.items() if k != DIGEST_KEY}))  # as read back: str keys
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
