@@ -88,10 +88,11 @@ time.sleep(120)
 """
 
 
-@pytest.fixture()
-def live_checkpoints(tmp_path):
-    """A process that uses ``run1/checkpoint`` through a CheckpointManager (as a library) and saved steps 10 and 20."""
-    folder = tmp_path / "run1" / "checkpoint"
+@pytest.fixture(scope="module")
+def live_checkpoints(tmp_path_factory):
+    """A process that uses ``run1/checkpoint`` through a CheckpointManager (as a library) and saved steps 10 and 20
+    (the tests refuse to touch it, so they share it)."""
+    folder = tmp_path_factory.mktemp("live") / "run1" / "checkpoint"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLDER, str(folder)], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
@@ -109,17 +110,18 @@ def folder_bytes(folder: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("spelling", ["relative", "absolute"])
-def test_a_run_pointed_into_a_live_checkpoint_folder_is_refused(live_checkpoints, tmp_path, spelling, capsys):
+def test_a_run_pointed_into_a_live_checkpoint_folder_is_refused(live_checkpoints, spelling, capsys):
     from titanlite.train import main
 
     folder, pid = live_checkpoints
     before = folder_bytes(folder)
+    run2 = folder.parent.parent / f"run2_{spelling}"  # beside run1
     where = "../run1/checkpoint" if spelling == "relative" else str(folder)
     with pytest.raises(SystemExit) as e:
-        main(TINY + ["--job.dump_folder", str(tmp_path / "run2"), "--checkpoint.folder", where])
+        main(TINY + ["--job.dump_folder", str(run2), "--checkpoint.folder", where])
     assert e.value.code == 2
     err = one_line_error(capsys)
-    assert f"checkpoint.folder={tmp_path / 'run2' / where if spelling == 'relative' else folder} is in use" in err
+    assert f"checkpoint.folder={run2 / where if spelling == 'relative' else folder} is in use" in err
     assert f"(pid {pid} on " in err
     assert folder_bytes(folder) == before
 
