@@ -264,17 +264,17 @@ def test_damaged_newest_falls_back_to_previous(damage, message, baseline, tmp_pa
 
 
 def test_unreadable_data_detected_only_at_load_falls_back(baseline, tmp_path, caplog):
-    """Bytes flipped inside the data file (sizes intact) of a checkpoint without recorded checksums
-    fail the DCP read itself: fall back too."""
+    """Bytes flipped inside the data file (sizes intact) of a checkpoint whose recorded checksums match the
+    damaged bytes (damaged before they were computed) fail the DCP read itself: fall back too."""
     ref_dump, reference = baseline
     dump = copy_run(ref_dump, tmp_path / "run", [10, 15], keep_metrics_to=15)
-    info = layout.read_info(dump / "checkpoint" / "step-15")
-    del info["files"]
-    layout.write_info(dump / "checkpoint" / "step-15", info)
     data = dump / "checkpoint" / "step-15" / "__0_0.distcp"
     raw = bytearray(data.read_bytes())
     raw[: len(raw)] = bytes(len(raw))  # zeroed: every record is unreadable
     data.write_bytes(bytes(raw))
+    info = layout.read_info(dump / "checkpoint" / "step-15")
+    info["files"] = layout.file_checksums(dump / "checkpoint" / "step-15")
+    layout.write_info(dump / "checkpoint" / "step-15", info)
     with caplog.at_level(logging.INFO, logger="titanlite"):
         run_trainer(dump)
     assert "step-15 could not be read" in caplog.text and "step 10," in caplog.text

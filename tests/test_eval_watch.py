@@ -94,9 +94,9 @@ def test_a_restarted_watcher_goes_on_where_it_stopped(run, tmp_path):
 
 
 def test_records_a_rewind_of_the_run_drops_are_scored_again(run, tmp_path, monkeypatch):
-    """The run resumes (or its guard rolls back) to step 4 while the watcher waits: rewinding the log cuts it
-    after the run's first record past step 4, which takes the watcher's records of steps 2 and 4 (appended
-    later) with it. The live watcher must score them again, not only a restarted one."""
+    """The run resumes (or its guard rolls back) to step 2 while the watcher waits: rewinding the log drops every
+    record past step 2, the watcher's record of step 4 with it (its step 2 record stays). The live watcher must
+    score step 4 again, not only a restarted one."""
     from titanlite.eval import watch as watch_module
     from titanlite.metrics import rewind_metrics_log
 
@@ -105,11 +105,11 @@ def test_records_a_rewind_of_the_run_drops_are_scored_again(run, tmp_path, monke
 
     def the_run_resumes(seconds):
         if (tmp_path / "step-6").exists():
-            rewind_metrics_log(dump / "metrics.jsonl", 4)
+            rewind_metrics_log(dump / "metrics.jsonl", 2)
             shutil.move(tmp_path / "step-6", dump / "checkpoint" / "step-6")
 
     monkeypatch.setattr(watch_module.time, "sleep", the_run_resumes)
-    assert watch(dump, evaluate_fn=probe, poll_seconds=0.01) == [2, 4, 2, 4, 6]
+    assert watch(dump, evaluate_fn=probe, poll_seconds=0.01) == [2, 4, 4, 6]
     assert [r["step"] for r in watcher_records(dump)] == [2, 4, 6]
 
 

@@ -363,9 +363,7 @@ def test_errors_are_one_line_and_write_nothing(tmp_path):
     fails(dcp_to_hf, step, tmp_path / "busy", expect="already exists and is not empty")
     assert [p.name for p in (tmp_path / "busy").iterdir()] == ["keep.txt"]
     # checkpoint.json args that do not match the stored tensors
-    info = json.loads((step / "checkpoint.json").read_text())
-    info["model"]["args"]["dim"] = 128
-    (step / "checkpoint.json").write_text(json.dumps(info))
+    edit_json(step / "checkpoint.json", lambda info: info["model"]["args"].update(dim=128))
     fails(dcp_to_hf, step, tmp_path / "o2", expect="model.tok_embeddings.weight has shape [512, 64]")
     (step / "checkpoint.json").unlink()
     fails(dcp_to_hf, step, tmp_path / "o2", expect="has no checkpoint.json")
@@ -468,9 +466,13 @@ def garble(file: Path) -> None:
 
 
 def edit_json(file: Path, change) -> None:
+    """Change a JSON file; a checkpoint.json is sealed again (its own checksum, as a tool that writes one would)."""
     data = json.loads(file.read_text())
     change(data)
-    file.write_text(json.dumps(data))
+    if file.name == layout.INFO_FILE:
+        layout.write_info(file.parent, data)
+    else:
+        file.write_text(json.dumps(data))
 
 
 DCP_DAMAGE = {  # what is done to the step folder, the file the error must name

@@ -13,6 +13,7 @@ import pytest
 from tiny import TINY_MODEL
 
 from titanlite.preemption import REPEAT_WINDOW_S, PreemptionHandler
+from titanlite.run_lock import LOCK_FILE
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 40
@@ -102,7 +103,7 @@ def test_sigterm_checkpoints_exits_0_and_resume_is_exact(tmp_path):
     stopped = int(out.split("preemption: stopped after step ")[1].split()[0])
     assert 3 <= stopped < STEPS
     ckpt = run_dir / "checkpoint"
-    assert [p.name for p in ckpt.iterdir()] == [f"step-{stopped}"]  # complete, no partial folder
+    assert [p.name for p in ckpt.iterdir() if p.name != LOCK_FILE] == [f"step-{stopped}"]  # complete, no partial folder
     assert (ckpt / f"step-{stopped}" / ".metadata").exists()
 
     resumed = subprocess.run(
@@ -227,7 +228,7 @@ def test_failed_checkpoint_on_stop_exits_128_plus_signal(tmp_path, caplog):
     assert stopped.value.code == 128 + signal.SIGTERM
     assert "the checkpoint of step 3 failed: OSError: [Errno 5] Input/output error" in caplog.text
     assert "stopped after step 3 of 40 on SIGTERM; the checkpoint of step 3 failed (OSError)" in caplog.text
-    assert [p.name for p in (tmp_path / "checkpoint").iterdir()] == ["step-2"]
+    assert [p.name for p in (tmp_path / "checkpoint").iterdir() if p.name != LOCK_FILE] == ["step-2"]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # main() restored the handlers
 
 
@@ -292,7 +293,7 @@ def test_torchrun_sigterm(tmp_path, target, checkpoint, torchrun_status):
     step = int(stops[0].split()[0])
     if checkpoint:
         ckpt = tmp_path / "checkpoint"
-        assert [p.name for p in ckpt.iterdir()] == [f"step-{step}"]
+        assert [p.name for p in ckpt.iterdir() if p.name != LOCK_FILE] == [f"step-{step}"]
         assert (ckpt / f"step-{step}" / ".metadata").exists()
     else:
         assert "exitcode  : 143" in out, out[-4000:]

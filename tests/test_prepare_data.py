@@ -69,7 +69,7 @@ def test_sources_errors(tmp_path):
         list(iter_documents(tmp_path / "missing.txt"))
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"ok \xff\xfe")
-    with pytest.raises(ValueError, match=rf"^{bad}: not valid UTF-8"):
+    with pytest.raises(ValueError, match=rf"^{bad}:1: not valid UTF-8 \(byte 4 of the line\)"):
         list(iter_documents(bad))
 
 
@@ -298,6 +298,55 @@ def test_overwrite_keeps_files_it_did_not_write(small_prepared):
     assert m["totals"]["train"]["shards"] > manifest["totals"]["train"]["shards"]
     assert sorted(p.name for p in out.glob("*.bin")) == sorted(s["name"] for s in m["shards"])
     assert notes.read_text() == "keep me" and (out.parent / stray.name).read_bytes() == b"my own data, not a shard"
+
+
+@pytest.mark.parametrize("where", ["journal_parent", "journal_absolute", "manifest_parent", "manifest_mask"])
+def test_overwrite_refuses_a_listing_that_names_files_outside_the_shards(small_prepared, where):
+    """manifest.json and prepare_journal.jsonl are what --overwrite deletes: an entry naming ``../victim.txt``, an
+    absolute path or another mask file used to be deleted with the shards."""
+    src, out, tok, kw, _ = small_prepared
+    victim = out.parent / "victim.txt"
+    victim.write_text("the user's file")
+    name = str(victim) if where == "journal_absolute" else "../victim.txt"
+    if where.startswith("journal"):
+        with open(out / prep.JOURNAL, "a") as f:
+            f.write(json.dumps({"name": name, "tokens": 1, "docs": 1}) + "\n")
+    else:
+        manifest = json.loads((out / MANIFEST).read_text())
+        entry = manifest["shards"][0]
+        if where == "manifest_mask":
+            entry["mask"] = {"name": "../victim.txt", "checksum": entry["checksum"]}
+        else:
+            entry["name"] = name
+        (out / MANIFEST).write_text(json.dumps(manifest))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(ValueError) as e:
+        prep.prepare(src, out, tok, **{**kw, "shard_tokens": 5_000, "overwrite": True})
+    msg = str(e.value)
+    listing = prep.JOURNAL if where.startswith("journal") else MANIFEST
+    assert msg.startswith(f"{out / listing}: entry {name!r} is not a shard file of this folder") and "\n" not in msg
+    assert victim.read_text() == "the user's file"
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing deleted or written
+
+
+@pytest.mark.parametrize("kind", ["symlink", "folder"])
+def test_overwrite_refuses_a_listed_shard_that_is_no_plain_file(small_prepared, kind):
+    src, out, tok, kw, manifest = small_prepared
+    victim = out.parent / "victim.txt"
+    victim.write_text("the user's file")
+    shard = out / manifest["shards"][0]["name"]
+    shard.unlink()
+    if kind == "symlink":
+        shard.symlink_to(victim)
+    else:
+        shard.mkdir()
+        (shard / "inside.txt").write_text("kept")
+    with pytest.raises(ValueError) as e:
+        prep.prepare(src, out, tok, **{**kw, "shard_tokens": 5_000, "overwrite": True})
+    msg = str(e.value)
+    assert msg.startswith(f"{shard} is {'a symbolic link' if kind == 'symlink' else 'not a plain file'}"), msg
+    assert "\n" not in msg and victim.read_text() == "the user's file"
+    assert shard.is_symlink() if kind == "symlink" else (shard / "inside.txt").read_text() == "kept"
 
 
 def test_overwrite_deletes_shards_of_an_interrupted_run(small_prepared):

@@ -192,7 +192,7 @@ class MetricsLogger:
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        self._append((json.dumps(record) + "\n").encode("utf-8"), record.get("step"))
+        self._append(strict_json_line(record), record.get("step"))
         if self.writer is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
@@ -218,6 +218,8 @@ class MetricsLogger:
     def rewind(self, step: int) -> None:
         if self.enabled:
             rewind_metrics_log(self.path, step)
+            self.file.close()  # the file may have been replaced (see rewind_metrics_log): append to the new one
+            self.file = open(self.path, "ab", buffering=0)
 
     def close(self) -> None:
         if self.enabled:
@@ -231,12 +233,15 @@ def as_markdown(items: list[dict[str, Any]]) -> str:
     return "\n\n".join("  \n".join(f"**{k}**: {v}" for k, v in item.items()) for item in items)
 
 
-def write_file_whole(path: Path, text: str) -> None:
+def write_file_whole(path: Path, text: str | bytes) -> None:
     """Write ``text`` to ``path`` through a temporary file renamed over it: ``path`` holds the old or the new
     text, never a part (disk full: a :class:`DiskFullError`, and the old file is left as it was)."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        tmp.write_text(text, encoding="utf-8")
+        if isinstance(text, bytes):
+            tmp.write_bytes(text)
+        else:
+            tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, path)
     except OSError as e:
         with contextlib.suppress(OSError):
@@ -244,30 +249,85 @@ def write_file_whole(path: Path, text: str) -> None:
         raise disk_full_error(e, path, "it was left as it was") from e
 
 
+def finite_json(record: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``record`` for strict JSON (RFC 8259: no bare ``NaN``/``Infinity``, which most readers other than
+    Python's refuse): a non-finite number, at any depth, becomes ``None`` and is named in a ``"nonfinite"`` map
+    (``{"loss": "nan", "grad_norm": "inf"}``; nested ones as ``key.sub`` / ``key[i]``)."""
+    flags: dict[str, str] = {}
+
+    def clean(value: Any, where: str) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            flags[where] = "nan" if value != value else "inf" if value > 0 else "-inf"
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v, f"{where}.{k}" if where else str(k)) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return value
+
+    out = clean(record, "")
+    if flags:
+        out["nonfinite"] = {**(out.get("nonfinite") or {}), **flags}
+    return out
+
+
+def strict_json_line(record: dict[str, Any]) -> bytes:
+    """``record`` as one line of strict JSON (:func:`finite_json`), newline included."""
+    return (json.dumps(finite_json(record), allow_nan=False) + "\n").encode("utf-8")
+
+
 def rewind_metrics_log(path: str | os.PathLike, step: int) -> int:
-    """Cut ``metrics.jsonl`` after the last record of a step <= ``step`` (and any torn last line), in
-    place with ``truncate``, so a logger holding the file open in append mode keeps appending at the
-    new end. Returns how many lines were dropped."""
+    """Keep every record of ``metrics.jsonl`` whose step is <= ``step``, in order, and drop the records after
+    ``step`` (the resumed run logs them again). A line that is no record (unparsable, torn by a crash, without an
+    integer step) is never dropped silently: it is appended to ``<path>.quarantine`` as it was, and a warning names
+    its line numbers. When the kept records are the file's first lines, the file is cut with ``truncate`` in place
+    (a logger holding it open in append mode keeps appending at the new end); otherwise it is rewritten through a
+    temporary file renamed over it (a crash leaves the old or the new file, never a mix), and a holder must reopen
+    it (:meth:`MetricsLogger.rewind` does). Returns how many lines were removed from the file."""
     path = Path(path)
     if not path.is_file():
         return 0
-    keep = dropped = offset = 0
+    kept, bad, dropped, prefix, prefix_end = [], [], 0, True, 0
     with open(path, "rb") as f:
-        for line in f:
-            offset += len(line)
+        for number, line in enumerate(f, 1):
             try:
                 record = json.loads(line) if line.endswith(b"\n") else None
             except ValueError:
                 record = None
             rec_step = record.get("step") if isinstance(record, dict) else None
-            if isinstance(rec_step, int) and rec_step <= step and dropped == 0:
-                keep = offset
+            if not isinstance(rec_step, int) or isinstance(rec_step, bool):
+                bad.append((number, line))
+                prefix = False
+            elif rec_step <= step:
+                kept.append(line)
+                prefix_end += len(line) if prefix else 0
             else:
                 dropped += 1
+                prefix = False
+    if not bad and not dropped:
+        return 0
+    if bad:
+        quarantine = path.with_name(path.name + ".quarantine")
+        with open(quarantine, "ab") as q:
+            q.write(b"".join(line if line.endswith(b"\n") else line + b"\n" for _, line in bad))
+            q.flush()
+            os.fsync(q.fileno())
+        numbers = ", ".join(str(n) for n, _ in bad[:10]) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
+        logger.warning(
+            "metrics log %s: %d line(s) are no JSON record with an integer step (line %s); skipped, moved as they "
+            "were to %s; the valid records around them are kept",
+            path,
+            len(bad),
+            numbers,
+            quarantine,
+        )
+    if prefix_end == sum(len(line) for line in kept):  # the kept records are the first lines: cut in place
+        os.truncate(path, prefix_end)
+    else:
+        write_file_whole(path, b"".join(kept))
     if dropped:
-        os.truncate(path, keep)
         logger.info("metrics log %s: removed %d record(s) after step %d (they are logged again)", path, dropped, step)
-    return dropped
+    return dropped + len(bad)
 
 
 def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
@@ -544,7 +604,7 @@ class MetricsHook(Hook):
         logger.info(format_summary(summary))
         try:
             if self.summary_path is not None and not self.log.failed:  # after a failed write: that error stands
-                write_file_whole(self.summary_path, json.dumps(summary, indent=1) + "\n")
+                write_file_whole(self.summary_path, json.dumps(finite_json(summary), indent=1, allow_nan=False) + "\n")
         finally:
             self.log.close()
 

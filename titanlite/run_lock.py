@@ -1,15 +1,21 @@
-"""One run per dump folder: an exclusive lock on ``<dump_folder>/.titanlite.lock``.
+"""One run per folder: an exclusive lock on ``<folder>/.titanlite.lock`` (the dump folder, and the checkpoint
+folder wherever it lives).
 
 A second run started in the same folder would clean up the first one's in-progress checkpoint saves
-(the ``.partial`` folders it removes at start), interleave its metrics and overwrite ``config.toml``.
+(the ``.partial`` folders it removes at start), interleave its metrics and overwrite ``config.toml``; one whose
+``checkpoint.folder`` points into a running run's checkpoints (``../other/checkpoint``, an absolute path) would
+resume from them and purge or move them aside while that run trains. So the trainer locks its dump folder and
+:class:`~titanlite.checkpoint.CheckpointManager` locks its checkpoint folder (also when used as a library).
 :class:`RunLock` takes a POSIX record lock (``fcntl.lockf``, non-blocking; also honoured over NFS)
 on the lock file and writes who holds it. The kernel releases it when the process ends however it
-ends (SIGKILL included), so a killed run never leaves a stale lock behind. POSIX locks belong to
-the process, not to the descriptor: a second trainer built in the same process (a notebook cell run
-again) takes it again instead of failing; but closing any descriptor of the file in that process
-(an earlier trainer released or garbage-collected) releases the lock for the whole process, so
-other processes could then take the folder while a later trainer of this one still trains. On a file
-system without locks the run goes on with a warning. Under torchrun rank 0 holds it for the job.
+ends (SIGKILL included), so a killed run never leaves a stale lock behind. On a file system without locks
+the run goes on with a warning. Under torchrun rank 0 holds it for the job.
+
+POSIX locks belong to the process, not to the descriptor, and closing *any* descriptor of the file releases
+the process's lock. So each lock file is opened once per process (:data:`_HELD`, keyed by the file's device
+and inode: any spelling of the path, links included): a second :class:`RunLock` of this process on the same
+file (a trainer built again in a notebook, a checkpoint folder that is the dump folder) shares it, and the
+lock is released when the last one is released or garbage-collected.
 """
 
 from __future__ import annotations
@@ -26,10 +32,27 @@ logger = logging.getLogger("titanlite")
 
 LOCK_FILE = ".titanlite.lock"
 
+# (st_dev, st_ino) of a lock file this process holds -> [descriptor, holders]. Process-wide by nature: the kernel
+# keeps POSIX locks per process, and this table mirrors that (it is not configuration).
+_HELD: dict[tuple[int, int], list[int]] = {}
+
+
+def _unhold(key: tuple[int, int]) -> None:
+    entry = _HELD.get(key)
+    if entry is None:
+        return
+    entry[1] -= 1
+    if entry[1] <= 0:
+        del _HELD[key]
+        os.close(entry[0])  # closing the descriptor releases the lock
+
 
 class RunLock:
-    def __init__(self, folder: str | os.PathLike):
-        self.folder, self.fd, self._close = Path(folder), None, None
+    """``RunLock(folder, what)``: ``what`` names the folder's setting in errors (``job.dump_folder``,
+    ``checkpoint.folder``)."""
+
+    def __init__(self, folder: str | os.PathLike, what: str = "job.dump_folder"):
+        self.folder, self.what, self.fd, self._close = Path(folder), what, None, None
 
     @property
     def path(self) -> Path:
@@ -40,12 +63,23 @@ class RunLock:
         process holds it (named: host, pid, start time, command)."""
         import fcntl
 
+        if self._close is not None:
+            return self
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError):
-            raise ValueError(f"job.dump_folder={self.folder}: it, or a folder above it, is a file") from None
+            raise ValueError(f"{self.what}={self.folder}: it, or a folder above it, is a file") from None
         except OSError as e:
-            raise ValueError(f"job.dump_folder={self.folder}: cannot create it ({e.strerror})") from None
+            raise ValueError(f"{self.what}={self.folder}: cannot create it ({e.strerror})") from None
+        try:
+            st = os.stat(self.path)  # never open a file this process holds: closing that would release it
+            key = (st.st_dev, st.st_ino)
+        except FileNotFoundError:
+            key = None
+        if key in _HELD:
+            _HELD[key][1] += 1
+            self.fd, self._close = _HELD[key][0], weakref.finalize(self, _unhold, key)
+            return self
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -53,8 +87,8 @@ class RunLock:
             holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "unknown process"
             os.close(fd)
             raise ValueError(
-                f"job.dump_folder={self.folder} is in use by another run ({holder[:300]}); wait for it to end or "
-                "choose another job.dump_folder"
+                f"{self.what}={self.folder} is in use by another run ({holder[:300]}); wait for it to end or "
+                f"choose another {self.what}"
             ) from None
         except OSError as e:  # no flock on this file system
             logger.warning(f"could not lock {self.path} ({e.strerror}); make sure no other run uses this folder")
@@ -63,10 +97,13 @@ class RunLock:
         now = datetime.datetime.now().isoformat(timespec="seconds")
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {now}: {' '.join(sys.argv)}\n".encode(), 0)
-        self.fd, self._close = fd, weakref.finalize(self, os.close, fd)  # released when dropped, too
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino)
+        _HELD[key] = [fd, 1]
+        self.fd, self._close = fd, weakref.finalize(self, _unhold, key)  # released when dropped, too
         return self
 
     def release(self) -> None:
         if self._close is not None:
-            self._close()  # closing the descriptor releases the lock
+            self._close()
             self.fd = self._close = None

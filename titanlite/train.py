@@ -70,6 +70,9 @@ from titanlite.validation import ValidationHook, combine_validation, validation_
 logger = logging.getLogger("titanlite")
 
 
+RESUMED = "the run's checkpoint"  # model_args_source's name for the checkpoint a resume takes its model args from
+
+
 class ResumeError(ValueError):
     """The checkpoint cannot resume this run (e.g. the data or its windowing changed): one line at the
     command line, raised before anything (metrics, checkpoints) is touched."""
@@ -96,6 +99,7 @@ class Trainer:
         self.world = world or world_from_env()
         self.device = self.world.device
         self.parallel_dims = self.build_parallel_dims()
+        layout.refuse_inside_step_folder(cfg.job.dump_folder, f"job.dump_folder={cfg.job.dump_folder}")
         self.run_lock = RunLock(cfg.job.dump_folder)  # rank 0 holds it: one run per dump folder
         run_on_rank0(lambda: self.run_lock.acquire() and None)
         self.grad_accum_steps = grad_accum_steps(t.global_batch_size, t.local_batch_size, self.parallel_dims.dp_degree)
@@ -110,7 +114,12 @@ class Trainer:
                 task.items(cfg.eval.data_dir)
         self.model_args = model_args_for(cfg.model, self.tokenizer.vocab_size)
         if source := self.model_args_source():  # its RoPE, norm eps ... unless [model] sets them
-            self.model_args = model_args_from_seed(self.spec, self.model_args, cfg.model.overrides, *source)
+            try:
+                self.model_args = model_args_from_seed(self.spec, self.model_args, cfg.model.overrides, *source)
+            except ValueError as e:
+                if source[1] != RESUMED:
+                    raise
+                raise ValueError(f"{e}; or start a new run in another --job.dump_folder") from None
         check_seq_len(self.model_args, max(t.seq_len, self.run_plan.max_seq_len))
         self.pipeline_plan = self.build_pipeline_plan()
         self.model = self.build_model()
@@ -241,7 +250,8 @@ class Trainer:
         """The training batches; with a ``seq_len_schedule``, a :class:`StagedLoader` over the stages."""
         if not self.cfg.training.seq_len_schedule:
             return self.build_dataloader("train")
-        return StagedLoader(lambda i: self.build_dataloader("train", stage=i), self.run_plan.stage_index(1))
+        build = lambda i: self.build_dataloader("train", stage=i)  # noqa: E731
+        return StagedLoader(build, self.run_plan.stage_index(1), num_stages=len(self.run_plan.stages))
 
     def build_dataloader(self, split: str = "train", stage: int | None = None):
         """The training batches: one source's windows, or a weighted mixture of ``[training] mixture``; at
@@ -358,7 +368,7 @@ class Trainer:
             for f in reversed([f for f in folders if c.load_step in (-1, f.step)]):
                 with contextlib.suppress(ValueError):  # a damaged one is reported (and skipped) by the manager
                     if isinstance(layout.read_info(f.path).get("model", {}).get("args"), dict):
-                        return f.path, "the run's checkpoint"
+                        return f.path, RESUMED
         return (Path(c.initial_load_path), "checkpoint.initial_load_path") if c.initial_load_path else None
 
     @property
@@ -373,7 +383,10 @@ class Trainer:
         if self.complete:
             path = self.checkpointer.plan.paths[0]
             logger.info(f"the run is complete ({path} exists, training.steps = {state.total_steps}); nothing to do")
-            logger.info("to train further, raise training.steps and rerun")
+            logger.info(
+                "to train further, raise training.steps and rerun; to train anew, choose another --job.dump_folder"
+            )
+            self.checkpointer.close()  # its folder's lock
             self.run_lock.release()
             return state.records
         self.log_start()

@@ -151,6 +151,8 @@ def dcp_to_hf(
         hf_config = adapter.hf_config(dtype=out_dtype, bos_token_id=bos, eos_token_id=eos)
         layout.write_json(partial / "config.json", hf_config)
         layout.write_json(partial / "generation_config.json", adapter.generation_config(bos, eos))
+        for file in files:  # safetensors writes 0600; give the weights the permissions of their siblings
+            shutil.copymode(partial / "config.json", partial / file)
         _copy_tokenizer(info, partial)
     return out_dir
 
@@ -172,6 +174,8 @@ def _read_info(step_dir: Path) -> dict[str, Any]:
         return layout.read_info(step_dir)
     except UnicodeDecodeError:
         raise ValueError(f"{step_dir / layout.INFO_FILE} is unreadable (not UTF-8 JSON text)") from None
+    except layout.InfoIntegrityError:  # says what to do itself
+        raise
     except ValueError as e:
         raise ValueError(f"{e}: cannot tell the model args (not a titanlite checkpoint step folder?)") from None
 

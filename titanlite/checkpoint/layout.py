@@ -24,6 +24,7 @@ anything is loaded.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -42,7 +43,9 @@ METADATA_FILE = ".metadata"
 INFO_FILE = "checkpoint.json"
 CONFIG_FILE = "config.toml"
 FORMAT = "titanlite-dcp"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: checkpoint.json carries the SHA-256 of its own content ("sha256"); 1 did not
+DIGEST_KEY = "sha256"
+SEAL_COMMAND = "python -m titanlite.checkpoint.seal"
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _PARTIAL_RE = re.compile(r"^step-(\d+)\.(partial|replaced)-[0-9a-zA-Z]+$")
@@ -96,22 +99,85 @@ def write_text(file: str | os.PathLike, text: str) -> None:
         os.fsync(f.fileno())
 
 
+class InfoIntegrityError(ValueError):
+    """``checkpoint.json`` is titanlite's but cannot be trusted: edited or damaged (its checksum fails), or written
+    by an earlier titanlite without a checksum. One line, naming what to do."""
+
+
+def info_digest(info: dict[str, Any]) -> str:
+    """SHA-256 of a ``checkpoint.json`` content without its own ``sha256`` key, as canonical JSON (sorted keys,
+    no spaces), so the digest does not depend on how the file is indented."""
+    body = json.loads(json.dumps({k: v for k, v in info.items() if k != DIGEST_KEY}))  # as read back: str keys
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def write_info(path: str | os.PathLike, info: dict[str, Any]) -> None:
-    write_json(Path(path) / INFO_FILE, {"format": FORMAT, "version": FORMAT_VERSION, **info}, sort_keys=True)
+    """``<path>/checkpoint.json``: ``info``, the size and CRC-32 of the folder's DCP files (``info["files"]``,
+    computed now unless given: write it after the DCP files) and the SHA-256 of the whole (:func:`info_digest`),
+    which :func:`read_info` verifies. Written to a temporary file and renamed into place."""
+    data = {**info, "format": FORMAT, "version": FORMAT_VERSION}
+    data.pop(DIGEST_KEY, None)
+    if "files" not in data:
+        data["files"] = file_checksums(path)
+    data[DIGEST_KEY] = info_digest(data)
+    tmp = Path(path) / f".{INFO_FILE}.tmp"
+    write_json(tmp, data, sort_keys=True)
+    os.replace(tmp, Path(path) / INFO_FILE)
 
 
 def read_info(path: str | os.PathLike) -> dict[str, Any]:
-    """``checkpoint.json`` of a step folder; ValueError when missing or not ours."""
+    """``checkpoint.json`` of a step folder, its own checksum verified; ValueError (one line) when it is missing,
+    not ours, edited or damaged (the checksum differs), or written by an earlier titanlite without a checksum
+    (format version 1: the message names :data:`SEAL_COMMAND`, which checks and upgrades it)."""
     file = Path(path) / INFO_FILE
     try:
         info = json.loads(file.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ValueError(f"{path} has no {INFO_FILE}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{file} is unreadable: not UTF-8 text (byte {e.start})") from None
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{file} is unreadable: {e}") from None
     if not isinstance(info, dict) or info.get("format") != FORMAT:
         raise ValueError(f"{file} is not a titanlite checkpoint description")
+    version = info.get("version")
+    if version == 1:
+        raise InfoIntegrityError(
+            f"{file} was written by an earlier titanlite (format version 1, without a checksum of its own, so an edit "
+            f"of its model args or file checksums would go unnoticed); if you trust this checkpoint, check and upgrade "
+            f"it with: {SEAL_COMMAND} {path}"
+        )
+    if version != FORMAT_VERSION:
+        raise ValueError(f"{file} has format version {version!r}; this titanlite reads version {FORMAT_VERSION}")
+    if info.get(DIGEST_KEY) != info_digest(info):
+        what = "has no" if DIGEST_KEY not in info else "fails its"
+        raise InfoIntegrityError(
+            f"{file} {what} checksum ({DIGEST_KEY}): it was edited or damaged after the save, so neither the model "
+            "args nor the file checksums it records can be trusted"
+        )
     return info
+
+
+def enclosing_step_folder(path: str | os.PathLike) -> Path | None:
+    """The checkpoint step folder that ``path`` is or lies in (a folder holding ``checkpoint.json`` or DCP's
+    ``.metadata``), or None. Tools refuse to write there: a dump folder would put its ``config.toml`` over the
+    step's, an output file named ``checkpoint.json`` would replace its description."""
+    p = Path(path).expanduser().resolve()
+    for folder in (p, *p.parents):
+        if (folder / INFO_FILE).is_file() or (folder / METADATA_FILE).is_file():
+            return folder
+    return None
+
+
+def refuse_inside_step_folder(path: str | os.PathLike, what: str) -> None:
+    """ValueError (one line) when ``path`` is or lies in a checkpoint step folder (:func:`enclosing_step_folder`);
+    ``what`` names the setting (``job.dump_folder=...``, ``--output ...``)."""
+    if (step := enclosing_step_folder(path)) is not None:
+        where = "is" if step == Path(path).expanduser().resolve() else "lies inside"
+        raise ValueError(
+            f"{what} {where} the checkpoint step folder {step}: writing there would change or replace that "
+            "checkpoint's files; choose a path outside it"
+        )
 
 
 def read_metadata(path: str | os.PathLike):
@@ -135,20 +201,20 @@ def stored_entries(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], 
 def problem_with(path: str | os.PathLike, require_info: bool = True, verify: bool = False) -> str | None:
     """None when the folder looks complete, else a one-line description of what is wrong.
 
-    ``require_info=False`` skips ``checkpoint.json`` (DCP folders written by other tools). A data
-    file must be at least as long as the last byte range the metadata reads from it. ``verify``
+    ``require_info=False`` accepts a folder without ``checkpoint.json`` (DCP folders written by other tools);
+    one that has it (or titanlite's ``config.toml`` beside the DCP files) must have a readable, intact one. A
+    data file must be at least as long as the last byte range the metadata reads from it. ``verify``
     also checks every file against the checksums ``checkpoint.json`` recorded at save (reads it all).
     """
     info: dict[str, Any] = {}
     try:
-        if require_info:
+        if require_info or (Path(path) / INFO_FILE).exists():
             info = read_info(path)
-        else:
-            with contextlib.suppress(ValueError):  # another tool's folder: nothing recorded to verify
-                info = read_info(path)
-        if verify and info.get("files"):
+        elif (Path(path) / CONFIG_FILE).exists():
+            return f"it has titanlite's {CONFIG_FILE} but no {INFO_FILE} (its description and checksums are lost)"
+        if verify and info:  # a folder another tool wrote (no checkpoint.json) has nothing recorded to verify
             try:
-                if problem := checksum_problem(path, info["files"]):
+                if problem := checksum_problem(path, info.get("files")):
                     return problem
             except (TypeError, KeyError, AttributeError):
                 return f"{INFO_FILE} has a malformed list of files"
@@ -185,17 +251,25 @@ def file_checksums(path: str | os.PathLike, threads: int = 4) -> dict[str, dict[
     and the data files), hashed in ``threads`` threads. CRC-32 detects accidental damage (a torn or
     overwritten block) as well as a cryptographic hash would and measured 2.7x faster than SHA-256
     here (4.1 vs 1.5 GB/s); checkpoints are trusted input anyway (README, "Trusting checkpoints")."""
-    files = sorted(
-        p for p in Path(path).iterdir() if p.is_file() and (p.suffix == ".distcp" or p.name == METADATA_FILE)
-    )
+    files = _dcp_files(path)
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(files)))) as pool:
         crcs = list(pool.map(_crc32, files))
     return {p.name: {"bytes": p.stat().st_size, "crc32": crc} for p, crc in zip(files, crcs)}
 
 
+def _dcp_files(path: str | os.PathLike) -> list[Path]:
+    """The files :func:`file_checksums` covers: DCP's ``.metadata`` and the ``.distcp`` data files."""
+    return sorted(p for p in Path(path).iterdir() if p.is_file() and (p.suffix == ".distcp" or p.name == METADATA_FILE))
+
+
 def checksum_problem(path: str | os.PathLike, recorded: dict[str, dict[str, Any]], threads: int = 4) -> str | None:
-    """None when every file ``recorded`` (by :func:`file_checksums` at save) is intact, else one line
-    naming the first damaged file."""
+    """None when every file ``recorded`` (by :func:`file_checksums` at save) is intact and every DCP file of the
+    folder is recorded, else one line naming the first damaged or unrecorded file. Nothing recorded is a problem
+    too: verification is never skipped for want of data."""
+    if not recorded:
+        return f"{INFO_FILE} records no checksums of its files, so they cannot be verified"
+    if unrecorded := [p.name for p in _dcp_files(path) if p.name not in recorded]:
+        return f"{unrecorded[0]} is not covered by the checksums in {INFO_FILE}"
     files = [Path(path) / name for name in sorted(recorded)]
     for file in files:
         if not file.is_file():

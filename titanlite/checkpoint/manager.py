@@ -41,7 +41,10 @@ it recorded in ``checkpoint.json`` after the save (on the writer thread for asyn
 Resuming from an older step than the newest (``load_step``, or a fallback) moves the newer step
 folders aside (``abandoned-after-step-N-*``): they are never purged, overwritten or resumed later.
 A folder whose newest checkpoint is at ``final_step`` is a finished run: ``plan.kind = "complete"``,
-nothing is loaded or cleaned. A save that fails for lack of space raises :class:`CheckpointWriteError`
+nothing is loaded or cleaned. An enabled manager holds ``<folder>/.titanlite.lock`` (rank 0, from the
+constructor to :meth:`close`; :class:`~titanlite.run_lock.RunLock`): a second process on the same folder is
+refused in one line before anything is read, cleaned or moved, and a folder inside a step folder is refused.
+A save that fails for lack of space raises :class:`CheckpointWriteError`
 (one line; the earlier checkpoints are intact, the partial folder is removed at the next start).
 """
 
@@ -80,6 +83,7 @@ from titanlite.checkpoint.state import RNGState
 from titanlite.dtypes import DTYPES, dtype_name
 from titanlite.hooks import Hook
 from titanlite.parallel.distributed import run_on_rank0
+from titanlite.run_lock import RunLock
 
 logger = logging.getLogger("titanlite.checkpoint")
 
@@ -233,6 +237,7 @@ class CheckpointManager:
         self._shapes: dict[str, tuple[int, ...]] = {}
         if self.enabled or section.initial_load_path:
             self._shapes = {k: tuple(v.shape) for k, v in get_model_state_dict(self.model).items()}
+        self._lock = RunLock(self.folder, "checkpoint.folder")  # rank 0 holds it while enabled (see _prepare)
         self.token, self.plan = self._on_rank0(self._prepare)
 
     # ------------------------------------------------------------------ planning (constructor)
@@ -240,6 +245,9 @@ class CheckpointManager:
         """Rank 0: clean leftovers, choose what to load, validate it. ValueError on user errors."""
         token = secrets.token_hex(4)
         plan = LoadPlan()
+        if self.enabled:  # one run per checkpoint folder, wherever it lives: before anything is read or cleaned
+            layout.refuse_inside_step_folder(self.folder, f"checkpoint.folder={self.folder}")
+            self._lock.acquire()
         if self.enabled and (done := self._finished()):
             return token, LoadPlan("complete", [str(done)])
         if self.enabled:
@@ -364,16 +372,18 @@ class CheckpointManager:
     def _check_model(self, path: str | Path, what: str) -> None:
         """The checkpoint's model tensors must exist with this model's (global) shapes."""
         stored = layout.read_metadata(path).state_dict_metadata
+        own = Path(path).parent == self.folder  # this folder's run: another model needs a run of its own
+        hint = "; to train another model, start a new run in another folder (job.dump_folder)" if own else ""
         for name, shape in self._shapes.items():
             md = stored.get(f"{self.model_key}.{name}")
             if md is None or not hasattr(md, "size"):
                 raise ValueError(
-                    f"{what}: {path} has no tensor {self.model_key}.{name}; it was saved from a different model"
+                    f"{what}: {path} has no tensor {self.model_key}.{name}; it was saved from a different model{hint}"
                 )
             if tuple(md.size) != shape:
                 raise ValueError(
                     f"{what}: {path} has {self.model_key}.{name} of shape {list(md.size)} but this "
-                    f"model's is {list(shape)} (the model config differs from the checkpoint's)"
+                    f"model's is {list(shape)} (the model config differs from the checkpoint's){hint}"
                 )
 
     # ------------------------------------------------------------------ loading
@@ -681,7 +691,7 @@ class CheckpointManager:
         self._wait_pending()
 
     def close(self) -> None:
-        """Wait for the last save, then release the stager and the checkpoint process group."""
+        """Wait for the last save, then release the stager, the checkpoint process group and the folder's lock."""
         if self._closed:
             return
         self._closed = True
@@ -695,6 +705,7 @@ class CheckpointManager:
             if self._pg is not None:
                 dist.destroy_process_group(self._pg)
                 self._pg = None
+            self._lock.release()
 
     def _wait_pending(self) -> None:
         self.wait_for_staging()

@@ -153,6 +153,8 @@ def _converted(key: _Key, dotted: str, raw: Any, cli: bool, where: str) -> Any:
     """``raw`` converted and checked for ``key``; ConfigError naming the key, the value and ``where``."""
     try:
         value = _convert(raw, key.type, cli)
+        if key.meta.get("path") and isinstance(value, str):
+            value = os.path.expanduser(value)  # "~/runs/x" in TOML (or --key=~/x) would be a folder named "~"
         reason = _check(value, key.meta)
     except ConfigError as e:
         reason = str(e)
@@ -246,16 +248,31 @@ def _parser(fields: Mapping[str, _Key], prog: str | None = None, help: tuple[str
     return p
 
 
+def decode_utf8(data: bytes, path: Any, line: int | None = None, *, bom: bool = False) -> str:
+    """``data`` (a whole file, or its line ``line``) as text, with a leading byte-order mark dropped when ``bom``
+    (editors on Windows write one). ValueError naming the file and the line (``path:LINE: not valid UTF-8 (byte N
+    of the line)``) for bytes that are not UTF-8."""
+    try:
+        return data.decode("utf-8-sig" if bom else "utf-8")
+    except UnicodeDecodeError as e:
+        start = 0 if line is not None else data.rfind(b"\n", 0, e.start) + 1
+        line = line if line is not None else data.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"{path}:{line}: not valid UTF-8 (byte {e.start - start + 1} of the line)") from None
+
+
 def read_toml(path: str) -> dict[str, Any]:
-    """A TOML file as a dict; ConfigError naming the file when it is missing or malformed."""
+    """A TOML file as a dict (a UTF-8 byte-order mark is allowed); ConfigError naming the file when it is missing
+    or malformed, and the line for bytes that are not UTF-8."""
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path} {'is not a file' if os.path.exists(path) else 'not found'}")
     try:
         with open(path, "rb") as fh:
-            return tomllib.load(fh)
-    except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError) as e:
+            return tomllib.loads(decode_utf8(fh.read(), path, bom=True))
+    except (tomllib.TOMLDecodeError, OSError) as e:
         what = "malformed TOML in" if isinstance(e, tomllib.TOMLDecodeError) else "cannot read"
         raise ConfigError(f"{what} config file {path}: {e}") from None
+    except ValueError as e:
+        raise ConfigError(f"config file {e}") from None
 
 
 def _flatten(table: Mapping[str, Any], prefix: str, where: str) -> Iterator[tuple[str, str, Any]]:

@@ -23,7 +23,8 @@ class ConfigError(ValueError):
 
 
 def opt(default: Any, help: str, **checks: Any) -> Any:
-    """A dataclass field with a one-line help text and checks (``choices``, ``min``, ``max``, ``gt``)."""
+    """A dataclass field with a one-line help text and checks (``choices``, ``min``, ``max``, ``gt``); ``path=True``:
+    a file or folder path, whose leading ``~`` the loader expands to the home folder."""
     meta = {"help": help, **checks}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
@@ -89,7 +90,9 @@ def mixture_source_name(entry: dict) -> str:
 
 @dataclass
 class Job:
-    dump_folder: str = opt("./outputs", "Folder for config.toml, metrics, TensorBoard events and checkpoints.")
+    dump_folder: str = opt(
+        "./outputs", "Folder for config.toml, metrics, TensorBoard events and checkpoints.", path=True
+    )
     description: str = opt("", "Free text describing the run (logged and written to config.toml).")
     print_config: bool = opt(False, "Log the fully resolved config at start.")
     extensions: list[str] = opt([], "Modules imported before [model] is checked; they register models and plug-ins.")
@@ -104,7 +107,7 @@ class Job:
 class Model:
     name: str = opt("llama3", "Model family, as registered in titanlite.models.")
     flavor: str = opt("debugmodel", "Size preset of the family (llama3: debugmodel, 1B, 3B, 8B, 70B, 405B).")
-    tokenizer_path: str = opt("", "Tokenizer file; empty = the built-in byte-level tokenizer.")
+    tokenizer_path: str = opt("", "Tokenizer file; empty = the built-in byte-level tokenizer.", path=True)
     overrides: dict = opt({}, "Model-args fields overriding the flavor: the extra [model] keys, never set directly.")
 
 
@@ -135,7 +138,7 @@ class LRScheduler:
 @dataclass
 class Training:
     dataset: str = opt("embedded", "embedded (built-in text), shards (scripts/prepare_data.py) or text (raw files).")
-    dataset_path: str = opt("", "Shard folder, or text/JSONL file or folder.")
+    dataset_path: str = opt("", "Shard folder, or text/JSONL file or folder.", path=True)
     loss: str = opt("cross_entropy", "Loss by registered name: a token-sum fn (logits, labels) -> loss.")
     local_batch_size: int = opt(8, "Sequences per micro-batch on each data-parallel rank.", min=1)
     global_batch_size: int = opt(-1, "Sequences per optimizer step, all ranks; -1 = no accumulation.")
@@ -209,7 +212,7 @@ class Guard:
 class Validation:
     enable: bool = opt(False, "Run validation during training.")
     dataset: str = opt("embedded", "Validation data, same kinds as [training] dataset.")
-    dataset_path: str = opt("", "Path for the validation dataset.")
+    dataset_path: str = opt("", "Path for the validation dataset.", path=True)
     mixture: list[dict] = opt([], "Sources [{path, weight[, name, dataset]}]: a loss each, val_loss weighted (TOML).")
     freq: int = opt(50, "Validate every N steps (and at the last step).", min=1)
     steps: int = opt(4, "Global batches per validation; -1 = the whole held-out split.")
@@ -245,7 +248,7 @@ EVAL_TASKS = ["hellaswag", "arc_easy", "arc_challenge", "piqa", "lambada"]
 class Eval:
     enable: bool = opt(False, "Score downstream tasks during training (titanlite.eval).")
     tasks: list[str] = opt(list(EVAL_TASKS), "Tasks by registered name.")
-    data_dir: str = opt("", "Folder with the tasks' data files (hellaswag/, arc/, piqa/, lambada/).")
+    data_dir: str = opt("", "Folder with the tasks' data files (hellaswag/, arc/, piqa/, lambada/).", path=True)
     freq: int = opt(500, "Evaluate every N steps (and at the last step).", min=1)
     limit: int = opt(-1, "First N items of each task; -1 = all.", min=-1)
     batch_size: int = opt(16, "Sequences per scoring forward pass on each data-parallel rank.", min=1)
@@ -315,14 +318,16 @@ class QuantizeLinearFloat8:
 @dataclass
 class Checkpoint:
     enable: bool = opt(False, "Save checkpoints; resume from the newest complete one at start.")
-    folder: str = opt("checkpoint", "Checkpoint folder (step-N sub-folders), relative to dump_folder.")
+    folder: str = opt("checkpoint", "Checkpoint folder (step-N sub-folders), relative to dump_folder.", path=True)
     interval: int = opt(500, "Save every N steps (and at the last step).", min=1)
     async_mode: str = opt("disabled", "Save in the background.", choices=["disabled", "async", "async_with_pinned_mem"])
     keep_latest_k: int = opt(10, "Keep the newest K complete checkpoints; 0 = keep all.", min=0)
     last_save_model_only: bool = opt(True, "The last step saves model weights only (in export_dtype).")
     export_dtype: str = opt("float32", "Weight dtype of a model-only last save.", choices=["float32", "bfloat16"])
     load_step: int = opt(-1, "Resume from this step (an error if missing); -1 = the newest.", min=-1)
-    initial_load_path: str = opt("", "Step folder (or HF model folder) loaded when there is nothing to resume.")
+    initial_load_path: str = opt(
+        "", "Step folder (or HF model folder) loaded when there is nothing to resume.", path=True
+    )
     initial_load_model_only: bool = opt(True, "Load only the weights from initial_load_path.")
 
 

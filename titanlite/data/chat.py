@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from titanlite.config.parser import decode_utf8
 from titanlite.data.sources import list_files
 
 ROLES = ("system", "user", "assistant", "tool", "ipython")
@@ -85,8 +86,9 @@ def render_conversation(
 def iter_conversations(path: str | os.PathLike) -> Iterator[tuple[str, list[dict]]]:
     """``("<file>:<line>", messages)`` for every conversation in a JSONL file or folder of them."""
     for file in list_files(path):
-        with open(file, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
+        with open(file, "rb") as f:
+            for lineno, raw in enumerate(f, start=1):
+                line = decode_utf8(raw, file, lineno)  # bytes that are not UTF-8: an error naming file and line
                 if not line.strip():
                     continue
                 where = f"{file}:{lineno}"

@@ -12,7 +12,7 @@ from titanlite.data.embedded import embedded_token_stream
 from titanlite.data.encode import encode_documents
 from titanlite.data.shards import ShardedTokens
 from titanlite.data.sources import iter_documents
-from titanlite.data.windows import TokenWindows
+from titanlite.data.windows import CHANGE_OF_KIND, TokenWindows
 from titanlite.tokenizer import Tokenizer
 
 
@@ -39,6 +39,19 @@ def load_token_store(dataset: str, path: str, split: str, tokenizer: Tokenizer) 
     raise ValueError(f"unknown dataset kind {dataset!r}; expected embedded, shards or text")
 
 
+class ResumableDataLoader(StatefulDataLoader):
+    """A StatefulDataLoader that refuses, in one line, the state of a staged loader (``training.seq_len_schedule``,
+    :class:`~titanlite.data.staged.StagedLoader`) instead of failing inside torchdata on its unknown keys."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if isinstance(state_dict, dict) and {"stage", "loader"} <= set(state_dict):
+            raise ValueError(
+                "cannot resume the training data: the checkpoint was saved with training.seq_len_schedule (in stage "
+                f"{int(state_dict['stage']) + 1}) and this run has none; {CHANGE_OF_KIND}"
+            )
+        super().load_state_dict(state_dict)
+
+
 def build_dataloader(
     store: Any,
     *,
@@ -52,8 +65,8 @@ def build_dataloader(
     eos_id: int | None = None,
     num_workers: int = 0,
     name: str = "train",
-) -> StatefulDataLoader:
-    """A StatefulDataLoader over shuffled (train) or sequential (validation) windows of ``store``.
+) -> ResumableDataLoader:
+    """A :class:`ResumableDataLoader` over shuffled (train) or sequential (validation) windows of ``store``.
 
     Batches are dicts of ``[batch_size, seq_len]`` int64 tensors: ``input_ids``, ``labels`` and, when
     ``eos_id`` is given, ``document_ids``. ``state_dict()``/``load_state_dict()`` resume exactly.
@@ -64,6 +77,6 @@ def build_dataloader(
     with warnings.catch_warnings():  # torchdata 0.11 calls the deprecated torch.set_vital here; harmless
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
         pin = torch.cuda.is_available()
-        return StatefulDataLoader(
+        return ResumableDataLoader(
             windows, batch_size=batch_size, num_workers=num_workers, drop_last=True, pin_memory=pin
         )

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from titanlite.data.windows import TokenWindows, check_repartition
+from titanlite.data.windows import CHANGE_OF_KIND, TokenWindows, check_repartition
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +137,11 @@ class MixtureWindows(IterableDataset):
         return {**state, "epochs": list(self.epochs), "cursors": list(self.cursors), "setup": self.setup()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "setup" not in state:  # a single source's TokenWindows state
+            raise ValueError(
+                f"cannot resume the mixture: the checkpoint was saved without training.mixture (one source) and "
+                f"this run has one; {CHANGE_OF_KIND}"
+            )
         saved, now = state["setup"], self.setup()
         if saved["names"] != now["names"]:
             raise ValueError(

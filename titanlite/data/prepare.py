@@ -40,6 +40,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import sys
 import time
 from collections.abc import Sequence
@@ -162,14 +163,30 @@ def _read_journal(out: Path) -> dict[str, dict]:
 
 
 def _known_shards(out: Path) -> dict[str, dict]:
-    """The shards this tool wrote in ``out``: name -> entry, from the manifest and then the journal."""
+    """The shards this tool wrote in ``out``: name -> entry, from the manifest and then the journal. Every entry
+    must name a shard of this folder (``<split>-NNNNN.bin``, its mask ``<split>-NNNNN.mask.bin``): a listing is
+    what ``--overwrite`` deletes, so one naming any other path is refused (one line naming the entry)."""
     known = {}
     if (out / MANIFEST).exists():
         try:
             known = {e["name"]: e for e in read_manifest(out)["shards"]}
         except ValueError as e:
             raise ValueError(f"{e}; it is needed to tell which files in {out} prepare_data wrote") from None
-    return {**known, **_read_journal(out)}
+    journal = _read_journal(out)
+    for listing, entries in ((MANIFEST, known), (JOURNAL, journal)):
+        for name, entry in entries.items():
+            mask = entry["mask"].get("name") if isinstance(entry.get("mask"), dict) else None
+            if not _SHARD_NAME.fullmatch(name):
+                bad, want = name, "<split>-NNNNN.bin"
+            elif mask not in (None, mask_name(name)):
+                bad, want = mask, mask_name(name)
+            else:
+                continue
+            raise ValueError(
+                f"{out / listing}: entry {bad!r} is not a shard file of this folder ({want}); prepare_data "
+                f"deletes and rewrites only its own shard files: remove that entry, or choose another --output"
+            )
+    return {**known, **journal}
 
 
 def _refuse_strays(out: Path, known: dict[str, dict]) -> None:
@@ -213,11 +230,21 @@ def _mask_matches(path: Path, shard: ShardReader) -> bool:
 
 
 def _our_files(out: Path, known: dict[str, dict]) -> list[Path]:
-    """The files of ``out`` that --overwrite deletes: the listed shards (and masks), their .tmp, our own records."""
+    """The files of ``out`` that --overwrite deletes: the listed shards (and masks), their .tmp, our own records
+    (names :func:`_known_shards` checked). Each must be a plain file: a link or a folder of that name is refused."""
     listed = [*known, *(e["mask"]["name"] for e in known.values() if isinstance(e.get("mask"), dict))]
     names = [*listed, *(n + ".tmp" for n in listed)]
     names += [n + t for n in (MANIFEST, STATE, JOURNAL) for t in ("", ".tmp")]
-    return sorted(out / n for n in names if (out / n).is_file())
+    found = []
+    for path in sorted(out / n for n in names if os.path.lexists(out / n)):
+        if not stat.S_ISREG(path.lstat().st_mode):
+            kind = "a symbolic link" if path.is_symlink() else "not a plain file"
+            raise ValueError(
+                f"{path} is {kind}, where prepare_data keeps one of its own files; it never deletes or writes "
+                "through it: move it out of the folder, or choose another --output"
+            )
+        found.append(path)
+    return found
 
 
 def _why_not_resumable(state: dict, old_state: dict | None) -> str:
@@ -268,15 +295,16 @@ def prepare(
         if log is not None:
             print(f"prepare_data: {msg}", file=log, flush=True)
 
+    inputs = [Path(p).expanduser() for p in inputs]  # a leading ~ is the home folder (also in --input=~/x)
     files = list_files(inputs)
     if not files:
         raise ValueError(f"no input files (.txt/.md/.jsonl/.json/.parquet) found in {', '.join(map(str, inputs))}")
-    tok_path = "" if tokenizer in ("", "bytes") else str(Path(tokenizer).resolve())
+    tok_path = "" if tokenizer in ("", "bytes") else str(Path(tokenizer).expanduser().resolve())
     tok = build_tokenizer(tok_path)
     dtype = dtype_for_vocab(tok.vocab_size)
     tok_info = tokenizer_info(tok)
 
-    out = Path(output)
+    out = Path(output).expanduser()
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out}: output exists and is not a folder")
     out.mkdir(parents=True, exist_ok=True)
@@ -439,7 +467,7 @@ def verify(
 
     This is the whole check the loader does lazily, shard by shard, at once: worth running after
     copying a dataset, before a long run starts (see :mod:`titanlite.data.shards`)."""
-    folder = Path(folder)
+    folder = Path(folder).expanduser()
     manifest, mpath = read_manifest(folder), folder / MANIFEST
     vocab, entries = int(manifest["tokenizer"]["vocab_size"]), manifest["shards"]
 

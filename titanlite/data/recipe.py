@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,11 @@ def source_kind(dataset: str, path: str) -> str:
 def load_source(name: str, dataset: str, path: str, split: str, tokenizer: Any) -> SourceData:
     """One source's stores for ``split`` (a shard folder's own split; any other kind's path is the split)."""
     kind = source_kind(dataset, path)
+    if kind == "chat" and (Path(path) / MANIFEST).is_file():
+        raise ValueError(
+            f"{path} is a shard folder (prepare_data), not raw chat JSONL: use dataset = 'shards' (a folder prepared "
+            "with --format chat brings its loss masks) or 'auto'"
+        )
     if kind == "chat" or kind == "shards" and is_chat_folder(path):
         tokens, mask, offsets = load_chat_data(kind, path, split, tokenizer)
         return SourceData(name, tokens, mask, offsets)
@@ -73,9 +79,14 @@ def load_source(name: str, dataset: str, path: str, split: str, tokenizer: Any) 
 
 def mixture_entries(section: Any) -> list[dict]:
     """The section's sources as mixture entries: ``mixture``, or its single ``dataset``/``dataset_path``."""
-    if section.mixture:
-        return [dict(e, name=mixture_source_name(e)) for e in section.mixture]
+    if section.mixture:  # a path's leading ~ is the home folder, as for the section's other paths
+        return [dict(e, name=mixture_source_name(e), **_home(e)) for e in section.mixture]
     return [{"name": "data", "dataset": section.dataset, "path": section.dataset_path, "weight": 1.0}]
+
+
+def _home(entry: dict) -> dict:
+    """``{"path": <the entry's path with ~ expanded>}``, or nothing when it has no path."""
+    return {"path": os.path.expanduser(entry["path"])} if isinstance(entry.get("path"), str) else {}
 
 
 def source_windows(

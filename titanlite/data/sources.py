@@ -33,6 +33,8 @@ import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from titanlite.config.parser import decode_utf8
+
 PathLike = str | os.PathLike
 
 FORMATS = ("auto", "text", "jsonl", "json", "parquet")
@@ -72,14 +74,6 @@ def _open_binary(path: Path):
     return (gzip.GzipFile(fileobj=f, mode="rb") if path.name.endswith(".gz") else f), f
 
 
-def _decode(data: bytes, path: Path, line: int | None = None) -> str:
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        where = f"{path}:{line}" if line is not None else f"{path}"
-        raise ValueError(f"{where}: not valid UTF-8 (byte {e.start}{' of the line' if line else ''})") from None
-
-
 def _paragraphs(text: str) -> Iterator[str]:
     for nonblank, lines in itertools.groupby(text.splitlines(), key=lambda line: bool(line.strip())):
         if nonblank:
@@ -90,7 +84,7 @@ def _text_docs(path: Path, txt_split: str) -> Iterator[tuple[str, int]]:
     size = path.stat().st_size
     stream, raw = _open_binary(path)
     with raw:
-        text = _decode(stream.read(), path)
+        text = decode_utf8(stream.read(), path)
     for doc in [text] if txt_split == "file" else _paragraphs(text):
         if doc:
             yield doc, size
@@ -117,7 +111,7 @@ def _jsonl_docs(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
             if not line.strip():
                 continue
             try:
-                obj = json.loads(_decode(line, path, lineno))
+                obj = json.loads(decode_utf8(line, path, lineno))
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
             text = _record_text(obj, f"{path}:{lineno}", text_field)
@@ -135,7 +129,7 @@ def _json_docs(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
         yield from _jsonl_docs(path, text_field)
         return
     try:
-        records = json.loads(_decode(data, path))
+        records = json.loads(decode_utf8(data, path))
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: invalid JSON ({e.msg} at line {e.lineno} column {e.colno} of the array)") from None
     size = path.stat().st_size

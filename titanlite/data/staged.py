@@ -15,14 +15,16 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from titanlite.data.windows import CHANGE_OF_KIND
+
 logger = logging.getLogger(__name__)
 
 
 class StagedLoader:
     per_rank_state = True  # checkpointed per data-parallel rank, like a StatefulDataLoader
 
-    def __init__(self, build: Callable[[int], Any], stage: int = 0):
-        self.build, self.stage = build, stage
+    def __init__(self, build: Callable[[int], Any], stage: int = 0, num_stages: int | None = None):
+        self.build, self.stage, self.num_stages = build, stage, num_stages
         self.loader = build(stage)
         self._it: Iterator | None = None
 
@@ -50,7 +52,17 @@ class StagedLoader:
         return {"stage": self.stage, "loader": self.loader.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not (isinstance(state, dict) and {"stage", "loader"} <= set(state)):
+            raise ValueError(
+                "cannot resume the training data: the checkpoint was saved without training.seq_len_schedule and "
+                f"this run has one; {CHANGE_OF_KIND}"
+            )
         stage = int(state["stage"])
+        if self.num_stages is not None and not 0 <= stage < self.num_stages:
+            raise ValueError(
+                f"cannot resume the training data: the checkpoint is in stage {stage + 1} of its "
+                f"training.seq_len_schedule, this run's has {self.num_stages} stage(s); {CHANGE_OF_KIND}"
+            )
         if stage != self.stage:
             self.stage, self.loader = stage, self.build(stage)
         self.loader.load_state_dict(state["loader"])

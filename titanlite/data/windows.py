@@ -44,6 +44,13 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 logger = logging.getLogger(__name__)
 
+# The end of the one-line error when a resume finds the data pipeline changed in kind (a mixture or a seq_len
+# schedule added or removed): the saved position means nothing to the new pipeline.
+CHANGE_OF_KIND = (
+    "a resume keeps the data pipeline's kind: train on with the checkpoint's data settings, or start a new run "
+    "from its weights (checkpoint.initial_load_path in another job.dump_folder)"
+)
+
 
 IGNORE_INDEX = -100  # labels that carry no loss (F.cross_entropy's default ignore_index)
 
@@ -196,6 +203,12 @@ class TokenWindows(IterableDataset):
         return {k: getattr(self, k) for k in ("epoch", "pos", "sample", "dp_world", "num_windows", "seq_len", "seed")}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "setup" in state:  # a MixtureWindows state
+            names = ", ".join(map(str, (state.get("setup") or {}).get("names") or []))
+            raise ValueError(
+                f"cannot resume {self.name} data: the checkpoint was saved with training.mixture (sources {names}) "
+                f"and this run has none; {CHANGE_OF_KIND}"
+            )
         for key in ("seq_len", "seed", "num_windows"):  # the cause before its consequence
             if state[key] != getattr(self, key):
                 raise ValueError(

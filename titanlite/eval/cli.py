@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from titanlite.checkpoint import layout
 from titanlite.checkpoint.load_model import load_model
 from titanlite.data.shards import write_json_atomic
 from titanlite.dtypes import DTYPES
@@ -75,6 +76,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         a = build_parser().parse_args(argv)
+        for key in ("checkpoint", "watch", "data_dir", "output", "tokenizer"):  # --output=~/x: the shell leaves ~
+            if getattr(a, key):
+                setattr(a, key, os.path.expanduser(getattr(a, key)))
         load_extensions([m.strip() for m in a.extensions.split(",") if m.strip()])  # they may register tasks
         if a.watch:
             return run_watch(a)
@@ -125,6 +129,8 @@ def check_args(a: argparse.Namespace) -> tuple[list[str], Path]:
             task.path(data_dir, rel)
     if a.output and (Path(a.output).is_dir() or not Path(a.output).resolve().parent.is_dir()):
         raise UsageError(f"--output {a.output}: expected a file path in an existing folder")
+    if a.output:
+        layout.refuse_inside_step_folder(a.output, f"--output {a.output}")
     return tasks, Path(data_dir)
 
 

@@ -13,12 +13,15 @@ and to TensorBoard (an event file of its own in the run's folder) when the run w
   for appending at that moment: the kernel appends it after whatever the run has written.
 - **Restarts and rewinds.** The scores in ``metrics.jsonl`` are the watcher's memory: before each pass
   over the checkpoints it skips every step that already has a watcher record there, so a restarted
-  watcher goes on where it stopped. A run that resumes or rolls back to step K cuts the log after its
-  first record past K (:func:`titanlite.metrics.rewind_metrics_log`), which drops the watcher's records
-  appended after that one, even of steps <= K; the next pass scores those checkpoints again.
+  watcher goes on where it stopped. A run that resumes or rolls back to step K drops the log's records of
+  steps after K (:func:`titanlite.metrics.rewind_metrics_log`), the watcher's with them; the next pass
+  scores those checkpoints again.
 - **Checkpoints that go away.** ``keep_latest_k`` may delete a step folder while it is read: the
   failed read is logged and the watcher moves on. A step folder that is damaged is logged and skipped
   (tried again after a restart).
+- **What it imports.** Only the modules of its own ``extensions`` (``--extensions``), never the ``[job]
+  extensions`` the watched ``config.toml`` names (importing runs code; ``python -m`` run from inside the watched
+  folder would import a module file placed there): a run whose family comes from an extension needs it named.
 - **When it stops.** After scoring the run's final step (``training.steps``), or with ``once`` after
   one pass over what exists; otherwise it polls every ``poll_seconds``.
 """
@@ -39,29 +42,45 @@ import torch
 from titanlite.checkpoint import layout
 from titanlite.checkpoint.load_model import load_model
 from titanlite.eval.hook import eval_record, scores_line
+from titanlite.extensions import load_extensions
+from titanlite.metrics import strict_json_line
 
 logger = logging.getLogger("titanlite")
 
 SOURCE = "watcher"
 
 
-def read_run_config(dump_folder: Path):
-    """The run's ``config.toml`` as a :class:`~titanlite.config.JobConfig`."""
-    from titanlite.models import load_config
+def read_run_config(dump_folder: Path, extensions: Sequence[str] = ()):
+    """The run's ``config.toml`` as a :class:`~titanlite.config.JobConfig`. Its ``[job] extensions`` are never
+    imported (a module file in the watched folder, or the folder the watcher runs in, would run): the family must
+    be registered already, by core or by one of ``extensions`` (the watcher's own ``--extensions``)."""
+    from titanlite.config import ConfigError, load_config
+    from titanlite.models import model_names
+    from titanlite.models.registry import registered_schema
 
     path = dump_folder / "config.toml"
     if not path.is_file():
         raise ValueError(f"{dump_folder} has no config.toml (a titanlite run writes it when it starts)")
-    cfg = load_config(["--config", str(path)])
+
+    def schema(cfg):
+        missing = [m for m in cfg.job.extensions if m not in extensions]
+        if cfg.model.name not in model_names() and missing:
+            raise ConfigError(
+                f"{path}: model family {cfg.model.name!r} comes from the run's [job] extensions, which the watcher "
+                f"never imports from its config (importing runs code): pass --extensions {','.join(missing)}"
+            )
+        return registered_schema(cfg)
+
+    cfg = load_config(["--config", str(path)], schema)
     if not cfg.checkpoint.enable:
         raise ValueError(f"{path}: checkpoint.enable is false, so the run saves no checkpoints to evaluate")
     return cfg
 
 
 def watched_steps(metrics_file: Path) -> set[int]:
-    """Steps that already have a watcher record in ``metrics_file`` (a torn last line is ignored)."""
+    """Steps that already have a watcher record in ``metrics_file`` (a torn or non-UTF-8 line is ignored)."""
     steps = set()
-    with contextlib.suppress(FileNotFoundError), open(metrics_file, encoding="utf-8") as f:
+    with contextlib.suppress(FileNotFoundError), open(metrics_file, "rb") as f:
         for line in f:
             with contextlib.suppress(ValueError):
                 record = json.loads(line)
@@ -72,7 +91,7 @@ def watched_steps(metrics_file: Path) -> set[int]:
 
 def append_record(metrics_file: Path, record: dict[str, Any]) -> None:
     """Append one line in one ``write`` to a file opened now (see the module docstring)."""
-    line = (json.dumps(record) + "\n").encode("utf-8")
+    line = strict_json_line(record)  # no bare NaN (an empty task's score): null plus a "nonfinite" flag
     with open(metrics_file, "ab", buffering=0) as f:
         if f.write(line) != len(line):
             raise OSError(f"{metrics_file}: short write of the record of step {record['step']}")
@@ -100,7 +119,9 @@ def watch(
     dump = Path(dump_folder)
     if not dump.is_dir():
         raise FileNotFoundError(f"{dump}: no such folder")
-    cfg = read_run_config(dump)
+    layout.refuse_inside_step_folder(dump, f"--watch {dump} (the run's dump folder, where scores are logged)")
+    load_extensions(extensions)  # the caller's own modules only (see read_run_config)
+    cfg = read_run_config(dump, extensions)
     e = cfg.eval
     tasks = list(tasks or e.tasks)
     data_dir = data_dir or e.data_dir or os.environ.get("TITANLITE_EVAL_DATA", "")

@@ -235,6 +235,13 @@ def model_schema(cfg: JobConfig) -> type:
         load_extensions(cfg.job.extensions)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    return registered_schema(cfg)
+
+
+def registered_schema(cfg: JobConfig) -> type:
+    """:func:`model_schema` without importing anything: the family must already be registered (by core or by
+    an extension the caller imported). For tools that read a config they did not write (the eval watcher
+    reads a run's ``config.toml``): importing the modules a file names would run code on that file's word."""
     name, flavor, names = cfg.model.name, cfg.model.flavor, model_names()
     if name not in names:
         raise ConfigError(
