@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+from dist_utils import run_workers
 from torch import nn
 
 from titanlite.models import ModelSpec
@@ -69,6 +70,37 @@ def test_an_init_that_unties_is_refused():
 
     with pytest.raises(ValueError, match="init_weights\\(\\) untied the shared parameters emb.weight, head.weight"):
         build_parallel_model(spec(Untying), TinyArgs())
+
+
+def fsdp_plan(model, dims, policies):
+    """A parallelize function: the whole model one FSDP group."""
+    return policies.fsdp(dims).finish(model)
+
+
+def tied_fsdp_worker(args: dict) -> dict:
+    from titanlite.parallel import init_distributed, world_from_env
+
+    world = world_from_env()
+    init_distributed(world)
+    dims = ParallelDims(world_size=world.world_size)
+    dims.build_mesh("cpu")
+    torch.manual_seed(0)
+    model = build_parallel_model(spec(parallelize_fn=fsdp_plan), TinyArgs(), dims)  # weight_init auto: rank0
+    return {k: v.full_tensor() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.multiprocess
+def test_rank0_init_keeps_a_tied_embedding_whose_init_writes_only_the_embedding():
+    """``rank0`` initialization (FSDP on CPU) of a family whose ``init_weights`` writes the embedding and not
+    the tied output: the reference copy is re-tied too, so the sharded model starts from the one-process
+    weights (the untied reference's uninitialized output used to overwrite the embedding)."""
+    torch.manual_seed(0)
+    expected = build_parallel_model(spec(), TinyArgs()).state_dict()
+    for got in run_workers(tied_fsdp_worker, 2, timeout=120):
+        assert got.keys() == expected.keys()
+        for k, v in expected.items():
+            assert torch.equal(got[k], v), k
+        assert got["emb.weight"].std() > 0.01 and torch.equal(got["emb.weight"], got["head.weight"])
 
 
 @pytest.mark.parametrize("dims", [dict(dp_shard=2, world_size=2), dict(tp=2, world_size=2)], ids=["dp2", "tp2"])
