@@ -219,6 +219,7 @@ class Trainer:
         """``[training] steps | tokens`` and ``seq_len_schedule`` as stages (:mod:`titanlite.run_plan`)."""
         c, t, dims = self.cfg, self.cfg.training, self.parallel_dims
         kw = dict(seq_len=t.seq_len, local_batch_size=t.local_batch_size, grad_accum_steps=self.grad_accum_steps)
+        kw.update(resumed=self.resume_point() if t.tokens > 0 else None)
         plan = plan_run(steps=t.steps, tokens=t.tokens, dp_degree=dims.dp_degree, schedule=t.seq_len_schedule, **kw)
         if c.lr_scheduler.warmup_steps > plan.total_steps:
             raise ValueError(
@@ -352,14 +353,39 @@ class Trainer:
         """The checkpoint whose recorded model args this run takes (see ``model_args_from_seed``): the
         newest step folder of this run (``load_step``'s when set) whose ``checkpoint.json`` is readable,
         so a resume computes as the run did; else ``initial_load_path``; None for a fresh start."""
+        found = self.recorded_checkpoint(lambda info: isinstance(info.get("model", {}).get("args"), dict))
+        return None if found is None else (found[0], found[1])
+
+    def recorded_checkpoint(self, usable: Callable[[dict], bool]) -> tuple[Path, str, dict] | None:
+        """``(folder, what, checkpoint.json)`` of the checkpoint this run will start from, read before anything is
+        built: the newest step folder of this run (``load_step``'s when set) whose ``checkpoint.json`` is readable
+        and ``usable``; else ``initial_load_path``'s (``what`` = "checkpoint.initial_load_path"); else None."""
         c = self.cfg.checkpoint
         if c.enable:
             folders = layout.list_step_folders(Path(self.cfg.job.dump_folder) / c.folder)
             for f in reversed([f for f in folders if c.load_step in (-1, f.step)]):
                 with contextlib.suppress(ValueError):  # a damaged one is reported (and skipped) by the manager
-                    if isinstance(layout.read_info(f.path).get("model", {}).get("args"), dict):
-                        return f.path, "the run's checkpoint"
-        return (Path(c.initial_load_path), "checkpoint.initial_load_path") if c.initial_load_path else None
+                    if usable(info := layout.read_info(f.path)):
+                        return f.path, "the run's checkpoint", info
+        if not c.initial_load_path:
+            return None
+        path, info = Path(c.initial_load_path), {}
+        with contextlib.suppress(ValueError, OSError):  # the manager reports what is wrong with it
+            info = layout.read_info(path) if (path / layout.INFO_FILE).is_file() else {}
+        return path, "checkpoint.initial_load_path", info
+
+    def resume_point(self) -> tuple[int, int] | None:
+        """``(step, tokens seen)`` of the run so far, as its newest checkpoint records them (a model-only last save
+        too: the run may be finished), or a full ``initial_load_path``'s; None for a fresh start. A token budget
+        plans the remaining steps from the remaining tokens."""
+        found = self.recorded_checkpoint(lambda info: True)
+        c = self.cfg.checkpoint
+        if found is None or found[1] != "the run's checkpoint" and c.initial_load_model_only:
+            return None
+        info = found[2]
+        if isinstance(info.get("step"), int) and isinstance(info.get("tokens_seen"), int):
+            return info["step"], info["tokens_seen"]
+        return None
 
     @property
     def dp_rank(self) -> int:
@@ -379,6 +405,7 @@ class Trainer:
         self.log_start()
         try:  # before the data iterator exists: the checkpoint restores the data position
             self.resume()
+            self.check_budget_progress()
             state.data_iter = iter(self.train_loader)  # the data position is checked here
         except (ValueError, FileNotFoundError) as e:
             raise ResumeError(str(e)) from e
@@ -415,6 +442,17 @@ class Trainer:
     def resume(self) -> int | None:
         """Load what the checkpoint manager planned (a resume, or ``initial_load_path``)."""
         return self.checkpointer.load()
+
+    def check_budget_progress(self) -> None:
+        """Under a token budget, the resumed tokens must be the ones the run plan was made from (it was made from
+        the newest checkpoint's ``checkpoint.json``: a fallback to an older one, after the batch changed, is not)."""
+        budget, state = self.cfg.training.tokens, self.state
+        if budget > 0 and state.tokens_seen != (expected := self.run_plan.tokens_through(state.step)):
+            raise ValueError(
+                f"training.tokens = {budget:,}: the checkpoint resumed at step {state.step:,} has seen "
+                f"{state.tokens_seen:,} tokens, but the run was planned for {expected:,} by then (the batch changed "
+                "and an older checkpoint was loaded): resume with the batch it was trained with"
+            )
 
     def validate(self) -> dict[str, float]:
         """Mean token loss over ``validation.steps`` global batches (``training.global_batch_size``
