@@ -98,6 +98,17 @@ def source_windows(
     return TokenWindows(data.tokens, seq_len, eos_id=eos_id, seed=seed, **kwargs)
 
 
+def _with_loss_labels(windows: TokenWindows, what: str) -> TokenWindows:
+    """``windows``, unless a loss mask leaves none of them a token to train on: a one-line error naming ``what``."""
+    if not windows.has_loss_labels():
+        raise ValueError(
+            f"{what} has no token to train on with training.loss_mask = 'assistant': no assistant token falls in a "
+            f"window of seq_len + 1 = {windows.seq_len + 1} tokens (conversations without an assistant turn, empty "
+            "assistant turns, or turns cut off by the truncation of long conversations)"
+        )
+    return windows
+
+
 def training_dataset(
     sources: list[SourceData],
     weights: list[float],
@@ -114,13 +125,17 @@ def training_dataset(
     mixture: bool,
 ) -> Any:
     """The training windows: one source's :class:`TokenWindows` (the same windows, order and state as
-    before mixtures existed), or a :class:`MixtureWindows` over several (each source with its own seed)."""
+    before mixtures existed), or a :class:`MixtureWindows` over several (each source with its own seed). A
+    source whose loss mask leaves no token to train on is refused (one line)."""
     kw = dict(dp_rank=dp_rank, dp_world=dp_world, batch_size=batch_size, loss_mask=loss_mask, eos_id=eos_id)
     kw["pad_id"] = pad_id
     if not mixture:
-        return source_windows(sources[0], seq_len, seed=seed, name="train", **kw)
+        return _with_loss_labels(source_windows(sources[0], seq_len, seed=seed, name="train", **kw), "training data")
     windows = [
-        source_windows(s, seq_len, seed=seed * 1_000 + i + 1, name=f"train/{s.name}", **kw)
+        _with_loss_labels(
+            source_windows(s, seq_len, seed=seed * 1_000 + i + 1, name=f"train/{s.name}", **kw),
+            f"training.mixture[{i}] (source '{s.name}')",
+        )
         for i, s in enumerate(sources)
     ]
     names = [s.name for s in sources]
