@@ -90,6 +90,17 @@ def gpu_memory_bytes(name: str) -> float | None:
     return None if gb is None else gb * 1e9
 
 
+def device_memory_bytes(device: torch.device) -> float | None:
+    """Memory of ``device`` in bytes: the CUDA device's total, or the machine's physical memory on CPU; None when
+    unknown."""
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    if device.type == "cpu":
+        with contextlib.suppress(ValueError, OSError, AttributeError):
+            return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return None
+
+
 def matmul_dtype(compute_dtype: str, float8: bool = False, device: torch.device | None = None) -> str:
     """The dtype the model's matmuls run in (it selects the peak of MFU): with float8 linears on CUDA most
     FLOPs are float8 matmuls; float32 ones on CUDA use TF32 tensor cores when torch allows it

@@ -40,7 +40,7 @@ from titanlite.eval.hook import EvalHook
 from titanlite.guard import GuardHook, StepGuard, TrainingDivergedError
 from titanlite.hooks import Hook, LoopState, call_hooks
 from titanlite.loss import cross_entropy_sum  # noqa: F401  (registers the built-in loss)
-from titanlite.metrics import DiskFullError, MetricsHook, MetricsLogger, matmul_dtype, num_params
+from titanlite.metrics import DiskFullError, MetricsHook, MetricsLogger, device_memory_bytes, matmul_dtype, num_params
 from titanlite.models import get_model_spec, model_schema
 from titanlite.models.registry import check_seq_len, model_args_for, model_counts
 from titanlite.optim import build_optimizer  # noqa: F401  (registers the built-in optimizers and schedules)
@@ -58,6 +58,7 @@ from titanlite.parallel.fsdp import quiet_view_warning
 from titanlite.parallel.parallel_dims import ParallelDims
 from titanlite.parallel.pipeline import Pipeline, PipelinePlan
 from titanlite.parallel.policies import Policies
+from titanlite.planner import ModelShape, RunSetup, check_absurd_size
 from titanlite.preemption import PreemptionHandler, PreemptionHook
 from titanlite.profiling import ProfilerHook
 from titanlite.run_lock import RunLock
@@ -113,6 +114,7 @@ class Trainer:
             self.model_args = model_args_from_seed(self.spec, self.model_args, cfg.model.overrides, *source)
         check_seq_len(self.model_args, max(t.seq_len, self.run_plan.max_seq_len))
         self.pipeline_plan = self.build_pipeline_plan()
+        self.check_absurd_size()
         self.model = self.build_model()
         n_params, self.flops_per_token = model_counts(self.spec, self.model_args, t.seq_len)
         self.stage_flops = [model_counts(self.spec, self.model_args, s.seq_len)[1] for s in self.run_plan.stages]
@@ -152,6 +154,21 @@ class Trainer:
             return None
         c = self.cfg
         return PipelinePlan.from_config(c.parallelism, self.model_args.n_layers, c.training.local_batch_size)
+
+    def check_absurd_size(self) -> None:
+        """Refuse, before anything is allocated, a run whose modelled memory per device is far beyond the device's
+        (:func:`titanlite.planner.check_absurd_size`); families without the planner's sizes are not checked."""
+        device_bytes = device_memory_bytes(self.device)
+        try:
+            shape = ModelShape.from_args(self.model_args)
+        except (AttributeError, TypeError, ZeroDivisionError):
+            return
+        if device_bytes is None:
+            return
+        sizes = self.pipeline_plan.stage_sizes if self.pipeline_plan is not None else ()
+        check_absurd_size(
+            shape, RunSetup.from_config(self.cfg, self.world.world_size, sizes), device_bytes, self.device.type
+        )
 
     def build_tokenizer(self):
         return self.spec.tokenizer_builder(self.cfg.model.tokenizer_path)

@@ -51,7 +51,7 @@ from titanlite.dtypes import dtype_name
 from titanlite.extensions import load_extensions
 from titanlite.hf_tokenizer import tokenizer_files
 from titanlite.models import get_model_spec, model_names
-from titanlite.models.registry import adopt_seed_args, matching_flavor, state_shapes
+from titanlite.models.registry import adopt_seed_args, check_model_args, matching_flavor, state_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -276,6 +276,7 @@ def torchtitan_model_args(
             if args.ffn_hidden_dim != hidden:  # Meta's rounding gives more than hidden: scale it down
                 raw = int(2 * 4 * dim / 3)
                 args = spec.args_cls(**{**base, "multiple_of": hidden, "ffn_dim_multiplier": hidden / raw})
+        check_model_args(args)
     except (TypeError, ValueError, ArithmeticError) as e:
         raise ValueError(f"{where}: invalid model args {base} ({' '.join(str(e).split())})") from None
     logger.info("%s: torchtitan %s checkpoint, exported with llama3 model args %s", where, version, args)
@@ -320,7 +321,7 @@ def model_from_info(info: dict[str, Any], where: Path, extensions: Sequence[str]
     if unknown := sorted(set(args) - set(getattr(spec.args_cls, "__dataclass_fields__", {}))):
         raise ValueError(f"{where}: {layout.INFO_FILE} has model args unknown to this titanlite: {', '.join(unknown)}")
     try:
-        return spec, spec.args_cls(**args)
+        return spec, check_model_args(spec.args_cls(**args))
     except (TypeError, ValueError, ArithmeticError) as e:
         raise ValueError(f"{file}: invalid model args ({' '.join(str(e).split())})") from None
 
@@ -441,7 +442,7 @@ def _model_for_hf(config: dict[str, Any], file: Path):
     except (TypeError, AttributeError) as e:
         raise ValueError(f"{file} has an unusable value ({type(e).__name__}: {' '.join(str(e).split())})") from None
     try:
-        return spec, spec.hf_adapter.args_from_hf_config(config)
+        return spec, check_model_args(spec.hf_adapter.args_from_hf_config(config))
     except ValueError as e:
         raise ValueError(f"{file}: {' '.join(str(e).split())}") from None
     except (TypeError, KeyError, AttributeError, ArithmeticError) as e:

@@ -8,6 +8,7 @@ in without touching core.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from titanlite.planner import palm_flops_per_token
 # Args that say how a run computes, not what trained weights mean: the rotary table's length, the
 # attention kernel and mask, the initialization. A seed checkpoint's values of these are not taken.
 RUN_ARGS: tuple[str, ...] = ("max_seq_len", "attn_backend", "attn_mask_type", "depth_init")
+MAX_ARG_INT = 2**31 - 1  # no size of a model comes near it: a larger integer arg is damage or a typo (1e11)
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,21 @@ def matching_flavor(spec: ModelSpec, args: Any) -> str | None:
     return next((name for name, flavor in spec.flavors.items() if model_fields(flavor) == want), None)
 
 
+def check_model_args(args: Any) -> Any:
+    """``args`` (any family's args dataclass) after the checks every family needs whatever its own
+    ``validate()`` does: each float field finite (a NaN passes ``x <= 0`` tests: ``rope_theta = NaN`` generated
+    token 0 forever) and each integer within ``MAX_ARG_INT``. ValueError naming the field otherwise."""
+    for f in dataclasses.fields(args):
+        v = getattr(args, f.name)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"{type(args).__name__}.{f.name} = {v} must be a finite number")
+        if isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_ARG_INT:
+            raise ValueError(
+                f"{type(args).__name__}.{f.name} = {v:,} is beyond any model's size (at most {MAX_ARG_INT:,})"
+            )
+    return args
+
+
 def make_model_args(name: str, flavor: str, **overrides: Any) -> Any:
     """The flavor's args with ``overrides`` applied (each must be a field of the args class)."""
     spec = get_model_spec(name)
@@ -104,7 +121,7 @@ def make_model_args(name: str, flavor: str, **overrides: Any) -> Any:
     unknown = sorted(set(overrides) - fields)
     if unknown:
         raise KeyError(f"unknown model args for {name!r}: {', '.join(unknown)}")
-    return dataclasses.replace(spec.flavors[flavor], **overrides)
+    return check_model_args(dataclasses.replace(spec.flavors[flavor], **overrides))
 
 
 def model_args_for(section: Any, vocab_size: int) -> Any:
@@ -178,7 +195,7 @@ def adopt_seed_args(
     if not differ:
         return args, {}
     try:
-        adopted = dataclasses.replace(args, **differ)
+        adopted = check_model_args(dataclasses.replace(args, **differ))
     except (TypeError, ValueError) as e:
         raise ValueError(f"{seed} has invalid model args ({' '.join(str(e).split())})") from None
     if not same_shapes(args, adopted):
