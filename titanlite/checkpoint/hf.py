@@ -51,7 +51,13 @@ from titanlite.dtypes import dtype_name
 from titanlite.extensions import load_extensions
 from titanlite.hf_tokenizer import tokenizer_files
 from titanlite.models import get_model_spec, model_names
-from titanlite.models.registry import adopt_seed_args, check_model_args, matching_flavor, state_shapes
+from titanlite.models.registry import (
+    adopt_seed_args,
+    check_arg_types,
+    check_model_args,
+    matching_flavor,
+    state_shapes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -248,6 +254,7 @@ def torchtitan_model_args(
     fields = set(spec.args_cls.__dataclass_fields__)
     if unknown := sorted(set(given) - fields):
         raise ValueError(f"unknown llama3 model args: {', '.join(unknown)} (known: {', '.join(sorted(fields))})")
+    check_arg_types(spec.args_cls, given)  # before any arithmetic with them (n_heads=abc was a TypeError)
 
     def shape(name: str) -> list[int]:
         md = keys.get(prefix + torchtitan_name(name, version))

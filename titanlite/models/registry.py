@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
+import typing
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -97,10 +99,31 @@ def matching_flavor(spec: ModelSpec, args: Any) -> str | None:
     return next((name for name, flavor in spec.flavors.items() if model_fields(flavor) == want), None)
 
 
+_KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def check_arg_types(args_cls: type, values: Mapping[str, Any]) -> None:
+    """ValueError unless each of ``values`` (field -> value, e.g. ``--model-arg`` ones) has the type its field of
+    ``args_cls`` is annotated with (int, float, bool, str, or ``X | None``; other annotations are not checked)."""
+    hints = typing.get_type_hints(args_cls)
+    for key, v in values.items():
+        tp, optional = hints.get(key), False
+        if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp):
+            rest = [a for a in typing.get_args(tp) if a is not type(None)]
+            tp, optional = (rest[0] if len(rest) == 1 else None), True
+        if tp not in _KINDS or v is None and optional:
+            continue
+        ok = isinstance(v, bool) if tp is bool else isinstance(v, tp if tp is not float else (int, float))
+        if not ok or tp is not bool and isinstance(v, bool):
+            raise ValueError(f"model arg {key} = {v!r} must be {_KINDS[tp]}{' or null' * optional}")
+
+
 def check_model_args(args: Any) -> Any:
     """``args`` (any family's args dataclass) after the checks every family needs whatever its own
-    ``validate()`` does: each float field finite (a NaN passes ``x <= 0`` tests: ``rope_theta = NaN`` generated
-    token 0 forever) and each integer within ``MAX_ARG_INT``. ValueError naming the field otherwise."""
+    ``validate()`` does: each field of its annotated type (int, float, bool, str), each float finite (a NaN passes
+    ``x <= 0`` tests: ``rope_theta = NaN`` generated token 0 forever) and each integer within ``MAX_ARG_INT``.
+    ValueError naming the field otherwise."""
+    check_arg_types(type(args), {f.name: getattr(args, f.name) for f in dataclasses.fields(args)})
     for f in dataclasses.fields(args):
         v = getattr(args, f.name)
         if isinstance(v, float) and not math.isfinite(v):
