@@ -192,6 +192,7 @@ def adopt_seed_args(
     run_args: Collection[str],
     same_shapes: Callable[[Any, Any], bool],
     seed: str,
+    same_model: Callable[[Any, Any], bool] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """The model args to train a seed checkpoint (``[checkpoint] initial_load_path``) with, and
     ``{field: value}`` of those taken from it.
@@ -200,21 +201,28 @@ def adopt_seed_args(
     what the same weights compute, silently (a Llama 3.1 seed under a config without RoPE scaling
     trains with the wrong positions). So every field ``seed_args`` (its ``checkpoint.json``) records
     is taken, except ``run_args`` (how this run computes) and fields the config sets ``explicit``-ly
-    (``[model]`` keys, ``--model.*`` options: a value that differs from the seed's is an error, not a
-    silent choice). Fields that change tensor shapes are not taken either: when taking them all would
-    change ``same_shapes(args, new_args)``, ``args`` are returned unchanged and the checkpoint's
+    (``[model]`` keys, ``--model.*`` options). An explicit value that differs from the seed's is an error, not a
+    silent choice, unless ``same_model(config's, seed's)`` says the two args describe the same model (for an HF
+    seed: the same ``config.json``, e.g. ``multiple_of`` and ``ffn_dim_multiplier`` that give the seed's
+    ``intermediate_size``, which the seed records as a ``multiple_of`` of its own); the error's advice for a
+    field that sets a tensor shape is the seed's values of every such field, never to drop it (the flavor's
+    value then stays, with its shapes). Fields that change tensor shapes are not taken either: when taking them
+    all would change ``same_shapes(args, new_args)``, ``args`` are returned unchanged and the checkpoint's
     shape check names the tensor that differs. ``seed`` names the checkpoint in messages.
     """
     fields = {f.name for f in dataclasses.fields(args)}
     if unknown := sorted(set(seed_args) - fields):
         raise ValueError(f"{seed} has model args unknown to this titanlite: {', '.join(unknown)}")
     differ = {k: v for k, v in seed_args.items() if k not in run_args and getattr(args, k) != v}
-    for k, v in differ.items():
-        if k in explicit:
-            raise ValueError(
-                f"model.{k}={getattr(args, k)!r} is set in the config but the checkpoint {seed} has "
-                f"{k}={v!r}: drop model.{k} to train with the checkpoint's value"
-            )
+    if conflicts := [k for k in differ if k in explicit]:
+        try:
+            seed_full = check_model_args(dataclasses.replace(args, **differ))
+            kept = dataclasses.replace(seed_full, **{k: getattr(args, k) for k in conflicts})
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{seed} has invalid model args ({' '.join(str(e).split())})") from None
+        if same_model is None or not same_model(kept, seed_full):
+            _conflict_error(args, differ, conflicts[0], seed_full, same_shapes, seed)
+        differ = {k: v for k, v in differ.items() if k not in explicit}  # the config's values mean the same
     if not differ:
         return args, {}
     try:
@@ -224,6 +232,27 @@ def adopt_seed_args(
     if not same_shapes(args, adopted):
         return args, {}
     return adopted, differ
+
+
+def _conflict_error(args: Any, differ: dict, key: str, seed_full: Any, same_shapes: Callable, seed: str) -> None:
+    """The one-line error for the config's ``model.<key>``, which differs from the seed's: "drop it" when it sets no
+    tensor shape (the seed's value is then taken), else the seed's values of every differing field that does."""
+    what = (
+        f"model.{key}={getattr(args, key)!r} is set in the config but the checkpoint {seed} has {key}={differ[key]!r}"
+    )
+
+    def sets_shape(k: str) -> bool:
+        return not same_shapes(seed_full, dataclasses.replace(seed_full, **{k: getattr(args, k)}))
+
+    shape_keys = [k for k in differ if sets_shape(k)]
+    if key not in shape_keys:
+        raise ValueError(f"{what}: drop model.{key} to train with the checkpoint's value")
+    values = ", ".join(f"model.{k}={_toml(differ[k])}" for k in shape_keys)
+    raise ValueError(f"{what}, which gives other tensor shapes: set {values} (the checkpoint's)")
+
+
+def _toml(v: Any) -> str:
+    return "none" if v is None else repr(v)
 
 
 def build_model(name: str, flavor: str, device: str | torch.device = "meta", **overrides: Any) -> nn.Module:
