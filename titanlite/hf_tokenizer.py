@@ -13,7 +13,8 @@ tiktoken cannot represent exactly (Unigram/WordPiece models, a lowercasing norma
 space, missing byte tokens, ...) is refused with a one-line ``ValueError`` naming the file: never
 an approximation.
 
-This module imports nothing from titanlite; :mod:`titanlite.tokenizer` builds the encoding from
+This module imports nothing from titanlite but the JSON nesting guard (:mod:`titanlite.config.nesting`);
+:mod:`titanlite.tokenizer` builds the encoding from
 :class:`HFTokenizerSpec`.
 """
 
@@ -22,6 +23,8 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+
+from titanlite.config.nesting import load_json
 
 # GPT-2's pre-tokenization regex: what a bare ByteLevel(use_regex=true) pre-tokenizer splits with.
 GPT2_PAT_STR = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -79,7 +82,7 @@ def is_hf_tokenizer_file(path: str) -> bool:
 def _read_json(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+            data = load_json(f)
     except FileNotFoundError:
         raise ValueError(f"{path}: tokenizer file not found") from None
     except (OSError, UnicodeDecodeError) as e:

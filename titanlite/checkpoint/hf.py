@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import logging
 import math
 import os
@@ -47,6 +46,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from titanlite.checkpoint import layout, safe_load
+from titanlite.config.nesting import loads_json
 from titanlite.dtypes import dtype_name
 from titanlite.extensions import load_extensions
 from titanlite.hf_tokenizer import tokenizer_files
@@ -413,7 +413,7 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
     if not file.is_file():
         raise ValueError(f"{hf_dir} is not a Hugging Face model folder (no config.json)")
     try:
-        config = json.loads(file.read_text(encoding="utf-8"))
+        config = loads_json(file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:  # JSONDecodeError, UnicodeDecodeError (random bytes)
         raise ValueError(f"{file} is unreadable: {' '.join(str(e).split())}") from None
     if not isinstance(config, dict):
@@ -583,7 +583,7 @@ def _tensor_files(folder: Path) -> dict[str, str]:
     index = folder / INDEX_FILE
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+            weight_map = loads_json(index.read_text(encoding="utf-8")).get("weight_map")
         except (OSError, ValueError, AttributeError) as e:
             raise ValueError(f"{index} is unreadable ({safe_load.one_line(e)})") from None
         if not isinstance(weight_map, dict):

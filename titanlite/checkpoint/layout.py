@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from titanlite.config.nesting import loads_json
+
 logger = logging.getLogger(__name__)
 
 METADATA_FILE = ".metadata"
@@ -104,7 +106,7 @@ def read_info(path: str | os.PathLike) -> dict[str, Any]:
     """``checkpoint.json`` of a step folder; ValueError when missing or not ours."""
     file = Path(path) / INFO_FILE
     try:
-        info = json.loads(file.read_text(encoding="utf-8"))
+        info = loads_json(file.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ValueError(f"{path} has no {INFO_FILE}") from None
     except (OSError, json.JSONDecodeError) as e:

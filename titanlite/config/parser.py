@@ -26,6 +26,7 @@ try:  # Python >= 3.11
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
+from titanlite.config.nesting import load_toml, loads_toml
 from titanlite.config.sections import ConfigError, JobConfig
 
 ModelSchema = Callable[[JobConfig], type]  # cfg -> the args dataclass of cfg.model.name, or ConfigError
@@ -143,7 +144,7 @@ def _item_type(tp: Any) -> Any:
 def _toml_literal(value: str, what: str) -> Any:
     """A command-line value that is a TOML inline table or array (``{a = 1}``, ``[{a = 1}]``)."""
     try:
-        return tomllib.loads(f"v = {value}")["v"]
+        return loads_toml(f"v = {value}")["v"]
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"expected {what} written as a TOML literal ({e})") from None
 
@@ -277,7 +278,7 @@ def read_toml(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file {path} {'is not a file' if os.path.exists(path) else 'not found'}")
     try:
         with open(path, "rb") as fh:
-            return tomllib.load(fh)
+            return load_toml(fh)
     except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError) as e:
         what = "malformed TOML in" if isinstance(e, tomllib.TOMLDecodeError) else "cannot read"
         raise ConfigError(f"{what} config file {path}: {e}") from None

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from titanlite.config.nesting import loads_json
 from titanlite.data.sources import list_files
 
 ROLES = ("system", "user", "assistant", "tool", "ipython")
@@ -91,7 +92,7 @@ def iter_conversations(path: str | os.PathLike) -> Iterator[tuple[str, list[dict
                     continue
                 where = f"{file}:{lineno}"
                 try:
-                    record = json.loads(line)
+                    record = loads_json(line)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{where}: not JSON ({e.msg})") from None
                 if not isinstance(record, dict) or "messages" not in record:

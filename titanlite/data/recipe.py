@@ -18,10 +18,10 @@ loop can build the same datasets.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
+from titanlite.config.nesting import loads_json
 from titanlite.config.sections import mixture_source_name
 from titanlite.data.chat import load_chat_data
 from titanlite.data.loader import load_token_store
@@ -55,7 +55,7 @@ def source_kind(dataset: str, path: str) -> str:
         with open(p, encoding="utf-8", errors="replace") as f:
             first = next((line for line in f if line.strip()), "")
         try:
-            record = json.loads(first)
+            record = loads_json(first)
         except ValueError:
             return "text"  # the text reader names the bad line
         return "chat" if isinstance(record, dict) and "messages" in record else "text"

@@ -33,6 +33,8 @@ import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from titanlite.config.nesting import loads_json
+
 PathLike = str | os.PathLike
 
 FORMATS = ("auto", "text", "jsonl", "json", "parquet")
@@ -117,7 +119,7 @@ def _jsonl_docs(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
             if not line.strip():
                 continue
             try:
-                obj = json.loads(_decode(line, path, lineno))
+                obj = loads_json(_decode(line, path, lineno))
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
             text = _record_text(obj, f"{path}:{lineno}", text_field)
@@ -135,7 +137,7 @@ def _json_docs(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
         yield from _jsonl_docs(path, text_field)
         return
     try:
-        records = json.loads(_decode(data, path))
+        records = loads_json(_decode(data, path))
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: invalid JSON ({e.msg} at line {e.lineno} column {e.colno} of the array)") from None
     size = path.stat().st_size
