@@ -131,3 +131,32 @@ def test_an_unknown_component_name_names_the_key_and_the_closest_one():
         ValueError, match=r"^optimizer\.name='AdamX' is not a registered optimizer .*did you mean 'Adam'"
     ):
         components.get("optimizer", "AdamX")
+
+
+def test_a_weights_only_checkpoint_manager_leaves_the_global_rng_alone(tmp_path):
+    """A manager given the model only (a library user loading weights) restores the weights and never the
+    process's random state (it restored the saving run's, silently changing every later draw)."""
+    import random
+
+    from titanlite.checkpoint import CheckpointManager
+    from titanlite.config.sections import Checkpoint
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    section = Checkpoint(enable=True, last_save_model_only=False)
+    saver = CheckpointManager(section, tmp_path, {"model": model, "optimizer": optimizer})
+    assert saver.save(1, last=True)
+    saver.close()
+    fresh = nn.Linear(4, 4)
+    torch.manual_seed(123)
+    random.seed(123)
+    before = (torch.get_rng_state(), random.getstate())
+    loader = CheckpointManager(section, tmp_path, {"model": fresh})
+    assert loader.load() == 1 and torch.equal(fresh.weight, model.weight)
+    assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
+    loader.close()
+    full = CheckpointManager(section, tmp_path, {"model": fresh, "optimizer": torch.optim.AdamW(fresh.parameters())})
+    full.load()  # a training state: its RNG is restored, as the exact resume needs
+    assert not torch.equal(torch.get_rng_state(), before[0])
+    full.close()

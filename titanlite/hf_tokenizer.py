@@ -13,7 +13,7 @@ tiktoken cannot represent exactly (Unigram/WordPiece models, a lowercasing norma
 space, missing byte tokens, ...) is refused with a one-line ``ValueError`` naming the file: never
 an approximation.
 
-This module imports nothing from titanlite but the JSON nesting guard (:mod:`titanlite.config.nesting`);
+This module imports nothing from titanlite but the JSON nesting guard (:mod:`titanlite.nesting`);
 :mod:`titanlite.tokenizer` builds the encoding from
 :class:`HFTokenizerSpec`.
 """
@@ -24,7 +24,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from titanlite.config.nesting import load_json
+from titanlite.nesting import load_json
 
 # GPT-2's pre-tokenization regex: what a bare ByteLevel(use_regex=true) pre-tokenizer splits with.
 GPT2_PAT_STR = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"

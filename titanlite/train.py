@@ -26,15 +26,22 @@ import torch
 from torch import nn
 
 from titanlite import components
+from titanlite.assemble import build_config_model, config_loss, config_train_step
 from titanlite.checkpoint import CheckpointHook, CheckpointManager, CheckpointWriteError, layout
 from titanlite.checkpoint.hf import model_args_from_seed
 from titanlite.config import JobConfig, config_to_toml, dump_config, exit_with_error, parse_args_or_exit
 from titanlite.data.loader import build_dataloader
 from titanlite.data.mixture import DataExhausted
-from titanlite.data.recipe import SourceData, load_source, mixture_entries, source_windows, training_dataset
+from titanlite.data.recipe import (
+    SourceData,
+    load_source,
+    mixture_entries,
+    source_windows,
+    training_dataset,
+    validation_entries,
+)
 from titanlite.data.shards import ShardIntegrityError
 from titanlite.data.staged import StagedLoader
-from titanlite.dtypes import DTYPES
 from titanlite.eval import evaluate, get_task
 from titanlite.eval.hook import EvalHook
 from titanlite.guard import GuardHook, StepGuard, TrainingDivergedError
@@ -44,8 +51,6 @@ from titanlite.metrics import DiskFullError, MetricsHook, MetricsLogger, device_
 from titanlite.models import get_model_spec, model_schema
 from titanlite.models.registry import check_seq_len, model_args_for, model_counts
 from titanlite.optim import build_optimizer  # noqa: F401  (registers the built-in optimizers and schedules)
-from titanlite.parallel.build import build_parallel_model
-from titanlite.parallel.compile import CompilePolicy
 from titanlite.parallel.distributed import (
     CollectiveTimeoutHook,
     WorldInfo,
@@ -56,8 +61,7 @@ from titanlite.parallel.distributed import (
 from titanlite.parallel.float8 import float8_disabled, float8_modules
 from titanlite.parallel.fsdp import quiet_view_warning
 from titanlite.parallel.parallel_dims import ParallelDims
-from titanlite.parallel.pipeline import Pipeline, PipelinePlan
-from titanlite.parallel.policies import Policies
+from titanlite.parallel.pipeline import PipelinePlan
 from titanlite.planner import ModelShape, RunSetup, check_absurd_size
 from titanlite.preemption import PreemptionHandler, PreemptionHook
 from titanlite.profiling import ProfilerHook
@@ -88,8 +92,38 @@ def set_seed(seed: int, deterministic: bool = False) -> None:
         torch.backends.cudnn.benchmark = False
 
 
+# Trainer methods of earlier versions and where their work went: a subclass overriding one would never be called
+REMOVED_METHODS = {
+    "loss_fn": "build_loss() (it returns the token-sum loss function)",
+    "forward_backward": "build_train_step() (a TrainStep: TrainStep.forward_backward)",
+    "train_step": "build_train_step() (self.train_step is the TrainStep it returns)",
+    "clip_grad_norm": "build_train_step() (TrainStep.clip_grad_norm)",
+    "optimizer_step": "build_train_step() (TrainStep.update)",
+    "model_inputs": "build_train_step() (titanlite.train_step.batch_to_device)",
+    "autocast": "build_train_step() (TrainStep.autocast)",
+    "dp_sum": "build_train_step() (TrainStep.dp_sum)",
+    "step_record": "build_hooks() (titanlite.metrics.MetricsHook)",
+    "log_step": "build_hooks() (titanlite.metrics.MetricsHook)",
+    "is_log_step": "build_hooks() (titanlite.metrics.MetricsHook)",
+    "log_summary": "build_hooks() (titanlite.metrics.MetricsHook)",
+    "stop_on_signal": "build_hooks() (titanlite.preemption.PreemptionHook)",
+}
+
+
 class Trainer:
-    """Builds every piece from a :class:`JobConfig` (each from its own section) and runs the loop."""
+    """Builds every piece from a :class:`JobConfig` (each from its own section) and runs the loop.
+
+    A subclass that defines a method of an earlier version (:data:`REMOVED_METHODS`, e.g. ``loss_fn``) is refused
+    when it is defined, naming what to override instead: it would otherwise be silently bypassed."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name, instead in REMOVED_METHODS.items():
+            if name in vars(cls):
+                raise TypeError(
+                    f"{cls.__qualname__}.{name}: Trainer.{name} was removed and would never be called; override "
+                    f"{instead} instead"
+                )
 
     def __init__(self, cfg: JobConfig, world: WorldInfo | None = None):
         t = cfg.training
@@ -176,11 +210,9 @@ class Trainer:
     def build_model(self) -> nn.Module:
         """Meta build, the family's parallelize plan, materialize and initialize
         (:func:`~titanlite.parallel.build.build_parallel_model`)."""
-        c = self.cfg
-        sections = (c.parallelism, c.training, c.activation_checkpoint, c.compile, c.quantize_linear_float8)
-        policies = Policies.from_config(*sections)
-        kw = dict(device=self.device, weight_init=c.parallelism.weight_init, pipeline=self.pipeline_plan)
-        return build_parallel_model(self.spec, self.model_args, self.parallel_dims, policies, **kw)
+        return build_config_model(
+            self.cfg, self.spec, self.model_args, self.parallel_dims, self.device, pipeline=self.pipeline_plan
+        )
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         return components.get("optimizer", self.cfg.optimizer.name)(self.model, self.cfg.optimizer)
@@ -191,15 +223,15 @@ class Trainer:
 
     def build_loss(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """The ``[training] loss`` (a token sum), compiled with ``[compile] components = ["loss"]``."""
-        loss = components.get("loss", self.cfg.training.loss)
-        return CompilePolicy.from_config(self.cfg.compile).compile_loss(loss, self.parallel_dims.tp_enabled)
+        return config_loss(self.cfg, self.parallel_dims)
 
     def load_sources(self, split: str) -> list[tuple[SourceData, float]]:
         """``[training]`` (``split = "train"``) or ``[validation]`` data: each source and its weight, one
         unless the section sets ``mixture``. Shards are checked against the tokenizer here."""
         section = self.cfg.training if split == "train" else self.cfg.validation
+        entries = mixture_entries(section) if split == "train" else self.validation_entries()
         out = []
-        for i, entry in enumerate(mixture_entries(section)):
+        for i, entry in enumerate(entries):
             try:
                 data = load_source(
                     entry["name"], entry.get("dataset", "auto"), entry.get("path", ""), split, self.tokenizer
@@ -221,6 +253,13 @@ class Trainer:
                 "attend to one another: set attn_mask_type = 'block_causal' to keep them apart"
             )
         return out
+
+    def validation_entries(self) -> list[dict]:
+        """``[validation]``'s sources (:func:`~titanlite.data.recipe.validation_entries`); what they read is logged,
+        as a warning when they cannot follow the training data."""
+        entries, what, warn = validation_entries(self.cfg.training, self.cfg.validation)
+        (logger.warning if warn else logger.info)(what)
+        return entries
 
     @functools.cached_property
     def train_sources(self) -> list[tuple[SourceData, float]]:
@@ -308,14 +347,10 @@ class Trainer:
         return loaders
 
     def build_train_step(self) -> TrainStep:
-        t = self.cfg.training
-        kw = dict(grad_accum_steps=self.grad_accum_steps, max_norm=t.max_norm, parallel_dims=self.parallel_dims)
+        kw = dict(grad_accum_steps=self.grad_accum_steps, loss_fn=self.build_loss(), device=self.device)
         kw["count_unmasked"] = any(data.chat for data, _ in self.train_sources)  # masks or packing padding
-        dtype, loss = DTYPES[t.mixed_precision_param], self.build_loss()
-        if self.pipeline_plan is not None:  # the stages and the schedule that runs them
-            group = self.parallel_dims.pp_group
-            kw["pipeline"] = Pipeline(self.model, self.pipeline_plan, group, self.device, loss, autocast_dtype=dtype)
-        return TrainStep(self.model, self.optimizer, self.lr_scheduler, loss_fn=loss, autocast_dtype=dtype, **kw)
+        kw["pipeline_plan"] = self.pipeline_plan  # the stages and the schedule that runs them
+        return config_train_step(self.cfg, self.model, self.optimizer, self.lr_scheduler, self.parallel_dims, **kw)
 
     def build_checkpointer(self) -> CheckpointManager:
         """``[checkpoint]``: what is saved, and what :meth:`resume` will load (user errors such as a

@@ -46,7 +46,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from titanlite.checkpoint import layout, safe_load
-from titanlite.config.nesting import loads_json
 from titanlite.dtypes import dtype_name
 from titanlite.extensions import load_extensions
 from titanlite.hf_tokenizer import tokenizer_files
@@ -58,6 +57,7 @@ from titanlite.models.registry import (
     matching_flavor,
     state_shapes,
 )
+from titanlite.nesting import loads_json
 
 logger = logging.getLogger(__name__)
 

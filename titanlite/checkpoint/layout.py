@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from titanlite.config.nesting import loads_json
+from titanlite.nesting import loads_json
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ try:  # Python >= 3.11
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from titanlite.config.nesting import load_toml, loads_toml
 from titanlite.config.sections import ConfigError, JobConfig
+from titanlite.nesting import load_toml, loads_toml
 
 ModelSchema = Callable[[JobConfig], type]  # cfg -> the args dataclass of cfg.model.name, or ConfigError
 

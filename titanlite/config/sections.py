@@ -208,7 +208,7 @@ class Guard:
 @dataclass
 class Validation:
     enable: bool = opt(False, "Run validation during training.")
-    dataset: str = opt("embedded", "Validation data, same kinds as [training] dataset.")
+    dataset: str = opt("", "Validation data, kinds as [training]; empty = the training data's held-out split.")
     dataset_path: str = opt("", "Path for the validation dataset.")
     mixture: list[dict] = opt([], "Sources [{path, weight[, name, dataset]}]: a loss each, val_loss weighted (TOML).")
     freq: int = opt(50, "Validate every N steps (and at the last step).", min=1)
@@ -219,9 +219,9 @@ class Validation:
             raise ConfigError(f"invalid value {self.steps} for 'validation.steps': must be -1 (whole split) or >= 1")
         if self.mixture:
             check_mixture("validation.mixture", self.mixture)
-            if self.dataset != "embedded" or self.dataset_path:
+            if self.dataset not in ("", "embedded") or self.dataset_path:
                 raise ConfigError("set validation.mixture or validation.dataset/dataset_path, not both")
-        else:
+        elif self.dataset or self.dataset_path:  # empty: the training data's held-out split
             _check_dataset("validation", self.dataset, self.dataset_path)
 
 

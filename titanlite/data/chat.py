@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from titanlite.config.nesting import loads_json
 from titanlite.data.sources import list_files
+from titanlite.nesting import loads_json
 
 ROLES = ("system", "user", "assistant", "tool", "ipython")
 SPECIAL_TOKENS = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")

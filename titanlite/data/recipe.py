@@ -21,13 +21,13 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from titanlite.config.nesting import loads_json
 from titanlite.config.sections import mixture_source_name
 from titanlite.data.chat import load_chat_data
 from titanlite.data.loader import load_token_store
 from titanlite.data.mixture import MixtureWindows
 from titanlite.data.shards import MANIFEST, is_chat_folder
 from titanlite.data.windows import TokenWindows
+from titanlite.nesting import loads_json
 
 
 @dataclasses.dataclass
@@ -76,6 +76,28 @@ def mixture_entries(section: Any) -> list[dict]:
     if section.mixture:
         return [dict(e, name=mixture_source_name(e)) for e in section.mixture]
     return [{"name": "data", "dataset": section.dataset, "path": section.dataset_path, "weight": 1.0}]
+
+
+def validation_entries(training: Any, validation: Any) -> tuple[list[dict], str, bool]:
+    """``[validation]``'s sources as mixture entries, a line saying what they read, and whether that line is a
+    warning. ``dataset`` left empty (the default) follows the training data: the built-in corpus' held-out part,
+    or a shard folder's ``val`` split (chat shards included). Training data without a held-out split (raw text or
+    chat files, a mixture) leaves the built-in corpus, with a warning: such a run would otherwise report a loss
+    on Python source as its validation loss, silently."""
+    if validation.mixture or validation.dataset:
+        entries = mixture_entries(validation)
+        what = ", ".join(" ".join(filter(None, (e.get("dataset", "auto"), e.get("path")))) for e in entries)
+        return entries, f"validation reads {what} (as [validation] sets)", False
+    if not training.mixture and training.dataset in ("embedded", "shards"):
+        entry = {"name": "data", "dataset": training.dataset, "path": training.dataset_path, "weight": 1.0}
+        where = "the built-in corpus" if training.dataset == "embedded" else f"shards {training.dataset_path}"
+        return [entry], f"validation reads the held-out split of the training data ({where})", False
+    what = "training.mixture" if training.mixture else f"training.dataset = {training.dataset!r}"
+    line = (
+        f"validation reads the built-in corpus (Python source): {what} has no held-out split to follow; set "
+        "[validation] dataset and dataset_path (or mixture) to validate on your own data"
+    )
+    return [{"name": "data", "dataset": "embedded", "path": "", "weight": 1.0}], line, True
 
 
 def source_windows(

@@ -33,7 +33,7 @@ import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from titanlite.config.nesting import loads_json
+from titanlite.nesting import loads_json
 
 PathLike = str | os.PathLike
 

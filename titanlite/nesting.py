@@ -6,7 +6,8 @@ limit can still exhaust it later in code that walks it (a deep copy, a type chec
 :func:`loads_toml` turn the parser's ``RecursionError`` into its own format's decode error, and refuse any
 document nested deeper than :data:`MAX_DEPTH` (no config, tokenizer, chat record or eval item comes near it).
 The errors are ``json.JSONDecodeError`` / ``tomllib.TOMLDecodeError`` subclasses, so each reader's existing
-handler names the file (and line) in its one-line message. This module imports nothing from titanlite.
+handler names the file (and line) in its one-line message. This module imports nothing from titanlite (the
+config parser and the tokenizer use it, and import no other titanlite module).
 """
 
 from __future__ import annotations
