@@ -828,3 +828,16 @@ def test_tables_on_the_command_line_are_toml_literals(tmp_path):
     assert "training.mixture[0].weight = -1 must be > 0" in error_of(["--training.mixture", "[{path='a', weight=-1}]"])
     msg = error_of(["--training.mixture", "[{path = 'a'"])
     assert "'training.mixture' on the command line" in msg and "TOML literal" in msg
+
+
+def test_an_extension_that_exits_while_imported_is_reported(tmp_path, monkeypatch, capsys):
+    """sys.exit() in an extension module ended the run with no word of why; it is now a one-line error."""
+    from titanlite.train import main
+
+    (tmp_path / "exiting_ext.py").write_text("import sys\nsys.exit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(SystemExit) as e:
+        main(["--job.extensions", "exiting_ext", "--job.dump_folder", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1
+    assert "job.extensions: importing 'exiting_ext' called sys.exit(3)" in err[0]
