@@ -334,9 +334,19 @@ def test_build_training_gives_a_foreign_loop_the_configs_policies_and_loss(tmp_p
     """bf16 autocast, full activation checkpointing and a named loss (the README's z_loss): the README loop with
     ``build_training`` equals the trainer bit for bit; example 1 as written does not (it drops all three)."""
     monkeypatch.chdir(REPO)
-    exec(compile(LOSS, "README.md", "exec"), {})  # registers z_loss
+    (tmp_path / "my_loss.py").write_text(LOSS)  # the README's z_loss, as the loss-swap test names it
+    monkeypatch.syspath_prepend(str(tmp_path))
     policies = ["--training.mixed_precision_param", "bfloat16", "--activation_checkpoint.mode", "full"]
-    policies += ["--training.loss", "z_loss", "--training.steps", "3", "--training.global_batch_size", "-1"]
+    policies += [
+        "--job.extensions",
+        "my_loss",
+        "--training.loss",
+        "z_loss",
+        "--training.steps",
+        "3",
+        "--training.global_batch_size",
+        "-1",
+    ]
     policies += [
         "--training.local_batch_size",
         "2",
