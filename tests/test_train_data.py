@@ -169,7 +169,8 @@ def test_dataset_path_with_embedded_is_refused(section, capsys):
         )
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1, err
-    assert err[0].startswith(f"error: {section}.dataset_path = 'x' is ignored by {section}.dataset = 'embedded'")
+    default = "'embedded'" if section == "training" else "'' (the training data's held-out split)"
+    assert err[0].startswith(f"error: {section}.dataset_path = 'x' is ignored by {section}.dataset = {default}")
     assert f"set {section}.dataset = 'shards' or 'text'" in err[0]
     cfg = parse_args_or_exit([f"--{section}.dataset", "text", f"--{section}.dataset_path", "x"])  # the fix works
     assert getattr(cfg, section).dataset_path == "x"

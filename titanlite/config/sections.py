@@ -221,7 +221,13 @@ class Validation:
             check_mixture("validation.mixture", self.mixture)
             if self.dataset not in ("", "embedded") or self.dataset_path:
                 raise ConfigError("set validation.mixture or validation.dataset/dataset_path, not both")
-        elif self.dataset or self.dataset_path:  # empty: the training data's held-out split
+        elif not self.dataset and self.dataset_path:  # the path would be ignored, as with "embedded"
+            raise ConfigError(
+                f"validation.dataset_path = {self.dataset_path!r} is ignored by validation.dataset = '' (the training "
+                "data's held-out split): set validation.dataset = 'shards' or 'text' to use it, or leave "
+                "validation.dataset_path empty"
+            )
+        elif self.dataset:  # empty: the training data's held-out split
             _check_dataset("validation", self.dataset, self.dataset_path)
 
 
