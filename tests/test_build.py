@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+from dist_utils import run_workers
 from torch import nn
 
 from titanlite.models import ModelSpec
@@ -71,6 +72,37 @@ def test_an_init_that_unties_is_refused():
         build_parallel_model(spec(Untying), TinyArgs())
 
 
+def fsdp_plan(model, dims, policies):
+    """A parallelize function: the whole model one FSDP group."""
+    return policies.fsdp(dims).finish(model)
+
+
+def tied_fsdp_worker(args: dict) -> dict:
+    from titanlite.parallel import init_distributed, world_from_env
+
+    world = world_from_env()
+    init_distributed(world)
+    dims = ParallelDims(world_size=world.world_size)
+    dims.build_mesh("cpu")
+    torch.manual_seed(0)
+    model = build_parallel_model(spec(parallelize_fn=fsdp_plan), TinyArgs(), dims)  # weight_init auto: rank0
+    return {k: v.full_tensor() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.multiprocess
+def test_rank0_init_keeps_a_tied_embedding_whose_init_writes_only_the_embedding():
+    """``rank0`` initialization (FSDP on CPU) of a family whose ``init_weights`` writes the embedding and not
+    the tied output: the reference copy is re-tied too, so the sharded model starts from the one-process
+    weights (the untied reference's uninitialized output used to overwrite the embedding)."""
+    torch.manual_seed(0)
+    expected = build_parallel_model(spec(), TinyArgs()).state_dict()
+    for got in run_workers(tied_fsdp_worker, 2, timeout=120):
+        assert got.keys() == expected.keys()
+        for k, v in expected.items():
+            assert torch.equal(got[k], v), k
+        assert got["emb.weight"].std() > 0.01 and torch.equal(got["emb.weight"], got["head.weight"])
+
+
 @pytest.mark.parametrize("dims", [dict(dp_shard=2, world_size=2), dict(tp=2, world_size=2)], ids=["dp2", "tp2"])
 def test_a_family_without_parallelize_is_refused_on_several_ranks(dims):
     with pytest.raises(ValueError, match="has no parallelize function, so it trains on one process only"):
@@ -99,3 +131,32 @@ def test_an_unknown_component_name_names_the_key_and_the_closest_one():
         ValueError, match=r"^optimizer\.name='AdamX' is not a registered optimizer .*did you mean 'Adam'"
     ):
         components.get("optimizer", "AdamX")
+
+
+def test_a_weights_only_checkpoint_manager_leaves_the_global_rng_alone(tmp_path):
+    """A manager given the model only (a library user loading weights) restores the weights and never the
+    process's random state (it restored the saving run's, silently changing every later draw)."""
+    import random
+
+    from titanlite.checkpoint import CheckpointManager
+    from titanlite.config.sections import Checkpoint
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    section = Checkpoint(enable=True, last_save_model_only=False)
+    saver = CheckpointManager(section, tmp_path, {"model": model, "optimizer": optimizer})
+    assert saver.save(1, last=True)
+    saver.close()
+    fresh = nn.Linear(4, 4)
+    torch.manual_seed(123)
+    random.seed(123)
+    before = (torch.get_rng_state(), random.getstate())
+    loader = CheckpointManager(section, tmp_path, {"model": fresh})
+    assert loader.load() == 1 and torch.equal(fresh.weight, model.weight)
+    assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
+    loader.close()
+    full = CheckpointManager(section, tmp_path, {"model": fresh, "optimizer": torch.optim.AdamW(fresh.parameters())})
+    full.load()  # a training state: its RNG is restored, as the exact resume needs
+    assert not torch.equal(torch.get_rng_state(), before[0])
+    full.close()

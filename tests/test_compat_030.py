@@ -363,3 +363,23 @@ def test_fused_030_state_splits_into_fsdp2_shards(tmp_path):
         assert res["step"] == 2 and any(".attention.wk." in k for k in res["moments"])
         for k, v in res["moments"].items():
             assert torch.equal(v, want[k]), k
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model-arg", "n_heads=abc"], "model arg n_heads = 'abc' must be an integer"),  # was a TypeError
+        (["--model-arg", "rope_theta=true"], "model arg rope_theta = True must be a number"),
+        (["--max-shard-size", "1e400"], "--max-shard-size: cannot read '1e400'"),  # was an OverflowError
+        (["--max-shard-size", "nan"], "--max-shard-size: cannot read 'nan'"),
+    ],
+)
+def test_convert_cli_values_are_one_line_errors(tmp_path, capsys, args, message):
+    from titanlite.checkpoint.convert_cli import main_dcp_to_hf
+
+    step, _, _ = source_030(tmp_path, "0.3")
+    capsys.readouterr()
+    assert main_dcp_to_hf(["-q", str(step), str(tmp_path / "hf"), *args]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert not (tmp_path / "hf").exists()

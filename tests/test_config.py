@@ -501,6 +501,43 @@ def test_out_of_range_values():
     assert "'optimizer.beta2'" in msg and "in [0.0, 1.0]" in msg
 
 
+@pytest.mark.parametrize(
+    "argv, key",
+    [
+        (["--optimizer.lr", "inf"], "optimizer.lr"),
+        (["--optimizer.lr", "nan"], "optimizer.lr"),
+        (["--guard.rollback_lr_factor", "inf"], "guard.rollback_lr_factor"),
+        (["--optimizer.weight_decay", "1e400"], "optimizer.weight_decay"),
+        (["--lr_scheduler.min_lr_factor=-inf"], "lr_scheduler.min_lr_factor"),
+        (["--optimizer.lr", "1" + "0" * 400], "optimizer.lr"),  # an integer beyond any float
+    ],
+)
+def test_non_finite_floats_are_refused_naming_the_key(argv, key, tmp_path):
+    """inf passes ``> 0`` checks and NaN every comparison: both are refused, on the command line and in TOML."""
+    assert f"'{key}'" in error_of(argv) and "finite" in error_of(argv)
+    section, name = key.split(".")
+    for value in ("inf", "nan", "-inf"):
+        msg = error_of(["--config", write(tmp_path, f"[{section}]\n{name} = {value}\n")])
+        assert f"'{key}'" in msg and "finite" in msg
+
+
+def test_mixture_weights_must_be_finite(tmp_path):
+    for weight in ("inf", "nan"):
+        body = f'[training]\nmixture = [{{path = "a.txt", weight = {weight}}}, {{path = "b.txt", weight = 1}}]\n'
+        msg = error_of(["--config", write(tmp_path, body)])
+        assert "training.mixture[0].weight" in msg and "finite" in msg
+
+
+def test_huge_integers_are_exact_or_refused_and_name_the_key(tmp_path):
+    """``--training.tokens 1e30`` is the integer 10**30 (it was 1000000000000000019884624838656), a TOML float too
+    large to be exact is refused, and ``--training.seed 1e20`` names its key (torch seeds are 64-bit)."""
+    assert load(["--training.tokens", "1e30"][0], "1e30").training.tokens == 10**30
+    msg = error_of(["--config", write(tmp_path, "[training]\ntokens = 1e30\n")])
+    assert "'training.tokens'" in msg and "not exact" in msg
+    msg = error_of(["--training.seed", "1e20"])
+    assert "'training.seed'" in msg and "in [0, 4294967295]" in msg
+
+
 def test_bad_choice():
     msg = error_of(["--optimizer.implementation", "fast"])
     assert "'optimizer.implementation'" in msg and "'fast'" in msg and "fused" in msg and "for-loop" in msg
@@ -791,3 +828,16 @@ def test_tables_on_the_command_line_are_toml_literals(tmp_path):
     assert "training.mixture[0].weight = -1 must be > 0" in error_of(["--training.mixture", "[{path='a', weight=-1}]"])
     msg = error_of(["--training.mixture", "[{path = 'a'"])
     assert "'training.mixture' on the command line" in msg and "TOML literal" in msg
+
+
+def test_an_extension_that_exits_while_imported_is_reported(tmp_path, monkeypatch, capsys):
+    """sys.exit() in an extension module ended the run with no word of why; it is now a one-line error."""
+    from titanlite.train import main
+
+    (tmp_path / "exiting_ext.py").write_text("import sys\nsys.exit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(SystemExit) as e:
+        main(["--job.extensions", "exiting_ext", "--job.dump_folder", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1
+    assert "job.extensions: importing 'exiting_ext' called sys.exit(3)" in err[0]

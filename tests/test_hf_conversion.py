@@ -634,3 +634,39 @@ def test_a_seed_trains_with_its_own_rope_and_norm_eps(tmp_path, caplog, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1, err
     assert "model.rope_theta=500000.0" in err[0] and "rope_theta=10000.0" in err[0] and str(seed) in err[0], err
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("rope_theta", float("nan")),
+        ("rms_norm_eps", float("inf")),
+        ("num_hidden_layers", 5_000),  # 1e12 hung the converter (a dict of every layer's tensors)
+        ("vocab_size", 10**11),
+        ("max_position_embeddings", 10**12),
+    ],
+)
+def test_non_finite_or_absurd_config_json_values_are_one_line_errors(tmp_path, capsys, key, value):
+    """HF config.json values that no model has: converted to nothing, one line naming the file and the key (a NaN
+    rope_theta converted, then generated token 0 forever and scored)."""
+    src = hf_model_folder(tmp_path, tie_word_embeddings=False)
+    config = src / "config.json"
+    data = json.loads(config.read_text())
+    if key == "rope_theta":  # the transformers 4 form: no rope_parameters
+        data.pop("rope_parameters", None)
+    data[key] = value
+    config.write_text(json.dumps(data))  # NaN and Infinity as Python's json writes (and reads) them
+    line = one_line_error(in_process(capsys, "convert_hf_to_dcp.py", str(src), str(tmp_path / "out")))
+    assert "config.json" in line and {"rms_norm_eps": "norm_eps"}.get(key, key) in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_non_finite_args_in_checkpoint_json_and_huge_hf_sizes_are_refused(tmp_path, capsys):
+    step = save_step_folder(titanlite_model(tiny_args()), tmp_path / "step-7")
+    edit_json(step / "checkpoint.json", lambda j: j["model"]["args"].update(rope_theta=float("nan")))
+    line = one_line_error(in_process(capsys, "convert_dcp_to_hf.py", str(step), str(tmp_path / "hf")))
+    assert "checkpoint.json" in line and "rope_theta = nan must be a finite number" in line
+    config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4}
+    config.update(vocab_size=512, num_hidden_layers=10**12)
+    with pytest.raises(ValueError, match=r"num_hidden_layers = 1000000000000 must be an integer in \[1, 4,096\]"):
+        Llama3HFAdapter.args_from_hf_config(config)

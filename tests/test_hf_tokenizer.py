@@ -318,3 +318,23 @@ def test_tokenizer_files_for_an_export_rebuild_the_same_tokenizer(tmp_path, test
             (out / name).write_bytes(Path(file).read_bytes())
         want = tokenizer_fingerprint(build_tokenizer(str(src)))
         assert tokenizer_fingerprint(build_tokenizer(str(out))) == want
+
+
+def _absurd_id(where: str):
+    def edit(d):
+        if where == "vocab":
+            token = next(t for t in d["model"]["vocab"] if len(t) > 1)
+            d["model"]["vocab"][token] = 10**15
+        else:
+            d["added_tokens"][0]["id"] = 10**15
+
+    return edit
+
+
+@pytest.mark.parametrize("where", ["vocab", "added"])
+def test_absurd_token_ids_are_one_line_errors(tmp_path, test_model_json, where):
+    """An id of 1e15 (tiktoken's ranks are 32-bit) gave an OverflowError traceback."""
+    file = edited(test_model_json, tmp_path / "tokenizer.json", _absurd_id(where))
+    with pytest.raises(ValueError, match=rf"^{file}: .*integer.*in \[0, 2,147,483,647\]") as e:
+        build_tokenizer(str(file))
+    assert "\n" not in str(e.value)

@@ -29,6 +29,7 @@ LOOP = next(b for b in BLOCKS if "step = TrainStep(" in b)
 CKPT = next(b for b in BLOCKS if "class TokenCounter" in b)
 FAMILY = next(b for b in BLOCKS if 'name="gpt2"' in b)
 LOSS = next(b for b in BLOCKS if 'register("loss", "z_loss"' in b)
+BUILD = next(b for b in BLOCKS if "parts = build_training(" in b)
 RTOL = 2e-5  # fp32 summation order across ranks (see tests/test_parallel_parity.py)
 README_ARGS = '"--model.n_layers", "2", "--training.steps", "20"]'
 SMALL = ["--training.steps", "6", "--training.seq_len", "64", "--lr_scheduler.warmup_steps", "2"]
@@ -49,7 +50,7 @@ def run_loop(env: dict) -> list[float]:
     return namespace["losses"]
 
 
-def trainer_losses(tmp_path) -> list[float]:
+def trainer_run(tmp_path, extra: list[str] = ()) -> list[dict]:
     from titanlite.models import load_config
     from titanlite.train import Trainer
 
@@ -60,6 +61,7 @@ def trainer_losses(tmp_path) -> list[float]:
             "--model.n_layers",
             "2",
             *SMALL,
+            *extra,
             "--metrics.log_freq",
             "1",
             "--validation.enable",
@@ -68,7 +70,11 @@ def trainer_losses(tmp_path) -> list[float]:
             str(tmp_path),
         ]
     )
-    return [r["loss"] for r in Trainer(cfg).train() if "loss" in r]
+    return Trainer(cfg).train()
+
+
+def trainer_losses(tmp_path) -> list[float]:
+    return [r["loss"] for r in trainer_run(tmp_path) if "loss" in r]
 
 
 @pytest.fixture(scope="module")
@@ -311,3 +317,53 @@ def test_a_registered_trainer_is_chosen_from_the_stock_command_line(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert (tmp_path / "run" / "marker").read_text() == "2"
+
+
+def loop_with_build_training(code: str) -> str:
+    """Example 1 with the README's replacement: from ``args = ...`` to ``step = TrainStep(...)`` becomes the
+    ``build_training`` block, the loader kept."""
+    lines = code.splitlines(keepends=True)
+    first = next(i for i, line in enumerate(lines) if line.startswith("args = model_args_for("))
+    last = next(i for i, line in enumerate(lines) if line.startswith("step = TrainStep("))
+    loader = "".join(lines[first : last + 1])
+    loader = loader[loader.index("loader = build_dataloader(") : loader.index("accum = ")]
+    return "".join(lines[:first]) + BUILD + loader + "".join(lines[last + 1 :])
+
+
+def test_build_training_gives_a_foreign_loop_the_configs_policies_and_loss(tmp_path, monkeypatch):
+    """bf16 autocast, full activation checkpointing and a named loss (the README's z_loss): the README loop with
+    ``build_training`` equals the trainer bit for bit; example 1 as written does not (it drops all three)."""
+    monkeypatch.chdir(REPO)
+    (tmp_path / "my_loss.py").write_text(LOSS)  # the README's z_loss, as the loss-swap test names it
+    monkeypatch.syspath_prepend(str(tmp_path))
+    policies = ["--training.mixed_precision_param", "bfloat16", "--activation_checkpoint.mode", "full"]
+    policies += [
+        "--job.extensions",
+        "my_loss",
+        "--training.loss",
+        "z_loss",
+        "--training.steps",
+        "3",
+        "--training.global_batch_size",
+        "-1",
+    ]
+    policies += [
+        "--training.local_batch_size",
+        "2",
+        "--model.dim",
+        "64",
+        "--model.n_heads",
+        "4",
+        "--model.n_kv_heads",
+        "2",
+    ]
+    # few, small steps of a narrow model: bf16 matmuls run at ~2 GFLOP/s on some CPUs
+
+    def run(code: str) -> list[float]:
+        namespace: dict = {}
+        exec(compile(shrink(code, policies), "README.md", "exec"), namespace)
+        return namespace["losses"]
+
+    expected = [r["loss"] for r in trainer_run(tmp_path, policies) if "loss" in r]
+    assert run(loop_with_build_training(LOOP)) == expected
+    assert run(LOOP) != expected

@@ -290,3 +290,37 @@ def test_summary_write_on_a_full_disk_keeps_the_old_file(tmp_path, monkeypatch):
     assert path.read_text() == '{"steps": 4}\n' and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
     metrics.write_file_whole(path, '{"steps": 8}\n')
     assert path.read_text() == '{"steps": 8}\n'
+
+
+def test_an_implausible_cpu_mfu_remeasures_the_peak_then_says_so(tmp_path, monkeypatch, caplog):
+    """MFU above 100% on CPU (a peak measured while the CPU was busy): the peak is measured again and the higher
+    one used; still above 100%, one warning and MFU unknown from then on (111-163% were logged silently)."""
+    from titanlite.config.sections import Metrics
+    from titanlite.hooks import LoopState
+    from titanlite.metrics import MetricsHook, MetricsLogger
+    from titanlite.train_step import StepResult
+
+    def hook_with_peak(peak: float, reprobe: float) -> MetricsHook:
+        log = MetricsLogger(Metrics(log_freq=1), tmp_path / str(peak), 0)
+        hook = MetricsHook(Metrics(log_freq=1), log, device=torch.device("cpu"), flops_per_token=10**9)
+        hook.peak_flops = peak  # what the start-up measurement found
+        probes.clear()
+        monkeypatch.setattr(metrics, "reprobe_cpu_matmul_peak", lambda dtype: probes.append(dtype) or reprobe)
+        return hook
+
+    def step(hook: MetricsHook, state: LoopState) -> dict:
+        state.step += 1
+        result = StepResult(state.step, torch.tensor(2.0), torch.tensor(1.0), 1000, 1e-3, 0.0)
+        hook.on_step_end(state, result)
+        return state.records[-1]
+
+    probes: list = []
+    hook, state = hook_with_peak(1e6, reprobe=1e30), LoopState(total_steps=3)
+    hook.on_train_start(state)
+    assert 0 < step(hook, state)["mfu"] < 1e-10 and probes == ["float32"] and hook.peak_flops == 1e30
+    hook, state = hook_with_peak(1e6, reprobe=2e6), LoopState(total_steps=3)
+    hook.on_train_start(state)
+    with caplog.at_level(logging.WARNING, logger="titanlite"):
+        assert step(hook, state)["mfu"] is None and step(hook, state)["mfu"] is None
+    assert probes == ["float32"] and caplog.text.count("is not plausible") == 1
+    assert "measured matmul peak (0.0 GFLOP/s, 0.0 measured again)" in caplog.text

@@ -140,3 +140,16 @@ def test_packed_document_ids_keep_each_conversation_whole(eos):
     window = w._window(0)
     assert window["input_ids"].tolist() == [*docs[0], *docs[1], eos, eos]
     assert window["document_ids"].tolist() == [0] * 6 + [1] * 5 + [2, 3]
+
+
+def test_huge_weights_are_normalized_safely_and_non_finite_ones_refused():
+    """Two weights of 1e308 are 50/50 (their sum overflowed to inf and gave the first source every window);
+    inf or NaN is refused by name (inf got 0% of the windows)."""
+    n = 4_000
+    picks = torch.stack([x["source"] for x in take(mixture(weights=[1e308, 1e308, 1e308]), n)])
+    counts = torch.bincount(picks, minlength=3).tolist()
+    for count in counts:
+        assert abs(count - n / 3) < 4 * math.sqrt(n * 2 / 9), counts
+    for bad in (math.inf, math.nan, 0.0):
+        with pytest.raises(ValueError, match="mixture source 'code' has weight .*: weights must be finite and > 0"):
+            mixture(weights=[1.0, bad, 1.0])

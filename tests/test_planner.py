@@ -769,3 +769,19 @@ def test_estimate_plans_each_seq_len_stage(tmp_path, capsys):
     assert f"seq_len 2048: 17,167 steps x 1,048,576 tokens, {at_2048['flops_per_token']:.4g} FLOPs/token" in out
     assert f"seq_len 4096: 1,907 steps x 1,048,576 tokens, {at_4096['flops_per_token']:.4g} FLOPs/token" in out
     assert 17_167 + 1_907 == at_2048["steps"]
+
+
+def test_absurd_sizes_against_the_device():
+    """Far above the device (more than ABSURD_FACTOR x its memory): refused naming the sizes; a plausible run or
+    one merely too big for the device (the dry run's verdict) passes."""
+    from titanlite.planner import ModelShape, RunSetup, check_absurd_size
+
+    shape = ModelShape(dim=256, n_layers=6, n_heads=8, kv_heads=4, ffn_hidden_dim=768, vocab_size=512)
+    check_absurd_size(shape, RunSetup(1, local_batch_size=8, seq_len=256), 16e9, "cpu")
+    big = RunSetup(1, local_batch_size=2**63 - 1, seq_len=256)
+    with pytest.raises(ValueError, match=r"needs about .* GB per cpu device .*more than 2 x its 16.0 GB"):
+        check_absurd_size(shape, big, 16e9, "cpu")
+    eight_b = ModelShape(dim=4096, n_layers=32, n_heads=32, kv_heads=8, ffn_hidden_dim=14336, vocab_size=128256)
+    check_absurd_size(
+        eight_b, RunSetup(1, local_batch_size=1, seq_len=8192), 141e9, "cuda"
+    )  # 193 GB: too big, not absurd

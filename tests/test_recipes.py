@@ -293,3 +293,34 @@ def test_a_missing_mixture_source_is_named_by_its_key(tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "training.mixture[1] (source 'nope'): " in err[0] and "nope.txt: input not found" in err[0]
+
+
+def test_a_token_budget_resumed_with_another_batch_trains_the_remaining_tokens(tmp_path, caplog):
+    """640 tokens: 3 steps of 128 tokens saved, then resumed with 256 tokens per step: 1 more step makes the
+    640 (the plan used to count 640 / 256 = 3 steps from zero, call the run complete and stop at 384)."""
+    dump, save = tmp_path / "run", ["--checkpoint.enable", "true", "--checkpoint.last_save_model_only", "false"]
+    first = train(dump, *save, "--training.tokens", "384", "--training.local_batch_size", "2")
+    assert (first.state.step, first.state.tokens_seen) == (3, 384)
+    with caplog.at_level(logging.INFO, logger="titanlite"):
+        second = train(dump, *save, "--training.tokens", "640", "--training.local_batch_size", "4")
+    assert (second.state.step, second.state.tokens_seen) == (4, 640)
+    assert "resumed at step 3 with 384 tokens seen (not this config's 768: the batch changed)" in caplog.text
+    assert "token budget training.tokens = 640: 4 steps train 640 tokens, exactly the budget" in caplog.text
+
+
+@pytest.mark.parametrize("case", ["all_user", "truncated"])
+def test_chat_data_with_no_trainable_token_is_refused_at_start(tmp_path, capsys, case):
+    """loss_mask = "assistant" on conversations that leave nothing to train on (no assistant turn, or replies
+    past seq_len + 1 = 65 tokens): one line and exit 2, before any step (it trained with a loss of 0.0 while
+    weight decay moved the weights). An empty reply still trains its <|eot_id|> (the chat template's mask)."""
+    user = {"role": "user", "content": "x" * (80 if case == "truncated" else 5)}
+    reply = [] if case == "all_user" else [{"role": "assistant", "content": "ok"}]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": [user, *reply]}) + "\n" for _ in range(20)))
+    sft = ["--training.dataset", "chat", "--training.dataset_path", str(data), "--training.loss_mask", "assistant"]
+    with pytest.raises(SystemExit) as e:
+        main(BASE + ["--job.dump_folder", str(tmp_path / "run"), "--model.attn_mask_type", "block_causal", *sft])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert "training data has no token to train on with training.loss_mask = 'assistant'" in err[0]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

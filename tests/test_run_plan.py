@@ -62,3 +62,36 @@ def test_stages_with_a_budget_and_their_own_batch():
 def test_bad_schedules_are_one_line_errors_naming_the_stage(schedule, message):
     with pytest.raises(ValueError, match=message):
         plan_run(**BASE, schedule=schedule)
+
+
+def test_a_budget_resumed_after_a_batch_change_plans_the_remaining_tokens():
+    """Checkpoint at step 6 with 384 tokens (64 per step before); now 131,072 tokens per step: the rest of a
+    1,000,000-token budget is ceil(999,616 / 131,072) = 8 more steps. Unchanged progress keeps the plan."""
+    plan = plan_run(**{**BASE, "tokens": 1_000_000}, resumed=(6, 384))
+    assert plan.total_steps == 6 + 8 and plan.total_tokens == 384 + 8 * 131_072
+    assert plan.tokens_through(6) == 384 and plan.tokens_through(7) == 384 + 131_072
+    over = 8 * 131_072 - 999_616
+    assert plan.log_lines[-1].endswith(
+        f"14 steps train {384 + 8 * 131_072:,} tokens, {over:,} tokens over it (the last step does not fit whole)"
+    )
+    assert plan_run(**{**BASE, "tokens": 1_000_000}, resumed=(6, 6 * 131_072)) == plan_run(
+        **{**BASE, "tokens": 1_000_000}
+    )
+    done = plan_run(**{**BASE, "tokens": 1_000_000}, resumed=(20, 1_000_000))  # the budget is already trained
+    assert done.total_steps == 20 and done.total_tokens == 1_000_000
+    with pytest.raises(
+        ValueError,
+        match="seq_len_schedule: the checkpoint of step 6 has seen 384 tokens but this config's stages give 786,432",
+    ):
+        plan_run(**{**BASE, "tokens": 1_000_000}, schedule=[{"seq_len": 2048}], resumed=(6, 384))
+
+
+def test_a_huge_budget_is_exact_only_when_it_is():
+    """Integer arithmetic: 10**30 + 1 tokens do not fit whole steps (float division called it exact)."""
+    per_step = 131_072
+    assert plan_run(**{**BASE, "tokens": per_step * 10**25}).log_lines[-1].endswith("exactly the budget")
+    odd = plan_run(**{**BASE, "tokens": 10**30 + 1})
+    assert odd.total_steps == -(-(10**30 + 1) // per_step)
+    assert odd.log_lines[-1].endswith(
+        f"{odd.total_steps * per_step - 10**30 - 1:,} tokens over it (the last step does not fit whole)"
+    )

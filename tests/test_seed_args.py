@@ -163,3 +163,43 @@ def test_seq_len_above_max_seq_len_fails_when_the_trainer_is_built(family, tmp_p
         "error: training.seq_len=96 is longer than the model's max_seq_len=64 (model.max_seq_len, the length "
         "of its rotary table): lower training.seq_len or raise model.max_seq_len"
     )
+
+
+def hf_seed_folder(folder: Path, **args) -> Path:
+    """An HF model folder's config.json (all model_args_from_seed reads) for llama3 args."""
+    import json
+
+    import torch
+
+    from titanlite.models.llama3 import Llama3HFAdapter, Llama3ModelArgs
+
+    folder.mkdir(parents=True)
+    config = Llama3HFAdapter(Llama3ModelArgs(**args)).hf_config(dtype=torch.float32)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_an_hf_seed_of_the_configured_swiglu_size_is_not_a_conflict(tmp_path):
+    """config multiple_of = 64, ffn_dim_multiplier = 1.5 give 256 = the seed's intermediate_size (recorded as
+    debugmodel's multiple_of = 256, no multiplier): the same model, no error (it was refused, and the advice to
+    drop model.multiple_of led to a shape error). A really different size names the checkpoint's values to set."""
+    spec = get_model_spec("llama3")
+    small = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4"]
+    seed = hf_seed_folder(tmp_path / "hf", dim=64, n_layers=2, n_heads=4, vocab_size=512, multiple_of=256)
+    cfg = load_config([*small, "--model.multiple_of", "64", "--model.ffn_dim_multiplier", "1.5"])
+    args = model_args_for(cfg.model, 512)
+    got = model_args_from_seed(spec, args, cfg.model.overrides, seed)
+    assert (got.multiple_of, got.ffn_dim_multiplier, got.ffn_hidden_dim) == (64, 1.5, 256)
+    assert state_shapes(spec, got) == state_shapes(
+        spec, dataclasses.replace(args, multiple_of=256, ffn_dim_multiplier=None)
+    )
+    other = load_config([*small, "--model.multiple_of", "96"])  # 192
+    with pytest.raises(ValueError) as e:
+        model_args_from_seed(spec, model_args_for(other.model, 512), other.model.overrides, seed)
+    msg = str(e.value)
+    assert "model.multiple_of=96 is set in the config" in msg and "set model.multiple_of=256 (the checkpoint's)" in msg
+    assert "drop" not in msg
+    fixed = load_config([*small, "--model.multiple_of", "256"])  # the advice, followed
+    assert (
+        model_args_from_seed(spec, model_args_for(fixed.model, 512), fixed.model.overrides, seed).ffn_hidden_dim == 256
+    )

@@ -153,3 +153,43 @@ def test_two_gloo_ranks_with_masks_equal_one_process(tp, pp):
     results = run_workers(dist_losses, 2, {"tp": tp, "pp": pp}, timeout=240)
     assert results[0] == results[1]
     torch.testing.assert_close(torch.tensor(results[0]), torch.tensor(single), rtol=2e-5, atol=0)
+
+
+def test_a_step_with_no_trainable_token_is_skipped_without_an_update(caplog):
+    """Every label masked (an all-user window): no update at all, although AdamW's weight decay would move every
+    matrix even with zero gradients; the LR schedule does not advance; the next step trains as usual."""
+    empty = chat_batch(2)
+    empty["labels"] = torch.full_like(empty["labels"], -100)
+    model, step = model_and_step(count_unmasked=True)
+    step.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    step.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(step.optimizer, lambda i: 1.0 / (i + 1))
+    before = [p.detach().clone() for p in model.parameters()]
+    called = []
+    with caplog.at_level("WARNING", logger="titanlite"):
+        result = step(iter([empty]), before_update=called.append, step=7)
+    assert result.action == "skip" and result.extra["loss_tokens"] == 0 and not called
+    assert torch.isnan(result.loss) and result.tokens == empty["labels"].numel()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert step.optimizer.param_groups[0]["lr"] == 1e-2 and "step 7: no label carries loss" in caplog.text
+    result = step(iter([chat_batch(2)]))
+    assert result.action == "update" and result.extra["loss_tokens"] > 0
+    assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_validation_without_a_scored_token_says_so(caplog):
+    """No loss of 0 / 0 = NaN, no bits per byte of 0: ``{"val_tokens": 0}``, and the hook's log line says it."""
+    from titanlite.config.sections import Validation
+    from titanlite.hooks import LoopState
+    from titanlite.validation import ValidationHook, combine_validation
+
+    batch = chat_batch(2)
+    batch["labels"] = torch.full_like(batch["labels"], -100)
+    model, _ = model_and_step()
+    out = validation_loss(model, [batch], token_bytes=torch.ones(512, dtype=torch.int64))
+    assert out == {"val_tokens": 0}
+    state = LoopState(total_steps=1, step=1)
+    with caplog.at_level("INFO", logger="titanlite"):
+        ValidationHook(Validation(freq=1), lambda: out).on_step_end(state, None)
+    assert state.records == [{"step": 1, "val_tokens": 0}] and "validation: no scored tokens" in caplog.text
+    mixed = combine_validation({"a": (0.5, {"val_loss": 2.0, "val_perplexity": 7.4}), "b": (0.5, out)})
+    assert mixed["val_loss"] == 2.0 and mixed["val_tokens/b"] == 0  # the mean over the sources that scored

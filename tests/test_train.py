@@ -204,3 +204,34 @@ def test_deterministic_sets_the_cublas_workspace_before_any_matmul(monkeypatch):
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize(
+    "args, culprit",
+    [
+        (["--model.vocab_size", "2e9"], "vocabulary 2,000,000,000"),  # torch's allocation failed with a traceback
+        (["--training.local_batch_size", "9223372036854775807", "--training.global_batch_size", "-1"], "9,223,372"),
+    ],
+    ids=["vocab", "batch"],
+)
+def test_absurd_sizes_are_refused_before_allocating(tmp_path, capsys, args, culprit):
+    """The planner's per-device memory estimate against this machine's memory, before the model or any batch
+    exists (a 2**63 - 1 batch grew the process until the kernel killed it)."""
+    from titanlite.train import main
+
+    with pytest.raises(SystemExit) as e:
+        main(TINY + ["--job.dump_folder", str(tmp_path), *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert "this run needs about" in err[0] and "per cpu device" in err[0] and culprit in err[0], err[0]
+
+
+@pytest.mark.parametrize("name, instead", [("loss_fn", "build_loss()"), ("train_step", "build_train_step()")])
+def test_a_trainer_subclass_overriding_a_removed_method_fails_naming_the_replacement(name, instead):
+    """``loss_fn`` became ``build_loss``: an override of the old name was silently never called."""
+
+    def method(self, *args):
+        raise AssertionError("never called")
+
+    with pytest.raises(TypeError, match=rf"^Mine.{name}: Trainer.{name} was removed .* override {instead}"):
+        type("Mine", (Trainer,), {name: method})

@@ -169,7 +169,8 @@ def test_dataset_path_with_embedded_is_refused(section, capsys):
         )
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1, err
-    assert err[0].startswith(f"error: {section}.dataset_path = 'x' is ignored by {section}.dataset = 'embedded'")
+    default = "'embedded'" if section == "training" else "'' (the training data's held-out split)"
+    assert err[0].startswith(f"error: {section}.dataset_path = 'x' is ignored by {section}.dataset = {default}")
     assert f"set {section}.dataset = 'shards' or 'text'" in err[0]
     cfg = parse_args_or_exit([f"--{section}.dataset", "text", f"--{section}.dataset_path", "x"])  # the fix works
     assert getattr(cfg, section).dataset_path == "x"
@@ -182,3 +183,32 @@ def test_dataset_path_with_embedded_refused_by_the_launcher(tmp_path):
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
     assert "training.dataset_path" in r.stderr and "training.dataset = 'embedded'" in r.stderr
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_validation_follows_the_training_shards_unless_set(shakespeare_shards, tmp_path, caplog):
+    """The debug config trained on shards validates on their val split (it measured the built-in Python source,
+    silently): the same figure as naming the split explicitly. Raw text has no held-out split: the built-in
+    corpus, with a warning saying so."""
+    import logging
+
+    shards, tok = shakespeare_shards
+    base = ["--config", str(REPO / "train_configs/debug_model.toml"), *TINY, "--model.tokenizer_path", str(tok)]
+    base += ["--training.dataset", "shards", "--training.dataset_path", str(shards), "--validation.steps", "2"]
+
+    def first_validation(*extra: str) -> float:
+        trainer = Trainer(load_config(base + ["--job.dump_folder", str(tmp_path / str(len(extra))), *extra]))
+        return trainer.validate()["val_loss"]
+
+    with caplog.at_level(logging.INFO, logger="titanlite"):
+        followed = first_validation()
+    assert f"validation reads the held-out split of the training data (shards {shards})" in caplog.text
+    assert followed == first_validation("--validation.dataset", "shards", "--validation.dataset_path", str(shards))
+    assert followed != first_validation("--validation.dataset", "embedded")
+    caplog.clear()
+    text = ["--training.dataset", "text", "--training.dataset_path", str(shared_file("text/tinyshakespeare.txt"))]
+    with caplog.at_level(logging.INFO, logger="titanlite"):
+        assert Trainer(load_config(base + ["--job.dump_folder", str(tmp_path / "text"), *text])).val_loaders
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and "validation reads" in r.message]
+    assert len(warned) == 1 and "the built-in corpus (Python source): training.dataset = 'text' has no held-out" in (
+        warned[0].message
+    )

@@ -22,5 +22,7 @@ def load_extensions(names: Iterable[str]) -> list[str]:
         except Exception as e:  # ImportError, or an error raised while registering
             msg = " ".join(str(e).split())
             raise ValueError(f"job.extensions: cannot import {name!r} ({type(e).__name__}: {msg})") from e
+        except SystemExit as e:  # a module that exits while imported: the run would end with no word of why
+            raise ValueError(f"job.extensions: importing {name!r} called sys.exit({e.code!r})") from None
         loaded.append(name)
     return loaded

@@ -13,7 +13,8 @@ tiktoken cannot represent exactly (Unigram/WordPiece models, a lowercasing norma
 space, missing byte tokens, ...) is refused with a one-line ``ValueError`` naming the file: never
 an approximation.
 
-This module imports nothing from titanlite; :mod:`titanlite.tokenizer` builds the encoding from
+This module imports nothing from titanlite but the JSON nesting guard (:mod:`titanlite.nesting`);
+:mod:`titanlite.tokenizer` builds the encoding from
 :class:`HFTokenizerSpec`.
 """
 
@@ -22,6 +23,8 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+
+from titanlite.nesting import load_json
 
 # GPT-2's pre-tokenization regex: what a bare ByteLevel(use_regex=true) pre-tokenizer splits with.
 GPT2_PAT_STR = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -79,7 +82,7 @@ def is_hf_tokenizer_file(path: str) -> bool:
 def _read_json(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+            data = load_json(f)
     except FileNotFoundError:
         raise ValueError(f"{path}: tokenizer file not found") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -169,13 +172,20 @@ def _check_bpe_options(path: str, model: dict) -> None:
             raise ValueError(f"{path}: BPE {key}={model.get(key)!r} cannot be represented by tiktoken")
 
 
+MAX_ID = 2**31 - 1  # tiktoken's ranks are 32-bit, and no vocabulary comes near (an id of 1e15 overflowed)
+
+
+def _is_id(i) -> bool:
+    return isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= MAX_ID
+
+
 def _ranks(path: str, vocab: dict) -> dict[bytes, int]:
     """The vocabulary mapped back from byte-level strings to bytes: tiktoken's mergeable ranks."""
     decode = {c: b for b, c in byte_level_alphabet().items()}
     ranks: dict[bytes, int] = {}
     for token, i in vocab.items():
-        if not isinstance(i, int) or i < 0:
-            raise ValueError(f"{path}: vocab id of {token!r} must be a non-negative integer, got {i!r}")
+        if not _is_id(i):
+            raise ValueError(f"{path}: vocab id of {token!r} must be an integer in [0, {MAX_ID:,}], got {i!r}")
         try:
             ranks[bytes(decode[c] for c in token)] = i
         except KeyError:
@@ -204,8 +214,10 @@ def _added_tokens(path: str, added) -> dict[str, int]:
     out: dict[str, int] = {}
     for entry in added:
         content, i = entry.get("content"), entry.get("id")
-        if not isinstance(content, str) or not isinstance(i, int) or i < 0 or content in out or i in out.values():
-            raise ValueError(f"{path}: added token {entry!r} needs a unique 'content' string and an integer 'id'")
+        if not isinstance(content, str) or not _is_id(i) or content in out or i in out.values():
+            raise ValueError(
+                f"{path}: added token {entry!r} needs a unique 'content' string and an integer 'id' in [0, {MAX_ID:,}]"
+            )
         if any(entry.get(k) for k in ("lstrip", "rstrip", "single_word")):
             raise ValueError(f"{path}: added token {content!r} has lstrip/rstrip/single_word, which tiktoken lacks")
         out[content] = i

@@ -90,6 +90,17 @@ def gpu_memory_bytes(name: str) -> float | None:
     return None if gb is None else gb * 1e9
 
 
+def device_memory_bytes(device: torch.device) -> float | None:
+    """Memory of ``device`` in bytes: the CUDA device's total, or the machine's physical memory on CPU; None when
+    unknown."""
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    if device.type == "cpu":
+        with contextlib.suppress(ValueError, OSError, AttributeError):
+            return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return None
+
+
 def matmul_dtype(compute_dtype: str, float8: bool = False, device: torch.device | None = None) -> str:
     """The dtype the model's matmuls run in (it selects the peak of MFU): with float8 linears on CUDA most
     FLOPs are float8 matmuls; float32 ones on CUDA use TF32 tensor cores when torch allows it
@@ -130,6 +141,13 @@ def measure_cpu_matmul_peak(dtype: str = "float32", max_n: int = 2048, trials: i
             iters += 1
         best = max(best, 2 * n**3 * iters / (time.perf_counter() - start))
     return best
+
+
+def reprobe_cpu_matmul_peak(dtype: str) -> float:
+    """:func:`measure_cpu_matmul_peak` measured anew (not the process's cached figure), kept when higher."""
+    threads = torch.get_num_threads()
+    fresh = measure_cpu_matmul_peak.__wrapped__(dtype, threads=threads)
+    return max(fresh, measure_cpu_matmul_peak(dtype, threads=threads))
 
 
 def memory_stats(device: torch.device) -> dict[str, float]:
@@ -538,6 +556,33 @@ class MetricsHook(Hook):
             logger.info("MFU is against this CPU's measured matmul peak: %.1f GFLOP/s", peak / 1e9)
         return peak
 
+    def plausible_mfu(self, achieved_flops: float) -> float | None:
+        """``achieved_flops / peak``; None when the peak is unknown. On CPU the peak is a measurement, which a busy
+        moment lowers: a utilization above 100% (111-163% were logged on a shared CPU) re-measures it once and keeps
+        the higher; a peak still below what training achieves is implausible, said once in a warning, and MFU is
+        reported as unknown from then on."""
+        peak = self.peak_flops
+        if peak is None or achieved_flops <= peak or self.device.type != "cpu":
+            return None if peak is None else achieved_flops / peak
+        fresh = reprobe_cpu_matmul_peak(self.matmul_dtype)
+        logger.info(
+            "CPU matmul peak measured again: %.1f GFLOP/s (training reached %.1f)", fresh / 1e9, achieved_flops / 1e9
+        )
+        if achieved_flops <= fresh:
+            self.peak_flops = fresh
+            return achieved_flops / fresh
+        logger.warning(
+            "MFU of %.0f%% is not plausible: this CPU's measured matmul peak (%.1f GFLOP/s, %.1f measured again) is "
+            "below what training reaches (%.1f GFLOP/s; the CPU was busy while it was measured?): MFU is reported "
+            "as unknown from now on",
+            100 * achieved_flops / peak,
+            peak / 1e9,
+            fresh / 1e9,
+            achieved_flops / 1e9,
+        )
+        self.peak_flops = None
+        return None
+
     def _rewind(self, state: LoopState) -> None:
         """Drop the records after ``state.step`` (a resumed run logs them again); a new timing window."""
         self.log.rewind(state.step)
@@ -568,7 +613,7 @@ class MetricsHook(Hook):
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start - (state.side_seconds - self.side_start)  # training time only
         tps = tokens / self.world_size / elapsed
-        mfu = None if self.peak_flops is None else tps * self.flops_per_token / self.peak_flops
+        mfu = self.plausible_mfu(tps * self.flops_per_token)
         loss, grad_norm = result.fetch()
         record = {
             "step": state.step,

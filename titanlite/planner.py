@@ -595,6 +595,27 @@ def usable_memory(gpu_bytes: float) -> float:
     return gpu_bytes * (1 - FRAGMENTATION) - RESERVE_BYTES
 
 
+ABSURD_FACTOR = 2.0  # a modelled peak above this many times the device's memory cannot be an estimate's error
+
+
+def check_absurd_size(s: ModelShape, setup: RunSetup, device_bytes: float, device: str) -> None:
+    """ValueError (one line) when the modelled per-device peak (:func:`memory_breakdown`) is more than
+    :data:`ABSURD_FACTOR` times ``device_bytes``: a size the run could never allocate (``local_batch_size =
+    2**63 - 1`` grew the process until the kernel killed it; ``vocab_size = 1e11`` failed in an allocation),
+    refused before anything is built. Runs near the limit are left to the dry run's verdict."""
+    mem = memory_breakdown(s, setup)
+    if mem["total"] <= ABSURD_FACTOR * device_bytes:
+        return
+    weights = mem["parameters"] + mem["gradients"] + mem["optimizer"]
+    raise ValueError(
+        f"this run needs about {mem['total'] / 1e9:,.4g} GB per {device} device (planner estimate: parameters, "
+        f"gradients and optimizer {weights / 1e9:,.4g} GB, activations {mem['activations'] / 1e9:,.4g} GB, logits "
+        f"{mem['logits'] / 1e9:,.4g} GB), more than {ABSURD_FACTOR:g} x its {device_bytes / 1e9:,.1f} GB: check the "
+        f"model's size ({param_count(s):,} parameters, {s.n_layers:,} layers, vocabulary {s.vocab_size:,}) and "
+        f"training.local_batch_size x training.seq_len ({setup.local_batch_size:,} x {setup.seq_len:,})"
+    )
+
+
 @dataclasses.dataclass
 class Plan:
     params: int

@@ -5,7 +5,13 @@ Pure functions of the ``[training]`` values (no torch), unit-tested against hand
 **Tokens per optimizer step** = ``local_batch_size x data-parallel degree x gradient accumulation x
 seq_len``. ``[training] tokens`` (a budget) replaces ``steps``: the run trains
 ``ceil(tokens / tokens per step)`` steps; a budget that is a whole number of steps stops exactly at
-it, any other overshoots by less than one step (the start-up log says by how much).
+it, any other overshoots by less than one step (the start-up log says by how much). The arithmetic is on
+integers, so a budget of any size is either exact or said not to be.
+
+**Resuming under a budget** (``resumed = (step, tokens seen)``, the checkpoint's): when the checkpoint saw
+the tokens this plan gives its steps, nothing changes. When it did not (the batch changed since), the run
+trains ``ceil(remaining tokens / tokens per step)`` more steps, so it still stops at the budget; with a
+``seq_len_schedule`` (whose stages are shares of the budget) such a change is refused.
 
 **Stages** (``[training] seq_len_schedule``): consecutive ``{seq_len, fraction | steps[,
 global_batch_size]}`` tables. ``fraction`` is a share of the run (of the token budget when ``tokens``
@@ -23,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from fractions import Fraction
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,10 +53,18 @@ class RunPlan:
     total_steps: int
     stages: tuple[Stage, ...]
     log_lines: tuple[str, ...]
+    resumed: tuple[int, int] | None = None  # (step, tokens seen) the plan continues from, when they were taken
 
     @property
     def total_tokens(self) -> int:
-        return sum(s.steps * s.tokens_per_step for s in self.stages)
+        return self.tokens_through(self.total_steps)
+
+    def tokens_through(self, step: int) -> int:
+        """Tokens trained by the end of optimizer step ``step`` under this plan."""
+        first, done = (0, 0) if self.resumed is None or step < self.resumed[0] else self.resumed
+        return done + sum(
+            max(min(s.last_step, step) - max(s.first_step, first + 1) + 1, 0) * s.tokens_per_step for s in self.stages
+        )
 
     def stage_index(self, step: int) -> int:
         """The stage that trains optimizer step ``step`` (1-based; past the end: the last stage)."""
@@ -97,8 +112,36 @@ def plan_run(
     grad_accum_steps: int,
     dp_degree: int,
     schedule: Sequence[dict] = (),
+    resumed: tuple[int, int] | None = None,
 ) -> RunPlan:
-    """The run's stages and step count (see the module docstring); ValueError naming the key otherwise."""
+    """The run's stages and step count (see the module docstring); ValueError naming the key otherwise.
+    ``resumed``: the ``(step, tokens seen)`` of the checkpoint the run resumes from, under a budget."""
+    plan = _plan(steps, tokens, seq_len, local_batch_size, grad_accum_steps, dp_degree, schedule)
+    if tokens <= 0 or resumed is None or plan.tokens_through(resumed[0]) == resumed[1]:
+        return plan
+    step, seen = resumed
+    if schedule:
+        _fail(
+            f"training.tokens with training.seq_len_schedule: the checkpoint of step {step:,} has seen {seen:,} "
+            f"tokens but this config's stages give {plan.tokens_through(step):,} by then (the batch changed): "
+            "resume with the batch it was trained with"
+        )
+    (stage,) = plan.stages
+    more = max(_ceil_div(tokens - seen, stage.tokens_per_step), 0)
+    stages = (dataclasses.replace(stage, first_step=1, last_step=step + more),)
+    line = (
+        f"resumed at step {step:,} with {seen:,} tokens seen (not this config's {plan.tokens_through(step):,}: the "
+        f"batch changed): {more:,} more steps x {stage.tokens_per_step:,} tokens"
+    )
+    total = seen + more * stage.tokens_per_step
+    return RunPlan(step + more, stages, (line, _budget_line(tokens, step + more, total)), resumed=(step, seen))
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _plan(steps, tokens, seq_len, local_batch_size, grad_accum_steps, dp_degree, schedule) -> RunPlan:
     dp, accum = dp_degree, grad_accum_steps
     specs = list(schedule) or [{"seq_len": seq_len}]
     batches = [stage_batch(i, s, seq_len, local_batch_size, dp, accum) for i, s in enumerate(specs)]
@@ -118,7 +161,7 @@ def plan_run(
             if not 0.0 < f <= 1.0:
                 _fail(f"{key}.fraction = {f} must be in (0, 1]")
             if budget is not None:
-                lengths.append(math.ceil(f * budget / per_step[i]))
+                lengths.append(math.ceil(Fraction(f) * budget / per_step[i]))
             else:
                 lengths.append(round(f * steps))
         elif i == len(specs) - 1:
@@ -132,7 +175,7 @@ def plan_run(
         done = sum(x for x in lengths[:-1])
         if budget is not None:
             used = sum(x * t for x, t in zip(lengths[:-1], per_step[:-1]))
-            lengths[-1] = max(math.ceil((budget - used) / per_step[-1]), 0)
+            lengths[-1] = max(_ceil_div(budget - used, per_step[-1]), 0)
         else:
             lengths[-1] = steps - done
     total = sum(lengths)
@@ -157,11 +200,12 @@ def _log_lines(stages: list[Stage], budget: int | None, dp: int) -> list[str]:
             f"{what}{s.steps:,} steps x {s.tokens_per_step:,} tokens (local batch {s.local_batch_size} x dp {dp} x "
             f"grad accumulation {s.grad_accum_steps} x seq_len {s.seq_len}) = {s.steps * s.tokens_per_step:,} tokens"
         )
-    total = sum(s.steps * s.tokens_per_step for s in stages)
     if budget is not None:
-        over = total - budget
-        tail = "exactly the budget" if over == 0 else f"{over:,} tokens over it (the last step does not fit whole)"
-        lines.append(
-            f"token budget training.tokens = {budget:,}: {stages[-1].last_step:,} steps train {total:,} tokens, {tail}"
-        )
+        lines.append(_budget_line(budget, stages[-1].last_step, sum(s.steps * s.tokens_per_step for s in stages)))
     return lines
+
+
+def _budget_line(budget: int, steps: int, total: int) -> str:
+    over = total - budget
+    tail = "exactly the budget" if over == 0 else f"{over:,} tokens over it (the last step does not fit whole)"
+    return f"token budget training.tokens = {budget:,}: {steps:,} steps train {total:,} tokens, {tail}"

@@ -26,26 +26,31 @@ import torch
 from torch import nn
 
 from titanlite import components
+from titanlite.assemble import build_config_model, config_loss, config_train_step
 from titanlite.checkpoint import CheckpointHook, CheckpointManager, CheckpointWriteError, layout
 from titanlite.checkpoint.hf import model_args_from_seed
 from titanlite.config import JobConfig, config_to_toml, dump_config, exit_with_error, parse_args_or_exit
 from titanlite.data.loader import build_dataloader
 from titanlite.data.mixture import DataExhausted
-from titanlite.data.recipe import SourceData, load_source, mixture_entries, source_windows, training_dataset
+from titanlite.data.recipe import (
+    SourceData,
+    load_source,
+    mixture_entries,
+    source_windows,
+    training_dataset,
+    validation_entries,
+)
 from titanlite.data.shards import ShardIntegrityError
 from titanlite.data.staged import StagedLoader
-from titanlite.dtypes import DTYPES
 from titanlite.eval import evaluate, get_task
 from titanlite.eval.hook import EvalHook
 from titanlite.guard import GuardHook, StepGuard, TrainingDivergedError
 from titanlite.hooks import Hook, LoopState, call_hooks
 from titanlite.loss import cross_entropy_sum  # noqa: F401  (registers the built-in loss)
-from titanlite.metrics import DiskFullError, MetricsHook, MetricsLogger, matmul_dtype, num_params
+from titanlite.metrics import DiskFullError, MetricsHook, MetricsLogger, device_memory_bytes, matmul_dtype, num_params
 from titanlite.models import get_model_spec, model_schema
 from titanlite.models.registry import check_seq_len, model_args_for, model_counts
 from titanlite.optim import build_optimizer  # noqa: F401  (registers the built-in optimizers and schedules)
-from titanlite.parallel.build import build_parallel_model
-from titanlite.parallel.compile import CompilePolicy
 from titanlite.parallel.distributed import (
     CollectiveTimeoutHook,
     WorldInfo,
@@ -56,8 +61,8 @@ from titanlite.parallel.distributed import (
 from titanlite.parallel.float8 import float8_disabled, float8_modules
 from titanlite.parallel.fsdp import quiet_view_warning
 from titanlite.parallel.parallel_dims import ParallelDims
-from titanlite.parallel.pipeline import Pipeline, PipelinePlan
-from titanlite.parallel.policies import Policies
+from titanlite.parallel.pipeline import PipelinePlan
+from titanlite.planner import ModelShape, RunSetup, check_absurd_size
 from titanlite.preemption import PreemptionHandler, PreemptionHook
 from titanlite.profiling import ProfilerHook
 from titanlite.run_lock import RunLock
@@ -90,8 +95,38 @@ def set_seed(seed: int, deterministic: bool = False) -> None:
         torch.backends.cudnn.benchmark = False
 
 
+# Trainer methods of earlier versions and where their work went: a subclass overriding one would never be called
+REMOVED_METHODS = {
+    "loss_fn": "build_loss() (it returns the token-sum loss function)",
+    "forward_backward": "build_train_step() (a TrainStep: TrainStep.forward_backward)",
+    "train_step": "build_train_step() (self.train_step is the TrainStep it returns)",
+    "clip_grad_norm": "build_train_step() (TrainStep.clip_grad_norm)",
+    "optimizer_step": "build_train_step() (TrainStep.update)",
+    "model_inputs": "build_train_step() (titanlite.train_step.batch_to_device)",
+    "autocast": "build_train_step() (TrainStep.autocast)",
+    "dp_sum": "build_train_step() (TrainStep.dp_sum)",
+    "step_record": "build_hooks() (titanlite.metrics.MetricsHook)",
+    "log_step": "build_hooks() (titanlite.metrics.MetricsHook)",
+    "is_log_step": "build_hooks() (titanlite.metrics.MetricsHook)",
+    "log_summary": "build_hooks() (titanlite.metrics.MetricsHook)",
+    "stop_on_signal": "build_hooks() (titanlite.preemption.PreemptionHook)",
+}
+
+
 class Trainer:
-    """Builds every piece from a :class:`JobConfig` (each from its own section) and runs the loop."""
+    """Builds every piece from a :class:`JobConfig` (each from its own section) and runs the loop.
+
+    A subclass that defines a method of an earlier version (:data:`REMOVED_METHODS`, e.g. ``loss_fn``) is refused
+    when it is defined, naming what to override instead: it would otherwise be silently bypassed."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name, instead in REMOVED_METHODS.items():
+            if name in vars(cls):
+                raise TypeError(
+                    f"{cls.__qualname__}.{name}: Trainer.{name} was removed and would never be called; override "
+                    f"{instead} instead"
+                )
 
     def __init__(self, cfg: JobConfig, world: WorldInfo | None = None):
         t = cfg.training
@@ -122,6 +157,7 @@ class Trainer:
                 raise ValueError(f"{e}; or start a new run in another --job.dump_folder") from None
         check_seq_len(self.model_args, max(t.seq_len, self.run_plan.max_seq_len))
         self.pipeline_plan = self.build_pipeline_plan()
+        self.check_absurd_size()
         self.model = self.build_model()
         n_params, self.flops_per_token = model_counts(self.spec, self.model_args, t.seq_len)
         self.stage_flops = [model_counts(self.spec, self.model_args, s.seq_len)[1] for s in self.run_plan.stages]
@@ -162,17 +198,30 @@ class Trainer:
         c = self.cfg
         return PipelinePlan.from_config(c.parallelism, self.model_args.n_layers, c.training.local_batch_size)
 
+    def check_absurd_size(self) -> None:
+        """Refuse, before anything is allocated, a run whose modelled memory per device is far beyond the device's
+        (:func:`titanlite.planner.check_absurd_size`); families without the planner's sizes are not checked."""
+        device_bytes = device_memory_bytes(self.device)
+        try:
+            shape = ModelShape.from_args(self.model_args)
+        except (AttributeError, TypeError, ZeroDivisionError):
+            return
+        if device_bytes is None:
+            return
+        sizes = self.pipeline_plan.stage_sizes if self.pipeline_plan is not None else ()
+        check_absurd_size(
+            shape, RunSetup.from_config(self.cfg, self.world.world_size, sizes), device_bytes, self.device.type
+        )
+
     def build_tokenizer(self):
         return self.spec.tokenizer_builder(self.cfg.model.tokenizer_path)
 
     def build_model(self) -> nn.Module:
         """Meta build, the family's parallelize plan, materialize and initialize
         (:func:`~titanlite.parallel.build.build_parallel_model`)."""
-        c = self.cfg
-        sections = (c.parallelism, c.training, c.activation_checkpoint, c.compile, c.quantize_linear_float8)
-        policies = Policies.from_config(*sections)
-        kw = dict(device=self.device, weight_init=c.parallelism.weight_init, pipeline=self.pipeline_plan)
-        return build_parallel_model(self.spec, self.model_args, self.parallel_dims, policies, **kw)
+        return build_config_model(
+            self.cfg, self.spec, self.model_args, self.parallel_dims, self.device, pipeline=self.pipeline_plan
+        )
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         return components.get("optimizer", self.cfg.optimizer.name)(self.model, self.cfg.optimizer)
@@ -183,15 +232,15 @@ class Trainer:
 
     def build_loss(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """The ``[training] loss`` (a token sum), compiled with ``[compile] components = ["loss"]``."""
-        loss = components.get("loss", self.cfg.training.loss)
-        return CompilePolicy.from_config(self.cfg.compile).compile_loss(loss, self.parallel_dims.tp_enabled)
+        return config_loss(self.cfg, self.parallel_dims)
 
     def load_sources(self, split: str) -> list[tuple[SourceData, float]]:
         """``[training]`` (``split = "train"``) or ``[validation]`` data: each source and its weight, one
         unless the section sets ``mixture``. Shards are checked against the tokenizer here."""
         section = self.cfg.training if split == "train" else self.cfg.validation
+        entries = mixture_entries(section) if split == "train" else self.validation_entries()
         out = []
-        for i, entry in enumerate(mixture_entries(section)):
+        for i, entry in enumerate(entries):
             try:
                 data = load_source(
                     entry["name"], entry.get("dataset", "auto"), entry.get("path", ""), split, self.tokenizer
@@ -214,6 +263,13 @@ class Trainer:
             )
         return out
 
+    def validation_entries(self) -> list[dict]:
+        """``[validation]``'s sources (:func:`~titanlite.data.recipe.validation_entries`); what they read is logged,
+        as a warning when they cannot follow the training data."""
+        entries, what, warn = validation_entries(self.cfg.training, self.cfg.validation)
+        (logger.warning if warn else logger.info)(what)
+        return entries
+
     @functools.cached_property
     def train_sources(self) -> list[tuple[SourceData, float]]:
         return self.load_sources("train")
@@ -228,6 +284,7 @@ class Trainer:
         """``[training] steps | tokens`` and ``seq_len_schedule`` as stages (:mod:`titanlite.run_plan`)."""
         c, t, dims = self.cfg, self.cfg.training, self.parallel_dims
         kw = dict(seq_len=t.seq_len, local_batch_size=t.local_batch_size, grad_accum_steps=self.grad_accum_steps)
+        kw.update(resumed=self.resume_point() if t.tokens > 0 else None)
         plan = plan_run(steps=t.steps, tokens=t.tokens, dp_degree=dims.dp_degree, schedule=t.seq_len_schedule, **kw)
         if c.lr_scheduler.warmup_steps > plan.total_steps:
             raise ValueError(
@@ -300,14 +357,10 @@ class Trainer:
         return loaders
 
     def build_train_step(self) -> TrainStep:
-        t = self.cfg.training
-        kw = dict(grad_accum_steps=self.grad_accum_steps, max_norm=t.max_norm, parallel_dims=self.parallel_dims)
+        kw = dict(grad_accum_steps=self.grad_accum_steps, loss_fn=self.build_loss(), device=self.device)
         kw["count_unmasked"] = any(data.chat for data, _ in self.train_sources)  # masks or packing padding
-        dtype, loss = DTYPES[t.mixed_precision_param], self.build_loss()
-        if self.pipeline_plan is not None:  # the stages and the schedule that runs them
-            group = self.parallel_dims.pp_group
-            kw["pipeline"] = Pipeline(self.model, self.pipeline_plan, group, self.device, loss, autocast_dtype=dtype)
-        return TrainStep(self.model, self.optimizer, self.lr_scheduler, loss_fn=loss, autocast_dtype=dtype, **kw)
+        kw["pipeline_plan"] = self.pipeline_plan  # the stages and the schedule that runs them
+        return config_train_step(self.cfg, self.model, self.optimizer, self.lr_scheduler, self.parallel_dims, **kw)
 
     def build_checkpointer(self) -> CheckpointManager:
         """``[checkpoint]``: what is saved, and what :meth:`resume` will load (user errors such as a
@@ -362,14 +415,39 @@ class Trainer:
         """The checkpoint whose recorded model args this run takes (see ``model_args_from_seed``): the
         newest step folder of this run (``load_step``'s when set) whose ``checkpoint.json`` is readable,
         so a resume computes as the run did; else ``initial_load_path``; None for a fresh start."""
+        found = self.recorded_checkpoint(lambda info: isinstance(info.get("model", {}).get("args"), dict))
+        return None if found is None else (found[0], found[1])
+
+    def recorded_checkpoint(self, usable: Callable[[dict], bool]) -> tuple[Path, str, dict] | None:
+        """``(folder, what, checkpoint.json)`` of the checkpoint this run will start from, read before anything is
+        built: the newest step folder of this run (``load_step``'s when set) whose ``checkpoint.json`` is readable
+        and ``usable``; else ``initial_load_path``'s (``what`` = "checkpoint.initial_load_path"); else None."""
         c = self.cfg.checkpoint
         if c.enable:
             folders = layout.list_step_folders(Path(self.cfg.job.dump_folder) / c.folder)
             for f in reversed([f for f in folders if c.load_step in (-1, f.step)]):
                 with contextlib.suppress(ValueError):  # a damaged one is reported (and skipped) by the manager
-                    if isinstance(layout.read_info(f.path).get("model", {}).get("args"), dict):
-                        return f.path, RESUMED
-        return (Path(c.initial_load_path), "checkpoint.initial_load_path") if c.initial_load_path else None
+                    if usable(info := layout.read_info(f.path)):
+                        return f.path, RESUMED, info
+        if not c.initial_load_path:
+            return None
+        path, info = Path(c.initial_load_path), {}
+        with contextlib.suppress(ValueError, OSError):  # the manager reports what is wrong with it
+            info = layout.read_info(path) if (path / layout.INFO_FILE).is_file() else {}
+        return path, "checkpoint.initial_load_path", info
+
+    def resume_point(self) -> tuple[int, int] | None:
+        """``(step, tokens seen)`` of the run so far, as its newest checkpoint records them (a model-only last save
+        too: the run may be finished), or a full ``initial_load_path``'s; None for a fresh start. A token budget
+        plans the remaining steps from the remaining tokens."""
+        found = self.recorded_checkpoint(lambda info: True)
+        c = self.cfg.checkpoint
+        if found is None or found[1] != RESUMED and c.initial_load_model_only:
+            return None
+        info = found[2]
+        if isinstance(info.get("step"), int) and isinstance(info.get("tokens_seen"), int):
+            return info["step"], info["tokens_seen"]
+        return None
 
     @property
     def dp_rank(self) -> int:
@@ -392,6 +470,7 @@ class Trainer:
         self.log_start()
         try:  # before the data iterator exists: the checkpoint restores the data position
             self.resume()
+            self.check_budget_progress()
             state.data_iter = iter(self.train_loader)  # the data position is checked here
         except (ValueError, FileNotFoundError) as e:
             raise ResumeError(str(e)) from e
@@ -428,6 +507,17 @@ class Trainer:
     def resume(self) -> int | None:
         """Load what the checkpoint manager planned (a resume, or ``initial_load_path``)."""
         return self.checkpointer.load()
+
+    def check_budget_progress(self) -> None:
+        """Under a token budget, the resumed tokens must be the ones the run plan was made from (it was made from
+        the newest checkpoint's ``checkpoint.json``: a fallback to an older one, after the batch changed, is not)."""
+        budget, state = self.cfg.training.tokens, self.state
+        if budget > 0 and state.tokens_seen != (expected := self.run_plan.tokens_through(state.step)):
+            raise ValueError(
+                f"training.tokens = {budget:,}: the checkpoint resumed at step {state.step:,} has seen "
+                f"{state.tokens_seen:,} tokens, but the run was planned for {expected:,} by then (the batch changed "
+                "and an older checkpoint was loaded): resume with the batch it was trained with"
+            )
 
     def validate(self) -> dict[str, float]:
         """Mean token loss over ``validation.steps`` global batches (``training.global_batch_size``

@@ -26,6 +26,7 @@ every stage's parameters.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -39,6 +40,8 @@ from titanlite.parallel.distributed import all_reduce_sum
 from titanlite.parallel.fsdp import is_fsdp
 from titanlite.parallel.grad_clip import clip_grad_norm_
 from titanlite.parallel.tensor_parallel import loss_parallel_context, to_local_value
+
+logger = logging.getLogger(__name__)
 
 
 def grad_accum_steps(global_batch_size: int, local_batch_size: int, dp_degree: int) -> int:
@@ -109,7 +112,9 @@ class TrainStep:
     - ``max_norm``: clip the total gradient norm (exact over FSDP shards and TP ranks); 0 disables;
     - ``count_unmasked``: divide by the labels that carry loss (``!= -100``, e.g. chat data's assistant
       tokens) over the whole step instead of every label (:meth:`loss_token_count`); the count is
-      reported as ``result.extra["loss_tokens"]``, ``result.tokens`` stays the tokens processed.
+      reported as ``result.extra["loss_tokens"]``, ``result.tokens`` stays the tokens processed. A step
+      with no such label on any rank is skipped with a warning (``result.action = "skip"``, loss NaN): no
+      forward, no update (weight decay included), no LR-schedule step, no ``before_update`` hooks.
     """
 
     def __init__(
@@ -172,6 +177,8 @@ class TrainStep:
         data_s = time.perf_counter() - t0
         tokens = sum(b["labels"].numel() for b in micro) * self.dp_degree
         divisor = self.loss_token_count(micro) if self.count_unmasked else tokens
+        if divisor == 0:  # every label masked on every rank: nothing to learn from, and nothing may move
+            return self.skip_empty_step(step, tokens, data_s)
         loss_sum = torch.zeros((), device=self.device)
         for batch in micro:
             loss_sum += self.forward_backward(batch, divisor)
@@ -194,13 +201,27 @@ class TrainStep:
     def loss_token_count(self, micro: list[dict]) -> int:
         """Labels that carry loss (``!= -100``) over every micro-batch of the step and every data-parallel
         rank: one scalar all-reduce before the first backward, so each micro-batch's sum is divided by
-        the global count and accumulation + DP equal one big batch whatever each batch's share. At least
-        1, so a step whose labels are all masked contributes a zero loss instead of NaN."""
+        the global count and accumulation + DP equal one big batch whatever each batch's share. Every
+        rank gets the same count, so a count of 0 skips the step on all of them."""
         local = sum(int((b["labels"] != -100).sum()) for b in micro)
         group = getattr(self.parallel_dims, "dp_group", None)
         if group is not None:
             local = int(all_reduce_sum(torch.tensor(local, dtype=torch.int64, device=self.device), group).item())
-        return max(local, 1)
+        return local
+
+    def skip_empty_step(self, step: int | None, tokens: int, data_s: float) -> StepResult:
+        """The result of a step whose labels are all masked (see the class docstring)."""
+        where = f"step {step}" if step is not None else "a step"
+        logger.warning(
+            f"{where}: no label carries loss in the whole step (every token masked, e.g. chat data with no "
+            "assistant token in these windows): skipped, no update"
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        nan, zero = torch.full((), float("nan"), device=self.device), torch.zeros((), device=self.device)
+        lr = self.optimizer.param_groups[0]["lr"]
+        result = StepResult(step, nan, zero, tokens, lr, data_s, action="skip", extra={"loss_tokens": 0})
+        result.values = (float("nan"), 0.0)
+        return result
 
     def clip_grad_norm(self) -> torch.Tensor:
         """Pre-clip total gradient norm (exact over FSDP shards, TP ranks and pipeline stages); clips when

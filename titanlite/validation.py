@@ -9,6 +9,9 @@ stand for: the loss per token depends on how much text a token holds, the loss p
 so runs with different tokenizers compare. Labels of -100 (chat data's non-assistant tokens) count in
 neither the loss nor the tokens nor the bytes. As nanochat does, tokens that stand for no text (special
 tokens such as EOS) are left out of both sums.
+
+Windows with no scored token at all (chat data whose assistant turns are all empty or cut off) have no loss:
+the result is ``{"val_tokens": 0}`` and the hook logs "no scored tokens", never a NaN loss or a bpb of 0.
 """
 
 from __future__ import annotations
@@ -79,10 +82,12 @@ def validation_loss(
     if dp_group is not None:
         loss_sums, tokens = all_reduce_sum(loss_sums, dp_group), all_reduce_sum(tokens, dp_group)
         text_bytes = all_reduce_sum(text_bytes, dp_group)
+    if tokens.item() == 0:  # every label masked: no loss (0 / 0) and no bits per byte
+        return {"val_tokens": 0}
     val_loss = (loss_sums[0] / tokens).item()
     out = {"val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 80.0))}
-    if token_bytes is not None:
-        out["val_bpb"] = loss_sums[1].item() / math.log(2) / max(text_bytes.item(), 1)
+    if token_bytes is not None and text_bytes.item() > 0:  # no text scored (only specials): no bits per byte
+        out["val_bpb"] = loss_sums[1].item() / math.log(2) / text_bytes.item()
     return out
 
 
@@ -99,13 +104,16 @@ def loss_sums_of(logits: torch.Tensor, labels: torch.Tensor, token_bytes: torch.
 def combine_validation(results: dict[str, tuple[float, dict[str, float]]]) -> dict[str, float]:
     """A mixture's validation from each source's (``name -> (weight, validation_loss result)``): every
     source's figures as ``val_loss/<name>`` (``val_bpb/<name>``), and ``val_loss`` (``val_bpb``) as their
-    mean weighted by the mixture weights, the loss the training mixture is expected to have."""
-    total = sum(w for w, _ in results.values())
+    mean weighted by the mixture weights, the loss the training mixture is expected to have (over the sources
+    that scored tokens; none: no ``val_loss``)."""
+    scored = [(w, r) for w, r in results.values() if "val_loss" in r]
+    total = sum(w for w, _ in scored)
     out: dict[str, float] = {}
     for key in ("val_loss", "val_bpb"):
-        if all(key in r for _, r in results.values()):
-            out[key] = sum(w * r[key] for w, r in results.values()) / total
-    out["val_perplexity"] = math.exp(min(out["val_loss"], 80.0))
+        if scored and all(key in r for _, r in scored):
+            out[key] = sum(w * r[key] for w, r in scored) / total
+    if "val_loss" in out:
+        out["val_perplexity"] = math.exp(min(out["val_loss"], 80.0))
     for name, (_, r) in results.items():
         out.update({f"{key}/{name}": value for key, value in r.items() if key != "val_perplexity"})
     return out
@@ -127,9 +135,18 @@ class ValidationHook(Hook):
             with state.side_work():
                 val = {"step": state.step, **self.evaluate()}
             state.log(val)
+            if "val_loss" not in val:
+                logger.warning(
+                    "step %d | validation: no scored tokens (every label of the validation windows is masked, "
+                    "e.g. chat data with no assistant token in them)",
+                    state.step,
+                )
+                return
             bpb = f" | bits per byte {val['val_bpb']:.4f}" if "val_bpb" in val else ""
             names = [k.removeprefix("val_loss/") for k in val if k.startswith("val_loss/")]
             per_source = " | " + ", ".join(f"{n} {val['val_loss/' + n]:.4f}" for n in names) if names else ""
+            if empty := [k.removeprefix("val_tokens/") for k in val if k.startswith("val_tokens/")]:
+                per_source += f" | no scored tokens in {', '.join(empty)}"
             logger.info(
                 "step %d | validation loss %.4f | perplexity %.2f%s%s",
                 state.step,

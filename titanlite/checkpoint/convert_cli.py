@@ -35,11 +35,20 @@ class _Printer:
 
 
 def parse_size(text: str) -> int:
-    """``"5GB"``, ``"500MB"``, ``"2GiB"`` or a number of bytes."""
+    """``"5GB"``, ``"500MB"``, ``"2GiB"`` or a number of bytes; ValueError unless a finite size of at least a byte."""
     t = text.strip().upper().replace(" ", "").removesuffix("B")
     base, t = (1024, t[:-1]) if t.endswith("I") else (1000, t)
     power = "KMGT".find(t[-1:]) + 1  # 0 without a unit letter
-    return int(float(t[:-1] if power else t) * base**power)
+    size = float(t[:-1] if power else t) * base**power
+    if not 1 <= size < math.inf:  # 1e400 is inf (int() of it overflowed), NaN fails too
+        raise ValueError(f"{text!r} is not a size of at least one byte")
+    return int(size)
+
+
+def _error(msg: object) -> int:
+    """Print ``error: <msg>`` as one line on stderr; the exit status 2."""
+    print(f"error: {' '.join(str(msg).split())}", file=sys.stderr)
+    return 2
 
 
 def _run(fn, a: argparse.Namespace, src: str, out: str, note: str = "", **kwargs) -> int:
@@ -47,9 +56,7 @@ def _run(fn, a: argparse.Namespace, src: str, out: str, note: str = "", **kwargs
     try:
         fn(src, out, progress=_Printer(a.quiet), extensions=extensions, **kwargs)
     except (ValueError, KeyError, OSError) as e:  # OSError: an unwritable output folder, a full disk ...
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"error: {' '.join(str(msg).split())}", file=sys.stderr)
-        return 2
+        return _error(e.args[0] if isinstance(e, KeyError) and e.args else e)
     print(f"wrote {out}{note}")
     return 0
 
@@ -89,12 +96,12 @@ def main_dcp_to_hf(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         max_bytes = parse_size(a.max_shard_size)
-    except ValueError:
-        p.error(f"--max-shard-size: cannot read {a.max_shard_size!r}")
+    except ValueError as e:
+        return _error(f"--max-shard-size: cannot read {a.max_shard_size!r} ({e})")
     try:
         model_args = dict(parse_model_arg(text) for text in a.model_arg)
     except ValueError as e:
-        p.error(str(e))
+        return _error(e)
     kwargs = dict(dtype=DTYPES.get(a.dtype), max_shard_bytes=max_bytes, model_args=model_args)
     return _run(dcp_to_hf, a, a.dcp_step_dir, a.hf_out_dir, **kwargs)
 

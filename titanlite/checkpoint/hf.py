@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import logging
 import math
 import os
@@ -51,7 +50,14 @@ from titanlite.dtypes import dtype_name
 from titanlite.extensions import load_extensions
 from titanlite.hf_tokenizer import tokenizer_files
 from titanlite.models import get_model_spec, model_names
-from titanlite.models.registry import adopt_seed_args, matching_flavor, state_shapes
+from titanlite.models.registry import (
+    adopt_seed_args,
+    check_arg_types,
+    check_model_args,
+    matching_flavor,
+    state_shapes,
+)
+from titanlite.nesting import loads_json
 
 logger = logging.getLogger(__name__)
 
@@ -252,6 +258,7 @@ def torchtitan_model_args(
     fields = set(spec.args_cls.__dataclass_fields__)
     if unknown := sorted(set(given) - fields):
         raise ValueError(f"unknown llama3 model args: {', '.join(unknown)} (known: {', '.join(sorted(fields))})")
+    check_arg_types(spec.args_cls, given)  # before any arithmetic with them (n_heads=abc was a TypeError)
 
     def shape(name: str) -> list[int]:
         md = keys.get(prefix + torchtitan_name(name, version))
@@ -280,6 +287,7 @@ def torchtitan_model_args(
             if args.ffn_hidden_dim != hidden:  # Meta's rounding gives more than hidden: scale it down
                 raw = int(2 * 4 * dim / 3)
                 args = spec.args_cls(**{**base, "multiple_of": hidden, "ffn_dim_multiplier": hidden / raw})
+        check_model_args(args)
     except (TypeError, ValueError, ArithmeticError) as e:
         raise ValueError(f"{where}: invalid model args {base} ({' '.join(str(e).split())})") from None
     logger.info("%s: torchtitan %s checkpoint, exported with llama3 model args %s", where, version, args)
@@ -324,7 +332,7 @@ def model_from_info(info: dict[str, Any], where: Path, extensions: Sequence[str]
     if unknown := sorted(set(args) - set(getattr(spec.args_cls, "__dataclass_fields__", {}))):
         raise ValueError(f"{where}: {layout.INFO_FILE} has model args unknown to this titanlite: {', '.join(unknown)}")
     try:
-        return spec, spec.args_cls(**args)
+        return spec, check_model_args(spec.args_cls(**args))
     except (TypeError, ValueError, ArithmeticError) as e:
         raise ValueError(f"{file}: invalid model args ({' '.join(str(e).split())})") from None
 
@@ -358,13 +366,20 @@ def model_args_from_seed(
     def same_shapes(a: Any, b: Any) -> bool:
         return state_shapes(spec, a) == state_shapes(spec, b)
 
-    kw = dict(run_args=spec.run_args, same_shapes=same_shapes, seed=str(seed))
+    def same_model(a: Any, b: Any) -> bool:  # the same config.json: the same model, however the args spell it
+        return spec.hf_adapter is not None and _hf_config_of(spec, a) == _hf_config_of(spec, b)
+
+    kw = dict(run_args=spec.run_args, same_shapes=same_shapes, seed=str(seed), same_model=same_model)
     new_args, adopted = adopt_seed_args(args, seed_args, explicit, **kw)
     for k, v in adopted.items():
         logger.info(
             "model.%s = %r from the seed checkpoint %s (the config's flavor has %r)", k, v, seed, getattr(args, k)
         )
     return new_args
+
+
+def _hf_config_of(spec, args: Any) -> dict[str, Any]:
+    return spec.hf_adapter(args).hf_config(dtype=torch.float32)
 
 
 def _recorded_args(seed: Path, what: str) -> tuple[Any, dict]:
@@ -402,7 +417,7 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
     if not file.is_file():
         raise ValueError(f"{hf_dir} is not a Hugging Face model folder (no config.json)")
     try:
-        config = json.loads(file.read_text(encoding="utf-8"))
+        config = loads_json(file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:  # JSONDecodeError, UnicodeDecodeError (random bytes)
         raise ValueError(f"{file} is unreadable: {' '.join(str(e).split())}") from None
     if not isinstance(config, dict):
@@ -445,7 +460,7 @@ def _model_for_hf(config: dict[str, Any], file: Path):
     except (TypeError, AttributeError) as e:
         raise ValueError(f"{file} has an unusable value ({type(e).__name__}: {' '.join(str(e).split())})") from None
     try:
-        return spec, spec.hf_adapter.args_from_hf_config(config)
+        return spec, check_model_args(spec.hf_adapter.args_from_hf_config(config))
     except ValueError as e:
         raise ValueError(f"{file}: {' '.join(str(e).split())}") from None
     except (TypeError, KeyError, AttributeError, ArithmeticError) as e:
@@ -572,7 +587,7 @@ def _tensor_files(folder: Path) -> dict[str, str]:
     index = folder / INDEX_FILE
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+            weight_map = loads_json(index.read_text(encoding="utf-8")).get("weight_map")
         except (OSError, ValueError, AttributeError) as e:
             raise ValueError(f"{index} is unreadable ({safe_load.one_line(e)})") from None
         if not isinstance(weight_map, dict):

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from titanlite.nesting import loads_json
+
 logger = logging.getLogger(__name__)
 
 METADATA_FILE = ".metadata"
@@ -131,7 +133,7 @@ def read_info(path: str | os.PathLike) -> dict[str, Any]:
     (format version 1: the message names :data:`SEAL_COMMAND`, which checks and upgrades it)."""
     file = Path(path) / INFO_FILE
     try:
-        info = json.loads(file.read_text(encoding="utf-8"))
+        info = loads_json(file.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ValueError(f"{path} has no {INFO_FILE}") from None
     except UnicodeDecodeError as e:

@@ -5,7 +5,9 @@ of ``step-N`` sub-folders and the objects to save by name. An ``nn.Module`` is s
 ``get_model_state_dict`` (sharded DTensors under FSDP/TP; a model-only save holds only this, cast to
 ``export_dtype``), an optimizer with ``get_optimizer_state_dict`` (keyed by parameter name), a
 ``StatefulDataLoader`` per data-parallel rank (``<name>.dp_rank_<r>``), any other ``Stateful`` once
-(the same on every rank: a user's own objects too), plus every rank's RNG states (``rng.rank_<r>``).
+(the same on every rank: a user's own objects too), plus every rank's RNG states (``rng.rank_<r>``) when the
+states hold an optimizer (a training state; ``rng=True/False`` decides otherwise): a manager of weights only
+never saves nor overwrites the process's global random state.
 Non-tensor states are stored as JSON in tensors (:mod:`~titanlite.checkpoint.codec`), whose sizes
 are read from the metadata at load, so a state dict whose shape changes between save and load (a data
 loader's) still loads, and loading never unpickles anything from the folder but DCP's ``.metadata``.
@@ -197,6 +199,7 @@ class CheckpointManager:
         info: dict[str, Any] | None = None,
         config_toml: str = "",
         final_step: int | None = None,
+        rng: bool | None = None,
     ):
         self.cfg, self.folder, self.dp_rank, self.final_step = section, Path(folder), dp_rank, final_step
         self.info, self.config_toml = dict(info or {}), config_toml
@@ -214,7 +217,8 @@ class CheckpointManager:
             k for k, v in states.items() if isinstance(v, StatefulDataLoader) or getattr(v, "per_rank_state", 0)
         ]
         self.per_rank = {k: (states[k], f"dp_rank_{dp_rank}") for k in per_rank}  # data positions
-        self.per_rank["rng"] = (RNGState(device), f"rank_{self.rank}")
+        if rng if rng is not None else bool(self.optimizers):  # a training state, not weights only
+            self.per_rank["rng"] = (RNGState(device), f"rank_{self.rank}")
         self.shared = {
             k: v
             for k, v in states.items()

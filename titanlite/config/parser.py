@@ -8,6 +8,7 @@ import collections
 import contextlib
 import copy
 import dataclasses
+import decimal
 import difflib
 import functools
 import json
@@ -26,6 +27,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from titanlite.config.sections import ConfigError, JobConfig
+from titanlite.nesting import loads_toml
 
 ModelSchema = Callable[[JobConfig], type]  # cfg -> the args dataclass of cfg.model.name, or ConfigError
 
@@ -98,16 +100,40 @@ def _convert(value: Any, tp: Any, cli: bool) -> Any:
     if cli and inner is bool:
         value = True if value is _BARE else _BOOLS.get(value.strip().lower(), value)
     if cli and inner in (int, float):
-        with contextlib.suppress(ValueError):  # 1_000 as an int, 1e6 as a float (an int field takes integral ones)
-            value = int(value) if value.strip().lstrip("+-").replace("_", "").isdigit() else float(value)
+        value = _number(value, inner)
     if inner in (Any, object) or (origin is dict or inner in (bool, str)) and isinstance(value, origin):
         return copy.deepcopy(value)
     if inner in (int, float) and isinstance(value, (int, float)) and not isinstance(value, bool):
-        if inner is float and not math.isnan(value):
-            return float(value)
-        if inner is int and (isinstance(value, int) or math.isfinite(value) and value.is_integer()):
+        if inner is float:
+            try:
+                number = float(value)
+            except OverflowError:  # an integer beyond any float
+                number = math.inf
+            if not math.isfinite(number):
+                raise ConfigError("expected a finite number (not inf or nan)")
+            return number
+        if isinstance(value, int):
+            return value
+        if math.isfinite(value) and value.is_integer():
+            if abs(value) > 2**53:  # a float this large is not the integer that was written (1e30 -> ...19884624838656)
+                raise ConfigError(f"expected an integer: {value:g} as a float is not exact, write its digits")
             return int(value)
     raise bad
+
+
+def _number(text: str, kind: type) -> Any:
+    """A command-line number: ``1_000`` and, for an int field, ``1e6`` or ``1e30`` as the exact integer;
+    the text itself when it is none (the caller says what was expected)."""
+    t = text.strip().replace("_", "")
+    if t.lstrip("+-").isdigit():
+        return int(t)
+    with contextlib.suppress(ValueError, ArithmeticError):
+        exact = decimal.Decimal(t)
+        if kind is int and exact.is_finite() and exact == exact.to_integral_value() and abs(exact) < 10**400:
+            return int(exact)
+    with contextlib.suppress(ValueError):
+        return float(t)
+    return text
 
 
 def _item_type(tp: Any) -> Any:
@@ -118,7 +144,7 @@ def _item_type(tp: Any) -> Any:
 def _toml_literal(value: str, what: str) -> Any:
     """A command-line value that is a TOML inline table or array (``{a = 1}``, ``[{a = 1}]``)."""
     try:
-        return tomllib.loads(f"v = {value}")["v"]
+        return loads_toml(f"v = {value}")["v"]
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"expected {what} written as a TOML literal ({e})") from None
 
@@ -267,7 +293,7 @@ def read_toml(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file {path} {'is not a file' if os.path.exists(path) else 'not found'}")
     try:
         with open(path, "rb") as fh:
-            return tomllib.loads(decode_utf8(fh.read(), path, bom=True))
+            return loads_toml(decode_utf8(fh.read(), path, bom=True))
     except (tomllib.TOMLDecodeError, OSError) as e:
         what = "malformed TOML in" if isinstance(e, tomllib.TOMLDecodeError) else "cannot read"
         raise ConfigError(f"{what} config file {path}: {e}") from None

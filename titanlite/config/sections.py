@@ -72,8 +72,8 @@ def check_mixture(key: str, mixture: list) -> None:
     for i, entry in enumerate(mixture):
         if entry.get("dataset") != "embedded" and not entry.get("path"):
             raise ConfigError(f"{key}[{i}] has no 'path' key (only dataset = 'embedded' needs none)")
-        if not entry["weight"] > 0:
-            raise ConfigError(f"{key}[{i}].weight = {entry['weight']} must be > 0")
+        if not 0 < entry["weight"] < float("inf"):  # NaN fails too
+            raise ConfigError(f"{key}[{i}].weight = {entry['weight']} must be > 0 and finite")
         if entry.get("dataset", "auto") not in ("auto", *DATASETS):
             raise ConfigError(f"{key}[{i}].dataset = {entry['dataset']!r} must be auto or one of {', '.join(DATASETS)}")
         names.append(mixture_source_name(entry))
@@ -154,7 +154,7 @@ class Training:
     steps: int = opt(50, "Optimizer steps to train (unless tokens is set).", min=1)
     tokens: int = opt(-1, "Token budget: train this many tokens instead of steps; -1 = use steps.", min=-1)
     max_norm: float = opt(1.0, "Gradient clipping max total norm; 0 disables clipping.", min=0.0)
-    seed: int = opt(0, "Seed for weight init and data order.", min=0)
+    seed: int = opt(0, "Seed for weight init and data order.", min=0, max=2**32 - 1)
     deterministic: bool = opt(False, "Use deterministic algorithms (slower on GPU).")
     mixed_precision_param: str = opt("float32", "Compute dtype (autocast / FSDP).", choices=["float32", "bfloat16"])
     mixed_precision_reduce: str = opt("float32", "Gradient-reduction dtype.", choices=["float32", "bfloat16"])
@@ -211,7 +211,7 @@ class Guard:
 @dataclass
 class Validation:
     enable: bool = opt(False, "Run validation during training.")
-    dataset: str = opt("embedded", "Validation data, same kinds as [training] dataset.")
+    dataset: str = opt("", "Validation data, kinds as [training]; empty = the training data's held-out split.")
     dataset_path: str = opt("", "Path for the validation dataset.", path=True)
     mixture: list[dict] = opt([], "Sources [{path, weight[, name, dataset]}]: a loss each, val_loss weighted (TOML).")
     freq: int = opt(50, "Validate every N steps (and at the last step).", min=1)
@@ -222,9 +222,15 @@ class Validation:
             raise ConfigError(f"invalid value {self.steps} for 'validation.steps': must be -1 (whole split) or >= 1")
         if self.mixture:
             check_mixture("validation.mixture", self.mixture)
-            if self.dataset != "embedded" or self.dataset_path:
+            if self.dataset not in ("", "embedded") or self.dataset_path:
                 raise ConfigError("set validation.mixture or validation.dataset/dataset_path, not both")
-        else:
+        elif not self.dataset and self.dataset_path:  # the path would be ignored, as with "embedded"
+            raise ConfigError(
+                f"validation.dataset_path = {self.dataset_path!r} is ignored by validation.dataset = '' (the training "
+                "data's held-out split): set validation.dataset = 'shards' or 'text' to use it, or leave "
+                "validation.dataset_path empty"
+            )
+        elif self.dataset:  # empty: the training data's held-out split
             _check_dataset("validation", self.dataset, self.dataset_path)
 
 
@@ -237,7 +243,7 @@ class Sampling:
     temperature: float = opt(0.0, "Sampling temperature; 0 = greedy.", min=0.0)
     top_k: int = opt(0, "Sample among the k likeliest tokens; 0 = all.", min=0)
     top_p: float = opt(1.0, "Sample among the likeliest tokens holding this probability; 1 = all.", gt=0.0, max=1.0)
-    seed: int = opt(0, "Seed of the sampler's own generator (the training RNG is never touched).", min=0)
+    seed: int = opt(0, "Seed of the sampler's own generator (the training RNG is never touched).", min=0, max=2**32 - 1)
     chat: bool = opt(False, "Prompt as a user turn of the Llama 3 chat template; the reply ends at <|eot_id|>.")
 
 

@@ -28,6 +28,7 @@ import torch
 
 from titanlite.config.parser import decode_utf8
 from titanlite.data.sources import list_files
+from titanlite.nesting import loads_json
 
 ROLES = ("system", "user", "assistant", "tool", "ipython")
 SPECIAL_TOKENS = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
@@ -93,7 +94,7 @@ def iter_conversations(path: str | os.PathLike) -> Iterator[tuple[str, list[dict
                     continue
                 where = f"{file}:{lineno}"
                 try:
-                    record = json.loads(line)
+                    record = loads_json(line)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{where}: not JSON ({e.msg})") from None
                 if not isinstance(record, dict) or "messages" not in record:

@@ -23,6 +23,7 @@ Items are the source's items plus ``"source"`` (its index) and ``"source_counts"
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -61,10 +62,14 @@ class MixtureWindows(IterableDataset):
             raise ValueError(f"on_exhausted must be 'wrap' or 'stop', got {on_exhausted!r}")
         self.sources, self.names = list(sources), list(names)
         self.weights = [float(w) for w in weights]
+        if bad := [(n, w) for n, w in zip(names, self.weights) if not 0 < w < math.inf]:
+            raise ValueError(f"mixture source {bad[0][0]!r} has weight {bad[0][1]}: weights must be finite and > 0")
         self.seed, self.dp_rank, self.dp_world, self.batch_size = seed, dp_rank, dp_world, batch_size
         self.on_exhausted = on_exhausted
-        total = sum(self.weights)
-        self.bounds = torch.tensor(self.weights, dtype=torch.float64).cumsum(0) / total
+        shares = self.weights
+        if not math.isfinite(sum(shares)):  # the sum of huge weights overflows: only their ratios count
+            shares = [w / max(shares) for w in shares]
+        self.bounds = torch.tensor(shares, dtype=torch.float64).cumsum(0) / sum(shares)
         self.pos, self.sample = 0, 0  # global windows taken by all ranks; this rank's samples
         self.epochs = [0] * len(sources)
         self.cursors = [0] * len(sources)

@@ -18,7 +18,6 @@ loop can build the same datasets.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from titanlite.data.loader import load_token_store
 from titanlite.data.mixture import MixtureWindows
 from titanlite.data.shards import MANIFEST, is_chat_folder
 from titanlite.data.windows import TokenWindows
+from titanlite.nesting import loads_json
 
 
 @dataclasses.dataclass
@@ -56,7 +56,7 @@ def source_kind(dataset: str, path: str) -> str:
         with open(p, encoding="utf-8", errors="replace") as f:
             first = next((line for line in f if line.strip()), "")
         try:
-            record = json.loads(first)
+            record = loads_json(first)
         except ValueError:
             return "text"  # the text reader names the bad line
         return "chat" if isinstance(record, dict) and "messages" in record else "text"
@@ -89,6 +89,28 @@ def _home(entry: dict) -> dict:
     return {"path": os.path.expanduser(entry["path"])} if isinstance(entry.get("path"), str) else {}
 
 
+def validation_entries(training: Any, validation: Any) -> tuple[list[dict], str, bool]:
+    """``[validation]``'s sources as mixture entries, a line saying what they read, and whether that line is a
+    warning. ``dataset`` left empty (the default) follows the training data: the built-in corpus' held-out part,
+    or a shard folder's ``val`` split (chat shards included). Training data without a held-out split (raw text or
+    chat files, a mixture) leaves the built-in corpus, with a warning: such a run would otherwise report a loss
+    on Python source as its validation loss, silently."""
+    if validation.mixture or validation.dataset:
+        entries = mixture_entries(validation)
+        what = ", ".join(" ".join(filter(None, (e.get("dataset", "auto"), e.get("path")))) for e in entries)
+        return entries, f"validation reads {what} (as [validation] sets)", False
+    if not training.mixture and training.dataset in ("embedded", "shards"):
+        entry = {"name": "data", "dataset": training.dataset, "path": training.dataset_path, "weight": 1.0}
+        where = "the built-in corpus" if training.dataset == "embedded" else f"shards {training.dataset_path}"
+        return [entry], f"validation reads the held-out split of the training data ({where})", False
+    what = "training.mixture" if training.mixture else f"training.dataset = {training.dataset!r}"
+    line = (
+        f"validation reads the built-in corpus (Python source): {what} has no held-out split to follow; set "
+        "[validation] dataset and dataset_path (or mixture) to validate on your own data"
+    )
+    return [{"name": "data", "dataset": "embedded", "path": "", "weight": 1.0}], line, True
+
+
 def source_windows(
     data: SourceData,
     seq_len: int,
@@ -109,6 +131,17 @@ def source_windows(
     return TokenWindows(data.tokens, seq_len, eos_id=eos_id, seed=seed, **kwargs)
 
 
+def _with_loss_labels(windows: TokenWindows, what: str) -> TokenWindows:
+    """``windows``, unless a loss mask leaves none of them a token to train on: a one-line error naming ``what``."""
+    if not windows.has_loss_labels():
+        raise ValueError(
+            f"{what} has no token to train on with training.loss_mask = 'assistant': no assistant token falls in a "
+            f"window of seq_len + 1 = {windows.seq_len + 1} tokens (conversations without an assistant turn, empty "
+            "assistant turns, or turns cut off by the truncation of long conversations)"
+        )
+    return windows
+
+
 def training_dataset(
     sources: list[SourceData],
     weights: list[float],
@@ -125,13 +158,17 @@ def training_dataset(
     mixture: bool,
 ) -> Any:
     """The training windows: one source's :class:`TokenWindows` (the same windows, order and state as
-    before mixtures existed), or a :class:`MixtureWindows` over several (each source with its own seed)."""
+    before mixtures existed), or a :class:`MixtureWindows` over several (each source with its own seed). A
+    source whose loss mask leaves no token to train on is refused (one line)."""
     kw = dict(dp_rank=dp_rank, dp_world=dp_world, batch_size=batch_size, loss_mask=loss_mask, eos_id=eos_id)
     kw["pad_id"] = pad_id
     if not mixture:
-        return source_windows(sources[0], seq_len, seed=seed, name="train", **kw)
+        return _with_loss_labels(source_windows(sources[0], seq_len, seed=seed, name="train", **kw), "training data")
     windows = [
-        source_windows(s, seq_len, seed=seed * 1_000 + i + 1, name=f"train/{s.name}", **kw)
+        _with_loss_labels(
+            source_windows(s, seq_len, seed=seed * 1_000 + i + 1, name=f"train/{s.name}", **kw),
+            f"training.mixture[{i}] (source '{s.name}')",
+        )
         for i, s in enumerate(sources)
     ]
     names = [s.name for s in sources]

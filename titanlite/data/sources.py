@@ -34,6 +34,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from titanlite.config.parser import decode_utf8
+from titanlite.nesting import loads_json
 
 PathLike = str | os.PathLike
 
@@ -111,7 +112,7 @@ def _jsonl_docs(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
             if not line.strip():
                 continue
             try:
-                obj = json.loads(decode_utf8(line, path, lineno))
+                obj = loads_json(decode_utf8(line, path, lineno))
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
             text = _record_text(obj, f"{path}:{lineno}", text_field)
@@ -129,7 +130,7 @@ def _json_docs(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
         yield from _jsonl_docs(path, text_field)
         return
     try:
-        records = json.loads(decode_utf8(data, path))
+        records = loads_json(decode_utf8(data, path))
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: invalid JSON ({e.msg} at line {e.lineno} column {e.colno} of the array)") from None
     size = path.stat().st_size

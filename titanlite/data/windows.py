@@ -144,6 +144,21 @@ class TokenWindows(IterableDataset):
             )
         self.epoch, self.pos, self.sample = 0, 0, 0  # the cursor; `sample` counts this rank's samples
 
+    def has_loss_labels(self, chunk: int = 1 << 22) -> bool:
+        """Whether any window has a label that carries loss (always, without a ``mask``). The mask is first read
+        in large chunks (a mask of zeros only is the usual reason for False); then the windows are read until one
+        has a target inside its masked span (a trained token may also fall outside every window: truncated)."""
+        if self.mask is None:
+            return True
+        if not any(bool(self.mask[a : a + chunk].any()) for a in range(0, len(self.mask), chunk)):
+            return False
+        size = self.seq_len + 1
+        for w in range(self.num_windows):
+            start, n = (w * size, size) if self.packed is None else (int(self.packed[0][w]), int(self.packed[1][w]))
+            if bool(self.mask[start + 1 : start + n].any()):
+                return True
+        return False
+
     def _order(self, epoch: int) -> torch.Tensor:
         if not self.shuffle:
             return torch.arange(self.num_windows)

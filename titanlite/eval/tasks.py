@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from titanlite.config import did_you_mean
+from titanlite.nesting import loads_json
 
 # Keys of the results dict next to the task names (see titanlite.eval.scoring.evaluate and the CLI).
 RESERVED_NAMES = ("step", "checkpoint")
@@ -141,7 +142,7 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = loads_json(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: not a JSON object ({e.msg})") from None
             if not isinstance(row, dict):

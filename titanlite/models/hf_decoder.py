@@ -45,6 +45,18 @@ DECODER_BLOCK = {
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
 _REQUIRED_INTS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+# upper bounds of config.json sizes, far above any published model's: a larger value is damage or a typo, and
+# converting it would loop over (num_hidden_layers: 1e12 hung the converter) or allocate (a rotary table) it
+HF_SIZE_LIMITS = {
+    "hidden_size": 1 << 20,
+    "intermediate_size": 1 << 22,
+    "num_hidden_layers": 1 << 12,
+    "num_attention_heads": 1 << 14,
+    "num_key_value_heads": 1 << 14,
+    "head_dim": 1 << 14,
+    "vocab_size": 1 << 24,
+    "max_position_embeddings": 1 << 24,
+}
 
 
 class HFDecoderAdapter:
@@ -169,8 +181,12 @@ class HFDecoderAdapter:
                 f"architectures={archs}); expected {cls.architecture}"
             )
         for key in _REQUIRED_INTS:
-            if not isinstance(config.get(key), int):
+            if not isinstance(config.get(key), int) or isinstance(config[key], bool):
                 raise ValueError(f"{cls.family} config.json lacks an integer {key!r}")
+        for key, limit in HF_SIZE_LIMITS.items():
+            value = config.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit):
+                raise ValueError(f"config.json {key} = {value!r} must be an integer in [1, {limit:,}]")
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {config['hidden_act']!r} (titanlite's {cls.family} uses silu)")
         if config.get("attention_bias"):

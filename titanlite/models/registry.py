@@ -8,6 +8,9 @@ in without touching core.
 from __future__ import annotations
 
 import dataclasses
+import math
+import types
+import typing
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,6 +27,7 @@ from titanlite.planner import palm_flops_per_token
 # Args that say how a run computes, not what trained weights mean: the rotary table's length, the
 # attention kernel and mask, the initialization. A seed checkpoint's values of these are not taken.
 RUN_ARGS: tuple[str, ...] = ("max_seq_len", "attn_backend", "attn_mask_type", "depth_init")
+MAX_ARG_INT = 2**31 - 1  # no size of a model comes near it: a larger integer arg is damage or a typo (1e11)
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,42 @@ def matching_flavor(spec: ModelSpec, args: Any) -> str | None:
     return next((name for name, flavor in spec.flavors.items() if model_fields(flavor) == want), None)
 
 
+_KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def check_arg_types(args_cls: type, values: Mapping[str, Any]) -> None:
+    """ValueError unless each of ``values`` (field -> value, e.g. ``--model-arg`` ones) has the type its field of
+    ``args_cls`` is annotated with (int, float, bool, str, or ``X | None``; other annotations are not checked)."""
+    hints = typing.get_type_hints(args_cls)
+    for key, v in values.items():
+        tp, optional = hints.get(key), False
+        if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp):
+            rest = [a for a in typing.get_args(tp) if a is not type(None)]
+            tp, optional = (rest[0] if len(rest) == 1 else None), True
+        if tp not in _KINDS or v is None and optional:
+            continue
+        ok = isinstance(v, bool) if tp is bool else isinstance(v, tp if tp is not float else (int, float))
+        if not ok or tp is not bool and isinstance(v, bool):
+            raise ValueError(f"model arg {key} = {v!r} must be {_KINDS[tp]}{' or null' * optional}")
+
+
+def check_model_args(args: Any) -> Any:
+    """``args`` (any family's args dataclass) after the checks every family needs whatever its own
+    ``validate()`` does: each field of its annotated type (int, float, bool, str), each float finite (a NaN passes
+    ``x <= 0`` tests: ``rope_theta = NaN`` generated token 0 forever) and each integer within ``MAX_ARG_INT``.
+    ValueError naming the field otherwise."""
+    check_arg_types(type(args), {f.name: getattr(args, f.name) for f in dataclasses.fields(args)})
+    for f in dataclasses.fields(args):
+        v = getattr(args, f.name)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"{type(args).__name__}.{f.name} = {v} must be a finite number")
+        if isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_ARG_INT:
+            raise ValueError(
+                f"{type(args).__name__}.{f.name} = {v:,} is beyond any model's size (at most {MAX_ARG_INT:,})"
+            )
+    return args
+
+
 def make_model_args(name: str, flavor: str, **overrides: Any) -> Any:
     """The flavor's args with ``overrides`` applied (each must be a field of the args class)."""
     spec = get_model_spec(name)
@@ -104,7 +144,7 @@ def make_model_args(name: str, flavor: str, **overrides: Any) -> Any:
     unknown = sorted(set(overrides) - fields)
     if unknown:
         raise KeyError(f"unknown model args for {name!r}: {', '.join(unknown)}")
-    return dataclasses.replace(spec.flavors[flavor], **overrides)
+    return check_model_args(dataclasses.replace(spec.flavors[flavor], **overrides))
 
 
 def model_args_for(section: Any, vocab_size: int) -> Any:
@@ -152,6 +192,7 @@ def adopt_seed_args(
     run_args: Collection[str],
     same_shapes: Callable[[Any, Any], bool],
     seed: str,
+    same_model: Callable[[Any, Any], bool] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """The model args to train a seed checkpoint (``[checkpoint] initial_load_path``) with, and
     ``{field: value}`` of those taken from it.
@@ -160,30 +201,58 @@ def adopt_seed_args(
     what the same weights compute, silently (a Llama 3.1 seed under a config without RoPE scaling
     trains with the wrong positions). So every field ``seed_args`` (its ``checkpoint.json``) records
     is taken, except ``run_args`` (how this run computes) and fields the config sets ``explicit``-ly
-    (``[model]`` keys, ``--model.*`` options: a value that differs from the seed's is an error, not a
-    silent choice). Fields that change tensor shapes are not taken either: when taking them all would
-    change ``same_shapes(args, new_args)``, ``args`` are returned unchanged and the checkpoint's
+    (``[model]`` keys, ``--model.*`` options). An explicit value that differs from the seed's is an error, not a
+    silent choice, unless ``same_model(config's, seed's)`` says the two args describe the same model (for an HF
+    seed: the same ``config.json``, e.g. ``multiple_of`` and ``ffn_dim_multiplier`` that give the seed's
+    ``intermediate_size``, which the seed records as a ``multiple_of`` of its own); the error's advice for a
+    field that sets a tensor shape is the seed's values of every such field, never to drop it (the flavor's
+    value then stays, with its shapes). Fields that change tensor shapes are not taken either: when taking them
+    all would change ``same_shapes(args, new_args)``, ``args`` are returned unchanged and the checkpoint's
     shape check names the tensor that differs. ``seed`` names the checkpoint in messages.
     """
     fields = {f.name for f in dataclasses.fields(args)}
     if unknown := sorted(set(seed_args) - fields):
         raise ValueError(f"{seed} has model args unknown to this titanlite: {', '.join(unknown)}")
     differ = {k: v for k, v in seed_args.items() if k not in run_args and getattr(args, k) != v}
-    for k, v in differ.items():
-        if k in explicit:
-            raise ValueError(
-                f"model.{k}={getattr(args, k)!r} is set in the config but the checkpoint {seed} has "
-                f"{k}={v!r}: drop model.{k} to train with the checkpoint's value"
-            )
+    if conflicts := [k for k in differ if k in explicit]:
+        try:
+            seed_full = check_model_args(dataclasses.replace(args, **differ))
+            kept = dataclasses.replace(seed_full, **{k: getattr(args, k) for k in conflicts})
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{seed} has invalid model args ({' '.join(str(e).split())})") from None
+        if same_model is None or not same_model(kept, seed_full):
+            _conflict_error(args, differ, conflicts[0], seed_full, same_shapes, seed)
+        differ = {k: v for k, v in differ.items() if k not in explicit}  # the config's values mean the same
     if not differ:
         return args, {}
     try:
-        adopted = dataclasses.replace(args, **differ)
+        adopted = check_model_args(dataclasses.replace(args, **differ))
     except (TypeError, ValueError) as e:
         raise ValueError(f"{seed} has invalid model args ({' '.join(str(e).split())})") from None
     if not same_shapes(args, adopted):
         return args, {}
     return adopted, differ
+
+
+def _conflict_error(args: Any, differ: dict, key: str, seed_full: Any, same_shapes: Callable, seed: str) -> None:
+    """The one-line error for the config's ``model.<key>``, which differs from the seed's: "drop it" when it sets no
+    tensor shape (the seed's value is then taken), else the seed's values of every differing field that does."""
+    what = (
+        f"model.{key}={getattr(args, key)!r} is set in the config but the checkpoint {seed} has {key}={differ[key]!r}"
+    )
+
+    def sets_shape(k: str) -> bool:
+        return not same_shapes(seed_full, dataclasses.replace(seed_full, **{k: getattr(args, k)}))
+
+    shape_keys = [k for k in differ if sets_shape(k)]
+    if key not in shape_keys:
+        raise ValueError(f"{what}: drop model.{key} to train with the checkpoint's value")
+    values = ", ".join(f"model.{k}={_toml(differ[k])}" for k in shape_keys)
+    raise ValueError(f"{what}, which gives other tensor shapes: set {values} (the checkpoint's)")
+
+
+def _toml(v: Any) -> str:
+    return "none" if v is None else repr(v)
 
 
 def build_model(name: str, flavor: str, device: str | torch.device = "meta", **overrides: Any) -> nn.Module:

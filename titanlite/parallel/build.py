@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections import defaultdict
 from typing import Any
 
 import torch
@@ -34,35 +33,9 @@ from titanlite.parallel.parallel_dims import ParallelDims
 from titanlite.parallel.pipeline import ModelParts, PipelinePlan
 from titanlite.parallel.policies import Policies
 from titanlite.parallel.state_dict import load_full_state_dict
-from titanlite.parallel.weight_init import reference_state_dict, resolve_weight_init
+from titanlite.parallel.weight_init import reference_state_dict, resolve_weight_init, retie, tied_parameters
 
 logger = logging.getLogger(__name__)
-
-
-def tied_parameters(model: nn.Module) -> list[list[str]]:
-    """Groups of parameter names that share one tensor (e.g. ``["tok_embeddings.weight", "output.weight"]``)."""
-    names: dict[int, list[str]] = defaultdict(list)
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names[id(p)].append(name)
-    return [group for group in names.values() if len(group) > 1]
-
-
-def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
-    parent, _, leaf = name.rpartition(".")
-    return (model.get_submodule(parent) if parent else model), leaf
-
-
-def retie(model: nn.Module, groups: list[list[str]]) -> int:
-    """Make each group share its first name's parameter again; returns how many were re-tied."""
-    n = 0
-    for first, *rest in groups:
-        shared = model.get_parameter(first)
-        for name in rest:
-            if model.get_parameter(name) is not shared:
-                module, leaf = _owner(model, name)
-                setattr(module, leaf, shared)
-                n += 1
-    return n
 
 
 def check_parallelizable(spec: Any, dims: ParallelDims) -> None:

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import logging
+from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -43,11 +44,43 @@ def resolve_weight_init(mode: str, sharded: bool, device_type: str) -> str:
     return mode
 
 
+def tied_parameters(model: nn.Module) -> list[list[str]]:
+    """Groups of parameter names that share one tensor (e.g. ``["tok_embeddings.weight", "output.weight"]``)."""
+    names: dict[int, list[str]] = defaultdict(list)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names[id(p)].append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    parent, _, leaf = name.rpartition(".")
+    return (model.get_submodule(parent) if parent else model), leaf
+
+
+def retie(model: nn.Module, groups: list[list[str]]) -> int:
+    """Make each group share its first name's parameter again; returns how many were re-tied."""
+    n = 0
+    for first, *rest in groups:
+        shared = model.get_parameter(first)
+        for name in rest:
+            if model.get_parameter(name) is not shared:
+                module, leaf = _owner(model, name)
+                setattr(module, leaf, shared)
+                n += 1
+    return n
+
+
 def reference_state_dict(model_cls: Callable[[Any], nn.Module], model_args: Any) -> dict[str, torch.Tensor]:
-    """State dict of a full CPU model initialized as a single process would (meta -> CPU -> init)."""
+    """State dict of a full CPU model initialized as a single process would (meta -> CPU -> re-tie -> init).
+
+    Re-tied like the model itself (``to_empty`` unties shared parameters): otherwise a family whose
+    ``init_weights`` writes only one name of a tied pair (the embedding) would leave the other (the output)
+    as uninitialized memory, which loading the state dict then writes over the initialized tensor."""
     with torch.device("meta"):
         model = model_cls(model_args)
+    tied = tied_parameters(model)
     model.to_empty(device="cpu")
+    retie(model, tied)
     with torch.no_grad():
         model.init_weights()
     return model.state_dict()

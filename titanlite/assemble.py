@@ -1,0 +1,109 @@
+"""A job config's model, policies, loss, optimizer, LR schedule and train step in one call, for a loop of your own.
+
+:func:`build_training` builds what :class:`titanlite.train.Trainer` builds from the same config, through the same
+functions (the trainer's ``build_model``, ``build_loss`` and ``build_train_step`` call :func:`build_config_model`,
+:func:`config_loss` and :func:`config_train_step`): the family's model with the config's policies (``[training]``
+mixed precision, ``[activation_checkpoint]``, ``[compile]``, ``[quantize.linear.float8]``, FSDP/TP from the
+parallel dims), the ``[training] loss`` by name, the ``[optimizer]`` and ``[lr_scheduler]`` by name, and the
+accumulation, clipping and autocast of the :class:`~titanlite.train_step.TrainStep`. With the same seed set first
+(``torch.manual_seed(cfg.training.seed)``) a loop over its ``train_step`` gives the trainer's losses bit for bit.
+
+What it leaves to the caller, as the trainer's other pieces: the data (sources, mixtures, loss masks, seq_len
+stages), the run's length beyond ``training.steps`` (token budgets), pipeline parallelism, a seed checkpoint's
+model args, validation, checkpoints and the loop's hooks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+import titanlite.loss  # noqa: F401  (registers the built-in loss)
+import titanlite.optim  # noqa: F401  (registers the built-in optimizers and LR schedules)
+from titanlite import components
+from titanlite.dtypes import DTYPES
+from titanlite.models import get_model_spec
+from titanlite.models.registry import model_args_for
+from titanlite.parallel.build import build_parallel_model
+from titanlite.parallel.compile import CompilePolicy
+from titanlite.parallel.pipeline import Pipeline
+from titanlite.parallel.policies import Policies
+from titanlite.train_step import TrainStep, grad_accum_steps
+
+
+def config_policies(cfg: Any) -> Policies:
+    """The parallelize policies of a job config's sections."""
+    c = cfg
+    return Policies.from_config(c.parallelism, c.training, c.activation_checkpoint, c.compile, c.quantize_linear_float8)
+
+
+def build_config_model(
+    cfg: Any, spec: Any, model_args: Any, parallel_dims: Any, device: torch.device, pipeline: Any = None
+) -> nn.Module:
+    """``spec``'s model of ``model_args`` with the config's policies and ``[parallelism] weight_init``."""
+    kw = dict(device=device, weight_init=cfg.parallelism.weight_init, pipeline=pipeline)
+    return build_parallel_model(spec, model_args, parallel_dims, config_policies(cfg), **kw)
+
+
+def config_loss(cfg: Any, parallel_dims: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The ``[training] loss`` (a token sum), compiled with ``[compile] components = ["loss"]``."""
+    loss = components.get("loss", cfg.training.loss)
+    return CompilePolicy.from_config(cfg.compile).compile_loss(loss, parallel_dims.tp_enabled)
+
+
+def config_train_step(
+    cfg: Any,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: Any,
+    parallel_dims: Any,
+    *,
+    grad_accum_steps: int,
+    loss_fn: Callable,
+    count_unmasked: bool = False,
+    pipeline_plan: Any = None,
+    device: torch.device | None = None,
+) -> TrainStep:
+    """The :class:`TrainStep` of the config's ``[training]`` (clipping, compute dtype); with ``pipeline_plan`` the
+    stages' schedule runs it (``device``: the pipeline's)."""
+    t = cfg.training
+    kw = dict(grad_accum_steps=grad_accum_steps, max_norm=t.max_norm, parallel_dims=parallel_dims)
+    dtype = DTYPES[t.mixed_precision_param]
+    if pipeline_plan is not None:
+        group = parallel_dims.pp_group
+        kw["pipeline"] = Pipeline(model, pipeline_plan, group, device, loss_fn, autocast_dtype=dtype)
+    return TrainStep(
+        model, optimizer, lr_scheduler, loss_fn=loss_fn, autocast_dtype=dtype, count_unmasked=count_unmasked, **kw
+    )
+
+
+@dataclasses.dataclass
+class TrainingParts:
+    """What :func:`build_training` returns."""
+
+    model_args: Any
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any
+    train_step: TrainStep
+
+
+def build_training(cfg: Any, parallel_dims: Any, device: torch.device, vocab_size: int) -> TrainingParts:
+    """The model (``[model]`` with the tokenizer's ``vocab_size``), optimizer, LR schedule (over
+    ``training.steps``) and train step of a job config, as the trainer builds them (see the module docstring).
+    Collective when distributed: every rank calls it."""
+    spec = get_model_spec(cfg.model.name)
+    args = model_args_for(cfg.model, vocab_size)
+    model = build_config_model(cfg, spec, args, parallel_dims, torch.device(device))
+    optimizer = components.get("optimizer", cfg.optimizer.name)(model, cfg.optimizer)
+    scheduler = components.get("lr_scheduler", cfg.lr_scheduler.name)(optimizer, cfg.lr_scheduler, cfg.training.steps)
+    t = cfg.training
+    accum = grad_accum_steps(t.global_batch_size, t.local_batch_size, parallel_dims.dp_degree)
+    step = config_train_step(
+        cfg, model, optimizer, scheduler, parallel_dims, grad_accum_steps=accum, loss_fn=config_loss(cfg, parallel_dims)
+    )
+    return TrainingParts(args, model, optimizer, scheduler, step)
