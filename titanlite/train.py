@@ -293,6 +293,7 @@ class Trainer:
         t = self.cfg.training
         kw = dict(grad_accum_steps=self.grad_accum_steps, max_norm=t.max_norm, parallel_dims=self.parallel_dims)
         kw["count_unmasked"] = any(data.chat for data, _ in self.train_sources)  # masks or packing padding
+        kw["stop_requested"] = lambda: self.preemption.requested  # agreed in the step's reduction (the guard reads it)
         dtype, loss = DTYPES[t.mixed_precision_param], self.build_loss()
         if self.pipeline_plan is not None:  # the stages and the schedule that runs them
             group = self.parallel_dims.pp_group
