@@ -99,12 +99,14 @@ class WorldLayout:
         return all(c == 0 for name, c in self.coords.items() if name not in distinct)
 
     def owns(self, grad: torch.Tensor) -> bool:
-        """Whether this rank's local piece of ``grad`` counts: a DTensor differs along the world dimensions
-        its sharded mesh dimensions span, a plain tensor along none (it is a replica on every rank of its stage)."""
+        """Whether this rank's local piece of ``grad`` counts: a DTensor differs along the world dimensions its
+        sharded mesh dimensions span, a plain tensor along none (it is a replica on every rank of its stage).
+        ``grad`` holds no partial sums (:func:`grad_square_sum` reduces those first)."""
         if not isinstance(grad, DTensor):
             return self.counts(())
         spans = self._mesh_spans(grad.device_mesh)
-        return self.counts(set().union(*(s for s, p in zip(spans, grad.placements) if p.is_shard())))
+        # any placement but Replicate spreads it (Shard, and FSDP x TP's _StridedShard, whose is_shard() is False)
+        return self.counts(set().union(*(s for s, p in zip(spans, grad.placements) if not p.is_replicate())))
 
     def _mesh_spans(self, sub: DeviceMesh) -> list[frozenset[str]]:
         """For each dimension of ``sub`` (a mesh over some of the world's ranks, maybe flattened dims), the
