@@ -54,6 +54,7 @@ from titanlite.parallel.distributed import (
     world_from_env,
 )
 from titanlite.parallel.float8 import float8_disabled, float8_modules
+from titanlite.parallel.float8_fsdp import register_float8_scale_precompute
 from titanlite.parallel.fsdp import quiet_view_warning
 from titanlite.parallel.parallel_dims import ParallelDims
 from titanlite.parallel.pipeline import Pipeline, PipelinePlan
@@ -166,7 +167,9 @@ class Trainer:
         return build_parallel_model(self.spec, self.model_args, self.parallel_dims, policies, **kw)
 
     def build_optimizer(self) -> torch.optim.Optimizer:
-        return components.get("optimizer", self.cfg.optimizer.name)(self.model, self.cfg.optimizer)
+        optimizer = components.get("optimizer", self.cfg.optimizer.name)(self.model, self.cfg.optimizer)
+        register_float8_scale_precompute(optimizer, self.model)  # float8 all-gather: all scales in one all-reduce
+        return optimizer
 
     def build_lr_scheduler(self) -> Any:
         build = components.get("lr_scheduler", self.cfg.lr_scheduler.name)

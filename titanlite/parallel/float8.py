@@ -58,13 +58,14 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import nn
 
 logger = logging.getLogger(__name__)
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
-_AMAX_EPS = 1e-12  # an all-zero tensor gets a finite scale (and stays zero)
+AMAX_EPS = 1e-12  # an all-zero tensor gets a finite scale (and stays zero)
 
 
 def to_float8(t: torch.Tensor, dtype: torch.dtype, dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,7 +75,7 @@ def to_float8(t: torch.Tensor, dtype: torch.dtype, dim: int | None = None) -> tu
     fp8_max = torch.finfo(dtype).max
     magnitude = t.detach().abs()
     amax = (magnitude.max() if dim is None else magnitude.amax(dim=dim, keepdim=True)).float()
-    scale = fp8_max / amax.clamp(min=_AMAX_EPS)
+    scale = fp8_max / amax.clamp(min=AMAX_EPS)
     t8 = (t.float() * scale).clamp(-fp8_max, fp8_max).to(dtype)
     return t8, scale.reciprocal()
 
@@ -89,7 +90,10 @@ class _Float8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         x8, x_inv = to_float8(x, E4M3)
-        w8, w_inv = to_float8(weight, E4M3)
+        if isinstance(weight, Float8GatheredWeight):  # cast before FSDP's all-gather (float8_fsdp)
+            w8, w_inv = weight._data, weight._inverse
+        else:
+            w8, w_inv = to_float8(weight, E4M3)
         ctx.save_for_backward(x8, x_inv, w8, w_inv)
         ctx.dtypes = (x.dtype, weight.dtype)
         # weight is [N, K] row-major, so w8.t() is the column-major [K, N] _scaled_mm wants
@@ -147,6 +151,61 @@ class _Float8MatmulRowwise(torch.autograd.Function):
 
 
 RECIPES = {"tensorwise": _Float8Matmul, "rowwise": _Float8MatmulRowwise}
+
+
+def wrapper_like(cls, t: torch.Tensor, dtype: torch.dtype, requires_grad: bool = False) -> torch.Tensor:
+    """A tensor-subclass instance with ``t``'s size, strides and device, presenting ``dtype``."""
+    return torch.Tensor._make_wrapper_subclass(
+        cls,
+        t.size(),
+        strides=t.stride(),
+        storage_offset=t.storage_offset(),
+        dtype=dtype,
+        layout=t.layout,
+        device=t.device,
+        requires_grad=requires_grad,
+    )
+
+
+_GATHERED_KEEPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.view.default}
+_GATHERED_KEEPS.add(torch.ops.aten.as_strided.default)
+
+
+class Float8GatheredWeight(torch.Tensor):
+    """A Float8Linear weight already in float8, as FSDP's float8 all-gather delivers it
+    (:mod:`titanlite.parallel.float8_fsdp`): ``_data`` (float8, tensorwise) and ``_inverse`` (its fp32 inverse
+    scale), presenting the high-precision ``dtype`` and shape. The tensorwise matmul takes data and scale as they
+    are; any other op sees the weight dequantized."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, inverse: torch.Tensor, dtype: torch.dtype):
+        return wrapper_like(cls, data, dtype)
+
+    def __init__(self, data: torch.Tensor, inverse: torch.Tensor, dtype: torch.dtype):
+        self._data, self._inverse = data, inverse
+
+    def __repr__(self) -> str:
+        return f"Float8GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, float8={self._data.dtype})"
+
+    def dequantize(self) -> torch.Tensor:
+        return (self._data.float() * self._inverse).to(self.dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        first = args[0] if args else None
+        if func in _GATHERED_KEEPS and isinstance(first, cls):
+            data = func(first._data, *args[1:], **kwargs)
+            return cls(data, first._inverse, first.dtype)
+        args, kwargs = pytree.tree_map_only(cls, lambda t: t.dequantize(), (args, kwargs))
+        return func(*args, **kwargs)
+
+    def __tensor_flatten__(self):
+        return ["_data", "_inverse"], self.dtype
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, dtype, outer_size, outer_stride):
+        return Float8GatheredWeight(inner["_data"], inner["_inverse"], dtype)
 
 
 class Float8Linear(nn.Linear):
@@ -265,6 +324,12 @@ class Float8Policy:
         then swap the eligible linears (every shard a multiple of 16 under TP)."""
         if not self.enable:
             return None
+        if tp_degree > 1 and self.enable_fsdp_float8_all_gather:
+            raise ValueError(
+                f"quantize.linear.float8.enable_fsdp_float8_all_gather is not supported with tensor_parallel_degree="
+                f"{tp_degree}: the gathered weight would be a tensor-parallel DTensor, whose _scaled_mm takes plain "
+                "float8 operands; disable one of them"
+            )
         if tp_degree > 1 and not dtensor_supports_scaled_mm():
             raise ValueError(
                 f"quantize.linear.float8 with tensor_parallel_degree={tp_degree} needs DTensor "
