@@ -197,6 +197,18 @@ def test_float8_with_tp_is_refused_without_dtensor_support(monkeypatch):
         par.parallelize_llama(model, ParallelDims(tp=2, world_size=2), policies)
 
 
+def test_rowwise_float8_with_tp_is_refused():
+    from titanlite.models import build_model
+    from titanlite.models.llama3 import parallelize as par
+    from titanlite.parallel import float8
+    from titanlite.parallel.parallel_dims import ParallelDims
+    from titanlite.parallel.policies import Policies
+
+    policies = Policies(float8=float8.Float8Policy(enable=True, recipe_name="rowwise"))
+    with pytest.raises(ValueError, match="recipe_name = 'rowwise' is not supported with tensor_parallel_degree=2"):
+        par.parallelize_llama(build_model("llama3", "debugmodel"), ParallelDims(tp=2, world_size=2), policies)
+
+
 def test_this_torch_supports_float8_with_tp():
     from titanlite.parallel.float8 import dtensor_supports_scaled_mm
 

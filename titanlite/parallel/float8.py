@@ -9,8 +9,8 @@ precision. torchao implements this with tensor subclasses, delayed scaling, floa
 many recipes; we need one recipe, so this module is one ``autograd.Function`` (~40 lines) and a
 module swap, with no dependency beyond PyTorch.
 
-The recipe ("dynamic tensorwise" scaling)
------------------------------------------
+The recipe ("dynamic tensorwise" scaling, the default)
+------------------------------------------------------
 For each matmul operand ``t`` (a whole tensor, hence *tensorwise*) we compute, every step
 (*dynamic*), ``scale = fp8_max / amax(|t|)``, cast ``t * scale`` to float8 (clamped, rounded to
 nearest) and pass ``1 / scale`` to ``_scaled_mm``, which multiplies it back into the fp32
@@ -28,6 +28,9 @@ error per element is at most 2^-4 for e4m3 and 2^-3 for e5m2 (half a unit in the
 plus a tiny absolute error for values that fall into the subnormal range: that is the error the
 tests check against.
 
+Rowwise scaling (``recipe_name = "rowwise"``, :class:`_Float8MatmulRowwise`) gives each row or column
+of an operand its own scale, along the dimension its matmul contracts, all in e4m3 (see there).
+
 ``_scaled_mm`` wants its first operand row-major and its second column-major, which is why some
 operands are transposed with ``.t().contiguous().t()``; on CUDA both inner dimensions must be
 multiples of 16, so linears whose in/out features are not (after tensor-parallel sharding) are
@@ -38,7 +41,9 @@ refuses it otherwise.
 Composition
 -----------
 - FSDP2: parameters are all-gathered in their (bf16/fp32) param dtype and cast to float8 inside the
-  matmul, so FSDP needs to know nothing about float8.
+  matmul, so FSDP needs to know nothing about float8; or, with ``enable_fsdp_float8_all_gather``, each
+  shard is cast before the all-gather and the matmul receives a :class:`Float8GatheredWeight`
+  (:mod:`titanlite.parallel.float8_fsdp`).
 - Tensor parallel: ``x``, ``W`` and ``dy`` are DTensors; ``amax`` then reduces over the shards, so
   the scales are the global ones, as in one process, and ``_scaled_mm`` runs on the shards. This
   needs DTensor to have a sharding rule for ``_scaled_mm``: :func:`dtensor_supports_scaled_mm`
@@ -167,8 +172,8 @@ def wrapper_like(cls, t: torch.Tensor, dtype: torch.dtype, requires_grad: bool =
     )
 
 
-_GATHERED_KEEPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.view.default}
-_GATHERED_KEEPS.add(torch.ops.aten.as_strided.default)
+_aten = torch.ops.aten
+_GATHERED_KEEPS = {_aten.detach.default, _aten.alias.default, _aten.view.default, _aten.as_strided.default}
 
 
 class Float8GatheredWeight(torch.Tensor):
@@ -329,6 +334,12 @@ class Float8Policy:
                 f"quantize.linear.float8.enable_fsdp_float8_all_gather is not supported with tensor_parallel_degree="
                 f"{tp_degree}: the gathered weight would be a tensor-parallel DTensor, whose _scaled_mm takes plain "
                 "float8 operands; disable one of them"
+            )
+        if tp_degree > 1 and self.recipe_name != "tensorwise":
+            raise ValueError(
+                f"quantize.linear.float8.recipe_name = {self.recipe_name!r} is not supported with "
+                f"tensor_parallel_degree={tp_degree}: per-row scales of sharded operands make DTensor move float8 "
+                "tensors between ranks, which titanlite does not test (gloo cannot); use 'tensorwise' with TP"
             )
         if tp_degree > 1 and not dtensor_supports_scaled_mm():
             raise ValueError(
