@@ -6,11 +6,12 @@ Configured by ``[guard]`` (see ``titanlite/config/sections.py``):
   ``spike_factor = k > 0``, when its loss is above ``k`` times the mean of the last
   ``spike_window`` accepted losses (checked once ``spike_min_history`` losses are known; only
   accepted losses enter the mean, so a spike does not raise the bar for the next one).
-- **Agreement.** The loss is already summed over the data-parallel ranks and the gradient norm is
-  global, so every rank computes the same verdict; the flags are still all-reduced (MAX) over the
-  default process group, so that no rank can take a different branch (a rank that disagreed would
-  hang the next collective). The preemption request (:mod:`titanlite.preemption`) rides in the same
-  small tensor.
+- **Agreement.** Every rank must take the same branch (a rank that disagreed would hang the next
+  collective). In the stock loop the loss, the gradient norm and the preemption request come out of the
+  training step's one all-reduce (:meth:`titanlite.train_step.TrainStep.reduce_step`), so every rank holds
+  the same values, a NaN on any rank included, and takes the same verdict from them with no collective of
+  its own. Values that were not agreed that way (a foreign loop) have their flags all-reduced (MAX) over
+  the default process group first.
 - **Policies** (small classes below): ``raise`` stops with the step, loss and grad norm
   (:class:`TrainingDivergedError`); ``skip_step`` drops the update (no optimizer or LR-scheduler
   step; the batch is consumed and the step counter advances; with gradient accumulation the whole
@@ -19,13 +20,10 @@ Configured by ``[guard]`` (see ``titanlite/config/sections.py``):
   ``rollback_lr_factor`` for ``rollback_lr_steps`` steps. Too many consecutive skips or rollbacks
   stop the run. Every event is logged and counted (``guard_*`` keys in every metrics record).
 
-Cost: in the stock loop the training step has already reduced the loss, the gradient norm and the stop
-request in its one all-reduce (:meth:`titanlite.train_step.TrainStep.reduce_step`), so every rank holds
-the same values: the guard fetches them in the step's one device->host transfer and judges them on the
-host, with no collective of its own (``agreed=True``). Given values that were not agreed, it computes the
-verdict on the device and all-reduces the flags (MAX) first. That sync sits before ``optimizer.step()``
-(the decision must precede the update), so the optimizer kernels are launched once the backward has
-drained instead of being queued behind it. On CPU the check takes ~0.1 ms per step.
+Cost: the agreed values are fetched in the step's one device->host transfer and judged on the host
+(``agreed=True``); values that were not agreed are judged on the device and their flags all-reduced first.
+That sync sits before ``optimizer.step()`` (the decision must precede the update), so the optimizer
+kernels are launched once the backward has drained instead of being queued behind it. On CPU the check takes ~0.1 ms per step.
 """
 
 from __future__ import annotations
