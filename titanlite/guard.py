@@ -23,7 +23,8 @@ Configured by ``[guard]`` (see ``titanlite/config/sections.py``):
 Cost: the agreed values are fetched in the step's one device->host transfer and judged on the host
 (``agreed=True``); values that were not agreed are judged on the device and their flags all-reduced first.
 That sync sits before ``optimizer.step()`` (the decision must precede the update), so the optimizer
-kernels are launched once the backward has drained instead of being queued behind it. On CPU the check takes ~0.1 ms per step.
+kernels are launched once the backward has drained instead of being queued behind it. On CPU the check
+takes ~0.1 ms per step.
 """
 
 from __future__ import annotations

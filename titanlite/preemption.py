@@ -121,8 +121,9 @@ class PreemptionHandler:
 
 class PreemptionHook(Hook):
     """Stop after a step on which a stop was requested (``result.stop_requested``, agreed across ranks by the
-    step's reduction, read by the guard): a full checkpoint of that step unless one was just saved, then ``state.stop``. Whether a
-    resumable checkpoint of that step exists afterwards goes to ``handler.unsaved_stop`` (the exit status)."""
+    step's reduction, read by the guard): a full checkpoint of that step unless one was just saved, then
+    ``state.stop``. Whether a resumable checkpoint of that step exists afterwards goes to
+    ``handler.unsaved_stop`` (the exit status)."""
 
     def __init__(self, handler: PreemptionHandler, checkpointer=None):
         self.handler, self.checkpointer = handler, checkpointer
