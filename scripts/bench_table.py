@@ -6,7 +6,8 @@
 Columns: tokens/s (per device), MFU against the dense bf16 peak (float8 runs too, as usually quoted), peak memory,
 the step split forward+backward / optimizer / other, the optimizer step against its memory-bandwidth floor
 (``bench.py --bandwidth``), and tokens/s against the ``transformers`` row of the same shape, batch and compile
-mode when the file has one. A row that failed or timed out is a line ``{"row": ..., "error": ...}``.
+mode when the file has one. A row that failed or timed out is a line ``{"row": ..., "error": ...}``. Rows of
+``scripts/bench_optimizer.py`` (the optimizer step alone) get a table of their own after it.
 """
 
 from __future__ import annotations
@@ -53,11 +54,28 @@ def row_line(r: dict, baselines: list[dict]) -> str:
     )
 
 
+OPTIMIZER_HEADER = (
+    "| optimizer step alone | parameters | floor | clip, then step (5c7a1f4) | merged norm, clip in the kernel "
+    "| step, no clip |\n|---|---:|---:|---:|---:|---:|"
+)
+
+
+def optimizer_line(r: dict) -> str:
+    """A ``scripts/bench_optimizer.py`` row: each way's milliseconds and its ratio to the floor."""
+    cells = [
+        f"{1e3 * r[f'{k}_s']:.1f} ms ({r[f'{k}_floor_ratio']:.2f}x)" for k in ("clip_then_step", "merged", "step_only")
+    ]
+    return f"| {r['row']} | {r['params'] / 1e9:.2f} B | {1e3 * r['floor_s']:.1f} ms | {' | '.join(cells)} |"
+
+
 def table(records: list[dict]) -> str:
     baselines = [r for r in records if r.get("row", "").startswith("transformers") and "error" not in r]
     devices = sorted({r["device"] for r in records if "device" in r})
+    steps = [r for r in records if "merged_s" in r]
     lines = [f"Device: {', '.join(devices) or 'unknown'}", "", HEADER]
-    lines += [row_line(r, baselines) for r in records]
+    lines += [row_line(r, baselines) for r in records if r not in steps]
+    if steps:
+        lines += ["", OPTIMIZER_HEADER, *map(optimizer_line, steps)]
     return "\n".join(lines)
 
 

@@ -6,8 +6,9 @@
 # Rows, most telling first, each its own process under `timeout` (the smaller of its cap and the time left of
 # TRAIN_BUDGET_S, default 480 s; a row that does not fit is recorded as skipped): titanlite's scripts/bench.py
 # at seq_len 2048 in bf16 (1B batch 4 compiled, the transformers loop compiled, 1B batch 8 compiled, 8B layer
-# shapes with 4 layers bf16 and float8, 1B batch 4 eager, transformers eager, 1B float8, a profiled 8B-shape
-# float8 step, 1B float8 rowwise). Every result is appended to $OUT as soon as it exists, so a timeout keeps the
+# shapes with 4 layers bf16 and float8, the optimizer step alone at both shapes (scripts/bench_optimizer.py: the
+# clip as it was, as it is, and no clip, against the bandwidth floor), 1B batch 4 eager, transformers eager, 1B
+# float8, a profiled 8B-shape float8 step, 1B float8 rowwise). Every result is appended to $OUT as soon as it exists, so a timeout keeps the
 # rows before it. Files under $OUT (5 of the 8 allowed):
 #   train.jsonl               one JSON line per row (bench.py's or bench_hf_baseline.py's, plus "row")
 #   train_table.md            the table (scripts/bench_table.py, docs/benchmarks.md's format)
@@ -111,6 +112,9 @@ hf "transformers 1B, batch 4, compiled" 240 --batch 4 --compile
 bench "1B, batch 8, compiled" 150 "${B1[@]}" --training.local_batch_size 8 --compile.enable true
 bench "8B shapes (4 layers), batch 4, compiled" 150 "${B8[@]}"
 bench "8B shapes (4 layers), batch 4, compiled, float8" 150 "${B8[@]}" "${F8[@]}"
+row "optimizer step alone, 1B" 60 scripts/bench_optimizer.py --flavor "$FLAVOR_1B" --vocab-size "$VOCAB"
+row "optimizer step alone, 8B shapes (4 layers)" 60 scripts/bench_optimizer.py --flavor "$FLAVOR_8B" --n-layers 4 \
+  --vocab-size "$VOCAB"
 bench "1B, batch 4, eager" 90 "${B1[@]}" --training.local_batch_size 4 --compile.enable false
 hf "transformers 1B, batch 4, eager" 90 --batch 4
 bench "1B, batch 4, compiled, float8" 150 "${B1[@]}" --training.local_batch_size 4 --compile.enable true "${F8[@]}"

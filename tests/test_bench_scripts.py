@@ -75,6 +75,18 @@ def test_bench_table_rows_ratios_and_failures(tmp_path):
             **base,
         },
         {"row": "1B, batch 4, eager", "error": "timed out"},
+        {
+            "row": "optimizer step alone, 1B",
+            "params": 1.24e9,
+            "floor_s": 0.0115,
+            "clip_then_step_s": 0.0215,
+            "merged_s": 0.0138,
+            "step_only_s": 0.0125,
+            "clip_then_step_floor_ratio": 1.87,
+            "merged_floor_ratio": 1.2,
+            "step_only_floor_ratio": 1.087,
+            "device": "NVIDIA H100 80GB HBM3",
+        },
     ]
     path = tmp_path / "r.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -85,6 +97,11 @@ def test_bench_table_rows_ratios_and_failures(tmp_path):
     assert "| 1B, batch 4, compiled, float8 | 66,000 | 60.0% | 25.0 GiB | - / - / - | - | 1.38x |" in lines
     assert "| transformers 1B, batch 4, compiled | 48,000 | 40.0% | 34.6 GiB | - / - / - | - | - |" in lines
     assert "| 1B, batch 4, eager | timed out | | | | | |" in lines
+    assert (
+        lines[-1]
+        == "| optimizer step alone, 1B | 1.24 B | 11.5 ms | 21.5 ms (1.87x) | 13.8 ms (1.20x) | 12.5 ms (1.09x) |"
+    )
+    assert not any(line.startswith("| optimizer step alone") for line in lines[:-3])  # a table of its own
 
 
 @pytest.mark.parametrize("name", ["trace_summary", "bench_table"])
