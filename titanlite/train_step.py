@@ -162,6 +162,8 @@ class TrainStep:
         mesh = getattr(self.parallel_dims, "mesh", None)
         if mesh is None and dist.is_initialized() and dist.get_world_size() > 1:
             return None
+        if mesh is not None and not set(LOSS_DIMS) <= set(mesh.mesh_dim_names or ()):
+            return None  # not ParallelDims' named mesh: which ranks hold the same loss is unknown
         return WorldLayout(mesh)
 
     @property
@@ -193,8 +195,9 @@ class TrainStep:
     def __call__(
         self, batches: Iterator[dict], before_update: Callable[[StepResult], None] | None = None, step=None
     ) -> StepResult:
-        """Accumulate ``grad_accum_steps`` micro-batches from ``batches``, clip, call ``before_update``
-        (which may skip the update), then step the optimizer and the LR schedule."""
+        """Accumulate ``grad_accum_steps`` micro-batches from ``batches``, reduce the step's loss, gradient
+        norm and stop request (:meth:`reduce_step`), call ``before_update`` (which may skip the update), then
+        clip and step the optimizer (:meth:`update`) and the LR schedule."""
         t0 = time.perf_counter()
         micro = [next(batches) for _ in range(self.grad_accum_steps)]
         data_s = time.perf_counter() - t0
