@@ -65,7 +65,7 @@ def optimizer_line(r: dict) -> str:
     cells = [
         f"{1e3 * r[f'{k}_s']:.1f} ms ({r[f'{k}_floor_ratio']:.2f}x)" for k in ("clip_then_step", "merged", "step_only")
     ]
-    return f"| {r['row']} | {r['params'] / 1e9:.2f} B | {1e3 * r['floor_s']:.1f} ms | {' | '.join(cells)} |"
+    return f"| {r['row']} | {r['params'] / 1e6:,.0f} M | {1e3 * r['floor_s']:.1f} ms | {' | '.join(cells)} |"
 
 
 def table(records: list[dict]) -> str:

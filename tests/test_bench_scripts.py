@@ -99,7 +99,7 @@ def test_bench_table_rows_ratios_and_failures(tmp_path):
     assert "| 1B, batch 4, eager | timed out | | | | | |" in lines
     assert (
         lines[-1]
-        == "| optimizer step alone, 1B | 1.24 B | 11.5 ms | 21.5 ms (1.87x) | 13.8 ms (1.20x) | 12.5 ms (1.09x) |"
+        == "| optimizer step alone, 1B | 1,240 M | 11.5 ms | 21.5 ms (1.87x) | 13.8 ms (1.20x) | 12.5 ms (1.09x) |"
     )
     assert not any(line.startswith("| optimizer step alone") for line in lines[:-3])  # a table of its own
 
