@@ -27,6 +27,13 @@ Reported (rank 0 prints; values are rank 0's, the data-parallel ranks do identic
   device->host sync). Each region ends with a device synchronize on CUDA so that time lands where
   it is spent, which also stops the CPU from queueing the next region early: throughput with the
   split off (``--no-split``) can be slightly higher.
+- ``optimizer`` (``--bandwidth``, default on): the optimizer step against its memory-bandwidth floor
+  (:mod:`titanlite.optim.bandwidth`): ``update_bytes`` per step (params read + written, grads read, Adam's
+  moments read + written: 28 bytes per fp32 parameter, this device's shards), the device's measured
+  ``copy_bandwidth_gb_s`` (a large ``copy_`` after the timed steps), ``floor_s`` = bytes / bandwidth,
+  ``optimizer_s`` (the split's optimizer region: norm, clip and update), ``floor_ratio`` and ``share`` of the
+  step; ``update_ratio_cost``: seconds per log step of ``[metrics] log_update_ratio`` (its parameter copy and
+  norms; measured on log steps only, in the split as ``update_ratio``);
 - ``pipeline`` (with ``pipeline_parallel_degree > 1``; gathered from every rank): per stage, the
   measured bubble next to the planner's prediction (``PipelinePlan.bubble_fraction()``):
   ``bubble_measured`` is the fraction of the timed steps' wall time in which the stage's pp rank
@@ -70,6 +77,7 @@ import torch.distributed as dist  # noqa: E402
 from titanlite.config import exit_with_error, parse_args_or_exit  # noqa: E402
 from titanlite.metrics import MetricsHook, memory_stats, peak_flops  # noqa: E402
 from titanlite.models import get_model_spec, model_schema  # noqa: E402
+from titanlite.optim.bandwidth import measure_copy_bandwidth, optimizer_floor  # noqa: E402
 from titanlite.parallel.distributed import main_then_exit, world_from_env  # noqa: E402
 from titanlite.parallel.parallel_dims import ParallelDims  # noqa: E402
 from titanlite.parallel.pipeline import PipelinePlan  # noqa: E402
@@ -140,13 +148,13 @@ class TimedTrainStep(TrainStep):
         with self.timer.region("forward_backward"):
             return super().forward_backward(batch, tokens)
 
-    def clip_grad_norm(self):
-        with self.timer.region("optimizer"):
-            return super().clip_grad_norm()
+    def reduce_step(self, loss_sum):
+        with self.timer.region("optimizer"):  # the gradient norm (with the loss and the stop flag: one collective)
+            return super().reduce_step(loss_sum)
 
-    def update(self, lr_scale=1.0):
+    def update(self, lr_scale=1.0, grad_norm=None):
         with self.timer.region("optimizer"):
-            return super().update(lr_scale)
+            return super().update(lr_scale, grad_norm)
 
 
 def busy_seconds(intervals: list[tuple[float, float]], start: float, end: float) -> float:
@@ -262,6 +270,7 @@ class BenchTrainer(Trainer):
     def __init__(self, cfg, timer_args):
         self.timer_args = timer_args
         self.stage_activity: StageActivity | None = None
+        self.update_ratio_calls = 0  # timed steps that measured the update ratio (log steps)
         super().__init__(cfg)
         save = self.checkpointer.save
 
@@ -270,6 +279,19 @@ class BenchTrainer(Trainer):
                 return save(step, **kw)
 
         self.checkpointer.save = timed_save
+        if (ratio := self.metrics_hook.update_ratio) is not None:  # [metrics] log_update_ratio, on log steps only
+            for name in ("before_step", "after_step"):
+                setattr(ratio, name, self.timed_update_ratio(getattr(ratio, name), count=name == "after_step"))
+
+    def timed_update_ratio(self, fn, count: bool):
+        timer = self.train_step.timer
+
+        def timed_fn(*args, **kwargs):
+            self.update_ratio_calls += count and timer.timing
+            with timer.region("update_ratio"):
+                return fn(*args, **kwargs)
+
+        return timed_fn
 
     def build_train_step(self) -> TimedTrainStep:
         step = super().build_train_step()
@@ -290,6 +312,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--json-out", default="", help="also write the JSON result to this file")
     parser.add_argument("--no-split", action="store_true", help="no per-region syncs / time split")
+    parser.add_argument(
+        "--bandwidth",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure the copy bandwidth and report the optimizer step against its floor (default on)",
+    )
     parser.add_argument(
         "--checkpoint-modes",
         default="",
@@ -409,6 +437,13 @@ def summarize(trainer: BenchTrainer, cfg, args, elapsed: float) -> dict:
         split["other"] = max(0.0, elapsed / steps - sum(split.values()))
         result["time_split_s"] = split
         result["time_split_frac"] = {k: v / (elapsed / steps) for k, v in split.items()}
+        if trainer.update_ratio_calls:  # its cost on the log steps that measure it
+            per_call = trainer.train_step.timer.totals["update_ratio"] / trainer.update_ratio_calls
+            result["update_ratio_cost"] = {"log_steps": trainer.update_ratio_calls, "s_per_log_step": per_call}
+    if args.bandwidth:  # the optimizer against its memory-bandwidth floor (measured copy rate of this device)
+        optimizer_s = result.get("time_split_s", {}).get("optimizer")
+        bandwidth = measure_copy_bandwidth(device)
+        result["optimizer"] = optimizer_floor(trainer.optimizer, optimizer_s, bandwidth, elapsed / steps)
     losses = trainer.train_step.losses
     result["loss_first"], result["loss_last"] = (losses[0], losses[-1]) if losses else (None, None)
     if trainer.pipeline_plan is not None:

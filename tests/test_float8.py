@@ -25,15 +25,19 @@ U = {E4M3: 2.0**-4, E5M2: 2.0**-3}
 HALF_SUBNORMAL = {E4M3: 2.0**-10, E5M2: 2.0**-17}
 
 
-def rounding_error(t: torch.Tensor, dtype) -> torch.Tensor:
-    """Element-wise bound of |dequant(quant(t)) - t| (module docstring)."""
-    scale = torch.finfo(dtype).max / t.abs().max()
+def rounding_error(t: torch.Tensor, dtype, dim: int | None = None) -> torch.Tensor:
+    """Element-wise bound of |dequant(quant(t)) - t| (module docstring); the scale is the whole tensor's
+    (``dim`` None) or each row's / column's (amax along ``dim``)."""
+    amax = t.abs().max() if dim is None else t.abs().amax(dim=dim, keepdim=True)
+    scale = torch.finfo(dtype).max / amax
     return U[dtype] * t.abs() + HALF_SUBNORMAL[dtype] / scale
 
 
-def matmul_bound(a, b, a_dtype, b_dtype) -> torch.Tensor:
-    """Bound of |Q(a) @ Q(b) - a @ b| for ``a [M, K]``, ``b [K, N]``."""
-    da, db = rounding_error(a, a_dtype), rounding_error(b, b_dtype)
+def matmul_bound(a, b, a_dtype, b_dtype, rowwise: bool = False) -> torch.Tensor:
+    """Bound of |Q(a) @ Q(b) - a @ b| for ``a [M, K]``, ``b [K, N]``; rowwise: a scale per row of ``a`` and per
+    column of ``b`` (amax along the contracted K)."""
+    da = rounding_error(a, a_dtype, 1 if rowwise else None)
+    db = rounding_error(b, b_dtype, 0 if rowwise else None)
     return a.abs() @ db + da @ b.abs() + da @ db
 
 
@@ -52,12 +56,16 @@ def check_within_bound(name, got, want, bound, magnitude):
     return ratio
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 @pytest.mark.parametrize("shape", [(64, 128, 96), (256, 64, 32)])
-def test_forward_and_backward_within_float8_rounding_bound(shape):
+def test_forward_and_backward_within_float8_rounding_bound(shape, recipe):
+    """Each of the three matmuls against the fp32 one, within the float8 rounding bound of its recipe: tensorwise
+    casts gradients to e5m2 with one scale per tensor, rowwise everything to e4m3 with one scale per row or
+    column along the contracted dimension."""
     m, k, n = shape
     torch.manual_seed(0)
     lin = nn.Linear(k, n, bias=False)
-    f8 = Float8Linear.from_linear(lin)
+    f8 = Float8Linear.from_linear(lin, recipe)
     assert f8.weight is lin.weight
     w = lin.weight.detach()
     x = torch.randn(m, k)
@@ -71,9 +79,26 @@ def test_forward_and_backward_within_float8_rounding_bound(shape):
         return y.detach(), xi.grad, lin.weight.grad.clone()
 
     (y8, gx8, gw8), (y, gx, gw) = run(f8), run(lin)
-    check_within_bound("forward", y8, y, matmul_bound(x, w.t(), E4M3, E4M3), x.abs() @ w.abs().t())
-    check_within_bound("grad_input", gx8, gx, matmul_bound(g, w, E5M2, E4M3), g.abs() @ w.abs())
-    check_within_bound("grad_weight", gw8, gw, matmul_bound(g.t(), x, E5M2, E4M3), g.t().abs() @ x.abs())
+    rowwise, g_dtype = recipe == "rowwise", E4M3 if recipe == "rowwise" else E5M2
+    check_within_bound("forward", y8, y, matmul_bound(x, w.t(), E4M3, E4M3, rowwise), x.abs() @ w.abs().t())
+    check_within_bound("grad_input", gx8, gx, matmul_bound(g, w, g_dtype, E4M3, rowwise), g.abs() @ w.abs())
+    bound = matmul_bound(g.t(), x, g_dtype, E4M3, rowwise)
+    check_within_bound("grad_weight", gw8, gw, bound, g.t().abs() @ x.abs())
+
+
+def test_rowwise_scales_keep_an_outlier_row_to_itself():
+    """One token 10^4 times larger than the rest: with one scale per tensor the other tokens fall among
+    e4m3's subnormals and lose most of their precision; with one scale per row they keep e4m3's 2^-4."""
+    torch.manual_seed(3)
+    lin = nn.Linear(64, 32, bias=False)
+    x = torch.randn(32, 64)
+    x[0] *= 1e5
+    want = lin(x).detach()
+    errors = {}
+    for recipe in ("tensorwise", "rowwise"):
+        got = Float8Linear.from_linear(lin, recipe)(x).detach()
+        errors[recipe] = ((got[1:] - want[1:]).norm() / want[1:].norm()).item()
+    assert errors["rowwise"] < 0.05 and errors["tensorwise"] > 0.3, errors
 
 
 def test_forward_equals_dequantized_matmul():
@@ -172,6 +197,18 @@ def test_float8_with_tp_is_refused_without_dtensor_support(monkeypatch):
         par.parallelize_llama(model, ParallelDims(tp=2, world_size=2), policies)
 
 
+def test_rowwise_float8_with_tp_is_refused():
+    from titanlite.models import build_model
+    from titanlite.models.llama3 import parallelize as par
+    from titanlite.parallel import float8
+    from titanlite.parallel.parallel_dims import ParallelDims
+    from titanlite.parallel.policies import Policies
+
+    policies = Policies(float8=float8.Float8Policy(enable=True, recipe_name="rowwise"))
+    with pytest.raises(ValueError, match="recipe_name = 'rowwise' is not supported with tensor_parallel_degree=2"):
+        par.parallelize_llama(build_model("llama3", "debugmodel"), ParallelDims(tp=2, world_size=2), policies)
+
+
 def test_this_torch_supports_float8_with_tp():
     from titanlite.parallel.float8 import dtensor_supports_scaled_mm
 
@@ -246,3 +283,61 @@ def test_compiled_float8_blocks_match_eager(one_thread):
     g_eager = torch.cat([p.grad.flatten() for p in eager.parameters()])
     g_compiled = torch.cat([p.grad.flatten() for p in compiled.parameters()])
     assert ((g_compiled - g_eager).norm() / g_eager.norm()).item() < 1e-4
+
+
+def test_rowwise_float8_model_meets_cuda_scaled_mm_rules_on_meta():
+    """Rowwise on the meta device, which checks ``_scaled_mm``'s rowwise rules as CUDA does (scales of shape
+    [M, 1] and [1, N], operands divisible by 16): forward and both backward matmuls of the debug model."""
+    from titanlite.loss import cross_entropy_sum
+    from titanlite.models import build_model
+
+    model = build_model("llama3", "debugmodel", device="meta").to(torch.bfloat16)
+    assert len(convert_to_float8(model, recipe="rowwise").converted) == 7 * model.args.n_layers
+    assert "float8=rowwise(e4m3 fwd, e4m3 grad)" in repr(model.layers["0"].attention.wq)
+    tokens = torch.randint(0, 512, (2, 64), device="meta")
+    cross_entropy_sum(model(tokens), tokens).backward()
+    assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_per_block_compile_captures_the_float8_casts(recipe, one_thread):
+    """Per-block compile (fullgraph, no graph break) holds the float8 linears whole: the forward graph that
+    AOTAutograd hands the compiler has the block's 7 ``_scaled_mm`` and the casts of activations and weights to
+    float8 (so inductor fuses each amax-scale-cast), the backward graph the 14 gradient matmuls and their casts."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.utils import counters
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    from titanlite.models import build_model
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = build_model("llama3", "debugmodel", device="cpu", n_layers=1)
+    model.init_weights()
+    convert_to_float8(model, recipe=recipe)
+    graphs = {}
+
+    def keep(name):
+        def compiler(gm, example_inputs):
+            graphs[name] = gm
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    block = model.layers["0"]
+    backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
+    block.forward = torch.compile(block.forward, backend=backend, fullgraph=True)
+    model(torch.randint(0, 512, (2, 64))).float().sum().backward()
+
+    def count(name, what):
+        nodes = [n for n in graphs[name].graph.nodes if n.op == "call_function"]
+        if what == "matmul":
+            return sum(n.target == torch.ops.aten._scaled_mm.default for n in nodes)
+        casts = [n for n in nodes if n.target == torch.ops.aten._to_copy.default]
+        return sum(str(getattr(n.meta.get("val"), "dtype", "")).startswith("torch.float8") for n in casts)
+
+    assert not counters["graph_break"]
+    assert (count("forward", "matmul"), count("backward", "matmul")) == (7, 14)
+    assert count("forward", "cast") == 14  # x and W of each linear
+    assert count("backward", "cast") == (7 if recipe == "tensorwise" else 28)  # dy; rowwise also W, x again
+    torch._dynamo.reset()

@@ -81,21 +81,26 @@ def test_spike_detection_on_a_synthetic_series():
     assert not SpikeDetector(factor=0.0).enabled and SpikeDetector(factor=0.0).threshold() is None
 
 
-def test_step_guard_flags_nonfinite_and_spikes():
+@pytest.mark.parametrize("agreed", [False, True])
+def test_step_guard_flags_nonfinite_and_spikes(agreed):
+    """Both ways to the verdict: flags on the device (all-reduced when distributed), or, for values the
+    training step already agreed over the ranks (``agreed``), on the host after the one transfer."""
     g = StepGuard(Guard(policy="skip_step", spike_factor=3.0, spike_window=4, spike_min_history=2), torch.device("cpu"))
     t = torch.tensor
-    assert g.check(1, t(4.0), t(1.0)).action == "update"
-    assert g.check(2, t(4.0), t(1.0)).action == "update"
-    c = g.check(3, t(13.0), t(1.0))  # 13 > 3 x 4
+    no = t(0.0) if agreed else False
+    assert g.check(1, t(4.0), t(1.0), no, agreed=agreed).action == "update"
+    assert g.check(2, t(4.0), t(1.0), no, agreed=agreed).action == "update"
+    c = g.check(3, t(13.0), t(1.0), no, agreed=agreed)  # 13 > 3 x 4
     assert (c.action, c.event.kind, c.event.threshold) == ("skip", "spike", 12.0)
-    c = g.check(4, t(4.0), t(float("inf")))  # finite loss, infinite grad norm
+    c = g.check(4, t(4.0), t(float("inf")), no, agreed=agreed)  # finite loss, infinite grad norm
     assert (c.action, c.event.kind) == ("skip", "nonfinite")
-    assert g.check(5, t(3.9), t(1.0), stop_requested=True).stop_requested
+    assert g.check(5, t(3.9), t(1.0), t(1.0) if agreed else True, agreed=agreed).stop_requested
+    assert not g.check(6, t(3.9), t(1.0), no, agreed=agreed).stop_requested
     assert g.counters() == {"guard_nonfinite": 1, "guard_spikes": 1, "guard_skipped_steps": 2, "guard_rollbacks": 0}
     g.policy.max_consecutive = 1
-    g.check(6, t(float("nan")), t(1.0))
+    g.check(7, t(float("nan")), t(1.0), no, agreed=agreed)
     with pytest.raises(TrainingDivergedError, match="2 consecutive steps skipped"):
-        g.check(7, t(float("nan")), t(1.0))
+        g.check(8, t(float("nan")), t(1.0), no, agreed=agreed)
 
 
 def _free_port() -> int:
@@ -159,10 +164,14 @@ def test_raise_policy_stops_with_step_loss_and_grad_norm(tmp_path):
         assert torch.isfinite(p).all()
 
 
-def test_skip_step_leaves_parameters_unchanged(tmp_path):
-    """With 2 accumulated micro-batches per step, the whole step 2 is dropped: no optimizer or LR step."""
+@pytest.mark.parametrize("implementation", ["foreach", "fused"])
+def test_skip_step_leaves_parameters_unchanged(tmp_path, implementation):
+    """With 2 accumulated micro-batches per step, the whole step 2 is dropped: no optimizer or LR step (also
+    with the fused AdamW, which takes the clipping factor as grad_scale)."""
     t = trainer(
         tmp_path,
+        "--optimizer.implementation",
+        implementation,
         "--training.steps",
         "4",
         "--training.global_batch_size",
@@ -188,8 +197,9 @@ def test_skip_step_leaves_parameters_unchanged(tmp_path):
     assert losses[3]["lr"] == losses[2]["lr"]  # the LR schedule did not advance on the skipped step
 
 
-def test_rollback_resumes_from_checkpoint_and_continues(tmp_path):
-    common = ["--training.steps", "6", "--checkpoint.interval", "2"]
+@pytest.mark.parametrize("implementation", ["foreach", "fused"])
+def test_rollback_resumes_from_checkpoint_and_continues(tmp_path, implementation):
+    common = ["--training.steps", "6", "--checkpoint.interval", "2", "--optimizer.implementation", implementation]
     ref = trainer(tmp_path / "ref", *common)
     ref_records = ref.train()
     t = trainer(

@@ -48,10 +48,19 @@ def test_bench_prints_json_with_throughput_mfu_memory_and_split(tmp_path):
     assert result["tokens_per_s_per_device"] > 0 and 0 < result["mfu"] < 1
     assert result["peak_source"] == "measured matmul rate of this CPU" and result["peak_tflops"] > 0
     assert result["peak_memory_gib"] > 0
-    split = result["time_split_s"]
-    assert set(split) == {"data", "forward_backward", "optimizer", "checkpoint", "other"}
+    split = result["time_split_s"]  # the last step logs, so it measures the update ratio
+    assert set(split) == {"data", "forward_backward", "optimizer", "checkpoint", "update_ratio", "other"}
     assert abs(sum(split.values()) - result["step_time_s"]) < 1e-6 * max(1.0, result["step_time_s"]) + 1e-9
     assert split["forward_backward"] > split["data"]
+    cost = result["update_ratio_cost"]
+    assert cost["log_steps"] == 1 and cost["s_per_log_step"] == pytest.approx(2 * split["update_ratio"])
+    opt = result["optimizer"]  # the tiny model in fp32 with AdamW: 28 bytes per parameter
+    assert opt["update_bytes"] == 28 * result["params"] and opt["copy_bandwidth_gb_s"] > 0
+    assert opt["floor_s"] == pytest.approx(opt["update_bytes"] / opt["copy_bandwidth_gb_s"] / 1e9)
+    assert opt["optimizer_s"] == split["optimizer"] and opt["floor_ratio"] == pytest.approx(
+        split["optimizer"] / opt["floor_s"]
+    )
+    assert (opt["implementation"], opt["clip"]) == ("foreach", "one multi-tensor multiply")
 
 
 def test_bench_bad_parallelism_is_one_line_error(tmp_path):

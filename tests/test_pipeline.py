@@ -399,6 +399,21 @@ MORE = {
 TOLERANCE = {"bf16": 2e-3}  # bf16 matmuls over microbatches of 1 vs a batch of 8: other rounding (measured 4.3e-4)
 
 
+def diverge_at_step(trainer, step: int) -> None:
+    """This rank's forward and backward of optimizer step ``step`` go NaN (the local loss and one gradient), before
+    the step's reduction, as a diverging stage would."""
+    inner = trainer.train_step.forward_backward
+
+    def forward_backward(batch, tokens):
+        loss = inner(batch, tokens)
+        if trainer.state.step + 1 != step:
+            return loss
+        next(p for p in trainer.model.parameters() if p.grad is not None).grad.mul_(float("nan"))
+        return loss * float("nan")
+
+    trainer.train_step.forward_backward = forward_backward
+
+
 def records_worker(args: dict) -> dict:
     import tempfile
 
@@ -409,9 +424,11 @@ def records_worker(args: dict) -> dict:
     for name, extra in args["configs"].items():
         with tempfile.TemporaryDirectory() as dump:
             cfg = pp_config(dump, 1, extra)
-            if name == "guard" and os.environ["RANK"] != "1":  # the NaN on the last stage only: the verdict is shared
+            if name == "guard":  # a NaN arises on the last stage only (its loss and gradients): the verdict is shared
                 cfg.guard.debug_inject_nan_at_step = -1
             trainer = RecordingTrainer(cfg)
+            if name == "guard" and os.environ["RANK"] == "1":
+                diverge_at_step(trainer, 3)
             if args["seeds"].get(name) is not None:
                 from titanlite.parallel.state_dict import load_full_state_dict
 
@@ -424,9 +441,9 @@ def records_worker(args: dict) -> dict:
 
 @pytest.mark.multiprocess
 def test_qwen3_the_guard_and_bf16_under_pipeline_parallelism(tmp_path):
-    """Qwen3 (qk-norm) trains under PP 2 with one process's losses; a NaN injected at step 3 under
-    ``skip_step`` is skipped by every stage (the verdict is agreed), as one process skips it; bf16 autocast
-    follows one process's bf16 run."""
+    """Qwen3 (qk-norm) trains under PP 2 with one process's losses; a NaN arising on the last stage at step 3
+    (its loss and gradients) under ``skip_step`` is skipped by every stage (the step's reduction carries it to
+    all), as one process skips an injected NaN; bf16 autocast follows one process's bf16 run."""
     import torchtitan_ext.qwen3  # noqa: F401
 
     cache_token_stores()
@@ -440,7 +457,7 @@ def test_qwen3_the_guard_and_bf16_under_pipeline_parallelism(tmp_path):
     args = {"configs": {name: extra for name, (_, extra) in MORE.items()}, "seeds": seeds}
     results = run_workers(records_worker, 2, args, timeout=240)
     for name, ref in refs.items():
-        if name == "guard":  # the last stage saw a NaN the first did not: both skipped step 3, then trained alike
+        if name == "guard":  # the NaN arose on the last stage only: both skipped step 3, then trained alike
             ranks = [
                 [{k: v for k, v in r.items() if k not in ("loss", "grad_norm") or r["step"] != 3} for r in res[name]]
                 for res in results

@@ -132,8 +132,8 @@ def test_stop_request_without_checkpointing_returns_cleanly(tmp_path, caplog):
             handler = self.preemption
 
             class Signal(Hook):
-                def before_update(self, state, result):
-                    if result.step == 2:  # the request arrives during step 2
+                def on_step_end(self, state, result):
+                    if result.step == 1:  # the request arrives before step 2's reduction, which agrees on it
                         handler.request(signal.SIGINT)
 
             return [Signal()] + super().build_hooks()
@@ -216,8 +216,8 @@ def test_failed_checkpoint_on_stop_exits_128_plus_signal(tmp_path, caplog):
             ckpt.save = save
 
             class Signal(Hook):
-                def before_update(self, state, result):
-                    if result.step == 3:
+                def on_step_end(self, state, result):
+                    if result.step == 2:  # before step 3's reduction: the run stops after step 3
                         handler.request(signal.SIGTERM)
 
             return [Signal()] + super().build_hooks()

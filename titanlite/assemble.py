@@ -67,11 +67,13 @@ def config_train_step(
     count_unmasked: bool = False,
     pipeline_plan: Any = None,
     device: torch.device | None = None,
+    stop_requested: Callable[[], bool] | None = None,
 ) -> TrainStep:
     """The :class:`TrainStep` of the config's ``[training]`` (clipping, compute dtype); with ``pipeline_plan`` the
-    stages' schedule runs it (``device``: the pipeline's)."""
+    stages' schedule runs it (``device``: the pipeline's); ``stop_requested``: see :class:`TrainStep`."""
     t = cfg.training
     kw = dict(grad_accum_steps=grad_accum_steps, max_norm=t.max_norm, parallel_dims=parallel_dims)
+    kw["stop_requested"] = stop_requested
     dtype = DTYPES[t.mixed_precision_param]
     if pipeline_plan is not None:
         group = parallel_dims.pp_group

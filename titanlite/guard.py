@@ -6,11 +6,12 @@ Configured by ``[guard]`` (see ``titanlite/config/sections.py``):
   ``spike_factor = k > 0``, when its loss is above ``k`` times the mean of the last
   ``spike_window`` accepted losses (checked once ``spike_min_history`` losses are known; only
   accepted losses enter the mean, so a spike does not raise the bar for the next one).
-- **Agreement.** The loss is already summed over the data-parallel ranks and the gradient norm is
-  global, so every rank computes the same verdict; the flags are still all-reduced (MAX) over the
-  default process group, so that no rank can take a different branch (a rank that disagreed would
-  hang the next collective). The preemption request (:mod:`titanlite.preemption`) rides in the same
-  small tensor.
+- **Agreement.** Every rank must take the same branch (a rank that disagreed would hang the next
+  collective). In the stock loop the loss, the gradient norm and the preemption request come out of the
+  training step's one all-reduce (:meth:`titanlite.train_step.TrainStep.reduce_step`), so every rank holds
+  the same values, a NaN on any rank included, and takes the same verdict from them with no collective of
+  its own. Values that were not agreed that way (a foreign loop) have their flags all-reduced (MAX) over
+  the default process group first.
 - **Policies** (small classes below): ``raise`` stops with the step, loss and grad norm
   (:class:`TrainingDivergedError`); ``skip_step`` drops the update (no optimizer or LR-scheduler
   step; the batch is consumed and the step counter advances; with gradient accumulation the whole
@@ -19,11 +20,11 @@ Configured by ``[guard]`` (see ``titanlite/config/sections.py``):
   ``rollback_lr_factor`` for ``rollback_lr_steps`` steps. Too many consecutive skips or rollbacks
   stop the run. Every event is logged and counted (``guard_*`` keys in every metrics record).
 
-Cost: the verdict is computed on the device (``isfinite`` and a comparison with a threshold passed
-as a Python scalar), all-reduced when there are several processes, and fetched with the loss and
-grad norm in the step's one device->host transfer. That sync sits before ``optimizer.step()`` (the
-decision must precede the update), so the optimizer kernels are launched once the backward has
-drained instead of being queued behind it. On CPU the check takes ~0.1 ms per step.
+Cost: the agreed values are fetched in the step's one device->host transfer and judged on the host
+(``agreed=True``); values that were not agreed are judged on the device and their flags all-reduced first.
+That sync sits before ``optimizer.step()`` (the decision must precede the update), so the optimizer
+kernels are launched once the backward has drained instead of being queued behind it. On CPU the check
+takes ~0.1 ms per step.
 """
 
 from __future__ import annotations
@@ -231,22 +232,38 @@ class StepGuard:
         logger.warning(f"guard: TESTING: NaN injected into step {result.step} ([guard] debug_inject_nan_at_step)")
 
     # -- the check
-    def check(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, stop_requested: bool = False) -> StepCheck:
+    def check(
+        self,
+        step: int,
+        loss: torch.Tensor,
+        grad_norm: torch.Tensor,
+        stop_requested: bool | torch.Tensor = False,
+        agreed: bool = False,
+    ) -> StepCheck:
         """Verdict for optimizer step ``step`` from the global loss and gradient norm (device tensors).
 
-        One device->host transfer; one tiny all-reduce when distributed. Returns the action to take
-        (``update``, ``skip`` or ``rollback``); raises :class:`TrainingDivergedError` under ``raise``.
+        One device->host transfer. ``agreed``: the loss, the norm and ``stop_requested`` (then a device
+        tensor, > 0 to stop) are the same on every rank (the output of one all-reduce), so the verdict is taken
+        on the host with no collective; else the flags are all-reduced (MAX) when distributed. Returns the
+        action to take (``update``, ``skip`` or ``rollback``); raises :class:`TrainingDivergedError` under ``raise``.
         """
         loss = loss.detach().reshape(()).float()
         grad_norm = grad_norm.detach().reshape(()).float().to(loss.device)
-        nonfinite = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
         threshold = self.spikes.threshold()
-        spike = loss > threshold if threshold is not None else torch.zeros((), dtype=torch.bool, device=loss.device)
-        stop = torch.full((), float(stop_requested), device=loss.device)
-        flags = torch.stack([nonfinite.float(), spike.float(), stop])
-        if self.distributed:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        loss_v, gn_v, bad, spiked, stop = torch.cat([loss.reshape(1), grad_norm.reshape(1), flags]).tolist()
+        if agreed:
+            stop = torch.as_tensor(stop_requested, dtype=torch.float32, device=loss.device).reshape(())
+            loss_v, gn_v, stop = torch.stack([loss, grad_norm, stop]).tolist()
+            bad = not (math.isfinite(loss_v) and math.isfinite(gn_v))
+            spiked = threshold is not None and loss_v > threshold
+        else:
+            nonfinite = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
+            zero = torch.zeros((), dtype=torch.bool, device=loss.device)
+            spike = loss > threshold if threshold is not None else zero
+            stop = torch.full((), float(stop_requested), device=loss.device)
+            flags = torch.stack([nonfinite.float(), spike.float(), stop])
+            if self.distributed:
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            loss_v, gn_v, bad, spiked, stop = torch.cat([loss.reshape(1), grad_norm.reshape(1), flags]).tolist()
         out = StepCheck(loss_v, gn_v, stop > 0)
         if bad > 0:
             self.counts["nonfinite"] += 1
@@ -315,8 +332,9 @@ def rollback(guard: StepGuard, event: GuardEvent, checkpointer, loader, accum: i
 
 class GuardHook(Hook):
     """The guard in the loop: the verdict on each step before its update, in the step's single
-    device-to-host transfer, which also agrees on a stop request (``stop_requested()``: the
-    preemption handler's flag) across ranks; the rollback itself (``checkpointer``, ``loader`` and
+    device-to-host transfer, which also agrees on a stop request across ranks (the step's
+    ``result.stop_flag`` when the training step reduced it, else ``stop_requested()``: the
+    preemption handler's flag); the rollback itself (``checkpointer``, ``loader`` and
     ``grad_accum_steps`` needed for ``policy = rollback``); the events in the metrics records."""
 
     def __init__(
@@ -334,7 +352,9 @@ class GuardHook(Hook):
     def before_update(self, state, result) -> None:
         guard = self.guard
         guard.maybe_inject_nan(result)
-        check = guard.check(result.step, result.loss, result.grad_norm, self.stop_requested())
+        agreed = getattr(result, "stop_flag", None) is not None  # the step reduced loss, norm and stop together
+        stop = result.stop_flag if agreed else self.stop_requested()
+        check = guard.check(result.step, result.loss, result.grad_norm, stop, agreed=agreed)
         result.values, result.stop_requested = (check.loss, check.grad_norm), check.stop_requested
         result.lr_scale, result.action = guard.lr_scale(result.step), check.action
         result.extra.update(guard.counters())

@@ -362,33 +362,45 @@ def _layer_of(name: str) -> str:
     return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
 
 
-def _global_square_sums(tensors: list[torch.Tensor]) -> list[float]:
-    """Squared L2 norm of each (possibly DTensor-sharded) tensor, over all its shards: local sums stacked per
-    (mesh, placements) group, one reduction and host transfer per group, summed over the sharded mesh
-    dimensions only (a replicated one would count the same values twice)."""
+def _global_square_sums(params: list[torch.Tensor], *tensor_lists: list[torch.Tensor]) -> list[list[float]]:
+    """For each list of local tensors (one per parameter of ``params``, shaped like its local shard), the squared
+    L2 norm of each over all its shards: per (mesh, placements) group of ``params`` one multi-tensor norm per
+    list, then one reduction and host transfer for all lists, summed over the sharded mesh dimensions only
+    (a replicated one would count the same values twice)."""
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
-    out: dict[int, float] = {}
+    out: list[dict[int, float]] = [{} for _ in tensor_lists]
     groups: dict[Any, list[int]] = {}
-    for i, t in enumerate(tensors):
-        key = (id(t.device_mesh), tuple(t.placements)) if isinstance(t, DTensor) else None
+    for i, p in enumerate(params):
+        key = (id(p.device_mesh), tuple(p.placements)) if isinstance(p, DTensor) else None
         groups.setdefault(key, []).append(i)
     for key, idx in groups.items():
-        sq = torch.stack([(tensors[i].to_local() if key else tensors[i]).detach().float().pow(2).sum() for i in idx])
+        norms = [torch.stack(torch._foreach_norm([ts[i] for i in idx], 2.0)) for ts in tensor_lists]
+        sq = torch.cat(norms).float().square()
         if key is not None:
-            first = tensors[idx[0]]
+            first = params[idx[0]]
             placements = [Replicate() if p.is_replicate() else Partial("sum") for p in first.placements]
             sq = DTensor.from_local(sq, first.device_mesh, placements, run_check=False).full_tensor()
-        out.update(zip(idx, sq.tolist()))
-    return [out[i] for i in range(len(tensors))]
+        values = sq.tolist()
+        for k, found in enumerate(out):
+            found.update(zip(idx, values[k * len(idx) : (k + 1) * len(idx)]))
+    return [[found[i] for i in range(len(params))] for found in out]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (t.to_local() if isinstance(t, DTensor) else t).detach()
 
 
 class UpdateRatio:
     """``||update|| / ||parameters||`` of one optimizer step, overall and optionally per layer.
 
     :meth:`before_step` copies the (local shards of the FSDP/TP) parameters, :meth:`after_step` measures the
-    difference: on logging steps only, as the copy costs a parameter-sized buffer. Healthy AdamW training
-    shows ratios around 1e-3; a jump by orders of magnitude marks an unstable step."""
+    difference: on logging steps only, as the copy costs a parameter-sized buffer. Multi-tensor ops throughout
+    (one copy, one subtraction, two norms per sharding group, one host transfer per group): ``scripts/bench.py``
+    reports the cost per log step (``update_ratio_cost``). Healthy AdamW training shows ratios around 1e-3; a
+    jump by orders of magnitude marks an unstable step."""
 
     def __init__(self, model: nn.Module, per_layer: bool = False, pp_group: Any = None):
         self.named = list({id(p): (n, p) for n, p in model.named_parameters() if p.requires_grad}.values())
@@ -397,7 +409,7 @@ class UpdateRatio:
 
     @torch.no_grad()
     def before_step(self) -> None:
-        self._saved = [p.detach().clone() for _, p in self.named]
+        self._saved = torch._foreach_mul([_local(p) for _, p in self.named], 1.0)  # one multi-tensor copy
 
     def cancel(self) -> None:
         """Drop the copy (the update was skipped)."""
@@ -408,8 +420,8 @@ class UpdateRatio:
         if self._saved is None:
             return {}
         old, self._saved = self._saved, None
-        sums = _global_square_sums([p.detach() - o for (_, p), o in zip(self.named, old)] + old)
-        upd, par = sums[: len(old)], sums[len(old) :]  # relative to the parameters before the step
+        update = torch._foreach_sub([_local(p) for _, p in self.named], old)
+        upd, par = _global_square_sums([p for _, p in self.named], update, old)  # relative to the old parameters
         per: dict[str, tuple[float, float]] = {}
         for (name, _), u, w in zip(self.named, upd, par):
             su, sw = per.get(layer := _layer_of(name), (0.0, 0.0))

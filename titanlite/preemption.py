@@ -1,8 +1,9 @@
 """Graceful shutdown on SIGTERM / SIGINT (preemption, ``scancel``, Ctrl-C).
 
 First signal: the handler only records the request and logs it. The loop finishes the current optimizer
-step (a signal that arrives after a step's check, e.g. during validation or a checkpoint save, is acted on
-at the end of the next step); the request is all-reduced with the NaN guard's flags (:mod:`titanlite.guard`),
+step (a signal that arrives after a step's reduction, e.g. during its update, validation or a checkpoint save,
+is acted on at the end of the next step); the request is all-reduced with the step's loss and gradient norm
+(:meth:`titanlite.train_step.TrainStep.reduce_step`; the NaN guard's flags in a loop without that reduction),
 so every rank stops after that same step, even when the ranks got the signal at slightly different moments
 or only one got it. :class:`PreemptionHook` then writes a full checkpoint of that step when checkpointing is
 on, waits for asynchronous saves, logs one line and ends the loop; the same command resumes from there
@@ -120,8 +121,9 @@ class PreemptionHandler:
 
 class PreemptionHook(Hook):
     """Stop after a step on which a stop was requested (``result.stop_requested``, agreed across ranks by the
-    guard's check): a full checkpoint of that step unless one was just saved, then ``state.stop``. Whether a
-    resumable checkpoint of that step exists afterwards goes to ``handler.unsaved_stop`` (the exit status)."""
+    step's reduction, read by the guard): a full checkpoint of that step unless one was just saved, then
+    ``state.stop``. Whether a resumable checkpoint of that step exists afterwards goes to
+    ``handler.unsaved_stop`` (the exit status)."""
 
     def __init__(self, handler: PreemptionHandler, checkpointer=None):
         self.handler, self.checkpointer = handler, checkpointer

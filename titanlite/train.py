@@ -59,6 +59,7 @@ from titanlite.parallel.distributed import (
     world_from_env,
 )
 from titanlite.parallel.float8 import float8_disabled, float8_modules
+from titanlite.parallel.float8_fsdp import register_float8_scale_precompute
 from titanlite.parallel.fsdp import quiet_view_warning
 from titanlite.parallel.parallel_dims import ParallelDims
 from titanlite.parallel.pipeline import PipelinePlan
@@ -100,7 +101,7 @@ REMOVED_METHODS = {
     "loss_fn": "build_loss() (it returns the token-sum loss function)",
     "forward_backward": "build_train_step() (a TrainStep: TrainStep.forward_backward)",
     "train_step": "build_train_step() (self.train_step is the TrainStep it returns)",
-    "clip_grad_norm": "build_train_step() (TrainStep.clip_grad_norm)",
+    "clip_grad_norm": "build_train_step() (TrainStep.reduce_step gives the norm, TrainStep.update clips)",
     "optimizer_step": "build_train_step() (TrainStep.update)",
     "model_inputs": "build_train_step() (titanlite.train_step.batch_to_device)",
     "autocast": "build_train_step() (TrainStep.autocast)",
@@ -224,7 +225,9 @@ class Trainer:
         )
 
     def build_optimizer(self) -> torch.optim.Optimizer:
-        return components.get("optimizer", self.cfg.optimizer.name)(self.model, self.cfg.optimizer)
+        optimizer = components.get("optimizer", self.cfg.optimizer.name)(self.model, self.cfg.optimizer)
+        register_float8_scale_precompute(optimizer, self.model)  # float8 all-gather: all scales in one all-reduce
+        return optimizer
 
     def build_lr_scheduler(self) -> Any:
         build = components.get("lr_scheduler", self.cfg.lr_scheduler.name)
@@ -360,6 +363,7 @@ class Trainer:
         kw = dict(grad_accum_steps=self.grad_accum_steps, loss_fn=self.build_loss(), device=self.device)
         kw["count_unmasked"] = any(data.chat for data, _ in self.train_sources)  # masks or packing padding
         kw["pipeline_plan"] = self.pipeline_plan  # the stages and the schedule that runs them
+        kw["stop_requested"] = lambda: self.preemption.requested  # agreed in the step's reduction (the guard reads it)
         return config_train_step(self.cfg, self.model, self.optimizer, self.lr_scheduler, self.parallel_dims, **kw)
 
     def build_checkpointer(self) -> CheckpointManager:

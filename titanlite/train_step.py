@@ -21,6 +21,16 @@ is one run of the schedule over the local batch (which the schedule cuts into pi
 gradient accumulation composes with it. The loss exists on the last stage only; its sum is shared over the
 pipeline group so that every rank logs (and the guard judges) the true loss, and the gradient norm covers
 every stage's parameters.
+
+**One collective, one host transfer.** After the backward pass the step's scalars are reduced together in
+one SUM all-reduce over every rank (:meth:`TrainStep.reduce_step`): the loss sum, each rank's share of the
+squared gradient norm (:func:`~titanlite.parallel.grad_clip.grad_square_sum`: one multi-tensor norm over
+the gradient pieces the rank owns) and the stop request, so a guard can judge the step from agreed values
+with no collective of its own and fetch them in the step's single device-to-host transfer. The clipping
+factor stays on the device: a fused optimizer (``implementation = "fused"``, the default on CUDA) applies
+it inside its kernel through ``grad_scale`` (each gradient is divided by ``1 / factor`` as it is read), so
+clipping costs no pass over the gradients; other optimizers get one multi-tensor multiply before the
+update. The gradients a ``before_update`` hook sees are therefore not yet clipped.
 """
 
 from __future__ import annotations
@@ -32,16 +42,19 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from titanlite import dtypes
 from titanlite.loss import cross_entropy_sum
 from titanlite.parallel.distributed import all_reduce_sum
 from titanlite.parallel.fsdp import is_fsdp
-from titanlite.parallel.grad_clip import clip_grad_norm_
+from titanlite.parallel.grad_clip import WorldLayout, clip_coefficient, clip_grad_norm_, grad_square_sum, scale_grads_
 from titanlite.parallel.tensor_parallel import loss_parallel_context, to_local_value
 
 logger = logging.getLogger(__name__)
+
+LOSS_DIMS = ("dp_replicate", "dp_shard")  # world dims along which ranks hold different loss sums (and the stages)
 
 
 def grad_accum_steps(global_batch_size: int, local_batch_size: int, dp_degree: int) -> int:
@@ -83,6 +96,7 @@ class StepResult:
     lr_scale: float = 1.0
     stop_requested: bool = False
     values: tuple[float, float] | None = None
+    stop_flag: torch.Tensor | None = None  # the stop request, agreed over every rank by the step's reduction
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # more metrics for the step's record
     event: Any = None  # what the guard found wrong with the step, if anything
 
@@ -114,7 +128,9 @@ class TrainStep:
       tokens) over the whole step instead of every label (:meth:`loss_token_count`); the count is
       reported as ``result.extra["loss_tokens"]``, ``result.tokens`` stays the tokens processed. A step
       with no such label on any rank is skipped with a warning (``result.action = "skip"``, loss NaN): no
-      forward, no update (weight decay included), no LR-schedule step, no ``before_update`` hooks.
+      forward, no update (weight decay included), no LR-schedule step, no ``before_update`` hooks;
+    - ``stop_requested``: read once per step and agreed over every rank in the step's reduction
+      (``result.stop_flag``), e.g. the preemption handler's flag.
     """
 
     def __init__(
@@ -131,6 +147,7 @@ class TrainStep:
         device: torch.device | None = None,
         pipeline: Any = None,
         count_unmasked: bool = False,
+        stop_requested: Callable[[], bool] | None = None,
     ):
         self.model, self.optimizer, self.lr_scheduler, self.loss_fn = model, optimizer, lr_scheduler, loss_fn
         self.grad_accum_steps, self.max_norm, self.parallel_dims = grad_accum_steps, max_norm, parallel_dims
@@ -140,6 +157,19 @@ class TrainStep:
         self.pp_group = getattr(parallel_dims, "pp_group", None)
         use_autocast = autocast_dtype not in (None, torch.float32) and not is_fsdp(model)
         self.autocast_dtype = autocast_dtype if use_autocast else None
+        self.stop_requested = stop_requested
+        self.world = self._world_layout()
+        self.fold_clip = getattr(optimizer, "_step_supports_amp_scaling", False)  # a fused kernel takes grad_scale
+
+    def _world_layout(self) -> WorldLayout | None:
+        """How to count replicas in the step's reduction; None when processes run without a known mesh (a
+        foreign loop's own process group): the norm and the loss are then reduced the mesh-agnostic way."""
+        mesh = getattr(self.parallel_dims, "mesh", None)
+        if mesh is None and dist.is_initialized() and dist.get_world_size() > 1:
+            return None
+        if mesh is not None and not set(LOSS_DIMS) <= set(mesh.mesh_dim_names or ()):
+            return None  # not ParallelDims' named mesh: which ranks hold the same loss is unknown
+        return WorldLayout(mesh)
 
     @property
     def dp_degree(self) -> int:
@@ -170,8 +200,9 @@ class TrainStep:
     def __call__(
         self, batches: Iterator[dict], before_update: Callable[[StepResult], None] | None = None, step=None
     ) -> StepResult:
-        """Accumulate ``grad_accum_steps`` micro-batches from ``batches``, clip, call ``before_update``
-        (which may skip the update), then step the optimizer and the LR schedule."""
+        """Accumulate ``grad_accum_steps`` micro-batches from ``batches``, reduce the step's loss, gradient
+        norm and stop request (:meth:`reduce_step`), call ``before_update`` (which may skip the update), then
+        clip and step the optimizer (:meth:`update`) and the LR schedule."""
         t0 = time.perf_counter()
         micro = [next(batches) for _ in range(self.grad_accum_steps)]
         data_s = time.perf_counter() - t0
@@ -182,9 +213,9 @@ class TrainStep:
         loss_sum = torch.zeros((), device=self.device)
         for batch in micro:
             loss_sum += self.forward_backward(batch, divisor)
-        grad_norm = self.clip_grad_norm()
+        loss_sum, grad_norm, stop_flag = self.reduce_step(loss_sum)
         lr = self.optimizer.param_groups[0]["lr"]
-        result = StepResult(step, self.dp_sum(loss_sum) / divisor, grad_norm, tokens, lr, data_s)
+        result = StepResult(step, loss_sum / divisor, grad_norm, tokens, lr, data_s, stop_flag=stop_flag)
         if self.count_unmasked:
             result.extra["loss_tokens"] = divisor
         if "source_counts" in micro[0]:  # a mixture: tokens of each source in the step, over every rank
@@ -194,7 +225,7 @@ class TrainStep:
             before_update(result)
         result.lr = lr * result.lr_scale
         if result.action == "update":
-            self.update(result.lr_scale)
+            self.update(result.lr_scale, grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
         return result
 
@@ -223,19 +254,49 @@ class TrainStep:
         result.values = (float("nan"), 0.0)
         return result
 
-    def clip_grad_norm(self) -> torch.Tensor:
-        """Pre-clip total gradient norm (exact over FSDP shards, TP ranks and pipeline stages); clips when
-        ``max_norm > 0``."""
-        return clip_grad_norm_(self.model.parameters(), self.max_norm, pp_group=self.pp_group)
+    def reduce_step(self, loss_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(loss sum, total gradient norm, stop flag)`` of the step, each the same on every rank: one SUM
+        all-reduce over the world of each rank's loss sum (counted once per data-parallel rank and stage: the
+        TP peers hold the same), its owned share of the squared gradient norm, and its stop request. Without
+        a known mesh (``world`` None) the loss and the norm are reduced separately and the flag is None."""
+        if self.world is None:
+            norm = clip_grad_norm_(self.model.parameters(), 0.0, pp_group=self.pp_group)
+            return self.dp_sum(loss_sum), norm.to(loss_sum.device), None
+        square = grad_square_sum(self.model.parameters(), self.world)
+        loss_part = loss_sum.float() if self.world.counts(LOSS_DIMS) else torch.zeros((), device=loss_sum.device)
+        stop = self.stop_requested is not None and self.stop_requested()
+        parts = [loss_part, torch.zeros((), device=loss_sum.device) if square is None else square.to(loss_sum.device)]
+        values = torch.stack([*parts, torch.full((), float(stop), device=loss_sum.device)])
+        if self.world.distributed:
+            dist.all_reduce(values)
+        return values[0], values[1].sqrt(), values[2]
 
-    def update(self, lr_scale: float = 1.0) -> None:
-        """``optimizer.step()`` (learning rates scaled by ``lr_scale`` for this step only), then the schedule."""
+    def clip_grad_norm(self) -> torch.Tensor:
+        """Removed: a foreign loop calling it learns where its work went instead of a bare AttributeError."""
+        raise AttributeError(
+            "TrainStep.clip_grad_norm() was removed: reduce_step(loss_sum) returns the total gradient norm (with the "
+            "loss, in one all-reduce) and update(lr_scale, grad_norm) clips inside the optimizer step"
+        )
+
+    def update(self, lr_scale: float = 1.0, grad_norm: torch.Tensor | None = None) -> None:
+        """``optimizer.step()`` (learning rates scaled by ``lr_scale`` for this step only), then the schedule.
+        With ``grad_norm`` (the total norm from :meth:`reduce_step`) and ``max_norm > 0`` the gradients are
+        clipped: inside a fused optimizer's kernel (``grad_scale = 1 / factor``), else by one multi-tensor
+        multiply first."""
         groups = self.optimizer.param_groups
         lrs = [g["lr"] for g in groups]
         if lr_scale != 1.0:
             for g in groups:
                 g["lr"] = g["lr"] * lr_scale
-        self.optimizer.step()
+        clip = None if grad_norm is None or self.max_norm <= 0 else clip_coefficient(grad_norm, self.max_norm)
+        if clip is not None and self.fold_clip:
+            self.optimizer.grad_scale = clip.reciprocal()  # read by torch's fused Adam/AdamW/SGD step
+        elif clip is not None:
+            scale_grads_(self.model.parameters(), clip)
+        try:
+            self.optimizer.step()
+        finally:
+            self.optimizer.__dict__.pop("grad_scale", None)
         for g, lr in zip(groups, lrs):
             g["lr"] = lr
         if self.lr_scheduler is not None:

@@ -317,8 +317,20 @@ class Compile:
 
 @dataclass
 class QuantizeLinearFloat8:
-    enable: bool = opt(False, "Float8 (tensorwise) nn.Linear layers.")
+    enable: bool = opt(False, "Float8 nn.Linear layers (torch._scaled_mm).")
     filter_fqns: list[str] = opt(["output"], "Linears whose name contains any of these stay in high precision.")
+    recipe_name: str = opt(
+        "tensorwise", "Scales: per tensor, or per row (all e4m3).", choices=["tensorwise", "rowwise"]
+    )
+    enable_fsdp_float8_all_gather: bool = opt(False, "FSDP all-gathers float8 weights (tensorwise only).")
+
+    def validate(self) -> None:
+        if self.enable_fsdp_float8_all_gather and self.recipe_name != "tensorwise":
+            raise ConfigError(
+                f"quantize.linear.float8.enable_fsdp_float8_all_gather needs recipe_name = 'tensorwise' (got "
+                f"{self.recipe_name!r}): a rowwise weight is cast again along its other dimension in backward, "
+                "which needs the high-precision weight"
+            )
 
 
 @dataclass

@@ -9,8 +9,8 @@ precision. torchao implements this with tensor subclasses, delayed scaling, floa
 many recipes; we need one recipe, so this module is one ``autograd.Function`` (~40 lines) and a
 module swap, with no dependency beyond PyTorch.
 
-The recipe ("dynamic tensorwise" scaling)
------------------------------------------
+The recipe ("dynamic tensorwise" scaling, the default)
+------------------------------------------------------
 For each matmul operand ``t`` (a whole tensor, hence *tensorwise*) we compute, every step
 (*dynamic*), ``scale = fp8_max / amax(|t|)``, cast ``t * scale`` to float8 (clamped, rounded to
 nearest) and pass ``1 / scale`` to ``_scaled_mm``, which multiplies it back into the fp32
@@ -28,6 +28,9 @@ error per element is at most 2^-4 for e4m3 and 2^-3 for e5m2 (half a unit in the
 plus a tiny absolute error for values that fall into the subnormal range: that is the error the
 tests check against.
 
+Rowwise scaling (``recipe_name = "rowwise"``, :class:`_Float8MatmulRowwise`) gives each row or column
+of an operand its own scale, along the dimension its matmul contracts, all in e4m3 (see there).
+
 ``_scaled_mm`` wants its first operand row-major and its second column-major, which is why some
 operands are transposed with ``.t().contiguous().t()``; on CUDA both inner dimensions must be
 multiples of 16, so linears whose in/out features are not (after tensor-parallel sharding) are
@@ -38,7 +41,9 @@ refuses it otherwise.
 Composition
 -----------
 - FSDP2: parameters are all-gathered in their (bf16/fp32) param dtype and cast to float8 inside the
-  matmul, so FSDP needs to know nothing about float8.
+  matmul, so FSDP needs to know nothing about float8; or, with ``enable_fsdp_float8_all_gather``, each
+  shard is cast before the all-gather and the matmul receives a :class:`Float8GatheredWeight`
+  (:mod:`titanlite.parallel.float8_fsdp`).
 - Tensor parallel: ``x``, ``W`` and ``dy`` are DTensors; ``amax`` then reduces over the shards, so
   the scales are the global ones, as in one process, and ``_scaled_mm`` runs on the shards. This
   needs DTensor to have a sharding rule for ``_scaled_mm``: :func:`dtensor_supports_scaled_mm`
@@ -58,20 +63,24 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import nn
 
 logger = logging.getLogger(__name__)
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
-_AMAX_EPS = 1e-12  # an all-zero tensor gets a finite scale (and stays zero)
+AMAX_EPS = 1e-12  # an all-zero tensor gets a finite scale (and stays zero)
 
 
-def to_float8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(t * scale)`` cast to ``dtype`` and the fp32 inverse scale, with ``scale = max / amax(|t|)``."""
+def to_float8(t: torch.Tensor, dtype: torch.dtype, dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(t * scale)`` cast to ``dtype`` and the fp32 inverse scale, with ``scale = max / amax(|t|)`` over the
+    whole tensor (``dim`` None: tensorwise, a 0-d scale) or along ``dim`` (kept as a size-1 dimension: one
+    scale per row with ``dim=-1``, per column with ``dim=0``)."""
     fp8_max = torch.finfo(dtype).max
-    amax = t.detach().abs().max().float()
-    scale = fp8_max / amax.clamp(min=_AMAX_EPS)
+    magnitude = t.detach().abs()
+    amax = (magnitude.max() if dim is None else magnitude.amax(dim=dim, keepdim=True)).float()
+    scale = fp8_max / amax.clamp(min=AMAX_EPS)
     t8 = (t.float() * scale).clamp(-fp8_max, fp8_max).to(dtype)
     return t8, scale.reciprocal()
 
@@ -86,7 +95,10 @@ class _Float8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         x8, x_inv = to_float8(x, E4M3)
-        w8, w_inv = to_float8(weight, E4M3)
+        if isinstance(weight, Float8GatheredWeight):  # cast before FSDP's all-gather (float8_fsdp)
+            w8, w_inv = weight._data, weight._inverse
+        else:
+            w8, w_inv = to_float8(weight, E4M3)
         ctx.save_for_backward(x8, x_inv, w8, w_inv)
         ctx.dtypes = (x.dtype, weight.dtype)
         # weight is [N, K] row-major, so w8.t() is the column-major [K, N] _scaled_mm wants
@@ -102,18 +114,121 @@ class _Float8Matmul(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
+def _scaled_mm_rowwise(a8, b8, a_inv, b_inv, out_dtype: torch.dtype) -> torch.Tensor:
+    """``_scaled_mm`` with a scale per row of ``a`` (M of them) and per column of ``b`` (N). CUDA's rowwise
+    kernel (CUTLASS) writes bf16 only (cuBLAS on SM 9.0 also fp32): other outputs are cast from bf16 there."""
+    direct = a8.device.type != "cuda" or out_dtype in (torch.bfloat16, torch.float16)
+    scale_a, scale_b = a_inv.reshape(-1, 1), b_inv.reshape(1, -1)  # the shapes and strides the kernels check
+    out = torch._scaled_mm(a8, b8, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype if direct else torch.bfloat16)
+    return out if direct else out.to(out_dtype)
+
+
+class _Float8MatmulRowwise(torch.autograd.Function):
+    """``x [M, K] @ weight[N, K]^T`` with *rowwise* scales: each operand of each matmul gets one scale per row
+    (or column) along the dimension the matmul does *not* contract, so one outlier costs its own row precision,
+    not the whole tensor's. All operands are ``float8_e4m3fn`` (CUDA's rowwise kernels take e4m3 only; a
+    gradient's range is kept by its per-row scales). The scales of an operand depend on which dimension is
+    contracted, so backward casts ``x`` and ``weight`` again along the other dimension from their
+    high-precision values, which forward saves instead of float8 copies (as a bf16 linear would):
+
+    - forward ``y = x W^T``: ``x`` per token (amax over K), ``W`` per output feature (amax over K);
+    - ``dx = dy W``: ``dy`` per token (over N), ``W`` per input feature (over N);
+    - ``dW = dy^T x``: ``dy`` per output feature (over the tokens), ``x`` per input feature (over the tokens).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        x8, x_inv = to_float8(x, E4M3, dim=-1)  # [M, 1]
+        w8, w_inv = to_float8(weight, E4M3, dim=-1)  # [N, 1]
+        ctx.save_for_backward(x, weight)
+        return _scaled_mm_rowwise(x8, w8.t(), x_inv, w_inv, out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        g8, g_inv = to_float8(grad_out, E4M3, dim=-1)  # [M, 1]
+        w8, w_inv = to_float8(weight, E4M3, dim=0)  # [1, K]
+        grad_x = _scaled_mm_rowwise(g8, _col_major(w8), g_inv, w_inv, x.dtype)
+        gt8, gt_inv = to_float8(grad_out, E4M3, dim=0)  # [1, N]: per output feature, over the tokens
+        xt8, xt_inv = to_float8(x, E4M3, dim=0)  # [1, K]
+        grad_w = _scaled_mm_rowwise(gt8.t().contiguous(), _col_major(xt8), gt_inv, xt_inv, weight.dtype)
+        return grad_x, grad_w, None
+
+
+RECIPES = {"tensorwise": _Float8Matmul, "rowwise": _Float8MatmulRowwise}
+
+
+def wrapper_like(cls, t: torch.Tensor, dtype: torch.dtype, requires_grad: bool = False) -> torch.Tensor:
+    """A tensor-subclass instance with ``t``'s size, strides and device, presenting ``dtype``."""
+    return torch.Tensor._make_wrapper_subclass(
+        cls,
+        t.size(),
+        strides=t.stride(),
+        storage_offset=t.storage_offset(),
+        dtype=dtype,
+        layout=t.layout,
+        device=t.device,
+        requires_grad=requires_grad,
+    )
+
+
+_aten = torch.ops.aten
+_GATHERED_KEEPS = {_aten.detach.default, _aten.alias.default, _aten.view.default, _aten.as_strided.default}
+
+
+class Float8GatheredWeight(torch.Tensor):
+    """A Float8Linear weight already in float8, as FSDP's float8 all-gather delivers it
+    (:mod:`titanlite.parallel.float8_fsdp`): ``_data`` (float8, tensorwise) and ``_inverse`` (its fp32 inverse
+    scale), presenting the high-precision ``dtype`` and shape. The tensorwise matmul takes data and scale as they
+    are; any other op sees the weight dequantized."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, inverse: torch.Tensor, dtype: torch.dtype):
+        return wrapper_like(cls, data, dtype)
+
+    def __init__(self, data: torch.Tensor, inverse: torch.Tensor, dtype: torch.dtype):
+        self._data, self._inverse = data, inverse
+
+    def __repr__(self) -> str:
+        return f"Float8GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, float8={self._data.dtype})"
+
+    def dequantize(self) -> torch.Tensor:
+        return (self._data.float() * self._inverse).to(self.dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        first = args[0] if args else None
+        if func in _GATHERED_KEEPS and isinstance(first, cls):
+            data = func(first._data, *args[1:], **kwargs)
+            return cls(data, first._inverse, first.dtype)
+        args, kwargs = pytree.tree_map_only(cls, lambda t: t.dequantize(), (args, kwargs))
+        return func(*args, **kwargs)
+
+    def __tensor_flatten__(self):
+        return ["_data", "_inverse"], self.dtype
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, dtype, outer_size, outer_stride):
+        return Float8GatheredWeight(inner["_data"], inner["_inverse"], dtype)
+
+
 class Float8Linear(nn.Linear):
     """Drop-in ``nn.Linear`` (same parameters and state-dict keys, same TP styles) whose matmul runs in
     float8 (see the module docstring); ``enabled = False`` makes it a plain linear."""
 
     enabled: bool = True
+    recipe: str = "tensorwise"  # a key of RECIPES
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> Float8Linear:
+    def from_linear(cls, linear: nn.Linear, recipe: str = "tensorwise") -> Float8Linear:
         """A Float8Linear sharing ``linear``'s parameter objects (works on the meta device)."""
+        if recipe not in RECIPES:
+            raise ValueError(f"float8 recipe {recipe!r}: expected one of {', '.join(RECIPES)}")
         new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
         new.weight = linear.weight
         new.bias = linear.bias
+        new.recipe = recipe
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -123,12 +238,13 @@ class Float8Linear(nn.Linear):
         device_type = x.device.type  # meta (shape-only runs) has no autocast state to ask
         autocast = device_type != "meta" and torch.is_autocast_enabled(device_type)
         out_dtype = torch.get_autocast_dtype(device_type) if autocast else x.dtype
-        out = _Float8Matmul.apply(x.reshape(-1, x.shape[-1]), self.weight, out_dtype)
+        out = RECIPES[self.recipe].apply(x.reshape(-1, x.shape[-1]), self.weight, out_dtype)
         out = out.reshape(*x.shape[:-1], out.shape[-1])
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + ", float8=tensorwise(e4m3 fwd, e5m2 grad)"
+        grads = "e5m2" if self.recipe == "tensorwise" else "e4m3"
+        return super().extra_repr() + f", float8={self.recipe}(e4m3 fwd, {grads} grad)"
 
 
 @dataclass
@@ -138,9 +254,9 @@ class Float8Report:
 
 
 def convert_to_float8(
-    model: nn.Module, filter_fqns: Sequence[str] = ("output",), shard_degree: int = 1
+    model: nn.Module, filter_fqns: Sequence[str] = ("output",), shard_degree: int = 1, recipe: str = "tensorwise"
 ) -> Float8Report:
-    """Swap every eligible ``nn.Linear`` of ``model`` (in place) for a :class:`Float8Linear`.
+    """Swap every eligible ``nn.Linear`` of ``model`` (in place) for a :class:`Float8Linear` scaling by ``recipe``.
 
     A linear is skipped, and the skip logged with its reason, when its name contains one of
     ``filter_fqns``, or when its in or out features are not multiples of ``16 * shard_degree``
@@ -161,11 +277,11 @@ def convert_to_float8(
         else:
             parent_name, _, child = fqn.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child, Float8Linear.from_linear(module))
+            setattr(parent, child, Float8Linear.from_linear(module, recipe))
             report.converted.append(fqn)
     for fqn, reason in report.skipped.items():
         logger.info("float8: keeping %s in high precision: %s", fqn, reason)
-    logger.info("float8: converted %d linear layers to Float8Linear (tensorwise scaling)", len(report.converted))
+    logger.info("float8: converted %d linear layers to Float8Linear (%s scaling)", len(report.converted), recipe)
     return report
 
 
@@ -199,16 +315,32 @@ class Float8Policy:
 
     enable: bool = False
     filter_fqns: Sequence[str] = ("output",)
+    recipe_name: str = "tensorwise"
+    enable_fsdp_float8_all_gather: bool = False
 
     @classmethod
     def from_config(cls, section) -> Float8Policy:
-        return cls(section.enable, tuple(section.filter_fqns))
+        return cls(
+            section.enable, tuple(section.filter_fqns), section.recipe_name, section.enable_fsdp_float8_all_gather
+        )
 
     def apply(self, model: nn.Module, tp_degree: int = 1) -> Float8Report | None:
         """Refuse float8 + TP where DTensor lacks ``_scaled_mm`` and GPUs without float8 tensor cores,
         then swap the eligible linears (every shard a multiple of 16 under TP)."""
         if not self.enable:
             return None
+        if tp_degree > 1 and self.enable_fsdp_float8_all_gather:
+            raise ValueError(
+                f"quantize.linear.float8.enable_fsdp_float8_all_gather is not supported with tensor_parallel_degree="
+                f"{tp_degree}: the gathered weight would be a tensor-parallel DTensor, whose _scaled_mm takes plain "
+                "float8 operands; disable one of them"
+            )
+        if tp_degree > 1 and self.recipe_name != "tensorwise":
+            raise ValueError(
+                f"quantize.linear.float8.recipe_name = {self.recipe_name!r} is not supported with "
+                f"tensor_parallel_degree={tp_degree}: per-row scales of sharded operands make DTensor move float8 "
+                "tensors between ranks, which titanlite does not test (gloo cannot); use 'tensorwise' with TP"
+            )
         if tp_degree > 1 and not dtensor_supports_scaled_mm():
             raise ValueError(
                 f"quantize.linear.float8 with tensor_parallel_degree={tp_degree} needs DTensor "
@@ -219,4 +351,4 @@ class Float8Policy:
                 f"quantize.linear.float8 needs a GPU with float8 tensor cores (SM 8.9+: Ada, Hopper or later); "
                 f"{torch.cuda.get_device_name()} has SM {'.'.join(map(str, torch.cuda.get_device_capability()))}"
             )
-        return convert_to_float8(model, self.filter_fqns, shard_degree=tp_degree)
+        return convert_to_float8(model, self.filter_fqns, shard_degree=tp_degree, recipe=self.recipe_name)

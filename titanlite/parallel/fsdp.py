@@ -25,6 +25,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from titanlite.parallel.float8_fsdp import wrap_float8_weights
+
 RESHARD_CHOICES = ("default", "always", "never")
 
 
@@ -37,6 +39,7 @@ class FSDPPolicy:
         param_dtype: torch.dtype = torch.float32,
         reduce_dtype: torch.dtype = torch.float32,
         reshard_after_forward: str = "default",
+        float8_all_gather: bool = False,
     ):
         if reshard_after_forward not in RESHARD_CHOICES:
             raise ValueError(
@@ -46,12 +49,15 @@ class FSDPPolicy:
         self.mesh = mesh
         self.mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         self.reshard = reshard_after_forward
+        self.float8_all_gather = float8_all_gather  # Float8Linear weights all-gathered in float8 (float8_fsdp)
 
     def _reshard(self, last: bool) -> bool:
         return {"default": not last, "always": True, "never": False}[self.reshard]
 
     def shard(self, modules: nn.Module | Sequence[nn.Module], last: bool = False) -> None:
         """One FSDP group (one all-gather / reduce-scatter) for ``modules``' not-yet-sharded params."""
+        if self.float8_all_gather:
+            wrap_float8_weights(modules, self.mp_policy.param_dtype or torch.float32)
         fully_shard(modules, mesh=self.mesh, mp_policy=self.mp_policy, reshard_after_forward=self._reshard(last))
 
     def finish(self, model: nn.Module) -> nn.Module:

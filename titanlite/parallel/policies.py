@@ -53,7 +53,8 @@ class Policies:
         reshard = self.reshard_after_forward
         if reshard == "default" and getattr(parallel_dims, "pp_enabled", False):
             reshard = "never"
-        return FSDPPolicy(parallel_dims.fsdp_mesh, self.param_dtype, self.reduce_dtype, reshard)
+        float8_all_gather = self.float8.enable and self.float8.enable_fsdp_float8_all_gather
+        return FSDPPolicy(parallel_dims.fsdp_mesh, self.param_dtype, self.reduce_dtype, reshard, float8_all_gather)
 
     def apply_single_device(self, model: nn.Module) -> None:
         """Float8, AC and compile for a family without a parallelize function (one process only)."""

@@ -1,0 +1,116 @@
+"""The optimizer step alone, against its memory-bandwidth floor: the clip as it was and as it is now.
+
+    python scripts/bench_optimizer.py [--flavor 1B] [--n-layers 0] [--vocab-size 128256] \
+        [--implementation auto|fused|foreach] [--steps 20] [--json-out FILE]
+
+A titanlite model of the flavor's shape (fp32, on the GPU when there is one) gets random gradients and the
+``[optimizer]`` AdamW (weight-decay groups, the kernel of ``--implementation``); three ways to take a step are
+timed side by side, in rotation (each step ends with a device sync; the median over ``--steps`` rounds):
+
+- ``clip_then_step``: the step of commit 5c7a1f4, ``titanlite.parallel.grad_clip.clip_grad_norm_`` (a
+  multi-tensor norm, then a multi-tensor multiply of every gradient) and ``optimizer.step()``;
+- ``merged``: the step now, :func:`~titanlite.parallel.grad_clip.grad_square_sum` and the clip factor inside the
+  fused kernel (``grad_scale``), or one multi-tensor multiply for the foreach kernel;
+- ``step_only``: ``optimizer.step()`` with no clipping (what the floor describes).
+
+``max_norm`` is set just under the gradients' norm, so the clip acts every step without shrinking them away.
+The floor is ``titanlite.optim.bandwidth``'s: 28 bytes per fp32 parameter over the measured copy bandwidth.
+One JSON line: each way's seconds and ratio to the floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from titanlite.config.sections import Optimizer
+from titanlite.models import get_model_spec
+from titanlite.optim import build_optimizer
+from titanlite.optim.bandwidth import measure_copy_bandwidth, update_bytes
+from titanlite.parallel.grad_clip import WorldLayout, clip_coefficient, clip_grad_norm_, grad_square_sum, scale_grads_
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--flavor", default="1B")
+    p.add_argument("--n-layers", type=int, default=0, help="override the flavor's layer count (0: keep)")
+    p.add_argument("--vocab-size", type=int, default=128256)
+    p.add_argument("--implementation", default="auto", choices=["auto", "fused", "foreach"])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--json-out", default="")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    spec = get_model_spec("llama3")
+    overrides = {"vocab_size": args.vocab_size} | ({"n_layers": args.n_layers} if args.n_layers else {})
+    model_args = dataclasses.replace(spec.flavors[args.flavor], **overrides)
+    with torch.device(device):
+        model = spec.model_cls(model_args)
+    model.init_weights()  # no uninitialized memory (NaN or subnormal values slow a CPU down)
+    params = [q for q in model.parameters() if q.requires_grad]
+    g = torch.Generator(device=device).manual_seed(0)
+    for q in params:
+        q.grad = torch.randn(q.shape, generator=g, device=device) * 1e-3
+    optimizer = build_optimizer(model, Optimizer(implementation=args.implementation))
+    world = WorldLayout(None)
+    max_norm = 0.999 * clip_grad_norm_(params, 0.0).item()
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def clip_then_step() -> None:
+        clip_grad_norm_(params, max_norm)
+        optimizer.step()
+
+    def merged() -> None:
+        factor = clip_coefficient(grad_square_sum(params, world).sqrt(), max_norm)
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            optimizer.grad_scale = factor.reciprocal()
+        else:
+            scale_grads_(params, factor)
+        optimizer.step()
+        optimizer.__dict__.pop("grad_scale", None)
+
+    ways = {"clip_then_step": clip_then_step, "merged": merged, "step_only": optimizer.step}
+    for fn in ways.values():  # warm-up: state allocation, kernel loads
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for _ in range(args.steps):
+        for name, fn in ways.items():
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - start)
+    bandwidth = measure_copy_bandwidth(device)
+    floor_s = update_bytes(optimizer) / bandwidth
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()})",
+        "flavor": args.flavor,
+        "params": sum(q.numel() for q in params),
+        "implementation": "fused" if optimizer.defaults.get("fused") else "foreach",
+        "update_bytes": update_bytes(optimizer),
+        "copy_bandwidth_gb_s": bandwidth / 1e9,
+        "floor_s": floor_s,
+        **{f"{name}_s": statistics.median(ts) for name, ts in times.items()},
+        **{f"{name}_floor_ratio": statistics.median(ts) / floor_s for name, ts in times.items()},
+    }
+    line = json.dumps(result)
+    print(line, flush=True)
+    if args.json_out:
+        Path(args.json_out).write_text(line + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

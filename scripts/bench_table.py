@@ -1,0 +1,94 @@
+"""The training benchmark's table (docs/benchmarks.md's format) from JSON lines of ``scripts/bench.py`` and
+``scripts/bench_hf_baseline.py``, each with a ``"row"`` name added (``scripts/gpu_check_train.sh`` writes them).
+
+    python scripts/bench_table.py results.jsonl > table.md
+
+Columns: tokens/s (per device), MFU against the dense bf16 peak (float8 runs too, as usually quoted), peak memory,
+the step split forward+backward / optimizer / other, the optimizer step against its memory-bandwidth floor
+(``bench.py --bandwidth``), and tokens/s against the ``transformers`` row of the same shape, batch and compile
+mode when the file has one. A row that failed or timed out is a line ``{"row": ..., "error": ...}``. Rows of
+``scripts/bench_optimizer.py`` (the optimizer step alone) get a table of their own after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HEADER = (
+    "| run | tokens/s | MFU (bf16 peak) | peak memory | fwd+bwd / optimizer / other | optimizer / floor "
+    "| vs transformers |\n|---|---:|---:|---:|---|---:|---:|"
+)
+
+
+def mfu_bf16(r: dict) -> float | None:
+    return r.get("mfu_vs_bf16_peak", r.get("mfu"))
+
+
+def same_shape(a: dict, b: dict) -> bool:
+    keys = ("params", "local_batch_size", "seq_len", "compile")
+    return all(a.get(k) == b.get(k) for k in keys)
+
+
+def row_line(r: dict, baselines: list[dict]) -> str:
+    if "error" in r:
+        return f"| {r['row']} | {r['error']} | | | | | |"
+    split = r.get("time_split_frac") or {}
+    parts = [split.get("forward_backward"), split.get("optimizer")]
+    other = None if None in parts else max(0.0, 1 - sum(parts))
+    split_text = " / ".join("-" if v is None else f"{100 * v:.0f}%" for v in (*parts, other))
+    opt = r.get("optimizer") if isinstance(r.get("optimizer"), dict) else {}
+    floor = f"{opt['floor_ratio']:.2f}x" if opt.get("floor_ratio") else "-"
+    mfu = mfu_bf16(r)
+    ratio = "-"
+    if not r["row"].startswith("transformers"):
+        match = [b for b in baselines if same_shape(r, b)]
+        if match:
+            ratio = f"{r['tokens_per_s_per_device'] / match[0]['tokens_per_s_per_device']:.2f}x"
+    memory = r.get("peak_memory_gib")
+    return (
+        f"| {r['row']} | {r['tokens_per_s_per_device']:,.0f} | {'-' if mfu is None else f'{100 * mfu:.1f}%'} | "
+        f"{'-' if memory is None else f'{memory:.1f} GiB'} | {split_text} | {floor} | {ratio} |"
+    )
+
+
+OPTIMIZER_HEADER = (
+    "| optimizer step alone | parameters | floor | clip, then step (5c7a1f4) | merged norm, clip in the kernel "
+    "| step, no clip |\n|---|---:|---:|---:|---:|---:|"
+)
+
+
+def optimizer_line(r: dict) -> str:
+    """A ``scripts/bench_optimizer.py`` row: each way's milliseconds and its ratio to the floor."""
+    cells = [
+        f"{1e3 * r[f'{k}_s']:.1f} ms ({r[f'{k}_floor_ratio']:.2f}x)" for k in ("clip_then_step", "merged", "step_only")
+    ]
+    return f"| {r['row']} | {r['params'] / 1e6:,.0f} M | {1e3 * r['floor_s']:.1f} ms | {' | '.join(cells)} |"
+
+
+def table(records: list[dict]) -> str:
+    baselines = [r for r in records if r.get("row", "").startswith("transformers") and "error" not in r]
+    devices = sorted({r["device"] for r in records if "device" in r})
+    steps = [r for r in records if "merged_s" in r]
+    lines = [f"Device: {', '.join(devices) or 'unknown'}", "", HEADER]
+    lines += [row_line(r, baselines) for r in records if r not in steps]
+    if steps:
+        lines += ["", OPTIMIZER_HEADER, *map(optimizer_line, steps)]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("results", type=Path)
+    args = p.parse_args(argv)
+    try:
+        records = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: cannot read {args.results}: {e}")
+    print(table(records))
+
+
+if __name__ == "__main__":
+    main()

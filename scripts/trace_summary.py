@@ -1,0 +1,108 @@
+"""Where a profiled step's time goes: a summary of a ``torch.profiler`` Chrome trace (``[profiling]`` writes them).
+
+    python scripts/trace_summary.py outputs/run/profile_traces/iteration_10/rank0.pt.trace.json[.gz] [--top 15]
+
+For a GPU trace: the step's wall time (``ProfilerStep#N``), the time the GPU ran kernels (with overlap counted
+once), and that time by kind of kernel, read from the kernel names: float8 matmuls (names that mention e4m3/e5m2
+or f8), other matmuls (cuBLAS/CUTLASS GEMMs), attention, the optimizer's multi-tensor kernels, kernels that
+torch.compile generated (``triton_*``: fused element-wise, reductions, the float8 casts), collectives, copies and
+the rest; then the longest kernels by total time. A CPU trace has no kernels: its top-level operators are listed
+instead. Markdown on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+KINDS = [  # (kind, pattern on the kernel name): the first match wins
+    ("matmul, float8", r"e4m3|e5m2|f8f8|fp8|_f8_"),
+    ("matmul, other", r"gemm|xmma|cutlass|nvjet|cublas|s16816|h16816|bf16_s1688"),
+    ("attention", r"flash|fmha|attention|sdpa|cudnn"),
+    ("optimizer (multi-tensor)", r"multi_tensor_apply|fused_adam|adam"),
+    ("fused by compile (triton)", r"^triton_"),
+    ("collectives", r"nccl"),
+    ("copies and fills", r"memcpy|memset|copy_kernel|fill_kernel"),
+    ("element-wise / reductions (eager)", r"elementwise|reduce|vectorized|unrolled|index|scatter|gather"),
+]
+
+
+def load(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def kind_of(name: str) -> str:
+    for kind, pattern in KINDS:
+        if re.search(pattern, name, re.IGNORECASE):
+            return kind
+    return "other"
+
+
+def union_us(spans: list[tuple[float, float]]) -> float:
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def summarize(events: list[dict], top: int = 15) -> str:
+    steps = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")]
+    step_us = sum(e["dur"] for e in steps)
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    lines = [f"profiled steps: {len(steps)}, wall time {step_us / 1e3:.2f} ms"]
+    if kernels:
+        busy = union_us([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
+        share = f" ({100 * busy / step_us:.1f}% of the wall time)" if step_us else ""
+        lines.append(f"GPU busy (kernels, overlap counted once): {busy / 1e3:.2f} ms{share}")
+        by_kind, by_name = defaultdict(float), defaultdict(lambda: [0.0, 0])
+        for e in kernels:
+            name = str(e.get("name", ""))
+            by_kind[kind_of(name) if e.get("cat") == "kernel" else "copies and fills"] += e["dur"]
+            by_name[name][0] += e["dur"]
+            by_name[name][1] += 1
+        total = sum(by_kind.values())
+        lines += ["", "| kernels | ms | share of kernel time |", "|---|---:|---:|"]
+        for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+            lines.append(f"| {kind} | {us / 1e3:.2f} | {100 * us / total:.1f}% |")
+        lines += ["", f"| top {top} kernels | calls | ms | kind |", "|---|---:|---:|---|"]
+        for name, (us, calls) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
+            lines.append(f"| `{name[:90]}` | {calls} | {us / 1e3:.2f} | {kind_of(name)} |")
+    else:
+        ops = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
+        ends: list[float] = []
+        by_name = defaultdict(float)
+        for e in sorted(ops, key=lambda e: (e["ts"], -e["dur"])):  # top level: not inside an earlier operator
+            if ends and e["ts"] < ends[-1]:
+                continue
+            ends.append(e["ts"] + e["dur"])
+            by_name[e["name"]] += e["dur"]
+        lines += ["no GPU kernels (a CPU trace): top-level operators by time", "", "| operator | ms |", "|---|---:|"]
+        for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
+            lines.append(f"| `{name}` | {us / 1e3:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("trace", type=Path)
+    p.add_argument("--top", type=int, default=15)
+    args = p.parse_args(argv)
+    try:
+        events = load(args.trace)
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: cannot read the trace {args.trace}: {e}")
+    print(summarize(events, args.top))
+
+
+if __name__ == "__main__":
+    main()
