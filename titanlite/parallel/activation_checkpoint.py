@@ -37,7 +37,11 @@ MODES = ("none", "full", "selective")
 
 _SDPA = ("flash_attention", "efficient_attention", "flash_attention_for_cpu", "cudnn_attention", "attention_math")
 _SAVE = {
-    *(getattr(aten, name).default for name in ("mm", "addmm", "bmm", "_scaled_mm", "max")),
+    *(
+        getattr(aten, name).default
+        for name in ("mm", "addmm", "bmm", "_scaled_mm", "max", "_grouped_mm")
+        if hasattr(aten, name)
+    ),
     *(getattr(aten, f"_scaled_dot_product_{k}").default for k in _SDPA if hasattr(aten, f"_scaled_dot_product_{k}")),
     getattr(torch.ops.higher_order, "flex_attention", None),  # block-causal attention on CUDA
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
