@@ -43,6 +43,7 @@ class MoE(nn.Module):
             self.shared_experts = shared_cls(dim, cfg.shared_hidden_dim)
         self.ep_group = None  # expert-parallel ranks (parallelize sets them)
         self.load_group = None  # data-parallel ranks counted together by the batch-level aux loss
+        self.track_stats = True  # off: a forward that is not training (a pipeline's shape inference)
         # statistics of the current step (balance.MoEStep), and the step's token count for the loss terms
         self.register_buffer("tokens_per_expert", torch.zeros(cfg.num_experts), persistent=False)
         self.register_buffer("stats", torch.zeros(len(STATS)), persistent=False)
@@ -75,7 +76,7 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         out = out.view(bsz, seq, dim).to(x.dtype)
-        if self.training:
+        if self.training and self.track_stats:
             out = self._balance(out, routing, counts, (bsz, seq))
         return out
 
