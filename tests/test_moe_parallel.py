@@ -54,12 +54,14 @@ SEQ = ["--model.moe_aux_loss_level", "seq"]
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "0"]
 CKPT += ["--checkpoint.last_save_model_only", "false"]
 EP2 = ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2"]
-TWO_PROC = {"ep2": (2, EP2 + CKPT)}
+TP2 = ["--parallelism.tensor_parallel_degree", "2"]
+TWO_PROC = {"ep2": (2, EP2 + CKPT), "tp2": (1, TP2)}  # TP 2: attention sharded, MoE layers replicated
 FOUR_PROC = {
     "ep2_fsdp2": (4, ["--parallelism.data_parallel_shard_degree", "4", "--parallelism.expert_parallel_degree", "2"]),
     # a batch-level aux loss counts each forward pass (here: each pipeline microbatch of one sequence): the
     # sequence-level one is the same whatever the pipeline cuts, so PP is compared under it
     "pp2_ep2_seq": (2, ["--parallelism.pipeline_parallel_degree", "2", *EP2, *SEQ]),
+    "ep2_tp2": (2, [*EP2, *TP2]),
 }
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -197,6 +199,7 @@ def test_expert_parallel_matches_one_process_and_resumes_under_fsdp(reference, e
     results, _ = ep2_run
     report = []
     compare("ep2", results, reference["fp32"], 1, report)
+    compare("tp2", results, reference["fp32"], 2, report)
     check_continues("fsdp2 from ep2", results[0]["fsdp2_from_ep2"], reference["fp32"], report)
     print("\n".join(report))
 
