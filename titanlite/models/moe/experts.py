@@ -10,7 +10,8 @@ Input: the tokens sorted by expert, and how many go to each local expert. Two im
 the same result:
 
 - ``grouped_mm``: one ``torch._grouped_mm`` per weight over the whole sorted batch, the groups given
-  by the cumulative counts (no host sync, compiles in one graph);
+  by the cumulative counts (no host sync, compiles in one graph; outside bf16, whose tracing kernel
+  torch lacks, through the custom op :func:`grouped_mm` around the same kernel);
 - the loop: one plain matmul per expert (the reference, and the fallback where ``_grouped_mm`` is missing).
 
 Under autocast both compute in the autocast dtype, like ``nn.Linear``.
@@ -61,9 +62,50 @@ class GroupedExperts(nn.Module):
 
 def grouped_swiglu(x, w1, w2, w3, counts: torch.Tensor) -> torch.Tensor:
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
-    h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
-    return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+    mm = (lambda a, b: torch._grouped_mm(a, b, offs=offs)) if x.dtype == torch.bfloat16 else _grouped_mm_op(offs)
+    h = F.silu(mm(x, w1.transpose(-2, -1))) * mm(x, w3.transpose(-2, -1))
+    return mm(h, w2.transpose(-2, -1))
+
+
+# torch's fake (tracing) kernel of _grouped_mm accepts bf16 only, so torch.compile cannot trace it in fp32;
+# in other dtypes the same kernel runs as this custom op, whose shapes and backward are given here.
+@torch.library.custom_op("titanlite::grouped_mm", mutates_args=())
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``[M, K] x [G, K, N] -> [M, N]``: rows ``offs[g-1]:offs[g]`` of ``a`` times ``b[g]``."""
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+@torch.library.custom_op("titanlite::grouped_mm_weight_grad", mutates_args=())
+def grouped_mm_weight_grad(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``[M, K], [M, N] -> [G, K, N]``: group ``g``'s ``a^T grad`` (the gradient of :func:`grouped_mm`'s ``b``)."""
+    return torch._grouped_mm(a.t(), grad, offs=offs)
+
+
+@grouped_mm.register_fake
+def _(a, b, offs):
+    return a.new_empty((a.shape[0], b.shape[-1]))
+
+
+@grouped_mm_weight_grad.register_fake
+def _(a, grad, offs):
+    return a.new_empty((offs.shape[0], a.shape[1], grad.shape[1]))
+
+
+def _grouped_mm_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _grouped_mm_backward(ctx, grad):
+    a, b, offs = ctx.saved_tensors
+    grad = grad.contiguous()
+    return grouped_mm(grad, b.transpose(-2, -1), offs), grouped_mm_weight_grad(a, grad, offs), None
+
+
+grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
+
+
+def _grouped_mm_op(offs: torch.Tensor):
+    return lambda a, b: grouped_mm(a, b, offs)
 
 
 def looped_swiglu(x, w1, w2, w3, counts: torch.Tensor) -> torch.Tensor:
