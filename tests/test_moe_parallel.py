@@ -30,13 +30,7 @@ from test_parallel_parity import RTOL, STEPS, TINY, RecordingTrainer, check, che
 from titanlite.hooks import Hook
 from titanlite.models import load_config
 
-MOE = [
-    "--model.name",
-    "llama3_moe",
-    "--model.flavor",
-    "debugmodel",
-    "--model.n_dense_layers",
-    "0",
+BALANCE = [
     "--model.moe_num_experts",
     "4",
     "--model.moe_hidden_dim",
@@ -50,6 +44,10 @@ MOE = [
     "--model.moe_bias_update_rate",
     "0.01",
 ]
+MOE = ["--model.name", "llama3_moe", "--model.flavor", "debugmodel", "--model.n_dense_layers", "0", *BALANCE]
+# Qwen3-MoE (its debug placement: block 0 dense, block 1 MoE), with Qwen3's TP plan (QK-norm) around the MoE
+QWEN3_MOE = ["--job.extensions", "torchtitan_ext.qwen3_moe", "--model.name", "qwen3_moe"]
+QWEN3_MOE += ["--model.flavor", "debugmodel", "--model.head_dim", "32", "--model.ffn_hidden_dim", "128", *BALANCE]
 SEQ = ["--model.moe_aux_loss_level", "seq"]
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "0"]
 CKPT += ["--checkpoint.last_save_model_only", "false"]
@@ -62,13 +60,18 @@ FOUR_PROC = {
     # sequence-level one is the same whatever the pipeline cuts, so PP is compared under it
     "pp2_ep2_seq": (2, ["--parallelism.pipeline_parallel_degree", "2", *EP2, *SEQ]),
     "ep2_tp2": (2, [*EP2, *TP2]),
+    "qwen3_moe_ep2_tp2": (2, [*EP2, *TP2]),
 }
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def moe_config(dump: str, dp: int, extra: list[str]):
-    return load_config(MOE + TINY + ["--job.dump_folder", dump, "--training.local_batch_size", str(8 // dp)] + extra)
+def moe_config(dump: str, dp: int, extra: list[str], model: list[str] = MOE):
+    return load_config(model + TINY + ["--job.dump_folder", dump, "--training.local_batch_size", str(8 // dp)] + extra)
+
+
+def model_of(name: str) -> list[str]:
+    return QWEN3_MOE if name.startswith("qwen3_moe") else MOE
 
 
 def biases(model) -> dict[str, torch.Tensor]:
@@ -113,13 +116,14 @@ def worker(args: dict) -> dict:
     out = {}
     for name, (dp, extra) in args["configs"].items():
         dump = str(Path(args["dump"]) / name)
-        out[name] = run(moe_config(dump, dp, extra), args["seed"], args.get("kill_at"))
+        seed = args["seeds"]["qwen3_moe" if name.startswith("qwen3_moe") else "fp32"]
+        out[name] = run(moe_config(dump, dp, extra, model_of(name)), seed, args.get("kill_at"))
     for name, (dp, extra, source) in args.get("resume", {}).items():  # from a copy of another run's step 5
         dump = Path(args["dump"]) / name
         if int(os.environ["RANK"]) == 0:
             resume_copy(Path(args["dump"]) / source, dump)
         torch.distributed.barrier()
-        out[name] = run(moe_config(str(dump), dp, extra), args["seed"])
+        out[name] = run(moe_config(str(dump), dp, extra), args["seeds"]["fp32"])
     return out
 
 
@@ -138,6 +142,9 @@ def reference(tmp_path_factory):
     seed = copy.deepcopy(single.model.state_dict())
     out = {"seed": seed, "fp32": run_seeded(single, seed), "dump": dump}
     out["seq"] = run(moe_config(str(dump / "seq"), 1, SEQ), seed)
+    qwen = RecordingTrainer(moe_config(str(dump / "qwen3_moe"), 1, [], QWEN3_MOE))
+    out["seeds"] = {"fp32": seed, "qwen3_moe": copy.deepcopy(qwen.model.state_dict())}
+    out["qwen3_moe"] = run_seeded(qwen, out["seeds"]["qwen3_moe"])
     return out
 
 
@@ -176,7 +183,7 @@ def ep2_run(reference, tmp_path_factory):
     """The 2-process launch: EP 2 from the seed (checkpoints at steps 5 and 10), then FSDP 2 resuming a copy
     of its step-5 checkpoint."""
     dump = tmp_path_factory.mktemp("ep2")
-    args = {"configs": TWO_PROC, "seed": reference["seed"], "dump": str(dump)}
+    args = {"configs": TWO_PROC, "seeds": reference["seeds"], "dump": str(dump)}
     args["resume"] = {"fsdp2_from_ep2": (2, ["--parallelism.data_parallel_shard_degree", "2", *CKPT], "ep2")}
     return run_workers(worker, 2, args, timeout=300), dump
 
@@ -228,7 +235,7 @@ def test_expert_parallel_checkpoint_resumes_on_one_process(reference, ep2_run, t
 def test_sigkill_under_expert_parallelism_resumes_bitwise(reference, ep2_run, tmp_path):
     """EP 2 killed (SIGKILL, rank 0) after step 7, then rerun: it resumes from step 5 and every logged record
     of steps 1-10 (losses, grad norms, MoE loads and aux losses) equals the uninterrupted EP 2 run's."""
-    args = {"configs": {"ep2": TWO_PROC["ep2"]}, "seed": reference["seed"], "dump": str(tmp_path), "kill_at": 7}
+    args = {"configs": {"ep2": TWO_PROC["ep2"]}, "seeds": reference["seeds"], "dump": str(tmp_path), "kill_at": 7}
     with pytest.raises(AssertionError, match="exited with -9"):
         run_workers(worker, 2, args, timeout=300)
     run_workers(worker, 2, {**args, "kill_at": None}, timeout=300)
@@ -250,9 +257,10 @@ def metrics(dump: Path) -> list[dict]:
 def test_expert_parallel_four_processes(reference, tmp_path):
     """EP 2 x FSDP 2 (dp_shard 4 = 2 x 2: experts sharded over ep, and FSDP-sharded over the other 2) and
     PP 2 x EP 2 (each stage's MoE block expert-parallel over its 2 data-parallel ranks) = one process."""
-    args = {"configs": FOUR_PROC, "seed": reference["seed"], "dump": str(tmp_path)}
+    args = {"configs": FOUR_PROC, "seeds": reference["seeds"], "dump": str(tmp_path)}
     results = run_workers(worker, 4, args, timeout=360)
     report = []
     for name, (dp, _) in FOUR_PROC.items():
-        compare(name, results, reference["seq" if name.endswith("_seq") else "fp32"], 4 // dp, report)
+        ref = reference["seq" if name.endswith("_seq") else "qwen3_moe" if name.startswith("qwen3") else "fp32"]
+        compare(name, results, ref, 4 // dp, report)
     print("\n".join(report))
