@@ -33,6 +33,7 @@ from titanlite.planner import (
     plan_run,
     usable_memory,
 )
+from titanlite.planner_moe import all_to_all_seconds  # noqa: E402
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -172,9 +173,12 @@ def report(args, cfg, shape: ModelShape, setup: RunSetup, plan) -> str:
             f"{shape.moe.top_k} of {shape.moe.num_experts} experts and shared ones in {shape.moe.n_moe} MoE blocks)",
         )
     if plan.all_to_all_bytes:
+        seconds, link = all_to_all_seconds(plan.all_to_all_bytes, setup.ep)
+        share = "" if plan.wall_s is None else f" = {seconds * plan.steps / plan.wall_s:.0%} of the estimated step time"
         lines.append(
             f"all2all    {plan.all_to_all_bytes / 1e9:.2f} GB sent per GPU per optimizer step (expert parallelism "
-            f"{setup.ep}: each token's top-{shape.moe.top_k} copies to their experts and back, forward and backward)"
+            f"{setup.ep}: each token's top-{shape.moe.top_k} copies to their experts and back, forward and backward); "
+            f"{seconds:.2f} s at {link}{share} unless overlapped"
         )
     if plan.peak_flops is None:
         lines.append(

@@ -581,8 +581,9 @@ def stage_memory_breakdown(s: ModelShape, setup: RunSetup, share: StageShare) ->
     steady = p > 1 and setup.pp_schedule != "GPipe" and setup.n_microbatches * v > share.in_flight
     unsharded_params = unsharded_grads = 0.0
     if p > 1 and setup.fsdp:  # torch's stages keep FSDP's gathered weights and unsharded gradients to the last backward
-        unsharded_params = c * stage_params(s, share) / setup.tp
-        unsharded_grads = DTYPES[setup.reduce_dtype].itemsize * stage_params(s, share) / setup.tp
+        unsharded = stage_params(s, share) / setup.tp + experts * (1 / setup.ep - 1 / setup.tp)  # E / ep experts
+        unsharded_params = c * unsharded
+        unsharded_grads = DTYPES[setup.reduce_dtype].itemsize * unsharded
     params_at_peak = unsharded_params if steady or setup.fsdp_reshard_after_forward == "never" else 0.0
     moments = {
         "start of backward": (grads if setup.grad_accum > 1 or steady else 0.0)

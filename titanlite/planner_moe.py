@@ -61,6 +61,20 @@ class MoEShape:
         return self.top_k * 2 * c * dim + c * self.top_k * dim + lin * dim + 16 * self.num_experts
 
 
+GPUS_PER_NODE = 8
+NVLINK_BYTES_PER_S = 450e9  # H100 SXM NVLink 4, one direction per GPU
+INFINIBAND_BYTES_PER_S = 50e9  # one 400 Gb/s NDR link per GPU
+
+
+def all_to_all_seconds(volume: float, ep: int) -> tuple[float, str]:
+    """``(seconds, link)``: the time to send ``volume`` bytes from one GPU over the link its expert group's
+    all-to-all is limited by: NVLink when the group fits in a node (``ep <= 8``), InfiniBand otherwise (a floor:
+    no overlap with compute assumed, no latency, full link bandwidth)."""
+    if ep <= GPUS_PER_NODE:
+        return volume / NVLINK_BYTES_PER_S, "NVLink 450 GB/s"
+    return volume / INFINIBAND_BYTES_PER_S, "InfiniBand 50 GB/s"
+
+
 def all_to_all_bytes(
     moe: MoEShape, dim: int, tokens: float, ep: int, n_moe_blocks: float, c: int, recompute: bool = False
 ) -> float:

@@ -56,14 +56,14 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 
 def check_moe_parallelism(model: nn.Module, parallel_dims) -> None:
     """One-line ``ValueError`` when the experts cannot be split ``parallel_dims``' way."""
-    for moe in moe_layers(model)[:1]:
-        e = moe.cfg.num_experts
+    e = getattr(model.args, "moe_num_experts", 0)
+    if e:
         if parallel_dims.ep > 1 and e % parallel_dims.ep:
             raise ValueError(
                 f"model.moe_num_experts ({e}) must be divisible by parallelism.expert_parallel_degree "
                 f"({parallel_dims.ep}): each expert-parallel rank holds the same number of experts"
             )
-    if parallel_dims.ep > 1 and not moe_layers(model) and not getattr(model, "stages", None):
+    if parallel_dims.ep > 1 and not getattr(model.args, "n_moe_layers", 0):  # a pipeline stage may hold none
         raise ValueError("parallelism.expert_parallel_degree > 1 needs a mixture-of-experts model")
 
 
