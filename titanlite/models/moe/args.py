@@ -118,11 +118,3 @@ class MoEArgs:
     @property
     def n_moe_layers(self) -> int:
         return sum(self.is_moe_layer(i) for i in range(self.n_layers))
-
-
-def moe_param_counts(cfg: MoEConfig, dim: int) -> tuple[int, int]:
-    """``(total, active per token)`` parameters of one MoE layer: router, routed and shared experts."""
-    expert = 3 * dim * cfg.hidden_dim
-    router = dim * cfg.num_experts
-    shared = 3 * dim * cfg.shared_hidden_dim
-    return router + cfg.num_experts * expert + shared, router + cfg.top_k * expert + shared
