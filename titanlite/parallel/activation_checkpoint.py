@@ -8,8 +8,8 @@
 - ``selective`` with ``selective_ac_option``:
 
   - ``"op"`` (per-op): inside every block, the outputs of the expensive ops are saved (matmuls,
-    float8 matmuls, attention, and the tensor-parallel reduce-scatters and amax reductions whose
-    recomputation would repeat communication); the cheap element-wise ops (norms, SiLU, RoPE,
+    float8 matmuls, MoE experts' grouped matmuls, attention, and the tensor-parallel reduce-scatters
+    and amax reductions whose recomputation would repeat communication); the cheap element-wise ops (norms, SiLU, RoPE,
     casts) are recomputed. Most of full AC's memory saving at a fraction of its recompute cost;
   - ``"N"`` (an integer): full AC on every N-th block (blocks N-1, 2N-1, ... counting from 0), a
     knob between none (large N) and full (N = 1).

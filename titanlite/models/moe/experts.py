@@ -14,7 +14,8 @@ the same result:
   torch lacks, through the custom op :func:`grouped_mm` around the same kernel);
 - the loop: one plain matmul per expert (the reference, and the fallback where ``_grouped_mm`` is missing).
 
-Under autocast both compute in the autocast dtype, like ``nn.Linear``.
+Under autocast both compute in the autocast dtype, like ``nn.Linear``. On CUDA the grouped GEMM runs in bf16
+(FSDP's mixed precision or autocast); an fp32 model there takes the loop.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class GroupedExperts(nn.Module):
         dtype = _compute_dtype(x)
         w1, w2, w3 = (local(w).to(dtype) for w in (self.w1, self.w2, self.w3))
         x = x.to(dtype)
-        if self.grouped_mm:
+        if self.grouped_mm and (dtype == torch.bfloat16 or not x.is_cuda):  # CUDA's kernel: bf16 (torch 2.11)
             return grouped_swiglu(x, w1, w2, w3, counts)
         return looped_swiglu(x, w1, w2, w3, counts)
 
