@@ -7,10 +7,17 @@ enough to move the routing within the 10 steps). Every run starts from the singl
 initial weights and reads the same data as in ``tests/test_parallel_parity.py`` (whose harness and
 tolerance are reused: loss, grad norm and validation loss within ``RTOL = 2e-5`` relative).
 
-Launches (each bounded by a timeout): 2 processes (EP 2, whose step-5 checkpoint then resumes under
-FSDP 2 in the same launch); 4 processes (EP 2 x FSDP 2: dp_shard 4 split 2 x 2; PP 2 x EP 2); 2
-processes killed by SIGKILL at step 7 under EP 2 and 2 more resuming them. In this process: the
-single-process reference and the resume of the EP 2 checkpoint on one process.
+Launches (each bounded by a timeout): 2 processes (EP 2, then TP 2 with the MoE layers replicated over
+the TP ranks, then FSDP 2 resuming a copy of EP 2's step-5 checkpoint); 4 processes (EP 2 x FSDP 2,
+dp_shard 4 split 2 x 2, with full AC; PP 2 x EP 2; EP 2 x TP 2; Qwen3-MoE under EP 2 x TP 2); 2 processes
+killed by SIGKILL at step 7 under EP 2 and 2 more resuming them. In this process: the single-process
+references (llama3_moe with a batch-level and with a sequence-level aux loss, Qwen3-MoE) and the resume of
+the EP 2 checkpoint on one process.
+
+PP 2 x EP 2 is compared with a sequence-level aux loss: a batch-level one counts each forward pass, and
+under PP that is a pipeline microbatch. This comparison found that torch's pipeline shape inference (a
+real forward of one microbatch at the first step) was counted in the expert loads, which changed the
+first bias update: ``titanlite.parallel.pipeline._Stage`` now turns the statistics off for it.
 """
 
 from __future__ import annotations
@@ -55,7 +62,18 @@ EP2 = ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_pa
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 TWO_PROC = {"ep2": (2, EP2 + CKPT), "tp2": (1, TP2)}  # TP 2: attention sharded, MoE layers replicated
 FOUR_PROC = {
-    "ep2_fsdp2": (4, ["--parallelism.data_parallel_shard_degree", "4", "--parallelism.expert_parallel_degree", "2"]),
+    # + full AC: each block's forward (its all-to-alls too) runs again in backward, counting its loads twice
+    "ep2_fsdp2_ac": (
+        4,
+        [
+            "--parallelism.data_parallel_shard_degree",
+            "4",
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--activation_checkpoint.mode",
+            "full",
+        ],
+    ),
     # a batch-level aux loss counts each forward pass (here: each pipeline microbatch of one sequence): the
     # sequence-level one is the same whatever the pipeline cuts, so PP is compared under it
     "pp2_ep2_seq": (2, ["--parallelism.pipeline_parallel_degree", "2", *EP2, *SEQ]),
@@ -78,12 +96,14 @@ def biases(model) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items() if k.endswith("expert_bias")}
 
 
-def run(cfg, seed_state, kill_at: int | None = None) -> dict:
-    """Train ``cfg`` from ``seed_state`` (rank 0's); the logged records, final biases, first inputs."""
+def run(cfg, seed_state=None, kill_at: int | None = None, trainer=None) -> dict:
+    """Train ``cfg`` from ``seed_state`` (rank 0's; None: ``trainer``'s own start); the logged losses, grad
+    norms, validation, loads, final biases, first inputs."""
     from titanlite.parallel.state_dict import load_full_state_dict
 
-    trainer = RecordingTrainer(cfg)
-    load_full_state_dict(trainer.model, seed_state)
+    if trainer is None:
+        trainer = RecordingTrainer(cfg)
+        load_full_state_dict(trainer.model, seed_state)
     if kill_at is not None:
         trainer.hooks.append(KillAt(kill_at))
     records = trainer.train()
@@ -140,26 +160,12 @@ def reference(tmp_path_factory):
     dump = tmp_path_factory.mktemp("moe")
     single = RecordingTrainer(moe_config(str(dump / "single"), 1, CKPT))
     seed = copy.deepcopy(single.model.state_dict())
-    out = {"seed": seed, "fp32": run_seeded(single, seed), "dump": dump}
+    out = {"seed": seed, "fp32": run(None, trainer=single), "dump": dump}
     out["seq"] = run(moe_config(str(dump / "seq"), 1, SEQ), seed)
     qwen = RecordingTrainer(moe_config(str(dump / "qwen3_moe"), 1, [], QWEN3_MOE))
     out["seeds"] = {"fp32": seed, "qwen3_moe": copy.deepcopy(qwen.model.state_dict())}
-    out["qwen3_moe"] = run_seeded(qwen, out["seeds"]["qwen3_moe"])
+    out["qwen3_moe"] = run(None, trainer=qwen)
     return out
-
-
-def run_seeded(trainer, seed) -> dict:
-    records = trainer.train()
-    steps = [r for r in records if "loss" in r]
-    return {
-        "loss": [r["loss"] for r in steps],
-        "grad_norm": [r["grad_norm"] for r in steps],
-        "val_loss": [r["val_loss"] for r in records if "val_loss" in r],
-        "val_bpb": [r["val_bpb"] for r in records if "val_bpb" in r],
-        "load": [r["moe/load_max_mean"] for r in steps],
-        "inputs": torch.cat(trainer.first_step_inputs),
-        "biases": biases(trainer.model),
-    }
 
 
 def compare(name: str, results: list[dict], ref: dict, peers: int, report: list) -> None:
@@ -199,6 +205,7 @@ def check_continues(name: str, got: dict, ref: dict, report: list) -> None:
         assert rel <= RTOL, (name, key, a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_expert_parallel_matches_one_process_and_resumes_under_fsdp(reference, ep2_run):
     """EP 2 = one process (losses, grad norms, validation; aux/z losses and bias updates on, the bias identical
@@ -211,6 +218,7 @@ def test_expert_parallel_matches_one_process_and_resumes_under_fsdp(reference, e
     print("\n".join(report))
 
 
+@pytest.mark.slow  # its fixture launches the EP 2 run
 def test_expert_parallel_checkpoint_resumes_on_one_process(reference, ep2_run, tmp_path):
     """The EP 2 step-5 checkpoint (experts saved as stacked global tensors, the moved biases included) resumed
     by one process (local batch 4, accumulated twice) continues the one-process curve."""
@@ -231,6 +239,7 @@ def test_expert_parallel_checkpoint_resumes_on_one_process(reference, ep2_run, t
     print("\n".join(report))
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_sigkill_under_expert_parallelism_resumes_bitwise(reference, ep2_run, tmp_path):
     """EP 2 killed (SIGKILL, rank 0) after step 7, then rerun: it resumes from step 5 and every logged record
@@ -253,6 +262,7 @@ def metrics(dump: Path) -> list[dict]:
     return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_expert_parallel_four_processes(reference, tmp_path):
     """EP 2 x FSDP 2 (dp_shard 4 = 2 x 2: experts sharded over ep, and FSDP-sharded over the other 2) and

@@ -19,67 +19,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from titanlite.models.moe import MoEArgs
-from torchtitan_ext.qwen3.args import ATTN_BACKENDS, ATTN_MASK_TYPES
+from torchtitan_ext.qwen3.args import Qwen3ModelArgs
 
 
 @dataclass
-class Qwen3MoEArgs(MoEArgs):
-    dim: int = 2048
-    n_layers: int = 48
-    n_heads: int = 32
-    n_kv_heads: int | None = 4
-    head_dim: int = 128
-    ffn_hidden_dim: int = 6144  # dense blocks' SwiGLU (HF intermediate_size)
-    vocab_size: int = 151936
-    norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    max_seq_len: int = 40960
-    tie_word_embeddings: bool = False
-    qk_norm: bool = True
-    depth_init: bool = True
-    attn_mask_type: str = "causal"
-    attn_backend: str = "auto"
+class Qwen3MoEArgs(Qwen3ModelArgs, MoEArgs):
+    """Qwen3's fields (their defaults: Qwen3-0.6B's) and checks, the ``moe_*`` fields, and the sparse placement."""
+
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        self.validate()
-
     def validate(self) -> None:
-        for name in ("dim", "n_layers", "n_heads", "head_dim", "ffn_hidden_dim", "vocab_size", "max_seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
-        if self.n_kv_heads is not None and (not isinstance(self.n_kv_heads, int) or self.n_kv_heads <= 0):
-            raise ValueError(f"model.n_kv_heads must be a positive integer or None, got {self.n_kv_heads!r}")
-        if self.head_dim % 2 or self.n_heads % self.kv_heads:
-            raise ValueError(
-                f"model.head_dim ({self.head_dim}) must be even and model.n_heads ({self.n_heads}) divisible by "
-                f"model.n_kv_heads ({self.kv_heads})"
-            )
+        super().validate()
         if not isinstance(self.decoder_sparse_step, int) or self.decoder_sparse_step < 1:
             raise ValueError(f"model.decoder_sparse_step must be a positive integer, got {self.decoder_sparse_step!r}")
         if bad := [i for i in self.mlp_only_layers if not 0 <= i < self.n_layers]:
             raise ValueError(f"model.mlp_only_layers names blocks outside 0..{self.n_layers - 1}: {bad}")
-        if self.norm_eps <= 0 or self.rope_theta <= 0:
-            raise ValueError("model.norm_eps and model.rope_theta must be positive")
-        if self.attn_mask_type not in ATTN_MASK_TYPES:
-            raise ValueError(f"model.attn_mask_type must be one of {ATTN_MASK_TYPES}, got {self.attn_mask_type!r}")
-        if self.attn_backend not in ATTN_BACKENDS:
-            raise ValueError(f"model.attn_backend must be one of {ATTN_BACKENDS}, got {self.attn_backend!r}")
-        self.moe_config()
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
-
-    @property
-    def q_dim(self) -> int:
-        return self.n_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
+        self.moe_config()  # checks the moe_* fields
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """Qwen3-MoE's rule (HF ``Qwen3MoeDecoderLayer``)."""

@@ -20,6 +20,7 @@ experts) is refused the same way.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -130,9 +131,8 @@ class Qwen3MoEHFAdapter(Qwen3HFAdapter):
     def args_from_hf_config(cls, config: Mapping[str, Any]) -> Qwen3MoEArgs:
         """Model args of an HF Qwen3-MoE ``config.json``; ValueError for what this model cannot express."""
         dense = super().args_from_hf_config(config)  # the Qwen3 checks and fields
-        fields = {k: getattr(dense, k) for k in Qwen3MoEArgs.__dataclass_fields__ if hasattr(dense, k)}
         return Qwen3MoEArgs(
-            **{k: v for k, v in fields.items() if not k.startswith("moe_")},
+            **dataclasses.asdict(dense),
             decoder_sparse_step=int(config.get("decoder_sparse_step", 1)),
             mlp_only_layers=list(config.get("mlp_only_layers") or []),
             moe_num_experts=int(config["num_experts"]),
