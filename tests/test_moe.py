@@ -297,3 +297,29 @@ def test_bad_expert_parallel_layouts_are_one_line_errors(argv, world, message):
     with pytest.raises(ValueError) as e:
         dry_run(cfg, world_size=world, out=lambda line: None)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_moe_checkpoint_loads_for_inference_with_its_routing_bias(tmp_path):
+    """``load_model`` (generation, evaluation) of a llama3_moe step folder: a family without an HF adapter is
+    read by its own state-dict names, and the routers' moved biases (buffers) are loaded with the weights."""
+    import dataclasses
+
+    import torch.distributed.checkpoint as dcp
+
+    from titanlite.checkpoint import layout
+    from titanlite.checkpoint.load_model import load_model
+
+    torch.manual_seed(0)
+    model = build_model("llama3_moe", "debugmodel", device="cpu", n_layers=2, dim=64, n_heads=4, n_kv_heads=2)
+    with torch.no_grad():
+        model.layers["1"].feed_forward.router.expert_bias.copy_(torch.linspace(-0.2, 0.2, 8))
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "step-2"), no_dist=True)
+    info = {"step": 2, "model_only": True, "dtype": "float32", "tokenizer": {"path": "", "bos_id": None, "eos_id": 1}}
+    info["model"] = {"name": "llama3_moe", "flavor": None, "args": dataclasses.asdict(model.args)}
+    layout.write_info(tmp_path / "step-2", info)
+    loaded = load_model(tmp_path / "step-2", tokenizer_path="bytes")
+    bias = loaded.model.layers["1"].feed_forward.router.expert_bias
+    assert torch.equal(bias, model.layers["1"].feed_forward.router.expert_bias)
+    tokens = torch.randint(0, 512, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(loaded.model(tokens), model.eval()(tokens))

@@ -111,6 +111,8 @@ def dcp_to_hf(
         whose = "the model args taken for this torchtitan checkpoint"
     else:
         spec, args = model_from_info(info, step_dir, given)
+        if spec.hf_adapter is None:
+            raise ValueError(f"model family {spec.name!r} has no Hugging Face adapter: it does not convert")
         whose = "the args in checkpoint.json"
     adapter = spec.hf_adapter(args)
     stored = metadata.state_dict_metadata
@@ -314,8 +316,6 @@ def model_from_info(info: dict[str, Any], where: Path, extensions: Sequence[str]
             )
         raise ValueError(f"{where}: unknown model family {name!r} in {layout.INFO_FILE}")
     spec = get_model_spec(name)
-    if spec.hf_adapter is None:
-        raise ValueError(f"model family {name!r} has no Hugging Face adapter")
     args = model.get("args") or {}
     if not isinstance(args, dict):
         raise ValueError(f"{file}: model.args must be a table of model args, got {args!r}")

@@ -36,7 +36,10 @@ class MoEStep:
                 if len(parts) < 2 or parts[0] != "layers" or not parts[1].isdigit():
                     raise ValueError(f"MoE layer {name!r} is not inside a block 'layers.<i>'")
                 layers[int(parts[1])] = m
-        return cls(layers, model.args.n_layers, group) if layers else None
+        if not layers:
+            return None
+        n_blocks = getattr(getattr(model, "args", None), "n_layers", None) or max(layers) + 1  # the whole model's
+        return cls(layers, n_blocks, group)
 
     def begin_step(self, tokens: int) -> None:
         for layer in self.layers.values():
