@@ -43,6 +43,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from titanlite.config import exit_with_error, parse_args_or_exit  # noqa: E402
+from titanlite.dtypes import DTYPES  # noqa: E402
 from titanlite.models import model_schema  # noqa: E402
 from titanlite.models.llama3.model import FeedForward  # noqa: E402
 from titanlite.models.moe import MoE  # noqa: E402
@@ -57,11 +58,14 @@ DENSE, SPARSE = "train_configs/debug_model.toml", "train_configs/debug_moe.toml"
 
 def timed(fn, steps: int, warmup: int = 2) -> float:
     """Mean seconds of ``fn()`` (forward and backward) over ``steps`` calls after ``warmup``."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(warmup):
         fn()
+    sync()
     start = time.perf_counter()
     for _ in range(steps):
         fn()
+    sync()
     return (time.perf_counter() - start) / steps
 
 
@@ -72,7 +76,8 @@ def backward(*outs: torch.Tensor) -> None:
 def layer_split(moe: MoE, tokens: int, dim: int, steps: int, ep_group=None) -> dict:
     """Seconds per forward + backward of each piece of ``moe`` on ``tokens`` tokens (module docstring)."""
     torch.manual_seed(0)
-    x = torch.randn(1, tokens, dim, requires_grad=True)
+    w = moe.router.gate.weight
+    x = torch.randn(1, tokens, dim, device=w.device, dtype=w.dtype, requires_grad=True)
     flat = x.detach().reshape(-1, dim).requires_grad_()
     k, e = moe.cfg.top_k, moe.cfg.num_experts
     with torch.no_grad():
@@ -86,7 +91,7 @@ def layer_split(moe: MoE, tokens: int, dim: int, steps: int, ep_group=None) -> d
         idx = torch.argsort(routing.experts.reshape(-1), stable=True)
         y = flat[idx // k]  # stands for the experts' outputs: same shapes, same way back
         inverse = torch.empty_like(idx)
-        inverse[idx] = torch.arange(idx.numel())
+        inverse[idx] = torch.arange(idx.numel(), device=idx.device)
         backward((y[inverse].view(-1, k, dim) * weights.unsqueeze(-1)).sum(1))
 
     split = {
@@ -133,6 +138,8 @@ def layer_bench(rest: list[str], steps: int) -> dict:
     ep_group = None
     moe = MoE(args.dim, args.moe_config(), shared_cls=FeedForward)
     moe.init_weights(0.02)
+    if torch.cuda.is_available():  # the grouped GEMM runs in bf16 on CUDA
+        moe = moe.to(world.device, DTYPES[cfg.training.mixed_precision_param])
     if world.world_size > 1:
         from titanlite.models.moe.expert_parallel import shard_experts
         from titanlite.parallel.parallel_dims import ParallelDims
@@ -156,6 +163,7 @@ def layer_bench(rest: list[str], steps: int) -> dict:
         "tokens": tokens,
         "processes": world.world_size,
         "expert_parallel_degree": 1 if ep_group is None else dist.get_world_size(ep_group),
+        "device": str(next(moe.parameters()).device),
         "threads": torch.get_num_threads(),
         "seconds_per_layer_step": split,
         "fraction_of_layer": {k: v / layer for k, v in split.items() if k not in ("layer", "loop")},
