@@ -174,13 +174,8 @@ def dry_run(cfg, world_size: int | None = None, out: Callable[[str], None] = pri
         "model": f"{cfg.model.name}/{cfg.model.flavor}",
         "world_size": world_size,
         "world_size_source": source,
-        "degrees": {
-            "pp": dims.pp,
-            "dp_replicate": dims.dp_replicate,
-            "dp_shard": dims.dp_shard,
-            "tp": dims.tp,
-            "ep": dims.ep,
-        },
+        "degrees": {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp}
+        | ({"ep": dims.ep} if dims.ep > 1 else {}),  # expert parallelism: a factor of dp_shard, no ranks of its own
         "grad_accum": accum,
         "global_batch": t.local_batch_size * dims.dp_degree * accum,
         "tokens_per_step": t.local_batch_size * dims.dp_degree * accum * t.seq_len,
