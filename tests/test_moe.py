@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ from titanlite.models.moe import MoE, MoEConfig, MoEStep
 from titanlite.models.moe.router import limit_to_groups
 from titanlite.planner import ModelShape, active_param_count, param_count
 
+DEBUG_MOE = str(Path(__file__).resolve().parents[1] / "train_configs" / "debug_moe.toml")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -277,7 +279,7 @@ def test_bad_moe_settings_are_one_line_errors(argv, message):
     from titanlite.models.registry import model_args_for
 
     with pytest.raises((ConfigError, ValueError)) as e:
-        cfg = load_config(["--config", "train_configs/debug_moe.toml", *argv])
+        cfg = load_config(["--config", DEBUG_MOE, *argv])
         model_args_for(cfg.model, 512)
     assert message in str(e.value) and "\n" not in str(e.value)
 
@@ -293,7 +295,7 @@ def test_bad_expert_parallel_layouts_are_one_line_errors(argv, world, message):
     """Checked by the dry run exactly as by the trainer (fake process group, meta model)."""
     from titanlite.dry_run import dry_run
 
-    cfg = load_config(["--config", "train_configs/debug_moe.toml", *argv])
+    cfg = load_config(["--config", DEBUG_MOE, *argv])
     with pytest.raises(ValueError) as e:
         dry_run(cfg, world_size=world, out=lambda line: None)
     assert message in str(e.value) and "\n" not in str(e.value)
