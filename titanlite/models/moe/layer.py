@@ -83,7 +83,6 @@ class MoE(nn.Module):
     def _balance(self, out: torch.Tensor, routing, counts: torch.Tensor, batch_shape: tuple[int, int]) -> torch.Tensor:
         """Record the statistics and add the aux / z loss terms (token sums / the step's tokens) to the gradients."""
         cfg, n = self.cfg, routing.experts.shape[0]
-        terms = []
         aux = aux_loss_sum(routing, cfg, batch_shape, self.load_group) if cfg.aux_loss_coef > 0 else None
         z = cfg.z_loss_coef * z_loss_sum(routing.logits) if cfg.z_loss_coef > 0 else None
         with torch.no_grad():
