@@ -6,6 +6,7 @@
     torchrun --nproc-per-node 8 scripts/bench.py --config ... --parallelism.data_parallel_shard_degree 8
     torchrun --nproc-per-node 2 scripts/bench.py --config ... --parallelism.pipeline_parallel_degree 2
     python scripts/bench.py --compare-pp [--compare-repeats 2] --config ...   # PP 2 vs FSDP 2, side by side
+    python scripts/bench.py --compare-moe [--compare-repeats 2] [overrides]  # debug MoE vs dense (scripts/bench_moe.py)
 
 Everything after the bench options is the usual config (file + ``--section.key`` overrides), so
 any parallelism / float8 / compile / AC combination is benchmarked through the real Trainer. The
@@ -331,6 +332,11 @@ def main(argv=None) -> dict:
         action="store_true",
         help="instead: pipeline parallel degree 2 vs FSDP degree 2 (2 processes each) at the same global batch",
     )
+    parser.add_argument(
+        "--compare-moe",
+        action="store_true",
+        help="instead: debug MoE vs the dense debug model of the same active size, and the MoE layer's time split",
+    )
     parser.add_argument("--compare-repeats", type=int, default=1, help="runs of each layout, alternating order")
     parser.add_argument("--compare-timeout", type=float, default=900.0, help="seconds allowed per torchrun run")
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
@@ -349,6 +355,11 @@ def main(argv=None) -> dict:
         )
     if args.warmup < 0 or args.steps < 1:
         parser.error("--warmup must be >= 0 and --steps >= 1")
+    if args.compare_moe:  # a separate benchmark, kept in its own script
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_moe import compare_moe
+
+        return emit(compare_moe(args, rest), args.json_out)
     if args.compare_pp:
         if args.compare_repeats < 1 or args.compare_timeout <= 0:
             parser.error("--compare-repeats must be >= 1 and --compare-timeout > 0")

@@ -33,6 +33,7 @@ from titanlite.planner import (
     plan_run,
     usable_memory,
 )
+from titanlite.planner_moe import all_to_all_seconds  # noqa: E402
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -152,16 +153,33 @@ def report(args, cfg, shape: ModelShape, setup: RunSetup, plan) -> str:
         f"vocab {shape.vocab_size:,}{', tied embeddings' if shape.tie_word_embeddings else ''}",
         f"layout     {setup.num_gpus} x {args.gpu}: dp {setup.dp_degree} (shard {setup.dp_shard} x replicate "
         f"{setup.dp_replicate}{', FSDP' if setup.fsdp else ''}), tp {setup.tp}"
+        f"{f', ep {setup.ep} (experts over dp_shard)' if setup.ep > 1 else ''}"
         f"{f', pp {setup.pp} ({setup.pp_schedule}, {setup.n_microbatches} microbatches)' if setup.pp > 1 else ''}; "
         f"{setup.compute_dtype}"
         f"{' + float8' if setup.float8 else ''}; activation checkpointing {setup.ac_mode}"
         f"{' (' + setup.ac_option + ')' if setup.ac_mode == 'selective' else ''}",
         f"batch      {setup.global_batch} sequences x {setup.seq_len} tokens = {setup.tokens_per_step:,} tokens/step "
         f"(local {setup.local_batch_size} x dp {setup.dp_degree} x accumulation {setup.grad_accum})",
-        f"FLOPs      {plan.flops_per_token:.4g} per token (6 N + attention); {plan.total_flops:.4g} in total",
+        f"FLOPs      {plan.flops_per_token:.4g} per token (6 N + attention"
+        f"{', N = the active parameters' if plan.active_params != plan.params else ''}); "
+        f"{plan.total_flops:.4g} in total",
         f"tokens     {plan.tokens:,.0f} in {plan.steps:,} optimizer steps"
         + (f" ({CHINCHILLA_TOKENS_PER_PARAM} tokens/parameter)" if args.chinchilla else ""),
     ]
+    if plan.active_params != plan.params:
+        lines.insert(
+            1,
+            f"active     {plan.active_params:,} parameters per token ({plan.active_params / 1e9:.3f} B: the routed top-"
+            f"{shape.moe.top_k} of {shape.moe.num_experts} experts and shared ones in {shape.moe.n_moe} MoE blocks)",
+        )
+    if plan.all_to_all_bytes:
+        seconds, link = all_to_all_seconds(plan.all_to_all_bytes, setup.ep)
+        share = "" if plan.wall_s is None else f" = {seconds * plan.steps / plan.wall_s:.0%} of the estimated step time"
+        lines.append(
+            f"all2all    {plan.all_to_all_bytes / 1e9:.2f} GB sent per GPU per optimizer step (expert parallelism "
+            f"{setup.ep}: each token's top-{shape.moe.top_k} copies to their experts and back, forward and backward); "
+            f"{seconds:.2f} s at {link}{share} unless overlapped"
+        )
     if plan.peak_flops is None:
         lines.append(
             f"time       unknown: no {plan.matmul_dtype} peak for GPU '{args.gpu}' in the table "

@@ -34,8 +34,14 @@ EXPECTED = {
     "train_configs/llama70b.toml": ((1, 8, 8), 70_553_706_496, 512 * 8192),
     "train_configs/llama405b.toml": ((1, 8, 8), 405_853_388_800, 1024 * 8192),
     "torchtitan_ext/configs/qwen3_debug.toml": ((1, 1, 1), 4_066_048, 16 * 256),
+    "train_configs/debug_moe.toml": ((1, 1, 1), 10_892_544, 8 * 256),
+    "train_configs/qwen3_30b_a3b.toml": ((1, 64, 1), 30_532_122_624, 512 * 4096),
+    "train_configs/deepseek_v3_671b.toml": ((1, 32, 1), 671_030_277_120, 1024 * 4096),
 }
-PIPELINED = {"train_configs/llama405b.toml": 8}  # config -> pipeline_parallel_degree (1 when not listed)
+PIPELINED = {
+    "train_configs/llama405b.toml": 8,
+    "train_configs/deepseek_v3_671b.toml": 16,
+}  # config -> pipeline_parallel_degree (1 when not listed)
 
 DRY_RUN_ALL = """
 import json, sys

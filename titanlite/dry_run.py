@@ -116,7 +116,15 @@ def dry_run(cfg, world_size: int | None = None, out: Callable[[str], None] = pri
     from titanlite.parallel.parallel_dims import MESH_DIMS, ParallelDims
     from titanlite.parallel.pipeline import PipelinePlan
     from titanlite.parallel.policies import Policies
-    from titanlite.planner import ModelShape, RunSetup, param_count, pipeline_memory, usable_memory
+    from titanlite.planner import (
+        ModelShape,
+        RunSetup,
+        active_param_count,
+        all_to_all_volume,
+        param_count,
+        pipeline_memory,
+        usable_memory,
+    )
     from titanlite.run_plan import plan_run as plan_stages
     from titanlite.train_step import grad_accum_steps
 
@@ -166,11 +174,14 @@ def dry_run(cfg, world_size: int | None = None, out: Callable[[str], None] = pri
         "model": f"{cfg.model.name}/{cfg.model.flavor}",
         "world_size": world_size,
         "world_size_source": source,
-        "degrees": {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp},
+        "degrees": {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp}
+        | ({"ep": dims.ep} if dims.ep > 1 else {}),  # expert parallelism: a factor of dp_shard, no ranks of its own
         "grad_accum": accum,
         "global_batch": t.local_batch_size * dims.dp_degree * accum,
         "tokens_per_step": t.local_batch_size * dims.dp_degree * accum * t.seq_len,
         "planner_params": param_count(shape),
+        "active_params": active_param_count(shape),  # per token (MoE: the routed top-k and shared experts)
+        "all_to_all_bytes": all_to_all_volume(shape, setup),  # per GPU per optimizer step (expert parallelism)
         "memory": memory,
         "gpu": cfg.job.dry_run_gpu,
         "usable_bytes": usable,
@@ -304,6 +315,10 @@ def format_report(r: dict[str, Any], cfg) -> list[str]:
     worst = f", worst stage (pp rank {m['pp_rank']})" if pl else ""
     if d["dp_replicate"] * d["dp_shard"] > 1:
         layout.append(f"FSDP over {d['dp_shard']}")
+    if d.get("ep", 1) > 1:
+        layout.append(
+            f"EP {d['ep']} (experts over dp_shard {d['dp_shard']} = {d['dp_shard'] // d['ep']} x ep {d['ep']})"
+        )
     if d["tp"] > 1:
         lp = "loss parallel" if cfg.parallelism.enable_loss_parallel else "logits gathered"
         layout.append(f"TP {d['tp']} ({lp})")
@@ -323,6 +338,16 @@ def format_report(r: dict[str, Any], cfg) -> list[str]:
         f"params     {r['params']:,} in the model ({r['params'] / 1e9:.3f} B); per rank: {spread} "
         f"= 1/{r['params'] / max(per[hi], 1):.1f} of the model",
     ]
+    if r.get("active_params", r["params"]) != r["planner_params"]:
+        lines.append(
+            f"active     {r['active_params']:,} parameters per token ({r['active_params'] / 1e9:.3f} B: the routed "
+            "top-k and shared experts of each MoE block); FLOPs and MFU count these"
+        )
+    if r.get("all_to_all_bytes"):
+        lines.append(
+            f"all2all    {r['all_to_all_bytes'] / GB:.2f} GB sent per GPU per optimizer step (expert parallelism: "
+            "tokens to their experts and back, forward and backward; planner estimate)"
+        )
     if r["planner_params"] != r["params"]:
         lines.append(
             f"note       the planner's count is {r['planner_params']:,}: its memory estimate below is for that shape"

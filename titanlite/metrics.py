@@ -670,6 +670,8 @@ class MetricsHook(Hook):
         mfu = "unknown" if r["mfu"] is None else f"{100 * r['mfu']:.2f}%"
         mem = r.get("mem_peak_gib", r.get("mem_rss_gib", 0.0))
         upd = f" | upd/param {r['update_ratio']:.1e}" if "update_ratio" in r else ""
+        if "moe/load_max_mean" in r:  # a mixture-of-experts model: the worst block's max/mean expert load
+            upd += f" | moe load {r['moe/load_max_mean']:.2f} aux {r['moe/aux_loss']:.2e}"
         logger.info(
             f"step {r['step']:4d}/{total} ({100 * r['step'] / total:.0f}%) | loss {r['loss']:.4f} | grad_norm "
             f"{r['grad_norm']:.3f} | lr {r['lr']:.2e} | tok/s {r['tokens_per_s']:,.0f} (global "

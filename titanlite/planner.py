@@ -50,6 +50,11 @@ block's activations while it is recomputed; ``selective`` ``op`` keeps the block
 outputs of the matmuls and attention (``r d + c (q + 2 d_kv) + c q + 4 h + c d + 2 c F + c d``)
 plus one block's recomputed remainder; ``selective`` ``N`` applies full AC to every N-th block.
 
+Mixture-of-experts models (``ModelShape.moe``) are modelled by :mod:`titanlite.planner_moe`: exact total and
+active parameters, FLOPs of the active ones, per-block averages of parameters and activations over dense and
+MoE blocks, experts sharded over the data-parallel shard ranks only (EP is a factor of them), and the
+all-to-all volume of expert parallelism (:func:`all_to_all_volume`).
+
 Other families are modelled as that block with their own sizes: parameters and FLOPs stay exact
 (``head_dim``, QK-norm weights), activations are a lower bound where a block keeps more (Qwen3's
 QK-norm and fp32 half-split RoPE keep ~2x as much per token under bf16 autocast).
@@ -75,6 +80,7 @@ import math
 from typing import Any
 
 from titanlite.dtypes import DTYPES
+from titanlite.planner_moe import MoEShape, all_to_all_bytes
 
 RESERVE_BYTES = 2.0e9  # CUDA context, NCCL buffers, cuBLAS workspaces
 FRAGMENTATION = 0.05  # share of the GPU memory assumed lost to the caching allocator's fragmentation
@@ -98,6 +104,7 @@ class ModelShape:
     head_dim: int = 0  # 0: dim // n_heads, filled in by __post_init__
     qk_norm: bool = False
     num_params: int = 0
+    moe: MoEShape | None = None  # mixture-of-experts blocks (titanlite.planner_moe)
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -108,7 +115,7 @@ class ModelShape:
         kv = getattr(args, "kv_heads", None) or getattr(args, "n_kv_heads", None) or args.n_heads
         sizes = (args.dim, args.n_layers, args.n_heads, kv, args.ffn_hidden_dim, args.vocab_size)
         tied, head_dim, qk_norm = (getattr(args, k, None) for k in ("tie_word_embeddings", "head_dim", "qk_norm"))
-        return cls(*sizes, bool(tied), int(head_dim or 0), bool(qk_norm), num_params)
+        return cls(*sizes, bool(tied), int(head_dim or 0), bool(qk_norm), num_params, MoEShape.from_args(args))
 
     @property
     def q_dim(self) -> int:
@@ -119,10 +126,28 @@ class ModelShape:
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
 
+    @property
+    def moe_fraction(self) -> float:
+        """Share of the blocks that are MoE blocks (0 for a dense model)."""
+        return 0.0 if self.moe is None else self.moe.n_moe / self.n_layers
 
-def _block_matmul_params(s: ModelShape) -> int:
-    """The linear weights of one block: wq, wo; wk, wv; w1, w2, w3."""
-    return 2 * s.dim * s.q_dim + 2 * s.dim * s.kv_dim + 3 * s.dim * s.ffn_hidden_dim
+    @property
+    def active_ffn_hidden(self) -> float:
+        """The SwiGLU width a token goes through, averaged over the blocks (``ffn_hidden_dim`` when dense)."""
+        f = self.moe_fraction
+        return self.ffn_hidden_dim * (1 - f) + (self.moe.active_hidden() * f if self.moe else 0)
+
+    def moe_extra_params(self, active: bool = False) -> int:
+        """All MoE blocks' feed-forward parameters (``active``: per token) minus the dense SwiGLUs they replace."""
+        if self.moe is None:
+            return 0
+        return self.moe.n_moe * (self.moe.block_ffn_params(self.dim)[active] - 3 * self.dim * self.ffn_hidden_dim)
+
+
+def _block_matmul_params(s: ModelShape) -> float:
+    """The linear weights of one block: wq, wo; wk, wv; w1, w2, w3 (MoE: the average block's)."""
+    dense = 2 * s.dim * s.q_dim + 2 * s.dim * s.kv_dim + 3 * s.dim * s.ffn_hidden_dim
+    return dense + s.moe_extra_params() / s.n_layers if s.moe else dense
 
 
 def block_params(s: ModelShape) -> int:
@@ -136,12 +161,17 @@ def param_count(s: ModelShape) -> int:
         return s.num_params
     embed = s.vocab_size * s.dim
     output = 0 if s.tie_word_embeddings else embed
-    return embed + s.n_layers * block_params(s) + s.dim + output
+    return round(embed + s.n_layers * block_params(s) + s.dim + output)
+
+
+def active_param_count(s: ModelShape) -> int:
+    """Parameters a token uses: all of them but the routed experts it does not go to (MoE)."""
+    return param_count(s) - (s.moe_extra_params() - s.moe_extra_params(active=True))
 
 
 def matmul_param_count(s: ModelShape) -> int:
     """Parameters used in matmuls: the blocks' linear weights and the output projection."""
-    return s.n_layers * _block_matmul_params(s) + s.vocab_size * s.dim
+    return round(s.n_layers * _block_matmul_params(s) + s.vocab_size * s.dim)
 
 
 def palm_flops_per_token(matmul_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> int:
@@ -152,15 +182,20 @@ def palm_flops_per_token(matmul_params: int, n_layers: int, n_heads: int, head_d
 
 
 def flops_per_token(s: ModelShape, seq_len: int) -> int:
-    """:func:`palm_flops_per_token` of the shape: every parameter but the input embedding table is a
-    matmul parameter (a tied table is the output projection, so it counts)."""
+    """:func:`palm_flops_per_token` of the shape: every parameter a token uses but the input embedding table
+    is a matmul parameter (a tied table is the output projection, so it counts; MoE: the active ones)."""
     embed = 0 if s.tie_word_embeddings else s.vocab_size * s.dim
-    return palm_flops_per_token(param_count(s) - embed, s.n_layers, s.n_heads, s.head_dim, seq_len)
+    return palm_flops_per_token(active_param_count(s) - embed, s.n_layers, s.n_heads, s.head_dim, seq_len)
 
 
 def params_of(args: Any) -> int:
     """Exact parameters of a Llama-style family's model args (a ``ModelSpec.num_params``)."""
     return param_count(ModelShape.from_args(args))
+
+
+def active_params_of(args: Any) -> int:
+    """Parameters per token of a Llama-style family's model args (a ``ModelSpec.active_params``; MoE-aware)."""
+    return active_param_count(ModelShape.from_args(args))
 
 
 def flops_of(args: Any, seq_len: int) -> int:
@@ -283,6 +318,7 @@ class RunSetup:
     pp_stage_sizes: tuple[int, ...] = ()  # blocks per stage (a PipelinePlan's); () = as even as possible
     reduce_dtype: str = "float32"  # FSDP's gradient dtype (mixed_precision_reduce)
     fsdp_reshard_after_forward: str = "default"  # default | always | never
+    ep: int = 1  # expert-parallel degree (MoE): a factor of dp_shard
 
     @classmethod
     def from_config(cls, cfg: Any, num_gpus: int, pp_stage_sizes: tuple[int, ...] = ()) -> RunSetup:
@@ -307,6 +343,7 @@ class RunSetup:
             pp_stage_sizes=pp_stage_sizes,
             reduce_dtype=t.mixed_precision_reduce,
             fsdp_reshard_after_forward=par.fsdp_reshard_after_forward,
+            ep=getattr(par, "expert_parallel_degree", 1),
         )
 
     def __post_init__(self) -> None:
@@ -321,6 +358,10 @@ class RunSetup:
             raise ValueError(
                 f"global_batch_size {self.global_batch_size} is not a multiple of local_batch_size "
                 f"({self.local_batch_size}) x data-parallel degree ({self.dp_degree})"
+            )
+        if self.ep < 1 or self.dp_shard % self.ep:
+            raise ValueError(
+                f"expert_parallel_degree ({self.ep}) must divide the data-parallel shard degree ({self.dp_shard})"
             )
         if self.ac_mode not in ("none", "full", "selective"):
             raise ValueError(f"unknown activation checkpointing mode {self.ac_mode!r}")
@@ -386,13 +427,14 @@ def _bytes(setup: RunSetup) -> tuple[int, int, int]:
 def activation_bytes_per_token_layer(s: ModelShape, setup: RunSetup) -> float:
     """Bytes autograd keeps per token per block without activation checkpointing (before ``/ tp``)."""
     c, r, lin = _bytes(setup)
-    d, q, f = s.dim, s.q_dim, s.ffn_hidden_dim
+    d, q, f = s.dim, s.q_dim, s.active_ffn_hidden
     k_attn, k_ffn = (3, 2) if setup.autocast or setup.float8 else (1, 1)  # each linear saves its own cast input
     norms = 2 * 2 * r * d
     matmul_inputs = lin * d * (k_attn + k_ffn)
     attention = 3 * c * q + c * q + 4 * s.n_heads + (lin * q if setup.float8 else 0)
     ffn = 3 * c * f + lin * f
-    return norms + matmul_inputs + attention + ffn + 8
+    moe = s.moe.extra_activation_bytes(d, c, lin) * s.moe_fraction if s.moe else 0.0
+    return norms + matmul_inputs + attention + ffn + moe + 8
 
 
 def _activation_per_token(s: ModelShape, setup: RunSetup, n_layers: float) -> tuple[float, float]:
@@ -407,7 +449,7 @@ def _activation_per_token(s: ModelShape, setup: RunSetup, n_layers: float) -> tu
     if setup.ac_mode == "full":
         return n_layers * keep_input, layer
     if setup.ac_option.strip() == "op":  # the block input and the matmul/attention outputs are kept
-        kept = r * d + c * (q + 2 * s.kv_dim) + c * q + 4 * s.n_heads + c * d + 2 * c * s.ffn_hidden_dim + c * d
+        kept = r * d + c * (q + 2 * s.kv_dim) + c * q + 4 * s.n_heads + c * d + 2 * c * s.active_ffn_hidden + c * d
         return n_layers * kept, layer - kept
     n_ac = int(n_layers) // int(setup.ac_option)  # full AC on every N-th block
     return n_ac * keep_input + (n_layers - n_ac) * layer, (layer if n_ac else 0.0)
@@ -509,12 +551,18 @@ def stage_memory_breakdown(s: ModelShape, setup: RunSetup, share: StageShare) ->
     ``local_batch_size`` sequences in flight)."""
     p = setup.pp
     v = len(setup.stage_sizes(s.n_layers)) // p
-    local = stage_params(s, share) / (setup.tp * (setup.dp_shard if setup.fsdp else 1))
+    shards = setup.dp_shard if setup.fsdp else 1
+    local = stage_params(s, share) / (setup.tp * shards)
+    experts = share.n_layers * s.moe_fraction * s.moe.expert_params(s.dim) if s.moe else 0.0
+    local += experts / shards * (1 - 1 / setup.tp)  # experts are replicated over the TP ranks
     c = _bytes(setup)[0]
     matmul = share.n_layers * _block_matmul_params(s) + (s.vocab_size * s.dim if share.last else 0)
     params = 4 * local
     if setup.fsdp and c != 4:  # gathered compute-dtype copies: ~2 blocks + the last group (norm + output)
-        params += c * (2 * block_params(s) + (s.vocab_size * s.dim if share.last else 0)) / setup.tp
+        block = block_params(s) / setup.tp
+        if s.moe:  # a gathered MoE block holds its rank's E / ep experts, not sharded over TP
+            block += s.moe_fraction * s.moe.expert_params(s.dim) * (1 / setup.ep - 1 / setup.tp)
+        params += c * (2 * block + (s.vocab_size * s.dim / setup.tp if share.last else 0))
     elif setup.autocast:  # autocast caches a bf16 copy of every matmul weight for backward
         params += c * matmul / setup.tp
     grads, optimizer = 4 * local, 8 * local  # fp32 gradients; AdamW's two fp32 moments
@@ -533,8 +581,9 @@ def stage_memory_breakdown(s: ModelShape, setup: RunSetup, share: StageShare) ->
     steady = p > 1 and setup.pp_schedule != "GPipe" and setup.n_microbatches * v > share.in_flight
     unsharded_params = unsharded_grads = 0.0
     if p > 1 and setup.fsdp:  # torch's stages keep FSDP's gathered weights and unsharded gradients to the last backward
-        unsharded_params = c * stage_params(s, share) / setup.tp
-        unsharded_grads = DTYPES[setup.reduce_dtype].itemsize * stage_params(s, share) / setup.tp
+        unsharded = stage_params(s, share) / setup.tp + experts * (1 / setup.ep - 1 / setup.tp)  # E / ep experts
+        unsharded_params = c * unsharded
+        unsharded_grads = DTYPES[setup.reduce_dtype].itemsize * unsharded
     params_at_peak = unsharded_params if steady or setup.fsdp_reshard_after_forward == "never" else 0.0
     moments = {
         "start of backward": (grads if setup.grad_accum > 1 or steady else 0.0)
@@ -590,6 +639,18 @@ def memory_breakdown(s: ModelShape, setup: RunSetup) -> dict[str, Any]:
     return max(pipeline_memory(s, setup), key=lambda m: m["total"])
 
 
+def all_to_all_volume(s: ModelShape, setup: RunSetup) -> float:
+    """Bytes each GPU sends by all-to-all per optimizer step under expert parallelism (0 without EP or MoE):
+    every micro-batch's tokens (``local_batch_size x seq_len``, all of them on every TP rank) through the MoE
+    blocks of the busiest pipeline rank (:func:`titanlite.planner_moe.all_to_all_bytes`)."""
+    if s.moe is None or setup.ep <= 1:
+        return 0.0
+    blocks = max(share.n_layers for share in stage_shares(s, setup)) * s.moe_fraction
+    tokens = setup.micro_batch_tokens * setup.grad_accum
+    c = _bytes(setup)[0]
+    return all_to_all_bytes(s.moe, s.dim, tokens, setup.ep, blocks, c, recompute=setup.ac_mode == "full")
+
+
 def usable_memory(gpu_bytes: float) -> float:
     """GPU memory a run may plan to use: minus fragmentation and the fixed reserve."""
     return gpu_bytes * (1 - FRAGMENTATION) - RESERVE_BYTES
@@ -632,6 +693,8 @@ class Plan:
     gpu_memory: float | None
     fits: bool | None
     bubble: float = 0.0  # pipeline bubble fraction (idle share of each rank's time)
+    active_params: int = 0  # parameters used per token (MoE: the active experts'); = params when dense
+    all_to_all_bytes: float = 0.0  # sent per GPU per optimizer step under expert parallelism
 
 
 def plan_run(
@@ -681,4 +744,6 @@ def plan_run(
         gpu_memory,
         fits,
         bubble,
+        active_param_count(s),
+        all_to_all_volume(s, setup),
     )

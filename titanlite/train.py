@@ -49,7 +49,7 @@ from titanlite.hooks import Hook, LoopState, call_hooks
 from titanlite.loss import cross_entropy_sum  # noqa: F401  (registers the built-in loss)
 from titanlite.metrics import DiskFullError, MetricsHook, MetricsLogger, device_memory_bytes, matmul_dtype, num_params
 from titanlite.models import get_model_spec, model_schema
-from titanlite.models.registry import check_seq_len, model_args_for, model_counts
+from titanlite.models.registry import active_params, check_seq_len, model_args_for, model_counts
 from titanlite.optim import build_optimizer  # noqa: F401  (registers the built-in optimizers and schedules)
 from titanlite.parallel.distributed import (
     CollectiveTimeoutHook,
@@ -454,6 +454,13 @@ class Trainer:
         return None
 
     @property
+    def active_note(self) -> str:
+        """`` (N active per token)`` for a mixture-of-experts model, else ""."""
+        total = model_counts(self.spec, self.model_args, self.cfg.training.seq_len)[0]
+        active = active_params(self.spec, self.model_args, total)
+        return f" ({active:,} active per token)" if active != total else ""
+
+    @property
     def dp_rank(self) -> int:
         """Index among the data-parallel ranks; the TP ranks of one DP rank share it (same batches)."""
         return self.parallel_dims.dp_rank(self.world.rank)
@@ -559,7 +566,8 @@ class Trainer:
     def log_start(self) -> None:
         t, c, dp, accum = self.cfg.training, self.cfg, self.parallel_dims.dp_degree, self.grad_accum_steps
         logger.info(
-            f"model {c.model.name}/{c.model.flavor}: {self.n_params:,} parameters, {self.flops_per_token:.3g} "
+            f"model {c.model.name}/{c.model.flavor}: {self.n_params:,} parameters{self.active_note}, "
+            f"{self.flops_per_token:.3g} "
             f"FLOPs/token | world {self.world.world_size} (dp {dp}) | device {self.device}"
         )
         logger.info(

@@ -16,6 +16,11 @@ accumulation and data parallelism give exactly the update of one big batch, and 
 ``loss`` is the global token mean. A loss that adds terms (z-loss, ...) keeps the contract by
 returning their sum over tokens; validation always reports plain cross-entropy.
 
+**Mixture-of-experts models** (:mod:`titanlite.models.moe`): the layers' aux / z losses follow the same
+contract (their token sums divided by the step's token count, which each step sets), and after the update
+the layers' loads, summed over the ranks, move the aux-loss-free biases and give the step's ``moe/*``
+metrics (``result.extra``).
+
 **Pipeline parallelism** (``pipeline``, a :class:`~titanlite.parallel.pipeline.Pipeline`): each micro-batch
 is one run of the schedule over the local batch (which the schedule cuts into pipeline microbatches), so
 gradient accumulation composes with it. The loss exists on the last stage only; its sum is shared over the
@@ -47,6 +52,7 @@ from torch import nn
 
 from titanlite import dtypes
 from titanlite.loss import cross_entropy_sum
+from titanlite.models.moe import MoEStep
 from titanlite.parallel.distributed import all_reduce_sum
 from titanlite.parallel.fsdp import is_fsdp
 from titanlite.parallel.grad_clip import WorldLayout, clip_coefficient, clip_grad_norm_, grad_square_sum, scale_grads_
@@ -155,6 +161,7 @@ class TrainStep:
         self.pipeline = pipeline
         self.count_unmasked = count_unmasked
         self.pp_group = getattr(parallel_dims, "pp_group", None)
+        self.moe = MoEStep.find(model, getattr(parallel_dims, "loss_group", None))  # None: a dense model
         use_autocast = autocast_dtype not in (None, torch.float32) and not is_fsdp(model)
         self.autocast_dtype = autocast_dtype if use_autocast else None
         self.stop_requested = stop_requested
@@ -210,6 +217,8 @@ class TrainStep:
         divisor = self.loss_token_count(micro) if self.count_unmasked else tokens
         if divisor == 0:  # every label masked on every rank: nothing to learn from, and nothing may move
             return self.skip_empty_step(step, tokens, data_s)
+        if self.moe is not None:
+            self.moe.begin_step(tokens)
         loss_sum = torch.zeros((), device=self.device)
         for batch in micro:
             loss_sum += self.forward_backward(batch, divisor)
@@ -226,6 +235,8 @@ class TrainStep:
         result.lr = lr * result.lr_scale
         if result.action == "update":
             self.update(result.lr_scale, grad_norm)
+        if self.moe is not None:  # after the update: the biases move with it (not on a skipped step)
+            result.extra.update(self.moe.end_step(updated=result.action == "update"))
         self.optimizer.zero_grad(set_to_none=True)
         return result
 

@@ -117,6 +117,8 @@ def dcp_to_hf(
         whose = "the model args taken for this torchtitan checkpoint"
     else:
         spec, args = model_from_info(info, step_dir, given)
+        if spec.hf_adapter is None:
+            raise ValueError(f"model family {spec.name!r} has no Hugging Face adapter: it does not convert")
         whose = "the args in checkpoint.json"
     adapter = spec.hf_adapter(args)
     stored = metadata.state_dict_metadata
@@ -141,14 +143,16 @@ def dcp_to_hf(
     reader, weight_map = safe_load.SafeFileSystemReader(str(step_dir)), {}
     bos, eos = _token_ids(info, step_dir)
     with _atomic_output(out_dir) as partial, layout.quiet_single_process():
+        done = 0
         for file, shard in zip(files, shards):
             tensors = {}  # one shard in memory at a time: save_file takes all of a file's tensors at once
             for name in shard:
                 src, md = sources[name]
                 tensor = _load_tensor(step_dir, metadata, reader, src, md)
-                hf_name, tensor = adapter.to_hf(name, tensor)
-                tensors[hf_name], weight_map[hf_name] = tensor.to(out_dtype).contiguous(), file
-                progress(len(weight_map), len(expected), hf_name, tuple(tensor.shape), out_dtype)
+                done += 1
+                for hf_name, part in adapter.to_hf_tensors(name, tensor):  # one, several (experts) or none
+                    tensors[hf_name], weight_map[hf_name] = part.to(out_dtype).contiguous(), file
+                    progress(done, len(expected), hf_name, tuple(part.shape), out_dtype)
             save_file(tensors, partial / file, metadata={"format": "pt"})
             layout.fsync_dir(partial / file)  # save_file does not fsync; fsync_dir works on a file too
         if n > 1:
@@ -324,8 +328,6 @@ def model_from_info(info: dict[str, Any], where: Path, extensions: Sequence[str]
             )
         raise ValueError(f"{where}: unknown model family {name!r} in {layout.INFO_FILE}")
     spec = get_model_spec(name)
-    if spec.hf_adapter is None:
-        raise ValueError(f"model family {name!r} has no Hugging Face adapter")
     args = model.get("args") or {}
     if not isinstance(args, dict):
         raise ValueError(f"{file}: model.args must be a table of model args, got {args!r}")
@@ -427,8 +429,9 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
 
 def hf_state_dict(path: Path, adapter: Any) -> dict[str, torch.Tensor]:
     """The full weights of the HF folder ``path`` under titanlite's names (``adapter``: the family's
-    HF adapter for the folder's args); a tensor of a shape ``config.json`` does not imply is an error."""
-    expected, state = adapter.expected_shapes(), {}
+    HF adapter for the folder's args); a tensor of a shape ``config.json`` does not imply is an error.
+    Native tensors made of several HF tensors (stacked experts) are assembled once all their parts are read."""
+    hf_layout, parts = adapter.hf_layout(), {}
     for hf_name, file in _tensor_files(path).items():
         try:
             native = adapter.from_hf_name(hf_name)
@@ -439,12 +442,27 @@ def hf_state_dict(path: Path, adapter: Any) -> dict[str, torch.Tensor]:
         with _safe_open(path / file) as f:
             if hf_name not in f.keys():
                 raise ValueError(f"{path / file} has no tensor {hf_name}")
-            _, tensor = adapter.from_hf(hf_name, f.get_tensor(hf_name))
-        if native not in expected or tuple(tensor.shape) != expected[native]:
-            want = list(expected[native]) if native in expected else "no such tensor"
-            raise ValueError(f"{path}: {hf_name} has shape {list(tensor.shape)}, config.json implies {want}")
-        state[native] = tensor
+            tensor = f.get_tensor(hf_name)
+        want = hf_layout.get(hf_name)
+        if want is None or tuple(tensor.shape) != want[1]:
+            raise ValueError(
+                f"{path}: {hf_name} has shape {list(tensor.shape)}, config.json implies "
+                f"{list(want[1]) if want else 'no such tensor'}"
+            )
+        parts[hf_name] = tensor
+    state = {}
+    for native, names in _parts_by_native(adapter, hf_layout).items():
+        if all(n in parts for n in names):
+            state[native] = adapter.from_hf_parts(native, [parts.pop(n) for n in names])
     return state
+
+
+def _parts_by_native(adapter: Any, hf_layout: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, list[str]]:
+    """``{native name: [its HF names, in order]}`` for every native tensor (an empty list: made from nothing)."""
+    out: dict[str, list[str]] = {name: [] for name in adapter.expected_shapes()}
+    for hf_name, (native, _) in hf_layout.items():
+        out[native].append(hf_name)
+    return out
 
 
 def hf_seed(path: Path) -> tuple[Any, Any] | None:
@@ -501,8 +519,8 @@ def hf_to_dcp(
     config = read_hf_config(hf_dir)
     spec, args = _model_for_hf(config, hf_dir / "config.json")
     adapter = spec.hf_adapter(args)
-    expected = adapter.expected_shapes()
-    found: dict[str, tuple[str, Path, torch.Tensor]] = {}  # native name -> (hf name, file, meta tensor)
+    expected, hf_layout = adapter.expected_shapes(), adapter.hf_layout()
+    found: dict[str, tuple[str, Path, torch.dtype]] = {}  # HF name -> (name in the files, file, dtype)
     for hf_name, file in _tensor_files(hf_dir).items():
         try:
             native = adapter.from_hf_name(hf_name)
@@ -510,7 +528,7 @@ def hf_to_dcp(
             raise ValueError(f"{hf_dir}: {e.args[0]}") from None
         if native is None:
             continue
-        if native not in expected:
+        if hf_name not in hf_layout:
             layers = config.get("num_hidden_layers")
             raise ValueError(
                 f"{hf_dir}: tensor {hf_name} does not belong to a model with {layers} layers (config.json)"
@@ -521,38 +539,44 @@ def hf_to_dcp(
             if hf_name not in f.keys():
                 raise ValueError(f"{hf_dir / file} has no tensor {hf_name} ({INDEX_FILE} says it does)")
             header = f.get_slice(hf_name)
-            shape = tuple(header.get_shape())
-            if shape != expected[native]:
-                raise ValueError(
-                    f"{hf_dir}: {hf_name} has shape {list(shape)} but config.json implies {list(expected[native])}"
-                )
+            shape, want = tuple(header.get_shape()), hf_layout[hf_name][1]
+            if shape != want:
+                raise ValueError(f"{hf_dir}: {hf_name} has shape {list(shape)} but config.json implies {list(want)}")
             dtype = header[:0].dtype  # an empty slice: safetensors names the torch dtype, no data is read
-        found[native] = (hf_name, hf_dir / file, torch.empty(shape, dtype=dtype, device="meta"))
-    if "output.weight" not in found and args.tie_word_embeddings and "tok_embeddings.weight" in found:
-        found["output.weight"] = found["tok_embeddings.weight"]  # a tied model stores both names
-    if missing := [n for n in expected if n not in found]:
+        found[hf_name] = (hf_name, hf_dir / file, dtype)
+    output, embedding = adapter.to_hf_name("output.weight"), adapter.to_hf_name("tok_embeddings.weight")
+    if output not in found and args.tie_word_embeddings and embedding in found:
+        found[output] = found[embedding]  # a tied model stores both names
+    if missing := [n for n in hf_layout if n not in found]:
         more = f" and {len(missing) - 1} more tensor(s)" if len(missing) > 1 else ""
-        raise ValueError(f"{hf_dir} lacks {adapter.to_hf_name(missing[0])}{more}")
+        raise ValueError(f"{hf_dir} lacks {missing[0]}{more}")
+    parts_of = _parts_by_native(adapter, hf_layout)
+    metas = {
+        n: torch.empty(expected[n], dtype=found[parts[0]][2] if parts else torch.float32, device="meta")
+        for n, parts in parts_of.items()
+    }
 
     loaded = []
 
     def load(native: str) -> torch.Tensor:
-        hf_name, file, _ = found[native]
-        try:
-            with _safe_open(file) as f:
-                raw = f.get_tensor(hf_name)
-        except Exception as e:  # the file changed or is damaged past its header
-            raise ValueError(f"{file}: cannot read {hf_name} ({safe_load.one_line(e)})") from None
-        _, tensor = adapter.from_hf(hf_name, raw)
+        raw = []
+        for part in parts_of[native]:
+            hf_name, file, _ = found[part]
+            try:
+                with _safe_open(file) as f:
+                    raw.append(f.get_tensor(hf_name))
+            except Exception as e:  # the file changed or is damaged past its header
+                raise ValueError(f"{file}: cannot read {hf_name} ({safe_load.one_line(e)})") from None
+        tensor = adapter.from_hf_parts(native, raw)
         loaded.append(native)
         progress(len(loaded), len(expected), f"model.{native}", tuple(tensor.shape), tensor.dtype)
         return tensor.contiguous()
 
     planner = _LazySavePlanner({f"model.{n}": functools.partial(load, n) for n in expected})
-    dtypes = {found[n][2].dtype for n in expected}
+    dtypes = {metas[n].dtype for n in expected if parts_of[n]}  # weights made from nothing (a zero bias) aside
     with _atomic_output(out_dir) as partial, layout.quiet_single_process():
         writer = dcp.FileSystemWriter(str(partial), single_file_per_rank=False, sync_files=True, thread_count=1)
-        meta_state = {"model": {n: found[n][2] for n in expected}}
+        meta_state = {"model": {n: metas[n] for n in expected}}
         try:
             dcp.save(meta_state, storage_writer=writer, planner=planner, no_dist=True)
         except CheckpointException as e:  # a BaseException: a read error while writing, one line

@@ -30,6 +30,7 @@ from torch import nn
 from titanlite.checkpoint import hf, layout, safe_load
 from titanlite.extensions import load_extensions
 from titanlite.hf_tokenizer import tokenizer_files
+from titanlite.models.registry import state_shapes
 
 
 @dataclasses.dataclass
@@ -109,7 +110,8 @@ def _from_step_folder(path: Path, extensions: list[str]) -> tuple[Any, Any, dict
         raise ValueError(f"{path} is damaged: {problem}")
     spec, args = hf.model_from_info(info, path, extensions)
     stored = safe_load.read_metadata(path).state_dict_metadata
-    expected = spec.hf_adapter(args).expected_shapes()
+    # the family's names and shapes (a family without an HF adapter: its model's, built on the meta device)
+    expected = spec.hf_adapter(args).expected_shapes() if spec.hf_adapter else state_shapes(spec, args)
     tied = bool(getattr(args, "tie_word_embeddings", False))
     state = {}
     for name, shape in expected.items():
@@ -140,7 +142,8 @@ def _build(spec, args, state: dict[str, torch.Tensor], device, dtype: torch.dtyp
     params = dict(model.named_parameters())
     if missing := [n for n in params if n not in state]:
         raise ValueError(f"{where} lacks {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    targets = {**dict(model.named_buffers()), **params}  # persistent buffers too (a MoE router's bias)
     with torch.no_grad():
         for name, tensor in state.items():
-            params[name].copy_(tensor)
+            targets[name].copy_(tensor)
     return model.to(dtype).eval()

@@ -287,8 +287,15 @@ class Parallelism:
     pipeline_parallel_microbatch_size: int = opt(1, "Sequences per pipeline microbatch.", min=1)
     pipeline_parallel_layers_per_stage: int = opt(-1, "Transformer blocks per stage; -1 = split evenly.", min=-1)
     pipeline_parallel_split_points: list[str] = opt([], "Modules that start a new stage, e.g. ['layers.4'].")
+    expert_parallel_degree: int = opt(1, "MoE experts sharded over this factor of data_parallel_shard_degree.", min=1)
+    expert_tensor_parallel_degree: int = opt(1, "Tensor parallelism inside experts: not built, must be 1.", min=1)
 
     def validate(self) -> None:
+        if self.expert_tensor_parallel_degree != 1:
+            raise ConfigError(
+                f"parallelism.expert_tensor_parallel_degree={self.expert_tensor_parallel_degree} is not supported: "
+                "titanlite does not shard experts with tensor parallelism (set it to 1; use expert_parallel_degree)"
+            )
         if self.pipeline_parallel_layers_per_stage == 0:
             raise ConfigError("parallelism.pipeline_parallel_layers_per_stage must be -1 (split evenly) or >= 1")
         if self.pipeline_parallel_split_points and self.pipeline_parallel_layers_per_stage != -1:

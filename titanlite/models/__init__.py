@@ -1,4 +1,4 @@
-"""Model families and their registry; importing it registers the built-in family (llama3), and
+"""Model families and their registry; importing it registers the built-in family (llama3, llama3_moe), and
 ``load_config`` is the config loader that knows the families."""
 
 from titanlite.models.registry import (
@@ -24,3 +24,4 @@ __all__ = [
 ]
 
 import titanlite.models.llama3  # noqa: E402, F401  (registers itself)
+import titanlite.models.llama3_moe  # noqa: E402, F401  (registers itself)

@@ -7,7 +7,10 @@ every family. A family's adapter subclasses :class:`HFDecoderAdapter`, fills the
 (``TOP``: whole names, ``BLOCK``: suffixes inside a block) and adds only what differs: tensor
 layouts (``tensor_to_hf`` / ``tensor_from_hf``), extra block parameters (``extra_block_shapes``),
 its own ``config.json`` keys (``extra_hf_config``) and ``args_from_hf_config`` (after
-:meth:`~HFDecoderAdapter.check_hf_config`).
+:meth:`~HFDecoderAdapter.check_hf_config`). A native tensor may stand for several HF tensors, or for none
+(a MoE layer's stacked experts, its routing bias): :meth:`~HFDecoderAdapter.hf_layout`,
+:meth:`~HFDecoderAdapter.to_hf_tensors` and :meth:`~HFDecoderAdapter.from_hf_parts` say how; by default
+each native tensor is one HF tensor.
 
 The model args are expected to have ``dim, n_layers, n_heads, kv_heads, head_dim, ffn_hidden_dim,
 vocab_size, max_seq_len, norm_eps, tie_word_embeddings``. Every conversion works on one tensor at a
@@ -107,6 +110,21 @@ class HFDecoderAdapter:
         """``(native_name, tensor)`` for one HF tensor, or None for tensors without weights."""
         name = self.from_hf_name(hf_name)
         return None if name is None else (name, self.tensor_from_hf(name, tensor))
+
+    # ---- one native tensor as several HF tensors (or none); one-to-one unless overridden
+    def hf_layout(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """``{HF name: (native name, HF shape)}`` of every HF tensor, in order; a native tensor's HF parts are its
+        entries in this order (a native tensor with none is built by :meth:`from_hf_parts` from nothing)."""
+        return {self.to_hf_name(name): (name, shape) for name, shape in self.expected_shapes().items()}
+
+    def to_hf_tensors(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """``[(hf_name, tensor), ...]``: the HF tensors one native tensor becomes."""
+        return [self.to_hf(name, tensor)]
+
+    def from_hf_parts(self, name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The native tensor ``name`` from its HF parts (in :meth:`hf_layout` order)."""
+        (tensor,) = parts
+        return self.tensor_from_hf(name, tensor)
 
     def extra_block_shapes(self) -> dict[str, tuple[int, ...]]:
         """Block parameters beyond the shared decoder block (suffix -> shape)."""

@@ -50,6 +50,9 @@ class ModelSpec:
     - ``num_params(args) -> int`` (tied tensors once) and ``flops_per_token(args, seq_len) -> int``
       (training FLOPs): the family's exact counts for MFU, the planner and the dry run; when None,
       :func:`model_counts` counts on a meta-built model (exact, a few seconds for the largest models).
+    - ``active_params(args) -> int``: parameters used per token (a mixture-of-experts model's routed top-k
+      and shared experts, not all of them); None: all of ``num_params`` (dense). MFU counts the FLOPs of
+      ``flops_per_token``, which for MoE families are the active parameters'.
     - ``run_args``: args fields that describe the run rather than the weights (default :data:`RUN_ARGS`;
       names the family lacks are ignored): never taken from a seed checkpoint (:func:`adopt_seed_args`).
     """
@@ -65,6 +68,7 @@ class ModelSpec:
     num_params: Callable[[Any], int] | None = None
     flops_per_token: Callable[[Any, int], int] | None = None
     run_args: tuple[str, ...] = RUN_ARGS
+    active_params: Callable[[Any], int] | None = None
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
@@ -292,6 +296,11 @@ def model_counts(spec: ModelSpec, args: Any, seq_len: int) -> tuple[int, int]:
     flops = palm_flops_per_token(total - lookup_only, args.n_layers, args.n_heads, head_dim, seq_len)
     params = spec.num_params(args) if spec.num_params else total
     return params, (spec.flops_per_token(args, seq_len) if spec.flops_per_token else flops)
+
+
+def active_params(spec: ModelSpec, args: Any, total: int) -> int:
+    """Parameters used per token: the family's ``active_params``, else ``total`` (a dense model)."""
+    return spec.active_params(args) if spec.active_params is not None else total
 
 
 def model_schema(cfg: JobConfig) -> type:

@@ -22,7 +22,19 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     for p in model.parameters():  # a shared (tied) tensor comes once
         if p.requires_grad:
             (decay if p.ndim >= 2 and id(p) not in embeddings else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [part for g in groups for part in _split_plain_from_dtensors(g)]
+
+
+def _split_plain_from_dtensors(group: dict) -> list[dict]:
+    """``group``, or two groups when it mixes DTensor and plain parameters (MoE layers replicated over
+    tensor-parallel ranks without FSDP): one foreach kernel cannot take both kinds."""
+    from torch.distributed.tensor import DTensor
+
+    kinds = [[p for p in group["params"] if isinstance(p, DTensor) == dt] for dt in (True, False)]
+    if not all(kinds):
+        return [group]
+    return [{**group, "params": params} for params in kinds]
 
 
 def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:

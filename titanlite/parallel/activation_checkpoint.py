@@ -8,8 +8,8 @@
 - ``selective`` with ``selective_ac_option``:
 
   - ``"op"`` (per-op): inside every block, the outputs of the expensive ops are saved (matmuls,
-    float8 matmuls, attention, and the tensor-parallel reduce-scatters and amax reductions whose
-    recomputation would repeat communication); the cheap element-wise ops (norms, SiLU, RoPE,
+    float8 matmuls, MoE experts' grouped matmuls, attention, and the tensor-parallel reduce-scatters
+    and amax reductions whose recomputation would repeat communication); the cheap element-wise ops (norms, SiLU, RoPE,
     casts) are recomputed. Most of full AC's memory saving at a fraction of its recompute cost;
   - ``"N"`` (an integer): full AC on every N-th block (blocks N-1, 2N-1, ... counting from 0), a
     knob between none (large N) and full (N = 1).
@@ -37,7 +37,11 @@ MODES = ("none", "full", "selective")
 
 _SDPA = ("flash_attention", "efficient_attention", "flash_attention_for_cpu", "cudnn_attention", "attention_math")
 _SAVE = {
-    *(getattr(aten, name).default for name in ("mm", "addmm", "bmm", "_scaled_mm", "max")),
+    *(
+        getattr(aten, name).default
+        for name in ("mm", "addmm", "bmm", "_scaled_mm", "max", "_grouped_mm")
+        if hasattr(aten, name)
+    ),
     *(getattr(aten, f"_scaled_dot_product_{k}").default for k in _SDPA if hasattr(aten, f"_scaled_dot_product_{k}")),
     getattr(torch.ops.higher_order, "flex_attention", None),  # block-causal attention on CUDA
     torch.ops._c10d_functional.reduce_scatter_tensor.default,

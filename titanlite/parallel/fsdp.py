@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from titanlite.parallel.float8_fsdp import wrap_float8_weights
 
@@ -54,11 +55,21 @@ class FSDPPolicy:
     def _reshard(self, last: bool) -> bool:
         return {"default": not last, "always": True, "never": False}[self.reshard]
 
-    def shard(self, modules: nn.Module | Sequence[nn.Module], last: bool = False) -> None:
-        """One FSDP group (one all-gather / reduce-scatter) for ``modules``' not-yet-sharded params."""
+    def shard(
+        self, modules: nn.Module | Sequence[nn.Module], last: bool = False, mesh: DeviceMesh | None = None, dim: int = 0
+    ) -> None:
+        """One FSDP group (one all-gather / reduce-scatter) for ``modules``' not-yet-sharded params, over this
+        policy's mesh (or ``mesh``, e.g. the experts' under expert parallelism), each sharded on dimension ``dim``."""
+        placement = None if dim == 0 else (lambda p: Shard(dim))
         if self.float8_all_gather:
             wrap_float8_weights(modules, self.mp_policy.param_dtype or torch.float32)
-        fully_shard(modules, mesh=self.mesh, mp_policy=self.mp_policy, reshard_after_forward=self._reshard(last))
+        fully_shard(
+            modules,
+            mesh=mesh or self.mesh,
+            mp_policy=self.mp_policy,
+            reshard_after_forward=self._reshard(last),
+            shard_placement_fn=placement,
+        )
 
     def finish(self, model: nn.Module) -> nn.Module:
         """Shard the root (remaining parameters, lazy-init point) and make every group SUM its gradients

@@ -17,6 +17,10 @@ Named views of the mesh:
 - ``"dp_shard_tp"`` (FSDP x TP only): ``dp_shard x tp`` flattened, which DTensor uses to reduce
   values sharded over both (the gradient norm) in one collective.
 - :attr:`ParallelDims.fsdp_mesh`: ``dp_shard``, or the 2-D ``(dp_replicate, dp_shard)`` for HSDP.
+- expert parallelism (``ep > 1``, MoE models): ``dp_shard`` is split into ``dp_shard_mod_ep x ep`` (``ep``
+  inner: adjacent ranks), a view of the same mesh (:attr:`ParallelDims.ep_mesh` holds a rank's expert
+  group, :attr:`ParallelDims.expert_fsdp_mesh` the ranks that FSDP-shard the same experts). Everything
+  but the experts keeps the usual meshes; EP takes no ranks of its own.
 
 Every degree problem raises ``ValueError`` with a one-line message naming the config keys.
 """
@@ -34,6 +38,7 @@ _KEYS = {
     "dp_replicate": "parallelism.data_parallel_replicate_degree",
     "dp_shard": "parallelism.data_parallel_shard_degree",
     "tp": "parallelism.tensor_parallel_degree",
+    "ep": "parallelism.expert_parallel_degree",
 }
 
 
@@ -45,7 +50,9 @@ class ParallelDims:
     world_size: int = 1
     pp: int = 1
     enable_loss_parallel: bool = True
+    ep: int = 1  # expert-parallel degree: a factor of dp_shard (MoE models)
     mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
+    _expert_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
     _dp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
     _pp_dp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -76,6 +83,11 @@ class ParallelDims:
                 f"({self.dp_replicate}) x data_parallel_shard_degree ({self.dp_shard}) x tensor_parallel_degree "
                 f"({self.tp}) = {product}, but WORLD_SIZE={self.world_size}"
             )
+        if self.ep < 1 or self.dp_shard % self.ep:
+            raise ValueError(
+                f"{_KEYS['ep']}={self.ep} must divide {_KEYS['dp_shard']} ({self.dp_shard}): the experts are "
+                "sharded over a part of the data-parallel shard dimension"
+            )
 
     @classmethod
     def from_config(cls, pcfg, world_size: int) -> ParallelDims:
@@ -87,6 +99,7 @@ class ParallelDims:
             world_size=world_size,
             pp=pcfg.pipeline_parallel_degree,
             enable_loss_parallel=pcfg.enable_loss_parallel,
+            ep=getattr(pcfg, "expert_parallel_degree", 1),
         )
 
     # ---- degrees
@@ -111,6 +124,10 @@ class ParallelDims:
     @property
     def tp_enabled(self) -> bool:
         return self.tp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
 
     @property
     def loss_parallel_enabled(self) -> bool:
@@ -144,6 +161,9 @@ class ParallelDims:
             # FSDP x TP gradients are sharded over both; with this flattened view DTensor reduces
             # their norms (gradient clipping) in one all-reduce instead of one per dimension
             mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
+        if self.ep > 1:  # dp_shard seen as (dp_shard_mod_ep, ep): same ranks, same root mesh
+            sizes, names = (self.dp_shard // self.ep, self.ep), ("dp_shard_mod_ep", "ep")
+            self._expert_mesh = mesh._unflatten("dp_shard", sizes, names)
         self.mesh = mesh
         return mesh
 
@@ -178,6 +198,22 @@ class ParallelDims:
         return self._sub("dp_replicate", "dp_shard") if self.hsdp_enabled else self._sub("dp_shard")
 
     @property
+    def ep_mesh(self) -> DeviceMesh | None:
+        """This rank's expert-parallel group (the ranks that split the experts), or None without EP."""
+        return None if self._expert_mesh is None else self._expert_mesh["ep"]
+
+    @property
+    def expert_fsdp_mesh(self) -> DeviceMesh | None:
+        """The mesh FSDP shards the experts over under EP: ``dp_shard_mod_ep`` (with ``dp_replicate`` for HSDP)."""
+        if self._expert_mesh is None:
+            return None
+        return (
+            self._expert_mesh["dp_replicate", "dp_shard_mod_ep"]
+            if self.hsdp_enabled
+            else self._expert_mesh["dp_shard_mod_ep"]
+        )
+
+    @property
     def dp_group(self) -> dist.ProcessGroup | None:
         """Process group of the data-parallel ranks, or None when there is only one."""
         return self.dp_mesh.get_group() if self.dp_degree > 1 and self.mesh is not None else None
@@ -199,4 +235,6 @@ class ParallelDims:
         if self.mesh is None:
             return []
         flat = [m.get_group() for m in (self._dp_mesh, self._pp_dp_mesh) if m is not None]
+        if self._expert_mesh is not None:
+            flat += [self._expert_mesh.get_group(name) for name in ("dp_shard_mod_ep", "ep")]
         return [self.mesh.get_group(name) for name in MESH_DIMS] + flat

@@ -23,6 +23,11 @@ PyTorch provides the stages (point-to-point sends of activations and gradients) 
    data and pipeline parallelism all give the single-process update. The raw sums are kept so that
    the trainer can share the true loss with every stage.
 
+Torch infers the shapes a stage exchanges by running its forward once on one microbatch (with placeholder
+inputs on later stages) at the first step and at each switch between training and evaluation. Modules
+that keep running statistics of their training forwards (MoE layers' expert loads) would count it:
+:class:`_Stage` turns ``track_stats`` off on them for that forward.
+
 Tied parameters whose copies would fall in different stages (a tied embedding and output) are
 refused: the stages would train two separate copies, and torch's stages do not synchronize them.
 """
@@ -322,7 +327,7 @@ class Pipeline:
 
     def _schedule(self, forward_only: bool = False) -> Any:
         plan = self.plan
-        stages = [PipelineStage(m, i, plan.num_stages, self.device, group=self.group) for i, m in self._stages()]
+        stages = [_Stage(m, i, plan.num_stages, self.device, group=self.group) for i, m in self._stages()]
         arg = stages if is_multi_stage(plan.schedule) else stages[0]
         kw = dict(n_microbatches=plan.n_microbatches, loss_fn=self._loss, scale_grads=False)
         schedule = SCHEDULES[plan.schedule](arg, **kw)
@@ -374,6 +379,20 @@ class Pipeline:
         if self._eval_schedule is None:
             self._eval_schedule = self._schedule(forward_only=True)
         return self._run(self._eval_schedule.eval, inputs, labels, extra, loss_fn, 1)
+
+
+class _Stage(PipelineStage):
+    """A ``PipelineStage`` whose shape inference leaves the modules' running statistics alone (module docstring)."""
+
+    def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        tracking = [m for m in self.submod.modules() if getattr(m, "track_stats", False)]
+        for m in tracking:
+            m.track_stats = False
+        try:
+            return super()._prepare_forward_infra(*args, **kwargs)
+        finally:
+            for m in tracking:
+                m.track_stats = True
 
 
 class _Autocast(nn.Module):

@@ -645,8 +645,9 @@ def _refuse(tt: dict[str, dict[str, Any]], given) -> None:
     name = str(model["name"])
     if name in MOE_MODELS or "moe" in name.lower():
         raise CompatError(
-            f"model.name={name!r}: mixture-of-experts models are not in titanlite (routing, expert "
-            "parallelism and load balancing would change the math); refused"
+            f"model.name={name!r}: compat does not map torchtitan's mixture-of-experts models (their routing, "
+            "expert parallelism and load balancing differ from titanlite's llama3_moe / qwen3_moe, which take "
+            "titanlite configs); refused"
         )
     if name != "llama3":
         raise CompatError(
@@ -659,9 +660,15 @@ def _refuse(tt: dict[str, dict[str, Any]], given) -> None:
         ("expert_tensor_parallel_degree", "expert tensor parallelism"),
     ):
         if par.get(key, 1) > 1:
+            why = (
+                "titanlite has no context parallelism"
+                if key.startswith("context")
+                else "compat maps torchtitan's dense llama3, which has no experts (titanlite's MoE families take "
+                "titanlite configs)"
+            )
             raise CompatError(
-                f"parallelism.{key}={par[key]}: titanlite has no {what}; running without it would "
-                "need another layout (and batch or schedule) than the config states; refused"
+                f"parallelism.{key}={par[key]}: {why}; running without {what} would need another layout (and batch "
+                "or schedule) than the config states; refused"
             )
     converters = [str(c) for c in model.get("converters") or []]
     for c in converters:

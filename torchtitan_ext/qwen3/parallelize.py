@@ -25,16 +25,14 @@ from __future__ import annotations
 import logging
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
 from titanlite.models.llama3.parallelize import apply_fsdp  # same groups: embedding, blocks, norm + output, root
+from titanlite.models.llama3.parallelize import block_tp_plan as llama_block_tp_plan
 from titanlite.parallel.tensor_parallel import parallelize_decoder_ends
 
 logger = logging.getLogger(__name__)
@@ -67,30 +65,21 @@ def parallelize_qwen3(model: nn.Module, parallel_dims, policies) -> nn.Module:
     return model
 
 
+def block_tp_plan(qk_norm: bool) -> dict:
+    """The TP plan of one Qwen3 block (module docstring), by submodule name: Llama's, with QK-norm."""
+    plan = llama_block_tp_plan()
+    if qk_norm:
+        plan["attention.wq"] = ColwiseParallel(use_local_output=False)
+        plan["attention.wk"] = ColwiseParallel(use_local_output=False)
+        plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
     parallelize_decoder_ends(model, tp_mesh, loss_parallel)
-    qk_norm = model.args.qk_norm
     for block in model.layers.values():
-        plan = {
-            "attention_norm": SequenceParallel(),
-            # (x, rope table, mask): gather x along the sequence; the table and mask stay plain tensors
-            "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
-            ),
-            "attention.wq": ColwiseParallel(use_local_output=not qk_norm),
-            "attention.wk": ColwiseParallel(use_local_output=not qk_norm),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
-        }
-        if qk_norm:
-            plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-            plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, block_tp_plan(model.args.qk_norm))
     if (
         model.args.tie_word_embeddings and model.output is not None
     ):  # both were replaced by DTensors: share the embedding's again

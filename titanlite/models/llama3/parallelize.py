@@ -97,30 +97,31 @@ def check_llama_parallelism(args, parallel_dims) -> None:
     )
 
 
+def block_tp_plan() -> dict:
+    """The TP + sequence-parallel plan of one Llama block (module docstring, step 2), by submodule name."""
+    return {
+        "attention_norm": SequenceParallel(),
+        # (x, rope_cache, attn_mask): gather x along the sequence; the rope table and mask are plain tensors
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
     """The Llama TP + sequence-parallel plan (module docstring, step 2)."""
     parallelize_decoder_ends(model, tp_mesh, loss_parallel)
     for block in model.layers.values():
-        parallelize_module(
-            block,
-            tp_mesh,
-            {
-                "attention_norm": SequenceParallel(),
-                # (x, rope_cache, attn_mask): gather x along the sequence; the rope table and mask are plain tensors
-                "attention": PrepareModuleInput(
-                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
-                ),
-                "attention.wq": ColwiseParallel(),
-                "attention.wk": ColwiseParallel(),
-                "attention.wv": ColwiseParallel(),
-                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-                "ffn_norm": SequenceParallel(),
-                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-                "feed_forward.w3": ColwiseParallel(),
-            },
-        )
+        parallelize_module(block, tp_mesh, block_tp_plan())
     if (
         model.args.tie_word_embeddings and model.output is not None
     ):  # TP replaced both parameters: share the embedding's again

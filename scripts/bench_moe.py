@@ -1,0 +1,231 @@
+"""MoE benchmark: the debug MoE against the dense debug model of the same active size, and the MoE layer's time split.
+
+    python scripts/bench.py --compare-moe [--warmup 3] [--steps 10] [--compare-repeats 2] [--section.key value ...]
+    python scripts/bench_moe.py [--steps 10] [--section.key value ...]            # the layer split alone
+    torchrun --nproc-per-node 2 scripts/bench_moe.py --parallelism.expert_parallel_degree 2   # with all-to-all
+
+``--compare-moe`` (through ``scripts/bench.py``) runs ``scripts/bench.py`` on ``train_configs/debug_model.toml``
+(dense: a 768-wide SwiGLU per block) and on ``train_configs/debug_moe.toml`` (8 experts of 256, top-2, one
+shared expert: the same FFN FLOPs per token, 2.2x the parameters), one after the other in fresh processes,
+alternating the order over repeats, with the same batch and sequence length (no accumulation unless
+asked; the overrides given apply to both), and reports each one's tokens/s (median over repeats), their
+ratio and the trainer's time split (forward+backward, optimizer, data). Then the MoE layer's own split,
+measured here.
+
+The layer split times one MoE layer of the config (its sizes, ``local_batch_size x seq_len`` tokens) piece
+by piece, forward and backward each, ``--steps`` times after a warm-up, on this rank:
+
+- ``router``: the gate, scores, top-k and weights;
+- ``permutation``: sorting the (token, slot) pairs by expert, gathering the tokens, and the way back
+  (unsorting the outputs and the weighted sum over the k slots);
+- ``grouped_gemm``: the routed experts' three grouped GEMMs and SwiGLU (``loop``: the per-expert loop on the
+  same tokens, for comparison);
+- ``all_to_all``: under ``torchrun`` with ``expert_parallel_degree > 1``, the token exchange to the experts'
+  ranks and back (both directions' forward and backward, the counts' exchange included);
+- ``shared_experts``; ``layer``: the whole layer, whose remainder over the parts is ``other`` (loss terms,
+  statistics, reshapes).
+
+Timings on a shared machine drift: the comparison is only meaningful side by side, as here.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from titanlite.config import exit_with_error, parse_args_or_exit  # noqa: E402
+from titanlite.dtypes import DTYPES  # noqa: E402
+from titanlite.models import model_schema  # noqa: E402
+from titanlite.models.llama3.model import FeedForward  # noqa: E402
+from titanlite.models.moe import MoE  # noqa: E402
+from titanlite.models.moe.expert_parallel import AllToAll, regroup_index  # noqa: E402
+from titanlite.models.moe.router import expert_counts  # noqa: E402
+from titanlite.models.registry import model_args_for  # noqa: E402
+from titanlite.parallel.distributed import init_distributed, main_then_exit, world_from_env  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+DENSE, SPARSE = "train_configs/debug_model.toml", "train_configs/debug_moe.toml"
+
+
+def timed(fn, steps: int, warmup: int = 2) -> float:
+    """Mean seconds of ``fn()`` (forward and backward) over ``steps`` calls after ``warmup``."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / steps
+
+
+def backward(*outs: torch.Tensor) -> None:
+    torch.autograd.backward([o for o in outs], [torch.ones_like(o) for o in outs])
+
+
+def layer_split(moe: MoE, tokens: int, dim: int, steps: int, ep_group=None) -> dict:
+    """Seconds per forward + backward of each piece of ``moe`` on ``tokens`` tokens (module docstring)."""
+    torch.manual_seed(0)
+    w = moe.router.gate.weight
+    x = torch.randn(1, tokens, dim, device=w.device, dtype=w.dtype, requires_grad=True)
+    flat = x.detach().reshape(-1, dim).requires_grad_()
+    k, e = moe.cfg.top_k, moe.cfg.num_experts
+    with torch.no_grad():
+        routing = moe.router(flat)
+    order = torch.argsort(routing.experts.reshape(-1), stable=True)
+    counts = expert_counts(routing.experts, e)
+    routed = flat.detach()[order // k].requires_grad_()
+    weights = routing.weights.detach().requires_grad_()
+
+    def permutation():
+        idx = torch.argsort(routing.experts.reshape(-1), stable=True)
+        y = flat[idx // k]  # stands for the experts' outputs: same shapes, same way back
+        inverse = torch.empty_like(idx)
+        inverse[idx] = torch.arange(idx.numel(), device=idx.device)
+        backward((y[inverse].view(-1, k, dim) * weights.unsqueeze(-1)).sum(1))
+
+    split = {
+        "router": timed(lambda: backward(moe.router(flat).weights), steps),
+        "permutation": timed(permutation, steps),
+        "layer": timed(lambda: backward(moe(x)), steps),
+    }
+    if moe.shared_experts is not None:
+        split["shared_experts"] = timed(lambda: backward(moe.shared_experts(flat)), steps)
+    if ep_group is None:
+        split["grouped_gemm"] = timed(lambda: backward(moe.experts(routed, counts)), steps)
+        grouped, moe.experts.grouped_mm = moe.experts.grouped_mm, False
+        split["loop"] = timed(lambda: backward(moe.experts(routed, counts)), steps)
+        moe.experts.grouped_mm = grouped
+    else:
+        ep = dist.get_world_size(ep_group)
+        recv = torch.empty_like(counts)
+        dist.all_to_all_single(recv, counts, group=ep_group)
+        recv = recv.view(ep, e // ep)
+        ins, outs = counts.view(ep, -1).sum(1).tolist(), recv.sum(1).tolist()
+        arrived = AllToAll.apply(routed.detach(), outs, ins, ep_group)
+        local = arrived[regroup_index(recv)].detach().requires_grad_()
+        split["grouped_gemm"] = timed(lambda: backward(moe.experts(local, recv.sum(0))), steps)
+
+        def exchange():
+            c = torch.empty_like(counts)
+            dist.all_to_all_single(c, counts, group=ep_group)
+            there = AllToAll.apply(routed, outs, ins, ep_group)
+            backward(AllToAll.apply(there, ins, outs, ep_group))
+
+        split["all_to_all"] = timed(exchange, steps)
+    parts = sum(v for name, v in split.items() if name not in ("layer", "loop"))
+    split["other"] = max(0.0, split["layer"] - parts)
+    return split
+
+
+def layer_bench(rest: list[str], steps: int) -> dict:
+    """The time split of one MoE layer of the config (under torchrun with EP: expert-parallel, all-to-all timed)."""
+    cfg = parse_args_or_exit(
+        ["--config", str(REPO / SPARSE), *rest], prog="scripts/bench_moe.py", model_schema=model_schema
+    )
+    world = world_from_env()
+    args = model_args_for(cfg.model, 512)
+    ep_group = None
+    moe = MoE(args.dim, args.moe_config(), shared_cls=FeedForward)
+    moe.init_weights(0.02)
+    if torch.cuda.is_available():  # the grouped GEMM runs in bf16 on CUDA
+        moe = moe.to(world.device, DTYPES[cfg.training.mixed_precision_param])
+    if world.world_size > 1:
+        from titanlite.models.moe.expert_parallel import shard_experts
+        from titanlite.parallel.parallel_dims import ParallelDims
+
+        init_distributed(world, 300)
+        dims = ParallelDims.from_config(cfg.parallelism, world.world_size)
+        dims.build_mesh("cpu")
+        if dims.ep > 1:
+            full = {n: p.detach().clone() for n, p in moe.experts.named_parameters()}
+            shard_experts(moe.experts, dims.ep_mesh)
+            with torch.no_grad():  # this rank's experts, from the full weights
+                for n, p in moe.experts.named_parameters():
+                    p.to_local().copy_(full[n].chunk(dims.ep, 0)[dims.ep_mesh.get_local_rank()])
+            moe.ep_group = ep_group = dims.ep_mesh.get_group()
+    tokens = cfg.training.local_batch_size * cfg.training.seq_len
+    split = layer_split(moe.train(), tokens, args.dim, steps, ep_group)
+    layer = split["layer"]
+    return {
+        "layer": f"MoE({args.dim}, {args.moe_num_experts} experts of {args.moe_hidden_dim}, top-{args.moe_top_k}, "
+        f"{args.moe_num_shared_experts} shared)",
+        "tokens": tokens,
+        "processes": world.world_size,
+        "expert_parallel_degree": 1 if ep_group is None else dist.get_world_size(ep_group),
+        "device": str(next(moe.parameters()).device),
+        "threads": torch.get_num_threads(),
+        "seconds_per_layer_step": split,
+        "fraction_of_layer": {k: v / layer for k, v in split.items() if k not in ("layer", "loop")},
+        "grouped_gemm_speedup_over_loop": split["loop"] / split["grouped_gemm"] if "loop" in split else None,
+    }
+
+
+def run_bench(config: str, rest: list[str], args, out: Path) -> dict:
+    cmd = [sys.executable, str(REPO / "scripts" / "bench.py"), "--config", str(REPO / config)]
+    cmd += ["--warmup", str(args.warmup), "--steps", str(args.steps), "--json-out", str(out), *rest]
+    cmd += ["--checkpoint.enable", "false", "--job.dump_folder", str(out.parent / out.stem)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.compare_timeout)
+    if proc.returncode != 0 or not out.exists():
+        exit_with_error(f"--compare-moe: {config} failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}", 1)
+    return json.loads(out.read_text())
+
+
+def compare_moe(args, rest: list[str]) -> dict:
+    """Dense and MoE debug models one after the other (alternating), then the MoE layer split (module docstring)."""
+    rest = ["--training.global_batch_size", "-1", *rest]  # the same batch for both (no accumulation unless asked)
+    dump = Path("./outputs/bench_moe")
+    dump.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, list[dict]] = {"dense": [], "moe": []}
+    order = [("dense", DENSE), ("moe", SPARSE)]
+    for i in range(args.compare_repeats):
+        for name, config in order if i % 2 == 0 else order[::-1]:
+            result = run_bench(config, rest, args, dump / f"{name}_{i}.json")
+            runs[name].append(result)
+            print(f"{name} run {i + 1}: {result['tokens_per_s_global']:,.0f} tokens/s", file=sys.stderr, flush=True)
+    median = {name: statistics.median(r["tokens_per_s_global"] for r in rs) for name, rs in runs.items()}
+    keys = ("params", "flops_per_token", "step_time_s", "time_split_frac", "mfu", "loss_first", "loss_last")
+    return {
+        "compare": "debug_moe_vs_dense",
+        "device": runs["moe"][-1]["device"],
+        "tokens_per_step": runs["moe"][-1]["tokens_per_step"],
+        "tokens_per_s_global": median,
+        "ratio_moe_over_dense": median["moe"] / median["dense"],
+        "dense": {k: runs["dense"][-1].get(k) for k in keys},
+        "moe": {k: runs["moe"][-1].get(k) for k in keys},
+        "moe_layer": layer_bench(rest, args.steps),
+        "runs": runs,
+    }
+
+
+def main(argv=None) -> dict:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=10, help="timed repetitions of each piece")
+    parser.add_argument("--json-out", default="")
+    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    result = layer_bench(rest, args.steps)
+    if world_from_env().is_main:
+        line = json.dumps(result)
+        print(line, flush=True)
+        if args.json_out:
+            Path(args.json_out).write_text(line + "\n")
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return result
+
+
+if __name__ == "__main__":
+    main_then_exit(main)

@@ -1,0 +1,159 @@
+"""The Qwen3-MoE family from ``torchtitan_ext.qwen3_moe``: sizes and Hugging Face interop.
+
+- Sizes: every flavor's planner counts (total, active) equal the meta-built model's; ``30B-A3B`` and
+  ``235B-A22B`` have the published 30.5 B / 3.3 B and 235 B / 22 B parameters.
+- Hugging Face: titanlite model -> DCP step folder -> ``dcp_to_hf`` (per-expert tensors) -> a folder
+  ``transformers.Qwen3MoeForCausalLM.from_pretrained`` loads (transformers fuses the experts on load: an
+  independent reading of the per-expert layout) with the same logits (fp32, within 1e-5), for the debug
+  placement (block 0 dense), every block sparse, and ``decoder_sparse_step = 2``; -> ``hf_to_dcp`` gives
+  back every tensor bit for bit (DCP -> HF -> DCP), the zero routing bias included.
+- A moved aux-loss-free bias, and routing Qwen3-MoE cannot express, are refused at export (one line).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import torchtitan_ext.qwen3_moe  # noqa: F401  (registers "qwen3_moe")
+from titanlite.checkpoint import layout
+from titanlite.checkpoint.hf import dcp_to_hf, hf_to_dcp
+from titanlite.models import build_model, get_model_spec
+from titanlite.planner import ModelShape, active_param_count, param_count
+from torchtitan_ext.qwen3_moe import QWEN3_MOE_FLAVORS, Qwen3MoEArgs, Qwen3MoEHFAdapter, Qwen3MoEModel
+
+ATOL = 1e-5
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("flavor", list(QWEN3_MOE_FLAVORS))
+def test_planner_counts_equal_the_meta_built_model(flavor):
+    args = QWEN3_MOE_FLAVORS[flavor]
+    model = build_model("qwen3_moe", flavor)  # meta
+    total = sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    active = total - routed + routed * args.moe_top_k // args.moe_num_experts
+    shape = ModelShape.from_args(args)
+    spec = get_model_spec("qwen3_moe")
+    assert param_count(shape) == spec.num_params(args) == total
+    assert active_param_count(shape) == spec.active_params(args) == active
+
+
+def test_published_sizes():
+    """Qwen3-30B-A3B: 30.5 B parameters, 3.3 B activated; Qwen3-235B-A22B: 235 B, 22 B (the model cards, which
+    round down: 3.353 B and 22.19 B activated here, both embeddings counted)."""
+    spec = get_model_spec("qwen3_moe")
+    for flavor, total, active in (("30B-A3B", 30.5e9, 3.3e9), ("235B-A22B", 235e9, 22e9)):
+        args = QWEN3_MOE_FLAVORS[flavor]
+        assert spec.num_params(args) == pytest.approx(total, rel=0.005)
+        assert spec.active_params(args) == pytest.approx(active, rel=0.02)
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+
+CASES = {
+    "debug_placement": {},  # block 0 dense (mlp_only_layers), the others sparse
+    "all_sparse": {"mlp_only_layers": []},
+    "sparse_step_2": {"mlp_only_layers": [], "decoder_sparse_step": 2},  # blocks 1 and 3 sparse
+}
+
+
+def tiny_args(**kw) -> Qwen3MoEArgs:
+    base = dict(
+        dim=64,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=32,
+        ffn_hidden_dim=96,
+        vocab_size=512,
+        max_seq_len=128,
+        mlp_only_layers=[0],
+        moe_num_experts=4,
+        moe_top_k=2,
+        moe_hidden_dim=32,
+        moe_norm_topk_prob=True,
+    )
+    return Qwen3MoEArgs(**{**base, **kw})
+
+
+def moe_model(args: Qwen3MoEArgs) -> Qwen3MoEModel:
+    torch.manual_seed(0)
+    model = Qwen3MoEModel(args)
+    model.init_weights()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # break the all-ones init so every norm matters
+                p.uniform_(0.5, 1.5)
+            elif "router" in name:  # routing far from uniform: the top-k choice matters
+                p.normal_(0, 0.5)
+    return model.eval()
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+def save_step_folder(model: Qwen3MoEModel, path: Path) -> Path:
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(path), no_dist=True)
+    info = {"step": 3, "model_only": True, "dtype": "float32", "tokenizer": {"bos_id": 1, "eos_id": 2}}
+    info["model"] = {"name": "qwen3_moe", "flavor": None, "args": dataclasses.asdict(model.args)}
+    layout.write_info(path, info)
+    return path
+
+
+def read_dcp(path: Path, model: Qwen3MoEModel) -> dict[str, torch.Tensor]:
+    state = {k: torch.empty_like(v) for k, v in model.state_dict().items()}
+    dcp.load({"model": state}, checkpoint_id=str(path), no_dist=True)
+    return state
+
+
+@pytest.fixture(scope="module")
+def transformers():
+    return pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_dcp_to_hf_matches_transformers_and_converts_back_bitwise(case, tmp_path, transformers):
+    args = tiny_args(**CASES[case])
+    model = moe_model(args)
+    step = save_step_folder(model, tmp_path / "step-3")
+    dcp_to_hf(step, tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["num_experts"] == 4
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    sparse = [i for i in range(4) if args.is_moe_layer(i)]
+    assert {f"model.layers.{i}.mlp.experts.3.down_proj.weight" for i in sparse} <= names
+    assert not any("expert_bias" in n or f"layers.{i}.mlp.gate_proj" in n for n in names for i in sparse)
+    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(
+        str(tmp_path / "hf"), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        diff = (hf(tokens()).logits - model(tokens())).abs().max().item()
+    print(f"{case}: max |logits diff| {diff:.2e}")
+    assert diff < ATOL
+    hf_to_dcp(tmp_path / "hf", tmp_path / "dcp")
+    back = read_dcp(tmp_path / "dcp", model)
+    for k, v in model.state_dict().items():
+        assert torch.equal(back[k], v), k
+    assert Qwen3MoEArgs(**layout.read_info(tmp_path / "dcp")["model"]["args"]) == args
+
+
+def test_a_moved_bias_or_foreign_routing_is_refused_at_export(tmp_path):
+    model = moe_model(tiny_args())
+    with torch.no_grad():
+        model.layers["1"].feed_forward.router.expert_bias[0] = 0.01
+    with pytest.raises(ValueError, match="expert_bias is not zero") as e:
+        dcp_to_hf(save_step_folder(model, tmp_path / "step-3"), tmp_path / "hf")
+    assert "\n" not in str(e.value) and not (tmp_path / "hf").exists()
+    for kw in ({"moe_score_func": "sigmoid"}, {"moe_num_shared_experts": 1}, {"moe_route_scale": 2.0}):
+        with pytest.raises(ValueError, match="Qwen3MoeForCausalLM cannot express model.moe_"):
+            Qwen3MoEHFAdapter(tiny_args(**kw)).hf_config(dtype=torch.float32)

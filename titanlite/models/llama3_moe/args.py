@@ -1,0 +1,122 @@
+"""Hyper-parameters of ``llama3_moe``: a Llama 3 decoder whose feed-forward layers are MoE layers.
+
+The Llama 3 fields (``dim``, ``n_heads``, RoPE, norms ...) mean what they mean in
+:class:`~titanlite.models.llama3.args.Llama3ModelArgs`, plus:
+
+- ``attn_head_dim``: the per-head width when it is not ``dim // n_heads`` (0: ``dim // n_heads``);
+- ``ffn_hidden_dim``: the SwiGLU hidden size of the dense blocks, a plain number;
+- ``n_dense_layers``: the first blocks keep a dense SwiGLU (DeepSeek-V3's ``first_k_dense_replace``),
+  every later block is a MoE layer (the ``moe_*`` fields, :class:`~titanlite.models.moe.MoEArgs`).
+
+Flavors:
+
+- ``debugmodel``: the Llama debug model's attention (dim 256, 6 blocks, 8 heads / 4 kv), the first block
+  dense and the others 8 experts of hidden 256, top-2, plus one shared expert: per token each MoE block
+  computes three 256-wide SwiGLUs, as many FLOPs as the dense debug model's 768-wide one, so the two are
+  the side-by-side pair of ``scripts/bench.py``;
+- ``671B``: DeepSeek-V3's MoE shape (61 blocks of width 7168, the first 3 dense with hidden 18432;
+  256 routed experts of hidden 2048, top-8 among the 4 best of 8 groups, one shared expert, sigmoid
+  scores renormalized and scaled by 2.5, the aux-loss-free bias and a small sequence-level aux loss;
+  vocabulary 129,280). Its attention is GQA, not DeepSeek's multi-head latent attention (MLA is not
+  built): 128 query heads of width 96 and 8 key/value heads give 187 M parameters per block, close to
+  MLA's 187 M, so totals stay DeepSeek-V3's: ~671 B parameters, ~37 B active per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from titanlite.models.llama3.args import ATTN_BACKENDS, ATTN_MASK_TYPES
+from titanlite.models.moe.args import MoEArgs
+
+
+@dataclass
+class Llama3MoEArgs(MoEArgs):
+    dim: int = 256
+    n_layers: int = 6
+    n_heads: int = 8
+    n_kv_heads: int | None = 4
+    attn_head_dim: int = 0  # 0: dim // n_heads
+    vocab_size: int = 512
+    ffn_hidden_dim: int = 768  # the dense blocks' SwiGLU
+    n_dense_layers: int = 1  # the first blocks are dense, the others MoE
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling_factor: float = 0.0  # Llama 3.1 scaling (0: off), as in llama3
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
+    max_seq_len: int = 2048
+    tie_word_embeddings: bool = False
+    depth_init: bool = True
+    attn_mask_type: str = "causal"
+    attn_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        for name in ("dim", "n_layers", "n_heads", "vocab_size", "ffn_hidden_dim", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
+        if self.n_kv_heads is not None and (not isinstance(self.n_kv_heads, int) or self.n_kv_heads <= 0):
+            raise ValueError(f"model.n_kv_heads must be a positive integer or None, got {self.n_kv_heads!r}")
+        if self.attn_head_dim < 0 or (not self.attn_head_dim and self.dim % self.n_heads):
+            raise ValueError(f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"model.n_heads ({self.n_heads}) must be divisible by model.n_kv_heads ({self.kv_heads})")
+        if not 0 <= self.n_dense_layers <= self.n_layers:
+            raise ValueError(f"model.n_dense_layers ({self.n_dense_layers}) must be in [0, n_layers={self.n_layers}]")
+        if self.norm_eps <= 0 or self.rope_theta <= 0:
+            raise ValueError("model.norm_eps and model.rope_theta must be positive")
+        if self.attn_mask_type not in ATTN_MASK_TYPES:
+            raise ValueError(f"model.attn_mask_type must be one of {ATTN_MASK_TYPES}, got {self.attn_mask_type!r}")
+        if self.attn_backend not in ATTN_BACKENDS:
+            raise ValueError(f"model.attn_backend must be one of {ATTN_BACKENDS}, got {self.attn_backend!r}")
+        self.moe_config()  # checks the moe_* fields
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.attn_head_dim or self.dim // self.n_heads
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return layer_id >= self.n_dense_layers
+
+
+LLAMA3_MOE_FLAVORS: dict[str, Llama3MoEArgs] = {
+    "debugmodel": Llama3MoEArgs(
+        moe_num_experts=8, moe_top_k=2, moe_hidden_dim=256, moe_num_shared_experts=1, moe_aux_loss_coef=1e-3
+    ),
+    "671B": Llama3MoEArgs(
+        dim=7168,
+        n_layers=61,
+        n_heads=128,
+        n_kv_heads=8,
+        attn_head_dim=96,
+        vocab_size=129280,
+        ffn_hidden_dim=18432,
+        n_dense_layers=3,
+        norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_seq_len=4096,
+        moe_num_experts=256,
+        moe_top_k=8,
+        moe_hidden_dim=2048,
+        moe_num_shared_experts=1,
+        moe_score_func="sigmoid",
+        moe_norm_topk_prob=True,
+        moe_route_scale=2.5,
+        moe_n_groups=8,
+        moe_topk_groups=4,
+        moe_aux_loss_coef=1e-4,
+        moe_aux_loss_level="seq",
+        moe_bias_update_rate=1e-3,
+    ),
+}

@@ -1,0 +1,76 @@
+"""Load balancing of MoE layers: the auxiliary losses and the aux-loss-free bias.
+
+**Auxiliary losses, in the loss contract.** The training loss is a token *sum* divided once by the
+number of tokens in the whole optimizer step (:mod:`titanlite.train_step`), so that accumulation and
+data parallelism equal one big batch. The MoE losses follow it: each layer computes its term as a sum
+over its tokens and divides it by the step's token count (``MoE.aux_divisor``, which
+:class:`~titanlite.models.moe.step.MoEStep` sets before each step; 0, as in a foreign loop that never
+sets it, means this micro-batch's own tokens). The term reaches the gradients through
+:class:`AddAuxLoss` on the layer's output: its backward hands the term a gradient of 1, as if it had
+been added to the loss, which works in every pipeline stage, under activation checkpointing and
+compile alike. The logged ``loss`` stays the cross-entropy; the terms are logged as ``moe/aux_loss``
+and ``moe/z_loss``.
+
+- Switch/GShard loss, ``coef x E x sum_i f_i P_i`` with ``f_i`` the fraction of routed slots that chose
+  expert ``i`` and ``P_i`` the mean (normalized) score of ``i``: per **sequence** (DeepSeek-V3's
+  sequence-wise loss, a sum of per-sequence terms: exact under any split of the batch) or per
+  **batch**, where ``f`` counts one forward pass (a micro-batch; under pipeline parallelism, a pipeline
+  microbatch) of every data-parallel rank together (one all-reduce of E counts over ``MoE.load_group``),
+  so DP ranks train exactly as one process with their union. As a token sum a batch's term is
+  ``coef x sum_i f_i x sum_t p_ti``.
+- Router z-loss (ST-MoE): ``coef x logsumexp(logits_t)^2`` per token.
+
+**Aux-loss-free bias** (DeepSeek-V3): after each optimizer step every layer's ``expert_bias`` moves by
+``rate x sign(mean load - load_i)``, the load being the step's routed slots per expert summed over
+every data-parallel rank, so the bias is identical on every rank (``MoEStep.end_step``).
+
+**Statistics.** Each layer accumulates, in training mode, its routed slots per expert and the sums of
+its tokens, router entropy and loss terms (non-persistent buffers, no gradient). Activation
+checkpointing recomputes a block's forward and counts it twice; every logged figure is a ratio of
+two such sums and the bias update uses only the sign of a difference, so neither changes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from titanlite.models.moe.router import Routing, expert_counts, one_hot_counts
+
+STATS = ("tokens", "entropy", "aux_loss", "z_loss")
+
+
+class AddAuxLoss(torch.autograd.Function):
+    """``out`` unchanged; backward also gives ``aux`` (a scalar) the gradient 1."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.ones((), dtype=torch.float32, device=grad.device)
+
+
+def all_reduce_counts(counts: torch.Tensor, group) -> torch.Tensor:
+    """``counts`` summed over ``group`` (None: unchanged), with a traceable functional collective."""
+    if group is None:
+        return counts
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.all_reduce(counts, "sum", group))
+
+
+def aux_loss_sum(routing: Routing, cfg, batch_shape: tuple[int, int], load_group=None) -> torch.Tensor:
+    """The Switch/GShard balance loss of one micro-batch as a token sum (module docstring), x ``aux_loss_coef``."""
+    e, k = cfg.num_experts, cfg.top_k
+    probs = routing.scores / routing.scores.sum(-1, keepdim=True)  # softmax scores already sum to 1
+    if cfg.aux_loss_level == "seq":
+        bsz, seq = batch_shape
+        counts = one_hot_counts(routing.experts.view(bsz, seq * k), e).float()  # [B, E]
+        f = counts * (e / (k * seq))
+        return cfg.aux_loss_coef * (f * probs.view(bsz, seq, e).sum(1)).sum()
+    counts = expert_counts(routing.experts, e).float()
+    tokens = torch.tensor([float(routing.experts.shape[0])], device=counts.device)
+    totals = all_reduce_counts(torch.cat([counts, tokens]), load_group)
+    f = totals[:e] * (e / (k * totals[e]))
+    return cfg.aux_loss_coef * (f * probs.sum(0)).sum()

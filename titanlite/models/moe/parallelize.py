@@ -1,0 +1,130 @@
+"""The parallelize plan of a decoder whose blocks' ``feed_forward`` may be an :class:`~titanlite.models.moe.MoE`.
+
+:func:`parallelize_moe_decoder` is the Llama plan (``titanlite/models/llama3/parallelize.py``: float8 ->
+TP -> AC -> compile -> FSDP, same order, same reasons) with what MoE blocks need:
+
+- **float8**: routers stay in high precision (filtered like the output), and the stacked experts are no
+  ``nn.Linear``: they run their grouped GEMMs in the compute dtype (bf16 under FSDP's mixed precision).
+  The log says so.
+- **TP** (attention): the family's block plan for the attention and the norms. A MoE ``feed_forward``
+  takes the whole sequence (all-gathered, as a dense one) and runs replicated on the TP ranks: its input
+  becomes a local tensor, its output a sequence shard again (backward: the matching all-gather). Router
+  and expert weights are then plain (data-parallel) tensors whose gradients are already complete on every
+  TP rank: expert tensor parallelism is not built (``expert_tensor_parallel_degree`` must be 1).
+- **EP** (``ep > 1``): the stacked expert weights become ``Shard(0)`` DTensors over the ``ep`` mesh and
+  the layer dispatches tokens with all-to-all (:mod:`~titanlite.models.moe.expert_parallel`).
+- **load group**: a batch-level aux loss counts the micro-batch of every data-parallel rank together.
+- **compile**: per block; fullgraph unless a block must leave the graph (the expert-parallel exchange,
+  whose split sizes come from the host, or the per-expert loop).
+- **FSDP**: each MoE layer's experts form their own group first, over ``expert_fsdp_mesh`` under EP (the
+  data-parallel ranks that hold the same experts; dimension 1 is sharded when there are fewer local
+  experts than ranks), then the usual groups: embedding, each block, norm + output, root.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import PrepareModuleInputOutput, parallelize_module
+
+from titanlite.models.llama3.parallelize import apply_fsdp
+from titanlite.models.moe.expert_parallel import shard_experts
+from titanlite.models.moe.layer import MoE
+from titanlite.parallel.compile import compile_fn
+from titanlite.parallel.tensor_parallel import parallelize_decoder_ends
+
+logger = logging.getLogger(__name__)
+
+# the whole sequence in, replicated on the TP ranks, as local tensors; a sequence shard out
+MOE_TP_PLAN = PrepareModuleInputOutput(
+    input_layouts=(Shard(1),),
+    desired_input_layouts=(Replicate(),),
+    use_local_input=True,
+    output_layouts=(Replicate(),),
+    desired_output_layouts=(Shard(1),),
+    use_local_output=True,
+)
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def check_moe_parallelism(model: nn.Module, parallel_dims) -> None:
+    """One-line ``ValueError`` when the experts cannot be split ``parallel_dims``' way."""
+    e = getattr(model.args, "moe_num_experts", 0)
+    if e:
+        if parallel_dims.ep > 1 and e % parallel_dims.ep:
+            raise ValueError(
+                f"model.moe_num_experts ({e}) must be divisible by parallelism.expert_parallel_degree "
+                f"({parallel_dims.ep}): each expert-parallel rank holds the same number of experts"
+            )
+    if parallel_dims.ep > 1 and not getattr(model.args, "n_moe_layers", 0):  # a pipeline stage may hold none
+        raise ValueError("parallelism.expert_parallel_degree > 1 needs a mixture-of-experts model")
+
+
+def parallelize_moe_decoder(
+    model: nn.Module, parallel_dims, policies, block_tp_plan: Callable[[], dict], tp_sizes: dict[str, int]
+) -> nn.Module:
+    """float8 -> TP -> EP -> AC -> compile -> FSDP on a meta-device decoder with MoE blocks (module docstring).
+    ``block_tp_plan()``: the family's TP plan of a dense block; ``tp_sizes``: sizes TP must divide (named)."""
+    check_moe_parallelism(model, parallel_dims)
+    parallel_dims.check_tp_divides(**tp_sizes)
+    moes = moe_layers(model)
+    float8 = policies.float8
+    if float8.enable:
+        float8 = dataclasses.replace(float8, filter_fqns=(*float8.filter_fqns, "router"))
+        if moes:
+            logger.info("float8: routers stay in high precision; the stacked experts run their grouped GEMMs in bf16")
+    float8.apply(model, parallel_dims.tp)
+    if parallel_dims.tp_enabled:
+        apply_tensor_parallel(model, parallel_dims.tp_mesh, parallel_dims.loss_parallel_enabled, block_tp_plan)
+        logger.info("tensor parallel over %d ranks (MoE layers replicated over them)", parallel_dims.tp)
+    dp_group = parallel_dims.dp_group if parallel_dims.dp_degree > 1 else None
+    for moe in moes:
+        moe.load_group = dp_group
+        if parallel_dims.ep_enabled:
+            shard_experts(moe.experts, parallel_dims.ep_mesh)
+            moe.ep_group = parallel_dims.ep_mesh.get_group()
+    if moes and parallel_dims.ep_enabled:
+        e = moes[0].cfg.num_experts
+        logger.info("expert parallel over %d ranks: %d experts per rank", parallel_dims.ep, e // parallel_dims.ep)
+    if checkpointed := policies.activation_checkpoint.apply(model):
+        logger.info("activation checkpointing %s on blocks %s", policies.activation_checkpoint, ",".join(checkpointed))
+    if policies.compile.model:
+        apply_compile(model, parallel_dims.tp_enabled)
+    if (fsdp := policies.fsdp(parallel_dims)) is not None:
+        mesh = parallel_dims.expert_fsdp_mesh if parallel_dims.ep_enabled else fsdp.mesh
+        for moe in moes:  # fewer local experts than ranks: shard the experts' rows instead
+            dim = 1 if moe.cfg.num_experts // parallel_dims.ep < mesh.size() else 0
+            fsdp.shard(moe.experts, mesh=mesh, dim=dim)
+        apply_fsdp(model, fsdp)
+        kind = "HSDP" if parallel_dims.hsdp_enabled else "FSDP"
+        logger.info("%s over %d ranks (experts: their own groups), gradients summed", kind, parallel_dims.dp_degree)
+    return model
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, loss_parallel: bool, block_tp_plan: Callable[[], dict]) -> None:
+    parallelize_decoder_ends(model, tp_mesh, loss_parallel)
+    for block in model.layers.values():
+        plan = block_tp_plan()
+        if isinstance(block.feed_forward, MoE):
+            plan = {k: v for k, v in plan.items() if not k.startswith("feed_forward")}
+            plan["feed_forward"] = MOE_TP_PLAN
+        parallelize_module(block, tp_mesh, plan)
+    if model.args.tie_word_embeddings and model.output is not None:  # TP replaced both: share the embedding's again
+        model.output.weight = model.tok_embeddings.weight
+
+
+def apply_compile(model: nn.Module, on_dtensors: bool) -> None:
+    """Each block compiled separately; fullgraph unless its MoE layer leaves the graph (expert parallel
+    exchange, per-expert loop)."""
+    for block in model.layers.values():
+        ff = block.feed_forward
+        breaks = isinstance(ff, MoE) and (ff.ep_group is not None or not ff.experts.grouped_mm)
+        block.forward = compile_fn(block.forward, on_dtensors, fullgraph=not breaks)
+    logger.info("compiled each transformer block")
