@@ -19,9 +19,12 @@ This module imports nothing from titanlite; :mod:`titanlite.tokenizer` builds th
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-from dataclasses import dataclass
+import re
+import string
+from dataclasses import dataclass, field
 
 # GPT-2's pre-tokenization regex: what a bare ByteLevel(use_regex=true) pre-tokenizer splits with.
 GPT2_PAT_STR = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -41,6 +44,9 @@ class HFTokenizerSpec:
     bos_token: str | None
     eos_token: str | None
     normalizer: str | None  # "NFC" or None
+    # added tokens with "special": false, which HF matches in ordinary text: content -> "normalized" flag
+    # (matched after the normalizer when true, in the raw text when false)
+    matched: dict[str, bool] = field(default_factory=dict)
 
 
 def byte_level_alphabet() -> dict[int, str]:
@@ -51,6 +57,18 @@ def byte_level_alphabet() -> dict[int, str]:
     kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     shifted = [b for b in range(256) if b not in kept]
     return {**{b: chr(b) for b in kept}, **{b: chr(256 + i) for i, b in enumerate(shifted)}}
+
+
+def byte_level_bytes(text: str) -> bytes:
+    """The bytes HF's ByteLevel decoder gives for ``text``: a character of the byte-level alphabet is its
+    byte, any other character its UTF-8."""
+    decode = _alphabet_inverse()
+    return b"".join(bytes([decode[c]]) if c in decode else c.encode() for c in text)
+
+
+@functools.cache
+def _alphabet_inverse() -> dict[str, int]:
+    return {c: b for b, c in byte_level_alphabet().items()}
 
 
 def resolve_tokenizer_file(path: str) -> str:
@@ -101,7 +119,7 @@ def load_hf_tokenizer(path: str) -> HFTokenizerSpec:
     normalizer = _normalizer(path, data.get("normalizer"))
     pat_str = _pattern(path, data.get("pre_tokenizer"))
     _check_bpe_options(path, model)
-    specials = _added_tokens(path, data.get("added_tokens") or [])
+    specials, matched = _added_tokens(path, data.get("added_tokens") or [])
     vocab = model.get("vocab")
     if not isinstance(vocab, dict) or not vocab:
         raise ValueError(f"{path}: model.vocab must be a non-empty object of token -> id")
@@ -111,7 +129,7 @@ def load_hf_tokenizer(path: str) -> HFTokenizerSpec:
         raise ValueError(f"{path}: id {clash[0]} is both a vocab token and an added token with other text")
     _check_merges(path, model, ranks)
     bos, eos = _bos_eos(path, specials)
-    return HFTokenizerSpec(ranks, pat_str, specials, bos, eos, normalizer)
+    return HFTokenizerSpec(ranks, pat_str, specials, bos, eos, normalizer, matched)
 
 
 def _normalizer(path: str, spec) -> str | None:
@@ -151,9 +169,153 @@ def _pattern(path: str, spec) -> str:
     regex = pattern.get("Regex") if isinstance(pattern, dict) else None
     if not isinstance(regex, str) or split.get("behavior") != "Isolated" or split.get("invert"):
         raise ValueError(f"{path}: only a Split with a Regex pattern, behavior Isolated and invert=false is supported")
+    regex = oniguruma_to_tiktoken(path, regex)
     # HF keeps the text between matches as pieces of their own; tiktoken would drop it. The second branch
     # takes such a gap: characters where the regex does not match, up to where it matches again.
     return f"(?:{regex})|(?:(?!(?:{regex}))(?s:.))+"
+
+
+def oniguruma_to_tiktoken(path: str, regex: str) -> str:
+    """A Split regex as HF's engine (Oniguruma, Ruby syntax) reads it, rewritten for tiktoken's (fancy-regex).
+
+    The two read some constructs differently (each checked against ``tokenizers``):
+
+    - ``X{n,m}+`` (also ``{n}+``, ``{n,}+``, ``{,m}+``): possessive for fancy-regex, but for Oniguruma the
+      interval repeated one or more times, so OpenAI's cl100k ``\\p{N}{1,3}+`` keeps ``"1234"`` in one
+      piece for HF. Rewritten ``(?:X{n,m})+`` (a lazy ``+?`` after it stays lazy).
+    - ``^`` and ``$`` outside classes: line anchors for Oniguruma, text anchors for fancy-regex; rewritten
+      ``(?m:^)``, ``(?m:$)``.
+    - The inline flag ``m``: "dot matches newline" for Oniguruma, so it becomes fancy-regex's ``s``.
+
+    Possessive ``?+``, ``*+``, ``++`` and atomic groups ``(?>...)`` mean the same to both and are kept.
+    Refused in one line naming the construct: the flag ``s`` (not Oniguruma's: HF cannot load the file),
+    the flag ``x`` (free spacing), the absent operator ``(?~...)`` and conditionals ``(?(...)...)``.
+    """
+    out: list[str] = []
+    groups: list[int] = []  # where each open group starts in ``out``
+    last: int | None = None  # where the atom a quantifier would apply to starts in ``out``
+    i, n = 0, len(regex)
+
+    def refuse(construct: str, why: str) -> ValueError:
+        return ValueError(f"{path}: pre-tokenizer regex construct {construct!r} at {i}: {why}")
+
+    while i < n:
+        c = regex[i]
+        if c == "\\":
+            j = _escape_end(regex, i)
+            last = len(out)
+            out.append(regex[i:j])
+            i = j
+            continue
+        if c == "[":
+            j = _class_end(path, regex, i)
+            last = len(out)
+            out.append(regex[i:j])
+            i = j
+            continue
+        if c == "(":
+            head, j = _group_head(regex, i)
+            if head.startswith(("(?~", "(?(")):
+                raise refuse(head, "HF's engine reads it, tiktoken's cannot")
+            flags = (
+                head[2:-1] if head[:2] == "(?" and head[-1] in ":)" and head[2:-1].replace("-", "").isalpha() else None
+            )
+            if flags is not None:
+                if "s" in flags:
+                    raise refuse(head, "the flag s is not Oniguruma's (HF cannot load this regex)")
+                if "x" in flags:
+                    raise refuse(head, "free-spacing mode (x) is not supported")
+                head = head[:2] + flags.replace("m", "s") + head[-1]
+            if head.endswith(")"):  # a flag switch for the rest of the group: no atom
+                out.append(head)
+                i = j
+                continue
+            groups.append(len(out))
+            out.append(head)
+            last, i = None, j
+            continue
+        if c == ")":
+            last = groups.pop() if groups else None
+            out.append(c)
+            i += 1
+            continue
+        quantifier = _quantifier(regex, i)
+        if quantifier:
+            j = i + len(quantifier)
+            interval = quantifier.startswith("{")
+            if interval and j < n and regex[j] == "+" and last is not None:
+                out[last:] = ["(?:" + "".join(out[last:]) + quantifier + ")"]
+                quantifier, j = "+", j + 1
+            out.append(quantifier)
+            if j < n and regex[j] in "?+" and not (interval and regex[j] == "+"):  # lazy or possessive
+                out.append(regex[j])
+                j += 1
+            i = j
+            continue
+        last = len(out)
+        out.append({"^": "(?m:^)", "$": "(?m:$)"}.get(c, c))
+        if c == "|":
+            last = None
+        i += 1
+    return "".join(out)
+
+
+_INTERVAL = re.compile(r"\{(?:\d+(?:,\d*)?|,\d+)\}")
+
+
+def _quantifier(regex: str, i: int) -> str:
+    """The quantifier starting at ``regex[i]`` (``*``, ``+``, ``?`` or an interval ``{n,m}``), or ""."""
+    if regex[i] in "*+?":
+        return regex[i]
+    m = _INTERVAL.match(regex, i) if regex[i] == "{" else None
+    return m.group() if m else ""
+
+
+def _escape_end(regex: str, i: int) -> int:
+    """Where the escape sequence at ``regex[i] == "\\"`` ends (``\\p{..}``, ``\\x{..}``, ``\\xHH``,
+    ``\\uHHHH``, ``\\k<..>`` as one)."""
+    kind = regex[i + 1 : i + 2]
+    if kind in ("p", "P", "x", "o") and regex[i + 2 : i + 3] == "{":
+        close = regex.find("}", i + 3)
+        return len(regex) if close < 0 else close + 1
+    if kind in ("k", "g") and regex[i + 2 : i + 3] in ("<", "'"):
+        close = regex.find(">" if regex[i + 2] == "<" else "'", i + 3)
+        return len(regex) if close < 0 else close + 1
+    width = {"x": 2, "u": 4}.get(kind, 0)
+    j = i + 2
+    while j < i + 2 + width and j < len(regex) and regex[j] in string.hexdigits:
+        j += 1
+    return min(j, len(regex))
+
+
+def _class_end(path: str, regex: str, i: int) -> int:
+    """Where the character class opening at ``regex[i] == "["`` closes (classes nest in Oniguruma)."""
+    depth, j = 1, i + 1
+    if regex[j : j + 1] == "^":
+        j += 1
+    if regex[j : j + 1] == "]":  # a "]" first in a class is literal
+        j += 1
+    while j < len(regex):
+        c = regex[j]
+        if c == "\\":
+            j = _escape_end(regex, j)
+            continue
+        depth += {"[": 1, "]": -1}.get(c, 0)
+        j += 1
+        if depth == 0:
+            return j
+    raise ValueError(f"{path}: pre-tokenizer regex has an unclosed character class at {i}")
+
+
+def _group_head(regex: str, i: int) -> tuple[str, int]:
+    """The opening of the group at ``regex[i] == "("``: ``(``, ``(?:``, ``(?>``, ``(?=``, ``(?<name>``,
+    a flag group ``(?i:`` or switch ``(?i)`` ...; and where it ends."""
+    if regex[i + 1 : i + 2] != "?":
+        return "(", i + 1
+    m = re.compile(r"\(\?(?:[:>=!~(]|<[=!]|<\w+>|'\w+'|P<\w+>|#[^)]*\)|[a-zA-Z-]*[:)])").match(regex, i)
+    if m is None:
+        return "(?", i + 2
+    return m.group(), m.end()
 
 
 def _check_bpe_options(path: str, model: dict) -> None:
@@ -197,11 +359,14 @@ def check_every_byte(path: str, ranks: dict[bytes, int], why: str) -> None:
         raise ValueError(f"{path}: no single-byte token for {len(missing)} byte value(s) ({shown}); {why}")
 
 
-def _added_tokens(path: str, added) -> dict[str, int]:
-    """Added (special or not) tokens as tiktoken special tokens; titanlite never matches them in documents."""
+def _added_tokens(path: str, added) -> tuple[dict[str, int], dict[str, bool]]:
+    """Every added token as a tiktoken special token, and the non-special ones (``"special": false``), which
+    HF matches in ordinary text, with their ``normalized`` flag. Special tokens are never matched in
+    documents: titanlite's choice (HF's ``encode_special_tokens=True``)."""
     if not isinstance(added, list) or not all(isinstance(e, dict) for e in added):
         raise ValueError(f"{path}: added_tokens must be a list of objects")
     out: dict[str, int] = {}
+    matched: dict[str, bool] = {}
     for entry in added:
         content, i = entry.get("content"), entry.get("id")
         if not isinstance(content, str) or not isinstance(i, int) or i < 0 or content in out or i in out.values():
@@ -209,7 +374,11 @@ def _added_tokens(path: str, added) -> dict[str, int]:
         if any(entry.get(k) for k in ("lstrip", "rstrip", "single_word")):
             raise ValueError(f"{path}: added token {content!r} has lstrip/rstrip/single_word, which tiktoken lacks")
         out[content] = i
-    return out
+        if not entry.get("special", False):
+            if not content:
+                raise ValueError(f"{path}: added token id {i} is empty; HF cannot match it in text")
+            matched[content] = bool(entry.get("normalized", True))
+    return out, matched
 
 
 def _merge_pairs(path: str, merges) -> list[tuple[str, str]]:
