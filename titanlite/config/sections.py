@@ -238,7 +238,7 @@ class Sampling:
     chat: bool = opt(False, "Prompt as a user turn of the Llama 3 chat template; the reply ends at <|eot_id|>.")
 
 
-EVAL_TASKS = ["hellaswag", "arc_easy", "arc_challenge", "piqa", "lambada"]
+EVAL_TASKS = ["hellaswag", "arc_easy", "arc_challenge", "piqa", "lambada_openai"]
 
 
 @dataclass
