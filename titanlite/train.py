@@ -321,7 +321,7 @@ class Trainer:
         float8 = any(True for _ in float8_modules(self.model))  # enabled but every linear skipped: no fp8 peak
         kw = dict(device=self.device, autocast_dtype=self.train_step.autocast_dtype)  # first: it checks its prompts
         sampling = SamplingHook(c.sampling, self.model, self.tokenizer, **kw) if c.sampling.enable else None
-        log = MetricsLogger(c.metrics, c.job.dump_folder, rank)
+        log = MetricsLogger(c.metrics, c.job.dump_folder, rank, run_config=dataclasses.asdict(c))
         self.metrics_hook = metrics = MetricsHook(
             c.metrics,
             log,
