@@ -79,7 +79,8 @@ def dcp_to_hf(
     model_args: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write ``model.safetensors`` (+ index), ``config.json``, ``generation_config.json`` and the tokenizer
-    files when the checkpoint's recorded tokenizer path still exists.
+    files of the tokenizer ``checkpoint.json`` records (:mod:`titanlite.checkpoint.hf_tokenizer_files`: also
+    for a tiktoken file or the byte tokenizer; none when its file is gone, with a warning).
 
     ``extensions`` (modules that register the model family) are imported first. Those that the
     checkpoint's ``checkpoint.json`` records are never imported on that file's word alone: a
