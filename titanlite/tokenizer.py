@@ -14,8 +14,9 @@ It also loads Hugging Face byte-level BPE ``tokenizer.json`` files (see :mod:`ti
 the file's own vocabulary, regex and added tokens, BOS/EOS from ``tokenizer_config.json``. A path may
 also be an HF model folder (its ``tokenizer.json``, else ``original/tokenizer.model``).
 
-This module imports only :mod:`titanlite.hf_tokenizer` (a leaf too): model families register :func:`build_tokenizer` as
-their ``tokenizer_builder``, and model code must not depend on ``titanlite.data``.
+This module imports only :mod:`titanlite.hf_tokenizer` (and its :mod:`titanlite.hf_regex`, leaves too):
+model families register :func:`build_tokenizer` as their ``tokenizer_builder``, and model code must not
+depend on ``titanlite.data``.
 """
 
 from __future__ import annotations
