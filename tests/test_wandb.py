@@ -114,7 +114,6 @@ def test_without_the_package_the_run_stops_in_one_line_naming_the_extra(tmp_path
     assert not (tmp_path / "checkpoint").exists() and not (tmp_path / "metrics.jsonl").exists()
 
 
-@pytest.mark.slow  # wandb starts its own service process for each run (~10-20 s each)
 def test_the_real_package_offline(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="wandb (the optional extra titanlite[wandb]) is not installed")
     monkeypatch.setenv("WANDB_MODE", "offline")
