@@ -377,3 +377,30 @@ def test_pipeline_keys_titanlite_lacks_are_refused_in_one_line(case, capsys):
     assert e.value.code == 2 and err.startswith("error: ") and "\n" not in err and message.strip("'") in err
     # at degree 1 torchtitan never reads them: nothing is refused
     load_translated(translate(path, [*LOCAL, *option.split(" ", 1)]))
+
+
+def test_translate_only_needs_no_tokenizer_or_data_flags(tmp_path, capsys):
+    """torchtitan's llama3_8b.toml as shipped (an hf_assets_path that is not on this machine, the c4 dataset
+    from the Hub): --translate-only prints the titanlite config with warnings, and training it says what to give."""
+    path = str(FIXTURES / "llama3_8b.toml")
+    main(["--config", path, "--translate-only"])
+    captured = capsys.readouterr()
+    assert 'dataset = "shards"' in captured.out and 'dataset_path = "<shards prepared from c4' in captured.out
+    assert "tokenizer_path = " in captured.out
+    assert "cannot read tokenizer.json" not in captured.err and "not tokenizer.json" not in captured.err
+    with pytest.raises(SystemExit) as e:  # training (not just translating) still needs them
+        main(["--config", path, "--job.dry_run", "true"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "not tokenizer.json" not in err and ("tokenizer" in err or "dataset" in err)
+
+
+def test_a_torchtitan_assets_folder_with_only_tokenizer_json_is_read(tmp_path):
+    """torchtitan's download script leaves tokenizer.json (+ tokenizer_config.json) in hf_assets_path."""
+    from test_hf_tokenizer import convert
+
+    folder = convert(shared_file("tokenizers/test_tiktoken.model"), tmp_path / "assets").parent
+    path = str(FIXTURES / "debug_model.toml")
+    args = ["--model.hf_assets_path", str(folder), "--training.dataset", "embedded", "--model.vocab_size", "2304"]
+    cfg = load_translated(translate(path, args))
+    assert cfg.model.tokenizer_path == str(folder / "tokenizer.json")

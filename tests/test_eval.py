@@ -32,7 +32,7 @@ from titanlite.eval import ClozeTask, Item, MultipleChoiceTask, evaluate, get_ta
 from titanlite.eval.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
-TASKS = ["hellaswag", "arc_easy", "arc_challenge", "piqa", "lambada"]
+TASKS = ["hellaswag", "hellaswag_llmc", "arc_easy", "arc_challenge", "piqa", "lambada_openai"]
 ATOL = 1e-4
 TRAIN_STEPS = 8
 
@@ -104,25 +104,33 @@ def test_logliks_and_predictions_equal_transformers(checkpoint, loaded, results,
             for got, (want, _) in zip(rec["loglik"], refs):
                 assert abs(got - want) <= ATOL, (name, rec["index"], got, want)
             ref_ll = [ll for ll, _ in refs]
-            if name == "lambada":
+            if name == "lambada_openai":
                 assert rec["pred"] == int(refs[0][1]) and rec["label"] == 1
             else:
                 assert rec["label"] == item.label
                 assert rec["pred"] == max(range(len(ref_ll)), key=ref_ll.__getitem__)
-                norm = [ll / n for ll, n in zip(ref_ll, rec["num_tokens"])]
+                per = (
+                    rec["num_tokens"] if name == "hellaswag_llmc" else [len(c.removeprefix(" ")) for c in item.choices]
+                )
+                norm = [ll / n for ll, n in zip(ref_ll, per)]
                 assert rec["pred_norm"] == max(range(len(norm)), key=norm.__getitem__)
 
 
-def test_metrics_are_computed_from_the_items(results):
+def test_metrics_are_computed_from_the_items(results, data_dir):
     for name in TASKS:
         res, records = results[name], results[name]["items"]
         assert res["num_items"] == len(records) == 3 and res["num_truncated"] == 0
-        if name == "lambada":
+        if name == "lambada_openai":
             assert res["acc"] == sum(r["pred"] for r in records) / 3
             assert math.isclose(res["perplexity"], math.exp(-sum(r["loglik"][0] for r in records) / 3), rel_tol=1e-12)
             continue
         acc = sum(r["loglik"].index(max(r["loglik"])) == r["label"] for r in records) / 3
-        norms = [[ll / n for ll, n in zip(r["loglik"], r["num_tokens"])] for r in records]
+        items = get_task(name).items(data_dir)[:3]
+        lengths = [
+            r["num_tokens"] if name == "hellaswag_llmc" else [len(c) - 1 for c in i.choices]
+            for r, i in zip(records, items)
+        ]
+        norms = [[ll / n for ll, n in zip(r["loglik"], per)] for r, per in zip(records, lengths)]
         acc_norm = sum(nm.index(max(nm)) == r["label"] for nm, r in zip(norms, records)) / 3
         assert (res["acc"], res["acc_norm"]) == (acc, acc_norm), name
 
@@ -149,7 +157,7 @@ def test_bf16_autocast_is_applied_and_stays_close(loaded, results, data_dir):
 # ----------------------------------------------------------------------------- several ranks
 
 
-DIST_TASKS = ["arc_challenge", "piqa", "lambada"]
+DIST_TASKS = ["arc_challenge", "piqa", "lambada_openai"]
 DIST_LIMIT = 5  # 5 items a task: 20 + 10 + 5 = 35 requests, 9 batches of 4 over 2 ranks (rank 1: one dummy forward)
 
 
@@ -262,14 +270,20 @@ def test_piqa_labels_come_from_the_labels_file(data_dir):
 
 
 def test_item_counts_and_formats(data_dir):
-    """The published item counts, and llm.c's HellaSwag / lm-eval's LAMBADA rendering."""
-    counts = {"hellaswag": 10042, "arc_easy": 2376, "arc_challenge": 1172, "lambada": 5153}
+    """The published item counts, and lm-eval's HellaSwag / LAMBADA rendering (more in test_eval_definitions.py)."""
+    counts = {
+        "hellaswag": 10042,
+        "hellaswag_llmc": 10042,
+        "arc_easy": 2376,
+        "arc_challenge": 1172,
+        "lambada_openai": 5153,
+    }
     for name, n in counts.items():
         assert len(get_task(name).items(data_dir)) == n, name
     hs = get_task("hellaswag").items(data_dir)[0]
-    assert hs.context == "A man is sitting on a roof. he" and hs.label == 3
+    assert hs.context == "Roof shingle removal: A man is sitting on a roof. He" and hs.label == 3
     assert hs.choices[3] == " starts pulling up roofing on a roof."
-    lam = get_task("lambada").items(data_dir)[0]
+    lam = get_task("lambada_openai").items(data_dir)[0]
     assert lam.context.endswith("I don't care about") and lam.choices == (" signs",)
 
 
@@ -286,16 +300,21 @@ def write(path: Path, text: str) -> Path:
         ("arc/ARC-Easy-Test.jsonl", "\n{oops\n", r"ARC-Easy-Test.jsonl:2: not a JSON object"),
         (
             "arc/ARC-Easy-Test.jsonl",
-            '{"question": {"stem": "q", "choices": [{"text": "a", "label": "A"}]}, "answerKey": "B"}\n',
-            r"ARC-Easy-Test.jsonl:1: answerKey 'B' is none of the choice labels \['A'\]",
+            '{"question": {"stem": "q", "choices": [{"text": "a", "label": "A"}, {"text": "c", "label": "C"}]}, '
+            '"answerKey": "B"}\n',
+            r"ARC-Easy-Test.jsonl:1: answerKey 'B' is none of the choice labels \['A', 'C'\]",
         ),
         ("lambada/lambada_test.jsonl", '{"txt": "a b"}\n', r"lambada_test.jsonl:1: missing field 'text'"),
-        ("hellaswag/hellaswag_val.jsonl", '{"ctx": "c", "endings": ["x"], "label": 3}\n', r"label 3 does not index"),
+        (
+            "hellaswag/hellaswag_val.jsonl",
+            '{"ctx": "c", "endings": ["x", "y"], "label": 3}\n',
+            r"field 'label' is 3, which does not index the 2 endings",
+        ),
     ],
 )
 def test_a_malformed_file_names_the_file_and_line(tmp_path, rel, text, message):
     path = write(tmp_path / rel, text)
-    name = {"arc": "arc_easy", "lambada": "lambada", "hellaswag": "hellaswag"}[rel.split("/")[0]]
+    name = {"arc": "arc_easy", "lambada": "lambada_openai", "hellaswag": "hellaswag_llmc"}[rel.split("/")[0]]
     with pytest.raises(ValueError, match=message) as e:
         get_task(name).items(tmp_path)
     assert str(path) in str(e.value) and "\n" not in str(e.value)
@@ -373,7 +392,7 @@ def test_cli_writes_the_results_as_json(checkpoint, data_dir, tmp_path, loaded):
         "--checkpoint",
         str(checkpoint),
         "--tasks",
-        "arc_easy,lambada",
+        "arc_easy,lambada_openai",
         "--limit",
         "2",
         "--batch-size",
@@ -385,16 +404,17 @@ def test_cli_writes_the_results_as_json(checkpoint, data_dir, tmp_path, loaded):
     )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
-    assert [line.split(":")[0] for line in lines] == ["arc_easy", "lambada"]
+    assert [line.split(":")[0] for line in lines] == ["arc_easy", "lambada_openai"]
     assert "acc_norm" in lines[0] and "perplexity" in lines[1] and lines[0].endswith("(2 items)")
     data = json.loads(out.read_text())
-    assert set(data) == {"arc_easy", "lambada", "step", "checkpoint"}
+    assert set(data) == {"arc_easy", "lambada_openai", "step", "checkpoint"}
     assert data["step"] == TRAIN_STEPS and data["checkpoint"] == str(checkpoint)
-    assert set(data["arc_easy"]) == {"acc", "acc_norm", "num_items", "num_truncated", "items"}
-    assert set(data["lambada"]) == {"acc", "perplexity", "num_items", "num_truncated", "items"}
+    mc = {"acc", "acc_stderr", "acc_norm", "acc_norm_stderr", "num_items", "num_truncated", "items"}
+    assert set(data["arc_easy"]) == mc and " ± " in lines[0]
+    assert set(data["lambada_openai"]) == {"acc", "acc_stderr", "perplexity", "num_items", "num_truncated", "items"}
     assert set(data["arc_easy"]["items"][0]) == {"index", "label", "loglik", "num_tokens", "pred", "pred_norm"}
-    lib = evaluate(loaded.model, loaded.tokenizer, ["arc_easy", "lambada"], data_dir, limit=2, batch_size=3)
-    assert data["arc_easy"] == lib["arc_easy"] and data["lambada"] == lib["lambada"]
+    lib = evaluate(loaded.model, loaded.tokenizer, ["arc_easy", "lambada_openai"], data_dir, limit=2, batch_size=3)
+    assert data["arc_easy"] == lib["arc_easy"] and data["lambada_openai"] == lib["lambada_openai"]
     assert not [p for p in tmp_path.iterdir() if p.name != "results.json"]  # no temporary file left
 
 
@@ -402,7 +422,8 @@ def test_cli_bad_task_exits_2_with_one_line_naming_the_known_ones(data_dir):
     proc = run_cli("--checkpoint", "nowhere", "--tasks", "piqa,hellaswg", "--data-dir", str(data_dir), timeout=60)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
-        "error: unknown eval task 'hellaswg' (known: hellaswag, arc_easy, arc_challenge, piqa, lambada); "
+        "error: unknown eval task 'hellaswg' (known: hellaswag, hellaswag_llmc, arc_easy, arc_challenge, piqa, "
+        "lambada_openai); "
         "did you mean 'hellaswag'?"
     ]
 

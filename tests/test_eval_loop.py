@@ -19,7 +19,7 @@ from titanlite.models import load_config
 from titanlite.train import Trainer
 
 STEPS = 6
-TASKS = "hellaswag,arc_easy,arc_challenge,piqa,lambada"
+TASKS = "hellaswag,arc_easy,arc_challenge,piqa,lambada_openai"
 
 
 def args_for(dump, *extra: str) -> list[str]:
@@ -71,7 +71,7 @@ def test_samples_and_scores_are_logged_at_their_steps(runs):
     for task in TASKS.split(","):
         assert scores[-1][f"eval/{task}/num_items"] == 6
         assert 0.0 <= scores[-1][f"eval/{task}/acc"] <= 1.0
-    assert scores[-1]["eval/lambada/perplexity"] > 1.0
+    assert scores[-1]["eval/lambada_openai/perplexity"] > 1.0
     assert "eval/hellaswag/acc_norm" in scores[-1]
     logged = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     assert [r for r in logged if "samples" in r] == samples

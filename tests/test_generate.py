@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 
@@ -375,13 +376,16 @@ def test_fsdp_and_tp_ranks_generate_what_one_process_does():
         (["--checkpoint", "{step}", "--prompt", "x", "--max-new-tokens", "-1"], "--max-new-tokens must be >= 0"),
         (["--checkpoint", "{step}", "--prompt", "x", "--max-new-tokens", "5000"], "exceed the model's max_seq_len"),
         (["--checkpoint", "{step}", "--prompt", "", "--no-bos"], "prompt 0 is empty"),
-        (["--checkpoint", "{hf}", "--prompt", "x"], "has no tokenizer files: pass a tokenizer path"),
+        (["--checkpoint", "{bare}", "--prompt", "x"], "has no tokenizer files: pass a tokenizer path"),
         (["--checkpoint", "{step}", "--prompt", "x", "--dtype", "int8"], "argument --dtype: invalid choice"),
     ],
 )
 def test_cli_errors_are_one_line_with_exit_status_2(trained, tmp_path, capsys, argv, message):
     step, hf = trained
-    names = {"step": step, "hf": hf, "missing": tmp_path / "missing"}
+    bare = shutil.copytree(hf, tmp_path / "bare")  # an HF folder without the tokenizer files an export carries
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (bare / name).unlink()
+    names = {"step": step, "hf": hf, "bare": bare, "missing": tmp_path / "missing"}
     argv = [a.format(**names) for a in argv]
     capsys.readouterr()
     assert main(argv) == 2

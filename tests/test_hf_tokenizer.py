@@ -338,3 +338,147 @@ def test_absurd_token_ids_are_one_line_errors(tmp_path, test_model_json, where):
     with pytest.raises(ValueError, match=rf"^{file}: .*integer.*in \[0, 2,147,483,647\]") as e:
         build_tokenizer(str(file))
     assert "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------- what HF's engine means
+
+# OpenAI's own cl100k_base pre-tokenizer regex (tiktoken_ext/openai_public.py), possessive quantifiers included
+CL100K_PAT = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]"""
+    r"""|\s+(?!\S)|\s"""
+)
+
+
+def parity_texts() -> list[str]:
+    """1,038 texts: the 1,000 C4 documents, WikiText-2 valid and test in 16 slices each, 3 slices of
+    Shakespeare and 3 hand-made texts (added-token and special-token text, NFC cases, digit runs)."""
+    c4 = [json.loads(line)["text"] for line in shared_file("text/c4_sample.jsonl").read_text("utf-8").splitlines()]
+    slices = []
+    for rel, parts in (
+        ("text/wikitext2/valid.txt", 16),
+        ("text/wikitext2/test.txt", 16),
+        ("text/tinyshakespeare.txt", 3),
+    ):
+        lines = shared_file(rel).read_text(encoding="utf-8")[:400_000].split("\n")
+        step = -(-len(lines) // parts)
+        slices += ["\n".join(lines[i : i + step]) for i in range(0, len(lines), step)]
+    return [*c4, *slices, SPECIAL_TEXT, NFC_TEXT, "digits 1 12 123 1234 12345 2024-01-31 3.14159 1,000,000\n\n  x"]
+
+
+def assert_hf_parity(file: Path, texts: list[str]) -> None:
+    """titanlite's ids (special-token text as text) == HF's with encode_special_tokens, batch-encoded; and
+    titanlite's decode == HF's (special tokens kept)."""
+    ours = build_tokenizer(str(file))
+    hf = tokenizers.Tokenizer.from_file(str(file))
+    hf.encode_special_tokens = True
+    want = [e.ids for e in hf.encode_batch(texts, add_special_tokens=False)]
+    got = ours.encode_batch(texts, num_threads=2)
+    bad = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
+    assert not bad, f"{len(bad)} of {len(texts)} texts differ, first: text {bad[0]} {texts[bad[0]][:80]!r}"
+    for ids in want[-3:] + want[:3]:
+        assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def cl100k_openai_json(tmp_path_factory) -> Path:
+    tiktoken_file = shared_file("tokenizers/cl100k_base.tiktoken")
+    return convert(tiktoken_file, tmp_path_factory.mktemp("cl100k"), pattern=CL100K_PAT)
+
+
+def test_cl100k_with_openais_possessive_regex_matches_hf_on_1038_texts(cl100k_openai_json):
+    """HF's engine (Oniguruma) reads ``\\p{N}{1,3}+`` as "1-3 digits, one or more times", not as a possessive
+    1-3: "1234" is one piece for HF ("12" "34"), two for tiktoken run on the regex as written ("123" "4")."""
+    texts = parity_texts()
+    assert len(texts) == 1038
+    assert build_tokenizer(str(cl100k_openai_json)).encode("1234") == [717, 1958]
+    assert_hf_parity(cl100k_openai_json, texts)
+
+
+ADDED = [("<think>", False), ("</think>", False), ("<tool_call>", False), ("<tool", False), (" ab", False)]
+
+
+def with_added_tokens(src: Path, dst: Path, added: list[tuple[str, bool]]) -> Path:
+    """``src`` + non-special added tokens (content, normalized), saved by HF ``tokenizers`` itself."""
+    hf = tokenizers.Tokenizer.from_file(str(src))
+    hf.decoder = hf.decoder or tokenizers.decoders.ByteLevel()  # a trained file has none: ids back to bytes
+    hf.add_tokens([tokenizers.AddedToken(t, special=False, normalized=norm) for t, norm in added])
+    dst.mkdir(parents=True, exist_ok=True)
+    hf.save(str(dst / "tokenizer.json"))
+    return dst / "tokenizer.json"
+
+
+def sprinkle(texts: list[str], tokens: list[str]) -> list[str]:
+    """Each text with added-token text put in at a few places (glued to words, after spaces, repeated)."""
+    out = []
+    for i, text in enumerate(texts):
+        a, b = tokens[i % len(tokens)], tokens[(i + 1) % len(tokens)]
+        cut1, cut2 = len(text) // 3, 2 * len(text) // 3
+        out.append(f"{a}{text[:cut1]}{b}{a} {text[cut1:cut2]} {b}{b}{text[cut2:]}call <tool_call>")
+    return out
+
+
+def test_non_special_added_tokens_are_matched_in_text_like_hf(tmp_path, test_model_json):
+    """Added tokens with "special": false (Qwen's <think>, <tool_call>) are cut out of ordinary text by HF,
+    leftmost-longest ("<tool_call>" over "<tool"), also inside words: titanlite too, encode and decode,
+    also through the data pipeline's encoding (and after pickling it)."""
+    file = with_added_tokens(test_model_json, tmp_path / "added", ADDED)
+    tok = build_tokenizer(str(file))
+    ids = tok.encode("call <tool_call>")
+    assert ids == tokenizers.Tokenizer.from_file(str(file)).encode("call <tool_call>", add_special_tokens=False).ids
+    assert ids[-1] == tok.encoding.encode_single_token("<tool_call>") and tok.decode(ids) == "call <tool_call>"
+    assert pickle.loads(pickle.dumps(tok.encoding)).encode_ordinary("x<think>y") == tok.encoding.encode_ordinary(
+        "x<think>y"
+    )
+    assert_hf_parity(file, sprinkle(parity_texts(), [t for t, _ in ADDED] + ["<|eot_id|>"]))
+
+
+def test_normalized_added_tokens_match_after_nfc_like_hf(tmp_path, qwen_json):
+    """A "normalized": true added token is matched in the NFC-normalized text, a false one in the raw text."""
+    composed = "caf\u00e9!"  # NFC of "cafe\u0301!"
+    file = with_added_tokens(qwen_json, tmp_path / "nfc", [(composed, True), ("cafe\u0301?", False), ("<x>", True)])
+    texts = ["a cafe\u0301! b", "cafe\u0301? c", "caf\u00e9? d <x><x>", *sprinkle(corpora()[:4], ["<x>", composed])]
+    assert_hf_parity(file, texts)
+
+
+@pytest.mark.parametrize(
+    "regex, text",
+    [
+        (r"\p{N}{2}+", "12345 1 123"),  # an interval then "+": repeated, not possessive
+        (r"\p{N}{1,3}+?|\p{L}+", "12345 abc"),  # ... lazily repeated
+        (r"(?:ab){1,2}+|\s+", "ababab abab"),
+        (r"\s+$|\S+", "a  \nb  \n\n c  "),  # $ ends a line for HF's engine
+        (r"^\s*\S+|\s+", "x\n  y z\nw"),  # ^ starts one
+        (r"(?m:.)+?\n|\S+", "a b\nc\n"),  # Oniguruma's m: dot matches newline
+        (r"\p{L}++|\s*+[\r\n]|[^\s\p{L}]++|\s", "possessive  and\n\natomic 99!"),
+        (r"(?>\p{L}+)|[\d]{2}|\s", "atomic 1234 x"),
+        (r"[\[\]{}]{1,2}+|[^\[\]{}]+", "a[[{}]]{{b"),  # braces in classes are no quantifiers
+    ],
+)
+def test_oniguruma_constructs_split_like_hf(tmp_path, regex, text):
+    file = train_bpe(tmp_path, qwen_style=True, vocab_size=400)
+    data = json.loads(file.read_text())
+    data["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = regex
+    file.write_text(json.dumps(data))
+    hf = tokenizers.Tokenizer.from_file(str(file))
+    assert build_tokenizer(str(file)).encode(text) == hf.encode(text, add_special_tokens=False).ids
+
+
+@pytest.mark.parametrize(
+    "regex, construct",
+    [("(?s:.)|x", r"'\(\?s:' at 0: the flag s is not Oniguruma's"), ("a(?~b)", r"'\(\?~' at 1"), ("(?x) a", "x")],
+)
+def test_regex_constructs_tiktoken_cannot_follow_are_refused_in_one_line(tmp_path, test_model_json, regex, construct):
+    def edit(d):
+        d["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = regex
+
+    file = edited(test_model_json, tmp_path / "tokenizer.json", edit)
+    with pytest.raises(ValueError, match=f"^{file}: pre-tokenizer regex construct .*{construct}") as e:
+        build_tokenizer(str(file))
+    assert "\n" not in str(e.value)
+
+
+def test_the_renamed_nfc_encoding_names_its_replacement():
+    import titanlite.tokenizer
+
+    with pytest.raises(AttributeError, match="NFCEncoding is now HFEncoding"):
+        titanlite.tokenizer.NFCEncoding  # noqa: B018

@@ -5,8 +5,8 @@ from the source, as ``../shared/tools/import_graph.py --all`` reads them).
 
 Layers, lowest first (a module may import its own layer or lower ones):
 
-0. leaves: ``config``, ``components``, ``hooks``, ``dtypes``, ``extensions``, ``tokenizer`` (with ``hf_tokenizer``),
-   ``planner``, ``run_lock``, ``nesting``
+0. leaves: ``config``, ``components``, ``hooks``, ``dtypes``, ``extensions``, ``tokenizer`` (with ``hf_tokenizer``,
+   ``hf_regex``), ``planner``, ``run_lock``, ``nesting``
 1. ``parallel``: policies, mesh, FSDP/TP/AC/compile/float8, ``build_parallel_model``; and ``loss``
 2. ``models``: the registry and the families (a family's parallelize plan is built from ``parallel``)
 3. ``data`` (``data.chat``: the chat template, used by ``generate`` and ``sampling``),
@@ -33,6 +33,7 @@ LAYERS = [
         "titanlite.extensions",
         "titanlite.tokenizer",
         "titanlite.hf_tokenizer",
+        "titanlite.hf_regex",
         "titanlite.planner",
         "titanlite.run_lock",
         "titanlite.nesting",

@@ -54,8 +54,12 @@ def test_bad_folders_are_one_line_errors(folders, tmp_path):
         load_model(tmp_path / "nowhere")
     with pytest.raises(ValueError, match="neither a titanlite checkpoint step folder nor a Hugging Face"):
         load_model(tmp_path)
+    bare = shutil.copytree(hf, tmp_path / "bare")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (bare / name).unlink()  # an export carries them: an HF folder without any
     with pytest.raises(ValueError, match="has no tokenizer files: pass a tokenizer path"):
-        load_model(hf)
+        load_model(bare)
+    assert load_model(hf).tokenizer.vocab_size == 512  # the export's own (byte) tokenizer
 
     damaged = shutil.copytree(step, tmp_path / "damaged")
     data = next(p for p in damaged.iterdir() if p.suffix == ".distcp")

@@ -133,7 +133,7 @@ def save_step_folder(model: Qwen3Model, path: Path) -> Path:
             "model_only": True,
             "dtype": "float32",
             "model": {"name": "qwen3", "flavor": None, "args": dataclasses.asdict(model.args)},
-            "tokenizer": {"bos_id": 1, "eos_id": 2},
+            "tokenizer": {"bos_id": 256, "eos_id": 257},  # the byte tokenizer's, which the tests load it with
         },
     )
     return path

@@ -13,17 +13,19 @@ tiktoken cannot represent exactly (Unigram/WordPiece models, a lowercasing norma
 space, missing byte tokens, ...) is refused with a one-line ``ValueError`` naming the file: never
 an approximation.
 
-This module imports nothing from titanlite but the JSON nesting guard (:mod:`titanlite.nesting`);
+This module imports only :mod:`titanlite.hf_regex` and the JSON nesting guard :mod:`titanlite.nesting` (leaves);
 :mod:`titanlite.tokenizer` builds the encoding from
 :class:`HFTokenizerSpec`.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from titanlite.hf_regex import oniguruma_to_tiktoken
 from titanlite.nesting import load_json
 
 # GPT-2's pre-tokenization regex: what a bare ByteLevel(use_regex=true) pre-tokenizer splits with.
@@ -44,6 +46,9 @@ class HFTokenizerSpec:
     bos_token: str | None
     eos_token: str | None
     normalizer: str | None  # "NFC" or None
+    # added tokens with "special": false, which HF matches in ordinary text: content -> "normalized" flag
+    # (matched after the normalizer when true, in the raw text when false)
+    matched: dict[str, bool] = field(default_factory=dict)
 
 
 def byte_level_alphabet() -> dict[int, str]:
@@ -54,6 +59,18 @@ def byte_level_alphabet() -> dict[int, str]:
     kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     shifted = [b for b in range(256) if b not in kept]
     return {**{b: chr(b) for b in kept}, **{b: chr(256 + i) for i, b in enumerate(shifted)}}
+
+
+def byte_level_bytes(text: str) -> bytes:
+    """The bytes HF's ByteLevel decoder gives for ``text``: a character of the byte-level alphabet is its
+    byte, any other character its UTF-8."""
+    decode = _alphabet_inverse()
+    return b"".join(bytes([decode[c]]) if c in decode else c.encode() for c in text)
+
+
+@functools.cache
+def _alphabet_inverse() -> dict[str, int]:
+    return {c: b for b, c in byte_level_alphabet().items()}
 
 
 def resolve_tokenizer_file(path: str) -> str:
@@ -104,7 +121,7 @@ def load_hf_tokenizer(path: str) -> HFTokenizerSpec:
     normalizer = _normalizer(path, data.get("normalizer"))
     pat_str = _pattern(path, data.get("pre_tokenizer"))
     _check_bpe_options(path, model)
-    specials = _added_tokens(path, data.get("added_tokens") or [])
+    specials, matched = _added_tokens(path, data.get("added_tokens") or [])
     vocab = model.get("vocab")
     if not isinstance(vocab, dict) or not vocab:
         raise ValueError(f"{path}: model.vocab must be a non-empty object of token -> id")
@@ -114,7 +131,7 @@ def load_hf_tokenizer(path: str) -> HFTokenizerSpec:
         raise ValueError(f"{path}: id {clash[0]} is both a vocab token and an added token with other text")
     _check_merges(path, model, ranks)
     bos, eos = _bos_eos(path, specials)
-    return HFTokenizerSpec(ranks, pat_str, specials, bos, eos, normalizer)
+    return HFTokenizerSpec(ranks, pat_str, specials, bos, eos, normalizer, matched)
 
 
 def _normalizer(path: str, spec) -> str | None:
@@ -154,6 +171,7 @@ def _pattern(path: str, spec) -> str:
     regex = pattern.get("Regex") if isinstance(pattern, dict) else None
     if not isinstance(regex, str) or split.get("behavior") != "Isolated" or split.get("invert"):
         raise ValueError(f"{path}: only a Split with a Regex pattern, behavior Isolated and invert=false is supported")
+    regex = oniguruma_to_tiktoken(path, regex)
     # HF keeps the text between matches as pieces of their own; tiktoken would drop it. The second branch
     # takes such a gap: characters where the regex does not match, up to where it matches again.
     return f"(?:{regex})|(?:(?!(?:{regex}))(?s:.))+"
@@ -207,11 +225,14 @@ def check_every_byte(path: str, ranks: dict[bytes, int], why: str) -> None:
         raise ValueError(f"{path}: no single-byte token for {len(missing)} byte value(s) ({shown}); {why}")
 
 
-def _added_tokens(path: str, added) -> dict[str, int]:
-    """Added (special or not) tokens as tiktoken special tokens; titanlite never matches them in documents."""
+def _added_tokens(path: str, added) -> tuple[dict[str, int], dict[str, bool]]:
+    """Every added token as a tiktoken special token, and the non-special ones (``"special": false``), which
+    HF matches in ordinary text, with their ``normalized`` flag. Special tokens are never matched in
+    documents: titanlite's choice (HF's ``encode_special_tokens=True``)."""
     if not isinstance(added, list) or not all(isinstance(e, dict) for e in added):
         raise ValueError(f"{path}: added_tokens must be a list of objects")
     out: dict[str, int] = {}
+    matched: dict[str, bool] = {}
     for entry in added:
         content, i = entry.get("content"), entry.get("id")
         if not isinstance(content, str) or not _is_id(i) or content in out or i in out.values():
@@ -221,7 +242,11 @@ def _added_tokens(path: str, added) -> dict[str, int]:
         if any(entry.get(k) for k in ("lstrip", "rstrip", "single_word")):
             raise ValueError(f"{path}: added token {content!r} has lstrip/rstrip/single_word, which tiktoken lacks")
         out[content] = i
-    return out
+        if not entry.get("special", False):
+            if not content:
+                raise ValueError(f"{path}: added token id {i} is empty; HF cannot match it in text")
+            matched[content] = bool(entry.get("normalized", True))
+    return out, matched
 
 
 def _merge_pairs(path: str, merges) -> list[tuple[str, str]]:

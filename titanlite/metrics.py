@@ -29,6 +29,7 @@ from torch import nn
 
 from titanlite.dtypes import DTYPES
 from titanlite.hooks import Hook, LoopState
+from titanlite.wandb_logger import WandbLogger, import_wandb
 
 logger = logging.getLogger(__name__)
 
@@ -191,13 +192,18 @@ def disk_full_error(error: OSError, path: str | os.PathLike, what: str) -> OSErr
 
 class MetricsLogger:
     """``[metrics]``: records to ``<dump_folder>/metrics.jsonl`` (one line each, on disk before :meth:`log`
-    returns) and TensorBoard, on rank 0 only. Opening the file never changes it: only :meth:`rewind`, called
-    once a resume has loaded its checkpoint, drops the records after a step (the resumed run logs them
-    again). A write that fails midway (disk full) is cut back, so the file never ends in a torn line."""
+    returns), TensorBoard and Weights & Biases (:mod:`titanlite.wandb_logger`), on rank 0 only. Opening the
+    file never changes it: only :meth:`rewind`, called once a resume has loaded its checkpoint, drops the
+    records after a step (the resumed run logs them again; W&B keeps what it got and gets them again). A
+    write that fails midway (disk full) is cut back, so the file never ends in a torn line."""
 
-    def __init__(self, section: Any, dump_folder: str | os.PathLike, rank: int = 0):
-        self.enabled, self.writer, self.failed = rank == 0, None, False
+    def __init__(
+        self, section: Any, dump_folder: str | os.PathLike, rank: int = 0, run_config: dict[str, Any] | None = None
+    ):
+        self.enabled, self.writer, self.wandb, self.failed = rank == 0, None, None, False
         self.path = Path(dump_folder) / "metrics.jsonl"
+        if getattr(section, "enable_wandb", False):
+            import_wandb()  # on every rank: a missing extra stops all of them alike, before anything is written
         if not self.enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -206,6 +212,8 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(Path(dump_folder) / section.save_tb_folder))
+        if getattr(section, "enable_wandb", False):
+            self.wandb = WandbLogger(section, dump_folder, run_config)  # rank 0 only
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -217,6 +225,8 @@ class MetricsLogger:
                     self.writer.add_scalar(key, value, record["step"])
                 elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
                     self.writer.add_text(key, as_markdown(value), record["step"])  # e.g. [sampling]'s prompts
+        if self.wandb is not None:
+            self.wandb.log(record)
 
     def _append(self, line: bytes, step: Any) -> None:
         """Write one whole line, or nothing: on an error midway the file is truncated back to its previous end
@@ -244,6 +254,8 @@ class MetricsLogger:
             self.file.close()
             if self.writer is not None:
                 self.writer.close()
+            if self.wandb is not None:
+                self.wandb.close()
 
 
 def as_markdown(items: list[dict[str, Any]]) -> str:

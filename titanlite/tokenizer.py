@@ -14,8 +14,9 @@ It also loads Hugging Face byte-level BPE ``tokenizer.json`` files (see :mod:`ti
 the file's own vocabulary, regex and added tokens, BOS/EOS from ``tokenizer_config.json``. A path may
 also be an HF model folder (its ``tokenizer.json``, else ``original/tokenizer.model``).
 
-This module imports only :mod:`titanlite.hf_tokenizer` (a leaf too): model families register :func:`build_tokenizer` as
-their ``tokenizer_builder``, and model code must not depend on ``titanlite.data``.
+This module imports only :mod:`titanlite.hf_tokenizer` (and its :mod:`titanlite.hf_regex`, leaves too):
+model families register :func:`build_tokenizer` as their ``tokenizer_builder``, and model code must not
+depend on ``titanlite.data``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import re
 import string
 import unicodedata
 from collections.abc import Sequence
@@ -30,7 +32,13 @@ from collections.abc import Sequence
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
-from titanlite.hf_tokenizer import check_every_byte, is_hf_tokenizer_file, load_hf_tokenizer, resolve_tokenizer_file
+from titanlite.hf_tokenizer import (
+    byte_level_bytes,
+    check_every_byte,
+    is_hf_tokenizer_file,
+    load_hf_tokenizer,
+    resolve_tokenizer_file,
+)
 
 # Llama 3's pre-tokenization regex: contractions, letter runs, 1-3 digit groups, punctuation runs,
 # newlines and other whitespace.
@@ -53,24 +61,85 @@ def llama3_special_tokens() -> list[str]:
     return [f"<|{name}|>" for name in named + reserved]
 
 
-class NFCEncoding(tiktoken.Encoding):
-    """A tiktoken encoding that puts text in Unicode NFC first, as a tokenizer.json "NFC" normalizer does.
+class HFEncoding(tiktoken.Encoding):
+    """A tiktoken encoding that runs the steps of an HF tokenizer.json pipeline that come before its
+    pre-tokenizer, as HF does: the non-special added tokens (``matched``: content -> ``normalized``) are cut
+    out of the text as their own ids (leftmost-longest; those with ``normalized`` false in the raw text
+    first), the normalizer (``nfc``: Unicode NFC) runs on the rest, then the normalized ones are cut out.
+    Decoding gives an added token's text as HF's ByteLevel decoder does: each character of it that is in
+    the byte-level alphabet stands for its byte (``"Ġ"`` is a space, ``"é"`` the lone byte 0xE9).
 
     A subclass (not a wrapper in :class:`Tokenizer`) so that callers that use ``tokenizer.encoding``
-    directly, like the data pipeline, normalize too; it pickles like its base class.
-    """
+    directly, like the data pipeline, get the same ids; tiktoken's batch methods call these per text. It
+    pickles with its extra state."""
+
+    def __init__(self, name: str, *, nfc: bool = False, matched: dict[str, bool] | None = None, **kwargs):
+        super().__init__(name, **kwargs)
+        self.nfc, self.matched = nfc, dict(matched or {})
+        self._raw = _alternation([t for t, normalized in self.matched.items() if not normalized])
+        self._normalized = _alternation([t for t, normalized in self.matched.items() if normalized])
+        # added tokens whose text HF's decoder turns into other bytes than their UTF-8
+        self._decoded = {i: b for t, i in self._special_tokens.items() if (b := byte_level_bytes(t)) != t.encode()}
+
+    def __getstate__(self) -> object:
+        state = dict(pat_str=self._pat_str, mergeable_ranks=self._mergeable_ranks, special_tokens=self._special_tokens)
+        return dict(name=self.name, nfc=self.nfc, matched=self.matched, **state)
+
+    def __setstate__(self, value: dict) -> None:
+        self.__init__(**value)
+
+    def _pieces(self, text: str) -> list[str | int]:
+        """``text`` cut into the ids of its added tokens and the strings between them (normalized)."""
+        out: list[str | int] = []
+        for piece in self._cut(self._raw, text):
+            if isinstance(piece, str) and self.nfc:
+                piece = unicodedata.normalize("NFC", piece)
+            out += self._cut(self._normalized, piece) if isinstance(piece, str) else [piece]
+        return out
+
+    def _cut(self, pattern: re.Pattern | None, text: str) -> list[str | int]:
+        if pattern is None:
+            return [text]
+        out: list[str | int] = []
+        start = 0
+        for m in pattern.finditer(text):
+            out += [text[start : m.start()], self._special_tokens[m.group()]]
+            start = m.end()
+        return [*out, text[start:]]
 
     def encode_ordinary(self, text: str) -> list[int]:
-        return super().encode_ordinary(unicodedata.normalize("NFC", text))
+        ids: list[int] = []
+        for piece in self._pieces(text):
+            ids += [piece] if isinstance(piece, int) else super().encode_ordinary(piece) if piece else []
+        return ids
 
     def encode(self, text: str, **kwargs) -> list[int]:
-        return super().encode(unicodedata.normalize("NFC", text), **kwargs)
+        ids: list[int] = []
+        for piece in self._pieces(text):
+            ids += [piece] if isinstance(piece, int) else super().encode(piece, **kwargs) if piece else []
+        return ids
 
-    def encode_ordinary_batch(self, text: list[str], **kwargs) -> list[list[int]]:
-        return super().encode_ordinary_batch([unicodedata.normalize("NFC", t) for t in text], **kwargs)
+    def decode_bytes(self, tokens: Sequence[int]) -> bytes:
+        if not self._decoded or not any(t in self._decoded for t in tokens):
+            return super().decode_bytes(tokens)
+        out, run = [], []
+        for t in tokens:
+            if t in self._decoded:
+                out += [super().decode_bytes(run), self._decoded[t]]
+                run = []
+            else:
+                run.append(t)
+        return b"".join([*out, super().decode_bytes(run)])
 
-    def encode_batch(self, text: list[str], **kwargs) -> list[list[int]]:
-        return super().encode_batch([unicodedata.normalize("NFC", t) for t in text], **kwargs)
+    def decode(self, tokens: Sequence[int], errors: str = "replace") -> str:
+        return self.decode_bytes(tokens).decode("utf-8", errors=errors)
+
+
+def _alternation(tokens: list[str]) -> re.Pattern | None:
+    """A regex matching any of ``tokens``, the longest at the leftmost place (as HF's added-token matcher)."""
+    if not tokens:
+        return None
+    return re.compile("|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)))
 
 
 class Tokenizer:
@@ -216,10 +285,17 @@ def build_hf_tokenizer(path: str, file: str) -> Tokenizer:
     is still framed on both sides and the data pipeline's ``BOS + tokens + EOS`` layout holds.
     """
     spec = load_hf_tokenizer(file)
-    cls = NFCEncoding if spec.normalizer == "NFC" else tiktoken.Encoding
     name = os.path.basename(os.path.normpath(path)) or "tokenizer.json"
+    kwargs = dict(pat_str=spec.pat_str, mergeable_ranks=spec.ranks, special_tokens=spec.special_tokens)
     try:
-        encoding = cls(name, pat_str=spec.pat_str, mergeable_ranks=spec.ranks, special_tokens=spec.special_tokens)
+        if (
+            spec.normalizer == "NFC"
+            or spec.matched
+            or any(byte_level_bytes(t) != t.encode() for t in spec.special_tokens)
+        ):
+            encoding = HFEncoding(name, nfc=spec.normalizer == "NFC", matched=spec.matched, **kwargs)
+        else:
+            encoding = tiktoken.Encoding(name, **kwargs)
         encoding.encode_ordinary("a 1")  # the regex compiles lazily in some tiktoken versions
     except ValueError as e:
         raise ValueError(f"{file}: tiktoken cannot use its pre-tokenizer regex: {str(e).splitlines()[0]}") from None
@@ -241,9 +317,11 @@ def build_tokenizer(path: str = "") -> Tokenizer:
 def token_byte_lengths(tokenizer: Tokenizer, size: int | None = None) -> list[int]:
     """How many bytes of text each id ``0 .. size-1`` stands for (``size``: the vocabulary, or a model's
     larger padded one). Special tokens and ids no token has count 0: bits per byte measure the text only,
-    so they are comparable across tokenizers (as nanochat reports them)."""
+    so they are comparable across tokenizers (as nanochat reports them). Added tokens HF matches in text
+    (``"special": false``) stand for their text and count its bytes."""
     enc = tokenizer.encoding
-    specials = {enc.encode_single_token(s) for s in enc.special_tokens_set}
+    matched = getattr(enc, "matched", {})
+    specials = {enc.encode_single_token(s) for s in enc.special_tokens_set if s not in matched}
     lengths = [0] * (size or enc.n_vocab)
     for i in range(min(len(lengths), enc.n_vocab)):
         if i not in specials:
@@ -252,3 +330,9 @@ def token_byte_lengths(tokenizer: Tokenizer, size: int | None = None) -> list[in
             except KeyError:  # an id no token has (tiktoken allows gaps)
                 pass
     return lengths
+
+
+def __getattr__(name: str):
+    if name == "NFCEncoding":  # renamed: it now runs every pre-tokenizer step of a tokenizer.json
+        raise AttributeError("titanlite.tokenizer.NFCEncoding is now HFEncoding (HFEncoding(name, nfc=True, ...))")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

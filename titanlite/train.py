@@ -72,6 +72,7 @@ from titanlite.sampling import SamplingHook
 from titanlite.tokenizer import token_byte_lengths
 from titanlite.train_step import TrainStep, grad_accum_steps
 from titanlite.validation import ValidationHook, combine_validation, validation_loss
+from titanlite.wandb_logger import import_wandb
 
 logger = logging.getLogger("titanlite")
 
@@ -132,6 +133,8 @@ class Trainer:
     def __init__(self, cfg: JobConfig, world: WorldInfo | None = None):
         t = cfg.training
         self.cfg = cfg
+        if cfg.metrics.enable_wandb:
+            import_wandb()  # a missing optional extra stops every rank before anything is written
         self.world = world or world_from_env()
         self.device = self.world.device
         self.parallel_dims = self.build_parallel_dims()
@@ -388,7 +391,7 @@ class Trainer:
         float8 = any(True for _ in float8_modules(self.model))  # enabled but every linear skipped: no fp8 peak
         kw = dict(device=self.device, autocast_dtype=self.train_step.autocast_dtype)  # first: it checks its prompts
         sampling = SamplingHook(c.sampling, self.model, self.tokenizer, **kw) if c.sampling.enable else None
-        log = MetricsLogger(c.metrics, c.job.dump_folder, rank)
+        log = MetricsLogger(c.metrics, c.job.dump_folder, rank, run_config=dataclasses.asdict(c))
         self.metrics_hook = metrics = MetricsHook(
             c.metrics,
             log,

@@ -73,7 +73,8 @@ def main_dcp_to_hf(argv: Sequence[str] | None = None) -> int:
         description=(
             "Convert a titanlite DCP checkpoint step folder (or a torchtitan v0.2 / 0.3.0 one of a Llama 3 "
             "model) into a Hugging Face folder (model.safetensors "
-            "[sharded with an index past --max-shard-size], config.json, generation_config.json). A family "
+            "[sharded with an index past --max-shard-size], config.json, generation_config.json, and the recorded "
+            "tokenizer as tokenizer.json + tokenizer_config.json). A family "
             "from an extension needs that extension in --extensions: the modules a checkpoint records are "
             "never imported on its word alone (a checkpoint is data, an import runs code)."
         ),

@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from titanlite.checkpoint import layout, safe_load
+from titanlite.checkpoint.hf_tokenizer_files import check_tokenizer, folder_tokenizer_path, write_tokenizer_files
 from titanlite.dtypes import dtype_name
 from titanlite.extensions import load_extensions
 from titanlite.hf_tokenizer import tokenizer_files
@@ -84,7 +85,8 @@ def dcp_to_hf(
     model_args: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write ``model.safetensors`` (+ index), ``config.json``, ``generation_config.json`` and the tokenizer
-    files when the checkpoint's recorded tokenizer path still exists.
+    files of the tokenizer ``checkpoint.json`` records (:mod:`titanlite.checkpoint.hf_tokenizer_files`: also
+    for a tiktoken file or the byte tokenizer; none when its file is gone, with a warning).
 
     ``extensions`` (modules that register the model family) are imported first. Those that the
     checkpoint's ``checkpoint.json`` records are never imported on that file's word alone: a
@@ -142,6 +144,10 @@ def dcp_to_hf(
     files = [SINGLE_FILE] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
     reader, weight_map = safe_load.SafeFileSystemReader(str(step_dir)), {}
     bos, eos = _token_ids(info, step_dir)
+    recorded = info.get("tokenizer") if isinstance(info.get("tokenizer"), dict) else {}
+    tokenizer_path = str(recorded.get("path") or "")
+    known = not torchtitan and "path" in recorded  # a checkpoint.json that names no tokenizer: none is exported
+    tokenizer = _recorded_tokenizer(spec, tokenizer_path, bos, args, step_dir) if known else None
     with _atomic_output(out_dir) as partial, layout.quiet_single_process():
         done = 0
         for file, shard in zip(files, shards):
@@ -163,19 +169,26 @@ def dcp_to_hf(
         layout.write_json(partial / "generation_config.json", adapter.generation_config(bos, eos))
         for file in files:  # safetensors writes 0600; give the weights the permissions of their siblings
             shutil.copymode(partial / "config.json", partial / file)
-        _copy_tokenizer(info, partial)
+        if tokenizer is not None:
+            write_tokenizer_files(partial, tokenizer_path, tokenizer, getattr(args, "max_seq_len", None))
     return out_dir
 
 
-def _copy_tokenizer(info: dict[str, Any], out: Path) -> None:
-    """Copy the checkpoint's recorded tokenizer files into the export, so the HF folder is complete."""
-    path = str((info.get("tokenizer") or {}).get("path") or "")
-    files = tokenizer_files(path)
-    if path and not files:
-        logger.warning("tokenizer %s recorded in checkpoint.json not found: the export has no tokenizer files", path)
-    for name, src in files.items():
-        (out / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(src, out / name)
+def _recorded_tokenizer(spec, path: str, bos: int | None, args: Any, step_dir: Path) -> Any:
+    """The tokenizer ``checkpoint.json`` records ("": the byte tokenizer), checked against the model; None
+    (with a warning) when its file is gone or the family registers no tokenizer."""
+    if spec.tokenizer_builder is None or (path not in ("", "bytes") and not tokenizer_files(path)):
+        if path:
+            logger.warning("tokenizer %s recorded in checkpoint.json not found: the export has no tokenizer", path)
+        return None
+    what = f"the tokenizer {path or 'bytes'!r} recorded in {step_dir / layout.INFO_FILE}"
+    try:
+        tokenizer = spec.tokenizer_builder(path)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{what} cannot be read ({' '.join(str(e).split())})") from None
+    where = str(step_dir / layout.INFO_FILE)
+    check_tokenizer(tokenizer, bos_id=bos, vocab_size=getattr(args, "vocab_size", None), what=what, where=where)
+    return tokenizer
 
 
 def _read_info(step_dir: Path) -> dict[str, Any]:
@@ -572,6 +585,8 @@ def hf_to_dcp(
         progress(len(loaded), len(expected), f"model.{native}", tuple(tensor.shape), tensor.dtype)
         return tensor.contiguous()
 
+    bos, eos = (_first(config.get(f"{k}_token_id")) for k in ("bos", "eos"))
+    tokenizer_path = _folder_tokenizer(spec, hf_dir, bos, args)
     planner = _LazySavePlanner({f"model.{n}": functools.partial(load, n) for n in expected})
     dtypes = {metas[n].dtype for n in expected if parts_of[n]}  # weights made from nothing (a zero bias) aside
     with _atomic_output(out_dir) as partial, layout.quiet_single_process():
@@ -586,11 +601,28 @@ def hf_to_dcp(
             ) from None
         info = dict(step=0, tokens_seen=0, model_only=True, dtype=dtype_name(*dtypes) if len(dtypes) == 1 else None)
         info["model"] = {"name": spec.name, "flavor": matching_flavor(spec, args), "args": dataclasses.asdict(args)}
-        bos, eos = (_first(config.get(f"{k}_token_id")) for k in ("bos", "eos"))
-        info.update(extensions=extensions, tokenizer={"path": "", "bos_id": bos, "eos_id": eos})
+        info.update(extensions=extensions, tokenizer={"path": tokenizer_path, "bos_id": bos, "eos_id": eos})
         info["files"] = layout.file_checksums(partial)  # verified when the seed is loaded or converted
         layout.write_info(partial, {**info, "source": {"hugging_face": str(hf_dir.resolve())}})
     return out_dir
+
+
+def _folder_tokenizer(spec, hf_dir: Path, bos: Any, args: Any) -> str:
+    """The path ``checkpoint.json`` records for the HF folder's tokenizer ("" when it has none), so that
+    evaluating or generating with the converted checkpoint uses it. A tokenizer whose BOS or size is not
+    the model's is refused; one titanlite cannot read is recorded with a warning (loading it names the
+    problem, instead of silently using the byte tokenizer)."""
+    path = folder_tokenizer_path(hf_dir)
+    if not path or spec.tokenizer_builder is None:
+        return path
+    try:
+        tokenizer = spec.tokenizer_builder(path)
+    except (ValueError, OSError) as e:
+        logger.warning("%s: titanlite cannot read its tokenizer (%s); recorded anyway", hf_dir, safe_load.one_line(e))
+        return path
+    what = f"the tokenizer of {hf_dir}"
+    check_tokenizer(tokenizer, bos_id=bos, vocab_size=args.vocab_size, what=what, where=str(hf_dir / "config.json"))
+    return path
 
 
 def _plan_shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:

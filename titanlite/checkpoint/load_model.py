@@ -9,10 +9,11 @@ loop evaluates its own (possibly sharded) model instead and never calls this.
   model-only, any stored dtype). The tokenizer is the one ``checkpoint.json`` records.
 - **A Hugging Face folder** (``config.json`` + safetensors): the family is the one whose adapter
   converts that architecture, the weights go through the adapter (names, q/k row order). The
-  tokenizer is read from the folder's tokenizer files.
+  tokenizer is read from the folder's tokenizer files (an export carries them, also for the byte tokenizer).
 
-``tokenizer_path`` overrides either (``"bytes"``: the built-in byte-level tokenizer, which a debug
-model's HF export carries no file for). Every error is a one-line ``ValueError`` or
+``tokenizer_path`` overrides either (``"bytes"``: the built-in byte-level tokenizer). A tokenizer with
+more ids than the model's vocabulary, or whose BOS is not the one ``checkpoint.json`` (``config.json``)
+records, is refused. Every error is a one-line ``ValueError`` or
 ``FileNotFoundError`` naming the file. As for the converters, the extension modules a
 ``checkpoint.json`` records are never imported on its word alone.
 """
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 from titanlite.checkpoint import hf, layout, safe_load
+from titanlite.checkpoint.hf_tokenizer_files import check_tokenizer
 from titanlite.extensions import load_extensions
 from titanlite.hf_tokenizer import tokenizer_files
 from titanlite.models.registry import state_shapes
@@ -68,7 +70,9 @@ def load_model(
         spec, args, state, info = _from_step_folder(path, given)
         step, recorded = info.get("step"), (info.get("tokenizer") or {}).get("path", "")
         tokenizer = _tokenizer(spec, tokenizer_path, recorded, f"the tokenizer {recorded!r} recorded in {path}")
-        eos_ids = _ints(hf._token_ids(info, path)[1])
+        bos_id, eos_id = hf._token_ids(info, path)
+        where = path / layout.INFO_FILE
+        eos_ids = _ints(eos_id)
     elif (path / "config.json").is_file():
         config = hf.read_hf_config(path)
         spec, args = hf._model_for_hf(config, path / "config.json")
@@ -78,9 +82,12 @@ def load_model(
                 f"{path} has no tokenizer files: pass a tokenizer path (bytes for the built-in byte-level tokenizer)"
             )
         tokenizer = _tokenizer(spec, tokenizer_path, str(path), f"the tokenizer files in {path}")
+        bos_id, where = hf._first(config.get("bos_token_id")), path / "config.json"
         eos_ids = _ints(config.get("eos_token_id"))
     else:
         raise ValueError(f"{path} is neither a titanlite checkpoint step folder nor a Hugging Face model folder")
+    what = "the tokenizer given" if tokenizer_path is not None else f"the tokenizer of {path}"
+    check_tokenizer(tokenizer, bos_id=bos_id, vocab_size=getattr(args, "vocab_size", None), what=what, where=str(where))
     model = _build(spec, args, state, device, dtype, path)
     eos_ids = tuple(dict.fromkeys((*eos_ids, tokenizer.eos_id)))
     return LoadedModel(model, tokenizer, spec, args, step, eos_ids, path)

@@ -181,6 +181,10 @@ class Metrics:
     save_tb_folder: str = opt("tb", "TensorBoard folder, relative to dump_folder.")
     log_update_ratio: bool = opt(True, "Log ||update|| / ||params|| on logging steps (one parameter copy).")
     update_ratio_per_layer: bool = opt(False, "Also log that ratio per transformer block and top-level module.")
+    enable_wandb: bool = opt(False, "Also log to Weights & Biases (rank 0; needs pip install 'titanlite[wandb]').")
+    wandb_project: str = opt("titanlite", "W&B project.")
+    wandb_run_name: str = opt("", "W&B run name; empty = W&B's own. A resumed run continues its W&B run.")
+    wandb_mode: str = opt("online", "W&B mode.", choices=["online", "offline", "disabled"])
 
 
 @dataclass
@@ -247,7 +251,7 @@ class Sampling:
     chat: bool = opt(False, "Prompt as a user turn of the Llama 3 chat template; the reply ends at <|eot_id|>.")
 
 
-EVAL_TASKS = ["hellaswag", "arc_easy", "arc_challenge", "piqa", "lambada"]
+EVAL_TASKS = ["hellaswag", "arc_easy", "arc_challenge", "piqa", "lambada_openai"]
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""``python -m titanlite.eval --checkpoint DIR --tasks hellaswag,arc_easy,arc_challenge,piqa,lambada``,
+"""``python -m titanlite.eval --checkpoint DIR --tasks hellaswag,arc_easy,arc_challenge,piqa,lambada_openai``,
 and ``python -m titanlite.eval --watch DUMP_FOLDER`` (the checkpoint watcher, :mod:`titanlite.eval.watch`).
 
 Loads the model of ``DIR`` (a titanlite checkpoint step folder or a Hugging Face folder, see
@@ -163,10 +163,16 @@ def evaluate_checkpoint(path: str, a: argparse.Namespace, tasks: list[str], data
 
 
 def summary_line(name: str, result: dict) -> str:
-    """``hellaswag: acc 0.2600 acc_norm 0.2800 (100 items)`` (every numeric metric, then the counts)."""
+    """``hellaswag: acc 0.2600 ± 0.0441 acc_norm 0.2800 ± 0.0451 (100 items)`` (every metric, with its
+    standard error when it has one, then the counts)."""
     skip = ("items", "num_items", "num_truncated")
-    metrics = " ".join(f"{k} {v:.4f}" for k, v in result.items() if k not in skip)
+    parts = []
+    for k, v in result.items():
+        if k in skip or k.endswith("_stderr") or not isinstance(v, (int, float)):
+            continue
+        stderr = result.get(f"{k}_stderr")
+        parts.append(f"{k} {v:.4f}" + (f" ± {stderr:.4f}" if isinstance(stderr, float) else ""))
     counts = f"{result['num_items']} items" + (
         f", {result['num_truncated']} truncated" if result["num_truncated"] else ""
     )
-    return f"{name}: {metrics} ({counts})"
+    return f"{name}: {' '.join(parts)} ({counts})"

@@ -1,7 +1,7 @@
 """Downstream scores in the training loop (``[eval]``), and the metrics record they make.
 
 The in-loop evaluation and the watcher (:mod:`titanlite.eval.watch`) write the same keys,
-``eval/<task>/<metric>`` (``eval/hellaswag/acc_norm``, ``eval/lambada/perplexity`` ...), under the
+``eval/<task>/<metric>`` (``eval/hellaswag/acc_norm``, ``eval/lambada_openai/perplexity`` ...), under the
 step of the weights they scored, so a curve drawn from ``metrics.jsonl`` or TensorBoard does not care
 which of the two computed a point.
 """
@@ -28,10 +28,15 @@ def eval_record(step: int, results: dict[str, dict[str, Any]]) -> dict[str, Any]
 
 
 def scores_line(results: dict[str, dict[str, Any]]) -> str:
-    """One log line of the scores: ``hellaswag acc 0.26 acc_norm 0.27 | lambada acc 0.01 perplexity 2e+03 ...``."""
+    """One log line of the scores (standard errors left out):
+    ``hellaswag acc 0.26 acc_norm 0.27 | lambada_openai acc 0.01 perplexity 2e+03 ...``."""
     parts = []
     for task, metrics in results.items():
-        values = [f"{k} {v:.4g}" for k, v in metrics.items() if isinstance(v, float) and not k.startswith("num_")]
+        values = [
+            f"{k} {v:.4g}"
+            for k, v in metrics.items()
+            if isinstance(v, float) and not k.startswith("num_") and not k.endswith("_stderr")
+        ]
         parts.append(f"{task} {' '.join(values)}")
     return " | ".join(parts)
 

@@ -6,6 +6,12 @@ A task reads its data files (in their original formats, under one data folder la
 (context, choice) pair, the summed log-probability of the choice's tokens given the context, and
 the task turns those numbers into per-item records and metrics.
 
+The built-in tasks are lm-evaluation-harness's zero-shot definitions (``hellaswag``, ``arc_easy``,
+``arc_challenge``, ``piqa``, ``lambada_openai``: the same prompt strings, the same ``" "`` between
+context and choice, ``acc_norm`` by the choice's length in characters, the same metric names), so
+their scores stand beside published lm-eval numbers; ``hellaswag_llmc`` is llm.c's rendering of
+HellaSwag (``acc_norm`` per token). ``tests/test_eval_definitions.py`` pins them against lm-eval's.
+
 Adding a task is one small class: subclass :class:`MultipleChoiceTask` (or :class:`ClozeTask`),
 set ``name`` and ``files`` and write ``item(row)`` for one parsed JSON line, then register it::
 
@@ -28,6 +34,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -37,15 +44,28 @@ from titanlite.nesting import loads_json
 
 # Keys of the results dict next to the task names (see titanlite.eval.scoring.evaluate and the CLI).
 RESERVED_NAMES = ("step", "checkpoint")
+# Task names that changed: asking for the old one is an error naming the new one.
+RENAMED_TASKS = {"lambada": "lambada_openai"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Item:
-    """One benchmark question: ``context`` followed by each of ``choices``; ``label`` indexes the right one."""
+    """One benchmark question: ``context`` followed by each of ``choices`` (the continuations as scored,
+    with the space that joins them to the context); ``label`` indexes the right one.
+
+    ``norm_lengths``: what ``acc_norm`` divides each choice's log-likelihood by. None: each choice's
+    length in characters without one leading space, lm-evaluation-harness's rule (it scores
+    ``" " + choice`` and divides by ``len(choice)``)."""
 
     context: str
     choices: tuple[str, ...]
     label: int
+    norm_lengths: tuple[int, ...] | None = None
+
+    def lengths(self) -> tuple[int, ...]:
+        if self.norm_lengths is not None:
+            return self.norm_lengths
+        return tuple(len(c) - c.startswith(" ") for c in self.choices)
 
 
 class Task:
@@ -55,14 +75,19 @@ class Task:
 
     name: ClassVar[str] = ""
     files: ClassVar[tuple[str, ...]] = ()
+    min_choices: ClassVar[int] = 1
 
     def items(self, data_dir: str | os.PathLike) -> list[Item]:
         """Every item of the task's first file, one JSON object a line, each made by :meth:`item`."""
         path = self.path(data_dir, self.files[0])
-        return [parse_row(path, lineno, self.item, row) for lineno, row in read_jsonl(path)]
+        return require_items(path, [self.parse_row(path, lineno, row) for lineno, row in read_jsonl(path)])
 
     def item(self, row: dict) -> Item:
         raise NotImplementedError(f"{type(self).__name__} must define item(row) or items(data_dir)")
+
+    def parse_row(self, path: Path, lineno: int, *args: Any) -> Item:
+        """``self.item(*args)``, checked; any error in it becomes one line naming ``path`` and ``lineno``."""
+        return parse_row(path, lineno, self.item, *args, min_choices=self.min_choices)
 
     def path(self, data_dir: str | os.PathLike, rel: str) -> Path:
         """``data_dir / rel``; a one-line ValueError when it is not a file."""
@@ -84,34 +109,43 @@ class MultipleChoiceTask(Task):
     """Pick the choice the model finds most likely.
 
     ``pred``: the argmax of the summed log-probability of each choice's tokens (``acc``);
-    ``pred_norm``: the argmax of its mean per-token log-probability (``acc_norm``), llm.c's
-    HellaSwag normalization (lm-evaluation-harness normalizes by bytes instead). Ties go to the
-    first choice."""
+    ``pred_norm``: the argmax of that sum divided by the choice's length (``acc_norm``). The length is
+    :meth:`Item.lengths` (characters, lm-evaluation-harness's normalization) or, with
+    ``normalize = "tokens"``, the number of the choice's tokens (llm.c's mean per-token
+    log-probability). Ties go to the first choice, as ``numpy.argmax``'s do. Metrics: ``acc``,
+    ``acc_norm`` and their standard errors ``acc_stderr``, ``acc_norm_stderr`` (lm-eval's names and
+    formula: the sample standard deviation over the square root of the item count)."""
+
+    min_choices = 2
+    normalize: ClassVar[str] = "chars"
 
     def record(self, index: int, item: Item, loglik: list[float], num_tokens: list[int], greedy: list[bool]) -> dict:
-        per_token = [ll / max(n, 1) for ll, n in zip(loglik, num_tokens)]
+        lengths = num_tokens if self.normalize == "tokens" else item.lengths()
         return dict(
             index=index,
             label=item.label,
             loglik=loglik,
             num_tokens=num_tokens,
             pred=first_argmax(loglik),
-            pred_norm=first_argmax(per_token),
+            pred_norm=first_argmax([divide(ll, n) for ll, n in zip(loglik, lengths)]),
         )
 
     def metrics(self, records: Sequence[dict]) -> dict[str, Any]:
-        n = len(records)
+        acc = [float(r["pred"] == r["label"]) for r in records]
+        acc_norm = [float(r["pred_norm"] == r["label"]) for r in records]
         return dict(
-            acc=sum(r["pred"] == r["label"] for r in records) / n if n else math.nan,
-            acc_norm=sum(r["pred_norm"] == r["label"] for r in records) / n if n else math.nan,
-            num_items=n,
+            acc=mean(acc, self.name),
+            acc_stderr=mean_stderr(acc),
+            acc_norm=mean(acc_norm, self.name),
+            acc_norm_stderr=mean_stderr(acc_norm),
+            num_items=len(records),
         )
 
 
 class ClozeTask(Task):
     """One continuation per item (LAMBADA): ``pred`` (and ``pred_norm``) is 1 when every continuation
     token is the greedy argmax given what precedes it, else 0; ``label`` is 1. Metrics: ``acc`` (the
-    fraction of 1s) and ``perplexity = exp(-mean over items of the continuation's summed
+    fraction of 1s), ``acc_stderr`` and ``perplexity = exp(-mean over items of the continuation's summed
     log-probability)``, lm-evaluation-harness's definition for LAMBADA (a per-item, not a per-token,
     perplexity)."""
 
@@ -120,16 +154,36 @@ class ClozeTask(Task):
         return dict(index=index, label=1, loglik=loglik, num_tokens=num_tokens, pred=pred, pred_norm=pred)
 
     def metrics(self, records: Sequence[dict]) -> dict[str, Any]:
-        n = len(records)
-        if not n:
-            return dict(acc=math.nan, perplexity=math.nan, num_items=0)
-        mean_loglik = sum(r["loglik"][0] for r in records) / n
-        return dict(acc=sum(r["pred"] for r in records) / n, perplexity=math.exp(-mean_loglik), num_items=n)
+        acc = [float(r["pred"]) for r in records]
+        perplexity = math.exp(-mean([r["loglik"][0] for r in records], self.name))
+        return dict(acc=mean(acc, self.name), acc_stderr=mean_stderr(acc), perplexity=perplexity, num_items=len(acc))
 
 
 def first_argmax(values: Sequence[float]) -> int:
     """The index of the largest value, the first one on ties (so results never depend on a kernel's tie rule)."""
     return max(range(len(values)), key=lambda i: (values[i], -i))
+
+
+def divide(loglik: float, length: int) -> float:
+    """``loglik / length`` as numpy divides floats: a zero length gives -inf (or nan for 0 / 0)."""
+    if length:
+        return loglik / length
+    return -math.inf if loglik < 0 else math.nan if loglik == 0 else math.inf
+
+
+def mean(values: Sequence[float], task: str) -> float:
+    if not values:
+        raise ValueError(f"{task}: no items were scored")
+    return sum(values) / len(values)
+
+
+def mean_stderr(values: Sequence[float]) -> float | None:
+    """Standard error of the mean (sample standard deviation / sqrt(n)); None for fewer than 2 values."""
+    n = len(values)
+    if n < 2:
+        return None
+    mu = sum(values) / n
+    return math.sqrt(sum((v - mu) ** 2 for v in values) / (n - 1)) / math.sqrt(n)
 
 
 # ----------------------------------------------------------------------------- reading files
@@ -150,19 +204,61 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
             yield lineno, row
 
 
-def parse_row(path: Path, lineno: int, make: Callable[..., Item], *args: Any) -> Item:
+def require_items(path: Path, items: list[Item]) -> list[Item]:
+    if not items:
+        raise ValueError(f"{path}: no items (the file holds no JSON lines)")
+    return items
+
+
+def parse_row(path: Path, lineno: int, make: Callable[..., Item], *args: Any, min_choices: int = 1) -> Item:
     """``make(*args)``, checked; any error in it becomes one line naming ``path`` and ``lineno``."""
     try:
         item = make(*args)
         if not isinstance(item.context, str) or not all(isinstance(c, str) and c for c in item.choices):
             raise ValueError("the context and choices must be strings, and no choice empty")
-        if not item.choices or not 0 <= item.label < len(item.choices):
-            raise ValueError(f"label {item.label} does not index its {len(item.choices)} choices")
+        if len(item.choices) < min_choices:
+            raise ValueError(f"{len(item.choices)} choice(s); a multiple-choice item needs at least {min_choices}")
+        if not is_int(item.label) or not 0 <= item.label < len(item.choices):
+            raise ValueError(f"label {item.label!r} does not index its {len(item.choices)} choices")
+        lengths = item.lengths()
+        if len(lengths) != len(item.choices) or not all(is_int(n) and n >= 0 for n in lengths):
+            raise ValueError("norm_lengths must be one length >= 0 per choice")
         return item
     except KeyError as e:
         raise ValueError(f"{path}:{lineno}: missing field {e.args[0]!r}") from None
     except (TypeError, ValueError, IndexError, AttributeError) as e:
         raise ValueError(f"{path}:{lineno}: {' '.join(str(e).split())}") from None
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def text_field(row: dict, key: str) -> str:
+    """``row[key]``, which must be a string (a ValueError naming the field otherwise)."""
+    value = row[key]
+    if not isinstance(value, str):
+        raise ValueError(f"field {key!r} must be a string, got {type(value).__name__} {value!r:.40}")
+    return value
+
+
+def int_field(row: dict, key: str) -> int:
+    """``row[key]`` as an integer: an int or a string of digits (Hugging Face's copies store labels as
+    text); a bool, a float or anything else is a ValueError naming the field."""
+    value = row[key]
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        return int(value)
+    if not is_int(value):
+        raise ValueError(f"field {key!r} must be an integer, got {type(value).__name__} {value!r:.40}")
+    return value
+
+
+def text_list_field(row: dict, key: str) -> list[str]:
+    """``row[key]``, which must be a list of strings."""
+    value = row[key]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"field {key!r} must be a list of strings, got {type(value).__name__} {value!r:.40}")
+    return value
 
 
 # ----------------------------------------------------------------------------- the registry
@@ -173,8 +269,9 @@ _TASKS: dict[str, type[Task]] = {}
 def register_task(cls: type[Task]) -> type[Task]:
     """Register ``cls`` under ``cls.name`` (usable as a class decorator); a taken name is an error."""
     name = cls.name
-    if not name or name in RESERVED_NAMES or "," in name:
-        raise ValueError(f"{cls.__name__}.name must be a non-empty name other than {', '.join(RESERVED_NAMES)}")
+    if not name or name in RESERVED_NAMES or name in RENAMED_TASKS or "," in name:
+        taken = ", ".join((*RESERVED_NAMES, *RENAMED_TASKS))
+        raise ValueError(f"{cls.__name__}.name must be a non-empty name other than {taken}")
     if _TASKS.get(name, cls) is not cls:
         raise ValueError(f"an eval task named {name!r} is already registered ({_TASKS[name].__name__})")
     _TASKS[name] = cls
@@ -187,6 +284,9 @@ def task_names() -> list[str]:
 
 def get_task(name: str) -> Task:
     """A new instance of the task registered as ``name``; a one-line ValueError listing the known ones otherwise."""
+    if name in RENAMED_TASKS:
+        new = RENAMED_TASKS[name]
+        raise ValueError(f"eval task {name!r} is now called {new!r} (lm-evaluation-harness's name): use {new}")
     if name not in _TASKS:
         raise ValueError(f"unknown eval task {name!r} (known: {', '.join(_TASKS)}){did_you_mean(name, list(_TASKS))}")
     return _TASKS[name]()
@@ -195,28 +295,70 @@ def get_task(name: str) -> Task:
 # ----------------------------------------------------------------------------- the built-in tasks
 
 
+def hellaswag_clean(text: str) -> str:
+    """lm-evaluation-harness's HellaSwag text clean-up: trim, turn WikiHow's `` [title]`` markers into
+    sentence ends, drop every other ``[...]`` header, and fold double spaces once."""
+    text = text.strip().replace(" [title]", ". ")
+    return re.sub(r"\[.*?\]", "", text).replace("  ", " ")
+
+
+def hellaswag_label(row: dict, endings: list[str]) -> int:
+    label = int_field(row, "label")
+    if not 0 <= label < len(endings):
+        raise ValueError(f"field 'label' is {label}, which does not index the {len(endings)} endings")
+    return label
+
+
 @register_task
 class HellaSwag(MultipleChoiceTask):
-    """HellaSwag validation, completion style as llm.c's ``dev/data/hellaswag.py`` renders it: the
-    context is ``ctx`` as given, each choice is ``" " + ending``; ``label`` indexes ``endings``."""
+    """HellaSwag validation as lm-evaluation-harness renders it: the context is ``activity_label + ": "
+    + ctx_a + " " + ctx_b.capitalize()``, each choice an ending, both cleaned by
+    :func:`hellaswag_clean`; a choice is scored as ``" " + ending`` and ``acc_norm`` divides by the
+    cleaned ending's characters."""
 
     name = "hellaswag"
     files = ("hellaswag/hellaswag_val.jsonl",)
 
     def item(self, row: dict) -> Item:
-        return Item(row["ctx"], tuple(" " + ending for ending in row["endings"]), int(row["label"]))
+        ctx = text_field(row, "ctx_a") + " " + text_field(row, "ctx_b").capitalize()
+        query = hellaswag_clean(text_field(row, "activity_label") + ": " + ctx)
+        endings = [hellaswag_clean(e) for e in text_list_field(row, "endings")]
+        choices = tuple(" " + e for e in endings)
+        return Item(query, choices, hellaswag_label(row, endings), tuple(len(e) for e in endings))
+
+
+@register_task
+class HellaSwagLLMC(MultipleChoiceTask):
+    """HellaSwag validation, completion style as llm.c's ``dev/data/hellaswag.py`` renders it: the
+    context is ``ctx`` as given, each choice ``" " + ending``; ``acc_norm`` is the argmax of the mean
+    per-token log-probability (its published GPT-2 numbers are in ``../shared/data/eval/README.md``)."""
+
+    name = "hellaswag_llmc"
+    files = ("hellaswag/hellaswag_val.jsonl",)
+    normalize = "tokens"
+
+    def item(self, row: dict) -> Item:
+        endings = text_list_field(row, "endings")
+        return Item(text_field(row, "ctx"), tuple(" " + e for e in endings), hellaswag_label(row, endings))
 
 
 def arc_item(row: dict) -> Item:
     """``Question: {stem}\\nAnswer:`` + ``" {text}"`` per choice; ``answerKey`` is one of the choices'
-    labels (letters A-E or digits 1-5; items have 3 to 5 choices)."""
+    labels (letters A-E or digits 1-5; items have 3 to 5 choices, each label once)."""
     question = row["question"]
-    labels = [str(c["label"]) for c in question["choices"]]
+    if not isinstance(question, dict):
+        raise ValueError(f"field 'question' must be an object with 'stem' and 'choices', got {type(question).__name__}")
+    raw = question["choices"]
+    if not isinstance(raw, list) or len(raw) < 2 or not all(isinstance(c, dict) for c in raw):
+        raise ValueError("field 'question.choices' must be a list of at least 2 {text, label} objects")
+    labels = [str(c["label"]) for c in raw]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"field 'question.choices' repeats a label: {labels}")
     key = str(row["answerKey"])
     if key not in labels:
         raise ValueError(f"answerKey {key!r} is none of the choice labels {labels}")
-    choices = tuple(" " + c["text"] for c in question["choices"])
-    return Item(f"Question: {question['stem']}\nAnswer:", choices, labels.index(key))
+    texts = [text_field(c, "text") for c in raw]
+    return Item(f"Question: {text_field(question, 'stem')}\nAnswer:", tuple(" " + t for t in texts), labels.index(key))
 
 
 @register_task
@@ -258,26 +400,28 @@ class PIQA(MultipleChoiceTask):
             text = labels[label_line - 1].strip()
             if text not in ("0", "1"):
                 raise ValueError(f"{labels_path}:{label_line}: expected a label 0 or 1, got {text!r}")
-            items.append(parse_row(questions, lineno, self.item, row, int(text)))
+            items.append(self.parse_row(questions, lineno, row, int(text)))
         if len(items) != len(labels):
             raise ValueError(f"{labels_path}: {len(labels)} labels for the {len(items)} questions of {questions}")
-        return items
+        return require_items(questions, items)
 
     def item(self, row: dict, label: int) -> Item:
-        return Item(f"Question: {row['goal']}\nAnswer:", (" " + row["sol1"], " " + row["sol2"]), label)
+        goal, sol1, sol2 = (text_field(row, k) for k in ("goal", "sol1", "sol2"))
+        return Item(f"Question: {goal}\nAnswer:", (" " + sol1, " " + sol2), label)
 
 
 @register_task
-class Lambada(ClozeTask):
-    """LAMBADA (OpenAI's detokenized test set, lm-evaluation-harness's ``lambada_openai``): the
-    context is the passage up to its last space, the one continuation ``" " + last word``."""
+class LambadaOpenAI(ClozeTask):
+    """LAMBADA (OpenAI's detokenized test set), lm-evaluation-harness's ``lambada_openai``: the text
+    split on single spaces; the context is every word but the last joined by ``" "``, the one
+    continuation ``" " + last word``."""
 
-    name = "lambada"
+    name = "lambada_openai"
     files = ("lambada/lambada_test.jsonl",)
 
     def item(self, row: dict) -> Item:
-        text = row["text"]
-        if not isinstance(text, str) or " " not in text.strip():
-            raise ValueError("'text' must be a passage of several words")
-        context, word = text.rsplit(" ", 1)
-        return Item(context, (" " + word,), 0)
+        text = text_field(row, "text")
+        words = text.split(" ")
+        if len(words) < 2 or not words[-1]:
+            raise ValueError("field 'text' must be a passage of several words, the last one not empty")
+        return Item(" ".join(words[:-1]), (" " + words[-1],), 0)

@@ -547,8 +547,9 @@ class _Warner:
         logger.warning(text)
 
 
-def translate(path: str | None, argv: Sequence[str] = ()) -> Translation:
-    """Translate torchtitan file ``path`` plus torchtitan-style overrides ``argv`` (see module docstring)."""
+def translate(path: str | None, argv: Sequence[str] = (), translate_only: bool = False) -> Translation:
+    """Translate torchtitan file ``path`` plus torchtitan-style overrides ``argv`` (see module docstring).
+    ``translate_only``: for printing only, so a tokenizer or dataset not found here is warned about, not refused."""
     raw = _flatten(read_torchtitan_toml(path)) if path else {}
     _, cli = parse_cli(argv)
     warn = _Warner()
@@ -617,7 +618,7 @@ def translate(path: str | None, argv: Sequence[str] = ()) -> Translation:
             warn(f"{section}.{key}", f"ignored ({reason})")
 
     cli_model_keys = {arg[len("--model.") :] for arg in passthrough_cli[::2] if arg.startswith("--model.")}
-    out, settings = _build(tt, warn, cli_model_keys)
+    out, settings = _build(tt, warn, cli_model_keys, translate_only)
     for (section, key), value in passthrough_file.items():
         out.setdefault(section, {})[key] = value
     settings.warnings = warn.messages
@@ -774,8 +775,10 @@ def _pipeline(par: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _dataset(section: str, tt_section: dict[str, Any]) -> tuple[str, str]:
-    """(titanlite dataset kind, path) for a torchtitan [training] / [validation] dataset."""
+def _dataset(section: str, tt_section: dict[str, Any], warn: _Warner | None = None) -> tuple[str, str]:
+    """(titanlite dataset kind, path) for a torchtitan [training] / [validation] dataset. With ``warn`` (a
+    translation only: nothing is read), a Hugging Face dataset without a local path is warned about and
+    left as a placeholder path to fill in, instead of refused."""
     name, path = str(tt_section["dataset"]), tt_section.get("dataset_path") or ""
     if name in ("embedded", "shards", "text"):  # already a titanlite kind (e.g. from the command line)
         return name, path
@@ -783,17 +786,27 @@ def _dataset(section: str, tt_section: dict[str, Any]) -> tuple[str, str]:
         if os.path.isfile(os.path.join(path, "manifest.json")):
             return "shards", path
         return "text", path
-    raise CompatError(
-        f"{section}.dataset={name!r} is a Hugging Face dataset torchtitan downloads; titanlite reads "
-        f"local files only: give --{section}.dataset_path (a local copy: JSON lines with a 'text' field, "
+    how = (
+        f"give --{section}.dataset_path (a local copy: JSON lines with a 'text' field, "
         f"text or Parquet files), or prepare shards with scripts/prepare_data.py and pass "
         f"--{section}.dataset shards --{section}.dataset_path DIR (or --{section}.dataset embedded for a "
         "smoke test)"
     )
+    if warn is not None:
+        warn(f"{section}.dataset", f"{name!r} is a Hugging Face dataset torchtitan downloads; before training, {how}")
+        return "shards", f"<shards prepared from {name}>"
+    raise CompatError(
+        f"{section}.dataset={name!r} is a Hugging Face dataset torchtitan downloads; titanlite reads "
+        f"local files only: {how}"
+    )
 
 
-def _tokenizer(model: dict[str, Any]) -> str:
-    """A tiktoken BPE file for titanlite from torchtitan's tokenizer_path / hf_assets_path."""
+def _tokenizer(model: dict[str, Any], warn: _Warner | None = None) -> str:
+    """The tokenizer for titanlite from torchtitan's tokenizer_path / hf_assets_path: a tiktoken file, a
+    tokenizer.json, or an HF folder holding ``original/tokenizer.model``, ``tokenizer.model`` or
+    ``tokenizer.json``. With ``warn`` (a translation only), one not found here is kept as written, warned."""
+    from titanlite.hf_tokenizer import resolve_tokenizer_file
+
     for key in ("tokenizer_path", "hf_assets_path"):
         path = model.get(key)
         if path is None:
@@ -806,11 +819,19 @@ def _tokenizer(model: dict[str, Any]) -> str:
         for candidate in (p / "original" / "tokenizer.model", p / "tokenizer.model"):
             if candidate.is_file():
                 return str(candidate)
+        if p.is_dir() and (p / "tokenizer.json").is_file():
+            return resolve_tokenizer_file(str(p))
+        if warn is not None:
+            warn(f"model.{key}", f"{path}: no tokenizer file there on this machine; kept as written")
+            return str(p)
         raise CompatError(
-            f"model.{key}={path}: no tiktoken tokenizer file there (titanlite reads Llama 3's "
-            "tokenizer.model / original/tokenizer.model, not tokenizer.json); give "
+            f"model.{key}={path}: no tokenizer there (titanlite reads a tiktoken file, a tokenizer.json, or an HF "
+            "folder holding original/tokenizer.model, tokenizer.model or tokenizer.json); give "
             "--model.tokenizer_path FILE, or --model.tokenizer_path '' for the built-in byte tokenizer"
         )
+    if warn is not None:
+        warn("model.tokenizer_path", "the config names no tokenizer; the translation uses the built-in byte tokenizer")
+        return ""
     raise CompatError(
         "the config names no tokenizer (model.hf_assets_path or model.tokenizer_path); give "
         "--model.tokenizer_path FILE, or --model.tokenizer_path '' for the built-in byte tokenizer"
@@ -829,7 +850,9 @@ def _ac_mode(ac: dict[str, Any], warn: _Warner) -> str:
     return "full"
 
 
-def _check_vocab(flavor: str, vocab: int, tokenizer: str, cli_model_keys: set[str], warn: _Warner) -> None:
+def _check_vocab(
+    flavor: str, vocab: int, tokenizer: str, cli_model_keys: set[str], warn: _Warner, translate_only: bool = False
+) -> None:
     """The torchtitan flavor fixes the vocabulary; say so when the tokenizer's differs (refuse a larger one:
     its ids would index past the embedding, in torchtitan too). ``--model.vocab_size`` decides instead."""
     if "vocab_size" in cli_model_keys:
@@ -839,6 +862,9 @@ def _check_vocab(flavor: str, vocab: int, tokenizer: str, cli_model_keys: set[st
     try:
         size = build_tokenizer(tokenizer).vocab_size
     except (OSError, ValueError) as e:
+        if translate_only:  # nothing is read for a translation: the run checks it
+            warn("model.tokenizer_path", f"{e}; its vocabulary is checked when the run starts")
+            return
         raise CompatError(f"model.tokenizer_path: {e}") from None
     name = tokenizer or "the built-in byte tokenizer"
     if size > vocab:
@@ -855,7 +881,7 @@ def _check_vocab(flavor: str, vocab: int, tokenizer: str, cli_model_keys: set[st
 
 
 def _build(
-    tt: dict[str, dict[str, Any]], warn: _Warner, cli_model_keys: set[str] = frozenset()
+    tt: dict[str, dict[str, Any]], warn: _Warner, cli_model_keys: set[str] = frozenset(), translate_only: bool = False
 ) -> tuple[dict[str, dict[str, Any]], CompatSettings]:
     job, model, opt, sched = tt["job"], tt["model"], tt["optimizer"], tt["lr_scheduler"]
     t, par, ck, ac, comp = (
@@ -892,9 +918,10 @@ def _build(
     flavor_max = get_model_spec("llama3").flavors[tl_flavor].max_seq_len
     if t["seq_len"] > flavor_max:
         overrides["max_seq_len"] = int(t["seq_len"])
-    tokenizer = _tokenizer(model)
+    lenient = warn if translate_only else None  # a translation reads no tokenizer or data
+    tokenizer = _tokenizer(model, lenient)
     if "vocab_size" in overrides:
-        _check_vocab(flavor, overrides["vocab_size"], tokenizer, cli_model_keys, warn)
+        _check_vocab(flavor, overrides["vocab_size"], tokenizer, cli_model_keys, warn, translate_only)
     steps = int(t["steps"])
     total = steps if sched["total_steps"] is None else int(sched["total_steps"])
     warmup = int(sched["warmup_steps"])
@@ -978,10 +1005,10 @@ def _build(
         "compile": {"enable": bool(comp["enable"]), "components": list(comp["components"])},
         "quantize.linear.float8": {"enable": float8, "filter_fqns": list(f8["filter_fqns"])},
     }
-    kind, path = _dataset("training", t)
+    kind, path = _dataset("training", t, lenient)
     out["training"].update({"dataset": kind, "dataset_path": path})
     if val["enable"]:
-        vkind, vpath = _dataset("validation", val)
+        vkind, vpath = _dataset("validation", val, lenient)
         out["validation"] = {
             "enable": True,
             "dataset": vkind,

@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger("torchtitan_ext.compat").setLevel(logging.ERROR)  # rank 0 warns for everyone
     try:
         path, _ = parse_cli(argv)
-        translation = translate(path, argv)
+        translation = translate(path, argv, translate_only=translate_only)
         cfg = load_translated(translation)
     except (CompatError, ConfigError) as e:
         exit_with_error(e)
