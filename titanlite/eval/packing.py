@@ -111,13 +111,14 @@ class HostBatch:
 
 def cached_batch(groups: Sequence[Group], max_len: int) -> HostBatch:
     """Two passes through a KV cache (see the module docstring): ``context [G, C]`` (left-padded, with
-    ``pad [G]``), ``continued [R, X]`` (each request's tokens but the last, right-padded; ``X`` may be 0),
+    ``pad [G]``), ``continued [R, X]`` (each request's tokens but the last, right-padded; at least one
+    ``PAD_MULTIPLE`` of filler, so that every batch runs both passes on every rank),
     ``group_of [R]`` (the context row each request continues), ``first [R]`` (each request's first token,
     scored from its context's last logits), and for its other tokens ``index`` (row * X + column of the
     predicting token in ``continued``), ``targets`` and ``owners`` (the request, 0..R-1)."""
     width = padded_len(max(len(g.context) for g in groups), max_len)
     longest = max(len(c) - 1 for g in groups for c in g.continuations)
-    span = padded_len(longest, max_len) if longest else 0
+    span = max(padded_len(longest, max_len), PAD_MULTIPLE)  # never empty: every batch runs both passes
     context, pad, continued, group_of, first = [], [], [], [], []
     index, targets, owners = [], [], []
     for g, group in enumerate(groups):

@@ -157,22 +157,26 @@ def score_requests(
     dp_group: dist.ProcessGroup | None = None,
 ) -> dict[int, tuple[float, bool]]:
     """``{request index: (summed log-prob of its continuation, every continuation token greedy)}`` for
-    every request, on every rank; this rank computes batches ``dp_rank, dp_rank + dp_world, ...``. Each
-    batch's results are read after the next batch is queued (the device never waits for the host)."""
+    every request, on every rank; this rank computes batches ``dp_rank, dp_rank + dp_world, ...`` of each
+    kind (single requests: one forward pass each; shared contexts: two), so that every rank runs the
+    same forward passes. Each batch's results are read after the next batch is queued (the device never
+    waits for the host)."""
     groups = group_requests(requests, share_context=scorer.cached)
     batches = canonical_batches(groups, batch_size)
-    mine = batches[dp_rank::dp_world]
     local: dict[int, tuple[float, bool]] = {}
     pending: _Pending | None = None
-    for batch in mine:
-        queued = scorer.launch([groups[i] for i in batch])
-        if pending is not None:
-            local.update(pending.read())
-        pending = queued
+    for shared in (False, True):  # a sharded model needs every rank in every forward: one kind at a time
+        of_kind = [b for b in batches if groups[b[0]].shared == shared]
+        mine = of_kind[dp_rank::dp_world]
+        for batch in mine:
+            queued = scorer.launch([groups[i] for i in batch])
+            if pending is not None:
+                local.update(pending.read())
+            pending = queued
+        for _ in range(math.ceil(len(of_kind) / dp_world) - len(mine)):  # so that every rank runs as many
+            scorer.launch([groups[i] for i in of_kind[-1]])
     if pending is not None:
         local.update(pending.read())
-    for _ in range(math.ceil(len(batches) / dp_world) - len(mine)):
-        scorer.launch([groups[i] for i in batches[-1]])  # a sharded model needs every rank in every forward
     if dp_world == 1:
         return local
     if not (dist.is_available() and dist.is_initialized()):
@@ -263,12 +267,10 @@ class _Scorer:
             cache.allocate(self.layout)  # the first batch's layout: later batches' compiled graphs never allocate
             picked = self.logits(context, cache)[:, -1][b["group_of"]]  # scores each request's first token
             self.layout = self.layout or cache.layout()
-            targets, owners = b["first"], torch.arange(len(picked), device=picked.device)
-            if continued.shape[1]:
-                cache.advance(context.shape[1])
-                later = self.logits(continued, cache.select(b["group_of"])).flatten(0, 1)[b["index"]]
-                picked, targets = torch.cat([picked, later]), torch.cat([targets, b["targets"]])
-                owners = torch.cat([owners, b["owners"]])
+            cache.advance(context.shape[1])
+            later = self.logits(continued, cache.select(b["group_of"])).flatten(0, 1)[b["index"]]
+            picked, targets = torch.cat([picked, later]), torch.cat([b["first"], b["targets"]])
+            owners = torch.cat([torch.arange(len(b["first"]), device=picked.device), b["owners"]])
         else:
             picked = self.logits(b["tokens"], None).flatten(0, 1)[b["index"]]
             targets, owners = b["targets"], b["owners"]
