@@ -192,7 +192,7 @@ def main() -> None:
     batch_sizes = [int(b) for b in a.batch_sizes.split(",")]
     common = [f"--data-dir={a.data_dir}", f"--device={a.device}", f"--dtype={a.dtype}", f"--big-flavor={a.big_flavor}"]
     common += [f"--checkpoint={a.checkpoint}"] if a.checkpoint else []
-    plan = [("debug", task, a.limit) for task in a.tasks.split(",")]
+    plan = [("debug", task, a.limit) for task in a.tasks.split(",") if task]  # --tasks "": the big model only
     plan += [] if a.skip_big else [("big", a.big_task, a.big_limit)]
     rows = []
     for name in dict.fromkeys(n for n, _, _ in plan):
