@@ -25,8 +25,9 @@ context + choice, less its last token: what a per-request scorer computes), what
 MFU counts the FLOPs this titanlite's scorer actually runs: each forward pass's real tokens (a shared
 context once, padding not counted) at 2 FLOPs per matmul parameter plus the attention over the tokens
 before each (PaLM's forward third), over the time, over the peak (CUDA: the datasheet rate of the
-matmul dtype; CPU: this machine's measured matmul rate). The baseline ran more FLOPs per request token
-(every choice recomputed its context), so its MFU is not shown. One JSON object per measurement on
+matmul dtype; CPU: this machine's matmul rate, measured again after each row's timings). The
+baseline ran more FLOPs per request token (every choice recomputed its context), so its MFU is not
+shown. One JSON object per measurement on
 stdout (and ``--jsonl``), then a Markdown table.
 """
 
@@ -131,6 +132,11 @@ def measure(name: str, runner: Runner, baseline: Baseline | None, task: str, lim
             seconds[mode].append(call({**request, "mode": "eager" if mode == "baseline" else mode})["seconds"])
     row = dict(model=name, task=task, batch_size=batch, **work, device=a.device, dtype=a.dtype, repeats=a.repeats)
     flops = work["run_tokens"] * forward_flops_per_token(runner.model, work["mean_len"])
+    if runner.device.type == "cpu":  # a shared CPU's rate drifts: measured again right after the timings
+        from titanlite.metrics import measure_cpu_matmul_peak
+
+        a.peak = measure_cpu_matmul_peak.__wrapped__(a.dtype, threads=torch.get_num_threads())
+    row["peak_tflops"] = None if a.peak is None else round(a.peak / 1e12, 4)
     for mode in modes:
         s = statistics.median(seconds[mode])
         row[f"{mode}_s"] = round(s, 3)

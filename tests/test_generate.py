@@ -293,18 +293,18 @@ def test_cached_logits_equal_the_uncached_forward_with_left_padding(family):
 
 def test_cache_positions_start_after_each_rows_padding_and_the_mask_hides_the_filler():
     """RoPE is shift-invariant, so logits alone cannot see the positions: check them and the mask by hand.
-    The mask always spans the whole static cache (6 slots); slots after the step are hidden."""
+    Eager steps' masks span the slots filled so far (compiled ones the whole static cache)."""
     table = torch.arange(10.0)[:, None].expand(10, 4)  # row p holds p
     cache = KVCache(6, [2, 0])
     rope, mask = cache.step(table, 4)
     assert rope[..., 0].tolist() == [[0, 0, 0, 1], [0, 1, 2, 3]]  # filler slots clamped to position 0
-    causal = [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0]]
-    filler = [[1, 0, 0, 0, 0, 0], [0, 1, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0], [0, 0, 1, 1, 0, 0]]  # a filler sees itself
-    assert mask.shape == (2, 1, 4, 6) and mask[0, 0].int().tolist() == filler and mask[1, 0].int().tolist() == causal
+    causal = [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
+    filler = [[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]  # a filler query sees itself only
+    assert mask.shape == (2, 1, 4, 4) and mask[0, 0].int().tolist() == filler and mask[1, 0].int().tolist() == causal
     cache.advance(3)  # e.g. a step right-padded by one filler token: its slot is reused
     rope, mask = cache.step(table, 1)
     assert rope[..., 0].tolist() == [[1], [3]] and cache.pos.item() == 3
-    assert mask[:, 0, 0].int().tolist() == [[0, 0, 1, 1, 0, 0], [1, 1, 1, 1, 0, 0]]
+    assert mask[:, 0, 0].int().tolist() == [[0, 0, 1, 1], [1, 1, 1, 1]]
     with pytest.raises(ValueError, match="cannot advance 3 slots by 4"):
         cache.advance(4)
     with pytest.raises(AttributeError, match="advance"):

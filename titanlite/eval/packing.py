@@ -70,11 +70,18 @@ def group_requests(requests: Sequence[Any], share_context: bool) -> list[Group]:
 
 def canonical_batches(groups: Sequence[Group], batch_size: int) -> list[list[int]]:
     """Group indices cut into batches of at most ``batch_size`` requests (a bigger group alone): the
-    single requests first, then the shared contexts, each longest first (ties in group order), so a batch
-    is of one kind; the same batches whatever the number of ranks."""
+    single requests first, longest first, then the shared contexts, longest continuation first (then
+    longest context: the continuations' pass, over a batch's every request, pads the most), ties in group
+    order. A batch is of one kind; the batches are the same whatever the number of ranks."""
+
+    def rank(i: int) -> tuple:
+        g = groups[i]
+        longest = max(len(c) for c in g.continuations) if g.shared else g.longest
+        return g.shared, -longest, -len(g.context), i
+
     batches: list[list[int]] = []
     size, kind = batch_size, None
-    order = sorted(range(len(groups)), key=lambda i: (groups[i].shared, -groups[i].longest, i))
+    order = sorted(range(len(groups)), key=rank)
     for i in order:
         n = len(groups[i].requests)
         if size + n > batch_size or groups[i].shared != kind:

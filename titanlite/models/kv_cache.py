@@ -30,11 +30,11 @@ not dataclasses or containers, so FSDP's input hooks pass them through.
 update (from that ``k``: its dtype, device and (local) head count, so a tensor-parallel rank caches only
 its own heads) at the request's final length and never grow; the slot of the next token is a device
 tensor (:attr:`KVCache.pos`), and the rotary rows and the mask are built on the device from it, so a
-decode step has fixed shapes and makes no host read. Left padding: row ``b`` of a batch starts with
-``pad[b]`` filler tokens so that all prompts end in the same slot; its positions are ``slot - pad[b]``
-and its slots ``< pad[b]`` are never attended to. A filler query attends to itself only (keeping its
-output finite, so it cannot turn a masked key into NaN). Slots after the current step's hold stale or
-zero keys and are masked out.
+decode step has fixed shapes and makes no host read. Compiled, attention spans the whole buffer (slots
+after the current step are masked); eager steps attend over the slots filled so far. Left padding: row
+``b`` of a batch starts with ``pad[b]`` filler tokens so that all prompts end in the same slot; its
+positions are ``slot - pad[b]`` and its slots ``< pad[b]`` are never attended to. A filler query attends
+to itself only (keeping its output finite, so it cannot turn a masked key into NaN).
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ class KVCache:
         self._layers: dict[str, LayerKV] = {}
 
     def step(self, rope_table: torch.Tensor, seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next ``seqlen`` slots' rotary rows ``[B, S, D]`` and the mask ``[B, 1, S, max_len]``."""
+        """The next ``seqlen`` slots' rotary rows ``[B, S, D]`` and the mask ``[B, 1, S, T]`` over the slots
+        :meth:`LayerKV.update` returns (compiled: all ``max_len``; eager: those filled so far)."""
         if not torch.compiler.is_compiling() and self.length + seqlen > self.max_len:
             raise ValueError(f"KV cache: {self.length + seqlen} slots exceed its {self.max_len}")
         device = rope_table.device
@@ -88,11 +89,16 @@ class KVCache:
         pad = self.pad.to(device)
         # [B, S]; filler slots (left padding, or right padding past the table) get a valid row, unseen anyway
         positions = (slots[None, :] - pad[:, None]).clamp(0, rope_table.shape[0] - 1)
-        keys = self.slots.to(device)
+        keys = self.slots[: self._attended(seqlen)].to(device)
         causal = keys[None, :] <= slots[:, None]  # [S, T]
         real = keys[None, None, :] >= pad[:, None, None]  # [B, 1, T]: not a filler
         mask = causal[None] & (real | (keys[None, :] == slots[:, None])[None])  # fillers see themselves
         return rope_table[positions], mask[:, None]
+
+    def _attended(self, seqlen: int) -> int | None:
+        """The key slots a step attends over: all of them when compiled (None: fixed shapes, and no host
+        count in the graph's guards), else only those filled so far (eager steps skip the empty ones)."""
+        return None if torch.compiler.is_compiling() else self.length + seqlen
 
     def advance(self, n: int) -> None:
         """Keep the first ``n`` slots of the step just run (the caller's count of its real tokens; slots
@@ -148,7 +154,8 @@ class LayerKV:
         self.v: torch.Tensor | None = None
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the step's keys/values ``[B, S, H, D]`` at their slots; return the whole buffers."""
+        """Store the step's keys/values ``[B, S, H, D]`` at their slots; return the buffers' first ``T``
+        slots (compiled: the whole buffers)."""
         if self.k is None:
             shape = (k.shape[0], self.cache.slots.shape[0], *k.shape[2:])
             self.k, self.v = k.new_zeros(shape), v.new_zeros(shape)
@@ -157,7 +164,8 @@ class LayerKV:
         slots = self.cache.pos.to(k.device) + torch.arange(k.shape[1], device=k.device)
         self.k.index_copy_(1, slots, k.to(self.k.dtype))
         self.v.index_copy_(1, slots, v.to(self.v.dtype))
-        return self.k, self.v
+        end = self.cache._attended(k.shape[1])
+        return self.k[:, :end], self.v[:, :end]
 
 
 def _mark_static(*tensors: torch.Tensor) -> None:
