@@ -6,15 +6,18 @@ encoded separately, which are the ids a Hugging Face model gets in the tests. A 
 log-probability of each choice token given everything before it; the request's score is their sum
 (``loglik``), plus whether each one was the argmax (``greedy``, LAMBADA's accuracy).
 
-Rows and batches (:mod:`titanlite.eval.packing`): the choices of an item share one row, their context
-computed once, when the model speaks the cache protocol (:mod:`titanlite.models.kv_cache`); otherwise a
-row is one request. The rows of all tasks are sorted longest first (ties in row order) and cut into
-fixed batches of ``batch_size`` rows, right-padded to a multiple of ``PAD_MULTIPLE`` (causal attention
-never lets a real position see the padding). This order does not depend on the number of ranks, and
-batch ``i`` goes to rank ``i % dp_world``, so every request is computed in exactly the same batch, hence
-with bitwise the same result, on any number of ranks. Tensor-parallel ranks of one data-parallel rank
-pass the same ``dp_rank`` and compute the same batches. A sharded model (FSDP, TP) needs every rank in
-every forward pass, so a rank with fewer batches than the others runs a dummy one. The results are
+Groups and batches (:mod:`titanlite.eval.packing`): when the model speaks the cache protocol
+(:mod:`titanlite.models.kv_cache`) and it saves enough, the choices of an item form one group, its
+context computed once: a batch runs the contexts through a KV cache, then every choice on top of its
+own context's keys and values. Otherwise a group is one request, run as one plain causal row. The
+groups of all tasks are sorted (single requests, then shared contexts; longest first, ties in order)
+and cut into fixed batches of at most ``batch_size`` requests, right-padded to a multiple of
+``PAD_MULTIPLE`` (causal attention never lets a real position see the padding). This order does not
+depend on the number of ranks, and the batches of each kind go round-robin to the ranks, so every
+request is computed in exactly the same batch, hence with bitwise the same result, on any number of
+ranks. Tensor-parallel ranks of one data-parallel rank pass the same ``dp_rank`` and compute the same
+batches. A sharded model (FSDP, TP) needs every rank in every forward pass, so a rank with fewer
+batches of a kind than the others runs dummy ones. The results are
 gathered to every rank (``all_gather_object`` over ``dp_group``).
 
 Keeping the device busy: a batch's tensors go to the device in one copy, the log-probabilities and
@@ -89,10 +92,10 @@ def evaluate(
     "num_tokens": [number of tokens of each choice], "pred": argmax of loglik, "pred_norm": argmax of
     loglik / num_tokens}``; for LAMBADA there is one choice, ``label`` is 1 and ``pred`` is 1 when
     greedy decoding reproduces the target. ``max_seq_len`` (the longest input the model takes) defaults
-    to the model's ``args.max_seq_len``; a model without one needs it given. ``batch_size``: rows
-    (sequences) per forward pass. ``device`` defaults to the model's. ``compile``: see the module
-    docstring. Collective when ``dp_world > 1`` or the model is sharded: every rank calls it with the
-    same arguments but its own ``dp_rank``."""
+    to the model's ``args.max_seq_len``; a model without one needs it given. ``batch_size``: requests
+    per batch (at most that many sequences per forward pass). ``device`` defaults to the model's.
+    ``compile``: see the module docstring. Collective when ``dp_world > 1`` or the model is sharded:
+    every rank calls it with the same arguments but its own ``dp_rank``."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     if limit is not None and limit < 0:
