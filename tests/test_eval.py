@@ -505,5 +505,16 @@ def test_cli_user_errors_are_one_line_and_leave_the_output_alone(capsys, checkpo
     assert "--batch-size: invalid int value" in one_error_line(
         capsys, [*base, "--data-dir", str(data_dir), "--batch-size", "x"]
     )
+    assert "--max-seq-len must be at least 1" in one_error_line(
+        capsys, [*base, "--data-dir", str(data_dir), "--max-seq-len", "0"]
+    )
     assert "one of the arguments --checkpoint --watch is required" in one_error_line(capsys, ["--tasks", "piqa"])
     assert out.read_text() == '{"kept": true}'
+
+
+def test_cli_max_seq_len_is_passed_to_evaluate(checkpoint, loaded, data_dir, tmp_path, capsys):
+    out = tmp_path / "short.json"
+    argv = ["--checkpoint", str(checkpoint), "--tasks", "hellaswag", "--limit", "2", "--data-dir", str(data_dir)]
+    assert main([*argv, "--max-seq-len", "100", "--output", str(out)]) == 0
+    lib = evaluate(loaded.model, loaded.tokenizer, ["hellaswag"], data_dir, limit=2, max_seq_len=100)
+    assert json.loads(out.read_text())["hellaswag"] == lib["hellaswag"] and lib["hellaswag"]["num_truncated"] == 1
