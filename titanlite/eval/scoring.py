@@ -324,12 +324,3 @@ def _results(
             logger.info("%s: %d items, none truncated", task.name, len(items))
         out[task.name] = {**task.metrics(records), "num_truncated": truncated, "items": records}
     return out
-
-
-def __getattr__(name: str) -> Any:
-    if name == "canonical_batches":  # moved when requests became groups sharing a context
-        raise AttributeError(
-            "titanlite.eval.scoring.canonical_batches is gone: batches of request groups are "
-            "titanlite.eval.packing.canonical_batches(group_requests(requests, share_context), batch_size)"
-        )
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
