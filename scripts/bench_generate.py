@@ -1,25 +1,36 @@
 #!/usr/bin/env python
-"""Decode speed with the KV cache against recomputing the whole prefix, side by side in one run.
+"""Decode speed, side by side in one run: eager and compiled KV-cache decoding, recomputing the prefix,
+and (``--baseline REF``) another titanlite's eager path; and the fraction of the bandwidth floor.
 
     python scripts/bench_generate.py [--flavors debugmodel,1B] [--batch-sizes 1,8] [--prompt-len 128]
-        [--new-tokens 32] [--device cpu|cuda] [--dtype float32|bfloat16] [--json FILE]
+        [--new-tokens 32] [--modes eager,compiled,recompute] [--baseline 5c7a1f4] [--repeats 3]
+        [--device cpu|cuda] [--dtype float32|bfloat16] [--json FILE] [--jsonl FILE]
 
 For each Llama 3 flavor (random weights, seeded) and batch size, :func:`titanlite.generate.generate`
-runs greedily on random prompts of ``--prompt-len`` tokens, once with the cache (``use_cache=True``) and
-once without (``use_cache=False``: the plain forward over the whole sequence at every step). Each is
-timed twice, for 1 new token (the prefill: one forward over the prompts) and for ``--new-tokens``; the
-difference is the decode time of the other ``N - 1`` tokens, so
+runs greedily on random prompts of ``--prompt-len`` tokens in each mode: ``eager`` (the static KV cache,
+the default), ``compiled`` (``compile=True``: the one-token step under ``torch.compile``, CUDA graphs on
+CUDA), ``recompute`` (``use_cache=False``: the plain forward over the whole sequence at every step) and
+``baseline`` (``generate(..., use_cache=True)`` of the titanlite at git revision REF, eager, in a worker
+process: :mod:`bench_baseline`). Each is warmed up (compiling, for ``compiled``), then timed for 1 new
+token (the prefill) and for ``--new-tokens``; the difference is the decode time of the other ``N - 1``:
 
     decode tokens/s = batch * (N - 1) / (t(N) - t(1))
 
-counts the generated tokens of all rows. Decoding stops only at ``N`` (no EOS). The table shows the
-prefill time, both decode rates and their ratio.
+counting the generated tokens of all rows (no EOS: every row runs to ``N``). The modes alternate within
+each of ``--repeats`` rounds (so they share the machine's load) and the median is reported.
+
+The floor: a decode step must read every weight once (the input embedding: only the rows it looks up)
+and the keys and values cached so far (on average ``prompt + N / 2`` of them). The device's copy
+bandwidth is measured here with a large tensor copy (bytes read + written per second), so
+
+    floor tokens/s = batch * bandwidth / bytes per step,   % floor = decode tokens/s / floor tokens/s.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,59 +39,149 @@ try:
     import titanlite  # noqa: F401
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_baseline
 
 import torch
+from bench_baseline import Baseline, imported_from, serve
 
 from titanlite.dtypes import DTYPES
 from titanlite.generate import generate
 from titanlite.models import build_model
 
+MODES = ("eager", "compiled", "recompute")
 
-def timed(model, prompts, new_tokens: int, use_cache: bool, device: torch.device) -> float:
+
+def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    out = generate(model, prompts, max_new_tokens=new_tokens, use_cache=use_cache)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    assert all(len(c) == new_tokens for c in out)
-    return time.perf_counter() - start
+        torch.cuda.synchronize(device)
 
 
-def bench(flavor: str, batch_sizes: list[int], a: argparse.Namespace) -> list[dict]:
-    device = torch.device(a.device)
-    torch.manual_seed(0)
-    model = build_model("llama3", flavor, device=device).to(DTYPES[a.dtype]).eval()
+def copy_bandwidth(device: torch.device, megabytes: int) -> float:
+    """Bytes read + written per second by a ``megabytes`` tensor copy on ``device`` (best of 5)."""
+    src = torch.ones(megabytes * 2**20 // 4, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(5):
+        synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * src.element_size() / best
+
+
+class Runner:
+    """One flavor's model and its timed ``generate`` calls (the same code serves ``--baseline``)."""
+
+    def __init__(self, flavor: str, device: str, dtype: str):
+        self.device = torch.device(device)
+        torch.manual_seed(0)
+        self.model = build_model("llama3", flavor, device=self.device).to(DTYPES[dtype]).eval()
+
+    def timed(self, prompts: list[list[int]], new: int, mode: str) -> float:
+        kw = {"compile": True} if mode == "compiled" else {"use_cache": mode != "recompute"}
+        synchronize(self.device)
+        start = time.perf_counter()
+        out = generate(self.model, prompts, max_new_tokens=new, **kw)
+        synchronize(self.device)
+        assert all(len(c) == new for c in out)
+        return time.perf_counter() - start
+
+    def handle(self, r: dict) -> dict:
+        """``{"prompts", "new", "mode"}`` -> ``{"prefill_s", "decode_s"}`` (one round: t(1), t(N) - t(1))."""
+        if r.get("warmup"):
+            self.timed(r["prompts"], r["new"], r["mode"])
+            return {}
+        first = self.timed(r["prompts"], 1, r["mode"])
+        total = self.timed(r["prompts"], r["new"], r["mode"])
+        return {"prefill_s": first, "decode_s": total - first}
+
+
+def step_bytes(model: torch.nn.Module, batch: int, cached_tokens: float) -> float:
+    """Bytes a decode step reads at least: the weights (the input embedding's looked-up rows only) and
+    ``cached_tokens`` keys and values per row and layer."""
+    a = model.args
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not a.tie_word_embeddings:  # only `batch` rows of the table are read
+        table = model.tok_embeddings.weight
+        weights -= (table.shape[0] - batch) * table.shape[1] * table.element_size()
+    elem = next(model.parameters()).element_size()
+    return weights + 2 * a.n_layers * batch * cached_tokens * a.kv_heads * a.head_dim * elem
+
+
+def bench(flavor: str, batch_sizes: list[int], a: argparse.Namespace, bandwidth: float) -> list[dict]:
+    runner = Runner(flavor, a.device, a.dtype)
+    model = runner.model
+    baseline = Baseline(a.baseline, __file__, ["--serve", "--flavor", flavor, *_common(a)]) if a.baseline else None
+    modes = [*a.modes, *(["baseline"] if baseline else [])]
     params = sum(p.numel() for p in model.parameters())
     rows = []
     for batch in batch_sizes:
         gen = torch.Generator().manual_seed(batch)
         prompts = torch.randint(0, model.args.vocab_size, (batch, a.prompt_len), generator=gen).tolist()
-        timed(model, prompts[:1], 2, True, device)  # warm-up: allocator, kernels
+        request = {"prompts": prompts, "new": a.new_tokens}
+        runs: dict[str, list[dict]] = {m: [] for m in modes}
+        for mode in modes:  # warm-up: allocator, kernels, the compiled step for this shape
+            call = baseline.call if mode == "baseline" else runner.handle
+            call({**request, "mode": "eager" if mode == "baseline" else mode, "warmup": True})
+        for r in range(a.repeats):
+            for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
+                if mode == "baseline":
+                    runs[mode].append(baseline.call({**request, "mode": "eager"}))
+                else:
+                    runs[mode].append(runner.handle({**request, "mode": mode}))
         row = {"flavor": flavor, "params": params, "batch": batch, "prompt_len": a.prompt_len, "new": a.new_tokens}
-        for name, use_cache in (("cache", True), ("recompute", False)):
-            first = timed(model, prompts, 1, use_cache, device)
-            total = timed(model, prompts, a.new_tokens, use_cache, device)
-            row[f"{name}_prefill_s"] = first
-            row[f"{name}_decode_tok_s"] = batch * (a.new_tokens - 1) / (total - first)
-        row["speedup"] = row["cache_decode_tok_s"] / row["recompute_decode_tok_s"]
+        row.update(device=a.device, dtype=a.dtype, repeats=a.repeats, baseline=a.baseline)
+        for mode, results in runs.items():
+            row[f"{mode}_prefill_s"] = statistics.median(x["prefill_s"] for x in results)
+            row[f"{mode}_tok_s"] = statistics.median(batch * (a.new_tokens - 1) / x["decode_s"] for x in results)
+        row["bytes_per_step"] = step_bytes(model, batch, a.prompt_len + a.new_tokens / 2)
+        row["copy_bandwidth_gb_s"] = bandwidth / 1e9
+        row["floor_tok_s"] = batch * bandwidth / row["bytes_per_step"]
+        for mode in modes:
+            row[f"{mode}_floor_fraction"] = row[f"{mode}_tok_s"] / row["floor_tok_s"]
         rows.append(row)
-        print(format_row(row), flush=True)
+        print(format_row(row, modes), flush=True)
+        if a.jsonl:
+            with open(a.jsonl, "a") as f:
+                f.write(json.dumps({"bench": "generate", **row}) + "\n")
+    if baseline is not None:
+        baseline.close()
     return rows
 
 
-HEADER = (
-    f"{'model':<11} {'params':>7} {'batch':>5} {'prompt':>6} {'new':>4} {'prefill s':>9} "
-    f"{'cache tok/s':>11} {'recompute tok/s':>15} {'speedup':>7}"
-)
+def header(modes: list[str]) -> str:
+    cols = " ".join(f"{m + ' tok/s':>15}" for m in modes)
+    ratios = "".join(
+        f" {name:>11}"
+        for name, ok in (
+            ("comp/eager", {"compiled", "eager"} <= set(modes)),
+            ("comp/base", {"compiled", "baseline"} <= set(modes)),
+            ("cache/recmp", {"eager", "recompute"} <= set(modes)),
+        )
+        if ok
+    )
+    best = "compiled" if "compiled" in modes else modes[0]
+    head = f"{'model':<11} {'params':>7} {'batch':>5} {'prompt':>6} {'new':>4} {'prefill s':>9}"
+    return f"{head} {cols}{ratios}  % floor ({best})"
 
 
-def format_row(r: dict) -> str:
+def format_row(r: dict, modes: list[str]) -> str:
+    cols = " ".join(f"{r[m + '_tok_s']:>15.1f}" for m in modes)
+    ratios = ""
+    for num, den in (("compiled", "eager"), ("compiled", "baseline"), ("eager", "recompute")):
+        if num in modes and den in modes:
+            ratios += f" {r[num + '_tok_s'] / r[den + '_tok_s']:>10.2f}x"
+    best = "compiled" if "compiled" in modes else modes[0]
     return (
         f"{r['flavor']:<11} {r['params'] / 1e6:>6.0f}M {r['batch']:>5} {r['prompt_len']:>6} {r['new']:>4} "
-        f"{r['cache_prefill_s']:>9.2f} {r['cache_decode_tok_s']:>11.1f} {r['recompute_decode_tok_s']:>15.1f} "
-        f"{r['speedup']:>6.1f}x"
+        f"{r[modes[0] + '_prefill_s']:>9.3f} {cols}{ratios}  {100 * r[best + '_floor_fraction']:>6.1f}%"
     )
+
+
+def _common(a: argparse.Namespace) -> list[str]:
+    return ["--device", a.device, "--dtype", a.dtype]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,16 +190,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=32, help="at least 2")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    p.add_argument("--baseline", metavar="REF", help="also time the eager cache path of titanlite at this git revision")
+    p.add_argument("--repeats", type=int, default=3, help="rounds of timings per mode (median reported)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--json", help="also write the rows to this file")
+    p.add_argument("--json", help="also write the rows to this file (a JSON list)")
+    p.add_argument("--jsonl", help="append one JSON object per row to this file")
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the --baseline worker
+    p.add_argument("--flavor", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    if a.new_tokens < 2 or a.prompt_len < 1:
-        p.error("--new-tokens must be >= 2 and --prompt-len >= 1")
+    if a.serve:
+        serve(Runner(a.flavor, a.device, a.dtype).handle)
+        return 0
+    modes = [m for m in a.modes.split(",") if m]
+    if a.new_tokens < 2 or a.prompt_len < 1 or a.repeats < 1 or not modes or set(modes) - set(MODES):
+        p.error(f"--new-tokens must be >= 2, --prompt-len and --repeats >= 1, --modes of {', '.join(MODES)}")
+    a.modes = modes
     batch_sizes = [int(b) for b in a.batch_sizes.split(",")]
-    print(f"device {a.device}, {a.dtype}, {torch.get_num_threads()} threads; decode tokens/s over all rows")
-    print(HEADER, flush=True)
-    rows = [r for flavor in a.flavors.split(",") for r in bench(flavor, batch_sizes, a)]
+    device = torch.device(a.device)
+    bandwidth = copy_bandwidth(device, 1024 if device.type == "cuda" else 256)
+    print(
+        f"device {a.device}, {a.dtype}, {torch.get_num_threads()} threads, torch {torch.__version__}, titanlite "
+        f"from {imported_from()}; copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write); decode tokens/s over "
+        f"all rows, median of {a.repeats}" + (f"; baseline: titanlite at {a.baseline}, eager" if a.baseline else "")
+    )
+    all_modes = [*modes, *(["baseline"] if a.baseline else [])]
+    print(header(all_modes), flush=True)
+    rows = [r for flavor in a.flavors.split(",") for r in bench(flavor, batch_sizes, a, bandwidth)]
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
     return 0

@@ -205,6 +205,78 @@ def test_two_ranks_give_the_records_of_one_process(checkpoint, loaded, data_dir)
                 assert (got["pred"], got["pred_norm"]) == (want["pred"], want["pred_norm"]), (rank, name)
 
 
+# ----------------------------------------------------------------------------- the scorer's paths
+
+
+def per_request_logliks(model, tok, data_dir, tasks, limit, max_len) -> list[float]:
+    """The scoring before shared contexts and device-side gathers, written out: each request alone, cut
+    from the left to ``max_len + 1`` tokens, through the plain forward; fp32 log-softmax, summed on the host."""
+    out = []
+    for name in tasks:
+        for item in get_task(name).items(data_dir)[:limit]:
+            context = tok.encode(item.context, bos=True)
+            for choice in item.choices:
+                cont = tok.encode(choice)
+                ids = (context + cont)[-(max_len + 1) :]
+                with torch.no_grad():
+                    logprobs = torch.log_softmax(model(torch.tensor([ids[:-1]]))[0].float(), dim=-1)
+                out.append(sum(float(logprobs[p, ids[p + 1]]) for p in range(len(ids) - 1 - len(cont), len(ids) - 1)))
+    return out
+
+
+SCORED = ["hellaswag", "arc_easy", "lambada"]
+
+
+def test_scores_eager_and_compiled_equal_the_per_request_logliks(data_dir, monkeypatch):
+    """Shared contexts (HellaSwag, ARC), single requests (LAMBADA), left truncation (max_seq_len 160), eager
+    and compiled: within 1e-5 of each request scored alone. Eagerly, one device-to-host read per batch."""
+    from test_hf_conversion import tiny_args, titanlite_model
+
+    from titanlite.eval.packing import canonical_batches, group_requests
+    from titanlite.eval.scoring import build_requests
+    from titanlite.tokenizer import build_byte_tokenizer
+
+    model, tok, max_len = titanlite_model(tiny_args(max_seq_len=160)), build_byte_tokenizer(), 160
+    want = per_request_logliks(model, tok, data_dir, SCORED, 3, max_len)
+    loaded_items = [get_task(name).items(data_dir)[:3] for name in SCORED]
+    requests = build_requests(loaded_items, tok, max_len)
+    groups = group_requests(requests, share_context=True)
+    assert any(g.shared for g in groups) and any(not g.shared for g in groups) and any(r.truncated for r in requests)
+    batches = len(canonical_batches(groups, 4))
+    reads = []
+    for name in ("item", "tolist", "cpu"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(
+            torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k: reads.append(_n) or _o(self, *a, **k)
+        )
+    eager = evaluate(model, tok, SCORED, data_dir, limit=3, batch_size=4)
+    assert len(reads) == batches, reads
+    monkeypatch.undo()
+    compiled = evaluate(model, tok, SCORED, data_dir, limit=3, batch_size=4, compile=True)
+    for out in (eager, compiled):
+        got = [ll for name in SCORED for r in out[name]["items"] for ll in r["loglik"]]
+        assert len(got) == len(want) and max(abs(a - b) for a, b in zip(got, want)) <= 1e-5
+
+
+def test_a_family_without_the_cache_or_max_seq_len(data_dir):
+    """A family of one's own: no cache protocol (scored one request a row), no args.max_seq_len (a
+    one-line error naming max_seq_len, not an IndexError from its position table); with max_seq_len it
+    scores each request as it would alone."""
+    from test_generate import NoCacheLM
+
+    from titanlite.tokenizer import build_byte_tokenizer
+
+    tok = build_byte_tokenizer()
+    model = NoCacheLM(vocab=tok.vocab_size, dim=8, positions=128).eval()
+    with pytest.raises(ValueError, match="NoCacheLM takes is unknown .*: pass max_seq_len=N") as e:
+        evaluate(model, tok, ["piqa"], data_dir, limit=2)
+    assert "\n" not in str(e.value)
+    got = evaluate(model, tok, ["arc_easy", "lambada"], data_dir, limit=2, max_seq_len=128)
+    want = per_request_logliks(model, tok, data_dir, ["arc_easy", "lambada"], 2, 128)
+    lls = [ll for name in ("arc_easy", "lambada") for r in got[name]["items"] for ll in r["loglik"]]
+    assert max(abs(a - b) for a, b in zip(lls, want)) <= 1e-5 and got["lambada"]["num_truncated"] == 2
+
+
 # ----------------------------------------------------------------------------- truncation
 
 
@@ -454,5 +526,16 @@ def test_cli_user_errors_are_one_line_and_leave_the_output_alone(capsys, checkpo
     assert "--batch-size: invalid int value" in one_error_line(
         capsys, [*base, "--data-dir", str(data_dir), "--batch-size", "x"]
     )
+    assert "--max-seq-len must be at least 1" in one_error_line(
+        capsys, [*base, "--data-dir", str(data_dir), "--max-seq-len", "0"]
+    )
     assert "one of the arguments --checkpoint --watch is required" in one_error_line(capsys, ["--tasks", "piqa"])
     assert out.read_text() == '{"kept": true}'
+
+
+def test_cli_max_seq_len_is_passed_to_evaluate(checkpoint, loaded, data_dir, tmp_path, capsys):
+    out = tmp_path / "short.json"
+    argv = ["--checkpoint", str(checkpoint), "--tasks", "hellaswag", "--limit", "2", "--data-dir", str(data_dir)]
+    assert main([*argv, "--max-seq-len", "100", "--output", str(out)]) == 0
+    lib = evaluate(loaded.model, loaded.tokenizer, ["hellaswag"], data_dir, limit=2, max_seq_len=100)
+    assert json.loads(out.read_text())["hellaswag"] == lib["hellaswag"] and lib["hellaswag"]["num_truncated"] == 1

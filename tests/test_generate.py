@@ -1,15 +1,22 @@
-"""Generation (``titanlite.generate``) and the KV cache (``titanlite.models.kv_cache``).
+"""Generation (``titanlite.generate``) and the static KV cache (``titanlite.models.kv_cache``).
 
 References, each independent of the code under test:
 
 - transformers' ``generate(do_sample=False)`` on the Hugging Face export of the same checkpoint: greedy
-  tokens must be equal, one for one, from the library and from the command line's ``--json`` output, for
+  tokens must be equal, one for one, eager and compiled (``compile=True``), for a left-padded batch of
+  mixed lengths and for one prompt, from the library and from the command line's ``--json`` output, for
   a briefly trained Llama 3 (the trainer's own checkpoint) and a Qwen3 (extension family, QK-norm);
 - the plain training forward (no cache) over each prompt alone: cached logits (prefill and every decode
   step, left-padded batches included) within 1e-5 (fp32; measured ~1e-6);
+- the sampling of the code before the static cache, written out here: the plain forward over each row's
+  whole sequence, temperature / top-k / nucleus by sorting, and ``torch.multinomial`` on the same seeded
+  generator, step by step on the host: sampled tokens must be equal, eager and compiled;
 - the analytic distribution of temperature / top-k / top-p sampling (renormalized softmax, computed here
   in plain Python), against 20,000 draws with a 5-sigma binomial tolerance;
-- one process against 2 gloo ranks holding FSDP- and TP-sharded copies of the same weights.
+- torch's own counters: compiled graphs (``torch._dynamo`` counters: one for 64 decode steps, none for a
+  second request) and host reads (``Tensor.item`` / ``tolist`` / ``cpu`` ... patched to count them);
+- one process against 2 gloo ranks holding FSDP- and TP-sharded copies of the same weights (and a count of
+  the broadcasts: one per generated token).
 """
 
 from __future__ import annotations
@@ -32,8 +39,10 @@ from tiny import TINY_MODEL
 
 from titanlite.checkpoint.hf import dcp_to_hf
 from titanlite.checkpoint.load_model import load_model
-from titanlite.generate import generate, main, sample_next
+from titanlite.generate import STOP_CHECK_EVERY, generate, main, sample_next
+from titanlite.models.attention import grouped_query_attention
 from titanlite.models.kv_cache import KVCache
+from titanlite.models.llama3.model import repeat_kv
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -145,6 +154,116 @@ def test_greedy_equals_transformers_for_qwen3(qwen3_folders, capsys):
     assert [r["completion_ids"] for r in records] == expected
 
 
+@pytest.fixture(scope="module")
+def families(trained, qwen3_folders):
+    """Per family: the loaded model, its prompts (TEXTS) and hf folder."""
+    llama = load_model(trained[0])
+    qwen = load_model(qwen3_folders[0], extensions=[QWEN3_EXT])
+    return {"llama3": (llama, trained[1]), "qwen3": (qwen, qwen3_folders[1])}
+
+
+LONG = 65  # one prompt, 64 decode steps after the prefill's token
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_compiled_greedy_equals_transformers_and_compiles_once(families, family):
+    """compile=True: the left-padded batch and one prompt (65 new tokens: 64 compiled decode steps, one
+    compiled graph for them, none for a second request of that shape) give transformers' tokens."""
+    from torch._dynamo.utils import counters
+
+    loaded, hf = families[family]
+    prompts = [loaded.tokenizer.encode(t, bos=True) for t in TEXTS]
+    expected = hf_greedy(hf, prompts, NEW, loaded.eos_ids)
+    assert generate(loaded.model, prompts, max_new_tokens=NEW, eos_ids=loaded.eos_ids, compile=True) == expected
+    one = [prompts[2]]
+    long_expected = hf_greedy(hf, one, LONG, ())
+    assert len(set(long_expected[0])) > 2  # not one token repeated
+    assert generate(loaded.model, one, max_new_tokens=LONG) == long_expected  # eager, batch 1
+    before = counters["stats"]["unique_graphs"]
+    assert generate(loaded.model, one, max_new_tokens=LONG, compile=True) == long_expected
+    assert counters["stats"]["unique_graphs"] == before + 1  # one graph for 64 steps
+    assert generate(loaded.model, one, max_new_tokens=LONG, compile=True) == long_expected
+    assert counters["stats"]["unique_graphs"] == before + 1  # and none for the next request
+
+
+def test_the_cli_compiles_with_its_flag(trained, families, capsys):
+    """--compile: transformers' tokens again (a fresh model of the compiled test's shape: no new graph)."""
+    loaded, hf = families["llama3"]
+    prompts = [loaded.tokenizer.encode(t, bos=True) for t in TEXTS]
+    args = ["--checkpoint", str(trained[0]), "--max-new-tokens", str(NEW), "--compile"]
+    records = cli_json(capsys, *args, *[a for t in TEXTS for a in ("--prompt", t)])
+    assert [r["completion_ids"] for r in records] == hf_greedy(hf, prompts, NEW, loaded.eos_ids)
+
+
+def old_sampling(model, prompts, new, temperature, top_k, top_p, eos_ids, generator) -> list[list[int]]:
+    """What titanlite sampled before the static cache, written out: each row's whole sequence through the
+    plain forward, the tempered scores cut to the top k (ties kept) and to the nucleus, renormalized, and
+    one ``torch.multinomial`` draw for the batch per step, until every row has drawn an EOS id."""
+    sequences, out, done = [list(p) for p in prompts], [[] for _ in prompts], [False] * len(prompts)
+    for _ in range(new):
+        with torch.no_grad():
+            logits = torch.stack([model(torch.tensor([seq]))[0, -1].float() for seq in sequences])
+        scores = logits / temperature
+        if top_k:
+            kth = scores.sort(dim=-1, descending=True).values[:, top_k - 1 : top_k]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        probs = scores.softmax(dim=-1)
+        ranked, order = probs.sort(dim=-1, descending=True)
+        before = ranked.cumsum(dim=-1) - ranked
+        ranked = ranked.masked_fill(before >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, ranked)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+        ids = torch.multinomial(probs, 1, generator=generator)[:, 0].tolist()
+        for row, token in enumerate(ids):
+            sequences[row].append(token)
+            if not done[row]:
+                out[row].append(token)
+                done[row] = token in eos_ids
+        if all(done):
+            break
+    return out
+
+
+def test_sampled_tokens_equal_the_old_sampling_with_the_same_seed(families):
+    """Temperature, top-k and top-p from a seeded generator: the old path's draws, eager and compiled
+    (the batch's shape is the compiled test's: no new graph)."""
+    loaded, _ = families["llama3"]
+    prompts = [loaded.tokenizer.encode(t, bos=True) for t in TEXTS]
+    kw = dict(temperature=0.8, top_k=50, top_p=0.9)
+    want = old_sampling(
+        loaded.model, prompts, NEW, eos_ids=loaded.eos_ids, generator=torch.Generator().manual_seed(7), **kw
+    )
+    assert len({t for row in want for t in row}) > 20
+    for compile in (False, True):
+        got = generate(
+            loaded.model, prompts, max_new_tokens=NEW, eos_ids=loaded.eos_ids, compile=compile,
+            generator=torch.Generator().manual_seed(7), **kw,
+        )  # fmt: skip
+        assert got == want, compile
+
+
+def test_a_decode_reads_the_device_at_most_once_every_k_tokens(monkeypatch):
+    """N new tokens (no EOS): at most ceil(N / K) + 1 host reads (item / tolist / cpu / numpy / bool ...),
+    greedy and sampled, with the cache and recomputing."""
+    model = random_model("llama3")
+    prompts = token_prompts(3)
+    new = 40
+    reads = []
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    for kw in ({}, {"temperature": 1.0, "top_k": 20, "top_p": 0.9}, {"use_cache": False}):
+        reads.clear()
+        out = generate(model, prompts, max_new_tokens=new, generator=torch.Generator().manual_seed(0), **kw)
+        assert [len(c) for c in out] == [new] * 3
+        assert 0 < len(reads) <= math.ceil(new / STOP_CHECK_EVERY) + 1, (kw, reads)
+
+
 # ----------------------------------------------------------------------------- the cache
 
 
@@ -159,9 +278,13 @@ def test_cached_logits_equal_the_uncached_forward_with_left_padding(family):
     pad = [longest - len(p) for p in prompts]
     with torch.no_grad():
         alone = [model(torch.tensor([p + s.tolist()]))[0] for p, s in zip(prompts, steps)]
-        cache = KVCache(longest + steps.shape[1], pad)
+        cache = KVCache(longest + steps.shape[1] + 3, pad)  # 3 slots to spare: masked, never read
         prefill = model(torch.tensor([[0] * n + p for n, p in zip(pad, prompts)]), cache=cache)
-        decoded = [model(steps[:, i : i + 1], cache=cache)[:, 0] for i in range(steps.shape[1])]
+        cache.advance(longest)
+        decoded = []
+        for i in range(steps.shape[1]):
+            decoded.append(model(steps[:, i : i + 1], cache=cache)[:, 0])
+            cache.advance(1)
     assert torch.isfinite(prefill).all()
     for b, (n, p) in enumerate(zip(pad, prompts)):
         torch.testing.assert_close(prefill[b, n:], alone[b][: len(p)], rtol=0, atol=1e-5)
@@ -170,7 +293,8 @@ def test_cached_logits_equal_the_uncached_forward_with_left_padding(family):
 
 
 def test_cache_positions_start_after_each_rows_padding_and_the_mask_hides_the_filler():
-    """RoPE is shift-invariant, so logits alone cannot see the positions: check them and the mask by hand."""
+    """RoPE is shift-invariant, so logits alone cannot see the positions: check them and the mask by hand.
+    Eager steps' masks span the slots filled so far (compiled ones the whole static cache)."""
     table = torch.arange(10.0)[:, None].expand(10, 4)  # row p holds p
     cache = KVCache(6, [2, 0])
     rope, mask = cache.step(table, 4)
@@ -178,11 +302,28 @@ def test_cache_positions_start_after_each_rows_padding_and_the_mask_hides_the_fi
     causal = [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
     filler = [[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]  # a filler query sees itself only
     assert mask.shape == (2, 1, 4, 4) and mask[0, 0].int().tolist() == filler and mask[1, 0].int().tolist() == causal
+    cache.advance(3)  # e.g. a step right-padded by one filler token: its slot is reused
     rope, mask = cache.step(table, 1)
-    assert rope[..., 0].tolist() == [[2], [4]]
-    assert mask[:, 0, 0].int().tolist() == [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]
-    cache.truncate(4)
-    assert cache.step(table, 2)[0][..., 0].tolist() == [[2, 3], [4, 5]]  # the truncated slot is reused
+    assert rope[..., 0].tolist() == [[1], [3]] and cache.pos.item() == 3
+    assert mask[:, 0, 0].int().tolist() == [[0, 0, 1, 1], [1, 1, 1, 1]]
+    with pytest.raises(ValueError, match="cannot advance 3 slots by 4"):
+        cache.advance(4)
+    with pytest.raises(AttributeError, match="advance"):
+        cache.truncate(2)
+
+
+@pytest.mark.parametrize("seqlen", [1, 5])
+def test_grouped_query_attention_equals_repeating_the_heads(seqlen):
+    """Query heads sharing a kv head read it as extra rows: the same as repeat_kv + SDPA (decode and prefill)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, seqlen, 8, 16, generator=g)
+    k, v = (torch.randn(2, 9, 2, 16, generator=g) for _ in range(2))
+    mask = torch.rand(2, 1, seqlen, 9, generator=g) < 0.7
+    mask[..., 0] = True  # every query sees a key
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), repeat_kv(k, 4).transpose(1, 2), repeat_kv(v, 4).transpose(1, 2), attn_mask=mask
+    ).transpose(1, 2)
+    torch.testing.assert_close(grouped_query_attention(q, k, v, mask), want, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
@@ -231,6 +372,74 @@ def test_a_per_block_compiled_model_generates_eagerly():
     counters.clear()
     assert generate(model, prompts, max_new_tokens=6) == expected
     assert not counters["stats"]["unique_graphs"]
+
+
+class NoCacheLM(torch.nn.Module):
+    """A family of one's own without the cache protocol (a learned position table, no ``args``)."""
+
+    def __init__(self, vocab: int = 64, dim: int = 16, positions: int = 48):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.pos = torch.nn.Embedding(vocab, dim), torch.nn.Embedding(positions, dim)
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        h = self.emb(tokens) + self.pos(torch.arange(tokens.shape[1]))
+        return self.head(torch.cumsum(h, dim=1))  # causal: position t sees tokens up to t
+
+
+class KwargsLM(NoCacheLM):
+    def forward(self, tokens, **kwargs):  # takes a cache and would ignore it
+        return super().forward(tokens)
+
+
+class IgnoresTheCacheLM(NoCacheLM):
+    def forward(self, tokens, cache=None):  # declares the protocol, does not follow it
+        return super().forward(tokens)
+
+
+def greedy_by_hand(model, prompt: list[int], new: int) -> list[int]:
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(new):
+            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    return seq[len(prompt) :]
+
+
+@pytest.mark.parametrize("family", [NoCacheLM, KwargsLM])
+def test_a_family_without_the_cache_generates_by_recomputing_with_a_warning(family, caplog):
+    model = family().eval()
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    with caplog.at_level("WARNING"):
+        out = generate(model, prompts, max_new_tokens=6, compile=True)
+    assert out == [greedy_by_hand(model, p, 6) for p in prompts]
+    assert "forward takes no cache argument" in caplog.text and "compile ignored" in caplog.text
+
+
+def test_a_family_that_ignores_the_cache_it_declares_gets_a_one_line_error():
+    with pytest.raises(ValueError, match="stored no keys/values in it: implement the protocol") as e:
+        generate(IgnoresTheCacheLM().eval(), [[1, 2, 3]], max_new_tokens=4)
+    assert "\n" not in str(e.value) and "use_cache=False" in str(e.value)
+    assert generate(IgnoresTheCacheLM().eval(), [[1, 2, 3]], max_new_tokens=4, use_cache=False) == [
+        greedy_by_hand(IgnoresTheCacheLM().eval(), [1, 2, 3], 4)
+    ]
+
+
+def test_the_sampling_hook_checks_the_family_at_start(caplog):
+    """[sampling] with a family without the cache: a warning when the hook is built, samples that work."""
+    from titanlite.config.sections import Sampling
+    from titanlite.sampling import SamplingHook
+    from titanlite.tokenizer import build_byte_tokenizer
+
+    tok = build_byte_tokenizer()
+    section = Sampling(enable=True, prompts=["ab"], max_new_tokens=5, compile=True)
+    model = NoCacheLM(vocab=tok.vocab_size, dim=8).eval()
+    with caplog.at_level("WARNING"):
+        hook = SamplingHook(section, model, tok, device=torch.device("cpu"))
+    assert not hook.use_cache and not hook.compile
+    assert "forward takes no cache argument" in caplog.text and "sampling.compile = true ignored" in caplog.text
+    ids = generate(model, hook.prompt_ids, max_new_tokens=5, use_cache=False)
+    assert hook.sample() == [{"prompt": "ab", "completion": tok.decode(ids[0])}]
 
 
 # ----------------------------------------------------------------------------- stopping and sampling
@@ -333,6 +542,13 @@ def _sharded_generate(args: dict) -> dict:
         load_full_state_dict(model, args["state"] if dist.get_rank() == 0 else None)
         model.eval()
         out[name] = run_all(model, args["prompts"], seed=3 + 100 * dist.get_rank())  # only rank 0's seed counts
+        calls, broadcast = [], dist.broadcast
+        dist.broadcast = lambda *a, _calls=calls, _broadcast=broadcast, **k: _calls.append(1) or _broadcast(*a, **k)
+        try:  # compile is refused for a sharded model: eager, one broadcast per generated token
+            out[name]["compiled"] = generate(model, args["prompts"], max_new_tokens=8, compile=True)
+        finally:
+            dist.broadcast = broadcast
+        out[name]["broadcasts"] = len(calls)
     return out
 
 
@@ -352,6 +568,7 @@ def test_fsdp_and_tp_ranks_generate_what_one_process_does():
     expected = run_all(model, prompts)
     args = {"model_args": model.args, "state": model.state_dict(), "prompts": prompts}
     results = run_workers(_sharded_generate, 2, args, timeout=120)
+    expected.update(compiled=expected["greedy"], broadcasts=8)
     for rank, result in enumerate(results):
         for name in ("fsdp", "tp"):
             assert result[name] == expected, (rank, name)

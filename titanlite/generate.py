@@ -6,25 +6,38 @@ Library: :func:`generate` continues a batch of token-id prompts and returns each
 in-loop samples, the evaluation watcher and the command line below all call these.
 
 - The batch is one left-padded prefill (every prompt ends in the same slot), then one token per step
-  through the model's KV cache (:mod:`titanlite.models.kv_cache`). ``use_cache=False`` instead runs the
-  plain training forward over each whole prefix at every step (prompts of one length together): the
-  reference the cache is tested against, and the benchmark's baseline.
+  through the model's static KV cache (:mod:`titanlite.models.kv_cache`: allocated once at the request's
+  final length, positions and mask built on the device). ``use_cache=False`` instead runs the plain
+  training forward over each whole prefix at every step (prompts of one length together): the reference
+  the cache is tested against, and the benchmark's baseline. A family whose ``forward`` takes no
+  ``cache`` argument generates that way, with a warning.
+- ``compile=True``: the one-token decode step (fixed shapes for a request) runs through ``torch.compile``,
+  with CUDA graphs on CUDA (``mode="reduce-overhead"``), compiled once per shape and replayed for every
+  token; the prefill stays eager. Eager is the default and the reference. A sharded model, or one
+  without a cache, decodes eagerly (:func:`compile_refusal`, logged).
+- No host read per token: the next tokens are drawn on the device, the stop state (each row's first
+  ``eos_ids`` token) stays there, and the host reads it once every ``STOP_CHECK_EVERY`` tokens (to stop
+  early) and the tokens once at the end. Finished rows keep running with the batch until then; their
+  extra tokens are dropped, so the result is the same as stopping at once.
 - Sampling draws only from the ``generator`` it is given, never from torch's global RNG, so a training
-  run's random stream is the same with or without samples.
+  run's random stream is the same with or without samples; the draws are ``torch.multinomial``'s, made
+  without its host-side checks (:func:`draw`). Give a generator on the model's device: another one costs
+  a copy per token.
 - Distributed (FSDP and/or tensor parallel): every rank of ``sync_group`` calls :func:`generate` with
   the same prompts and runs every forward (they hold shards); the group's first rank picks the next
-  tokens and broadcasts them, so all ranks continue and stop together. Under tensor parallelism every
-  forward is padded on the right with filler up to a multiple of the TP degree (titanlite's plan shards
-  the sequence evenly over the TP ranks); causal attention keeps the real tokens blind to it.
-- Under ``torch.no_grad`` and ``torch.compiler.set_stance("force_eager")``: per-block compiled
-  models run eagerly, instead of recompiling for every new sequence length.
+  tokens and broadcasts them (one broadcast per step), so all ranks continue and stop together. Under
+  tensor parallelism every forward is padded on the right with filler up to a multiple of the TP degree
+  (titanlite's plan shards the sequence evenly over the TP ranks); causal attention keeps the real
+  tokens blind to it.
+- Eager steps run under ``torch.no_grad`` and ``torch.compiler.set_stance("force_eager")``: per-block
+  compiled models run eagerly, instead of recompiling for every new sequence length.
 
 Command line (one ``error: ...`` line on stderr and exit status 2 for bad input)::
 
     python -m titanlite.generate --checkpoint DIR --prompt TEXT [--prompt TEXT ...] [--prompt-file F]
         [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--json]
         [--tokenizer PATH|bytes] [--device cpu|cuda] [--dtype float32|bfloat16] [--extensions M]
-        [--no-bos] [--no-cache]
+        [--no-bos] [--no-cache] [--compile] [--chat]
 
 ``DIR`` is a titanlite checkpoint step folder or a Hugging Face folder
 (:func:`titanlite.checkpoint.load_model.load_model`).
@@ -33,10 +46,12 @@ Command line (one ``error: ...`` line on stderr and exit status 2 for bad input)
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 import torch
@@ -47,11 +62,13 @@ from torch.distributed.tensor import DTensor
 from titanlite.checkpoint.load_model import load_model
 from titanlite.data.chat import chat_prompt_ids, special_id
 from titanlite.dtypes import DTYPES
-from titanlite.models.kv_cache import KVCache
+from titanlite.models.kv_cache import KVCache, supports_cache
 
 logger = logging.getLogger(__name__)
 
 FILLER = 0  # the token in a left-padded row's empty slots (masked out, any valid id would do)
+STOP_CHECK_EVERY = 16  # decode steps between the host's reads of the stop state (the only reads until the end)
+CACHE_BUCKET = 64  # a compiled request's cache length is rounded up to a multiple of this
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -92,9 +109,17 @@ def sample_next(
     probs = scores.softmax(dim=-1)
     if top_p < 1:
         probs = _nucleus(probs, top_p)
-    if probs.device.type != generator.device.type:  # e.g. a CPU generator for CUDA logits
+    if probs.device.type != generator.device.type:  # e.g. a CPU generator for CUDA logits (a copy per step)
         probs = probs.to(generator.device)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(logits.device)
+    return draw(probs, generator).to(logits.device)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One index per row of ``probs [B, V]``: the draw of ``torch.multinomial(probs, 1, generator=generator)``,
+    the same numbers from the same generator (its one-sample path: the argmax of ``probs / q``, ``q`` drawn
+    from Exp(1)), without the validity checks that read the device (a host sync per token on a GPU)."""
+    q = torch.empty_like(probs).exponential_(1, generator=generator)
+    return probs.div(q).argmax(dim=-1)
 
 
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -122,35 +147,49 @@ def generate(
     device: torch.device | str | None = None,
     sync_group: dist.ProcessGroup | None = None,
     use_cache: bool = True,
+    compile: bool = False,
 ) -> list[list[int]]:
     """Each prompt's completion ids (at most ``max_new_tokens``; ending with the EOS id that stopped it,
     if one did). See the module docstring; ``device`` defaults to the model's, ``sync_group`` to the
     world when torch.distributed is initialized. Sampling without a ``generator`` uses a fresh one
-    seeded by the operating system (still not the global RNG)."""
+    seeded by the operating system (still not the global RNG). ``compile``: run the one-token decode
+    step through ``torch.compile`` (see :func:`compile_refusal` for when it falls back to eager)."""
     check_sampling(temperature, top_k, top_p)
     check_request(model, prompts, max_new_tokens, sequence_multiple(model))
     if not prompts or max_new_tokens == 0:
         return [[] for _ in prompts]
+    if use_cache and not supports_cache(model):
+        logger.warning("%s; generating without a KV cache", no_cache_reason(model))
+        use_cache = False
+    if compile and (reason := compile_refusal(model, use_cache)):
+        logger.warning("compile ignored: %s; decoding eagerly", reason)
+        compile = False
     device = torch.device(device) if device is not None else next(model.parameters()).device
     group = _default_group() if sync_group is None else sync_group
     if temperature > 0 and generator is None:
         generator = torch.Generator(device=device)
         generator.seed()
-    steps = _CachedSteps if use_cache else _RecomputedSteps
-    forward = steps(model, prompts, device, max_new_tokens)
-    stop, completions, done = set(eos_ids), [[] for _ in prompts], [False] * len(prompts)
-    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
-        logits = forward(None)
+    steps = _CachedSteps(model, prompts, device, max_new_tokens, compile) if use_cache else None
+    steps = steps or _RecomputedSteps(model, prompts, device, max_new_tokens)
+    rows = len(prompts)
+    out = torch.zeros(rows, max_new_tokens, dtype=torch.long, device=device)
+    count = torch.zeros(rows, dtype=torch.long, device=device)  # tokens kept per row: up to its first stop id
+    done = torch.zeros(rows, dtype=torch.bool, device=device)
+    stop = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        if not compile:  # per-block compiled models run eagerly (no graph per sequence length)
+            stack.enter_context(torch.compiler.set_stance("force_eager"))
+        logits = steps.prefill()
         for step in range(max_new_tokens):
             ids = _agreed_next(logits, group, temperature, top_k, top_p, generator)
-            for row, token in enumerate(ids.tolist()):
-                if not done[row]:
-                    completions[row].append(token)
-                    done[row] = token in stop
-            if all(done) or step == max_new_tokens - 1:
+            out[:, step] = ids
+            count += ~done
+            done |= (ids[:, None] == stop[None, :]).any(dim=-1)
+            if step == max_new_tokens - 1 or (step % STOP_CHECK_EVERY == 0 and done.all().item()):
                 break
-            logits = forward(ids)
-    return completions
+            logits = steps(ids)
+    kept = torch.cat([count[:, None], out], dim=1).tolist()  # the one device-to-host copy of the tokens
+    return [row[1 : 1 + row[0]] for row in kept]
 
 
 def check_request(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, multiple: int) -> None:
@@ -173,6 +212,24 @@ def check_request(model: nn.Module, prompts: list[list[int]], max_new_tokens: in
                 f"prompt {i}: {len(prompt)} tokens + max_new_tokens {max_new_tokens}{filler} exceed the model's "
                 f"max_seq_len {max_len}"
             )
+
+
+def no_cache_reason(model: nn.Module) -> str:
+    """Why ``model`` generates without a KV cache (it lacks the protocol of :mod:`titanlite.models.kv_cache`)."""
+    return (
+        f"{type(model).__name__}.forward takes no cache argument (the protocol of titanlite.models.kv_cache), so "
+        "every step recomputes the whole prefix"
+    )
+
+
+def compile_refusal(model: nn.Module, use_cache: bool = True) -> str | None:
+    """Why ``generate(..., compile=True)`` decodes eagerly after all, or None when it compiles: the compiled
+    step is the one-token step of a single-process model's KV cache (fixed shapes, captured once)."""
+    if not use_cache or not supports_cache(model):
+        return "without a KV cache every step runs a longer sequence (no fixed shape to compile once)"
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        return "the model is sharded (FSDP / tensor parallel); the compiled decode step is for one process"
+    return None
 
 
 def _default_group() -> dist.ProcessGroup | None:
@@ -205,7 +262,7 @@ def _right_padded(tokens: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 def _agreed_next(logits, group, temperature, top_k, top_p, generator) -> torch.Tensor:
-    """The next ids, chosen on the group's first rank and broadcast to the others."""
+    """The next ids, chosen on the group's first rank and broadcast to the others (no host read)."""
     if group is None or dist.get_rank(group) == 0:
         ids = sample_next(logits, temperature, top_k, top_p, generator)
     else:
@@ -215,45 +272,100 @@ def _agreed_next(logits, group, temperature, top_k, top_p, generator) -> torch.T
     return ids
 
 
-class _CachedSteps:
-    """Model forwards through a KV cache: first the left-padded prompts, then each step's new tokens."""
+def _decode_step(model: nn.Module, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """One token per row through the cache: its fp32 logits ``[B, V]`` (what :func:`compiled_decode_step` compiles)."""
+    return model(tokens, cache=cache)[:, -1].float()
 
-    def __init__(self, model: nn.Module, prompts: list[list[int]], device: torch.device, max_new_tokens: int):
+
+@functools.cache
+def compiled_decode_step(device_type: str) -> Callable[[nn.Module, torch.Tensor, KVCache], torch.Tensor]:
+    """:func:`_decode_step` under ``torch.compile``: with CUDA graphs on CUDA (``reduce-overhead``). Its
+    shapes are fixed for a request (static cache), so it is captured once and replayed. On CPU, inductor's
+    pass that turns a one-row matmul into a fused multiply-and-sum is switched on: a batch of one reads
+    each weight at 2-3x the rate of the BLAS call (the step is bound by reading the weights)."""
+    if device_type == "cuda":
+        return torch.compile(_decode_step, mode="reduce-overhead", dynamic=False)
+    return torch.compile(_decode_step, dynamic=False, options={"post_grad_fusion_options": {"decompose_mm_pass": {}}})
+
+
+class _CachedSteps:
+    """Model forwards through a static KV cache: the left-padded prompts (eager), then one token per row."""
+
+    def __init__(self, model: nn.Module, prompts: list[list[int]], device: torch.device, new: int, compile: bool):
         longest = max(len(p) for p in prompts)
         pad = [longest - len(p) for p in prompts]
-        self.model, self.multiple = model, sequence_multiple(model)
+        self.model, self.multiple, self.cuda = model, sequence_multiple(model), device.type == "cuda"
         self.prompts = torch.tensor([[FILLER] * n + p for n, p in zip(pad, prompts)], device=device)
-        self.cache = KVCache(longest + max_new_tokens + self.multiple - 1, pad, device=device)
+        slots = longest + new + self.multiple - 1
+        if compile:  # lengths in buckets: a request of a similar length reuses the compiled step
+            slots = -(-slots // CACHE_BUCKET) * CACHE_BUCKET
+        self.cache = KVCache(slots, pad, device=device, static_addresses=compile and self.cuda)
+        self.compiled = compiled_decode_step(device.type) if compile else None
 
-    def __call__(self, ids: torch.Tensor | None) -> torch.Tensor:
-        tokens = self.prompts if ids is None else ids[:, None]
-        real = self.cache.length + tokens.shape[1]
-        logits = self.model(_right_padded(tokens, self.multiple), cache=self.cache)
-        self.cache.truncate(real)  # drop the filler slots, if any
-        return _last_logits(logits, tokens.shape[1] - 1)
+    def prefill(self) -> torch.Tensor:
+        with torch.compiler.set_stance("force_eager"):
+            logits = self.model(_right_padded(self.prompts, self.multiple), cache=self.cache)
+        if not any(layer.k is not None for layer in self.cache._layers.values()):
+            raise ValueError(
+                f"{type(self.model).__name__}.forward takes a cache argument but stored no keys/values in it: "
+                "implement the protocol of titanlite.models.kv_cache, or generate with use_cache=False"
+            )
+        self.cache.advance(self.prompts.shape[1])
+        return _last_logits(logits, self.prompts.shape[1] - 1)
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.compiled is not None:
+            if self.cuda:
+                torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
+            with self._steady() if self.cache.length > self.prompts.shape[1] else contextlib.nullcontext():
+                logits = self.compiled(self.model, ids[:, None], self.cache)
+        else:
+            logits = _last_logits(self.model(_right_padded(ids[:, None], self.multiple), cache=self.cache), 0)
+        self.cache.advance(1)
+        return logits
+
+    @staticmethod
+    def _steady():
+        """After a request's first compiled step (its guards checked in full), the next ones skip the guards
+        that cannot change within the request (same model, cache and shapes): a fraction of a millisecond
+        per token on the host. Only guards that tell compiled graphs apart are still checked."""
+        try:
+            return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+        except TypeError:  # a torch without the option
+            return contextlib.nullcontext()
 
 
 class _RecomputedSteps:
-    """Plain (training-path) forwards over each whole sequence so far, the prompts of one length together."""
+    """Plain (training-path) forwards over each whole sequence so far, the prompts of one length together.
+    The sequences live on the device (each step's tokens are written there, never read back)."""
 
-    def __init__(self, model: nn.Module, prompts: list[list[int]], device: torch.device, max_new_tokens: int):
-        self.model, self.device, self.multiple = model, device, sequence_multiple(model)
-        self.sequences = [list(p) for p in prompts]
-        self.groups: dict[int, list[int]] = {}
+    def __init__(self, model: nn.Module, prompts: list[list[int]], device: torch.device, new: int):
+        self.model, self.multiple, self.generated = model, sequence_multiple(model), 0
+        width = max(len(p) for p in prompts) + new
+        self.sequences = torch.tensor([p + [FILLER] * (width - len(p)) for p in prompts], device=device)
+        self.lengths = torch.tensor([len(p) for p in prompts], device=device)
+        self.rows = torch.arange(len(prompts), device=device)
+        groups: dict[int, list[int]] = {}
         for row, prompt in enumerate(prompts):
-            self.groups.setdefault(len(prompt), []).append(row)
+            groups.setdefault(len(prompt), []).append(row)
+        self.groups = {n: torch.tensor(rows, device=device) for n, rows in groups.items()}
 
-    def __call__(self, ids: torch.Tensor | None) -> torch.Tensor:
-        if ids is not None:
-            for sequence, token in zip(self.sequences, ids.tolist()):
-                sequence.append(token)
-        rows: list[torch.Tensor] = [torch.empty(0)] * len(self.sequences)
-        for members in self.groups.values():
-            tokens = torch.tensor([self.sequences[r] for r in members], device=self.device)
+    def prefill(self) -> torch.Tensor:
+        return self._logits()
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        self.sequences[self.rows, self.lengths + self.generated] = ids
+        self.generated += 1
+        return self._logits()
+
+    def _logits(self) -> torch.Tensor:
+        logits = None
+        for length, rows in self.groups.items():
+            tokens = self.sequences[rows, : length + self.generated]
             last = _last_logits(self.model(_right_padded(tokens, self.multiple)), tokens.shape[1] - 1)
-            for r, logits in zip(members, last):
-                rows[r] = logits
-        return torch.stack(rows)
+            logits = last.new_empty(len(self.rows), last.shape[-1]) if logits is None else logits
+            logits.index_copy_(0, rows, last)
+        return logits
 
 
 # ----------------------------------------------------------------------------- command line
@@ -285,6 +397,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--extensions", default="", metavar="MODULES", help="comma-separated modules registering a family")
     p.add_argument("--no-bos", action="store_true", help="do not start the prompts with BOS")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole prefix each step")
+    p.add_argument("--compile", action="store_true", help="compile the one-token decode step (CUDA graphs on CUDA)")
     p.add_argument(
         "--chat", action="store_true", help="prompts are user turns of the Llama 3 chat template; stop at <|eot_id|>"
     )
@@ -340,6 +453,7 @@ def _run(a: argparse.Namespace) -> list[dict]:
         eos_ids=eos_ids,
         generator=torch.Generator(device=a.device).manual_seed(a.seed),
         use_cache=not a.no_cache,
+        compile=a.compile,
     )
     records = []
     for text, ids, out in zip(prompts, prompt_ids, completions):

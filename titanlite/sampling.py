@@ -10,7 +10,9 @@ Sampling leaves training exactly as it was: the tokens are drawn from a generato
 reseeded from ``[sampling] seed`` each time (so successive samples differ only by what the model
 learned), float8 linears run in high precision and the model goes back to training mode. The
 losses are bitwise the same with sampling on or off. With ``enable = false`` the hook is not even
-built.
+built. ``compile = true`` compiles the one-token decode step once (the prompts, hence the shapes, are
+the same at every sample) and replays it; a sharded model samples eagerly (logged at the start). A
+family whose ``forward`` takes no ``cache`` samples by recomputing the prefix (logged at the start).
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from torch import nn
 
 from titanlite import dtypes
 from titanlite.data.chat import chat_prompt_ids, special_id
-from titanlite.generate import check_request, generate, sequence_multiple
+from titanlite.generate import check_request, compile_refusal, generate, no_cache_reason, sequence_multiple
 from titanlite.hooks import Hook, LoopState
+from titanlite.models.kv_cache import supports_cache
 from titanlite.parallel.float8 import float8_disabled
 
 logger = logging.getLogger("titanlite")
@@ -56,6 +59,13 @@ class SamplingHook(Hook):
             check_request(model, self.prompt_ids, section.max_new_tokens, sequence_multiple(model))
         except ValueError as e:
             raise ValueError(f"sampling.prompts / sampling.max_new_tokens: {e}") from None
+        self.use_cache = supports_cache(model)  # a family without the cache protocol: samples recompute
+        if not self.use_cache:
+            logger.warning("sampling: %s", no_cache_reason(model))
+        self.compile = getattr(section, "compile", False)
+        if self.compile and (reason := compile_refusal(model, self.use_cache)):
+            logger.warning("sampling.compile = true ignored: %s; samples decode eagerly", reason)
+            self.compile = False
 
     def on_step_end(self, state: LoopState, result: Any) -> None:
         if state.step % self.section.freq == 0 or state.last_step:
@@ -82,6 +92,8 @@ class SamplingHook(Hook):
                     max_new_tokens=s.max_new_tokens,
                     generator=generator,
                     device=self.device,
+                    use_cache=self.use_cache,
+                    compile=self.compile,
                     **kw,
                 )
         finally:

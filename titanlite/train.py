@@ -554,7 +554,8 @@ class Trainer:
         blocks run eagerly (the items' lengths vary: no recompilation per length)."""
         e, dims = self.cfg.eval, self.parallel_dims
         kw = dict(limit=None if e.limit == -1 else e.limit, batch_size=e.batch_size, device=self.device)
-        kw.update(max_seq_len=self.model_args.max_seq_len, autocast_dtype=self.train_step.autocast_dtype)
+        max_len = getattr(self.model_args, "max_seq_len", self.cfg.training.seq_len)  # else: the trained length
+        kw.update(max_seq_len=max_len, autocast_dtype=self.train_step.autocast_dtype)
         kw.update(dp_rank=self.dp_rank, dp_world=dims.dp_degree, dp_group=dims.dp_group)
         with float8_disabled(self.model), torch.compiler.set_stance("force_eager"):
             return evaluate(self.model, self.tokenizer, e.tasks, e.data_dir, **kw)

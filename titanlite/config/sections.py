@@ -249,6 +249,7 @@ class Sampling:
     top_p: float = opt(1.0, "Sample among the likeliest tokens holding this probability; 1 = all.", gt=0.0, max=1.0)
     seed: int = opt(0, "Seed of the sampler's own generator (the training RNG is never touched).", min=0, max=2**32 - 1)
     chat: bool = opt(False, "Prompt as a user turn of the Llama 3 chat template; the reply ends at <|eot_id|>.")
+    compile: bool = opt(False, "Compile the one-token decode step (CUDA graphs on CUDA): once, then every sample.")
 
 
 EVAL_TASKS = ["hellaswag", "arc_easy", "arc_challenge", "piqa", "lambada_openai"]

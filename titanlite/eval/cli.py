@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="the model's weight dtype (default float32)")
     p.add_argument("--tokenizer", metavar="PATH|bytes", help="override the checkpoint's tokenizer")
     p.add_argument("--extensions", default="", metavar="MODULES", help="comma-separated modules to import first")
+    p.add_argument("--compile", action="store_true", help="compile the scoring forward pass (torch.compile)")
+    p.add_argument("--max-seq-len", type=int, help="the longest input (default: the model's max_seq_len)")
     watch = p.add_argument_group("--watch only")
     watch.add_argument("--once", action="store_true", help="score the checkpoints there are now, then exit")
     watch.add_argument("--poll-seconds", type=float, default=30.0, help="wait between looks for new checkpoints")
@@ -106,6 +108,7 @@ def run_watch(a: argparse.Namespace) -> int:
     logging.getLogger("titanlite").setLevel(logging.INFO)
     tasks = [t.strip() for t in a.tasks.split(",") if t.strip()] if a.tasks else None
     kw = dict(tasks=tasks, data_dir=a.data_dir, limit=a.limit, batch_size=a.batch_size, device=a.device)
+    kw.update(compile=a.compile, max_seq_len=a.max_seq_len)
     kw.update(tokenizer_path=a.tokenizer, extensions=[m.strip() for m in a.extensions.split(",") if m.strip()])
     watch(a.watch, poll_seconds=a.poll_seconds, once=a.once, **kw)
     return 0
@@ -140,6 +143,8 @@ def check_numbers_and_device(a: argparse.Namespace) -> None:
         raise UsageError(f"--limit must be at least 1, got {a.limit}")
     if a.batch_size is not None and a.batch_size < 1:
         raise UsageError(f"--batch-size must be at least 1, got {a.batch_size}")
+    if a.max_seq_len is not None and a.max_seq_len < 1:
+        raise UsageError(f"--max-seq-len must be at least 1, got {a.max_seq_len}")
     try:
         device = torch.device(a.device)
     except RuntimeError:
@@ -158,7 +163,8 @@ def evaluate_checkpoint(path: str, a: argparse.Namespace, tasks: list[str], data
         raise UsageError(f"--device {a.device!r}: expected cpu, cuda or cuda:N") from None
     dtype = DTYPES[a.dtype or "float32"]
     loaded = load_model(path, device=device, dtype=dtype, tokenizer_path=a.tokenizer, extensions=extensions)
-    results = evaluate(loaded.model, loaded.tokenizer, tasks, data_dir, limit=a.limit, batch_size=a.batch_size)
+    kw = dict(limit=a.limit, batch_size=a.batch_size, max_seq_len=a.max_seq_len, compile=a.compile)
+    results = evaluate(loaded.model, loaded.tokenizer, tasks, data_dir, **kw)
     return {**results, "step": loaded.step, "checkpoint": str(loaded.path)}
 
 

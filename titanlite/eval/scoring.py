@@ -2,19 +2,28 @@
 
 Every (context, choice) pair of every item is one *request*: the context's tokens with BOS first
 (``tokenizer.encode(context, bos=True)``) followed by the choice's (``tokenizer.encode(choice)``),
-encoded separately, which are the ids a Hugging Face model gets in the tests. One forward pass on
-the request gives the log-probability of each choice token given everything before it; the
-request's score is their sum (``loglik``), plus whether each one was the argmax (``greedy``,
-LAMBADA's accuracy).
+encoded separately, which are the ids a Hugging Face model gets in the tests. A forward pass gives the
+log-probability of each choice token given everything before it; the request's score is their sum
+(``loglik``), plus whether each one was the argmax (``greedy``, LAMBADA's accuracy).
 
-Batches: the requests of all tasks are sorted longest first (ties in request order) and cut into
-fixed batches of ``batch_size``, right-padded (causal attention never lets a real position see
-the padding). This order does not depend on the number of ranks, and batch ``i`` goes to rank
-``i % dp_world``, so every request is computed in exactly the same batch, hence with bitwise the
-same result, on any number of ranks. Tensor-parallel ranks of one data-parallel rank pass the same
-``dp_rank`` and compute the same batches. A sharded model (FSDP, TP) needs every rank in every
-forward pass, so a rank with fewer batches than the others runs a dummy one. The results are
+Groups and batches (:mod:`titanlite.eval.packing`): when the model speaks the cache protocol
+(:mod:`titanlite.models.kv_cache`) and it saves enough, the choices of an item form one group, its
+context computed once: a batch runs the contexts through a KV cache, then every choice on top of its
+own context's keys and values. Otherwise a group is one request, run as one plain causal row. The
+groups of all tasks are sorted (single requests, then shared contexts; longest first, ties in order)
+and cut into fixed batches of at most ``batch_size`` requests, right-padded to a multiple of
+``PAD_MULTIPLE`` (causal attention never lets a real position see the padding). This order does not
+depend on the number of ranks, and the batches of each kind go round-robin to the ranks, so every
+request is computed in exactly the same batch, hence with bitwise the same result, on any number of
+ranks. Tensor-parallel ranks of one data-parallel rank pass the same ``dp_rank`` and compute the same
+batches. A sharded model (FSDP, TP) needs every rank in every forward pass, so a rank with fewer
+batches of a kind than the others runs dummy ones. The results are
 gathered to every rank (``all_gather_object`` over ``dp_group``).
+
+Keeping the device busy: a batch's tensors go to the device in one copy, the log-probabilities and
+greedy checks of all its requests are gathered and summed there, and their results come back in one
+copy, read only after the next batch has been queued. ``compile=True`` runs the forward pass through
+``torch.compile`` with dynamic shapes (one graph for every padded length; not for a sharded model).
 
 Requests longer than ``max_seq_len + 1`` tokens (the model reads all but the last token) lose
 tokens from the left of their context, as lm-evaluation-harness does; their number is logged and
@@ -24,10 +33,11 @@ reported per task as ``num_truncated`` (items with at least one truncated choice
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -36,13 +46,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titanlite import dtypes
+from titanlite.eval.packing import PAD_MULTIPLE, Group, cached_batch, canonical_batches, group_requests, plain_batch
 from titanlite.eval.tasks import Item, Task, get_task
+from titanlite.models.kv_cache import KVCache, supports_cache
 
 logger = logging.getLogger(__name__)
 
-# Padded batch lengths are rounded up to a multiple of this (capped at max_seq_len): fewer distinct
-# shapes for GPU kernels, and sequence lengths a tensor-parallel (sequence-parallel) degree divides.
-PAD_MULTIPLE = 8
+__all__ = ["PAD_MULTIPLE", "Request", "build_requests", "evaluate", "score_requests"]
 
 
 @dataclasses.dataclass
@@ -72,6 +82,7 @@ def evaluate(
     dp_world: int = 1,
     dp_group: dist.ProcessGroup | None = None,
     autocast_dtype: torch.dtype | None = None,
+    compile: bool = False,
 ) -> dict[str, dict]:
     """Score ``tasks`` (registered names) on the first ``limit`` items of each (all when None).
 
@@ -80,10 +91,11 @@ def evaluate(
     file, "label": the right choice, "loglik": [summed log-prob of each choice's tokens],
     "num_tokens": [number of tokens of each choice], "pred": argmax of loglik, "pred_norm": argmax of
     loglik / num_tokens}``; for LAMBADA there is one choice, ``label`` is 1 and ``pred`` is 1 when
-    greedy decoding reproduces the target. ``max_seq_len`` defaults to the model's
-    ``args.max_seq_len`` (no limit for a model without one). ``device`` defaults to the model's.
-    Collective when ``dp_world > 1`` or the model is sharded: every rank calls it with the same arguments
-    but its own ``dp_rank``."""
+    greedy decoding reproduces the target. ``max_seq_len`` (the longest input the model takes) defaults
+    to the model's ``args.max_seq_len``; a model without one needs it given. ``batch_size``: requests
+    per batch (at most that many sequences per forward pass). ``device`` defaults to the model's.
+    ``compile``: see the module docstring. Collective when ``dp_world > 1`` or the model is sharded:
+    every rank calls it with the same arguments but its own ``dp_rank``."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     if limit is not None and limit < 0:
@@ -92,13 +104,18 @@ def evaluate(
         raise ValueError(f"dp_rank {dp_rank} is not in range for dp_world {dp_world}")
     if repeated := sorted({name for name in tasks if list(tasks).count(name) > 1}):
         raise ValueError(f"eval task {repeated[0]!r} is given more than once")
-    chosen = [get_task(name) for name in tasks]
-    loaded = [task.items(data_dir)[:limit] for task in chosen]
     if max_seq_len is None:
         max_seq_len = getattr(getattr(model, "args", None), "max_seq_len", None)
+    if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len < 1:
+        raise ValueError(
+            f"evaluate: the longest input {type(model).__name__} takes is unknown (it has no args.max_seq_len): "
+            "pass max_seq_len=N (longer requests are cut from the left)"
+        )
+    chosen = [get_task(name) for name in tasks]
+    loaded = [task.items(data_dir)[:limit] for task in chosen]
     requests = build_requests(loaded, tokenizer, max_seq_len)
     device = torch.device(device) if device is not None else _model_device(model)
-    scorer = _Scorer(model, device, autocast_dtype, max_seq_len)
+    scorer = _Scorer(model, device, autocast_dtype, max_seq_len, compile)
     was_training = model.training
     model.eval()
     try:
@@ -109,7 +126,7 @@ def evaluate(
     return _results(chosen, loaded, requests, scores, max_seq_len)
 
 
-def build_requests(loaded: Sequence[Sequence[Item]], tokenizer: Any, max_seq_len: int | None) -> list[Request]:
+def build_requests(loaded: Sequence[Sequence[Item]], tokenizer: Any, max_seq_len: int) -> list[Request]:
     """One request per (task, item, choice), in that order, each fitting ``max_seq_len`` input tokens."""
     requests = []
     for t, items in enumerate(loaded):
@@ -121,10 +138,10 @@ def build_requests(loaded: Sequence[Sequence[Item]], tokenizer: Any, max_seq_len
     return requests
 
 
-def _fit(request: Request, max_seq_len: int | None) -> Request:
+def _fit(request: Request, max_seq_len: int) -> Request:
     """``request`` with its context cut from the left so that its input (all tokens but the last) has at
     most ``max_seq_len`` tokens; at least one context token stays, to predict the first choice token."""
-    if max_seq_len is None or len(request.tokens) <= max_seq_len + 1:
+    if len(request.tokens) <= max_seq_len + 1:
         return request
     if request.num_cont > max_seq_len:
         raise ValueError(
@@ -132,13 +149,6 @@ def _fit(request: Request, max_seq_len: int | None) -> Request:
             f"max_seq_len {max_seq_len} with any context"
         )
     return dataclasses.replace(request, tokens=request.tokens[-(max_seq_len + 1) :], truncated=True)
-
-
-def canonical_batches(requests: Sequence[Request], batch_size: int) -> list[list[int]]:
-    """Request indices, longest first (ties in request order), cut into batches of ``batch_size``:
-    the same batches whatever the number of ranks."""
-    order = sorted(range(len(requests)), key=lambda i: (-len(requests[i].tokens), i))
-    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
 
 
 def score_requests(
@@ -150,14 +160,26 @@ def score_requests(
     dp_group: dist.ProcessGroup | None = None,
 ) -> dict[int, tuple[float, bool]]:
     """``{request index: (summed log-prob of its continuation, every continuation token greedy)}`` for
-    every request, on every rank; this rank computes batches ``dp_rank, dp_rank + dp_world, ...``."""
-    batches = canonical_batches(requests, batch_size)
-    mine = batches[dp_rank::dp_world]
+    every request, on every rank; this rank computes batches ``dp_rank, dp_rank + dp_world, ...`` of each
+    kind (single requests: one forward pass each; shared contexts: two), so that every rank runs the
+    same forward passes. Each batch's results are read after the next batch is queued (the device never
+    waits for the host)."""
+    groups = group_requests(requests, share_context=scorer.cached)
+    batches = canonical_batches(groups, batch_size)
     local: dict[int, tuple[float, bool]] = {}
-    for batch in mine:
-        local.update(zip(batch, scorer.score([requests[i] for i in batch])))
-    for _ in range(math.ceil(len(batches) / dp_world) - len(mine)):
-        scorer.dummy([requests[i] for i in batches[-1]])  # a sharded model needs every rank in every forward
+    pending: _Pending | None = None
+    for shared in (False, True):  # a sharded model needs every rank in every forward: one kind at a time
+        of_kind = [b for b in batches if groups[b[0]].shared == shared]
+        mine = of_kind[dp_rank::dp_world]
+        for batch in mine:
+            queued = scorer.launch([groups[i] for i in batch])
+            if pending is not None:
+                local.update(pending.read())
+            pending = queued
+        for _ in range(math.ceil(len(of_kind) / dp_world) - len(mine)):  # so that every rank runs as many
+            scorer.launch([groups[i] for i in of_kind[-1]])
+    if pending is not None:
+        local.update(pending.read())
     if dp_world == 1:
         return local
     if not (dist.is_available() and dist.is_initialized()):
@@ -167,51 +189,101 @@ def score_requests(
     return {k: v for part in gathered for k, v in part.items()}
 
 
-class _Scorer:
-    """Runs padded batches of requests through the model and reads off the continuation log-probs."""
+def _forward(model: nn.Module, tokens: torch.Tensor, cache: KVCache | None, document_ids: bool) -> torch.Tensor:
+    """The model's logits ``[B, S, V]``: through ``cache``, or plainly (causal) without one."""
+    if cache is not None:
+        return model(tokens, cache=cache)
+    return model(tokens, **({"document_ids": torch.zeros_like(tokens)} if document_ids else {}))
 
-    def __init__(self, model: nn.Module, device: torch.device, autocast_dtype: torch.dtype | None, max_len: int | None):
+
+@functools.cache
+def compiled_forward() -> Callable[..., torch.Tensor]:
+    """:func:`_forward` under ``torch.compile`` with dynamic shapes: one graph for every batch shape. Sizes
+    are not "duck-typed" (a batch of 2 rows would otherwise be tied to the model's 2 key/value heads, and
+    specialized to it) nor specialized at 1, where this torch has those switches."""
+    compiled = torch.compile(_forward, dynamic=True)
+    config = torch.fx.experimental._config
+    switches = {k: v for k, v in (("use_duck_shape", False), ("backed_size_oblivious", True)) if hasattr(config, k)}
+
+    @functools.wraps(_forward)
+    def generic_shapes(*args, **kwargs):
+        with config.patch(**switches):
+            return compiled(*args, **kwargs)
+
+    return generic_shapes
+
+
+class _Pending:
+    """A batch's results on their way to the host: ``[2, R]`` (summed log-probs, greedy misses) per request."""
+
+    def __init__(self, result: torch.Tensor, requests: list[int]):
+        self.requests = requests
+        if result.device.type == "cuda":  # copied as soon as computed, read later
+            self.host = torch.empty(result.shape, dtype=result.dtype, pin_memory=True)
+            self.host.copy_(result, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        else:
+            self.host, self.ready = result, None
+
+    def read(self) -> dict[int, tuple[float, bool]]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        sums, misses = self.host.tolist()  # the batch's one device-to-host read
+        return {r: (s, m == 0) for r, s, m in zip(self.requests, sums, misses)}
+
+
+class _Scorer:
+    """Runs batches of request groups through the model and gathers their tokens' log-probs on the device:
+    through a KV cache, contexts once (:func:`~titanlite.eval.packing.cached_batch`), when the model
+    speaks the cache protocol, else one plain row per request (:func:`~titanlite.eval.packing.plain_batch`)."""
+
+    def __init__(
+        self, model: nn.Module, device: torch.device, autocast_dtype: torch.dtype | None, max_len: int, compile: bool
+    ):
         self.model, self.device, self.autocast_dtype, self.max_len = model, device, autocast_dtype, max_len
         args = getattr(model, "args", None)
         self.document_ids = getattr(args, "attn_mask_type", "causal") == "block_causal"
+        self.cached = supports_cache(model)
+        if compile and any(isinstance(p, DTensor) for p in model.parameters()):
+            logger.warning("eval: compile ignored: the model is sharded (FSDP / tensor parallel); scoring eagerly")
+            compile = False
+        self.forward = compiled_forward() if compile else _forward
+        self.layout: dict = {}  # the cache buffers' shapes and dtypes, known after the first batch
 
-    def _padded_len(self, longest: int) -> int:
-        padded = -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE
-        return min(padded, self.max_len) if self.max_len is not None else padded
-
-    def _forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        """Full (not vocabulary-sharded) logits; fp32 comes later, on the few positions that are scored."""
-        kwargs = {"document_ids": torch.zeros_like(inputs)} if self.document_ids else {}
+    def logits(self, tokens: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+        """Whole (not vocabulary-sharded) logits ``[B, S, V]``, in the forward's dtype (the first batch's
+        first pass eagerly: it allocates the cache buffers whose layout the others reuse)."""
+        forward = _forward if cache is not None and not self.layout else self.forward
         with dtypes.autocast(self.device.type, self.autocast_dtype):
-            logits = self.model(inputs, **kwargs)
+            logits = forward(self.model, tokens, cache, self.document_ids)
         return logits.full_tensor() if isinstance(logits, DTensor) else logits
 
-    def _inputs(self, requests: Sequence[Request]) -> torch.Tensor:
-        length = self._padded_len(max(len(r.tokens) - 1 for r in requests))
-        inputs = torch.zeros(len(requests), length, dtype=torch.long)
-        for row, r in enumerate(requests):
-            inputs[row, : len(r.tokens) - 1] = torch.tensor(r.tokens[:-1])
-        return inputs.to(self.device)
-
-    def score(self, requests: Sequence[Request]) -> list[tuple[float, bool]]:
-        logits = self._forward(self._inputs(requests))
-        rows, cols, targets = [], [], []
-        for row, r in enumerate(requests):
-            n, end = r.num_cont, len(r.tokens) - 1  # input position p predicts token p + 1
-            rows += [row] * n
-            cols += range(end - n, end)
-            targets += r.tokens[-n:]
-        picked = logits[torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)].float()
-        target = torch.tensor(targets, device=self.device)
-        logprobs = torch.log_softmax(picked, dim=-1).gather(1, target[:, None]).squeeze(1)
-        greedy = picked.argmax(dim=-1) == target
-        sizes = [r.num_cont for r in requests]
-        sums = [float(s.sum()) for s in logprobs.double().cpu().split(sizes)]
-        alls = [bool(g.all()) for g in greedy.cpu().split(sizes)]
-        return list(zip(sums, alls))
-
-    def dummy(self, requests: Sequence[Request]) -> None:
-        self._forward(self._inputs(requests))
+    def launch(self, groups: Sequence[Group]) -> _Pending:
+        """Queue one batch: its forward passes and the gather of its requests' summed log-probs."""
+        cached = groups[0].shared  # a batch is of one kind (canonical_batches)
+        host = cached_batch(groups, self.max_len) if cached else plain_batch(groups, self.max_len)
+        b = host.to(self.device)
+        if cached:
+            context, continued = b["context"], b["continued"]
+            cache = KVCache(context.shape[1] + continued.shape[1], b["pad"], device=self.device)
+            cache.allocate(self.layout)  # the first batch's layout: later batches' compiled graphs never allocate
+            picked = self.logits(context, cache)[:, -1][b["group_of"]]  # scores each request's first token
+            self.layout = self.layout or cache.layout()
+            cache.advance(context.shape[1])
+            later = self.logits(continued, cache.select(b["group_of"])).flatten(0, 1)[b["index"]]
+            picked, targets = torch.cat([picked, later]), torch.cat([b["first"], b["targets"]])
+            owners = torch.cat([torch.arange(len(b["first"]), device=picked.device), b["owners"]])
+        else:
+            picked = self.logits(b["tokens"], None).flatten(0, 1)[b["index"]]
+            targets, owners = b["targets"], b["owners"]
+        picked = picked.float()  # [N, V]: only the scored positions in fp32
+        logprobs = torch.log_softmax(picked, dim=-1).gather(1, targets[:, None]).squeeze(1)
+        missed = picked.argmax(dim=-1) != targets
+        result = torch.zeros(2, len(host.requests), dtype=torch.float64, device=picked.device)
+        result[0].index_add_(0, owners, logprobs.double())
+        result[1].index_add_(0, owners, missed.double())
+        return _Pending(result, host.requests)
 
 
 def _model_device(model: nn.Module) -> torch.device:

@@ -107,6 +107,8 @@ def watch(
     device: str = "cpu",
     tokenizer_path: str | None = None,
     extensions: Sequence[str] = (),
+    compile: bool = False,
+    max_seq_len: int | None = None,
     poll_seconds: float = 30.0,
     once: bool = False,
     evaluate_fn: Callable[..., dict[str, dict[str, Any]]] | None = None,
@@ -114,8 +116,9 @@ def watch(
     """Score the run's checkpoints as they appear (see the module docstring); returns the steps scored.
 
     ``tasks``, ``data_dir``, ``limit``, ``batch_size``: the run's ``[eval]`` values unless given
-    (``data_dir`` also from ``$TITANLITE_EVAL_DATA``). ``evaluate_fn``: :func:`titanlite.eval.evaluate`
-    unless given (tests)."""
+    (``data_dir`` also from ``$TITANLITE_EVAL_DATA``). ``compile``, ``max_seq_len``: passed to
+    :func:`titanlite.eval.evaluate` (the latter defaults to the checkpoint's model args). ``evaluate_fn``:
+    :func:`titanlite.eval.evaluate` unless given (tests)."""
     dump = Path(dump_folder)
     if not dump.is_dir():
         raise FileNotFoundError(f"{dump}: no such folder")
@@ -163,7 +166,8 @@ def watch(
                     else:
                         logger.warning("%s cannot be evaluated: %s", f.path, " ".join(str(err).split()))
                     continue
-                kw = dict(limit=limit, batch_size=batch_size, max_seq_len=loaded.args.max_seq_len)
+                kw = dict(limit=limit, batch_size=batch_size, compile=compile)
+                kw.update(max_seq_len=max_seq_len or getattr(loaded.args, "max_seq_len", None))
                 kw.update(device=torch.device(device), autocast_dtype=autocast)
                 results = evaluate_fn(loaded.model, loaded.tokenizer, tasks, data_dir, **kw)
                 record = {**eval_record(f.step, results), "eval_source": SOURCE}

@@ -88,3 +88,27 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Attention
         fn = _compiled_flex() if q.device.type == "cuda" else flex_attention
         return fn(q, k, v, block_mask=mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of ``q [B, S, H, D]`` over ``k, v [B, T, KV, D]`` (``H`` a multiple of ``KV``) with a
+    boolean ``mask [B, 1, S, T]``; returns ``[B, S, H, D]``. The key/value heads are not repeated: the
+    ``H // KV`` query heads that share a kv head (heads ``j * n_rep ...``, as ``repeat_kv`` pairs them)
+    become extra query rows of that head, so a cache is read once per step whatever the kernel.
+
+    Compiled, a one-token step (``S == 1``, generation's decode) runs as two matmuls around an fp32
+    softmax, which ``torch.compile`` fuses into a few kernels (SDPA's kernels are built for many query
+    rows); otherwise SDPA runs it (eager: one call instead of several), never holding the ``[S, T]`` scores."""
+    bsz, seqlen, n_heads, head_dim = q.shape
+    n_kv = k.shape[2]
+    n_rep = n_heads // n_kv
+    rows = q.view(bsz, seqlen, n_kv, n_rep, head_dim).permute(0, 2, 3, 1, 4).reshape(bsz, n_kv, n_rep * seqlen, -1)
+    row_mask = mask[:, :, None].expand(bsz, 1, n_rep, seqlen, mask.shape[-1]).reshape(bsz, 1, n_rep * seqlen, -1)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, KV, T, D]
+    if seqlen == 1 and torch.compiler.is_compiling():
+        scores = (rows * head_dim**-0.5) @ k.transpose(2, 3)  # [B, KV, n_rep, T]
+        weights = scores.float().masked_fill(~row_mask, float("-inf")).softmax(dim=-1)
+        out = weights.to(v.dtype) @ v
+    else:
+        out = F.scaled_dot_product_attention(rows, k, v, attn_mask=row_mask)
+    return out.view(bsz, n_kv, n_rep, seqlen, head_dim).permute(0, 3, 1, 2, 4).reshape(bsz, seqlen, n_heads, head_dim)

@@ -1,69 +1,142 @@
-"""A key/value cache for incremental decoding: prefill a batch of prompts once, then one token per step.
+"""A key/value cache for incremental decoding: prefill a batch of prompts once, then a few tokens per
+step (generation: one; eval scoring: each choice after its shared context).
 
 Without a cache every generated token recomputes attention keys and values for the whole prefix;
-with one, each layer keeps the keys and values it has computed and a step only runs the new token.
+with one, each layer keeps the keys and values it has computed and a step only runs the new tokens.
 
 Protocol (what a model family implements to accept ``model(tokens, cache=cache)``):
 
-1. The model's ``forward(tokens, ..., cache=None)``: with a cache, it calls
-   ``rope, mask = cache.step(rope_table, tokens.shape[1])`` once, instead of using its rotary table
-   and causal mask directly. ``rope`` holds each row's own rotary rows ``[B, S, head_dim]`` (a row's
-   positions start after its left padding) and ``mask`` is a boolean ``[B, 1, S, T]`` attention mask
-   over the ``T`` slots filled so far (causal, padded slots masked out). Each block gets
-   ``cache=cache.layer(name)`` as a keyword argument (a keyword, so tensor-parallel input hooks,
-   which see positional arguments only, leave it alone).
+1. The model's ``forward(tokens, ..., cache=None)`` declares a parameter named ``cache`` (that name is
+   how :func:`supports_cache` tells a family that implements the protocol). With a cache, it calls
+   ``rope, mask = cache.step(rope_table, tokens.shape[1])`` once, instead of using its rotary table and
+   causal mask directly. ``rope`` holds each token's own rotary rows ``[B, S, head_dim]`` (from its
+   position, which is not its index: a left-padded row's positions start after its padding) and
+   ``mask`` is a boolean ``[B, 1, S, T]`` attention mask (True: may attend) over the ``T`` key slots
+   that :meth:`LayerKV.update` returns. Each block gets ``cache=cache.layer(name)`` as a keyword
+   argument (a keyword, so tensor-parallel input hooks, which see positional arguments only, leave it
+   alone).
 2. The attention: after rotating q and k with ``rope`` and BEFORE repeating the key/value heads for
-   grouped-query attention, ``k, v = cache.update(k, v)`` stores the new ``[B, S, kv_heads, head_dim]``
-   keys/values and returns every cached one so far ``[B, T, kv_heads, head_dim]``; attention then
-   runs with ``mask``. The buffers are allocated on the first update, from that ``k``: its dtype,
-   device and (local) head count, so a tensor-parallel rank caches only its own heads.
+   grouped-query attention, ``k, v = cache.update(k, v)`` takes the new ``[B, S, kv_heads, head_dim]``
+   keys/values and returns the keys/values to attend over, ``[B, T, kv_heads, head_dim]``. Attention
+   then runs with ``mask``: :func:`titanlite.models.attention.grouped_query_attention` (q ``[B, S, H, D]``
+   against the few kv heads, nothing repeated), or ``repeat_kv`` + SDPA with ``attn_mask=mask``.
+3. Nothing else: the model never reads or advances the cache's position (the caller does, with
+   :meth:`KVCache.advance`), so a compiled one-token step has the same shapes and guards every time.
 
-The training path (``cache=None``) is untouched. Left padding: row ``b`` of a batch starts with
-``pad[b]`` filler tokens so that all prompts end in the same slot; its positions are
-``slot - pad[b]`` and its keys in slots ``< pad[b]`` are never attended to. A filler query attends to
-itself only (keeping its output finite, so it cannot turn a masked key into NaN). Not for pipeline
-stages. The cache is a plain object, not a dataclass or container, so FSDP's input hooks pass it through.
+The training path (``cache=None``) is untouched. Not for pipeline stages. The objects are plain ones,
+not dataclasses or containers, so FSDP's input hooks pass them through.
+
+:class:`KVCache` is static: its buffers ``[B, max_len, kv_heads, head_dim]`` are allocated on the first
+update (from that ``k``: its dtype, device and (local) head count, so a tensor-parallel rank caches only
+its own heads) at the request's final length and never grow; the slot of the next token is a device
+tensor (:attr:`KVCache.pos`), and the rotary rows and the mask are built on the device from it, so a
+decode step has fixed shapes and makes no host read. Compiled, attention spans the whole buffer (slots
+after the current step are masked); eager steps attend over the slots filled so far. Left padding: row
+``b`` of a batch starts with ``pad[b]`` filler tokens so that all prompts end in the same slot; its
+positions are ``slot - pad[b]`` and its slots ``< pad[b]`` are never attended to. A filler query attends
+to itself only (keeping its output finite, so it cannot turn a masked key into NaN).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 import torch
+from torch import nn
+
+
+def supports_cache(model: nn.Module) -> bool:
+    """Whether ``model.forward`` declares a ``cache`` parameter (the protocol above); ``**kwargs`` alone
+    does not count: such a forward would take a cache and silently ignore it."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "cache" in params and params["cache"].kind != inspect.Parameter.VAR_KEYWORD
 
 
 class KVCache:
-    """Per-layer key/value buffers for ``batch_size`` rows of at most ``max_len`` slots each."""
+    """Per-layer key/value buffers for ``batch_size`` rows of ``max_len`` slots each (see the module
+    docstring). ``static_addresses``: mark the buffers and the position as static inputs for
+    ``torch.compile`` with CUDA graphs (mode ``reduce-overhead``), which then writes them in place
+    instead of copying them at every replay."""
 
-    def __init__(self, max_len: int, pad: Sequence[int] | torch.Tensor, device: torch.device | str | None = None):
+    def __init__(
+        self,
+        max_len: int,
+        pad: Sequence[int] | torch.Tensor,
+        device: torch.device | str | None = None,
+        static_addresses: bool = False,
+    ):
         self.max_len = max_len
         self.pad = torch.as_tensor(pad, dtype=torch.long, device=device)  # [B] filler slots at each row's start
-        self.length = 0  # slots filled, the same for every row
-        self.start = 0  # first slot of the current step
+        self.pos = torch.zeros((), dtype=torch.long, device=self.pad.device)  # slot of the next token
+        self.length = 0  # the host's count of the slots filled (the same as pos, never read from the device)
+        self.slots = torch.arange(max_len, device=self.pad.device)  # a tensor: its size is a shape, not a constant
+        self.static_addresses = static_addresses
+        if static_addresses:
+            _mark_static(self.pos)
         self._layers: dict[str, LayerKV] = {}
 
     def step(self, rope_table: torch.Tensor, seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Open the next ``seqlen`` slots: each row's rotary rows ``[B, S, D]`` and the mask ``[B, 1, S, T]``."""
-        start, end = self.length, self.length + seqlen
-        if end > self.max_len or end > rope_table.shape[0]:
-            raise ValueError(f"KV cache: {end} slots exceed its {self.max_len} or the model's {rope_table.shape[0]}")
-        self.start, self.length = start, end
-        pad = self.pad = self.pad.to(rope_table.device)
-        slots = torch.arange(start, end, device=pad.device)
-        positions = (slots[None, :] - pad[:, None]).clamp(min=0)  # [B, S]; fillers get 0, masked anyway
-        keys = torch.arange(end, device=pad.device)
+        """The next ``seqlen`` slots' rotary rows ``[B, S, D]`` and the mask ``[B, 1, S, T]`` over the slots
+        :meth:`LayerKV.update` returns (compiled: all ``max_len``; eager: those filled so far)."""
+        if not torch.compiler.is_compiling() and self.length + seqlen > self.max_len:
+            raise ValueError(f"KV cache: {self.length + seqlen} slots exceed its {self.max_len}")
+        device = rope_table.device
+        slots = self.pos.to(device) + torch.arange(seqlen, device=device)  # [S]
+        pad = self.pad.to(device)
+        # [B, S]; filler slots (left padding, or right padding past the table) get a valid row, unseen anyway
+        positions = (slots[None, :] - pad[:, None]).clamp(0, rope_table.shape[0] - 1)
+        keys = self.slots[: self._attended(seqlen)].to(device)
         causal = keys[None, :] <= slots[:, None]  # [S, T]
         real = keys[None, None, :] >= pad[:, None, None]  # [B, 1, T]: not a filler
         mask = causal[None] & (real | (keys[None, :] == slots[:, None])[None])  # fillers see themselves
         return rope_table[positions], mask[:, None]
 
+    def _attended(self, seqlen: int) -> int | None:
+        """The key slots a step attends over: all of them when compiled (None: fixed shapes, and no host
+        count in the graph's guards), else only those filled so far (eager steps skip the empty ones)."""
+        return None if torch.compiler.is_compiling() else self.length + seqlen
+
+    def advance(self, n: int) -> None:
+        """Keep the first ``n`` slots of the step just run (the caller's count of its real tokens; slots
+        after them, e.g. filler that pads a step to a tensor-parallel multiple, are overwritten next)."""
+        if not 0 <= self.length + n <= self.max_len:
+            raise ValueError(f"KV cache: cannot advance {self.length} slots by {n} (it has {self.max_len})")
+        self.length += n
+        self.pos.add_(n)
+
+    def select(self, rows: torch.Tensor) -> KVCache:
+        """A cache whose row ``i`` continues row ``rows[i]`` of this one, its keys and values copied: several
+        continuations of one prefix (eval scoring runs every choice after its shared context this way)."""
+        out = KVCache(self.max_len, self.pad[rows], static_addresses=self.static_addresses)
+        out.pos.copy_(self.pos)
+        out.length = self.length
+        for name, layer in self._layers.items():
+            copy = out.layer(name)
+            copy.k, copy.v = layer.k[rows], layer.v[rows]
+        return out
+
+    def layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """``{layer name: (a key's shape after [B, T], dtype)}`` of the buffers allocated so far."""
+        return {
+            name: (tuple(layer.k.shape[2:]), layer.k.dtype)
+            for name, layer in self._layers.items()
+            if layer.k is not None
+        }
+
+    def allocate(self, layout: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        """Allocate the buffers another cache of the model has (its :meth:`layout`) now, before the first
+        update: a compiled forward then finds them, so allocating is never part of its graph."""
+        rows = (self.pad.shape[0], self.max_len)
+        for name, (shape, dtype) in layout.items():
+            layer = self.layer(name)
+            layer.k, layer.v = (torch.zeros(*rows, *shape, dtype=dtype, device=self.pad.device) for _ in range(2))
+
     def truncate(self, length: int) -> None:
-        """Forget the slots from ``length`` on (the next step overwrites them). Lets a caller pad a step
-        on the right, e.g. to a sequence length that tensor parallelism's sequence sharding divides:
-        causal masking keeps the real tokens blind to the filler after them."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"KV cache: cannot truncate {self.length} slots to {length}")
-        self.length = length
+        raise AttributeError("KVCache.truncate is gone: the caller keeps a step's real slots with advance(n)")
 
     def layer(self, name: str) -> LayerKV:
         """The buffers of the block called ``name`` (created empty on first use)."""
@@ -73,7 +146,7 @@ class KVCache:
 
 
 class LayerKV:
-    """One attention layer's keys and values ``[B, max_len, kv_heads, head_dim]``, filled up to ``length``."""
+    """One attention layer's keys and values ``[B, max_len, kv_heads, head_dim]``."""
 
     def __init__(self, cache: KVCache):
         self.cache = cache
@@ -81,12 +154,22 @@ class LayerKV:
         self.v: torch.Tensor | None = None
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the step's keys/values ``[B, S, H, D]``; return all of them so far ``[B, T, H, D]``."""
-        start, end = self.cache.start, self.cache.length
+        """Store the step's keys/values ``[B, S, H, D]`` at their slots; return the buffers' first ``T``
+        slots (compiled: the whole buffers)."""
         if self.k is None:
-            shape = (k.shape[0], self.cache.max_len, *k.shape[2:])
-            self.k = k.new_zeros(shape)
-            self.v = v.new_zeros(shape)
-        self.k[:, start:end] = k
-        self.v[:, start:end] = v
+            shape = (k.shape[0], self.cache.slots.shape[0], *k.shape[2:])
+            self.k, self.v = k.new_zeros(shape), v.new_zeros(shape)
+            if self.cache.static_addresses:
+                _mark_static(self.k, self.v)
+        slots = self.cache.pos.to(k.device) + torch.arange(k.shape[1], device=k.device)
+        self.k.index_copy_(1, slots, k.to(self.k.dtype))
+        self.v.index_copy_(1, slots, v.to(self.v.dtype))
+        end = self.cache._attended(k.shape[1])
         return self.k[:, :end], self.v[:, :end]
+
+
+def _mark_static(*tensors: torch.Tensor) -> None:
+    import torch._dynamo  # only when compiling
+
+    for t in tensors:
+        torch._dynamo.mark_static_address(t, guard=False)

@@ -31,7 +31,7 @@ import math
 import torch
 from torch import nn
 
-from titanlite.models.attention import AttentionMask, attention, build_attention_mask
+from titanlite.models.attention import AttentionMask, attention, build_attention_mask, grouped_query_attention
 from titanlite.models.kv_cache import KVCache, LayerKV
 from titanlite.models.llama3.model import FeedForward, repeat_kv, trunc_normal_  # same MLP, GQA repeat, init
 from torchtitan_ext.qwen3.args import Qwen3ModelArgs
@@ -88,8 +88,9 @@ class Qwen3Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope_half(q, rope), apply_rope_half(k, rope)
-        if cache is not None:  # generation: all keys/values so far, GQA's few heads (titanlite.models.kv_cache)
+        if cache is not None:  # generation / packed scoring: GQA's few heads, unrepeated (titanlite.models.kv_cache)
             k, v = cache.update(k, v)
+            return self.wo(grouped_query_attention(q, k, v, attn_mask).reshape(bsz, seqlen, -1))
         k, v = repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep)
         out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titanlite.models.attention import AttentionMask, attention, build_attention_mask
+from titanlite.models.attention import AttentionMask, attention, build_attention_mask, grouped_query_attention
 from titanlite.models.kv_cache import KVCache, LayerKV
 from titanlite.models.llama3.args import Llama3ModelArgs
 
@@ -118,8 +118,9 @@ class Attention(nn.Module):
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, rope_cache), apply_rope(k, rope_cache)
-        if cache is not None:  # generation: all keys/values so far, GQA's few heads (models/kv_cache.py)
-            k, v = cache.update(k, v)
+        if cache is not None:  # generation / packed scoring: the cached keys/values, GQA's few heads unrepeated
+            k, v = cache.update(k, v)  # (models/kv_cache.py)
+            return self.wo(grouped_query_attention(q, k, v, attn_mask).reshape(bsz, seqlen, -1))
         k, v = repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
         out = attention(q, k, v, attn_mask)  # causal, or the document mask (models/attention.py)

@@ -1,0 +1,89 @@
+"""Measure an older titanlite side by side with this one, in the same benchmark run.
+
+``--baseline REF`` in ``bench_generate.py`` / ``bench_eval.py``: the ``titanlite`` package of git
+revision ``REF`` is extracted (``git archive``, nothing checked out or registered) into a temporary
+folder, and a worker process runs the same benchmark script there with ``--serve``: it imports the old
+package (first on ``PYTHONPATH``) and answers one JSON request per line on stdin with one JSON line on
+stdout. The caller interleaves the worker's timings with its own, round by round, so both see the same
+machine load. The script's measuring code must only use what both versions have.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def extract_package(ref: str, dest: Path) -> Path:
+    """``titanlite/`` of git revision ``ref`` written under ``dest``; returns ``dest``."""
+    try:
+        archive = subprocess.run(
+            ["git", "-C", str(REPO), "archive", "--format=tar", ref, "titanlite"],
+            check=True,
+            capture_output=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        why = detail.decode(errors="replace").strip() or e
+        raise SystemExit(f"error: --baseline {ref}: git archive failed: {why}") from None
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(dest, filter="data")
+    return dest
+
+
+class Baseline:
+    """A worker running ``script *args`` (which make it serve, e.g. ``--serve``) against the titanlite of ``ref``."""
+
+    def __init__(self, ref: str, script: str, args: list[str]):
+        self.ref = ref
+        self._tmp = tempfile.TemporaryDirectory(prefix="titanlite-baseline-")
+        root = extract_package(ref, Path(self._tmp.name))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+        self.proc = subprocess.Popen(
+            [sys.executable, script, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
+
+    def call(self, request: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"error: the baseline worker ({self.ref}) exited with status {self.proc.wait()}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+        self._tmp.cleanup()
+
+
+def serve(handle: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    """The worker's loop: one JSON request per stdin line, one JSON answer per stdout line (other output
+    goes to stderr, so it cannot break the protocol)."""
+    out, sys.stdout = sys.stdout, sys.stderr
+    for line in sys.stdin:
+        out.write(json.dumps(handle(json.loads(line))) + "\n")
+        out.flush()
+
+
+def imported_from() -> str:
+    """Where the titanlite this process runs comes from (to show which code a column measured)."""
+    import titanlite
+
+    return str(Path(titanlite.__file__).resolve().parent.parent)
