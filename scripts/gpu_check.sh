@@ -66,7 +66,7 @@ if [ "$MODE" = gpu ]; then
 else
   GEN=(--flavors debugmodel --batch-sizes 1 --prompt-len 32 --new-tokens 8 --repeats 1)
   DEBUG_EVAL=(--tasks arc_easy --limit 4 --skip-big)
-  BIG_EVAL=(--tasks "" --big-flavor debugmodel --big-task lambada --big-limit 4)
+  BIG_EVAL=(--tasks "" --big-flavor debugmodel --big-task lambada_openai --big-limit 4)
   EVAL=(--batch-sizes 4 --repeats 1)
   export OMP_NUM_THREADS=1  # tiny models on a shared CPU: one thread (two fight over the cores)
 fi
