@@ -1,5 +1,5 @@
 """The training benchmark's table (docs/benchmarks.md's format) from JSON lines of ``scripts/bench.py`` and
-``scripts/bench_hf_baseline.py``, each with a ``"row"`` name added (``scripts/gpu_check_train.sh`` writes them).
+``scripts/bench_hf_baseline.py``, each with a ``"row"`` name added (``scripts/gpu_check.sh`` writes them).
 
     python scripts/bench_table.py results.jsonl > table.md
 

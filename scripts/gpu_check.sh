@@ -1,17 +1,26 @@
 #!/usr/bin/env bash
-# Every GPU figure docs/benchmarks.md reports, in one call of at most 9 minutes on one GPU (torch 2.11 image,
-# no torchdata, no network: docs/benchmarks.md "Running scripts/gpu_check.sh"). Steps are independent and
-# each bounded by `timeout`: a step that fails or runs out of time is recorded and the next one runs.
+# Every GPU figure docs/benchmarks.md reports, in ONE call of the device tool (at most ~9 minutes on one H100 /
+# H200; torch 2.11 image, no torchdata, no network: see docs/benchmarks.md "Running scripts/gpu_check.sh").
 #
-#   bash scripts/gpu_check.sh            # on the GPU machine; results under $OUT (default ./gpu_check_out)
-#   bash scripts/gpu_check.sh --cpu      # the same steps, tiny, on CPU: checks the script itself (~5 min)
+#   bash scripts/gpu_check.sh           # on the GPU machine; results under $OUT (default ./gpu_check_out)
+#   bash scripts/gpu_check.sh --cpu     # the same steps at the debug model's size on CPU: checks the script itself
 #
-# Files under $OUT (at most 8): results.jsonl (one JSON object per measurement, appended as each finishes,
-# so a timeout keeps what came before), steps.jsonl (each step's name, exit status and seconds), log.txt
-# (every step's output) and table.md (the summary printed at the end).
-#
-# Adding a step: `step NAME SECONDS command ...`; the command appends its rows to "$RESULTS" (the bench
-# scripts' --jsonl) and may print anything (it goes to log.txt).
+# Steps run in priority order, each its own process under `timeout` (the smaller of its cap and what is left of
+# GPU_BUDGET_S, default 500 s; a step that no longer fits is recorded as skipped), so a slow compile or a failure
+# costs the steps after it nothing but time, and every result is appended as soon as it exists:
+#   1. training, Llama 3.2 1B at seq_len 2048, bf16: batch 4 compiled           (scripts/bench.py)
+#   2. generation, 1B bf16, 128-token prompts, 256 new tokens, batch 1 and 8:    (scripts/bench_generate.py)
+#      the compiled decode step; then the eager cache and recomputing the prefix
+#   3. the transformers loop at the same shape, compiled                         (scripts/bench_hf_baseline.py)
+#   4. training 1B batch 8 compiled; 5. scoring the 1B model at batch 16         (scripts/bench_eval.py)
+#   6. training, Llama 3.1 8B's layers (4 of them), bf16 then float8; the optimizer step alone (1B)
+#   7. a profiled 8B-shape float8 step; the MoE layer on CUDA and qwen3_moe 30B-A3B with 4 blocks (grouped GEMM
+#      against the per-expert loop); the eager and float8 1B rows and the transformers loop eager
+# Files under $OUT (at most 8): results.jsonl (generation, scoring, MoE rows), train.jsonl (training rows, each
+# with its "row" name), steps.jsonl (each step's exit status and seconds), log.txt (every step's output),
+# table.md (the summary, also printed), profile_8b_float8.md and trace_8b_float8.json.gz (the profiled step).
+# The carried torchdata wheel (.whl/torchdata-*.whl) is imported from the zip; the eval data comes from an
+# ignored folder of the checkout (outputs/gpu_eval, a copy of ../shared/data/eval/hellaswag) carried along.
 set -u
 cd "$(dirname "$0")/.."
 
@@ -19,29 +28,57 @@ MODE=gpu
 [ "${1:-}" = "--cpu" ] && MODE=cpu
 OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
-RESULTS=$OUT/results.jsonl STEPS=$OUT/steps.jsonl LOG=$OUT/log.txt TABLE=$OUT/table.md
-EVAL_DATA=${EVAL_DATA:-$PWD/outputs/gpu_eval}  # an ignored folder of the checkout (carried to the GPU machine)
+RESULTS=$OUT/results.jsonl TRAIN=$OUT/train.jsonl STEPS=$OUT/steps.jsonl LOG=$OUT/log.txt TABLE=$OUT/table.md
+BUDGET_S=${GPU_BUDGET_S:-500}
+[ "$MODE" = cpu ] && BUDGET_S=${GPU_BUDGET_S:-3000}  # a CPU compiles slowly
+START=$(date +%s)
+WORK=$(mktemp -d /tmp/gpu_check.XXXXXX)  # dump folders, per-row JSON, the raw trace: not under $OUT
+EVAL_DATA=${EVAL_DATA:-$PWD/outputs/gpu_eval}
 [ -d "$EVAL_DATA" ] || EVAL_DATA=$PWD/../shared/data/eval
-PY=${PYTHON:-python}
-[ -x .venv/bin/python ] && [ "$MODE" = cpu ] && PY=.venv/bin/python
+PY=${PYTHON:-python3}
+[ "$MODE" = cpu ] && [ -x .venv/bin/python ] && PY=.venv/bin/python
 
-# torch 2.11 image: titanlite is pure Python (the checkout on PYTHONPATH); torchdata from the carried wheel,
-# imported from the zip (nothing installed, torch untouched)
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # titanlite is pure Python: the checkout itself
 if ! "$PY" -c "import torchdata" 2>/dev/null; then
-  for wheel in .whl/torchdata-*.whl; do [ -f "$wheel" ] && export PYTHONPATH="$PWD/$wheel:$PYTHONPATH"; done
+  for wheel in "$PWD"/.whl/torchdata-*.whl; do [ -f "$wheel" ] && export PYTHONPATH="$wheel:$PYTHONPATH"; done
 fi
 export PYTHONUNBUFFERED=1
+[ "$MODE" = cpu ] && export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 
-step() {  # step NAME SECONDS command...
-  local name=$1 limit=$2 start rc
+step() {  # step NAME CAP_S command...: returns the command's status, 3 when skipped
+  local name=$1 cap=$2 left limit t0 rc
   shift 2
-  start=$(date +%s)
-  echo "=== $name (timeout ${limit}s): $*" >>"$LOG"
+  left=$((BUDGET_S - ($(date +%s) - START)))
+  if ((left < 40)); then
+    echo "=== $name: skipped, ${left}s of ${BUDGET_S}s left" >>"$LOG"
+    echo "{\"step\": \"$name\", \"status\": \"skipped\", \"seconds\": 0}" >>"$STEPS"
+    return 3
+  fi
+  limit=$((cap < left - 10 ? cap : left - 10))
+  t0=$(date +%s)
+  echo "=== $name (timeout ${limit}s, at $((t0 - START))s): $*" >>"$LOG"
   timeout --kill-after=10 "$limit" "$@" >>"$LOG" 2>&1
   rc=$?
-  echo "{\"step\": \"$name\", \"status\": $rc, \"timed_out\": $([ $rc = 124 ] || [ $rc = 137 ] && echo true || echo false), \"seconds\": $(($(date +%s) - start))}" >>"$STEPS"
-  echo "$name: exit $rc after $(($(date +%s) - start)) s" >&2
+  echo "{\"step\": \"$name\", \"status\": $rc, \"timed_out\": $([ $rc = 124 ] || [ $rc = 137 ] && echo true || echo false), \"seconds\": $(($(date +%s) - t0))}" >>"$STEPS"
+  echo "$name: exit $rc after $(($(date +%s) - t0)) s (at $(($(date +%s) - START)) s)" >&2
+  return $rc
+}
+
+row() {  # row NAME CAP_S SCRIPT ARGS...: a training benchmark whose --json-out goes to train.jsonl with "row"
+  local name=$1 cap=$2 script=$3 json rc
+  shift 3
+  json="$WORK/$(echo "$name" | tr -c 'A-Za-z0-9' _).json"
+  step "$name" "$cap" "$PY" "$script" --json-out "$json" "$@"
+  rc=$?
+  if ((rc == 0)) && [ -s "$json" ]; then
+    "$PY" -c 'import json, sys; print(json.dumps({"row": sys.argv[1], **json.load(open(sys.argv[2]))}))' \
+      "$name" "$json" >>"$TRAIN"
+  else
+    local why="failed, exit status $rc (log.txt)"
+    ((rc == 3)) && why="skipped: time budget spent"
+    ((rc == 124 || rc == 137)) && why="timed out"
+    echo "{\"row\": \"$name\", \"error\": \"$why\"}" >>"$TRAIN"
+  fi
 }
 
 step env 60 "$PY" -c "
@@ -49,52 +86,93 @@ import json, torch
 cuda = torch.cuda.is_available()
 row = {'bench': 'env', 'torch': torch.__version__, 'cuda': cuda, 'device': torch.cuda.get_device_name() if cuda else 'cpu'}
 open('$RESULTS', 'a').write(json.dumps(row) + '\n')
-print(row)
 import torchdata, titanlite
-print('torchdata', torchdata.__file__, 'titanlite', titanlite.__file__)
+print(row, 'torchdata', torchdata.__file__, 'titanlite', titanlite.__file__)
 "
 
-# ---- training rows (bench.py 1B bf16 / float8, transformers baseline): added by the training benchmarks' change
-
-# ---- generation: Llama 3.2 1B shape, bf16, 128-token prompts, 256 new tokens, batch 1 and 8: the KV cache
-# eager and compiled, and recomputing the prefix (the table merges the two steps' rows)
+# ---- the shapes
 if [ "$MODE" = gpu ]; then
+  FLAVOR_1B=1B FLAVOR_8B=8B SEQ=2048 VOCAB=128256 WARMUP=4 STEPS_T=12 DTYPE=bfloat16
   GEN=(--flavors 1B --dtype bfloat16 --batch-sizes 1,8 --prompt-len 128 --new-tokens 256 --repeats 1)
-  DEBUG_EVAL=(--tasks hellaswag,arc_easy --limit 200 --skip-big)
-  BIG_EVAL=(--tasks "" --big-flavor 1B --big-task hellaswag --big-limit 64)
-  EVAL=(--batch-sizes 16 --dtype bfloat16 --repeats 2)
+  BIG_EVAL=(--tasks "" --big-flavor 1B --big-task hellaswag --big-limit 64 --batch-sizes 16 --dtype bfloat16)
 else
+  FLAVOR_1B=debugmodel FLAVOR_8B=debugmodel SEQ=128 VOCAB=512 WARMUP=1 STEPS_T=2 DTYPE=float32
   GEN=(--flavors debugmodel --batch-sizes 1 --prompt-len 32 --new-tokens 8 --repeats 1)
-  DEBUG_EVAL=(--tasks arc_easy --limit 4 --skip-big)
-  BIG_EVAL=(--tasks "" --big-flavor debugmodel --big-task lambada_openai --big-limit 4)
-  EVAL=(--batch-sizes 4 --repeats 1)
-  export OMP_NUM_THREADS=1  # tiny models on a shared CPU: one thread (two fight over the cores)
+  BIG_EVAL=(--tasks "" --big-flavor debugmodel --big-task hellaswag --big-limit 4 --batch-sizes 4)
 fi
-DEBUG_MODES=eager,compiled
-[ "$MODE" = cpu ] && DEBUG_MODES=eager  # compiled scoring is checked by eval_big_compiled
-# Time budget of these steps (their timeouts): 10 + 120 + 180 + 60 + 100 s = 7.8 min at most; the debug
-# model's scoring (GPU_CHECK_DEBUG_EVAL=1) adds 90 s. Expected on an H100: ~1 + 1 + 2-3 + 0.5 + 1.5 min.
-step generate_eager 120 "$PY" scripts/bench_generate.py "${GEN[@]}" --modes eager,recompute --jsonl "$RESULTS"
-step generate_compiled 180 "$PY" scripts/bench_generate.py "${GEN[@]}" --modes compiled --jsonl "$RESULTS"
+SHAPE=(--config train_configs/debug_model.toml --model.vocab_size "$VOCAB" --training.seq_len "$SEQ"
+  --training.global_batch_size -1 --training.mixed_precision_param "$DTYPE" --metrics.enable_tensorboard false
+  --metrics.log_freq 1000 --checkpoint.enable false --validation.enable false --warmup "$WARMUP" --steps "$STEPS_T")
+B1=(--model.flavor "$FLAVOR_1B")
+B8=(--model.flavor "$FLAVOR_8B" --model.n_layers 4 --training.local_batch_size 4 --compile.enable true)
+F8=(--quantize.linear.float8.enable true)
+bench() {  # bench NAME CAP_S ARGS...: scripts/bench.py at the common shape, in a dump folder of its own
+  local name=$1 cap=$2
+  shift 2
+  row "$name" "$cap" scripts/bench.py "${SHAPE[@]}" --job.dump_folder "$WORK/$(echo "$name" | tr -c 'A-Za-z0-9' _)" "$@"
+}
+hf() {  # hf NAME CAP_S ARGS...: the transformers loop at the 1B shape
+  local name=$1 cap=$2
+  shift 2
+  row "$name" "$cap" scripts/bench_hf_baseline.py --flavor "$FLAVOR_1B" --vocab-size "$VOCAB" --seq-len "$SEQ" \
+    --dtype "$DTYPE" --warmup "$WARMUP" --steps "$STEPS_T" "$@"
+}
 
-# ---- scoring at batch 16, bf16: the 1B shape (MFU), eager then compiled; optionally the debug model
-step eval_big_eager 60 "$PY" scripts/bench_eval.py --data-dir "$EVAL_DATA" "${BIG_EVAL[@]}" "${EVAL[@]}" \
-  --modes eager --jsonl "$RESULTS"
-step eval_big_compiled 100 "$PY" scripts/bench_eval.py --data-dir "$EVAL_DATA" "${BIG_EVAL[@]}" "${EVAL[@]}" \
-  --modes compiled --jsonl "$RESULTS"
-if [ "$MODE" = cpu ] || [ "${GPU_CHECK_DEBUG_EVAL:-0}" = 1 ]; then
-  step eval_debug 90 "$PY" scripts/bench_eval.py --data-dir "$EVAL_DATA" "${DEBUG_EVAL[@]}" "${EVAL[@]}" \
-    --modes "$DEBUG_MODES" --jsonl "$RESULTS"
+# ---- in priority order
+bench "1B, batch 4, compiled" 130 "${B1[@]}" --training.local_batch_size 4 --compile.enable true
+step generate_compiled 130 "$PY" scripts/bench_generate.py "${GEN[@]}" --modes compiled --jsonl "$RESULTS"
+hf "transformers 1B, batch 4, compiled" 150 --batch 4 --compile
+step generate_eager 90 "$PY" scripts/bench_generate.py "${GEN[@]}" --modes eager,recompute --jsonl "$RESULTS"
+bench "1B, batch 8, compiled" 100 "${B1[@]}" --training.local_batch_size 8 --compile.enable true
+step eval_big 120 "$PY" scripts/bench_eval.py --data-dir "$EVAL_DATA" "${BIG_EVAL[@]}" --repeats 1 \
+  --modes eager,compiled --jsonl "$RESULTS"
+bench "8B shapes (4 layers), batch 4, compiled" 100 "${B8[@]}"
+bench "8B shapes (4 layers), batch 4, compiled, float8" 100 "${B8[@]}" "${F8[@]}"
+row "optimizer step alone, 1B" 45 scripts/bench_optimizer.py --flavor "$FLAVOR_1B" --vocab-size "$VOCAB"
+
+PROFILE="$WORK/profile"  # where the 8B-shape float8 step's GPU time goes (the compile cache is warm by now)
+if step "profile: 8B shapes, float8" 90 "$PY" scripts/bench.py "${SHAPE[@]}" "${B8[@]}" "${F8[@]}" --warmup 3 \
+  --steps 2 --no-bandwidth --no-split --profiling.enable_profiling true --profiling.profile_freq 5 \
+  --profiling.profiler_warmup 1 --profiling.profiler_active 1 --job.dump_folder "$PROFILE"; then
+  TRACE=$(ls "$PROFILE"/profile_traces/iteration_5/*.json 2>/dev/null | head -1)
+  if [ -n "$TRACE" ]; then
+    "$PY" scripts/trace_summary.py "$TRACE" >"$OUT/profile_8b_float8.md" 2>>"$LOG"
+    gzip -c "$TRACE" >"$OUT/trace_8b_float8.json.gz"
+  fi
 fi
+if [ "$MODE" = gpu ]; then  # the MoE layer (debug MoE's experts, 16k tokens, bf16): grouped GEMM against the loop
+  step moe_layer 60 "$PY" scripts/bench_moe.py --training.mixed_precision_param bfloat16 \
+    --training.local_batch_size 8 --training.seq_len 2048 --steps 10 --json-out "$WORK/moe_layer.json" &&
+    "$PY" -c 'import json, sys; print(json.dumps({"bench": "moe_layer", **json.load(open(sys.argv[1]))}))' \
+      "$WORK/moe_layer.json" >>"$RESULTS"
+fi
+# qwen3_moe 30B-A3B with 4 blocks (128 experts, top-8, the real vocabulary), full AC: MFU on active parameters
+MOE=(--config train_configs/qwen3_30b_a3b.toml --job.world_size 1 --parallelism.expert_parallel_degree 1
+  --parallelism.data_parallel_shard_degree 1 --model.n_layers 4 --model.tokenizer_path "" --training.dataset embedded
+  --training.dataset_path "" --validation.enable false --training.local_batch_size 2 --training.seq_len "$SEQ"
+  --training.global_batch_size -1 --training.mixed_precision_param "$DTYPE" --checkpoint.enable false
+  --compile.enable false --activation_checkpoint.mode full --metrics.enable_tensorboard false --warmup 3 --steps 8)
+[ "$MODE" = gpu ] && MOE+=(--model.vocab_size 151936) || MOE+=(--model.flavor debugmodel)
+row "qwen3_moe 30B-A3B x4 blocks, grouped GEMM" 80 scripts/bench.py "${MOE[@]}" --job.dump_folder "$WORK/moe_g"
+row "qwen3_moe 30B-A3B x4 blocks, expert loop" 80 scripts/bench.py "${MOE[@]}" --model.moe_grouped_mm false \
+  --job.dump_folder "$WORK/moe_l"
+bench "1B, batch 4, eager" 80 "${B1[@]}" --training.local_batch_size 4 --compile.enable false
+bench "1B, batch 4, compiled, float8" 100 "${B1[@]}" --training.local_batch_size 4 --compile.enable true "${F8[@]}"
+hf "transformers 1B, batch 4, eager" 80 --batch 4
 
 # ---- the table
-"$PY" - "$RESULTS" >"$TABLE" <<'EOF'
+{
+  "$PY" scripts/bench_table.py "$TRAIN" 2>>"$LOG"
+  echo
+  "$PY" - "$RESULTS" <<'EOF'
 import json, sys
 
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
 for r in rows:
     if r.get("bench") == "env":
         print(f"device: {r['device']}, torch {r['torch']}\n")
+
+
 def merged(kind, key):
     """Rows of one bench kind, those of the same setup (from separate steps) merged into one."""
     out = {}
@@ -125,10 +203,12 @@ if ev:
         print(f"| {r['model']} | {r['task']} | {r['batch_size']} | {r['tokens']:,} | {cell('eager_tok_s', ',.0f')} | "
               f"{cell('compiled_tok_s', ',.0f')} | {cell('eager_mfu', '.1%')} | {cell('compiled_mfu', '.1%')} |")
     print()
-other = [r for r in rows if r.get("bench") not in ("env", "generate", "eval")]
-for r in other:  # e.g. training rows: shown as they are
-    print(json.dumps(r))
+for r in rows:
+    if r.get("bench") not in ("env", "generate", "eval"):
+        print(json.dumps(r))
 EOF
+} >"$TABLE"
+echo "done after $(($(date +%s) - START)) s" >>"$LOG"
 cat "$TABLE"
 echo
 cat "$STEPS"
