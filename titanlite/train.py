@@ -44,6 +44,7 @@ from titanlite.metrics import DiskFullError, MetricsHook, MetricsLogger, matmul_
 from titanlite.models import get_model_spec, model_schema
 from titanlite.models.registry import check_seq_len, model_args_for, model_counts
 from titanlite.optim import build_optimizer  # noqa: F401  (registers the built-in optimizers and schedules)
+from titanlite.output_loss import output_loss, supports_hidden_states
 from titanlite.parallel.build import build_parallel_model
 from titanlite.parallel.compile import CompilePolicy
 from titanlite.parallel.distributed import (
@@ -177,6 +178,18 @@ class Trainer:
         loss = components.get("loss", self.cfg.training.loss)
         return CompilePolicy.from_config(self.cfg.compile).compile_loss(loss, self.parallel_dims.tp_enabled)
 
+    @functools.cached_property
+    def loss_chunks(self) -> int:
+        """``[training] loss_chunks``, or 0 for a family whose model cannot return hidden states (a warning)."""
+        chunks = self.cfg.training.loss_chunks
+        if chunks and not supports_hidden_states(self.spec.model_cls):
+            logger.warning(
+                f"training.loss_chunks = {chunks}: model family {self.spec.name!r} cannot return hidden states "
+                "(forward(..., return_hidden=True), see titanlite.output_loss): the loss is computed from its logits"
+            )
+            return 0
+        return chunks
+
     def load_sources(self, split: str) -> list[tuple[SourceData, float]]:
         """``[training]`` (``split = "train"``) or ``[validation]`` data: each source and its weight, one
         unless the section sets ``mixture``. Shards are checked against the tokenizer here."""
@@ -293,7 +306,8 @@ class Trainer:
         t = self.cfg.training
         kw = dict(grad_accum_steps=self.grad_accum_steps, max_norm=t.max_norm, parallel_dims=self.parallel_dims)
         kw["count_unmasked"] = any(data.chat for data, _ in self.train_sources)  # masks or packing padding
-        dtype, loss = DTYPES[t.mixed_precision_param], self.build_loss()
+        dtype, lp = DTYPES[t.mixed_precision_param], self.parallel_dims.loss_parallel_enabled
+        loss = output_loss(self.build_loss(), self.loss_chunks, loss_parallel=lp)  # from the logits, or chunked
         if self.pipeline_plan is not None:  # the stages and the schedule that runs them
             group = self.parallel_dims.pp_group
             kw["pipeline"] = Pipeline(self.model, self.pipeline_plan, group, self.device, loss, autocast_dtype=dtype)
@@ -422,7 +436,7 @@ class Trainer:
         steps = self.cfg.validation.steps
         batches = None if steps == -1 else steps * self.grad_accum_steps
         kw = dict(parallel_dims=self.parallel_dims, device=self.device, autocast_dtype=self.train_step.autocast_dtype)
-        kw.update(pipeline=self.train_step.pipeline, token_bytes=self.token_bytes)
+        kw.update(pipeline=self.train_step.pipeline, token_bytes=self.token_bytes, loss_chunks=self.loss_chunks)
         results = {
             name: (w, validation_loss(self.model, loader, max_batches=batches, **kw))
             for name, (w, loader) in self.val_loaders.items()

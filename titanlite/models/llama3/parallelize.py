@@ -36,8 +36,9 @@ The steps run in this order, and the order matters:
 4. **torch.compile** (``[compile]``): per block, on the final block code (float8 + TP + AC), and
    before FSDP, whose hooks must stay outside the compiled graph.
 5. **FSDP2** (``data_parallel_shard_degree`` / ``_replicate_degree``): ``fully_shard`` bottom-up,
-   one group per block, ``tok_embeddings`` alone, ``norm`` + ``output`` together (the last group,
-   not resharded after forward by default since backward needs it first), then the root. A tied
+   one group per block, ``tok_embeddings`` alone, ``output`` alone (the last group, not resharded
+   after forward by default since backward needs it first; alone so that the chunked loss can run as
+   its forward, see ``titanlite.output_loss``), then the root with the final norm. A tied
    embedding/output is one tensor, so then embedding, norm and output form the root's group. HSDP
    when the replicate degree is above 1. Gradients are *summed* over data-parallel ranks
    (see ``titanlite.parallel.fsdp``). Last, because it wraps everything above.
@@ -135,5 +136,5 @@ def apply_fsdp(model: nn.Module, policy: FSDPPolicy) -> None:
     for block in model.layers.values():
         policy.shard(block)
     if not tied and model.output is not None:  # None: an earlier pipeline stage
-        policy.shard([model.norm, model.output], last=True)
+        policy.shard(model.output, last=True)  # the norm goes to the root group
     policy.finish(model)
