@@ -145,11 +145,17 @@ def test_models_without_the_interface():
         def forward(self, tokens):
             return tokens
 
+    class Scaled(torch.nn.Linear):  # e.g. a float8 output layer: its forward is not F.linear
+        def forward(self, x):
+            return 2 * super().forward(x)
+
     assert not supports_hidden_states(Logits)
     model = tiny()
-    model.output = torch.nn.Linear(64, VOCAB)  # a bias: refused, naming the key that turns chunking off
-    with pytest.raises(ValueError, match="bias-free nn.Linear .*training.loss_chunks = 0"):
-        ChunkedLoss(cross_entropy_sum, 2)(model, torch.zeros(1, 2, 64), torch.zeros(1, 2, dtype=torch.long))
+    ChunkedLoss.check(model)
+    for head in (torch.nn.Linear(64, VOCAB), Scaled(64, VOCAB, bias=False)):  # refused, naming the key
+        model.output = head
+        with pytest.raises(ValueError, match="bias-free nn.Linear .*set training.loss_chunks = 0"):
+            ChunkedLoss(cross_entropy_sum, 2)(model, torch.zeros(1, 2, 64), torch.zeros(1, 2, dtype=torch.long))
 
 
 # ---------------------------------------------------------------------------- distributed (gloo)
@@ -212,3 +218,70 @@ def test_chunked_loss_equals_the_logits_loss_under_fsdp_tp_and_pipelining(backen
                 report.append(f"{name:18s} rank {rank} {n} chunks: loss {errs[0]:.1e} grads {errs[1]:.1e}")
     print("\n".join(report))
     assert math.isfinite(float(per_rank[0]["fsdp2"]["results"][0][0]))
+
+
+# ---------------------------------------------------------------------------- the debug run, eager and compiled
+
+DEBUG = [
+    "--config",
+    "train_configs/debug_model.toml",
+    "--training.steps",
+    "3",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "4",
+    "--training.global_batch_size",
+    "8",  # two micro-batches: accumulation
+    "--lr_scheduler.warmup_steps",
+    "1",
+    "--validation.freq",
+    "3",
+    "--validation.steps",
+    "2",
+    "--checkpoint.enable",
+    "false",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--metrics.log_freq",
+    "1",
+]
+
+
+def debug_run(dump, *extra: str) -> dict[str, list[float]]:
+    from titanlite.models import load_config
+
+    cache_token_stores()  # the embedded corpus is tokenized once per process
+    records = Trainer(load_config([*DEBUG, "--job.dump_folder", str(dump), *extra])).train()
+    return {key: [r[key] for r in records if key in r] for key in ("loss", "grad_norm", "val_loss")}
+
+
+@pytest.fixture(scope="module")
+def unchunked_debug_run(tmp_path_factory):
+    return debug_run(tmp_path_factory.mktemp("debug"), "--training.loss_chunks", "0")
+
+
+def assert_runs_match(got: dict, ref: dict, rtol: float) -> None:
+    for key, values in ref.items():
+        assert len(got[key]) == len(values) == (1 if key == "val_loss" else 3), key
+        rel = max(abs(a - b) / abs(b) for a, b in zip(got[key], values))
+        assert rel <= rtol, f"{key}: {got[key]} vs {values} ({rel:.2e})"
+
+
+def test_a_debug_run_with_chunks_has_the_losses_of_one_without(tmp_path, unchunked_debug_run):
+    """Three steps of the debug model (two micro-batches each, validation at the end) with 8 chunks."""
+    assert_runs_match(debug_run(tmp_path, "--training.loss_chunks", "8"), unchunked_debug_run, 1e-6)
+
+
+def test_the_compiled_step_has_no_graph_breaks(tmp_path, unchunked_debug_run):
+    """[compile] on, chunked: the blocks, the embedding, the final norm and the pieces' loss are compiled, none
+    with a graph break; the losses are the eager unchunked run's within compile's tolerance (inductor fuses and
+    reorders the fp32 reductions: the parity tests' RTOL_COMPILE)."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    got = debug_run(tmp_path, "--compile.enable", "true", "--training.loss_chunks", "4")
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    # the block, the embedding, the final norm and the loss; the first three again for validation (no_grad)
+    assert counters["stats"]["unique_graphs"] == 7, dict(counters["stats"])
+    assert_runs_match(got, unchunked_debug_run, 2e-4)

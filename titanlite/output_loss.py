@@ -79,6 +79,10 @@ class LogitsLoss:
     def with_fn(self, loss_fn: LossFn) -> LogitsLoss:
         return LogitsLoss(loss_fn)
 
+    @staticmethod
+    def check(model: nn.Module) -> None:
+        """Any model's logits will do."""
+
     def __call__(self, model: nn.Module, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with _autocast_off(logits):
             return self.loss_fn(logits, labels)
@@ -105,13 +109,20 @@ class ChunkedLoss:
     def with_fn(self, loss_fn: LossFn) -> ChunkedLoss:
         return ChunkedLoss(loss_fn, self.chunks, loss_parallel=self.loss_parallel)
 
-    def __call__(self, model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def check(model: nn.Module) -> None:
+        """A one-line ``ValueError`` unless ``model.output`` is a bias-free linear layer computing ``F.linear``."""
         head = getattr(model, "output", None)
-        if not isinstance(getattr(head, "weight", None), torch.Tensor) or getattr(head, "bias", None) is not None:
+        if not isinstance(head, nn.Linear) or head.bias is not None or type(head).forward is not nn.Linear.forward:
             raise ValueError(
-                f"{type(model).__name__}: the chunked loss needs the output layer as model.output, a bias-free "
-                "nn.Linear (set training.loss_chunks = 0 to compute the loss from the model's logits)"
+                f"training.loss_chunks: {type(model).__name__}.output must be a bias-free nn.Linear with its own "
+                f"forward (got {type(head).__name__}; a float8 output layer is one) for the chunked loss; "
+                "set training.loss_chunks = 0 to compute the loss from the model's logits"
             )
+
+    def __call__(self, model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        self.check(model)
+        head = model.output
         if isinstance(head, FSDPModule):  # its own FSDP group: the chunks run as its forward
             return run_as_forward(head, self._loss, head, hidden, labels)
         if isinstance(model, FSDPModule):  # the weight is in the root group (tied): gather it (no-op if gathered)
@@ -125,16 +136,16 @@ class ChunkedLoss:
         hidden, labels = hidden.flatten(0, -2), labels.flatten()
         sizes = chunk_sizes(labels.numel(), self.chunks)
         if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-            return _LinearLossChunks.apply(hidden, weight, labels, self._piece, sizes)
-        return sum(self._piece(h, weight, y) for h, y in zip(hidden.split(sizes), labels.split(sizes)))
+            return _LinearLossChunks.apply(hidden, weight, labels, self._logits_loss, sizes)
+        pieces = zip(hidden.split(sizes), labels.split(sizes))
+        return sum(self._logits_loss(F.linear(h, weight), y) for h, y in pieces)
 
-    def _piece(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """One piece's token-sum loss; its logits shaped ``[1, tokens, vocab]`` as the loss function expects."""
-        logits = F.linear(hidden, weight)[None]
+    def _logits_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One piece's token-sum loss, its logits shaped ``[1, tokens, vocab]`` as a loss function expects them."""
         if isinstance(logits, DTensor) and not self.loss_parallel:
             logits = logits.full_tensor()
         with _autocast_off(logits):
-            return self.loss_fn(logits, labels[None])
+            return self.loss_fn(logits[None], labels[None])
 
 
 def chunk_sizes(tokens: int, chunks: int) -> list[int]:
@@ -144,43 +155,46 @@ def chunk_sizes(tokens: int, chunks: int) -> list[int]:
 
 
 class _LinearLossChunks(torch.autograd.Function):
-    """``sum_i piece_loss(hidden_i, weight, labels_i)`` whose forward also computes the gradients (step 2 of the
-    module docstring) and whose backward scales them (step 3)."""
+    """``sum_i logits_loss(hidden_i @ weight.T, labels_i)``, whose forward also computes the gradients (step 2 of
+    the module docstring) and whose backward scales them (step 3).
+
+    Per piece: the logits in the compute dtype (``F.linear`` under the caller's autocast), the gradient of the loss
+    with respect to them by autograd, then the two gradient matmuls in the logits' dtype, as the unchunked backward
+    does them: ``dlogits @ weight`` for the hidden states, ``dlogits.T @ hidden`` added to the weight's fp32
+    gradient (in place, ``addmm_``, when everything is fp32: no temporary)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, piece_loss, sizes):
+    def forward(ctx, hidden, weight, labels, logits_loss, sizes):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        weight_leaf = weight.detach().requires_grad_(need_w)
-        total, grads_h, grad_w = None, [], None
-        for h, y in zip(hidden.detach().split(sizes), labels.split(sizes)):
-            h.requires_grad_(need_h)
-            wrt = [t for t, need in ((h, need_h), (weight_leaf, need_w)) if need]
+        total, grads_h, grad_w, weight_mm = None, [], None, None
+        for h, y in zip(hidden.split(sizes), labels.split(sizes)):
+            logits = F.linear(h, weight).requires_grad_()  # grad mode is off in forward: a leaf
             with torch.enable_grad():
-                loss = piece_loss(h, weight_leaf, y)
+                loss = logits_loss(logits, y)
                 if loss.dim():
                     raise ValueError(f"the loss must return a scalar token sum to train with chunks, got {loss.shape}")
-                grads = list(torch.autograd.grad(loss, wrt, allow_unused=True, materialize_grads=True))
-            if need_h:
-                grads_h.append(grads.pop(0))
-            if need_w:  # accumulated in fp32, rounded to the weight's dtype once (as one matmul would)
-                g = grads.pop(0)
-                grad_w = g.float() if grad_w is None else grad_w.add_(g)
+                (dlogits,) = torch.autograd.grad(loss, [logits], allow_unused=True, materialize_grads=True)
+            del logits
             total = loss.detach() if total is None else total + loss.detach()
+            if need_h:
+                weight_mm = weight.to(dlogits.dtype) if weight_mm is None else weight_mm  # autocast's copy, once
+                grads_h.append((dlogits @ weight_mm).to(hidden.dtype))
+            if need_w:
+                if grad_w is None:
+                    grad_w = torch.zeros_like(weight, dtype=torch.float32)
+                if dlogits.dtype == h.dtype == torch.float32:
+                    grad_w.addmm_(dlogits.t(), h)
+                else:
+                    grad_w.add_(dlogits.t() @ h.to(dlogits.dtype))
         ctx.grad_h = torch.cat(grads_h) if need_h else None
         ctx.grad_w = grad_w.to(weight.dtype) if need_w else None
         return total
 
     @staticmethod
     def backward(ctx, grad):
-        grad_h, grad_w = ctx.grad_h, ctx.grad_w
+        grads = [None if g is None else g.mul_(grad) for g in (ctx.grad_h, ctx.grad_w)]  # they are ours: in place
         ctx.grad_h = ctx.grad_w = None
-        return (
-            None if grad_h is None else grad_h * grad,
-            None if grad_w is None else grad_w * grad,
-            None,
-            None,
-            None,
-        )
+        return *grads, None, None, None
 
 
 def run_as_forward(module: nn.Module, fn: Callable[..., Any], *args: Any) -> Any:

@@ -132,6 +132,8 @@ class TrainStep:
     ):
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self.loss = as_output_loss(loss_fn)  # model outputs -> token-sum loss (its logits, or chunked)
+        if pipeline is None:  # a pipeline checks its last stage
+            self.loss.check(model)
         self.grad_accum_steps, self.max_norm, self.parallel_dims = grad_accum_steps, max_norm, parallel_dims
         self.device = device or next(model.parameters()).device
         self.pipeline = pipeline

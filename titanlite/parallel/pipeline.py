@@ -325,6 +325,7 @@ class Pipeline:
         self.last_stage = parts.stages[parts.stage_ids.index(plan.num_stages - 1)] if self.has_last else None
         self.output_loss = as_output_loss(loss_fn)
         if self.last_stage is not None:  # it returns what the output loss takes: logits, or hidden states
+            self.output_loss.check(self.last_stage)
             self.last_stage.forward = functools.partial(_forward_for, self.last_stage.forward, self)
         self.loss_fn = self.bind(self.output_loss)  # (last stage's output, labels) -> token-sum loss
         self.schedule = self._schedule()

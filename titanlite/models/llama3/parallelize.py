@@ -33,8 +33,8 @@ The steps run in this order, and the order matters:
 3. **Activation checkpointing** (``[activation_checkpoint]``): per block, after TP so recomputation
    includes the TP communication, before compile so the checkpoint is traced into the graph, and
    before FSDP so FSDP's all-gather/free hooks stay outside the checkpointed region.
-4. **torch.compile** (``[compile]``): per block, on the final block code (float8 + TP + AC), and
-   before FSDP, whose hooks must stay outside the compiled graph.
+4. **torch.compile** (``[compile]``): per block (and the embedding and final norm), on the final
+   block code (float8 + TP + AC), and before FSDP, whose hooks must stay outside the compiled graph.
 5. **FSDP2** (``data_parallel_shard_degree`` / ``_replicate_degree``): ``fully_shard`` bottom-up,
    one group per block, ``tok_embeddings`` alone, ``output`` alone (the last group, not resharded
    after forward by default since backward needs it first; alone so that the chunked loss can run as
@@ -77,8 +77,10 @@ def parallelize_llama(model: nn.Module, parallel_dims, policies) -> nn.Module:
         logger.info("tensor parallel over %d ranks (loss parallel: %s)", parallel_dims.tp, loss_parallel)
     if checkpointed := policies.activation_checkpoint.apply(model):
         logger.info("activation checkpointing %s on blocks %s", policies.activation_checkpoint, ",".join(checkpointed))
-    if policies.compile.apply(model):
-        logger.info("compiled each transformer block (fullgraph)")
+    if compiled := policies.compile.apply(model):
+        logger.info(
+            "compiled each transformer block, the embedding and the final norm (%d modules, fullgraph)", compiled
+        )
     if (fsdp := policies.fsdp(parallel_dims)) is not None:
         apply_fsdp(model, fsdp)
         kind, dtypes = "HSDP" if parallel_dims.hsdp_enabled else "FSDP", (policies.param_dtype, policies.reduce_dtype)
