@@ -6,6 +6,8 @@
 Each setting is one ``scripts/bench.py`` run in its own process (peak RSS is per process on CPU; on CUDA the
 peak allocated memory), through the real Trainer; the settings alternate order between repeats (a shared
 machine's speed drifts), and the table gives the median over repeats and the ratio to ``loss_chunks = 0``.
+Besides the timed steps' wall time it reports the CPU time (user + system) of the whole run, start-up and
+warm-up included: on a CPU shared with other jobs, wall time mostly measures the others' load.
 The config defaults to the debug model at Llama 3's vocabulary, checkpoints off::
 
     --config train_configs/debug_model.toml --model.vocab_size 128256 --checkpoint.enable false
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import subprocess
 import sys
@@ -32,10 +35,13 @@ def run(chunks: int, args: argparse.Namespace, config: list[str], timeout: float
         cmd = [sys.executable, str(SCRIPT), "--warmup", str(args.warmup), "--steps", str(args.steps)]
         cmd += ["--json-out", str(out), *config, *QUIET, "--job.dump_folder", tmp]
         cmd += ["--training.loss_chunks", str(chunks)]
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
         if proc.returncode != 0:
             raise SystemExit(f"loss_chunks={chunks}: bench.py failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-        return json.loads(out.read_text())
+        cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+        return {**json.loads(out.read_text()), "run_cpu_s": cpu_s}
 
 
 def table(results: dict[int, list[dict]]) -> tuple[list[dict], str]:
@@ -46,21 +52,25 @@ def table(results: dict[int, list[dict]]) -> tuple[list[dict], str]:
             "loss_chunks": chunks,
             "peak_memory_gib": statistics.median(r["peak_memory_gib"] for r in runs),
             "step_time_s": statistics.median(r["step_time_s"] for r in runs),
+            "run_cpu_s": statistics.median(r["run_cpu_s"] for r in runs),
             "loss_last": runs[-1]["loss_last"],
             "runs": len(runs),
         }
         base = base or row
         row["memory_vs_first"] = row["peak_memory_gib"] / base["peak_memory_gib"]
         row["step_time_vs_first"] = row["step_time_s"] / base["step_time_s"]
+        row["run_cpu_vs_first"] = row["run_cpu_s"] / base["run_cpu_s"]
         rows.append(row)
     lines = [
-        "| loss_chunks | peak memory (GiB) | vs first | step time (s) | vs first | last loss |",
-        "|---|---|---|---|---|---|",
+        "| loss_chunks | peak memory (GiB) | vs first | step time (s) | vs first | CPU time per run (s) | vs first "
+        "| last loss |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['loss_chunks']} | {r['peak_memory_gib']:.2f} | {r['memory_vs_first']:.2f} | "
-            f"{r['step_time_s']:.2f} | {r['step_time_vs_first']:.2f} | {r['loss_last']:.4f} |"
+            f"{r['step_time_s']:.2f} | {r['step_time_vs_first']:.2f} | {r['run_cpu_s']:.1f} | "
+            f"{r['run_cpu_vs_first']:.2f} | {r['loss_last']:.4f} |"
         )
     return rows, "\n".join(lines)
 
@@ -83,7 +93,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for chunks in settings if repeat % 2 == 0 else reversed(settings):
             results[chunks].append(run(chunks, args, config, args.timeout))
             r = results[chunks][-1]
-            print(f"loss_chunks={chunks}: {r['peak_memory_gib']:.2f} GiB, {r['step_time_s']:.2f} s/step", flush=True)
+            print(
+                f"loss_chunks={chunks}: {r['peak_memory_gib']:.2f} GiB, {r['step_time_s']:.2f} s/step, "
+                f"run CPU {r['run_cpu_s']:.1f} s",
+                flush=True,
+            )
     rows, text = table(results)
     device = next(iter(results.values()))[0]["device"]
     print(f"\n{device}, {' '.join(config)}, median of {args.repeats}\n{text}")

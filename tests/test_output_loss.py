@@ -140,6 +140,21 @@ def test_chunk_sizes():
     assert sum(chunk_sizes(1000, 7)) == 1000 and len(chunk_sizes(1000, 7)) == 7
 
 
+def test_the_benchmark_table_compares_with_the_first_setting():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_loss_chunks.py"
+    spec = importlib.util.spec_from_file_location("bench_loss_chunks", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    run = lambda mem, step, cpu: dict(peak_memory_gib=mem, step_time_s=step, run_cpu_s=cpu, loss_last=1.0)  # noqa: E731
+    rows, text = bench.table({0: [run(4, 2, 10), run(6, 4, 30)], 8: [run(2, 2, 10), run(2, 1, 10)]})
+    assert rows[0]["peak_memory_gib"] == 5 and rows[1]["memory_vs_first"] == 0.4  # medians of the repeats
+    assert rows[1]["step_time_vs_first"] == 0.5 and rows[1]["run_cpu_vs_first"] == 0.5
+    assert text.splitlines()[3].startswith("| 8 | 2.00 | 0.40 |")
+
+
 def test_models_without_the_interface():
     class Logits(torch.nn.Module):  # forward without return_hidden
         def forward(self, tokens):
@@ -154,7 +169,7 @@ def test_models_without_the_interface():
     ChunkedLoss.check(model)
     for head in (torch.nn.Linear(64, VOCAB), Scaled(64, VOCAB, bias=False)):  # refused, naming the key
         model.output = head
-        with pytest.raises(ValueError, match="bias-free nn.Linear .*set training.loss_chunks = 0"):
+        with pytest.raises(ValueError, match="bias-free nn.Linear computing F.linear .*set training.loss_chunks = 0"):
             ChunkedLoss(cross_entropy_sum, 2)(model, torch.zeros(1, 2, 64), torch.zeros(1, 2, dtype=torch.long))
 
 

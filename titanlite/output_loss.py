@@ -115,8 +115,8 @@ class ChunkedLoss:
         head = getattr(model, "output", None)
         if not isinstance(head, nn.Linear) or head.bias is not None or type(head).forward is not nn.Linear.forward:
             raise ValueError(
-                f"training.loss_chunks: {type(model).__name__}.output must be a bias-free nn.Linear with its own "
-                f"forward (got {type(head).__name__}; a float8 output layer is one) for the chunked loss; "
+                f"training.loss_chunks: the chunked loss needs {type(model).__name__}.output to be a bias-free "
+                f"nn.Linear computing F.linear (got {type(head).__name__}; a float8 output layer is not one): "
                 "set training.loss_chunks = 0 to compute the loss from the model's logits"
             )
 
