@@ -159,14 +159,14 @@ class _LinearLossChunks(torch.autograd.Function):
     the module docstring) and whose backward scales them (step 3).
 
     Per piece: the logits in the compute dtype (``F.linear`` under the caller's autocast), the gradient of the loss
-    with respect to them by autograd, then the two gradient matmuls in the logits' dtype, as the unchunked backward
-    does them: ``dlogits @ weight`` for the hidden states, ``dlogits.T @ hidden`` added to the weight's fp32
-    gradient (in place, ``addmm_``, when everything is fp32: no temporary)."""
+    with respect to them by autograd, then the two gradient matmuls in that dtype, as the unchunked backward does
+    them: ``dlogits @ weight`` for the hidden states, ``dlogits.T @ hidden`` added to the weight's fp32 gradient
+    (in place, ``addmm_``, when everything is fp32: no temporary)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, logits_loss, sizes):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        total, grads_h, grad_w, weight_mm = None, [], None, None
+        total, grads_h, grad_w = None, [], None
         for h, y in zip(hidden.split(sizes), labels.split(sizes)):
             logits = F.linear(h, weight).requires_grad_()  # grad mode is off in forward: a leaf
             with torch.enable_grad():
@@ -176,16 +176,15 @@ class _LinearLossChunks(torch.autograd.Function):
                 (dlogits,) = torch.autograd.grad(loss, [logits], allow_unused=True, materialize_grads=True)
             del logits
             total = loss.detach() if total is None else total + loss.detach()
-            if need_h:
-                weight_mm = weight.to(dlogits.dtype) if weight_mm is None else weight_mm  # autocast's copy, once
-                grads_h.append((dlogits @ weight_mm).to(hidden.dtype))
+            if need_h:  # matmuls under the caller's autocast, as the unchunked backward's (the weight's cast cached)
+                grads_h.append((dlogits @ weight).to(hidden.dtype))
             if need_w:
                 if grad_w is None:
                     grad_w = torch.zeros_like(weight, dtype=torch.float32)
                 if dlogits.dtype == h.dtype == torch.float32:
                     grad_w.addmm_(dlogits.t(), h)
                 else:
-                    grad_w.add_(dlogits.t() @ h.to(dlogits.dtype))
+                    grad_w.add_(dlogits.t() @ h)
         ctx.grad_h = torch.cat(grads_h) if need_h else None
         ctx.grad_w = grad_w.to(weight.dtype) if need_w else None
         return total

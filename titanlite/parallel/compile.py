@@ -54,14 +54,15 @@ class CompilePolicy:
         return cls(section.enable, section.components)
 
     def apply(self, model: nn.Module) -> int:
-        """Compile every block of ``model.layers`` and the :data:`END_MODULES` it has, in place; returns how many."""
+        """Compile every block of ``model.layers``, and the :data:`END_MODULES` it has, in place; returns how many
+        blocks."""
         if not self.model:
             return 0
         ends = [m for name in END_MODULES if (m := getattr(model, name, None)) is not None]
         for module in [*model.layers.values(), *ends]:
             on_dtensors = any(isinstance(p, DTensor) for p in module.parameters())  # TP applied
             module.forward = compile_fn(module.forward, on_dtensors, fullgraph=True)
-        return len(model.layers) + len(ends)
+        return len(model.layers)
 
     def compile_loss(self, fn: Callable, tensor_parallel: bool = False) -> Callable:
         return compile_fn(fn, tensor_parallel) if self.loss else fn

@@ -77,10 +77,8 @@ def parallelize_llama(model: nn.Module, parallel_dims, policies) -> nn.Module:
         logger.info("tensor parallel over %d ranks (loss parallel: %s)", parallel_dims.tp, loss_parallel)
     if checkpointed := policies.activation_checkpoint.apply(model):
         logger.info("activation checkpointing %s on blocks %s", policies.activation_checkpoint, ",".join(checkpointed))
-    if compiled := policies.compile.apply(model):
-        logger.info(
-            "compiled each transformer block, the embedding and the final norm (%d modules, fullgraph)", compiled
-        )
+    if policies.compile.apply(model):
+        logger.info("compiled each transformer block, the embedding and the final norm (fullgraph)")
     if (fsdp := policies.fsdp(parallel_dims)) is not None:
         apply_fsdp(model, fsdp)
         kind, dtypes = "HSDP" if parallel_dims.hsdp_enabled else "FSDP", (policies.param_dtype, policies.reduce_dtype)
