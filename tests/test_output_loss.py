@@ -133,6 +133,24 @@ def test_no_full_logits_exist_in_forward_or_backward():
         assert seen.largest == expected, (type(loss).__name__, seen.largest)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cross_entropy_gradient_in_closed_form_is_autograds(dtype):
+    """cross_entropy_sum_and_grad (used for the pieces of the built-in loss) against autograd through
+    cross_entropy_sum, with masked labels; the gradient in the logits' dtype, as autograd returns it."""
+    from titanlite.loss import cross_entropy_sum_and_grad
+
+    g = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(2, 5, VOCAB, generator=g)).to(dtype).requires_grad_()
+    labels = torch.randint(0, VOCAB, (2, 5), generator=g)
+    labels[0, 1:4] = -100
+    loss, grad = cross_entropy_sum_and_grad(logits.detach(), labels)
+    (ref_grad,) = torch.autograd.grad(ref := cross_entropy_sum(logits, labels), [logits])
+    assert grad.dtype == ref_grad.dtype == dtype and grad.shape == logits.shape
+    assert abs(float(loss) - float(ref.detach())) <= 1e-6 * abs(float(ref.detach()))
+    assert (grad[0, 1:4] == 0).all()
+    assert (grad.float() - ref_grad.float()).abs().max() <= (1e-6 if dtype == torch.float32 else 4e-3)
+
+
 def test_chunk_sizes():
     assert chunk_sizes(62, 8) == [8] * 7 + [6]
     assert chunk_sizes(64, 4) == [16] * 4

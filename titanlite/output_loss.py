@@ -8,8 +8,10 @@ entries at 4 x 2048 tokens: about 10 GB). :class:`ChunkedLoss` never holds more 
 1. the model returns the final norm's output instead of the logits (``forward(..., return_hidden=True)``);
 2. the tokens are cut into ``chunks`` pieces; for each, the logits ``hidden_piece @ output.weight.T`` are
    computed, reduced to the piece's token-sum loss by the loss function (any registered ``[training] loss``),
-   and differentiated at once through autograd (the gradients with respect to the piece's hidden states and
-   to the weight); then the piece's logits are freed;
+   and differentiated at once (the gradients with respect to the piece's hidden states and to the weight);
+   then the piece's logits are freed. The loss's gradient with respect to the logits comes from autograd, or,
+   for the built-in cross-entropy, from its closed form computed with the loss (:data:`LOSS_GRADIENTS`: two
+   passes over the logits instead of four, which pays for the pieces' extra passes over the weight);
 3. backward multiplies the stored gradients by the incoming one: nothing is recomputed, so the step does the
    same three matmuls as without chunks (the idea of Liger's fused linear cross-entropy; torchtitan runs each
    chunk's backward from inside its loss instead). The weight's gradient is accumulated over the pieces in fp32
@@ -50,7 +52,17 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Replicate
 
+from titanlite.loss import cross_entropy_sum, cross_entropy_sum_and_grad
+
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# loss function -> fn(logits, labels) -> (its value, its gradient w.r.t. the logits), computed together without
+# autograd (fewer passes over a piece's logits); other losses are differentiated by autograd
+LOSS_GRADIENTS: dict[Callable, Callable] = {cross_entropy_sum: cross_entropy_sum_and_grad}
+
+
+def register_loss_gradient(loss_fn: LossFn, value_and_grad: Callable) -> None:
+    """Let the chunked loss use ``value_and_grad(logits, labels) -> (loss, dloss/dlogits)`` for ``loss_fn``."""
+    LOSS_GRADIENTS[loss_fn] = value_and_grad
 
 
 def supports_hidden_states(model_cls: type) -> bool:
@@ -136,7 +148,7 @@ class ChunkedLoss:
         hidden, labels = hidden.flatten(0, -2), labels.flatten()
         sizes = chunk_sizes(labels.numel(), self.chunks)
         if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-            return _LinearLossChunks.apply(hidden, weight, labels, self._logits_loss, sizes)
+            return _LinearLossChunks.apply(hidden, weight, labels, self._value_and_grad, sizes)
         pieces = zip(hidden.split(sizes), labels.split(sizes))
         return sum(self._logits_loss(F.linear(h, weight), y) for h, y in pieces)
 
@@ -147,6 +159,21 @@ class ChunkedLoss:
         with _autocast_off(logits):
             return self.loss_fn(logits[None], labels[None])
 
+    def _value_and_grad(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One piece's loss and its gradient with respect to ``logits``: by the loss's registered gradient
+        (:data:`LOSS_GRADIENTS`) for plain tensors, else by autograd."""
+        fused = LOSS_GRADIENTS.get(self.loss_fn)
+        if fused is not None and not isinstance(logits, DTensor):
+            with _autocast_off(logits):
+                return fused(logits, labels)
+        logits.requires_grad_()  # computed without grad mode: a leaf
+        with torch.enable_grad():
+            loss = self._logits_loss(logits, labels)
+            if loss.dim():
+                raise ValueError(f"the loss must return a scalar token sum to train with chunks, got {loss.shape}")
+            (grad,) = torch.autograd.grad(loss, [logits], allow_unused=True, materialize_grads=True)
+        return loss.detach(), grad
+
 
 def chunk_sizes(tokens: int, chunks: int) -> list[int]:
     """``tokens`` cut into ``min(chunks, tokens)`` pieces of ``ceil(tokens / chunks)`` (the last one smaller)."""
@@ -155,27 +182,21 @@ def chunk_sizes(tokens: int, chunks: int) -> list[int]:
 
 
 class _LinearLossChunks(torch.autograd.Function):
-    """``sum_i logits_loss(hidden_i @ weight.T, labels_i)``, whose forward also computes the gradients (step 2 of
-    the module docstring) and whose backward scales them (step 3).
+    """``sum_i loss(hidden_i @ weight.T, labels_i)``, whose forward also computes the gradients (step 2 of the
+    module docstring) and whose backward scales them (step 3).
 
-    Per piece: the logits in the compute dtype (``F.linear`` under the caller's autocast), the gradient of the loss
-    with respect to them by autograd, then the two gradient matmuls in that dtype, as the unchunked backward does
-    them: ``dlogits @ weight`` for the hidden states, ``dlogits.T @ hidden`` added to the weight's fp32 gradient
-    (in place, ``addmm_``, when everything is fp32: no temporary)."""
+    Per piece: the logits in the compute dtype (``F.linear`` under the caller's autocast), the loss and its
+    gradient with respect to them (``value_and_grad``), then the two gradient matmuls in that dtype, as the
+    unchunked backward does them: ``dlogits @ weight`` for the hidden states, ``dlogits.T @ hidden`` added to the
+    weight's fp32 gradient (in place, ``addmm_``, when everything is fp32: no temporary)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, logits_loss, sizes):
+    def forward(ctx, hidden, weight, labels, value_and_grad, sizes):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         total, grads_h, grad_w = None, [], None
         for h, y in zip(hidden.split(sizes), labels.split(sizes)):
-            logits = F.linear(h, weight).requires_grad_()  # grad mode is off in forward: a leaf
-            with torch.enable_grad():
-                loss = logits_loss(logits, y)
-                if loss.dim():
-                    raise ValueError(f"the loss must return a scalar token sum to train with chunks, got {loss.shape}")
-                (dlogits,) = torch.autograd.grad(loss, [logits], allow_unused=True, materialize_grads=True)
-            del logits
-            total = loss.detach() if total is None else total + loss.detach()
+            loss, dlogits = value_and_grad(F.linear(h, weight), y)  # the piece's logits are freed here
+            total = loss if total is None else total + loss
             if need_h:  # matmuls under the caller's autocast, as the unchunked backward's (the weight's cast cached)
                 grads_h.append((dlogits @ weight).to(hidden.dtype))
             if need_w:
