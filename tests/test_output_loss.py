@@ -183,6 +183,14 @@ def test_models_without_the_interface():
             return 2 * super().forward(x)
 
     assert not supports_hidden_states(Logits)
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(training=SimpleNamespace(loss_chunks=8))  # the Trainer then computes from the logits
+    for model_cls, chunks in [(Logits, 0), (type(tiny()), 8)]:
+        assert (
+            Trainer.loss_chunks.func(SimpleNamespace(cfg=cfg, spec=SimpleNamespace(model_cls=model_cls, name="x")))
+            == chunks
+        )
     model = tiny()
     ChunkedLoss.check(model)
     for head in (torch.nn.Linear(64, VOCAB), Scaled(64, VOCAB, bias=False)):  # refused, naming the key
