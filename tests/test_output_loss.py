@@ -209,6 +209,8 @@ CONFIGS = {  # name -> (data-parallel degree, options); each builds a Trainer on
     "tp2_gathered": (1, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_loss_parallel", "false"]),
     "qwen3_tied_fsdp2": (2, [*QWEN3, "--parallelism.data_parallel_shard_degree", "2"]),
     "pp2_1f1b": (1, [*PP, "--parallelism.pipeline_parallel_schedule", "1F1B"]),
+    # zero bubble: the loss's backward runs twice (input gradients, then weight gradients); the last stage on rank 0
+    "pp2_zbv": (1, [*PP, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),
 }
 
 

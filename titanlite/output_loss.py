@@ -212,8 +212,8 @@ class _LinearLossChunks(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grads = [None if g is None else g.mul_(grad) for g in (ctx.grad_h, ctx.grad_w)]  # they are ours: in place
-        ctx.grad_h = ctx.grad_w = None
+        # out of place: a pipeline's zero-bubble schedules run this node twice (input, then weight gradients)
+        grads = [None if g is None else g * grad for g in (ctx.grad_h, ctx.grad_w)]
         return *grads, None, None, None
 
 
