@@ -8,7 +8,8 @@
   FSDP2's hooks, registered on the block later, stay outside the graph. Compiling after AC
   traces the checkpoint closure as one higher-order op; compiling after TP traces the DTensor ops.
   The modules around the blocks (:data:`END_MODULES`: the embedding and the final norm, where the
-  model, or its pipeline stage, has them) are compiled the same way, so the step's forward and
+  model, or its pipeline stage, has them; not a tensor-parallel embedding, whose sharded lookup this
+  torch fails to compile) are compiled the same way, so the step's forward and
   backward run compiled code except for the output matmul (a plain GEMM) and the loop itself; no
   compiled region has a graph break (``TORCH_LOGS=graph_breaks`` prints none; tested).
 - ``"loss"``: the loss function is compiled (the cross-entropy's log-softmax, gather and sum fuse
@@ -61,6 +62,10 @@ class CompilePolicy:
         ends = [m for name in END_MODULES if (m := getattr(model, name, None)) is not None]
         for module in [*model.layers.values(), *ends]:
             on_dtensors = any(isinstance(p, DTensor) for p in module.parameters())  # TP applied
+            if on_dtensors and isinstance(module, nn.Embedding):
+                # the vocabulary-sharded lookup fails to compile in this torch ("Mixing fake modes"); a lookup
+                # gains nothing from compiling anyway
+                continue
             module.forward = compile_fn(module.forward, on_dtensors, fullgraph=True)
         return len(model.layers)
 
