@@ -13,7 +13,6 @@ by the incoming one, or a TP gradient not reduced is off by far more.
 
 from __future__ import annotations
 
-import math
 import tempfile
 
 import pytest
@@ -260,7 +259,6 @@ def test_chunked_loss_equals_the_logits_loss_under_fsdp_tp_and_pipelining(backen
                 errs = assert_matches(f"{name} rank {rank} {n} chunks", got, ref)
                 report.append(f"{name:18s} rank {rank} {n} chunks: loss {errs[0]:.1e} grads {errs[1]:.1e}")
     print("\n".join(report))
-    assert math.isfinite(float(per_rank[0]["fsdp2"]["results"][0][0]))
 
 
 # ---------------------------------------------------------------------------- the debug run, eager and compiled
