@@ -7,7 +7,7 @@ Layers, lowest first (a module may import its own layer or lower ones):
 
 0. leaves: ``config``, ``components``, ``hooks``, ``dtypes``, ``extensions``, ``tokenizer`` (with ``hf_tokenizer``,
    ``hf_regex``), ``planner``, ``run_lock``, ``nesting``
-1. ``parallel``: policies, mesh, FSDP/TP/AC/compile/float8, ``build_parallel_model``; and ``loss``
+1. ``parallel``: policies, mesh, FSDP/TP/AC/compile/float8, ``build_parallel_model``; and ``loss``, ``output_loss``
 2. ``models``: the registry and the families (a family's parallelize plan is built from ``parallel``)
 3. ``data`` (``data.chat``: the chat template, used by ``generate`` and ``sampling``),
    ``checkpoint`` (with ``checkpoint.safe_load``, which imports torch only), ``optim``
@@ -38,7 +38,7 @@ LAYERS = [
         "titanlite.run_lock",
         "titanlite.nesting",
     ),
-    ("titanlite.parallel", "titanlite.loss"),
+    ("titanlite.parallel", "titanlite.loss", "titanlite.output_loss"),
     ("titanlite.models",),
     (
         "titanlite.data",

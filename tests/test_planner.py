@@ -108,6 +108,20 @@ def test_1b_on_8_h100_for_20b_tokens_by_hand():
     assert plan.fits and 40e9 < m["total"] < 60e9
 
 
+def test_chunked_loss_holds_one_piece_of_the_logits():
+    """With loss_chunks the logits of one piece of the tokens are alive at a time, plus the output weight's fp32
+    gradient of each microbatch in flight (titanlite.output_loss); the rest of the model is unchanged."""
+    s, tokens, vocab = shape("1B"), 8 * 2048, 128256
+    base = memory_breakdown(s, RunSetup(num_gpus=8, local_batch_size=8, seq_len=2048))
+    chunked = memory_breakdown(s, RunSetup(num_gpus=8, local_batch_size=8, seq_len=2048, loss_chunks=8))
+    assert base["logits"] == tokens * vocab * (2 + 12)
+    assert chunked["logits"] == tokens // 8 * vocab * (2 + 12) + 4 * vocab * 2048
+    assert chunked["total"] == pytest.approx(base["total"] - base["logits"] + chunked["logits"])
+    gpipe = dict(num_gpus=8, pp=2, pp_schedule="GPipe", local_batch_size=8, seq_len=2048, loss_chunks=4)
+    stages = [m["logits"] for m in pipeline_memory(s, RunSetup(**gpipe))]
+    assert stages == [0, -(-2048 // 4) * vocab * 14 + 8 * 4 * vocab * 2048]  # 8 microbatches in flight
+
+
 def test_memory_verdicts_and_layouts():
     s8 = shape("8B")
     one = plan_run(

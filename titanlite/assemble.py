@@ -4,9 +4,10 @@
 functions (the trainer's ``build_model``, ``build_loss`` and ``build_train_step`` call :func:`build_config_model`,
 :func:`config_loss` and :func:`config_train_step`): the family's model with the config's policies (``[training]``
 mixed precision, ``[activation_checkpoint]``, ``[compile]``, ``[quantize.linear.float8]``, FSDP/TP from the
-parallel dims), the ``[training] loss`` by name, the ``[optimizer]`` and ``[lr_scheduler]`` by name, and the
-accumulation, clipping and autocast of the :class:`~titanlite.train_step.TrainStep`. With the same seed set first
-(``torch.manual_seed(cfg.training.seed)``) a loop over its ``train_step`` gives the trainer's losses bit for bit.
+parallel dims), the ``[training] loss`` by name (over ``loss_chunks`` pieces of the tokens), the ``[optimizer]``
+and ``[lr_scheduler]`` by name, and the accumulation, clipping and autocast of the
+:class:`~titanlite.train_step.TrainStep`. With the same seed set first (``torch.manual_seed(cfg.training.seed)``)
+a loop over its ``train_step`` gives the trainer's losses bit for bit.
 
 What it leaves to the caller, as the trainer's other pieces: the data (sources, mixtures, loss masks, seq_len
 stages), the run's length beyond ``training.steps`` (token budgets), pipeline parallelism, a seed checkpoint's
@@ -16,6 +17,7 @@ model args, validation, checkpoints and the loop's hooks.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -28,11 +30,14 @@ from titanlite import components
 from titanlite.dtypes import DTYPES
 from titanlite.models import get_model_spec
 from titanlite.models.registry import model_args_for
+from titanlite.output_loss import output_loss, supports_hidden_states
 from titanlite.parallel.build import build_parallel_model
 from titanlite.parallel.compile import CompilePolicy
 from titanlite.parallel.pipeline import Pipeline
 from titanlite.parallel.policies import Policies
 from titanlite.train_step import TrainStep, grad_accum_steps
+
+logger = logging.getLogger(__name__)
 
 
 def config_policies(cfg: Any) -> Policies:
@@ -53,6 +58,18 @@ def config_loss(cfg: Any, parallel_dims: Any) -> Callable[[torch.Tensor, torch.T
     """The ``[training] loss`` (a token sum), compiled with ``[compile] components = ["loss"]``."""
     loss = components.get("loss", cfg.training.loss)
     return CompilePolicy.from_config(cfg.compile).compile_loss(loss, parallel_dims.tp_enabled)
+
+
+def loss_chunks_for(cfg: Any, spec: Any) -> int:
+    """``[training] loss_chunks``, or 0 for a family whose model cannot return hidden states (with a warning)."""
+    chunks = cfg.training.loss_chunks
+    if chunks and not supports_hidden_states(spec.model_cls):
+        logger.warning(
+            f"training.loss_chunks = {chunks}: model family {spec.name!r} cannot return hidden states "
+            "(forward(..., return_hidden=True), see titanlite.output_loss): the loss is computed from its logits"
+        )
+        return 0
+    return chunks
 
 
 def config_train_step(
@@ -105,7 +122,8 @@ def build_training(cfg: Any, parallel_dims: Any, device: torch.device, vocab_siz
     scheduler = components.get("lr_scheduler", cfg.lr_scheduler.name)(optimizer, cfg.lr_scheduler, cfg.training.steps)
     t = cfg.training
     accum = grad_accum_steps(t.global_batch_size, t.local_batch_size, parallel_dims.dp_degree)
-    step = config_train_step(
-        cfg, model, optimizer, scheduler, parallel_dims, grad_accum_steps=accum, loss_fn=config_loss(cfg, parallel_dims)
+    loss = output_loss(
+        config_loss(cfg, parallel_dims), loss_chunks_for(cfg, spec), loss_parallel=parallel_dims.loss_parallel_enabled
     )
+    step = config_train_step(cfg, model, optimizer, scheduler, parallel_dims, grad_accum_steps=accum, loss_fn=loss)
     return TrainingParts(args, model, optimizer, scheduler, step)

@@ -16,7 +16,9 @@ optimizer state           AdamW first and second moments, fp32, sharded like the
 activations               what autograd keeps for backward, per token per block (formula below)
                           times ``n_layers x local_batch_size x seq_len``, divided by ``tp``
 logits                    per token: the output matmul's logits (compute dtype) + fp32 log-softmax
-                          output, its gradient and the logits' gradient (3 x 4 bytes) / ``tp``
+                          output, its gradient and the logits' gradient (3 x 4 bytes) / ``tp``; with
+                          ``loss_chunks`` (``titanlite.output_loss``) those of one piece of the tokens
+                          only, plus the output weight's fp32 gradient per micro-batch in flight
 optimizer step scratch    foreach AdamW allocates one fp32 parameter-sized buffer during the step
                           (fused: none)
 ========================  =====================================================================
@@ -319,6 +321,7 @@ class RunSetup:
     reduce_dtype: str = "float32"  # FSDP's gradient dtype (mixed_precision_reduce)
     fsdp_reshard_after_forward: str = "default"  # default | always | never
     ep: int = 1  # expert-parallel degree (MoE): a factor of dp_shard
+    loss_chunks: int = 0  # [training] loss_chunks: the output layer + loss over pieces of the tokens (0: at once)
 
     @classmethod
     def from_config(cls, cfg: Any, num_gpus: int, pp_stage_sizes: tuple[int, ...] = ()) -> RunSetup:
@@ -344,6 +347,7 @@ class RunSetup:
             reduce_dtype=t.mixed_precision_reduce,
             fsdp_reshard_after_forward=par.fsdp_reshard_after_forward,
             ep=getattr(par, "expert_parallel_degree", 1),
+            loss_chunks=t.loss_chunks,
         )
 
     def __post_init__(self) -> None:
@@ -574,8 +578,7 @@ def stage_memory_breakdown(s: ModelShape, setup: RunSetup, share: StageShare) ->
     if setup.float8:  # float8 copies of the block weights, saved for backward by every forward outside AC
         kept_blocks, recomputed_blocks = _float8_saved_blocks(setup, share.n_layers / v)
         activations += (share.in_flight * kept_blocks + recomputed_blocks) * _block_matmul_params(s) / setup.tp
-    vocab_bytes = (c + 4) * share.last_in_flight + (8 if share.last else 0)
-    logits = sequences * setup.seq_len * s.vocab_size / setup.tp * vocab_bytes
+    logits = _logits_bytes(s, setup, share, sequences * setup.seq_len, c)
     scratch = 4 * local if setup.optimizer_impl == "foreach" else 0.0
     recomputed = 0.0 if setup.ac_mode == "none" else tokens * activation_bytes_per_token_layer(s, setup)
     steady = p > 1 and setup.pp_schedule != "GPipe" and setup.n_microbatches * v > share.in_flight
@@ -612,6 +615,20 @@ def stage_memory_breakdown(s: ModelShape, setup: RunSetup, share: StageShare) ->
         "total": params + optimizer + p2p + moments[peak_at],
         "peak_at": peak_at,
     }
+
+
+def _logits_bytes(s: ModelShape, setup: RunSetup, share: StageShare, tokens: int, c: int) -> float:
+    """The output layer's and loss's bytes (:func:`stage_memory_breakdown`) for ``tokens`` per microbatch: the
+    logits (``c``) and fp32 log-softmax of each microbatch in flight on the last stage, plus the two fp32
+    gradients of the one in backward; with ``loss_chunks``, all four of one piece of the tokens only, plus an
+    fp32 ``[vocab, dim]`` weight gradient per microbatch in flight (held from its loss to its backward)."""
+    vocab = s.vocab_size / setup.tp
+    if not share.last:
+        return 0.0
+    if setup.loss_chunks:
+        piece = -(-tokens // min(setup.loss_chunks, tokens))
+        return piece * vocab * (c + 4 + 8) + share.last_in_flight * 4 * vocab * s.dim
+    return tokens * vocab * ((c + 4) * share.last_in_flight + 8)
 
 
 def pipeline_receive_buffers(s: ModelShape, setup: RunSetup, share: StageShare) -> float:

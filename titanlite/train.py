@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from titanlite import components
-from titanlite.assemble import build_config_model, config_loss, config_train_step
+from titanlite.assemble import build_config_model, config_loss, config_train_step, loss_chunks_for
 from titanlite.checkpoint import CheckpointHook, CheckpointManager, CheckpointWriteError, layout
 from titanlite.checkpoint.hf import model_args_from_seed
 from titanlite.config import JobConfig, config_to_toml, dump_config, exit_with_error, parse_args_or_exit
@@ -51,6 +51,7 @@ from titanlite.metrics import DiskFullError, MetricsHook, MetricsLogger, device_
 from titanlite.models import get_model_spec, model_schema
 from titanlite.models.registry import active_params, check_seq_len, model_args_for, model_counts
 from titanlite.optim import build_optimizer  # noqa: F401  (registers the built-in optimizers and schedules)
+from titanlite.output_loss import output_loss
 from titanlite.parallel.distributed import (
     CollectiveTimeoutHook,
     WorldInfo,
@@ -240,6 +241,11 @@ class Trainer:
         """The ``[training] loss`` (a token sum), compiled with ``[compile] components = ["loss"]``."""
         return config_loss(self.cfg, self.parallel_dims)
 
+    @functools.cached_property
+    def loss_chunks(self) -> int:
+        """``[training] loss_chunks``, or 0 (with a warning) for a family whose model cannot return hidden states."""
+        return loss_chunks_for(self.cfg, self.spec)
+
     def load_sources(self, split: str) -> list[tuple[SourceData, float]]:
         """``[training]`` (``split = "train"``) or ``[validation]`` data: each source and its weight, one
         unless the section sets ``mixture``. Shards are checked against the tokenizer here."""
@@ -365,6 +371,9 @@ class Trainer:
     def build_train_step(self) -> TrainStep:
         kw = dict(grad_accum_steps=self.grad_accum_steps, loss_fn=self.build_loss(), device=self.device)
         kw["count_unmasked"] = any(data.chat for data, _ in self.train_sources)  # masks or packing padding
+        kw["loss_fn"] = output_loss(
+            kw["loss_fn"], self.loss_chunks, loss_parallel=self.parallel_dims.loss_parallel_enabled
+        )
         kw["pipeline_plan"] = self.pipeline_plan  # the stages and the schedule that runs them
         kw["stop_requested"] = lambda: self.preemption.requested  # agreed in the step's reduction (the guard reads it)
         return config_train_step(self.cfg, self.model, self.optimizer, self.lr_scheduler, self.parallel_dims, **kw)
@@ -539,7 +548,7 @@ class Trainer:
         steps = self.cfg.validation.steps
         batches = None if steps == -1 else steps * self.grad_accum_steps
         kw = dict(parallel_dims=self.parallel_dims, device=self.device, autocast_dtype=self.train_step.autocast_dtype)
-        kw.update(pipeline=self.train_step.pipeline, token_bytes=self.token_bytes)
+        kw.update(pipeline=self.train_step.pipeline, token_bytes=self.token_bytes, loss_chunks=self.loss_chunks)
         results = {
             name: (w, validation_loss(self.model, loader, max_batches=batches, **kw))
             for name, (w, loader) in self.val_loaders.items()

@@ -9,7 +9,9 @@ loop (:class:`titanlite.train.Trainer`) calls it, and so can any other loop::
         print(i + 1, result.loss_value)
 
 **The loss contract.** ``loss_fn(logits, labels)`` returns the *sum* of the per-token losses of a
-micro-batch. Each micro-batch's sum is divided once by the number of tokens in the whole optimizer
+micro-batch (or ``loss_fn`` is a :class:`~titanlite.output_loss.ChunkedLoss` around one: the model then returns
+hidden states and the loss applies the output layer a few tokens at a time, ``[training] loss_chunks``). Each
+micro-batch's sum is divided once by the number of tokens in the whole optimizer
 step (every micro-batch on every data-parallel rank) before ``backward``, and FSDP sums gradients
 over the data-parallel ranks instead of averaging them (:mod:`titanlite.parallel.fsdp`). So gradient
 accumulation and data parallelism give exactly the update of one big batch, and the logged
@@ -53,6 +55,7 @@ from torch import nn
 from titanlite import dtypes
 from titanlite.loss import cross_entropy_sum
 from titanlite.models.moe import MoEStep
+from titanlite.output_loss import ChunkedLoss, LogitsLoss, as_output_loss
 from titanlite.parallel.distributed import all_reduce_sum
 from titanlite.parallel.fsdp import is_fsdp
 from titanlite.parallel.grad_clip import WorldLayout, clip_coefficient, clip_grad_norm_, grad_square_sum, scale_grads_
@@ -145,7 +148,7 @@ class TrainStep:
         optimizer: torch.optim.Optimizer,
         lr_scheduler: Any = None,
         *,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | LogitsLoss | ChunkedLoss = cross_entropy_sum,
         grad_accum_steps: int = 1,
         max_norm: float = 1.0,
         parallel_dims: Any = None,
@@ -155,7 +158,10 @@ class TrainStep:
         count_unmasked: bool = False,
         stop_requested: Callable[[], bool] | None = None,
     ):
-        self.model, self.optimizer, self.lr_scheduler, self.loss_fn = model, optimizer, lr_scheduler, loss_fn
+        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
+        self.loss = as_output_loss(loss_fn)  # model outputs -> token-sum loss (its logits, or chunked)
+        if pipeline is None:  # a pipeline checks its last stage
+            self.loss.check(model)
         self.grad_accum_steps, self.max_norm, self.parallel_dims = grad_accum_steps, max_norm, parallel_dims
         self.device = device or next(model.parameters()).device
         self.pipeline = pipeline
@@ -193,9 +199,9 @@ class TrainStep:
             with loss_parallel_context(loss_parallel):
                 return self.pipeline.step(inputs, labels, extra, tokens)
         with loss_parallel_context(loss_parallel):  # vocab-sharded logits under TP
-            with self.autocast():
-                logits = self.model(inputs, **extra)
-            loss = self.loss_fn(logits, labels)
+            with self.autocast():  # the output layer too when chunked; the loss function runs without autocast
+                outputs = self.model(inputs, **extra, **self.loss.model_kwargs)
+                loss = self.loss(self.model, outputs, labels)
             (loss / tokens).backward()
         return to_local_value(loss.detach())
 

@@ -29,6 +29,7 @@ from torch import nn
 from titanlite import dtypes
 from titanlite.hooks import Hook, LoopState
 from titanlite.loss import cross_entropy_sum
+from titanlite.output_loss import output_loss
 from titanlite.parallel.distributed import all_reduce_sum
 from titanlite.parallel.float8 import float8_disabled
 from titanlite.parallel.tensor_parallel import loss_parallel_context, to_local_value
@@ -48,11 +49,13 @@ def validation_loss(
     autocast_dtype: torch.dtype | None = None,
     pipeline: Any = None,
     token_bytes: torch.Tensor | None = None,
+    loss_chunks: int = 0,
 ) -> dict[str, float]:
     """``{"val_loss", "val_perplexity"}`` over ``max_batches`` batches (None: all) of ``batches``; with
-    ``pipeline`` (a :class:`~titanlite.parallel.pipeline.Pipeline`) through its schedule's evaluation mode;
-    with ``token_bytes`` (the bytes of text each token id stands for, see
-    :func:`titanlite.tokenizer.token_byte_lengths`) also ``val_bpb``."""
+    ``pipeline`` (a :class:`~titanlite.parallel.pipeline.Pipeline`) through its schedule's evaluation mode
+    (chunked as its training loss); with ``token_bytes`` (the bytes of text each token id stands for, see
+    :func:`titanlite.tokenizer.token_byte_lengths`) also ``val_bpb``; ``loss_chunks``: the output layer and the
+    loss in that many pieces of tokens (:class:`~titanlite.output_loss.ChunkedLoss`), 0 from the logits."""
     device = device or next(model.parameters()).device
     dp_group = None if parallel_dims is None else parallel_dims.dp_group
     loss_parallel = getattr(parallel_dims, "loss_parallel_enabled", False)
@@ -63,6 +66,7 @@ def validation_loss(
     text_bytes = torch.zeros((), device=device, dtype=torch.int64)
     token_bytes = None if token_bytes is None else token_bytes.to(device)
     sums = functools.partial(loss_sums_of, token_bytes=token_bytes)
+    output_sums = output_loss(sums, loss_chunks, loss_parallel=loss_parallel)
     # islice stops without pulling one batch too many: every layout consumes the same windows
     for batch in batches if max_batches is None else itertools.islice(batches, max_batches):
         inputs, labels, extra = batch_to_device(batch, device)
@@ -71,8 +75,8 @@ def validation_loss(
                 loss_sums += pipeline.evaluate(inputs, labels, extra, sums)
             else:
                 with autocast:
-                    logits = model(inputs, **extra)
-                loss_sums += sums(logits, labels)
+                    outputs = model(inputs, **extra, **output_sums.model_kwargs)
+                    loss_sums += output_sums(model, outputs, labels)
         tokens += (labels != -100).sum()  # masked labels (chat data's non-assistant tokens) carry no loss
         if token_bytes is not None:
             text_bytes += bytes_of(token_bytes, labels).sum()

@@ -140,6 +140,7 @@ class Training:
     dataset: str = opt("embedded", "embedded (built-in text), shards (scripts/prepare_data.py) or text (raw files).")
     dataset_path: str = opt("", "Shard folder, or text/JSONL file or folder.", path=True)
     loss: str = opt("cross_entropy", "Loss by registered name: a token-sum fn (logits, labels) -> loss.")
+    loss_chunks: int = opt(8, "Output layer + loss in this many pieces of tokens, no full logits; 0 = off.", min=0)
     local_batch_size: int = opt(8, "Sequences per micro-batch on each data-parallel rank.", min=1)
     global_batch_size: int = opt(-1, "Sequences per optimizer step, all ranks; -1 = no accumulation.")
     mixture: list[dict] = opt(

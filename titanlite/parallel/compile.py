@@ -7,8 +7,15 @@
   the instance, so parameter names do not change (no ``_orig_mod.`` prefix in checkpoints) and
   FSDP2's hooks, registered on the block later, stay outside the graph. Compiling after AC
   traces the checkpoint closure as one higher-order op; compiling after TP traces the DTensor ops.
+  The modules around the blocks (:data:`END_MODULES`: the embedding and the final norm, where the
+  model, or its pipeline stage, has them; not a tensor-parallel embedding, whose sharded lookup this
+  torch fails to compile) are compiled the same way, so the step's forward and
+  backward run compiled code except for the output matmul (a plain GEMM) and the loop itself; no
+  compiled region has a graph break (``TORCH_LOGS=graph_breaks`` prints none; tested).
 - ``"loss"``: the loss function is compiled (the cross-entropy's log-softmax, gather and sum fuse
-  and the fp32 upcast of the logits is not materialized); not fullgraph.
+  and the fp32 upcast of the logits is not materialized); not fullgraph, so a registered loss that
+  breaks still runs. With ``[training] loss_chunks`` it is the loss of each piece
+  (:mod:`titanlite.output_loss`), called with the same shapes every time.
 
 With tensor parallelism the graphs contain collectives that name their process group, and in this
 torch version the AOTAutograd on-disk cache does not key on those names: a graph cached by an
@@ -31,6 +38,9 @@ import torch._functorch.config
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+# Modules of a decoder besides its blocks that "model" compiles, by attribute name (absent or None: skipped)
+END_MODULES = ("tok_embeddings", "norm")
+
 
 class CompilePolicy:
     def __init__(self, enable: bool = False, components: Sequence[str] = ("model", "loss")):
@@ -45,12 +55,18 @@ class CompilePolicy:
         return cls(section.enable, section.components)
 
     def apply(self, model: nn.Module) -> int:
-        """Compile every block of ``model.layers`` in place; returns how many."""
+        """Compile every block of ``model.layers``, and the :data:`END_MODULES` it has, in place; returns how many
+        blocks."""
         if not self.model:
             return 0
-        for block in model.layers.values():
-            on_dtensors = any(isinstance(p, DTensor) for p in block.parameters())  # TP applied
-            block.forward = compile_fn(block.forward, on_dtensors, fullgraph=True)
+        ends = [m for name in END_MODULES if (m := getattr(model, name, None)) is not None]
+        for module in [*model.layers.values(), *ends]:
+            on_dtensors = any(isinstance(p, DTensor) for p in module.parameters())  # TP applied
+            if on_dtensors and isinstance(module, nn.Embedding):
+                # the vocabulary-sharded lookup fails to compile in this torch ("Mixing fake modes"); a lookup
+                # gains nothing from compiling anyway
+                continue
+            module.forward = compile_fn(module.forward, on_dtensors, fullgraph=True)
         return len(model.layers)
 
     def compile_loss(self, fn: Callable, tensor_parallel: bool = False) -> Callable:

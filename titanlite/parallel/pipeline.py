@@ -21,7 +21,9 @@ PyTorch provides the stages (point-to-point sends of activations and gradients) 
    last stage only, as the token *sum* divided by the step's global token count (``scale_grads``
    off: the schedule must not divide by the microbatch count again), so gradient accumulation,
    data and pipeline parallelism all give the single-process update. The raw sums are kept so that
-   the trainer can share the true loss with every stage.
+   the trainer can share the true loss with every stage. With a chunked loss
+   (:class:`~titanlite.output_loss.ChunkedLoss`) the last stage returns hidden states and the loss
+   applies the stage's output layer to them.
 
 Torch infers the shapes a stage exchanges by running its forward once on one microbatch (with placeholder
 inputs on later stages) at the first step and at each switch between training and evaluation. Modules
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -55,6 +58,8 @@ from torch.distributed.pipelining.schedules import (
     _ComputationType,
 )
 
+from titanlite.dtypes import autocast
+from titanlite.output_loss import as_output_loss
 from titanlite.parallel.fsdp import is_fsdp
 from titanlite.parallel.tensor_parallel import to_local_value
 from titanlite.planner import (
@@ -315,15 +320,33 @@ class Pipeline:
         plan: PipelinePlan,
         group: Any,
         device: torch.device,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | Any,
         autocast_dtype: torch.dtype | None = None,
     ):
-        self.parts, self.plan, self.group, self.device, self.loss_fn = parts, plan, group, device, loss_fn
+        """``loss_fn``: a token-sum ``loss_fn(logits, labels)``, or a :class:`~titanlite.output_loss.ChunkedLoss`."""
+        self.parts, self.plan, self.group, self.device = parts, plan, group, device
         self.autocast_dtype = autocast_dtype if autocast_dtype not in (None, torch.float32) else None
         self.has_first, self.has_last = 0 in parts.stage_ids, plan.num_stages - 1 in parts.stage_ids
+        self.last_stage = parts.stages[parts.stage_ids.index(plan.num_stages - 1)] if self.has_last else None
+        self.output_loss = as_output_loss(loss_fn)
+        if self.last_stage is not None:  # it returns what the output loss takes: logits, or hidden states
+            self.output_loss.check(self.last_stage)
+            self.last_stage.forward = functools.partial(_forward_for, self.last_stage.forward, self)
+        self.loss_fn = self.bind(self.output_loss)  # (last stage's output, labels) -> token-sum loss
         self.schedule = self._schedule()
         self._eval_schedule = None
-        self._fn, self._divisor, self._sums = loss_fn, 1, []
+        self._fn, self._divisor, self._sums = self.loss_fn, 1, []
+
+    def bind(self, output_loss: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """``(last stage's output, labels) -> loss`` of ``output_loss`` (a chunked one applies the stage's output
+        layer, under the stage's autocast)."""
+        dtype = None if self.last_stage is None or is_fsdp(self.last_stage) else self.autocast_dtype
+
+        def loss(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            with autocast(self.device.type, dtype):
+                return output_loss(self.last_stage, outputs, labels)
+
+        return loss
 
     def _schedule(self, forward_only: bool = False) -> Any:
         plan = self.plan
@@ -373,12 +396,19 @@ class Pipeline:
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, extra: dict, loss_fn: Callable) -> torch.Tensor:
-        """Forward only, through the evaluation schedule; the summed ``loss_fn`` as for :meth:`step`."""
+        """Forward only, through the evaluation schedule; the summed ``loss_fn(logits, labels)`` as for :meth:`step`
+        (chunked like the training loss)."""
+        fn = self.bind(self.output_loss.with_fn(loss_fn))
         if self.plan.schedule not in V_SCHEDULES:  # torch re-infers the shapes at each switch to evaluation and back
-            return self._run(self.schedule.eval, inputs, labels, extra, loss_fn, 1)
+            return self._run(self.schedule.eval, inputs, labels, extra, fn, 1)
         if self._eval_schedule is None:
             self._eval_schedule = self._schedule(forward_only=True)
-        return self._run(self._eval_schedule.eval, inputs, labels, extra, loss_fn, 1)
+        return self._run(self._eval_schedule.eval, inputs, labels, extra, fn, 1)
+
+
+def _forward_for(forward: Callable, pipeline: Pipeline, *args: Any, **kwargs: Any) -> Any:
+    """The last stage's forward with the arguments its pipeline's output loss asks for (``return_hidden``)."""
+    return forward(*args, **kwargs, **pipeline.output_loss.model_kwargs)
 
 
 class _Stage(PipelineStage):

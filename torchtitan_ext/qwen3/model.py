@@ -120,7 +120,7 @@ class Qwen3Block(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    """``forward(tokens [B, S], document_ids=None, cache=None) -> logits [B, S, vocab]``."""
+    """``forward(tokens [B, S], document_ids=None, cache=None, return_hidden=False) -> logits [B, S, vocab]``."""
 
     def __init__(self, args: Qwen3ModelArgs):
         super().__init__()
@@ -153,8 +153,13 @@ class Qwen3Model(nn.Module):
             trunc_normal_(self.output.weight, a.dim**-0.5)
 
     def forward(
-        self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, cache: KVCache | None = None
+        self,
+        tokens: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        return_hidden: bool = False,
     ) -> torch.Tensor:
+        """``return_hidden``: the final norm's output ``[B, S, dim]`` instead of the logits (titanlite.output_loss)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # None: a later stage
         if tokens.shape[1] > self.rope_cache.shape[0]:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len {self.rope_cache.shape[0]}")
@@ -165,4 +170,7 @@ class Qwen3Model(nn.Module):
             rope, mask = cache.step(self.rope_cache, tokens.shape[1])
         for name, layer in self.layers.items():
             h = layer(h, rope, mask, cache=None if cache is None else cache.layer(name))
-        return self.output(self.norm(h)) if self.output is not None else h
+        if self.output is None:  # a pipeline stage before the last
+            return h
+        h = self.norm(h)
+        return h if return_hidden else self.output(h)

@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from titanlite.models.llama3.parallelize import apply_fsdp  # same groups: embedding, blocks, norm + output, root
+from titanlite.models.llama3.parallelize import apply_fsdp  # same groups: embedding, blocks, output, root
 from titanlite.models.llama3.parallelize import block_tp_plan as llama_block_tp_plan
 from titanlite.parallel.tensor_parallel import parallelize_decoder_ends
 

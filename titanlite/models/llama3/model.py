@@ -207,10 +207,16 @@ class Transformer(nn.Module):
             trunc_normal_(self.output.weight, self.args.dim**-0.5)
 
     def forward(
-        self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, cache: KVCache | None = None
+        self,
+        tokens: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        return_hidden: bool = False,
     ) -> torch.Tensor:
         """Logits ``[B, S, vocab]``; ``document_ids [B, S]`` is needed for ``block_causal`` masking.
         With a ``cache`` (generation, :mod:`titanlite.models.kv_cache`) ``tokens`` continue the cached ones.
+        ``return_hidden``: the final norm's output ``[B, S, dim]`` instead, for a caller that applies ``output``
+        itself (the chunked loss, :mod:`titanlite.output_loss`).
 
         A pipeline stage (see :func:`titanlite.parallel.pipeline.pipeline_decoder`) lacks the modules other
         stages hold: without ``tok_embeddings`` it takes hidden states, without ``output`` it returns them."""
@@ -224,7 +230,10 @@ class Transformer(nn.Module):
             rope, attn_mask = cache.step(self.rope_cache, tokens.shape[1])
         for name, layer in self.layers.items():
             h = layer(h, rope, attn_mask, cache=None if cache is None else cache.layer(name))
-        return self.output(self.norm(h)) if self.output is not None else h
+        if self.output is None:  # a pipeline stage before the last
+            return h
+        h = self.norm(h)
+        return h if return_hidden else self.output(h)
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -33,11 +33,12 @@ The steps run in this order, and the order matters:
 3. **Activation checkpointing** (``[activation_checkpoint]``): per block, after TP so recomputation
    includes the TP communication, before compile so the checkpoint is traced into the graph, and
    before FSDP so FSDP's all-gather/free hooks stay outside the checkpointed region.
-4. **torch.compile** (``[compile]``): per block, on the final block code (float8 + TP + AC), and
-   before FSDP, whose hooks must stay outside the compiled graph.
+4. **torch.compile** (``[compile]``): per block (and the embedding and final norm), on the final
+   block code (float8 + TP + AC), and before FSDP, whose hooks must stay outside the compiled graph.
 5. **FSDP2** (``data_parallel_shard_degree`` / ``_replicate_degree``): ``fully_shard`` bottom-up,
-   one group per block, ``tok_embeddings`` alone, ``norm`` + ``output`` together (the last group,
-   not resharded after forward by default since backward needs it first), then the root. A tied
+   one group per block, ``tok_embeddings`` alone, ``output`` alone (the last group, not resharded
+   after forward by default since backward needs it first; alone so that the chunked loss can run as
+   its forward, see ``titanlite.output_loss``), then the root with the final norm. A tied
    embedding/output is one tensor, so then embedding, norm and output form the root's group. HSDP
    when the replicate degree is above 1. Gradients are *summed* over data-parallel ranks
    (see ``titanlite.parallel.fsdp``). Last, because it wraps everything above.
@@ -77,7 +78,7 @@ def parallelize_llama(model: nn.Module, parallel_dims, policies) -> nn.Module:
     if checkpointed := policies.activation_checkpoint.apply(model):
         logger.info("activation checkpointing %s on blocks %s", policies.activation_checkpoint, ",".join(checkpointed))
     if policies.compile.apply(model):
-        logger.info("compiled each transformer block (fullgraph)")
+        logger.info("compiled each transformer block, the embedding and the final norm (fullgraph)")
     if (fsdp := policies.fsdp(parallel_dims)) is not None:
         apply_fsdp(model, fsdp)
         kind, dtypes = "HSDP" if parallel_dims.hsdp_enabled else "FSDP", (policies.param_dtype, policies.reduce_dtype)
@@ -136,5 +137,5 @@ def apply_fsdp(model: nn.Module, policy: FSDPPolicy) -> None:
     for block in model.layers.values():
         policy.shard(block)
     if not tied and model.output is not None:  # None: an earlier pipeline stage
-        policy.shard([model.norm, model.output], last=True)
+        policy.shard(model.output, last=True)  # the norm goes to the root group
     policy.finish(model)

@@ -1,0 +1,110 @@
+"""The chunked output layer + loss side by side: peak memory and step time for several ``[training] loss_chunks``.
+
+    python scripts/bench_loss_chunks.py [--chunks 0,2,4,8,16] [--repeats 2] [--warmup 1] [--steps 3] \
+        [--json-out FILE] [config and --section.key overrides]
+
+Each setting is one ``scripts/bench.py`` run in its own process (peak RSS is per process on CPU; on CUDA the
+peak allocated memory), through the real Trainer; the settings alternate order between repeats (a shared
+machine's speed drifts), and the table gives the median over repeats and the ratio to ``loss_chunks = 0``.
+Besides the timed steps' wall time it reports the CPU time (user + system) of the whole run, start-up and
+warm-up included: on a CPU shared with other jobs, wall time mostly measures the others' load.
+The config defaults to the debug model at Llama 3's vocabulary, checkpoints off::
+
+    --config train_configs/debug_model.toml --model.vocab_size 128256 --checkpoint.enable false
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent / "bench.py"
+DEFAULT_CONFIG = ["--config", "train_configs/debug_model.toml", "--model.vocab_size", "128256"]
+QUIET = ["--checkpoint.enable", "false", "--metrics.enable_tensorboard", "false"]
+
+
+def run(chunks: int, args: argparse.Namespace, config: list[str], timeout: float) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, str(SCRIPT), "--warmup", str(args.warmup), "--steps", str(args.steps)]
+        cmd += ["--json-out", str(out), *config, *QUIET, "--job.dump_folder", tmp]
+        cmd += ["--training.loss_chunks", str(chunks)]
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        if proc.returncode != 0:
+            raise SystemExit(f"loss_chunks={chunks}: bench.py failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+        return {**json.loads(out.read_text()), "run_cpu_s": cpu_s}
+
+
+def table(results: dict[int, list[dict]]) -> tuple[list[dict], str]:
+    """Per setting the medians over repeats and the ratios to the first setting (``loss_chunks = 0`` first)."""
+    rows, base = [], None
+    for chunks, runs in results.items():
+        row = {
+            "loss_chunks": chunks,
+            "peak_memory_gib": statistics.median(r["peak_memory_gib"] for r in runs),
+            "step_time_s": statistics.median(r["step_time_s"] for r in runs),
+            "run_cpu_s": statistics.median(r["run_cpu_s"] for r in runs),
+            "loss_last": runs[-1]["loss_last"],
+            "runs": len(runs),
+        }
+        base = base or row
+        row["memory_vs_first"] = row["peak_memory_gib"] / base["peak_memory_gib"]
+        row["step_time_vs_first"] = row["step_time_s"] / base["step_time_s"]
+        row["run_cpu_vs_first"] = row["run_cpu_s"] / base["run_cpu_s"]
+        rows.append(row)
+    lines = [
+        "| loss_chunks | peak memory (GiB) | vs first | step time (s) | vs first | CPU time per run (s) | vs first "
+        "| last loss |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['loss_chunks']} | {r['peak_memory_gib']:.2f} | {r['memory_vs_first']:.2f} | "
+            f"{r['step_time_s']:.2f} | {r['step_time_vs_first']:.2f} | {r['run_cpu_s']:.1f} | "
+            f"{r['run_cpu_vs_first']:.2f} | {r['loss_last']:.4f} |"
+        )
+    return rows, "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--chunks", default="0,2,4,8,16", help="comma-separated loss_chunks settings, first = base")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each setting, alternating the order")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps of each run")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps of each run")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per run")
+    parser.add_argument("--json-out", default="", help="also write the rows (JSON) to this file")
+    args, config = parser.parse_known_args(argv)
+    settings = [int(c) for c in args.chunks.split(",")]
+    if args.repeats < 1 or args.steps < 1 or args.warmup < 0 or min(settings) < 0:
+        parser.error("--repeats and --steps must be >= 1, --warmup and every chunk count >= 0")
+    config = config or DEFAULT_CONFIG
+    results: dict[int, list[dict]] = {c: [] for c in settings}
+    for repeat in range(args.repeats):
+        for chunks in settings if repeat % 2 == 0 else reversed(settings):
+            results[chunks].append(run(chunks, args, config, args.timeout))
+            r = results[chunks][-1]
+            print(
+                f"loss_chunks={chunks}: {r['peak_memory_gib']:.2f} GiB, {r['step_time_s']:.2f} s/step, "
+                f"run CPU {r['run_cpu_s']:.1f} s",
+                flush=True,
+            )
+    rows, text = table(results)
+    device = next(iter(results.values()))[0]["device"]
+    print(f"\n{device}, {' '.join(config)}, median of {args.repeats}\n{text}")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(rows) + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
