@@ -325,6 +325,10 @@ def loop_with_build_training(code: str) -> str:
     lines = code.splitlines(keepends=True)
     first = next(i for i, line in enumerate(lines) if line.startswith("args = model_args_for("))
     last = next(i for i, line in enumerate(lines) if line.startswith("step = TrainStep("))
+    statement = lines[last]
+    while statement.count("(") > statement.count(")"):  # a statement over several lines: to its closing ")"
+        last += 1
+        statement += lines[last]
     loader = "".join(lines[first : last + 1])
     loader = loader[loader.index("loader = build_dataloader(") : loader.index("accum = ")]
     return "".join(lines[:first]) + BUILD + loader + "".join(lines[last + 1 :])
