@@ -83,7 +83,7 @@ def save_step_folder(model: Transformer, path: Path) -> Path:
             "model_only": True,
             "dtype": "float32",
             "model": {"name": "llama3", "flavor": None, "args": dataclasses.asdict(model.args)},
-            "tokenizer": {"bos_id": 1, "eos_id": 2},
+            "tokenizer": {"bos_id": 256, "eos_id": 257},  # the built-in byte tokenizer's ids
         },
     )
     return path
@@ -152,11 +152,11 @@ def test_dcp_to_hf_loads_in_transformers_with_matching_logits(case, tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["torch_dtype"] == "float32"
     assert config["tie_word_embeddings"] == args.tie_word_embeddings and config["rope_theta"] == args.rope_theta
-    assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
+    assert (config["bos_token_id"], config["eos_token_id"]) == (256, 257)
     assert config["num_key_value_heads"] == args.kv_heads and config["intermediate_size"] == args.ffn_hidden_dim
     if args.rope_scaling_factor:
         assert config["rope_scaling"]["rope_type"] == "llama3" and config["rope_scaling"]["factor"] == 8.0
-    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 257
     weights = hf_files(out)
     assert "lm_head.weight" in weights  # written for tied models too
     with torch.no_grad():
