@@ -69,6 +69,7 @@ from titanlite.data.shards import (
     write_shard_flat,
 )
 from titanlite.data.sources import FORMATS, TXT_SPLITS, iter_file_documents, list_files
+from titanlite.fsio import one_line
 from titanlite.tokenizer import build_tokenizer
 
 STATE = "prepare_state.json"
@@ -559,7 +560,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _error(e: object) -> None:
-    msg = " ".join(str(e).split()) or type(e).__name__
+    msg = one_line(e) or type(e).__name__
     print(f"prepare_data: error: {msg}", file=sys.stderr)
 
 
