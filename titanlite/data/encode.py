@@ -54,6 +54,9 @@ class ParallelEncoder(contextlib.AbstractContextManager):
     arguments are not pickled under "fork"), other start methods rebuild it from ``tokenizer.path``;
     see :func:`default_start_method`. ``submit`` returns a ``concurrent.futures.Future``; results are
     exactly what the in-process path produces, so the worker count never changes the output.
+
+    Processes, not tiktoken's ``encode_ordinary_batch(num_threads=2)``: on prepare's chunks of the shared corpus
+    (cl100k, 1.35M tokens, 2 shared cores) 2 workers gave 1.49x one process, 2 threads 1.04x (0.70x the pool).
     """
 
     def __init__(self, tokenizer: Tokenizer, dtype: np.dtype, workers: int = 1, start_method: str | None = None):
