@@ -1,12 +1,14 @@
 """titanlite's import layers: ``config`` imports nothing from titanlite (but ``nesting``, the JSON/TOML parsing guard,
-a leaf that imports nothing), no module imports one of a
+and ``fsio``, leaves that import nothing from titanlite), no module imports one of a
 higher layer, and there are no import cycles. Imports inside functions count too (they are read
 from the source, as ``../shared/tools/import_graph.py --all`` reads them).
 
 Layers, lowest first (a module may import its own layer or lower ones):
 
 0. leaves: ``config``, ``components``, ``hooks``, ``dtypes``, ``extensions``, ``tokenizer`` (with ``hf_tokenizer``,
-   ``hf_regex``), ``planner``, ``run_lock``, ``nesting``
+   ``hf_regex``), ``planner``, ``run_lock``, ``nesting``, ``fsio`` (atomic writes, ``one_line``),
+   ``_torch_compat`` (every private torch API titanlite uses); ``fsio`` and ``_torch_compat`` import nothing
+   from titanlite
 1. ``parallel``: policies, mesh, FSDP/TP/AC/compile/float8, ``build_parallel_model``; and ``loss``, ``output_loss``
 2. ``models``: the registry and the families (a family's parallelize plan is built from ``parallel``)
 3. ``data`` (``data.chat``: the chat template, used by ``generate`` and ``sampling``),
@@ -37,6 +39,8 @@ LAYERS = [
         "titanlite.planner",
         "titanlite.run_lock",
         "titanlite.nesting",
+        "titanlite.fsio",
+        "titanlite._torch_compat",
     ),
     ("titanlite.parallel", "titanlite.loss", "titanlite.output_loss"),
     ("titanlite.models",),
@@ -61,6 +65,7 @@ LAYERS = [
     ),
     ("titanlite.train", "titanlite.dry_run"),
 ]
+LEAVES = ("titanlite.nesting", "titanlite.fsio", "titanlite._torch_compat")
 
 
 def modules() -> dict[str, Path]:
@@ -116,9 +121,14 @@ def test_config_imports_nothing_from_titanlite():
         m: sorted(t)
         for m, t in edges.items()
         if m.startswith("titanlite.config")
-        and any(not x.startswith("titanlite.config") for x in t - {"titanlite.nesting"})
+        and any(not x.startswith("titanlite.config") for x in t - {"titanlite.nesting", "titanlite.fsio"})
     }
     assert not bad, bad
+
+
+def test_the_low_level_helpers_import_nothing_from_titanlite():
+    edges = graph()
+    assert {m: sorted(edges[m]) for m in LEAVES if edges[m]} == {}
 
 
 def test_no_module_imports_a_higher_layer():

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from titanlite import _torch_compat
+
 GB = 1e9
 
 
@@ -70,10 +72,7 @@ def _local_numel_fn(global_mesh_names: tuple[str, ...]) -> Callable:
     """``fn(param, global_coord) -> local numel`` for a (DTensor or plain) parameter."""
     from torch.distributed.tensor import DTensor
 
-    try:
-        from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset as local_shape
-    except ImportError:  # pragma: no cover - private helper moved
-        local_shape = None
+    local_shape = _torch_compat.local_shape_fn()
 
     cache: dict = {}
 
@@ -142,9 +141,7 @@ def dry_run(cfg, world_size: int | None = None, out: Callable[[str], None] = pri
     if world_size > 1:
         if dist.is_available() and dist.is_initialized():
             raise RuntimeError("dry run: a process group already exists in this process; run the dry run on its own")
-        from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
-        dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+        dist.init_process_group("fake", rank=0, world_size=world_size, store=_torch_compat.fake_store())
     try:
         dims.build_mesh("cpu")
         dims.check_tp_divides(**{"training.seq_len (sequence parallelism)": t.seq_len})

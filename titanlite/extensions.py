@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterable
 
+from titanlite.fsio import one_line
+
 
 def load_extensions(names: Iterable[str]) -> list[str]:
     """Import each module (idempotent); ``ValueError`` naming the module when one fails."""
@@ -20,7 +22,7 @@ def load_extensions(names: Iterable[str]) -> list[str]:
         try:
             importlib.import_module(name)
         except Exception as e:  # ImportError, or an error raised while registering
-            msg = " ".join(str(e).split())
+            msg = one_line(e)
             raise ValueError(f"job.extensions: cannot import {name!r} ({type(e).__name__}: {msg})") from e
         except SystemExit as e:  # a module that exits while imported: the run would end with no word of why
             raise ValueError(f"job.extensions: importing {name!r} called sys.exit({e.code!r})") from None

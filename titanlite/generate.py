@@ -62,6 +62,7 @@ from torch.distributed.tensor import DTensor
 from titanlite.checkpoint.load_model import load_model
 from titanlite.data.chat import chat_prompt_ids, special_id
 from titanlite.dtypes import DTYPES
+from titanlite.fsio import one_line
 from titanlite.models.kv_cache import KVCache, supports_cache
 
 logger = logging.getLogger(__name__)
@@ -468,7 +469,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         a = _parser().parse_args(argv)
         records = _run(a)
     except (ValueError, OSError) as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return 2
     for i, r in enumerate(records):
         if a.json:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from titanlite import _torch_compat
 from titanlite.hooks import Hook
 
 logger = logging.getLogger("titanlite.profiling")
@@ -62,7 +63,7 @@ class Profiler:
             freq = cfg.profile_freq
             logger.info("profiling: traces of steps %d..N every %d steps to %s", freq, freq, self.trace_dir)
         if cfg.enable_memory_snapshot and device.type == "cuda":
-            torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
+            _torch_compat.record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
             self._snapshots_on = True
             logger.info("profiling: CUDA memory snapshots every %d steps to %s", cfg.profile_freq, self.snapshot_dir)
         elif cfg.enable_memory_snapshot:
@@ -99,7 +100,7 @@ class Profiler:
             self._prof.stop()
             self._prof = None
         if self._snapshots_on:
-            torch.cuda.memory._record_memory_history(enabled=None)
+            _torch_compat.record_memory_history(enabled=None)
             self._snapshots_on = False
 
 

@@ -21,6 +21,8 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+from titanlite.fsio import atomic_write
+
 RUN_ID_FILE = "wandb_run_id"
 
 
@@ -49,9 +51,7 @@ class WandbLogger:
         self.resumed = bool(run_id)
         if not run_id:
             run_id = secrets.token_hex(8)
-            tmp = id_file.with_name(f".{RUN_ID_FILE}.tmp")
-            tmp.write_text(run_id + "\n", encoding="utf-8")
-            os.replace(tmp, id_file)
+            atomic_write(id_file, run_id + "\n", fsync=False, hidden_tmp=True)
         self.run = self.wandb.init(
             project=section.wandb_project,
             name=section.wandb_run_name or None,

@@ -79,6 +79,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from titanlite import _torch_compat
 from titanlite.checkpoint import codec, hf, layout, safe_load
 from titanlite.checkpoint.safe_load import one_line
 from titanlite.checkpoint.state import RNGState
@@ -394,11 +395,7 @@ class CheckpointManager:
     def load(self) -> int | None:
         """Carry out the plan; returns the step resumed from (None when nothing was resumed)."""
         for k, v in self.per_rank.items():
-            if (
-                isinstance(v[0], StatefulDataLoader)
-                and v[0]._iterator is not None
-                and not v[0]._initial_iter_for_state_dict
-            ):
+            if isinstance(v[0], StatefulDataLoader) and _torch_compat.loader_is_iterating(v[0]):
                 raise RuntimeError(
                     f"CheckpointManager.load(): the data loader {k!r} is already being iterated, so "
                     "its saved position would not reach that iterator; load before iter(loader)"
@@ -635,7 +632,7 @@ class CheckpointManager:
             use_non_blocking_copy=cuda,
         )
         stager = DefaultStager(options)
-        executor = getattr(stager, "_staging_executor", None)
+        executor = _torch_compat.staging_executor(stager)
         if cuda and executor is not None:
             # A new thread starts on CUDA device 0; leaving the staging stream's context there would make a
             # CUDA context on GPU 0 for every rank, so the staging thread is put on this rank's device first.

@@ -35,10 +35,11 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from titanlite import _torch_compat
 
 METADATA_FILE = ".metadata"
 _DCP_MODULES = ("torch.distributed.checkpoint.", "torch.distributed._shard.")  # older torch kept records here
@@ -149,7 +150,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         except Exception as e:
             raise ValueError(f"checkpoint item {fqn} is unreadable ({one_line(e)})") from None
         if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[fqn], obj)
+            _torch_compat.set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj
 

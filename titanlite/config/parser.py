@@ -27,6 +27,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from titanlite.config.sections import ConfigError, JobConfig
+from titanlite.fsio import one_line
 from titanlite.nesting import loads_toml
 
 ModelSchema = Callable[[JobConfig], type]  # cfg -> the args dataclass of cfg.model.name, or ConfigError
@@ -432,7 +433,7 @@ def format_help(prog: str = _DEFAULT_PROG, model_schema: ModelSchema | None = No
             fields = _keys(args_cls)
             title = f"{cfg.model.name} args fields ({args_cls.__name__}; flavors set their own)"
         except Exception as e:  # the family cannot be imported: say so, help still works
-            why = f" ({cfg.model.name} args fields unavailable: {type(e).__name__}: {' '.join(str(e).split())})"
+            why = f" ({cfg.model.name} args fields unavailable: {type(e).__name__}: {one_line(e)})"
     note = "Any field of the model family's args dataclass is also accepted, as a [model] key or --model.<field>; "
     note += f"it overrides the flavor (stored in model.overrides).{why}"
     return _parser(fields, prog, (note, title)).format_help()
@@ -455,7 +456,7 @@ def parse_args_or_exit(
 def exit_with_error(error: object, code: int = 2, every_rank: bool = False) -> NoReturn:
     """Print ``error: <one line>`` on stderr and exit with ``code``: under torchrun only local rank 0 of each node
     (every rank parses the same command line), or with ``every_rank`` each rank, prefixed ``rank N:``."""
-    msg = " ".join(str(error.args[0] if isinstance(error, KeyError) and error.args else error).split())
+    msg = one_line(error.args[0] if isinstance(error, KeyError) and error.args else error)
     rank, world = os.environ.get("RANK"), int(os.environ.get("WORLD_SIZE", "1") or 1)
     if every_rank:
         sys.stderr.write(f"error: {f'rank {rank}: ' if rank is not None and world > 1 else ''}{msg}\n")

@@ -43,7 +43,7 @@ import re
 import stat
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TextIO
@@ -69,6 +69,7 @@ from titanlite.data.shards import (
     write_shard_flat,
 )
 from titanlite.data.sources import FORMATS, TXT_SPLITS, iter_file_documents, list_files
+from titanlite.fsio import one_line
 from titanlite.tokenizer import build_tokenizer
 
 STATE = "prepare_state.json"
@@ -256,6 +257,155 @@ def _why_not_resumable(state: dict, old_state: dict | None) -> str:
     return f"was prepared with different {', '.join(diff)} (see {STATE})"
 
 
+def _sayer(log: TextIO | None) -> Callable[[str], None]:
+    def say(msg: str) -> None:
+        if log is not None:
+            print(f"prepare_data: {msg}", file=log, flush=True)
+
+    return say
+
+
+def _check_settings(inputs: list, val_fraction: float, workers: int, shard_tokens: int, fmt: str, txt: str) -> None:
+    for bad, msg in (
+        (not inputs, "no --input given"),
+        (not 0.0 <= val_fraction <= 1.0, f"--val-fraction must be in [0, 1], got {val_fraction}"),
+        (workers < 1, f"--workers must be >= 1, got {workers}"),
+        (shard_tokens < 1, f"--shard-tokens must be >= 1, got {shard_tokens}"),
+        (fmt not in (*FORMATS, "chat"), f"unknown file format {fmt!r} (choose from {', '.join(FORMATS)}, chat)"),
+        (txt not in TXT_SPLITS, f"unknown --txt-split {txt!r} (choose from {', '.join(TXT_SPLITS)})"),
+    ):
+        if bad:
+            raise ValueError(msg)
+
+
+def _resume(out: Path, state: dict, overwrite: bool, say: Callable[[str], None]) -> dict[str, list[dict]]:
+    """The resume step: refuse a folder that cannot be resumed (or, with ``overwrite``, delete what prepare_data
+    wrote there), record ``state``, and return each split's leading shards that are kept."""
+    known = _known_shards(out)
+    _refuse_strays(out, known)  # before anything is deleted or written
+    old_files = _our_files(out, known)
+    try:
+        old_state = json.loads((out / STATE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        old_state = None
+    old_state = old_state if isinstance(old_state, dict) else None
+    if old_files and old_state != state:
+        if not overwrite:
+            why = _why_not_resumable(state, old_state)
+            raise ValueError(f"{out}: {why}; use --overwrite to start over or choose another --output")
+        say(f"--overwrite: deleting the {len(old_files)} files prepare_data wrote in {out}")
+        for p in old_files:
+            p.unlink()
+        known = {}
+    write_json_atomic(out / STATE, state)
+    kept = {s: _existing_prefix(out, s, known) for s in SPLITS}
+    if n_kept := sum(len(v) for v in kept.values()):
+        say(
+            f"resuming: keeping {n_kept} finished shards "
+            f"({', '.join(f'{s} {len(kept[s])}' for s in SPLITS)}); skipping their documents"
+        )
+    return kept
+
+
+class _Progress:
+    """The encoding step's counts and its progress lines (every ``interval`` seconds; never when negative)."""
+
+    def __init__(self, total_bytes: int, say: Callable[[str], None], interval: float):
+        self.total_bytes, self.say, self.interval = total_bytes, say, interval
+        self.t0 = self.last = time.monotonic()
+        self.docs = self.skipped = self.tokens = 0
+        self.bytes_read = 0  # input bytes read so far
+        self.bytes_done = 0  # input bytes whose documents are tokenized (or skipped)
+
+    def tick(self, pending: bool) -> None:
+        now = time.monotonic()
+        if self.interval >= 0 and now - self.last >= self.interval:
+            self.last = now
+            self.report(pending)
+
+    def report(self, pending: bool = False, final: bool = False) -> None:
+        el = max(time.monotonic() - self.t0, 1e-9)
+        done = self.bytes_done if pending else self.bytes_read
+        frac = done / self.total_bytes if self.total_bytes else 1.0
+        eta = "" if final or frac <= 0 else f", ETA {_fmt_time(el * (1 - frac) / frac)}"
+        skipped = f" (+{self.skipped:,} skipped)" if self.skipped else ""
+        self.say(
+            f"{self.docs:,} docs{skipped}, {self.tokens:,} tokens, {self.tokens / el:,.0f} tokens/s, "
+            f"{100 * frac:.1f}% of {self.total_bytes / 1e6:,.1f} MB{eta}"
+            + (f", done in {_fmt_time(el)}" if final else "")
+        )
+
+
+class _Tasks:
+    """Documents batched into tasks for the encoder's worker processes (``CHUNK_CHARS``/``CHUNK_DOCS`` each, at
+    most ``max_pending`` in flight); finished tasks go, in input order, to their splits' writers."""
+
+    def __init__(self, encoder: ParallelEncoder, writers: dict, progress: _Progress, max_pending: int):
+        self.encoder, self.writers, self.progress, self.max_pending = encoder, writers, progress, max_pending
+        self.pending: collections.deque = collections.deque()
+        self.chunk: list[tuple[str, str]] = []  # (split, text) of the documents of the next task
+        self.chunk_chars = 0
+
+    def add(self, split: str, text: str) -> None:
+        self.chunk.append((split, text))
+        self.chunk_chars += len(text)
+        if self.chunk_chars >= CHUNK_CHARS or len(self.chunk) >= CHUNK_DOCS:
+            self.submit()
+
+    def submit(self) -> None:
+        if self.chunk:
+            splits, texts = zip(*self.chunk)
+            self.pending.append((splits, self.encoder.submit(list(texts)), self.progress.bytes_read))
+            self.chunk, self.chunk_chars = [], 0
+        while len(self.pending) > self.max_pending:
+            self.consume_one()
+
+    def consume_one(self) -> None:
+        splits, result, self.progress.bytes_done = self.pending.popleft()
+        flat, lengths = result.result()
+        for split, doc in zip(splits, np.split(flat, np.cumsum(lengths)[:-1])):
+            self.writers[split].add(doc)
+        self.progress.docs += len(splits)
+        self.progress.tokens += int(flat.size)
+
+    def finish(self) -> None:
+        self.submit()
+        while self.pending:
+            self.consume_one()
+
+
+def _add_texts(files: list[Path], sizes: list[int], tasks: _Tasks, skip: dict, val_fraction: float, *read) -> None:
+    """The encoding step for text: every document of ``files`` to its split (by hash), skipping the first
+    ``skip[split]`` of each split (kept shards hold them); ``read``: iter_file_documents' reading options."""
+    progress, done_before = tasks.progress, 0
+    for f, size in zip(files, sizes):
+        for text, pos in iter_file_documents(f, *read):
+            progress.bytes_read = done_before + min(pos, size)
+            split = split_of(text, val_fraction)
+            if skip[split] > 0:
+                skip[split] -= 1
+                progress.skipped += 1
+            else:
+                tasks.add(split, text)
+            progress.tick(bool(tasks.pending))
+        done_before += size
+        progress.bytes_read = done_before
+    tasks.finish()
+
+
+def _summarize(out: Path, manifest: dict, n_kept: int, val_fraction: float, say: Callable[[str], None]) -> None:
+    t, written = manifest["totals"], len(manifest["shards"]) - n_kept
+    per_split = (f"{s} {t[s]['docs']:,} docs / {t[s]['tokens']:,} tokens in {t[s]['shards']} shards, " for s in SPLITS)
+    say(f"wrote {written} shards (kept {n_kept}): {''.join(per_split)}dtype {manifest['dtype']} -> {out / MANIFEST}")
+    if val_fraction > 0 and t["val"]["docs"] == 0:
+        say(
+            f"warning: the val split is empty ({t['train']['docs']} documents in all); "
+            f"a plain-text file is one document: try --txt-split paragraphs or more documents"
+        )
+    if t["train"]["docs"] == 0:
+        say("warning: the train split is empty")
+
+
 def prepare(
     inputs: str | os.PathLike | Sequence[str | os.PathLike],
     output: str | os.PathLike,
@@ -273,28 +423,13 @@ def prepare(
 ) -> dict:
     """Tokenize ``inputs`` into shards under ``output``; returns the manifest (also written to disk).
 
+    Three steps: resume (:func:`_resume`: what an earlier run left), encoding (:func:`_add_texts` through the
+    worker pool, or :func:`_add_conversations`, into one :class:`_SplitWriter` per split), manifest.
     Raises one-line ``ValueError`` (bad input/settings) or ``ImportError`` (missing optional package).
     """
-    if isinstance(inputs, (str, os.PathLike)):
-        inputs = [inputs]
-    for bad, msg in (
-        (not inputs, "no --input given"),
-        (not 0.0 <= val_fraction <= 1.0, f"--val-fraction must be in [0, 1], got {val_fraction}"),
-        (workers < 1, f"--workers must be >= 1, got {workers}"),
-        (shard_tokens < 1, f"--shard-tokens must be >= 1, got {shard_tokens}"),
-        (
-            file_format not in (*FORMATS, "chat"),
-            f"unknown file format {file_format!r} (choose from {', '.join(FORMATS)}, chat)",
-        ),
-        (txt_split not in TXT_SPLITS, f"unknown --txt-split {txt_split!r} (choose from {', '.join(TXT_SPLITS)})"),
-    ):
-        if bad:
-            raise ValueError(msg)
-
-    def say(msg: str) -> None:
-        if log is not None:
-            print(f"prepare_data: {msg}", file=log, flush=True)
-
+    inputs = [inputs] if isinstance(inputs, (str, os.PathLike)) else inputs
+    _check_settings(inputs, val_fraction, workers, shard_tokens, file_format, txt_split)
+    say = _sayer(log)
     inputs = [Path(p).expanduser() for p in inputs]  # a leading ~ is the home folder (also in --input=~/x)
     files = list_files(inputs)
     if not files:
@@ -319,103 +454,19 @@ def prepare(
         "txt_split": txt_split,
     }
     stats = [{"path": str(f.resolve()), "bytes": s, "mtime_ns": f.stat().st_mtime_ns} for f, s in zip(files, sizes)]
-    state = {"settings": settings, "tokenizer": tok_info, "dtype": dtype, "input_files": stats}
-    known = _known_shards(out)
-    _refuse_strays(out, known)  # before anything is deleted or written
-    old_files = _our_files(out, known)
-    try:
-        old_state = json.loads((out / STATE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        old_state = None
-    old_state = old_state if isinstance(old_state, dict) else None
-    if old_files and old_state != state:
-        if not overwrite:
-            why = _why_not_resumable(state, old_state)
-            raise ValueError(f"{out}: {why}; use --overwrite to start over or choose another --output")
-        say(f"--overwrite: deleting the {len(old_files)} files prepare_data wrote in {out}")
-        for p in old_files:
-            p.unlink()
-        known = {}
-    write_json_atomic(out / STATE, state)
-
-    kept = {s: _existing_prefix(out, s, known) for s in SPLITS}
+    kept = _resume(
+        out, {"settings": settings, "tokenizer": tok_info, "dtype": dtype, "input_files": stats}, overwrite, say
+    )
     skip = {s: sum(e["docs"] for e in kept[s]) for s in SPLITS}
-    n_kept = sum(len(v) for v in kept.values())
-    if n_kept:
-        say(
-            f"resuming: keeping {n_kept} finished shards "
-            f"({', '.join(f'{s} {len(kept[s])}' for s in SPLITS)}); skipping their documents"
-        )
     chat = file_format == "chat"
     writers = {s: _SplitWriter(out, s, dtype, shard_tokens, kept[s], chat) for s in SPLITS}
 
-    total_bytes = sum(sizes)
-    t0 = last = time.monotonic()
-    n_docs = n_skipped = n_tokens = 0
-    bytes_read = 0  # input bytes read so far
-    bytes_done = 0  # input bytes whose documents are tokenized (or skipped)
-
-    def report(final: bool = False) -> None:
-        el = max(time.monotonic() - t0, 1e-9)
-        done = bytes_done if pending else bytes_read
-        frac = done / total_bytes if total_bytes else 1.0
-        eta = "" if final or frac <= 0 else f", ETA {_fmt_time(el * (1 - frac) / frac)}"
-        skipped = f" (+{n_skipped:,} skipped)" if n_skipped else ""
-        say(
-            f"{n_docs:,} docs{skipped}, {n_tokens:,} tokens, {n_tokens / el:,.0f} tokens/s, "
-            f"{100 * frac:.1f}% of {total_bytes / 1e6:,.1f} MB{eta}" + (f", done in {_fmt_time(el)}" if final else "")
-        )
-
-    pending: collections.deque = collections.deque()
-    max_pending = 2 * workers + 1
-
-    def consume_one() -> None:
-        nonlocal n_docs, n_tokens, bytes_done
-        splits, result, bytes_done = pending.popleft()
-        flat, lengths = result.result()
-        for split, doc in zip(splits, np.split(flat, np.cumsum(lengths)[:-1])):
-            writers[split].add(doc)
-        n_docs += len(splits)
-        n_tokens += int(flat.size)
-
+    progress = _Progress(sum(sizes), say, progress_interval)
     if chat:  # rendering is cheap next to BPE on long text: one process
-        n_docs, n_skipped, n_tokens = _add_conversations(files, tok, val_fraction, skip, writers)
-        bytes_read = total_bytes
+        _add_conversations(files, tok, val_fraction, skip, writers, progress)
     with ParallelEncoder(tok, np.dtype(dtype), 1 if chat else workers) as encoder:
-        chunk: list[tuple[str, str]] = []  # (split, text) of the documents of the next task
-        chunk_chars = 0
-
-        def submit() -> None:
-            nonlocal chunk, chunk_chars
-            if chunk:
-                splits, texts = zip(*chunk)
-                pending.append((splits, encoder.submit(list(texts)), bytes_read))
-                chunk, chunk_chars = [], 0
-            while len(pending) > max_pending:
-                consume_one()
-
-        done_before = 0
-        for f, size in zip([] if chat else files, sizes):
-            for text, pos in iter_file_documents(f, text_field, file_format, txt_split):
-                bytes_read = done_before + min(pos, size)
-                split = split_of(text, val_fraction)
-                if skip[split] > 0:
-                    skip[split] -= 1
-                    n_skipped += 1
-                else:
-                    chunk.append((split, text))
-                    chunk_chars += len(text)
-                    if chunk_chars >= CHUNK_CHARS or len(chunk) >= CHUNK_DOCS:
-                        submit()
-                now = time.monotonic()
-                if progress_interval >= 0 and now - last >= progress_interval:
-                    last = now
-                    report()
-            done_before += size
-            bytes_read = done_before
-        submit()
-        while pending:
-            consume_one()
+        tasks = _Tasks(encoder, writers, progress, max_pending=2 * workers + 1)
+        _add_texts([] if chat else files, sizes, tasks, skip, val_fraction, text_field, file_format, txt_split)
     if any(skip.values()):
         raise ValueError(
             f"{out}: existing shards hold more documents than the inputs "
@@ -427,35 +478,25 @@ def prepare(
     shards = [e for w in writers.values() for e in w.entries]
     manifest = build_manifest(shards, dtype, tok_info, **settings, **({"content": CHAT_CONTENT} if chat else {}))
     write_json_atomic(out / MANIFEST, manifest)
-    report(final=True)
-    t = manifest["totals"]
-    per_split = (f"{s} {t[s]['docs']:,} docs / {t[s]['tokens']:,} tokens in {t[s]['shards']} shards, " for s in SPLITS)
-    say(f"wrote {len(shards) - n_kept} shards (kept {n_kept}): {''.join(per_split)}dtype {dtype} -> {out / MANIFEST}")
-    if val_fraction > 0 and t["val"]["docs"] == 0:
-        say(
-            f"warning: the val split is empty ({t['train']['docs']} documents in all); "
-            f"a plain-text file is one document: try --txt-split paragraphs or more documents"
-        )
-    if t["train"]["docs"] == 0:
-        say("warning: the train split is empty")
+    progress.report(final=True)
+    _summarize(out, manifest, sum(len(v) for v in kept.values()), val_fraction, say)
     return manifest
 
 
-def _add_conversations(files: list[Path], tok, val_fraction: float, skip: dict, writers: dict) -> tuple[int, int, int]:
-    """Render every conversation of ``files`` (rendering + EOS, its mask + 0) into its split's writer,
-    skipping the first ``skip[split]`` of each split (kept shards hold them); returns (docs, skipped, tokens)."""
-    n_docs = n_skipped = n_tokens = 0
+def _add_conversations(files: list, tok, val_fraction: float, skip: dict, writers: dict, progress: _Progress) -> None:
+    """The encoding step for chat data: every conversation of ``files`` rendered (rendering + EOS, its mask + 0)
+    into its split's writer, skipping the first ``skip[split]`` of each split (kept shards hold them)."""
     for f in files:
         for where, messages in iter_conversations(f):
             split = split_of(json.dumps(messages, sort_keys=True, ensure_ascii=False), val_fraction)
             if skip[split] > 0:
                 skip[split] -= 1
-                n_skipped += 1
+                progress.skipped += 1
                 continue
             ids, mask = render_conversation(tok, messages, where=where)
             writers[split].add(np.asarray(ids + [tok.eos_id], dtype=np.int64), np.asarray(mask + [0], dtype=np.uint8))
-            n_docs, n_tokens = n_docs + 1, n_tokens + len(ids) + 1
-    return n_docs, n_skipped, n_tokens
+            progress.docs, progress.tokens = progress.docs + 1, progress.tokens + len(ids) + 1
+    progress.bytes_read = progress.total_bytes
 
 
 def verify(
@@ -482,10 +523,7 @@ def verify(
             return 0, str(e)
         return reader.tokens.nbytes, ""
 
-    def say(msg: str) -> None:
-        if log is not None:
-            print(f"prepare_data: {msg}", file=log, flush=True)
-
+    say = _sayer(log)
     errors, nbytes, t0 = [], 0, time.monotonic()
     last = t0
     with ThreadPoolExecutor(max(1, workers)) as pool:
@@ -559,7 +597,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _error(e: object) -> None:
-    msg = " ".join(str(e).split()) or type(e).__name__
+    msg = one_line(e) or type(e).__name__
     print(f"prepare_data: error: {msg}", file=sys.stderr)
 
 

@@ -18,7 +18,7 @@ the header alone, without reading the tokens. Tokens use uint16 when the vocabul
 65536 entries, else uint32. Each document is stored as ``BOS + tokens + EOS``.
 
 :func:`write_shard` writes ``<path>.tmp``, fsyncs it and renames it over ``<path>`` (atomic), so a
-file with the final name is always complete; an interrupted write leaves only a ``.tmp`` file.
+file with the final name is always complete; an interrupted write leaves at most a ``.tmp`` file.
 
 A prepared folder also holds ``manifest.json`` (written last)::
 
@@ -77,6 +77,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from titanlite.fsio import atomic_write
 from titanlite.tokenizer import Tokenizer, tokenizer_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -130,24 +131,6 @@ def checksum(chunks: Iterable[Any], value: int = 0) -> str:
     return f"{CHECKSUM_PREFIX}{value:08x}"
 
 
-def _write_atomic(
-    path: Path, chunks: Iterable[bytes], fsync: bool = True, before_rename: Callable[[], None] | None = None
-) -> None:
-    """Write ``<path>.tmp``, fsync it, rename it over ``path``: a file with the final name is complete.
-
-    ``before_rename`` runs between the fsync and the rename (prepare records the shard in its journal
-    there, so every file with a final name is one it knows it wrote)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.writelines(chunks)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    if before_rename is not None:
-        before_rename()
-    os.replace(tmp, path)
-
-
 def write_shard_flat(
     path: PathLike,
     tokens: np.ndarray,
@@ -184,7 +167,7 @@ def write_shard_flat(
         "max_id": int(tokens.max()) if tokens.size else -1,
         "checksum": checksum(chunks),
     }
-    _write_atomic(path, chunks, fsync, before_rename and (lambda: before_rename(info)))
+    atomic_write(path, chunks, fsync=fsync, before_rename=before_rename and (lambda: before_rename(info)))
     return info
 
 
@@ -313,7 +296,7 @@ def build_manifest(shards: Sequence[dict], dtype: Any, tokenizer: dict, **settin
 
 
 def write_json_atomic(path: PathLike, obj: Any) -> None:
-    _write_atomic(Path(path), [(json.dumps(obj, indent=1) + "\n").encode()])
+    atomic_write(path, json.dumps(obj, indent=1) + "\n")
 
 
 def read_manifest(folder: PathLike) -> dict:

@@ -31,6 +31,7 @@ from titanlite.eval.scoring import evaluate
 from titanlite.eval.tasks import get_task, task_names
 from titanlite.eval.watch import watch
 from titanlite.extensions import load_extensions
+from titanlite.fsio import one_line
 
 DATA_ENV = "TITANLITE_EVAL_DATA"
 
@@ -87,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tasks, data_dir = check_args(a)
         results = evaluate_checkpoint(a.checkpoint, a, tasks, data_dir)
     except (UsageError, ValueError, OSError) as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return 2
     for name in tasks:
         print(summary_line(name, results[name]))

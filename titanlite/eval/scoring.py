@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titanlite import dtypes
+from titanlite import _torch_compat, dtypes
 from titanlite.eval.packing import PAD_MULTIPLE, Group, cached_batch, canonical_batches, group_requests, plain_batch
 from titanlite.eval.tasks import Item, Task, get_task
 from titanlite.models.kv_cache import KVCache, supports_cache
@@ -202,7 +202,7 @@ def compiled_forward() -> Callable[..., torch.Tensor]:
     are not "duck-typed" (a batch of 2 rows would otherwise be tied to the model's 2 key/value heads, and
     specialized to it) nor specialized at 1, where this torch has those switches."""
     compiled = torch.compile(_forward, dynamic=True)
-    config = torch.fx.experimental._config
+    config = _torch_compat.fx_config()
     switches = {k: v for k, v in (("use_duck_shape", False), ("backed_size_oblivious", True)) if hasattr(config, k)}
 
     @functools.wraps(_forward)

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from titanlite.config import did_you_mean
+from titanlite.fsio import one_line
 from titanlite.nesting import loads_json
 
 # Keys of the results dict next to the task names (see titanlite.eval.scoring.evaluate and the CLI).
@@ -227,7 +228,7 @@ def parse_row(path: Path, lineno: int, make: Callable[..., Item], *args: Any, mi
     except KeyError as e:
         raise ValueError(f"{path}:{lineno}: missing field {e.args[0]!r}") from None
     except (TypeError, ValueError, IndexError, AttributeError) as e:
-        raise ValueError(f"{path}:{lineno}: {' '.join(str(e).split())}") from None
+        raise ValueError(f"{path}:{lineno}: {one_line(e)}") from None
 
 
 def is_int(value: Any) -> bool:

@@ -43,6 +43,7 @@ from titanlite.checkpoint import layout
 from titanlite.checkpoint.load_model import load_model
 from titanlite.eval.hook import eval_record, scores_line
 from titanlite.extensions import load_extensions
+from titanlite.fsio import one_line
 from titanlite.metrics import strict_json_line
 
 logger = logging.getLogger("titanlite")
@@ -164,7 +165,7 @@ def watch(
                     if not f.path.exists():
                         logger.info("%s was removed while it was read (keep_latest_k); skipped", f.path)
                     else:
-                        logger.warning("%s cannot be evaluated: %s", f.path, " ".join(str(err).split()))
+                        logger.warning("%s cannot be evaluated: %s", f.path, one_line(err))
                     continue
                 kw = dict(limit=limit, batch_size=batch_size, compile=compile)
                 kw.update(max_seq_len=max_seq_len or getattr(loaded.args, "max_seq_len", None))

@@ -45,6 +45,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from titanlite import _torch_compat
+
 
 def supports_cache(model: nn.Module) -> bool:
     """Whether ``model.forward`` declares a ``cache`` parameter (the protocol above); ``**kwargs`` alone
@@ -169,7 +171,5 @@ class LayerKV:
 
 
 def _mark_static(*tensors: torch.Tensor) -> None:
-    import torch._dynamo  # only when compiling
-
     for t in tensors:
-        torch._dynamo.mark_static_address(t, guard=False)
+        _torch_compat.mark_static_address(t)

@@ -22,6 +22,7 @@ from torch import nn
 import titanlite.config
 from titanlite.config import ConfigError, JobConfig, did_you_mean
 from titanlite.extensions import load_extensions
+from titanlite.fsio import one_line
 from titanlite.planner import palm_flops_per_token
 
 # Args that say how a run computes, not what trained weights mean: the rotary table's length, the
@@ -223,7 +224,7 @@ def adopt_seed_args(
             seed_full = check_model_args(dataclasses.replace(args, **differ))
             kept = dataclasses.replace(seed_full, **{k: getattr(args, k) for k in conflicts})
         except (TypeError, ValueError) as e:
-            raise ValueError(f"{seed} has invalid model args ({' '.join(str(e).split())})") from None
+            raise ValueError(f"{seed} has invalid model args ({one_line(e)})") from None
         if same_model is None or not same_model(kept, seed_full):
             _conflict_error(args, differ, conflicts[0], seed_full, same_shapes, seed)
         differ = {k: v for k, v in differ.items() if k not in explicit}  # the config's values mean the same
@@ -232,7 +233,7 @@ def adopt_seed_args(
     try:
         adopted = check_model_args(dataclasses.replace(args, **differ))
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{seed} has invalid model args ({' '.join(str(e).split())})") from None
+        raise ValueError(f"{seed} has invalid model args ({one_line(e)})") from None
     if not same_shapes(args, adopted):
         return args, {}
     return adopted, differ

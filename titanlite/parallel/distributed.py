@@ -20,6 +20,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from titanlite import _torch_compat
+from titanlite.fsio import one_line
 from titanlite.hooks import Hook
 
 
@@ -72,7 +74,7 @@ def set_collective_timeout(timeout_seconds: float, groups: Iterable[dist.Process
         return
     dist.barrier()
     for group in {id(group): group for group in [None, *groups]}.values():  # each group once, in order
-        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_seconds), group)
+        _torch_compat.set_pg_timeout(timeout_seconds, group)
 
 
 def run_on_rank0(fn):
@@ -87,7 +89,7 @@ def run_on_rank0(fn):
         try:
             payload = ("ok", fn())
         except Exception as e:  # noqa: BLE001 - re-raised below, after the others were told
-            payload, error = (type(e).__name__, " ".join(str(e).split())), e
+            payload, error = (type(e).__name__, one_line(e)), e
     box = [payload]
     dist.broadcast_object_list(box, src=0)
     if error is not None:

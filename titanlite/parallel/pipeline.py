@@ -58,6 +58,7 @@ from torch.distributed.pipelining.schedules import (
     _ComputationType,
 )
 
+from titanlite import _torch_compat
 from titanlite.dtypes import autocast
 from titanlite.output_loss import as_output_loss
 from titanlite.parallel.fsdp import is_fsdp
@@ -297,12 +298,11 @@ def seed_stage(seed: int, stage: nn.Module) -> None:
     """Seed torch, and DTensor's RNG on the stage's mesh where DTensor has one (CUDA): otherwise DTensor would
     create it on its first random op by broadcasting rank 0's state to every rank, all stages included."""
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._random import is_rng_supported_mesh, manual_seed
 
     torch.manual_seed(seed)
     mesh = next((p.device_mesh for p in stage.parameters() if isinstance(p, DTensor)), None)
-    if mesh is not None and is_rng_supported_mesh(mesh):
-        manual_seed(seed, mesh)
+    if mesh is not None:
+        _torch_compat.seed_dtensor_rng(seed, mesh)
 
 
 class Pipeline:

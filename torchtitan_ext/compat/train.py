@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from titanlite import _torch_compat
 from titanlite.config import ConfigError, JobConfig, exit_with_error
 from titanlite.train import Trainer, setup_logging
 from titanlite.train import main as train_main
@@ -97,11 +98,10 @@ def build_torchtitan_lr_scheduler(
 def set_scheduler_position(scheduler: LambdaLR, step: int) -> None:
     """Put a LambdaLR at index ``step`` (as after ``step`` calls of ``scheduler.step()``)."""
     scheduler.last_epoch = step
-    scheduler._step_count = step + 1
     lrs = [base * fn(step) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
     for group, lr in zip(scheduler.optimizer.param_groups, lrs):
         group["lr"] = lr
-    scheduler._last_lr = lrs
+    _torch_compat.set_scheduler_counters(scheduler, step + 1, lrs)
 
 
 def build_torchtitan_optimizer(model: torch.nn.Module, cfg: JobConfig) -> torch.optim.Optimizer:

@@ -1,0 +1,93 @@
+"""Small file-system and message helpers shared across titanlite (a leaf: imports nothing from titanlite).
+
+- :func:`atomic_write`: a file that holds the old content or the new one, never a part of the new one.
+- :func:`atomic_dir`: a folder built under a temporary name and renamed into place when complete.
+- :func:`fsync_dir`: make a rename in a folder durable (best effort).
+- :func:`one_line`: an exception's (or any object's) text with every run of whitespace made one space.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+PathLike = str | os.PathLike
+
+
+def one_line(e: object) -> str:
+    """``str(e)`` on one line: newlines, tabs and runs of spaces collapsed to single spaces."""
+    return " ".join(str(e).split())
+
+
+def fsync_dir(path: PathLike) -> None:
+    """fsync a folder (so the renames in it survive a crash); best effort: some file systems refuse to open or
+    fsync a folder. Works on a file too."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def atomic_write(
+    path: PathLike,
+    data: str | bytes | Iterable[bytes],
+    *,
+    fsync: bool = True,
+    hidden_tmp: bool = False,
+    before_rename: Callable[[], None] | None = None,
+) -> None:
+    """Write ``data`` (text as UTF-8, bytes, or byte chunks) to a temporary file beside ``path``, then rename it
+    over ``path``: ``path`` holds its old content or the whole new one. The temporary file is ``<name>.tmp``
+    (``.<name>.tmp`` with ``hidden_tmp``), fsynced first unless ``fsync=False``. ``before_rename`` runs between
+    the fsync and the rename. On an error the temporary file is removed and ``path`` is left as it was."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp" if hidden_tmp else f"{path.name}.tmp")
+    chunks = [data.encode("utf-8")] if isinstance(data, str) else [data] if isinstance(data, bytes) else data
+    try:
+        with open(tmp, "wb") as f:
+            f.writelines(chunks)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        if before_rename is not None:
+            before_rename()
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_dir(out_dir: PathLike) -> Iterator[Path]:
+    """Yields ``<out_dir>.partial-<token>`` to fill; renamed to ``out_dir`` when the block ends. On any error the
+    partial folder is removed with the parent folders this call created (the file system is left as found).
+    ``out_dir`` must not exist or be an empty folder (ValueError, nothing touched)."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ValueError(f"output {out_dir} already exists and is not empty (nothing was overwritten)")
+    created = [p for p in reversed(out_dir.parents) if not p.exists()]
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    partial = out_dir.with_name(f"{out_dir.name}.partial-{secrets.token_hex(4)}")
+    partial.mkdir()
+    try:
+        yield partial
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        for folder in reversed(created):
+            with contextlib.suppress(OSError):  # only while empty: something else may have appeared
+                folder.rmdir()
+        raise
+    if out_dir.is_dir():  # empty (checked at start)
+        out_dir.rmdir()
+    os.rename(partial, out_dir)
+    fsync_dir(out_dir.parent)
+
+
+__all__ = ["atomic_dir", "atomic_write", "fsync_dir", "one_line"]
