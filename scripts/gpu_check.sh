@@ -8,11 +8,11 @@
 # Steps run in priority order, each its own process under `timeout` (the smaller of its cap and what is left of
 # GPU_BUDGET_S, default 500 s; a step that no longer fits is recorded as skipped), so a slow compile or a failure
 # costs the steps after it nothing but time, and every result is appended as soon as it exists:
-#   1. training, Llama 3.2 1B at seq_len 2048, bf16: batch 4 compiled           (scripts/bench.py)
-#   2. generation, 1B bf16, 128-token prompts, 256 new tokens, batch 1 and 8:    (scripts/bench_generate.py)
+#   1. training, Llama 3.2 1B at seq_len 2048, bf16: batch 4 compiled           (titanlite.bench.train)
+#   2. generation, 1B bf16, 128-token prompts, 256 new tokens, batch 1 and 8:    (titanlite.bench.generate)
 #      the compiled decode step; then the eager cache and recomputing the prefix
-#   3. the transformers loop at the same shape, compiled                         (scripts/bench_hf_baseline.py)
-#   4. training 1B batch 8 compiled; 5. scoring the 1B model at batch 16         (scripts/bench_eval.py)
+#   3. the transformers loop at the same shape, compiled                         (titanlite.bench.hf_baseline)
+#   4. training 1B batch 8 compiled; 5. scoring the 1B model at batch 16         (titanlite.bench.eval)
 #   6. training, Llama 3.1 8B's layers (4 of them), bf16 then float8; the optimizer step alone (1B)
 #   7. a profiled 8B-shape float8 step; the MoE layer on CUDA and qwen3_moe 30B-A3B with 4 blocks (grouped GEMM
 #      against the per-expert loop); the eager and float8 1B rows and the transformers loop eager
@@ -64,11 +64,11 @@ step() {  # step NAME CAP_S command...: returns the command's status, 3 when ski
   return $rc
 }
 
-row() {  # row NAME CAP_S SCRIPT ARGS...: a training benchmark whose --json-out goes to train.jsonl with "row"
-  local name=$1 cap=$2 script=$3 json rc
+row() {  # row NAME CAP_S MODULE ARGS...: a training benchmark whose --json-out goes to train.jsonl with "row"
+  local name=$1 cap=$2 module=$3 json rc
   shift 3
   json="$WORK/$(echo "$name" | tr -c 'A-Za-z0-9' _).json"
-  step "$name" "$cap" "$PY" "$script" --json-out "$json" "$@"
+  step "$name" "$cap" "$PY" -m "$module" --json-out "$json" "$@"
   rc=$?
   if ((rc == 0)) && [ -s "$json" ]; then
     "$PY" -c 'import json, sys; print(json.dumps({"row": sys.argv[1], **json.load(open(sys.argv[2]))}))' \
@@ -106,42 +106,42 @@ SHAPE=(--config train_configs/debug_model.toml --model.vocab_size "$VOCAB" --tra
 B1=(--model.flavor "$FLAVOR_1B")
 B8=(--model.flavor "$FLAVOR_8B" --model.n_layers 4 --training.local_batch_size 4 --compile.enable true)
 F8=(--quantize.linear.float8.enable true)
-bench() {  # bench NAME CAP_S ARGS...: scripts/bench.py at the common shape, in a dump folder of its own
+bench() {  # bench NAME CAP_S ARGS...: titanlite.bench.train at the common shape, in a dump folder of its own
   local name=$1 cap=$2
   shift 2
-  row "$name" "$cap" scripts/bench.py "${SHAPE[@]}" --job.dump_folder "$WORK/$(echo "$name" | tr -c 'A-Za-z0-9' _)" "$@"
+  row "$name" "$cap" titanlite.bench.train "${SHAPE[@]}" --job.dump_folder "$WORK/$(echo "$name" | tr -c 'A-Za-z0-9' _)" "$@"
 }
 hf() {  # hf NAME CAP_S ARGS...: the transformers loop at the 1B shape
   local name=$1 cap=$2
   shift 2
-  row "$name" "$cap" scripts/bench_hf_baseline.py --flavor "$FLAVOR_1B" --vocab-size "$VOCAB" --seq-len "$SEQ" \
+  row "$name" "$cap" titanlite.bench.hf_baseline --flavor "$FLAVOR_1B" --vocab-size "$VOCAB" --seq-len "$SEQ" \
     --dtype "$DTYPE" --warmup "$WARMUP" --steps "$STEPS_T" "$@"
 }
 
 # ---- in priority order
 bench "1B, batch 4, compiled" 130 "${B1[@]}" --training.local_batch_size 4 --compile.enable true
-step generate_compiled 130 "$PY" scripts/bench_generate.py "${GEN[@]}" --modes compiled --jsonl "$RESULTS"
+step generate_compiled 130 "$PY" -m titanlite.bench.generate "${GEN[@]}" --modes compiled --jsonl "$RESULTS"
 hf "transformers 1B, batch 4, compiled" 150 --batch 4 --compile
-step generate_eager 90 "$PY" scripts/bench_generate.py "${GEN[@]}" --modes eager,recompute --jsonl "$RESULTS"
+step generate_eager 90 "$PY" -m titanlite.bench.generate "${GEN[@]}" --modes eager,recompute --jsonl "$RESULTS"
 bench "1B, batch 8, compiled" 100 "${B1[@]}" --training.local_batch_size 8 --compile.enable true
-step eval_big 120 "$PY" scripts/bench_eval.py --data-dir "$EVAL_DATA" "${BIG_EVAL[@]}" --repeats 1 \
+step eval_big 120 "$PY" -m titanlite.bench.eval --data-dir "$EVAL_DATA" "${BIG_EVAL[@]}" --repeats 1 \
   --modes eager,compiled --jsonl "$RESULTS"
 bench "8B shapes (4 layers), batch 4, compiled" 100 "${B8[@]}"
 bench "8B shapes (4 layers), batch 4, compiled, float8" 100 "${B8[@]}" "${F8[@]}"
-row "optimizer step alone, 1B" 45 scripts/bench_optimizer.py --flavor "$FLAVOR_1B" --vocab-size "$VOCAB"
+row "optimizer step alone, 1B" 45 titanlite.bench.optimizer --flavor "$FLAVOR_1B" --vocab-size "$VOCAB"
 
 PROFILE="$WORK/profile"  # where the 8B-shape float8 step's GPU time goes (the compile cache is warm by now)
-if step "profile: 8B shapes, float8" 90 "$PY" scripts/bench.py "${SHAPE[@]}" "${B8[@]}" "${F8[@]}" --warmup 3 \
+if step "profile: 8B shapes, float8" 90 "$PY" -m titanlite.bench.train "${SHAPE[@]}" "${B8[@]}" "${F8[@]}" --warmup 3 \
   --steps 2 --no-bandwidth --no-split --profiling.enable_profiling true --profiling.profile_freq 5 \
   --profiling.profiler_warmup 1 --profiling.profiler_active 1 --job.dump_folder "$PROFILE"; then
   TRACE=$(ls "$PROFILE"/profile_traces/iteration_5/*.json 2>/dev/null | head -1)
   if [ -n "$TRACE" ]; then
-    "$PY" scripts/trace_summary.py "$TRACE" >"$OUT/profile_8b_float8.md" 2>>"$LOG"
+    "$PY" -m titanlite.bench.trace_summary "$TRACE" >"$OUT/profile_8b_float8.md" 2>>"$LOG"
     gzip -c "$TRACE" >"$OUT/trace_8b_float8.json.gz"
   fi
 fi
 if [ "$MODE" = gpu ]; then  # the MoE layer (debug MoE's experts, 16k tokens, bf16): grouped GEMM against the loop
-  step moe_layer 60 "$PY" scripts/bench_moe.py --training.mixed_precision_param bfloat16 \
+  step moe_layer 60 "$PY" -m titanlite.bench.moe --training.mixed_precision_param bfloat16 \
     --training.local_batch_size 8 --training.seq_len 2048 --steps 10 --json-out "$WORK/moe_layer.json" &&
     "$PY" -c 'import json, sys; print(json.dumps({"bench": "moe_layer", **json.load(open(sys.argv[1]))}))' \
       "$WORK/moe_layer.json" >>"$RESULTS"
@@ -153,8 +153,8 @@ MOE=(--config train_configs/qwen3_30b_a3b.toml --job.world_size 1 --parallelism.
   --training.global_batch_size -1 --training.mixed_precision_param "$DTYPE" --checkpoint.enable false
   --compile.enable false --activation_checkpoint.mode full --metrics.enable_tensorboard false --warmup 3 --steps 8)
 [ "$MODE" = gpu ] && MOE+=(--model.vocab_size 151936) || MOE+=(--model.flavor debugmodel)
-row "qwen3_moe 30B-A3B x4 blocks, grouped GEMM" 80 scripts/bench.py "${MOE[@]}" --job.dump_folder "$WORK/moe_g"
-row "qwen3_moe 30B-A3B x4 blocks, expert loop" 80 scripts/bench.py "${MOE[@]}" --model.moe_grouped_mm false \
+row "qwen3_moe 30B-A3B x4 blocks, grouped GEMM" 80 titanlite.bench.train "${MOE[@]}" --job.dump_folder "$WORK/moe_g"
+row "qwen3_moe 30B-A3B x4 blocks, expert loop" 80 titanlite.bench.train "${MOE[@]}" --model.moe_grouped_mm false \
   --job.dump_folder "$WORK/moe_l"
 bench "1B, batch 4, eager" 80 "${B1[@]}" --training.local_batch_size 4 --compile.enable false
 bench "1B, batch 4, compiled, float8" 100 "${B1[@]}" --training.local_batch_size 4 --compile.enable true "${F8[@]}"
@@ -162,7 +162,7 @@ hf "transformers 1B, batch 4, eager" 80 --batch 4
 
 # ---- the table
 {
-  "$PY" scripts/bench_table.py "$TRAIN" 2>>"$LOG"
+  "$PY" -m titanlite.bench.table "$TRAIN" 2>>"$LOG"
   echo
   "$PY" - "$RESULTS" <<'EOF'
 import json, sys

@@ -1,21 +1,16 @@
-"""scripts/trace_summary.py and scripts/bench_table.py: the numbers they print, from known inputs."""
+"""titanlite.bench.trace_summary and titanlite.bench.table (``titanlite bench trace-summary | table``): the numbers
+they print, from known inputs."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 def script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"titanlite.bench.{name}")
 
 
 def kernel(name: str, ts: float, dur: float) -> dict:
@@ -44,7 +39,7 @@ def test_trace_summary_counts_gpu_time_by_kind_with_overlap_once():
 
 
 def test_bench_table_rows_ratios_and_failures(tmp_path):
-    table = script("bench_table")
+    table = script("table")
     base = {"params": 10, "local_batch_size": 4, "seq_len": 2048, "device": "NVIDIA H100 80GB HBM3"}
     rows = [
         {
@@ -104,7 +99,7 @@ def test_bench_table_rows_ratios_and_failures(tmp_path):
     assert not any(line.startswith("| optimizer step alone") for line in lines[:-3])  # a table of its own
 
 
-@pytest.mark.parametrize("name", ["trace_summary", "bench_table"])
+@pytest.mark.parametrize("name", ["trace_summary", "table"])
 def test_unreadable_input_is_one_line_error(name, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         script(name).main([str(tmp_path / "missing.json")])

@@ -279,7 +279,7 @@ def test_math_changing_features_are_refused(case, tmp_path, capsys):
 def test_missing_data_and_tokenizer_are_explained(tmp_path):
     toml = torchtitan_toml(tmp_path)
     toml.write_text(toml.read_text().replace("dataset_path", "# dataset_path"))
-    with pytest.raises(CompatError, match="scripts/prepare_data.py"):
+    with pytest.raises(CompatError, match="titanlite prepare"):
         translate(str(toml))
     assert load_translated(translate(str(toml), ["--training.dataset", "embedded"])).training.dataset == "embedded"
     toml.write_text(torchtitan_toml(tmp_path).read_text().replace('tokenizer_path = ""', 'hf_assets_path = "/nope"'))

@@ -316,7 +316,7 @@ def test_torchtitan_checkpoint_exports_to_hf_with_its_logits(version, tmp_path):
 
 def run_convert(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "convert_dcp_to_hf.py"), "-q", *args],
+        [sys.executable, "-m", "titanlite", "convert", "dcp-to-hf", "-q", *args],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -108,7 +108,7 @@ def hf_logits(folder: Path, dtype=torch.float32) -> torch.Tensor:
 
 def run_cli(script: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(REPO / "scripts" / script), *args],
+        [sys.executable, "-m", "titanlite", "convert", script, *args],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -133,7 +133,7 @@ def test_dcp_to_hf_loads_in_transformers_with_matching_logits(case, tmp_path):
     step = save_step_folder(model, tmp_path / "step-7")
     out = tmp_path / "hf"
     if case == "gqa_untied":  # once through the command line, with a small shard size
-        proc = run_cli("convert_dcp_to_hf.py", str(step), str(out), "--max-shard-size", "100KB")
+        proc = run_cli("dcp-to-hf", str(step), str(out), "--max-shard-size", "100KB")
         assert proc.returncode == 0, proc.stderr
         assert "[21/21] lm_head.weight" in proc.stdout
         index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -277,7 +277,7 @@ def test_hf_checkpoint_seeds_a_training_run(tmp_path, caplog):
     from titanlite.train import Trainer
 
     src = hf_model_folder(tmp_path, tie_word_embeddings=False)
-    proc = run_cli("convert_hf_to_dcp.py", str(src), str(tmp_path / "dcp"))
+    proc = run_cli("hf-to-dcp", str(src), str(tmp_path / "dcp"))
     assert proc.returncode == 0, proc.stderr
     assert "initial_load_path" in proc.stdout.strip().splitlines()[-1]
     cfg = load_config(seeded_run(tmp_path / "dcp", tmp_path / "run", "--model.max_seq_len", "128"))
@@ -352,8 +352,8 @@ def test_errors_are_one_line_and_write_nothing(tmp_path):
         assert expect in str(e.value) and "\n" not in str(e.value), str(e.value)
 
     # command lines: one line on stderr, exit status 2
-    cli_fails("convert_dcp_to_hf.py", str(empty), str(tmp_path / "o1"), expect="is not a DCP checkpoint folder")
-    cli_fails("convert_hf_to_dcp.py", str(empty), str(tmp_path / "d1"), expect="not a Hugging Face model folder")
+    cli_fails("dcp-to-hf", str(empty), str(tmp_path / "o1"), expect="is not a DCP checkpoint folder")
+    cli_fails("hf-to-dcp", str(empty), str(tmp_path / "d1"), expect="not a Hugging Face model folder")
     assert not (tmp_path / "o1").exists() and not (tmp_path / "d1").exists()
 
     fails(dcp_to_hf, tmp_path / "nope", tmp_path / "o1", expect="no such folder")
@@ -429,7 +429,7 @@ def run_clis(*calls: tuple[str, ...], pythonpath: str = "") -> list[subprocess.C
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH", "")) if p)
     procs = [
         subprocess.Popen(
-            [sys.executable, str(REPO / "scripts" / script), "--quiet", *args],
+            [sys.executable, "-m", "titanlite", "convert", script, "--quiet", *args],
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -501,8 +501,8 @@ HF_DAMAGE = {
 
 
 def in_process(capsys, script: str, *args: str) -> subprocess.CompletedProcess:
-    """What ``scripts/<script>`` does (it only calls this ``main``), without an interpreter start."""
-    main = {"convert_dcp_to_hf.py": main_dcp_to_hf, "convert_hf_to_dcp.py": main_hf_to_dcp}[script]
+    """What ``titanlite convert <script>`` does (it only calls this ``main``), without an interpreter start."""
+    main = {"dcp-to-hf": main_dcp_to_hf, "hf-to-dcp": main_hf_to_dcp}[script]
     capsys.readouterr()
     code = main(["--quiet", *args])
     out, err = capsys.readouterr()
@@ -510,7 +510,7 @@ def in_process(capsys, script: str, *args: str) -> subprocess.CompletedProcess:
 
 
 # damages also run through the script in a subprocess (the others run its main in-process: each
-# interpreter start costs seconds of import on a 2-core machine, and the scripts are main() alone)
+# interpreter start costs seconds of import on a 2-core machine, and the commands are main() alone)
 IN_SUBPROCESS = {"distcp_random", "safetensors_truncated"}
 
 
@@ -525,7 +525,7 @@ def test_damaged_inputs_are_one_line_errors_and_write_nothing(tmp_path, capsys):
         step = save_step_folder(model, tmp_path / case / "step-7")
         damage(step)
         out = tmp_path / case / "new" / "hf"
-        cases.append((case, file, out, ("convert_dcp_to_hf.py", str(step), str(out))))
+        cases.append((case, file, out, ("dcp-to-hf", str(step), str(out))))
     src = hf_model_folder(tmp_path, tie_word_embeddings=False)
     for case, (damage, file) in HF_DAMAGE.items():
         folder = tmp_path / case
@@ -533,11 +533,11 @@ def test_damaged_inputs_are_one_line_errors_and_write_nothing(tmp_path, capsys):
         damage(folder)
         out = tmp_path / f"{case}_out"
         out.mkdir()  # an existing empty output folder: left as it is
-        cases.append((case, file, out, ("convert_hf_to_dcp.py", str(folder), str(out))))
+        cases.append((case, file, out, ("hf-to-dcp", str(folder), str(out))))
     marker = tmp_path / "marker"
     crafted = save_step_folder(model, tmp_path / "crafted" / "step-7")
     (crafted / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
-    crafted_call = ("convert_dcp_to_hf.py", str(crafted), str(tmp_path / "crafted_out"))
+    crafted_call = ("dcp-to-hf", str(crafted), str(tmp_path / "crafted_out"))
 
     *spawned, refused = run_clis(*[call for case, _, _, call in cases if case in IN_SUBPROCESS], crafted_call)
     spawned = iter(spawned)
@@ -571,15 +571,15 @@ def test_extensions_recorded_in_a_checkpoint_are_not_imported(tmp_path, capsys, 
         unknown / "checkpoint.json",
         lambda j: (j.update(extensions=["marker_ext_12"]), j["model"].update(name="mystery")),
     )
-    ok = in_process(capsys, "convert_dcp_to_hf.py", str(known), str(tmp_path / "hf_known"))
+    ok = in_process(capsys, "dcp-to-hf", str(known), str(tmp_path / "hf_known"))
     assert ok.returncode == 0, ok.stderr
-    refused = in_process(capsys, "convert_dcp_to_hf.py", str(unknown), str(tmp_path / "hf_unknown"))
+    refused = in_process(capsys, "dcp-to-hf", str(unknown), str(tmp_path / "hf_unknown"))
     line = one_line_error(refused)
     assert "extension marker_ext_12" in line and "pass --extensions marker_ext_12" in line, line
     assert not marker.exists() and not (tmp_path / "hf_unknown").exists()
     # named on the command line, it is imported (the marker proves the module would have run)
     args = ("--extensions", "marker_ext_12", str(unknown), str(tmp_path / "hf_unknown"))
-    assert "unknown model family 'mystery'" in one_line_error(in_process(capsys, "convert_dcp_to_hf.py", *args))
+    assert "unknown model family 'mystery'" in one_line_error(in_process(capsys, "dcp-to-hf", *args))
     assert marker.exists()
 
 
@@ -656,7 +656,7 @@ def test_non_finite_or_absurd_config_json_values_are_one_line_errors(tmp_path, c
         data.pop("rope_parameters", None)
     data[key] = value
     config.write_text(json.dumps(data))  # NaN and Infinity as Python's json writes (and reads) them
-    line = one_line_error(in_process(capsys, "convert_hf_to_dcp.py", str(src), str(tmp_path / "out")))
+    line = one_line_error(in_process(capsys, "hf-to-dcp", str(src), str(tmp_path / "out")))
     assert "config.json" in line and {"rms_norm_eps": "norm_eps"}.get(key, key) in line, line
     assert not (tmp_path / "out").exists()
 
@@ -664,7 +664,7 @@ def test_non_finite_or_absurd_config_json_values_are_one_line_errors(tmp_path, c
 def test_non_finite_args_in_checkpoint_json_and_huge_hf_sizes_are_refused(tmp_path, capsys):
     step = save_step_folder(titanlite_model(tiny_args()), tmp_path / "step-7")
     edit_json(step / "checkpoint.json", lambda j: j["model"]["args"].update(rope_theta=float("nan")))
-    line = one_line_error(in_process(capsys, "convert_dcp_to_hf.py", str(step), str(tmp_path / "hf")))
+    line = one_line_error(in_process(capsys, "dcp-to-hf", str(step), str(tmp_path / "hf")))
     assert "checkpoint.json" in line and "rope_theta = nan must be a finite number" in line
     config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4}
     config.update(vocab_size=512, num_hidden_layers=10**12)

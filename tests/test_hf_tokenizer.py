@@ -273,7 +273,7 @@ def test_prepare_data_then_qwen3_trains_and_exports_the_tokenizer(tmp_path, qwen
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(shared_file("text/tinyshakespeare.txt").read_text(encoding="utf-8")[:40_000])
     out = subprocess.run(
-        [sys.executable, str(REPO / "scripts/prepare_data.py"), "--input", str(corpus), "--tokenizer", str(folder)]
+        [sys.executable, "-m", "titanlite", "prepare", "--input", str(corpus), "--tokenizer", str(folder)]
         + ["--output", str(tmp_path / "shards"), "--workers", "1", "--txt-split", "paragraphs"],
         capture_output=True,
         text=True,

@@ -17,6 +17,7 @@ Layers, lowest first (a module may import its own layer or lower ones):
    ``generate`` and ``sampling`` (generation, the loop's samples), ``eval`` (downstream benchmarks, the
    checkpoint watcher); their command lines load models through ``checkpoint``
 5. ``train``, ``dry_run``
+6. the command line: ``cli`` (the ``titanlite`` command, ``__main__``), ``tools`` (estimate, plot), ``bench``
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ LAYERS = [
         "titanlite.eval",
     ),
     ("titanlite.train", "titanlite.dry_run"),
+    ("titanlite.cli", "titanlite.__main__", "titanlite.tools", "titanlite.bench"),
 ]
 LEAVES = ("titanlite.nesting", "titanlite.fsio", "titanlite._torch_compat")
 

@@ -4,7 +4,7 @@
 2. the same loop on 2 processes (FSDP 2, TP 2) equals it within fp32 summation order;
 3. checkpoint and resume from the foreign loop, with a user ``Stateful``: identical after a SIGKILL;
 4. the GPT-2-style family trains through the stock launcher alike on 1 process and FSDP 2, and
-   ``scripts/estimate.py`` counts its parameters exactly;
+   ``titanlite estimate`` counts its parameters exactly;
 and the loss swap: a registered loss named in the config, validation still plain cross-entropy.
 """
 
@@ -195,7 +195,9 @@ def test_own_family_trains_with_the_stock_launcher_and_is_planned_exactly(tmp_pa
     out = subprocess.run(
         [
             sys.executable,
-            "scripts/estimate.py",
+            "-m",
+            "titanlite",
+            "estimate",
             "--job.extensions",
             "gpt2_family",
             "--model.name",

@@ -158,13 +158,8 @@ def test_chunk_sizes():
 
 
 def test_the_benchmark_table_compares_with_the_first_setting():
-    import importlib.util
-    from pathlib import Path
+    from titanlite.bench import loss_chunks as bench
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_loss_chunks.py"
-    spec = importlib.util.spec_from_file_location("bench_loss_chunks", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     run = lambda mem, step, cpu: dict(peak_memory_gib=mem, step_time_s=step, run_cpu_s=cpu, loss_last=1.0)  # noqa: E731
     rows, text = bench.table({0: [run(4, 2, 10), run(6, 4, 30)], 8: [run(2, 2, 10), run(2, 1, 10)]})
     assert rows[0]["peak_memory_gib"] == 5 and rows[1]["memory_vs_first"] == 0.4  # medians of the repeats

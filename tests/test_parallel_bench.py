@@ -1,9 +1,10 @@
-"""scripts/bench.py: runs a config after warm-up and prints one JSON line with the documented keys; the
-pipeline bubble measurement (StageActivity) against known compute times; --compare-pp (PP 2 vs FSDP 2)."""
+"""titanlite bench train (titanlite.bench.train): runs a config after warm-up and prints one JSON line with the
+documented keys; the pipeline bubble measurement (StageActivity) against known compute times; --compare-pp (PP 2
+vs FSDP 2)."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import subprocess
 import sys
@@ -21,7 +22,10 @@ def test_bench_prints_json_with_throughput_mfu_memory_and_split(tmp_path):
     out = subprocess.run(
         [
             sys.executable,
-            "scripts/bench.py",
+            "-m",
+            "titanlite",
+            "bench",
+            "train",
             "--warmup",
             "1",
             "--steps",
@@ -67,7 +71,10 @@ def test_bench_bad_parallelism_is_one_line_error(tmp_path):
     out = subprocess.run(
         [
             sys.executable,
-            "scripts/bench.py",
+            "-m",
+            "titanlite",
+            "bench",
+            "train",
             "--parallelism.tensor_parallel_degree",
             "2",
             "--job.dump_folder",
@@ -82,11 +89,8 @@ def test_bench_bad_parallelism_is_one_line_error(tmp_path):
 
 
 def _bench_module():
-    """scripts/bench.py as a module (its StageActivity and helpers), without an interpreter start."""
-    spec = importlib.util.spec_from_file_location("bench", REPO / "scripts" / "bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The benchmark's module (its StageActivity and helpers), without an interpreter start."""
+    return importlib.import_module("titanlite.bench.train")
 
 
 def test_busy_seconds_is_the_clipped_union_of_intervals():

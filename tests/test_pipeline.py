@@ -364,7 +364,7 @@ def test_pipelined_checkpoints_reshard_and_resume_exactly(tmp_path, reference):
     assert set(held) == set(seed)
     out = tmp_path / "hf"
     r = subprocess.run(
-        [sys.executable, "scripts/convert_dcp_to_hf.py", str(tmp_path / "pp/checkpoint/step-10"), str(out)],
+        [sys.executable, "-m", "titanlite", "convert", "dcp-to-hf", str(tmp_path / "pp/checkpoint/step-10"), str(out)],
         capture_output=True,
         text=True,
         timeout=120,

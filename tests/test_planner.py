@@ -165,11 +165,7 @@ def test_memory_verdicts_and_layouts():
 
 
 def test_estimate_script(capsys):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("estimate", REPO / "scripts" / "estimate.py")
-    estimate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(estimate)
+    from titanlite.tools import estimate
 
     def run(*args):
         rc = estimate.main(list(args))
@@ -758,11 +754,8 @@ def test_pipeline_stage_memory_matches_measured_cpu_memory(schedule, monkeypatch
 def test_estimate_plans_each_seq_len_stage(tmp_path, capsys):
     """With a seq_len_schedule each stage is planned at its own length: its FLOPs per token are the
     single-length plan's at that length, its steps the stage's share, and the run's time is their sum."""
-    import importlib.util
+    from titanlite.tools import estimate
 
-    spec = importlib.util.spec_from_file_location("estimate", REPO / "scripts" / "estimate.py")
-    estimate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(estimate)
     toml = tmp_path / "s.toml"
     toml.write_text(
         "[model]\nflavor = '1B'\n[training]\nseq_len = 2048\nlocal_batch_size = 8\nglobal_batch_size = 512\n"

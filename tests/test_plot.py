@@ -1,4 +1,4 @@
-"""scripts/plot_metrics.py: overlaid runs to a PNG; a clear message without matplotlib."""
+"""titanlite plot (titanlite.tools.plot): overlaid runs to a PNG; a clear message without matplotlib."""
 
 import json
 import subprocess
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "plot_metrics.py"
+PLOT = [sys.executable, "-m", "titanlite", "plot"]  # the `titanlite plot` command
 
 
 def _fake_run(folder: Path, scale: float) -> None:
@@ -43,8 +43,7 @@ def test_plot_writes_a_png(tmp_path):
     out = tmp_path / "plots" / "curves.png"
     r = subprocess.run(
         [
-            sys.executable,
-            str(SCRIPT),
+            *PLOT,
             str(tmp_path / "run_a"),
             str(tmp_path / "run_b" / "metrics.jsonl"),
             "-o",
@@ -55,6 +54,7 @@ def test_plot_writes_a_png(tmp_path):
         capture_output=True,
         text=True,
         timeout=120,
+        cwd=REPO,
     )
     assert r.returncode == 0, r.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
@@ -71,20 +71,22 @@ def test_plot_without_matplotlib_says_how_to_get_it(tmp_path):
     (blocker / "matplotlib").mkdir(parents=True)
     (blocker / "matplotlib" / "__init__.py").write_text("raise ImportError('matplotlib is not installed')\n")
     r = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path / "run"), "-o", str(tmp_path / "x.png")],
+        [*PLOT, str(tmp_path / "run"), "-o", str(tmp_path / "x.png")],
         capture_output=True,
         text=True,
         timeout=60,
         env={"PYTHONPATH": str(blocker), "PATH": ""},
+        cwd=REPO,
     )
     assert r.returncode == 2
     assert "needs matplotlib" in r.stderr and "pip install matplotlib" in r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "x.png").exists()
     missing = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path / "nope")],
+        [*PLOT, str(tmp_path / "nope")],
         capture_output=True,
         text=True,
         timeout=60,
         env={"PYTHONPATH": str(blocker), "PATH": ""},
+        cwd=REPO,
     )
     assert missing.returncode == 2

@@ -1,4 +1,4 @@
-"""Document sources and scripts/prepare_data.py: exact round trip through shards, splits, dtype,
+"""Document sources and titanlite prepare (titanlite.data.prepare): exact round trip through shards, splits, dtype,
 determinism across worker counts, restart behaviour and one-line errors."""
 
 import io
@@ -20,7 +20,6 @@ from titanlite.data.sources import iter_documents, list_files
 from titanlite.tokenizer import build_tokenizer, tokenizer_fingerprint
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "prepare_data.py"
 
 
 def expected_stream(tok, docs, split, val_fraction):
@@ -237,7 +236,17 @@ def test_main_bad_inputs_one_line(tmp_path, capsys):
 
 def test_cli_subprocess_error_no_traceback(tmp_path):
     r = subprocess.run(
-        [sys.executable, str(SCRIPT), "--input", str(tmp_path / "nope"), "--output", str(tmp_path / "o")],
+        [
+            sys.executable,
+            "-m",
+            "titanlite",
+            "prepare",
+            "--input",
+            str(tmp_path / "nope"),
+            "--output",
+            str(tmp_path / "o"),
+        ],
+        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=60,

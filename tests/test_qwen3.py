@@ -13,7 +13,7 @@
   is not summed over the TP ranks would break (it drifts by ~lr = 3e-3 per step).
 - Extension mechanics: core titanlite never imports ``torchtitan_ext``; ``titanlite.models.load_config`` imports
   ``[job] extensions`` (file or command line) before it checks ``[model]``, so
-  ``scripts/estimate.py`` sees the family in a fresh interpreter, and ``titanlite.train.main``
+  ``titanlite estimate`` sees the family in a fresh interpreter, and ``titanlite.train.main``
   trains the shipped debug config through it (2 steps); its checkpoint records the extension, so
   the converter scripts (fresh interpreters) turn it into an HF folder and back (``--extensions``).
   The same hook, in a fresh process, runs under the
@@ -347,12 +347,14 @@ def test_load_config_imports_the_extensions_from_the_file_and_the_command_line(t
 
 
 def test_estimate_script_sees_the_extension_family():
-    """``scripts/estimate.py`` on the qwen3 debug config in a fresh interpreter: nothing imported
+    """``titanlite estimate`` on the qwen3 debug config in a fresh interpreter: nothing imported
     beforehand, and the planner's parameter count is the model's exact one."""
     out = subprocess.run(
         [
             sys.executable,
-            str(REPO / "scripts" / "estimate.py"),
+            "-m",
+            "titanlite",
+            "estimate",
             "--config",
             str(REPO / "torchtitan_ext" / "configs" / "qwen3_debug.toml"),
             "--gpu",
@@ -412,7 +414,7 @@ def test_debug_config_trains_through_the_trainer_entry_point(tmp_path, capsys, m
     # extensions are never imported on its word alone); HF -> DCP records it for the way back
     def convert(script: str, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, str(REPO / "scripts" / script), "--quiet", *args],
+            [sys.executable, "-m", "titanlite", "convert", script, "--quiet", *args],
             capture_output=True,
             text=True,
             timeout=120,
@@ -421,14 +423,14 @@ def test_debug_config_trains_through_the_trainer_entry_point(tmp_path, capsys, m
 
     step = tmp_path / "out" / "checkpoint" / "step-2"
     assert layout.read_info(step)["extensions"] == ["torchtitan_ext.qwen3"]
-    out = convert("convert_dcp_to_hf.py", "--extensions", "torchtitan_ext.qwen3", str(step), "hf")
+    out = convert("dcp-to-hf", "--extensions", "torchtitan_ext.qwen3", str(step), "hf")
     assert out.returncode == 0, out.stderr
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
-    out = convert("convert_hf_to_dcp.py", "hf", "dcp")
+    out = convert("hf-to-dcp", "hf", "dcp")
     assert out.returncode == 2 and out.stderr.startswith("error: model_type='qwen3'")
     assert "pass --extensions torchtitan_ext.qwen3" in out.stderr
     assert not (tmp_path / "dcp").exists()
-    out = convert("convert_hf_to_dcp.py", "--extensions", "torchtitan_ext.qwen3", "hf", "dcp")
+    out = convert("hf-to-dcp", "--extensions", "torchtitan_ext.qwen3", "hf", "dcp")
     assert out.returncode == 0, out.stderr
     assert layout.read_info(tmp_path / "dcp")["extensions"] == ["torchtitan_ext.qwen3"]
     with pytest.raises(SystemExit) as e:

@@ -225,7 +225,7 @@ def test_a_token_budget_stops_at_exactly_the_budget(tmp_path, caplog):
 
 
 def test_prepared_chat_shards_train_exactly_like_the_raw_conversations(tmp_path):
-    """scripts/prepare_data.py --format chat + dataset = "shards" gives the losses of dataset = "chat"
+    """titanlite prepare --format chat + dataset = "shards" gives the losses of dataset = "chat"
     on the same JSONL (same conversations, same packing and masks); a mixture source of such shards
     made with another tokenizer is refused, naming the folder."""
     from titanlite.data.prepare import prepare

@@ -410,7 +410,7 @@ class UpdateRatio:
 
     :meth:`before_step` copies the (local shards of the FSDP/TP) parameters, :meth:`after_step` measures the
     difference: on logging steps only, as the copy costs a parameter-sized buffer. Multi-tensor ops throughout
-    (one copy, one subtraction, two norms per sharding group, one host transfer per group): ``scripts/bench.py``
+    (one copy, one subtraction, two norms per sharding group, one host transfer per group): ``titanlite bench train``
     reports the cost per log step (``update_ratio_cost``). Healthy AdamW training shows ratios around 1e-3; a
     jump by orders of magnitude marks an unstable step."""
 

@@ -1,6 +1,6 @@
 """Run planner: parameters, FLOPs, steps, time, cost and per-GPU memory of a training run.
 
-Pure functions of the model shape and the run's settings (no torch, no GPU); ``scripts/estimate.py``
+Pure functions of the model shape and the run's settings (no torch, no GPU); ``titanlite estimate``
 is the command-line front end. Memory is modelled for the way titanlite trains (eager mode; AdamW;
 fp32 master weights; FSDP2 over the data-parallel ranks when there is more than one, bf16 autocast
 otherwise), component by component:

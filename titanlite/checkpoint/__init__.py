@@ -6,7 +6,7 @@
 - ``state``: the RNG state saved with every checkpoint.
 - ``hf``: streaming conversion between DCP step folders and Hugging Face folders (the model
   family's ``hf_adapter`` maps names and layouts); ``convert_cli`` holds the command lines of
-  ``scripts/convert_*.py``.
+  ``titanlite convert``.
 """
 
 from titanlite.checkpoint.manager import CheckpointHook, CheckpointManager, CheckpointWriteError, LoadPlan, SaveStats

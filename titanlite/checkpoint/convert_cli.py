@@ -1,4 +1,4 @@
-"""Command lines of the DCP <-> Hugging Face converters (``scripts/convert_*.py``).
+"""Command lines of the DCP <-> Hugging Face converters (``titanlite convert dcp-to-hf | hf-to-dcp``).
 
 Wrong inputs (also damaged or crafted ones) print one ``error: ...`` line on stderr, naming the
 file, and exit with status 2; nothing that existed before is modified (outputs are written to a
@@ -69,7 +69,7 @@ def _add_common_args(p: argparse.ArgumentParser, note: str) -> None:
 
 def main_dcp_to_hf(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="convert_dcp_to_hf.py",
+        prog="titanlite convert dcp-to-hf",
         description=(
             "Convert a titanlite DCP checkpoint step folder (or a torchtitan v0.2 / 0.3.0 one of a Llama 3 "
             "model) into a Hugging Face folder (model.safetensors "
@@ -121,7 +121,7 @@ def parse_model_arg(text: str) -> tuple[str, Any]:
 
 def main_hf_to_dcp(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="convert_hf_to_dcp.py",
+        prog="titanlite convert hf-to-dcp",
         description=(
             "Convert a Hugging Face model folder (config.json + safetensors; Llama, or a family from an "
             "extension, see --extensions) into a model-only titanlite DCP step folder, loadable with "

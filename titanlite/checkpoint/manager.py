@@ -24,7 +24,7 @@ for the copy, if at all, in :meth:`wait_for_staging` just before the optimizer s
 stages into fresh memory, freed after the write; ``async_with_pinned_mem`` keeps one stager whose
 buffers are reused (page-locked on CUDA). At most one save is in flight, and background writes use
 their own gloo process group, so their collectives never interleave with the training ones.
-Measured (``scripts/bench_checkpoint.py --steps 80``, 2-core CPU, 334 MB of model + AdamW state, same
+Measured (``titanlite bench checkpoint --steps 80``, 2-core CPU, 334 MB of model + AdamW state, same
 machine, one after the other): the loop is blocked 19 ms (async) / 35 ms (pinned) per save, against
 6 ms for the hand-written stager and writer thread this replaced, and 630 ms for a synchronous save.
 The extra ~20 ms is ``async_save`` starting its threads while the staging thread already holds the

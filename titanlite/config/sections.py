@@ -137,7 +137,7 @@ class LRScheduler:
 
 @dataclass
 class Training:
-    dataset: str = opt("embedded", "embedded (built-in text), shards (scripts/prepare_data.py) or text (raw files).")
+    dataset: str = opt("embedded", "embedded (built-in text), shards (titanlite prepare) or text (raw files).")
     dataset_path: str = opt("", "Shard folder, or text/JSONL file or folder.", path=True)
     loss: str = opt("cross_entropy", "Loss by registered name: a token-sum fn (logits, labels) -> loss.")
     loss_chunks: int = opt(8, "Output layer + loss in this many pieces of tokens, no full logits; 0 = off.", min=0)

@@ -13,7 +13,7 @@ Files hold one conversation per JSON line, ``{"messages": [...]}``; a folder is 
 :func:`titanlite.data.sources.list_files` order. :func:`encode_conversations` concatenates every
 conversation's rendering + EOS (mask 0) into one token stream, one document per conversation:
 the in-memory ``"chat"`` dataset kind. :func:`load_chat_data` gives the same triple for prepared chat
-shards (``scripts/prepare_data.py --format chat``).
+shards (``titanlite prepare --format chat``).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ def load_token_store(dataset: str, path: str, split: str, tokenizer: Tokenizer) 
     """The token stream of a dataset kind and split, as BOS + document + EOS runs.
 
     - ``embedded``: the built-in standard-library corpus (train/val split by document);
-    - ``shards``: a folder written by ``scripts/prepare_data.py`` (memory-mapped, any size); refused
+    - ``shards``: a folder written by ``titanlite prepare`` (memory-mapped, any size); refused
       when it was made with another tokenizer, and each shard is checked against its recorded
       checksum on first read (see :mod:`titanlite.data.shards`);
     - ``text``: raw text / JSON Lines / Parquet files or folders, tokenized in memory at start (small

@@ -1,6 +1,6 @@
 """Tokenize raw text into binary token shards for ``[training] dataset = "shards"``.
 
-    python scripts/prepare_data.py --input data/ more.jsonl --tokenizer tokenizer.model \\
+    titanlite prepare --input data/ more.jsonl --tokenizer tokenizer.model \\
         --output shards/ --val-fraction 0.01 --workers 8 --shard-tokens 100000000
 
 Inputs are files or folders (see ``titanlite.data.sources``: .txt/.md/.jsonl/.json/.parquet).
@@ -548,7 +548,9 @@ def verify(
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        prog="titanlite prepare",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add = p.add_argument
     add(

@@ -34,7 +34,7 @@ A prepared folder also holds ``manifest.json`` (written last)::
 ``len(store)`` tokens and ``store[a:b]`` -> 1-D int64 tensor (crossing shard boundaries as needed).
 Reads are memory-mapped (lazy, nothing is loaded up front) and cost one numpy copy per slice.
 
-Integrity checks, and what they cost (figures from ``scripts/bench_data.py`` in the README):
+Integrity checks, and what they cost (figures from ``titanlite bench data`` in the README):
 
 * at start, free: the tokenizer fingerprint (:func:`titanlite.tokenizer.tokenizer_fingerprint`,
   a hash of what every id means) against the model's tokenizer, each shard's header against the
@@ -47,7 +47,7 @@ Integrity checks, and what they cost (figures from ``scripts/bench_data.py`` in 
   memory mapping the tokens are then read from, so the bytes checked are the bytes used. Checking
   every shard at start instead would read the whole dataset before the first step (minutes per TB);
   lazily, the cost is spread over the first reads of each shard and paid only for shards read.
-  ``scripts/prepare_data.py --verify FOLDER`` checks every shard at once (e.g. after a copy).
+  ``titanlite prepare --verify FOLDER`` checks every shard at once (e.g. after a copy).
   CRC-32 (zlib) is used because it is several times faster than a cryptographic hash and detects
   every accidental change of up to 32 consecutive bits; it is no defence against deliberate edits.
 * chat data (``prepare_data.py --format chat``, manifest ``"content": "chat"``) has a loss-mask stream:
@@ -309,8 +309,7 @@ def read_manifest(folder: PathLike) -> dict:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ValueError(
-            f"{path}: not found (prepare the folder with scripts/prepare_data.py; "
-            f"an interrupted run writes no manifest)"
+            f"{path}: not found (prepare the folder with titanlite prepare; an interrupted run writes no manifest)"
         ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None

@@ -46,7 +46,7 @@ class ModelSpec:
       ``pipeline_decoder`` serves decoders with the usual module names); None: no pipeline parallelism.
     - ``hf_adapter``: class converting to and from Hugging Face (or None), with the interface of
       :class:`titanlite.models.hf_decoder.HFDecoderAdapter` plus ``args_from_hf_config(config) -> args``;
-      used by ``scripts/convert_*.py``.
+      used by ``titanlite convert``.
     - ``tokenizer_builder``: ``tokenizer_builder(path) -> tokenizer`` ("" = built-in default).
     - ``num_params(args) -> int`` (tied tensors once) and ``flops_per_token(args, seq_len) -> int``
       (training FLOPs): the family's exact counts for MFU, the planner and the dry run; when None,

@@ -316,7 +316,7 @@ IGNORED: dict[tuple[str, str], str] = {
     ("checkpoint", "interval_type"): "titanlite checkpoints every checkpoint.interval steps",
     ("metrics", "rank_0_only"): "titanlite logs rank 0",
     ("checkpoint", "enable_first_step_checkpoint"): "titanlite saves on the interval and at the last step",
-    ("checkpoint", "last_save_in_hf"): "convert the last save with scripts/convert_dcp_to_hf.py",
+    ("checkpoint", "last_save_in_hf"): "convert the last save with titanlite convert dcp-to-hf",
     ("checkpoint", "export_dtype"): "float16 exports are not supported; the export stays float32",
     ("activation_checkpoint", "per_op_sac_force_recompute_mm_shapes_by_fqns"): "a memory/speed knob (MoE routers)",
     ("activation_checkpoint", "early_stop"): "a recomputation speed knob, same math",
@@ -328,7 +328,7 @@ IGNORED: dict[tuple[str, str], str] = {
     ("comm", "trace_buf_size"): "no NCCL flight recorder set-up in titanlite (set TORCH_NCCL_TRACE_BUFFER_SIZE)",
     ("comm", "save_traces_folder"): "no NCCL flight recorder set-up in titanlite",
     ("memory_estimation", "enable"): "torchtitan's estimation script reads it, its trainer does not: for a memory "
-    "estimate run titanlite's dry run, --job.dry_run true (or scripts/estimate.py)",
+    "estimate run titanlite's dry run, --job.dry_run true (or titanlite estimate)",
     ("memory_estimation", "disable_fake_mode"): "use titanlite's dry run (--job.dry_run true)",
     ("compile", "backend"): "titanlite compiles with inductor",
     ("validation", "local_batch_size"): "titanlite validates with training.local_batch_size (same per-token loss)",
@@ -718,7 +718,7 @@ def _refuse(tt: dict[str, dict[str, Any]], given) -> None:
     if ck.get("initial_load_in_hf"):
         raise CompatError(
             "checkpoint.initial_load_in_hf=true: convert the Hugging Face folder first "
-            "(scripts/convert_hf_to_dcp.py) and give the result as checkpoint.initial_load_path"
+            "(titanlite convert hf-to-dcp) and give the result as checkpoint.initial_load_path"
         )
     if ck.get("create_seed_checkpoint"):
         raise CompatError(
@@ -788,7 +788,7 @@ def _dataset(section: str, tt_section: dict[str, Any], warn: _Warner | None = No
         return "text", path
     how = (
         f"give --{section}.dataset_path (a local copy: JSON lines with a 'text' field, "
-        f"text or Parquet files), or prepare shards with scripts/prepare_data.py and pass "
+        f"text or Parquet files), or prepare shards with titanlite prepare and pass "
         f"--{section}.dataset shards --{section}.dataset_path DIR (or --{section}.dataset embedded for a "
         "smoke test)"
     )

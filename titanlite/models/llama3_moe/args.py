@@ -13,7 +13,7 @@ Flavors:
 - ``debugmodel``: the Llama debug model's attention (dim 256, 6 blocks, 8 heads / 4 kv), the first block
   dense and the others 8 experts of hidden 256, top-2, plus one shared expert: per token each MoE block
   computes three 256-wide SwiGLUs, as many FLOPs as the dense debug model's 768-wide one, so the two are
-  the side-by-side pair of ``scripts/bench.py``;
+  the side-by-side pair of ``titanlite bench train``;
 - ``671B``: DeepSeek-V3's MoE shape (61 blocks of width 7168, the first 3 dense with hidden 18432;
   256 routed experts of hidden 2048, top-8 among the 4 best of 8 groups, one shared expert, sigmoid
   scores renormalized and scaled by 2.5, the aux-loss-free bias and a small sequence-level aux loss;

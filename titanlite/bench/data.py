@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Data pipeline throughput, printed as one JSON object on stdout.
 
 * ``tokenize``: ``prepare_data`` tokens/s per worker process (end to end: read, hash for the split,
@@ -39,9 +38,7 @@ import torch
 try:
     import titanlite  # noqa: F401
 except ImportError:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from titanlite.data import prepare as prepare_data
+    from titanlite.data import prepare as prepare_data
 from titanlite.data.shards import (
     MANIFEST,
     ShardedTokens,
@@ -55,7 +52,7 @@ from titanlite.data.shards import (
 from titanlite.data.sources import iter_documents
 from titanlite.tokenizer import build_tokenizer, tokenizer_fingerprint
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # the checkout
 
 
 def shared_data() -> Path:
@@ -229,8 +226,8 @@ def bench_integrity(tmp: Path, tok_path: str, checksum_mb: int, startup_shards: 
     }
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="titanlite bench data", description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=2, help="Also time prepare_data with this many workers.")
     p.add_argument("--repeats", type=int, default=3, help="Tokenization timings: best of this many runs.")
     p.add_argument("--seq-len", type=int, default=2048)
@@ -241,7 +238,7 @@ def main() -> int:
     p.add_argument("--checksum-mb", type=int, default=256, help="Size of the shard whose checksum is timed.")
     p.add_argument("--startup-shards", type=int, default=2000, help="Shards in the start-up check timing.")
     p.add_argument("--integrity-only", action="store_true", help="Only the integrity figures.")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     result: dict = {"torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
     with tempfile.TemporaryDirectory(prefix="titanlite_bench_") as tmp:
         tmp = Path(tmp)

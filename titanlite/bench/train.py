@@ -1,12 +1,12 @@
 """Training throughput benchmark: a config for N steps after warm-up, one JSON line of results.
 
-    python scripts/bench.py --config train_configs/debug_model.toml [--warmup 3] [--steps 10] \
+    titanlite bench train --config train_configs/debug_model.toml [--warmup 3] [--steps 10] \
         [--json-out FILE] [--section.key value ...]
-    python scripts/bench.py --checkpoint-modes disabled,async,async_with_pinned_mem [--steps 40] [config ...]
-    torchrun --nproc-per-node 8 scripts/bench.py --config ... --parallelism.data_parallel_shard_degree 8
-    torchrun --nproc-per-node 2 scripts/bench.py --config ... --parallelism.pipeline_parallel_degree 2
-    python scripts/bench.py --compare-pp [--compare-repeats 2] --config ...   # PP 2 vs FSDP 2, side by side
-    python scripts/bench.py --compare-moe [--compare-repeats 2] [overrides]  # debug MoE vs dense (scripts/bench_moe.py)
+    titanlite bench train --checkpoint-modes disabled,async,async_with_pinned_mem [--steps 40] [config ...]
+    torchrun --nproc-per-node 8 -m titanlite.bench.train --config ... --parallelism.data_parallel_shard_degree 8
+    torchrun --nproc-per-node 2 -m titanlite.bench.train --config ... --parallelism.pipeline_parallel_degree 2
+    titanlite bench train --compare-pp [--compare-repeats 2] --config ...   # PP 2 vs FSDP 2, side by side
+    titanlite bench train --compare-moe [--compare-repeats 2] [overrides]  # debug MoE vs dense (bench moe)
 
 Everything after the bench options is the usual config (file + ``--section.key`` overrides), so
 any parallelism / float8 / compile / AC combination is benchmarked through the real Trainer. The
@@ -70,20 +70,18 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from titanlite.config import exit_with_error, parse_args_or_exit  # noqa: E402
-from titanlite.metrics import MetricsHook, memory_stats, peak_flops  # noqa: E402
-from titanlite.models import get_model_spec, model_schema  # noqa: E402
-from titanlite.optim.bandwidth import measure_copy_bandwidth, optimizer_floor  # noqa: E402
-from titanlite.parallel.distributed import main_then_exit, world_from_env  # noqa: E402
-from titanlite.parallel.parallel_dims import ParallelDims  # noqa: E402
-from titanlite.parallel.pipeline import PipelinePlan  # noqa: E402
-from titanlite.train import Trainer, setup_logging  # noqa: E402
-from titanlite.train_step import TrainStep, grad_accum_steps  # noqa: E402
+from titanlite.config import exit_with_error, parse_args_or_exit
+from titanlite.metrics import MetricsHook, memory_stats, peak_flops
+from titanlite.models import get_model_spec, model_schema
+from titanlite.optim.bandwidth import measure_copy_bandwidth, optimizer_floor
+from titanlite.parallel.distributed import main_then_exit, world_from_env
+from titanlite.parallel.parallel_dims import ParallelDims
+from titanlite.parallel.pipeline import PipelinePlan
+from titanlite.train import Trainer, setup_logging
+from titanlite.train_step import TrainStep, grad_accum_steps
 
 
 class StepTimer:
@@ -308,7 +306,7 @@ class BenchTrainer(Trainer):
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=True)
+    parser = argparse.ArgumentParser(prog="titanlite bench train", description=__doc__.split("\n")[0], add_help=True)
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, allocator)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--json-out", default="", help="also write the JSON result to this file")
@@ -324,7 +322,7 @@ def main(argv=None) -> dict:
         default="",
         help=(
             "instead: how long a save blocks the loop, per [checkpoint] async_mode (comma-separated, e.g. "
-            "disabled,async,async_with_pinned_mem; see scripts/bench_checkpoint.py)"
+            "disabled,async,async_with_pinned_mem; see titanlite.bench.checkpoint)"
         ),
     )
     parser.add_argument(
@@ -343,8 +341,7 @@ def main(argv=None) -> dict:
     if args.checkpoint_modes and args.compare_pp:
         parser.error("--checkpoint-modes and --compare-pp are separate benchmarks: give one")
     if args.checkpoint_modes:  # a separate benchmark, kept in its own script
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from bench_checkpoint import run as bench_checkpoint
+        from titanlite.bench.checkpoint import run as bench_checkpoint
 
         return bench_checkpoint(
             rest,
@@ -356,8 +353,7 @@ def main(argv=None) -> dict:
     if args.warmup < 0 or args.steps < 1:
         parser.error("--warmup must be >= 0 and --steps >= 1")
     if args.compare_moe:  # a separate benchmark, kept in its own script
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from bench_moe import compare_moe
+        from titanlite.bench.moe import compare_moe
 
         return emit(compare_moe(args, rest), args.json_out)
     if args.compare_pp:
@@ -366,7 +362,7 @@ def main(argv=None) -> dict:
         return emit(compare_pp(args, rest), args.json_out)
     total = args.warmup + args.steps
     base = parse_args_or_exit(
-        rest, prog="scripts/bench.py", model_schema=model_schema
+        rest, prog="titanlite bench train", model_schema=model_schema
     )  # the config as given, to read its LR warmup
     rest += [
         "--training.steps",
@@ -376,7 +372,7 @@ def main(argv=None) -> dict:
         "--lr_scheduler.warmup_steps",
         str(min(base.lr_scheduler.warmup_steps, total)),
     ]
-    cfg = parse_args_or_exit(rest, prog="scripts/bench.py", model_schema=model_schema)
+    cfg = parse_args_or_exit(rest, prog="titanlite bench train", model_schema=model_schema)
     world = world_from_env()
     setup_logging(world.rank)
     try:
@@ -546,7 +542,7 @@ COMPARE_LAYOUTS = {
 def compare_config(rest: list[str]) -> tuple[list[str], Path]:
     """The overrides both layouts share (the common global batch) and the dump folder they go under;
     exits 2 with one line when the config cannot run both layouts."""
-    prog = "scripts/bench.py --compare-pp"
+    prog = "titanlite bench train --compare-pp"
     cfg = parse_args_or_exit(rest, prog=prog, model_schema=model_schema)
     p, t = cfg.parallelism, cfg.training
     chosen = {
@@ -587,7 +583,16 @@ def run_layout(name: str, run: int, args, rest: list[str], dump_folder: Path) ->
     ``<dump_folder>/compare_<name>_<run>.log`` and its JSON line next to it, the training run's folder is
     ``<dump_folder>/compare_<name>``."""
     log, out = (dump_folder / f"compare_{name}_{run}.{ext}" for ext in ("log", "json"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "titanlite.bench.train",
+    ]
     cmd += ["--warmup", str(args.warmup), "--steps", str(args.steps), "--json-out", str(out)]
     cmd += ["--no-split"] if args.no_split else []
     cmd += [*rest, *COMPARE_LAYOUTS[name], "--job.dump_folder", str(dump_folder / f"compare_{name}")]

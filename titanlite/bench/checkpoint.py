@@ -1,9 +1,8 @@
-#!/usr/bin/env python
 """How long does a checkpoint save block the training loop? disabled vs async vs async_with_pinned_mem.
 
-    python scripts/bench_checkpoint.py [--steps 40] [--interval 10] [--modes disabled,async,...] \\
+    titanlite bench checkpoint [--steps 40] [--interval 10] [--modes disabled,async,...] \\
         [--json FILE] [--config FILE] [--section.key value ...]
-    python scripts/bench.py --checkpoint-modes disabled,async,async_with_pinned_mem [same options]
+    titanlite bench train --checkpoint-modes disabled,async,async_with_pinned_mem [same options]
 
 Trains the same model once per ``[checkpoint] async_mode`` (fresh dump folder each time), saving
 full checkpoints (model + AdamW state + the rest) every ``--interval`` steps (long enough for one
@@ -36,11 +35,6 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-
-try:
-    import titanlite  # noqa: F401
-except ImportError:  # running from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MODES = ("disabled", "async", "async_with_pinned_mem")
 DEFAULT_MODEL = [
@@ -197,7 +191,7 @@ def run(
     json_out: str | None = None,
     folder: str | None = None,
 ) -> dict:
-    """Benchmark, print the table, optionally write the JSON (also used by ``scripts/bench.py``)."""
+    """Benchmark, print the table, optionally write the JSON (also used by ``bench train --checkpoint-modes``)."""
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         raise SystemExit(f"error: unknown checkpoint mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
@@ -211,7 +205,7 @@ def run(
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="titanlite bench checkpoint", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--interval", type=int, default=10, help="long enough for a write to finish before the next save")
     p.add_argument("--modes", default=",".join(MODES))

@@ -1,6 +1,6 @@
 """Where a profiled step's time goes: a summary of a ``torch.profiler`` Chrome trace (``[profiling]`` writes them).
 
-    python scripts/trace_summary.py outputs/run/profile_traces/iteration_10/rank0.pt.trace.json[.gz] [--top 15]
+    titanlite bench trace-summary outputs/run/profile_traces/iteration_10/rank0.pt.trace.json[.gz] [--top 15]
 
 For a GPU trace: the step's wall time (``ProfilerStep#N``), the time the GPU ran kernels (with overlap counted
 once), and that time by kind of kernel, read from the kernel names: float8 matmuls (names that mention e4m3/e5m2
@@ -93,7 +93,7 @@ def summarize(events: list[dict], top: int = 15) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="titanlite bench trace-summary", description=__doc__.split("\n")[0])
     p.add_argument("trace", type=Path)
     p.add_argument("--top", type=int, default=15)
     args = p.parse_args(argv)

@@ -1,16 +1,16 @@
 """The plain ``transformers`` baseline of the training benchmark: ``LlamaForCausalLM`` at a titanlite flavor's shape.
 
-    python scripts/bench_hf_baseline.py --flavor 1B --vocab-size 128256 --batch 4 --seq-len 2048 [--compile] \
+    titanlite bench hf-baseline --flavor 1B --vocab-size 128256 --batch 4 --seq-len 2048 [--compile] \
         [--n-layers 4] [--warmup 5] [--steps 20] [--json-out FILE]
 
-What a transformers user would write, so that ``scripts/bench.py``'s figures have a reference measured side by side:
+What a transformers user would write, so that ``bench train``'s figures have a reference measured side by side:
 the model built from the same shape (the HF config comes from titanlite's own converter for the flavor, with
 ``--n-layers`` / ``--vocab-size`` applied), fp32 weights, ``torch.autocast`` in bf16 (``--dtype``), SDPA attention,
 ``model(input_ids, labels=input_ids).loss`` (transformers shifts the labels), gradient clipping at 1.0 with
 ``torch.nn.utils.clip_grad_norm_``, ``torch.optim.AdamW(fused=True)`` (foreach off CUDA); ``--compile`` wraps the
 whole model in ``torch.compile``. Random tokens (the speed does not depend on them).
 
-One JSON line, with the keys ``scripts/bench.py`` uses for the same quantities: ``tokens_per_s_per_device``,
+One JSON line, with the keys ``bench train`` uses for the same quantities: ``tokens_per_s_per_device``,
 ``step_time_s``, ``mfu`` (titanlite's FLOPs per token of the same shape over the device's dense bf16 peak),
 ``peak_memory_gib`` and ``time_split_frac`` (forward+backward / optimizer / other, each region ending with a
 device sync). ``transformers`` is a test extra of titanlite, never a run-time dependency.
@@ -25,8 +25,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch
 
 from titanlite.dtypes import DTYPES
@@ -36,7 +34,7 @@ from titanlite.models.registry import model_counts
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="titanlite bench hf-baseline", description=__doc__.split("\n")[0])
     p.add_argument("--flavor", default="1B", help="llama3 flavor whose shape to build (debugmodel, 1B, 8B, ...)")
     p.add_argument("--n-layers", type=int, default=0, help="override the flavor's layer count (0: keep)")
     p.add_argument("--vocab-size", type=int, default=128256, help="vocabulary (Llama 3's 128256 by default)")
@@ -59,7 +57,7 @@ def build(args):
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
     except ImportError:
-        sys.exit("error: scripts/bench_hf_baseline.py needs transformers (pip install -e '.[test]')")
+        sys.exit("error: titanlite bench hf-baseline needs transformers (pip install -e '.[test]')")
     spec = get_model_spec("llama3")
     model_args = spec.flavors[args.flavor]
     overrides = {"vocab_size": args.vocab_size} | ({"n_layers": args.n_layers} if args.n_layers else {})

@@ -1,11 +1,12 @@
 """Measure an older titanlite side by side with this one, in the same benchmark run.
 
-``--baseline REF`` in ``bench_generate.py`` / ``bench_eval.py``: the ``titanlite`` package of git
-revision ``REF`` is extracted (``git archive``, nothing checked out or registered) into a temporary
-folder, and a worker process runs the same benchmark script there with ``--serve``: it imports the old
-package (first on ``PYTHONPATH``) and answers one JSON request per line on stdin with one JSON line on
-stdout. The caller interleaves the worker's timings with its own, round by round, so both see the same
-machine load. The script's measuring code must only use what both versions have.
+``--baseline REF`` in ``titanlite bench generate`` / ``bench eval``: the ``titanlite`` package of git
+revision ``REF`` of this checkout is extracted (``git archive``, nothing checked out or registered) into a
+temporary folder, with this version's ``titanlite/bench`` copied into it, and a worker process runs the same
+benchmark module there with ``--serve``: it imports the old package (first on ``PYTHONPATH``) and answers one
+JSON request per line on stdin with one JSON line on stdout. The caller interleaves the worker's timings with
+its own, round by round, so both see the same machine load. The benchmark's measuring code must only use what
+both versions have.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -21,11 +23,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # the checkout (git archive needs one)
 
 
 def extract_package(ref: str, dest: Path) -> Path:
-    """``titanlite/`` of git revision ``ref`` written under ``dest``; returns ``dest``."""
+    """``titanlite/`` of git revision ``ref`` written under ``dest``, with this version's benchmarks as its
+    ``titanlite/bench``; returns ``dest``."""
     try:
         archive = subprocess.run(
             ["git", "-C", str(REPO), "archive", "--format=tar", ref, "titanlite"],
@@ -38,19 +41,25 @@ def extract_package(ref: str, dest: Path) -> Path:
         raise SystemExit(f"error: --baseline {ref}: git archive failed: {why}") from None
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(dest, filter="data")
+    bench = Path(__file__).resolve().parent
+    shutil.copytree(
+        bench, dest / "titanlite" / "bench", dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__")
+    )
     return dest
 
 
 class Baseline:
-    """A worker running ``script *args`` (which make it serve, e.g. ``--serve``) against the titanlite of ``ref``."""
+    """A worker running ``python -m module *args`` (which make it serve, e.g. ``--serve``) against the titanlite
+    of ``ref`` (in the extracted folder, so neither the checkout nor an installed titanlite comes first)."""
 
-    def __init__(self, ref: str, script: str, args: list[str]):
+    def __init__(self, ref: str, module: str, args: list[str]):
         self.ref = ref
         self._tmp = tempfile.TemporaryDirectory(prefix="titanlite-baseline-")
         root = extract_package(ref, Path(self._tmp.name))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
         self.proc = subprocess.Popen(
-            [sys.executable, script, *args],
+            [sys.executable, "-m", module, *args],
+            cwd=root,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,

@@ -1,8 +1,7 @@
-#!/usr/bin/env python
 """Decode speed, side by side in one run: eager and compiled KV-cache decoding, recomputing the prefix,
 and (``--baseline REF``) another titanlite's eager path; and the fraction of the bandwidth floor.
 
-    python scripts/bench_generate.py [--flavors debugmodel,1B] [--batch-sizes 1,8] [--prompt-len 128]
+    titanlite bench generate [--flavors debugmodel,1B] [--batch-sizes 1,8] [--prompt-len 128]
         [--new-tokens 32] [--modes eager,compiled,recompute] [--baseline 5c7a1f4] [--repeats 3]
         [--device cpu|cuda] [--dtype float32|bfloat16] [--json FILE] [--jsonl FILE]
 
@@ -35,15 +34,9 @@ import sys
 import time
 from pathlib import Path
 
-try:
-    import titanlite  # noqa: F401
-except ImportError:  # running from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_baseline
-
 import torch
-from bench_baseline import Baseline, imported_from, serve
 
+from titanlite.bench.baseline import Baseline, imported_from, serve
 from titanlite.dtypes import DTYPES
 from titanlite.generate import generate
 from titanlite.models import build_model
@@ -113,7 +106,11 @@ def step_bytes(model: torch.nn.Module, batch: int, cached_tokens: float) -> floa
 def bench(flavor: str, batch_sizes: list[int], a: argparse.Namespace, bandwidth: float) -> list[dict]:
     runner = Runner(flavor, a.device, a.dtype)
     model = runner.model
-    baseline = Baseline(a.baseline, __file__, ["--serve", "--flavor", flavor, *_common(a)]) if a.baseline else None
+    baseline = (
+        Baseline(a.baseline, "titanlite.bench.generate", ["--serve", "--flavor", flavor, *_common(a)])
+        if a.baseline
+        else None
+    )
     modes = [*a.modes, *(["baseline"] if baseline else [])]
     params = sum(p.numel() for p in model.parameters())
     rows = []
@@ -185,7 +182,7 @@ def _common(a: argparse.Namespace) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="titanlite bench generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--flavors", default="debugmodel,1B", help="comma-separated llama3 flavors")
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--prompt-len", type=int, default=128)

@@ -1,13 +1,13 @@
-"""The training benchmark's table (docs/benchmarks.md's format) from JSON lines of ``scripts/bench.py`` and
-``scripts/bench_hf_baseline.py``, each with a ``"row"`` name added (``scripts/gpu_check.sh`` writes them).
+"""The training benchmark's table (docs/benchmarks.md's format) from JSON lines of ``bench train`` and
+``bench hf-baseline``, each with a ``"row"`` name added (``scripts/gpu_check.sh`` writes them).
 
-    python scripts/bench_table.py results.jsonl > table.md
+    titanlite bench table results.jsonl > table.md
 
 Columns: tokens/s (per device), MFU against the dense bf16 peak (float8 runs too, as usually quoted), peak memory,
 the step split forward+backward / optimizer / other, the optimizer step against its memory-bandwidth floor
 (``bench.py --bandwidth``), and tokens/s against the ``transformers`` row of the same shape, batch and compile
 mode when the file has one. A row that failed or timed out is a line ``{"row": ..., "error": ...}``. Rows of
-``scripts/bench_optimizer.py`` (the optimizer step alone) get a table of their own after it.
+``bench optimizer`` (the optimizer step alone) get a table of their own after it.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ OPTIMIZER_HEADER = (
 
 
 def optimizer_line(r: dict) -> str:
-    """A ``scripts/bench_optimizer.py`` row: each way's milliseconds and its ratio to the floor."""
+    """A ``bench optimizer`` row: each way's milliseconds and its ratio to the floor."""
     cells = [
         f"{1e3 * r[f'{k}_s']:.1f} ms ({r[f'{k}_floor_ratio']:.2f}x)" for k in ("clip_then_step", "merged", "step_only")
     ]
@@ -80,7 +80,7 @@ def table(records: list[dict]) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="titanlite bench table", description=__doc__.split("\n")[0])
     p.add_argument("results", type=Path)
     args = p.parse_args(argv)
     try:

@@ -1,6 +1,6 @@
 """The optimizer step alone, against its memory-bandwidth floor: the clip as it was and as it is now.
 
-    python scripts/bench_optimizer.py [--flavor 1B] [--n-layers 0] [--vocab-size 128256] \
+    titanlite bench optimizer [--flavor 1B] [--n-layers 0] [--vocab-size 128256] \
         [--implementation auto|fused|foreach] [--steps 20] [--json-out FILE]
 
 A titanlite model of the flavor's shape (fp32, on the GPU when there is one) gets random gradients and the
@@ -24,11 +24,8 @@ import argparse
 import dataclasses
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
@@ -40,7 +37,7 @@ from titanlite.parallel.grad_clip import WorldLayout, clip_coefficient, clip_gra
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="titanlite bench optimizer", description=__doc__.split("\n")[0])
     p.add_argument("--flavor", default="1B")
     p.add_argument("--n-layers", type=int, default=0, help="override the flavor's layer count (0: keep)")
     p.add_argument("--vocab-size", type=int, default=128256)

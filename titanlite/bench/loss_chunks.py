@@ -1,9 +1,9 @@
 """The chunked output layer + loss side by side: peak memory and step time for several ``[training] loss_chunks``.
 
-    python scripts/bench_loss_chunks.py [--chunks 0,2,4,8,16] [--repeats 2] [--warmup 1] [--steps 3] \
+    titanlite bench loss-chunks [--chunks 0,2,4,8,16] [--repeats 2] [--warmup 1] [--steps 3] \
         [--json-out FILE] [config and --section.key overrides]
 
-Each setting is one ``scripts/bench.py`` run in its own process (peak RSS is per process on CPU; on CUDA the
+Each setting is one ``bench train`` run in its own process (peak RSS is per process on CPU; on CUDA the
 peak allocated memory), through the real Trainer; the settings alternate order between repeats (a shared
 machine's speed drifts), and the table gives the median over repeats and the ratio to ``loss_chunks = 0``.
 Besides the timed steps' wall time it reports the CPU time (user + system) of the whole run, start-up and
@@ -24,7 +24,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent / "bench.py"
 DEFAULT_CONFIG = ["--config", "train_configs/debug_model.toml", "--model.vocab_size", "128256"]
 QUIET = ["--checkpoint.enable", "false", "--metrics.enable_tensorboard", "false"]
 
@@ -32,14 +31,14 @@ QUIET = ["--checkpoint.enable", "false", "--metrics.enable_tensorboard", "false"
 def run(chunks: int, args: argparse.Namespace, config: list[str], timeout: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        cmd = [sys.executable, str(SCRIPT), "--warmup", str(args.warmup), "--steps", str(args.steps)]
+        cmd = [sys.executable, "-m", "titanlite.bench.train", "--warmup", str(args.warmup), "--steps", str(args.steps)]
         cmd += ["--json-out", str(out), *config, *QUIET, "--job.dump_folder", tmp]
         cmd += ["--training.loss_chunks", str(chunks)]
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         if proc.returncode != 0:
-            raise SystemExit(f"loss_chunks={chunks}: bench.py failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+            raise SystemExit(f"loss_chunks={chunks}: bench train failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
         cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
         return {**json.loads(out.read_text()), "run_cpu_s": cpu_s}
 
@@ -76,7 +75,7 @@ def table(results: dict[int, list[dict]]) -> tuple[list[dict], str]:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="titanlite bench loss-chunks", description=__doc__.split("\n")[0])
     parser.add_argument("--chunks", default="0,2,4,8,16", help="comma-separated loss_chunks settings, first = base")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each setting, alternating the order")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps of each run")

@@ -1,10 +1,10 @@
 """MoE benchmark: the debug MoE against the dense debug model of the same active size, and the MoE layer's time split.
 
-    python scripts/bench.py --compare-moe [--warmup 3] [--steps 10] [--compare-repeats 2] [--section.key value ...]
-    python scripts/bench_moe.py [--steps 10] [--section.key value ...]            # the layer split alone
-    torchrun --nproc-per-node 2 scripts/bench_moe.py --parallelism.expert_parallel_degree 2   # with all-to-all
+    titanlite bench train --compare-moe [--warmup 3] [--steps 10] [--compare-repeats 2] [--section.key value ...]
+    titanlite bench moe [--steps 10] [--section.key value ...]                     # the layer split alone
+    torchrun --nproc-per-node 2 -m titanlite.bench.moe --parallelism.expert_parallel_degree 2   # with all-to-all
 
-``--compare-moe`` (through ``scripts/bench.py``) runs ``scripts/bench.py`` on ``train_configs/debug_model.toml``
+``--compare-moe`` (through ``bench train``) runs ``bench train`` on a checkout's ``train_configs/debug_model.toml``
 (dense: a 768-wide SwiGLU per block) and on ``train_configs/debug_moe.toml`` (8 experts of 256, top-2, one
 shared expert: the same FFN FLOPs per token, 2.2x the parameters), one after the other in fresh processes,
 alternating the order over repeats, with the same batch and sequence length (no accumulation unless
@@ -37,22 +37,20 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+from titanlite.config import exit_with_error, parse_args_or_exit
+from titanlite.dtypes import DTYPES
+from titanlite.models import model_schema
+from titanlite.models.llama3.model import FeedForward
+from titanlite.models.moe import MoE
+from titanlite.models.moe.expert_parallel import AllToAll, regroup_index
+from titanlite.models.moe.router import expert_counts
+from titanlite.models.registry import model_args_for
+from titanlite.parallel.distributed import init_distributed, main_then_exit, world_from_env
 
-from titanlite.config import exit_with_error, parse_args_or_exit  # noqa: E402
-from titanlite.dtypes import DTYPES  # noqa: E402
-from titanlite.models import model_schema  # noqa: E402
-from titanlite.models.llama3.model import FeedForward  # noqa: E402
-from titanlite.models.moe import MoE  # noqa: E402
-from titanlite.models.moe.expert_parallel import AllToAll, regroup_index  # noqa: E402
-from titanlite.models.moe.router import expert_counts  # noqa: E402
-from titanlite.models.registry import model_args_for  # noqa: E402
-from titanlite.parallel.distributed import init_distributed, main_then_exit, world_from_env  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # the checkout
 DENSE, SPARSE = "train_configs/debug_model.toml", "train_configs/debug_moe.toml"
 
 
@@ -131,7 +129,7 @@ def layer_split(moe: MoE, tokens: int, dim: int, steps: int, ep_group=None) -> d
 def layer_bench(rest: list[str], steps: int) -> dict:
     """The time split of one MoE layer of the config (under torchrun with EP: expert-parallel, all-to-all timed)."""
     cfg = parse_args_or_exit(
-        ["--config", str(REPO / SPARSE), *rest], prog="scripts/bench_moe.py", model_schema=model_schema
+        ["--config", str(REPO / SPARSE), *rest], prog="titanlite bench moe", model_schema=model_schema
     )
     world = world_from_env()
     args = model_args_for(cfg.model, 512)
@@ -172,7 +170,7 @@ def layer_bench(rest: list[str], steps: int) -> dict:
 
 
 def run_bench(config: str, rest: list[str], args, out: Path) -> dict:
-    cmd = [sys.executable, str(REPO / "scripts" / "bench.py"), "--config", str(REPO / config)]
+    cmd = [sys.executable, "-m", "titanlite.bench.train", "--config", str(REPO / config)]
     cmd += ["--warmup", str(args.warmup), "--steps", str(args.steps), "--json-out", str(out), *rest]
     cmd += ["--checkpoint.enable", "false", "--job.dump_folder", str(out.parent / out.stem)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.compare_timeout)
@@ -211,7 +209,7 @@ def compare_moe(args, rest: list[str]) -> dict:
 def main(argv=None) -> dict:
     import argparse
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="titanlite bench moe", description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=10, help="timed repetitions of each piece")
     parser.add_argument("--json-out", default="")
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)

@@ -1,8 +1,7 @@
-#!/usr/bin/env python
 """Downstream-eval scoring throughput of ``titanlite.eval.evaluate``: tokens/s and MFU, eager and compiled,
 side by side with (``--baseline REF``) another titanlite's scoring.
 
-    python scripts/bench_eval.py [--data-dir D] [--checkpoint STEP_DIR] [--tasks hellaswag,...] [--limit 100]
+    titanlite bench eval [--data-dir D] [--checkpoint STEP_DIR] [--tasks hellaswag,...] [--limit 100]
         [--batch-sizes 1,16] [--modes eager,compiled] [--baseline 5c7a1f4] [--repeats 2]
         [--big-flavor 1B] [--big-task arc_easy] [--big-limit 24] [--skip-big]
         [--device cpu|cuda] [--dtype float32|bfloat16] [--json FILE] [--jsonl FILE]
@@ -37,20 +36,12 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-try:
-    import titanlite  # noqa: F401
-except ImportError:  # running from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_baseline
-
-from bench_baseline import Baseline, imported_from, serve
-
+from titanlite.bench.baseline import Baseline, imported_from, serve
 from titanlite.checkpoint.load_model import load_model
 from titanlite.dtypes import DTYPES
 from titanlite.eval import evaluate, get_task, task_names
@@ -58,7 +49,7 @@ from titanlite.eval.scoring import build_requests
 from titanlite.models.registry import get_model_spec, make_model_args
 from titanlite.tokenizer import build_byte_tokenizer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # the checkout
 MODES = ("eager", "compiled")
 
 
@@ -164,8 +155,8 @@ def table(rows: list[dict], modes: list[str]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="titanlite bench eval", description=__doc__.split("\n\n")[0])
     default_data = os.environ.get("TITANLITE_EVAL_DATA") or str(REPO.parent / "shared" / "data" / "eval")
     p.add_argument("--data-dir", default=default_data, help="the eval data folder (default: $TITANLITE_EVAL_DATA)")
     p.add_argument("--checkpoint", help="a debug-model step folder (default: random weights)")
@@ -184,7 +175,7 @@ def main() -> None:
     p.add_argument("--json", help="also write the measurements here (a JSON list)")
     p.add_argument("--jsonl", help="append one JSON object per measurement to this file")
     p.add_argument("--serve", metavar="MODEL", help=argparse.SUPPRESS)  # the --baseline worker
-    a = p.parse_args()
+    a = p.parse_args(argv)
     if a.serve:
         serve(Runner(a.serve, a).handle)
         return
@@ -203,7 +194,7 @@ def main() -> None:
     rows = []
     for name in dict.fromkeys(n for n, _, _ in plan):
         runner = Runner(name, a)
-        baseline = Baseline(a.baseline, __file__, ["--serve", name, *common]) if a.baseline else None
+        baseline = Baseline(a.baseline, "titanlite.bench.eval", ["--serve", name, *common]) if a.baseline else None
         for _, task, limit in (x for x in plan if x[0] == name):
             for b in batch_sizes:
                 rows.append(measure(name if name == "debug" else a.big_flavor, runner, baseline, task, limit, b, a))

@@ -1,0 +1,3 @@
+"""The benchmarks (``titanlite bench <name>``, or ``python -m titanlite.bench.<module>``): each module measures one
+thing side by side against its reference and prints its figures (see docs/benchmarks.md). Their measuring code
+uses only titanlite's public modules, so ``--baseline REF`` can run it against an older titanlite."""

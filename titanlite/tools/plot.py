@@ -1,0 +1,153 @@
+"""Plot training curves from one or more runs' ``metrics.jsonl``, overlaid.
+
+    titanlite plot outputs/run_a [outputs/run_b ...] -o curves.png [--smooth 0.9]
+
+Panels against the optimizer step: training loss (validation loss as markers, NaN-guard events as
+dotted lines), learning rate, gradient norm, tokens/s per device and MFU; and when the runs logged
+them, validation bits per byte and the downstream scores (``eval/<task>/<metric>``, from the in-loop
+``[eval]`` or the ``--watch`` watcher): accuracies in one panel, perplexities in another. A folder or
+a ``metrics.jsonl`` path may be given; runs are labelled by folder name. Needs matplotlib, which
+titanlite itself does not depend on (``pip install matplotlib``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+PANELS = (  # (title, key, log scale)
+    ("loss", "loss", False),
+    ("learning rate", "lr", False),
+    ("grad norm (before clipping)", "grad_norm", True),
+    ("tokens/s per device", "tokens_per_s", False),
+    ("MFU", "mfu", False),
+)
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a ``metrics.jsonl`` (a torn last line is ignored)."""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                continue
+    return records
+
+
+def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """``key``'s values by step, in step order (a watcher appends its scores after later training steps)."""
+    points = []
+    for r in records:
+        v = r.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and "step" in r:
+            points.append((r["step"], float(v)))
+    points.sort(key=lambda p: p[0])
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def extra_panels(runs: list[tuple[str, list[dict]]]) -> list[tuple[str, list[str], bool]]:
+    """``(title, keys, log scale)`` of the panels whose metrics some run logged: bits per byte, downstream
+    accuracies (``eval/<task>/acc...``) and downstream perplexities."""
+    keys = {k for _, records in runs for r in records for k in r}
+    evals = sorted(k for k in keys if k.startswith("eval/"))
+    panels = [("validation bits per byte", ["val_bpb"], False)] if "val_bpb" in keys else []
+    if acc := [k for k in evals if k.rsplit("/", 1)[-1].startswith("acc")]:
+        panels.append(("downstream accuracy", acc, False))
+    if ppl := [k for k in evals if k.endswith("/perplexity")]:
+        panels.append(("downstream perplexity", ppl, True))
+    return panels
+
+
+def ema(ys: list[float], alpha: float) -> list[float]:
+    out, acc = [], None
+    for y in ys:
+        acc = y if acc is None else alpha * acc + (1 - alpha) * y
+        out.append(acc)
+    return out
+
+
+def resolve(arg: str) -> Path:
+    p = Path(arg)
+    return p / "metrics.jsonl" if p.is_dir() else p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="titanlite plot", description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", help="dump folders (or metrics.jsonl files)")
+    ap.add_argument("-o", "--output", default="metrics.png", help="output image (PNG, SVG or PDF by extension)")
+    ap.add_argument("--smooth", type=float, default=0.0, help="EMA smoothing of the training loss, 0 <= s < 1")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(
+            "error: plot_metrics.py needs matplotlib, which titanlite does not install; "
+            "run `pip install matplotlib` (or `pip install -e .[test]`)",
+            file=sys.stderr,
+        )
+        return 2
+    runs = []
+    for arg in args.runs:
+        path = resolve(arg)
+        if not path.is_file():
+            print(f"error: no metrics.jsonl at {path}", file=sys.stderr)
+            return 2
+        label = path.parent.name or str(path.parent)
+        runs.append((label, read_metrics(path)))
+    extra = extra_panels(runs)
+    n = len(PANELS) + len(extra)
+    fig, axes = plt.subplots(n, 1, figsize=(9, 2.6 * n), sharex=True)
+    for ax, (title, keys, log) in zip(axes[len(PANELS) :], extra):
+        for i, (label, records) in enumerate(runs):  # a color per metric, a line style per run
+            for j, key in enumerate(keys):
+                xs, ys = series(records, key)
+                name = key.removeprefix("eval/")
+                style = dict(marker="o", markersize=3, linestyle=("-", "--", ":")[i % 3], color=f"C{j % 10}")
+                ax.plot(xs, ys, label=f"{label} {name}", **style)
+        if log:
+            ax.set_yscale("log")
+        ax.set_ylabel(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    for i, (label, records) in enumerate(runs):
+        color = f"C{i % 10}"
+        for ax, (title, key, log) in zip(axes, PANELS):
+            xs, ys = series(records, key)
+            if key == "loss" and args.smooth > 0:
+                ys = ema(ys, args.smooth)
+            if xs:
+                ax.plot(xs, ys, color=color, label=label, linewidth=1.2)
+            if key == "loss":
+                vx, vy = series(records, "val_loss")
+                if vx:
+                    ax.plot(vx, vy, "o--", color=color, markersize=4, linewidth=0.8, label=f"{label} (validation)")
+                for r in records:  # NaN-guard events: skipped steps and rollbacks
+                    if "guard_event" in r:
+                        ax.axvline(r["step"], color=color, linestyle=":", linewidth=1)
+            if log and ys and min(ys) > 0:
+                ax.set_yscale("log")
+            ax.set_ylabel(title)
+            ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=8)
+    axes[-1].set_xlabel("step")
+    fig.tight_layout()
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.output, dpi=110)
+    titles = [p[0] for p in PANELS] + [p[0] for p in extra]
+    print(f"wrote {args.output} ({len(runs)} run(s); panels: {', '.join(titles)})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
