@@ -1,7 +1,7 @@
 """The training job: ``python -m titanlite.train --config FILE`` or ``torchrun ... -m titanlite.train``.
 
 :class:`Trainer` builds every piece from its own config section and runs the loop: one
-:class:`~titanlite.train_step.TrainStep` call per optimizer step, and hooks
+:class:`~titanlite.trainer.step.TrainStep` call per optimizer step, and hooks
 (:mod:`titanlite.hooks`) for metrics, the guard, the profiler, validation, checkpoints, preemption
 and collective timeouts. To swap a piece, override its ``build_*`` method in a subclass, register it
 (``titanlite.components.register("trainer", "mine", MyTrainer)`` in an extension module) and name
@@ -11,13 +11,11 @@ Every piece is also usable from a foreign loop (README, "Use titanlite as a libr
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
 import os
 import random
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,29 +24,23 @@ import torch
 from torch import nn
 
 from titanlite import components
-from titanlite.assemble import build_config_model, config_loss, config_train_step, loss_chunks_for
-from titanlite.checkpoint import CheckpointHook, CheckpointManager, CheckpointWriteError, layout
+from titanlite.checkpoint import CheckpointHook, CheckpointManager, layout
 from titanlite.checkpoint.hf import model_args_from_seed
-from titanlite.config import JobConfig, config_to_toml, dump_config, exit_with_error, parse_args_or_exit
+from titanlite.config import JobConfig, config_to_toml, dump_config
 from titanlite.data.loader import build_dataloader
-from titanlite.data.mixture import DataExhausted
 from titanlite.data.recipe import (
     SourceData,
-    load_source,
-    mixture_entries,
+    load_sources,
     source_windows,
     training_dataset,
-    validation_entries,
 )
-from titanlite.data.shards import ShardIntegrityError
 from titanlite.data.staged import StagedLoader
 from titanlite.eval import evaluate, get_task
 from titanlite.eval.hook import EvalHook
-from titanlite.guard import GuardHook, StepGuard, TrainingDivergedError
 from titanlite.hooks import Hook, LoopState, call_hooks
 from titanlite.loss import cross_entropy_sum  # noqa: F401  (registers the built-in loss)
-from titanlite.metrics import DiskFullError, MetricsHook, MetricsLogger, device_memory_bytes, matmul_dtype, num_params
-from titanlite.models import get_model_spec, model_schema
+from titanlite.models import get_model_spec
+from titanlite.models.flops import ModelShape, num_params
 from titanlite.models.registry import active_params, check_seq_len, model_args_for, model_counts
 from titanlite.optim import build_optimizer  # noqa: F401  (registers the built-in optimizers and schedules)
 from titanlite.output_loss import output_loss
@@ -64,21 +56,24 @@ from titanlite.parallel.float8_fsdp import register_float8_scale_precompute
 from titanlite.parallel.fsdp import quiet_view_warning
 from titanlite.parallel.parallel_dims import ParallelDims
 from titanlite.parallel.pipeline import PipelinePlan
-from titanlite.planner import ModelShape, RunSetup, check_absurd_size
-from titanlite.preemption import PreemptionHandler, PreemptionHook
-from titanlite.profiling import ProfilerHook
+from titanlite.plan.planner import RunSetup, check_absurd_size
+from titanlite.plan.run_plan import RunPlan, plan_steps
 from titanlite.run_lock import RunLock
-from titanlite.run_plan import RunPlan, plan_run
-from titanlite.sampling import SamplingHook
 from titanlite.tokenizer import token_byte_lengths
-from titanlite.train_step import TrainStep, grad_accum_steps
-from titanlite.validation import ValidationHook, combine_validation, validation_loss
-from titanlite.wandb_logger import import_wandb
+from titanlite.trainer.assemble import build_config_model, config_loss, config_train_step, loss_chunks_for
+from titanlite.trainer.guard import GuardHook, StepGuard
+from titanlite.trainer.metrics import MetricsHook
+from titanlite.trainer.metrics_log import MetricsLogger
+from titanlite.trainer.peaks import device_memory_bytes, matmul_dtype
+from titanlite.trainer.preemption import PreemptionHandler, PreemptionHook
+from titanlite.trainer.profiling import ProfilerHook
+from titanlite.trainer.sampling import SamplingHook
+from titanlite.trainer.stages import StageHook
+from titanlite.trainer.step import TrainStep, grad_accum_steps
+from titanlite.trainer.validation import ValidationHook, combine_validation, validation_loss
+from titanlite.trainer.wandb_logger import import_wandb
 
 logger = logging.getLogger("titanlite")
-
-
-RESUMED = "the run's checkpoint"  # model_args_source's name for the checkpoint a resume takes its model args from
 
 
 class ResumeError(ValueError):
@@ -105,14 +100,19 @@ REMOVED_METHODS = {
     "train_step": "build_train_step() (self.train_step is the TrainStep it returns)",
     "clip_grad_norm": "build_train_step() (TrainStep.reduce_step gives the norm, TrainStep.update clips)",
     "optimizer_step": "build_train_step() (TrainStep.update)",
-    "model_inputs": "build_train_step() (titanlite.train_step.batch_to_device)",
+    "model_inputs": "build_train_step() (titanlite.trainer.step.batch_to_device)",
     "autocast": "build_train_step() (TrainStep.autocast)",
     "dp_sum": "build_train_step() (TrainStep.dp_sum)",
-    "step_record": "build_hooks() (titanlite.metrics.MetricsHook)",
-    "log_step": "build_hooks() (titanlite.metrics.MetricsHook)",
-    "is_log_step": "build_hooks() (titanlite.metrics.MetricsHook)",
-    "log_summary": "build_hooks() (titanlite.metrics.MetricsHook)",
-    "stop_on_signal": "build_hooks() (titanlite.preemption.PreemptionHook)",
+    "step_record": "build_hooks() (titanlite.trainer.metrics.MetricsHook)",
+    "log_step": "build_hooks() (titanlite.trainer.metrics.MetricsHook)",
+    "is_log_step": "build_hooks() (titanlite.trainer.metrics.MetricsHook)",
+    "log_summary": "build_hooks() (titanlite.trainer.metrics.MetricsHook)",
+    "stop_on_signal": "build_hooks() (titanlite.trainer.preemption.PreemptionHook)",
+    "build_dataloader": "build_train_dataloader(stage) (validation: build_val_loaders)",
+    "enter_stage": "build_hooks() (titanlite.trainer.stages.StageHook)",
+    "load_sources": "train_sources or build_val_loaders() (titanlite.data.recipe.load_sources)",
+    "model_args_source": "__init__ (titanlite.checkpoint.layout.model_args_source)",
+    "recorded_checkpoint": "resume_point() (titanlite.checkpoint.layout.recorded_checkpoint)",
 }
 
 
@@ -153,11 +153,11 @@ class Trainer:
             for task in [get_task(name) for name in cfg.eval.tasks]:
                 task.items(cfg.eval.data_dir)
         self.model_args = model_args_for(cfg.model, self.tokenizer.vocab_size)
-        if source := self.model_args_source():  # its RoPE, norm eps ... unless [model] sets them
+        if source := layout.model_args_source(cfg.checkpoint, cfg.job.dump_folder):  # RoPE, norm eps ... unless set
             try:
                 self.model_args = model_args_from_seed(self.spec, self.model_args, cfg.model.overrides, *source)
             except ValueError as e:
-                if source[1] != RESUMED:
+                if source[1] != layout.RESUMED:
                     raise
                 raise ValueError(f"{e}; or start a new run in another --job.dump_folder") from None
         check_seq_len(self.model_args, max(t.seq_len, self.run_plan.max_seq_len))
@@ -205,7 +205,7 @@ class Trainer:
 
     def check_absurd_size(self) -> None:
         """Refuse, before anything is allocated, a run whose modelled memory per device is far beyond the device's
-        (:func:`titanlite.planner.check_absurd_size`); families without the planner's sizes are not checked."""
+        (:func:`titanlite.plan.planner.check_absurd_size`); families without the planner's sizes are not checked."""
         device_bytes = device_memory_bytes(self.device)
         try:
             shape = ModelShape.from_args(self.model_args)
@@ -246,83 +246,43 @@ class Trainer:
         """``[training] loss_chunks``, or 0 (with a warning) for a family whose model cannot return hidden states."""
         return loss_chunks_for(self.cfg, self.spec)
 
-    def load_sources(self, split: str) -> list[tuple[SourceData, float]]:
-        """``[training]`` (``split = "train"``) or ``[validation]`` data: each source and its weight, one
-        unless the section sets ``mixture``. Shards are checked against the tokenizer here."""
-        section = self.cfg.training if split == "train" else self.cfg.validation
-        entries = mixture_entries(section) if split == "train" else self.validation_entries()
-        out = []
-        for i, entry in enumerate(entries):
-            try:
-                data = load_source(
-                    entry["name"], entry.get("dataset", "auto"), entry.get("path", ""), split, self.tokenizer
-                )
-            except (ValueError, FileNotFoundError) as e:
-                if not section.mixture:
-                    raise
-                key = f"{'training' if split == 'train' else 'validation'}.mixture[{i}]"
-                raise type(e)(f"{key} (source '{entry['name']}'): {e}") from e
-            out.append((data, float(entry["weight"])))
-        if split == "train" and self.cfg.training.loss_mask == "assistant" and not any(d.chat for d, _ in out):
-            raise ValueError(
-                "training.loss_mask = 'assistant' needs chat data, but no training source is chat data "
-                "(dataset = 'chat' for JSONL conversations, or shards prepared with --format chat)"
-            )
-        if any(data.chat for data, _ in out) and self.eos_id_for_documents is None:
-            logger.warning(
-                "chat data packs several conversations per window; with [model] attn_mask_type = 'causal' they "
-                "attend to one another: set attn_mask_type = 'block_causal' to keep them apart"
-            )
-        return out
-
-    def validation_entries(self) -> list[dict]:
-        """``[validation]``'s sources (:func:`~titanlite.data.recipe.validation_entries`); what they read is logged,
-        as a warning when they cannot follow the training data."""
-        entries, what, warn = validation_entries(self.cfg.training, self.cfg.validation)
-        (logger.warning if warn else logger.info)(what)
-        return entries
-
     @functools.cached_property
     def train_sources(self) -> list[tuple[SourceData, float]]:
-        return self.load_sources("train")
+        """``[training]``'s data: each source and its weight (:func:`~titanlite.data.recipe.load_sources`)."""
+        return load_sources(self.cfg.training, self.cfg.validation, "train", self.tokenizer, self.block_causal)
+
+    @property
+    def block_causal(self) -> bool:
+        """Block-causal attention: documents packed in a window do not attend to one another."""
+        return getattr(self.model_args, "attn_mask_type", "causal") != "causal"
 
     @property
     def eos_id_for_documents(self) -> int | None:
         """The EOS id that separates documents for block-causal attention (None for causal attention)."""
-        block_causal = getattr(self.model_args, "attn_mask_type", "causal") != "causal"
-        return self.tokenizer.eos_id if block_causal else None
+        return self.tokenizer.eos_id if self.block_causal else None
 
     def build_run_plan(self) -> RunPlan:
-        """``[training] steps | tokens`` and ``seq_len_schedule`` as stages (:mod:`titanlite.run_plan`)."""
+        """``[training] steps | tokens`` and ``seq_len_schedule`` as stages (:mod:`titanlite.plan.run_plan`); under a
+        token budget the warm-up is checked here, once the steps are known."""
         c, t, dims = self.cfg, self.cfg.training, self.parallel_dims
         kw = dict(seq_len=t.seq_len, local_batch_size=t.local_batch_size, grad_accum_steps=self.grad_accum_steps)
         kw.update(resumed=self.resume_point() if t.tokens > 0 else None)
-        plan = plan_run(steps=t.steps, tokens=t.tokens, dp_degree=dims.dp_degree, schedule=t.seq_len_schedule, **kw)
+        plan = plan_steps(steps=t.steps, tokens=t.tokens, dp_degree=dims.dp_degree, schedule=t.seq_len_schedule, **kw)
         if c.lr_scheduler.warmup_steps > plan.total_steps:
             raise ValueError(
                 f"lr_scheduler.warmup_steps ({c.lr_scheduler.warmup_steps}) must be <= the run's {plan.total_steps} "
                 f"steps (training.tokens = {t.tokens:,})"
             )
-        if t.seq_len_schedule:
-            if dims.pp_enabled:
-                raise ValueError("training.seq_len_schedule is not supported with pipeline parallelism")
-            if c.guard.policy == "rollback" and c.guard.rollback_skip_data:
-                raise ValueError(
-                    "guard.policy = 'rollback' with guard.rollback_skip_data is not supported with "
-                    "training.seq_len_schedule (the skipped batches may span stages): set rollback_skip_data = false"
-                )
-            for i, s in enumerate(plan.stages):
-                dims.check_tp_divides(**{f"training.seq_len_schedule[{i}].seq_len": s.seq_len})
-        return plan
+        return plan  # the checks of the schedule that need no plan: JobConfig.validate
 
     def build_train_loader(self):
         """The training batches; with a ``seq_len_schedule``, a :class:`StagedLoader` over the stages."""
         if not self.cfg.training.seq_len_schedule:
-            return self.build_dataloader("train")
-        build = lambda i: self.build_dataloader("train", stage=i)  # noqa: E731
+            return self.build_train_dataloader()
+        build = lambda i: self.build_train_dataloader(stage=i)  # noqa: E731
         return StagedLoader(build, self.run_plan.stage_index(1), num_stages=len(self.run_plan.stages))
 
-    def build_dataloader(self, split: str = "train", stage: int | None = None):
+    def build_train_dataloader(self, stage: int | None = None):
         """The training batches: one source's windows, or a weighted mixture of ``[training] mixture``; at
         ``stage``'s seq_len and local batch (its data order seeded from the seed and the stage)."""
         t, dims = self.cfg.training, self.parallel_dims
@@ -338,31 +298,14 @@ class Trainer:
         dataset = training_dataset([s for s, _ in sources], weights, seq_len, mixture=bool(t.mixture), **kw)
         return build_dataloader(None, dataset=dataset, batch_size=batch)
 
-    def enter_stage(self, step: int) -> None:
-        """Put the loader, the accumulation and the FLOPs per token (MFU) on the stage of ``step``."""
-        if not self.cfg.training.seq_len_schedule:
-            return
-        i = self.run_plan.stage_index(step)
-        stage = self.run_plan.stages[i]
-        self.train_step.grad_accum_steps = stage.grad_accum_steps
-        if getattr(self, "metrics_hook", None) is not None:
-            self.metrics_hook.flops_per_token = self.stage_flops[i]
-        if self.train_loader.stage != i:
-            self.train_loader.set_stage(i)
-            logger.info(
-                f"stage {i + 1} of {len(self.run_plan.stages)} from step {step}: seq_len {stage.seq_len}, "
-                f"{stage.local_batch_size} sequences per micro-batch x grad accumulation {stage.grad_accum_steps}, "
-                f"{stage.tokens_per_step:,} tokens per step"
-            )
-
     def build_val_loaders(self) -> dict[str, tuple[float, Any]]:
         """``[validation]``: a finite, unshuffled loader per source (name -> (weight, loader))."""
-        t, dims = self.cfg.training, self.parallel_dims
+        c, t, dims = self.cfg, self.cfg.training, self.parallel_dims
         kw = dict(loss_mask=t.loss_mask, eos_id=self.eos_id_for_documents, dp_rank=self.dp_rank)
         kw["pad_id"] = self.tokenizer.eos_id
         kw.update(dp_world=dims.dp_degree, batch_size=t.local_batch_size, shuffle=False, infinite=False)
         loaders = {}
-        for data, weight in self.load_sources("val"):
+        for data, weight in load_sources(c.training, c.validation, "val", self.tokenizer, self.block_causal):
             name = f"val/{data.name}" if self.cfg.validation.mixture else "val"
             windows = source_windows(data, t.seq_len, seed=t.seed, name=name, **kw)
             loaders[data.name] = (weight, build_dataloader(None, dataset=windows, batch_size=t.local_batch_size))
@@ -401,7 +344,7 @@ class Trainer:
         kw = dict(device=self.device, autocast_dtype=self.train_step.autocast_dtype)  # first: it checks its prompts
         sampling = SamplingHook(c.sampling, self.model, self.tokenizer, **kw) if c.sampling.enable else None
         log = MetricsLogger(c.metrics, c.job.dump_folder, rank, run_config=dataclasses.asdict(c))
-        self.metrics_hook = metrics = MetricsHook(
+        metrics = MetricsHook(
             c.metrics,
             log,
             device=self.device,
@@ -425,40 +368,17 @@ class Trainer:
         hooks += [CheckpointHook(self.checkpointer), PreemptionHook(self.preemption, self.checkpointer)]
         if self.world.world_size > 1:
             hooks.append(CollectiveTimeoutHook(c.comm.train_timeout_seconds, self.parallel_dims.all_groups()))
+        if c.training.seq_len_schedule:  # last: a step is saved and logged on its own stage
+            hooks.append(StageHook(self.run_plan, self.train_loader, self.train_step, metrics, self.stage_flops))
         return hooks
-
-    def model_args_source(self) -> tuple[Path, str] | None:
-        """The checkpoint whose recorded model args this run takes (see ``model_args_from_seed``): the
-        newest step folder of this run (``load_step``'s when set) whose ``checkpoint.json`` is readable,
-        so a resume computes as the run did; else ``initial_load_path``; None for a fresh start."""
-        found = self.recorded_checkpoint(lambda info: isinstance(info.get("model", {}).get("args"), dict))
-        return None if found is None else (found[0], found[1])
-
-    def recorded_checkpoint(self, usable: Callable[[dict], bool]) -> tuple[Path, str, dict] | None:
-        """``(folder, what, checkpoint.json)`` of the checkpoint this run will start from, read before anything is
-        built: the newest step folder of this run (``load_step``'s when set) whose ``checkpoint.json`` is readable
-        and ``usable``; else ``initial_load_path``'s (``what`` = "checkpoint.initial_load_path"); else None."""
-        c = self.cfg.checkpoint
-        if c.enable:
-            folders = layout.list_step_folders(Path(self.cfg.job.dump_folder) / c.folder)
-            for f in reversed([f for f in folders if c.load_step in (-1, f.step)]):
-                with contextlib.suppress(ValueError):  # a damaged one is reported (and skipped) by the manager
-                    if usable(info := layout.read_info(f.path)):
-                        return f.path, RESUMED, info
-        if not c.initial_load_path:
-            return None
-        path, info = Path(c.initial_load_path), {}
-        with contextlib.suppress(ValueError, OSError):  # the manager reports what is wrong with it
-            info = layout.read_info(path) if (path / layout.INFO_FILE).is_file() else {}
-        return path, "checkpoint.initial_load_path", info
 
     def resume_point(self) -> tuple[int, int] | None:
         """``(step, tokens seen)`` of the run so far, as its newest checkpoint records them (a model-only last save
         too: the run may be finished), or a full ``initial_load_path``'s; None for a fresh start. A token budget
         plans the remaining steps from the remaining tokens."""
-        found = self.recorded_checkpoint(lambda info: True)
+        found = layout.recorded_checkpoint(self.cfg.checkpoint, self.cfg.job.dump_folder, lambda info: True)
         c = self.cfg.checkpoint
-        if found is None or found[1] != RESUMED and c.initial_load_model_only:
+        if found is None or found[1] != layout.RESUMED and c.initial_load_model_only:
             return None
         info = found[2]
         if isinstance(info.get("step"), int) and isinstance(info.get("tokens_seen"), int):
@@ -504,7 +424,6 @@ class Trainer:
         try:
             with quiet_view_warning():
                 while state.step < state.total_steps and not state.stop:
-                    self.enter_stage(state.step + 1)
                     before_update = lambda r: call_hooks(hooks, "before_update", state, r)  # noqa: E731
                     result = self.train_step(state.data_iter, before_update, step=state.step + 1)
                     if result.action == "rollback":  # the guard reloaded a checkpoint: state.step went back
@@ -598,61 +517,4 @@ class Trainer:
             )
 
 
-if __name__ != "__main__":  # under -m, the module imported below registers it (once, the same class extensions see)
-    components.register("trainer", "default", Trainer)
-
-
-def setup_logging(rank: int) -> None:
-    level = logging.INFO if rank == 0 else logging.WARNING
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
-
-
-def main(argv: list[str] | None = None, trainer_cls: type | None = None, load_config: Callable | None = None) -> None:
-    """The command line: ``load_config(argv)`` (default: titanlite's TOML + ``--section.key``
-    overrides), then the dry run, or ``trainer_cls`` (default: the one ``[job] trainer`` names)
-    built and trained. Errors in the config or while building, and a full disk, are one line and exit status 2;
-    a stop on SIGTERM/SIGINT with nothing resumable saved exits 128 + the signal number (titanlite.preemption)."""
-    argv = sys.argv[1:] if argv is None else argv
-    cfg = load_config(argv) if load_config is not None else parse_args_or_exit(argv, model_schema=model_schema)
-    if cfg.job.dry_run:  # check the layout at its stated scale with a fake process group, then exit
-        from titanlite.dry_run import dry_run
-
-        try:
-            dry_run(cfg)
-        except (ValueError, KeyError) as e:
-            exit_with_error(e)
-        return
-    world = world_from_env()
-    setup_logging(world.rank)
-    if cfg.job.world_size > 0 and world.world_size != cfg.job.world_size:
-        logger.warning(
-            f"this config is tuned for {cfg.job.world_size} processes (job.world_size) but runs on {world.world_size}"
-        )
-    try:
-        cls = trainer_cls or components.get("trainer", cfg.job.trainer)
-        trainer = cls(cfg, world)  # takes the dump folder's lock first
-    except (ValueError, KeyError, FileNotFoundError) as e:
-        exit_with_error(e, every_rank=True)
-    try:
-        with trainer.preemption:  # SIGTERM/SIGINT: finish the step, checkpoint, exit (titanlite.preemption)
-            trainer.train()
-        code = trainer.preemption.exit_status()  # 128 + signal number when stopped with nothing to resume from
-    except (TrainingDivergedError, DataExhausted) as e:  # [guard] policy = raise, or too many skips; a
-        logger.error("training stopped: %s", e)  # mixture source ran out with mixture_on_exhausted = "stop"
-        code = 1
-    except DiskFullError as e:  # the metrics log (rank 0); an asynchronous save may be failing behind it
-        exit_with_error(f"{e}; {trainer.checkpointer.intact()}" if trainer.checkpointer.enabled else e, every_rank=True)
-    except (ResumeError, CheckpointWriteError, ShardIntegrityError) as e:  # nothing lost
-        exit_with_error(e, every_rank=True)
-    if torch.distributed.is_initialized():  # no rank may tear its connections down while another still uses
-        torch.distributed.barrier()  # them (the process exit itself: main_then_exit, below)
-        torch.distributed.destroy_process_group()
-    if code:
-        raise SystemExit(code)
-
-
-if __name__ == "__main__":
-    from titanlite.parallel.distributed import main_then_exit
-    from titanlite.train import main as titanlite_main
-
-    main_then_exit(titanlite_main)  # under torchrun: no interpreter finalization after the run (see there)
+components.register("trainer", "default", Trainer)
