@@ -10,8 +10,8 @@ import torch
 from tiny import TINY_MODEL
 
 from titanlite.models import load_config
-from titanlite.train import grad_accum_steps
 from titanlite.trainer import Trainer
+from titanlite.trainer.step import grad_accum_steps
 
 TINY = [
     *TINY_MODEL,

@@ -25,6 +25,7 @@ MOVED_NAMES: dict[tuple[str, str], str] = {  # (module, old name) -> the new ful
     (f"{P}.planner", "plan_run"): f"{P}.planner.estimate_run",
     (f"{P}.run_plan", "plan_run"): f"{P}.run_plan.plan_steps",
     ("titanlite.train", "set_seed"): f"{T}.trainer.set_seed",
+    ("titanlite.train", "grad_accum_steps"): f"{T}.step.grad_accum_steps",
     ("titanlite.train", "REMOVED_METHODS"): f"{T}.trainer.REMOVED_METHODS",
     ("titanlite.train", "RESUMED"): "titanlite.checkpoint.layout.RESUMED",
 }

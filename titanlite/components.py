@@ -12,7 +12,7 @@ Signatures: ``trainer``: a :class:`titanlite.trainer.Trainer` subclass; ``loss``
 -> token-sum loss``; ``optimizer``: ``fn(model, optimizer_section) -> Optimizer``;
 ``lr_scheduler``: ``fn(optimizer, lr_scheduler_section, total_steps) -> scheduler``.
 The built-ins register when their module is imported (``titanlite.loss``, ``titanlite.optim``,
-``titanlite.train``).
+``titanlite.trainer``).
 """
 
 from __future__ import annotations
