@@ -10,7 +10,7 @@ from shared_data import shared_file
 
 from titanlite.models import build_model
 from titanlite.tokenizer import build_byte_tokenizer, build_tokenizer, token_byte_lengths
-from titanlite.validation import validation_loss
+from titanlite.trainer.validation import validation_loss
 
 TEXT = "Ünïcödé text, 中文 and emoji 🙂 — the bytes must add up.\nSecond line\tand tabs."
 

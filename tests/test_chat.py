@@ -217,7 +217,7 @@ def test_generate_chat_feeds_the_rendering_and_stops_at_eot(tmp_path, capsys):
 
 def test_sampling_hook_chat_prompts(tmp_path):
     from titanlite.checkpoint.load_model import load_model
-    from titanlite.sampling import SamplingHook
+    from titanlite.trainer.sampling import SamplingHook
 
     tok = build_byte_tokenizer()
     eot_model(tmp_path / "step-1", tok)
@@ -382,7 +382,7 @@ def test_killed_chat_prepare_reruns_to_identical_files(tmp_path):
 
 
 def test_sampling_chat_with_a_tokenizer_without_chat_tokens_names_the_key():
-    from titanlite.sampling import SamplingHook
+    from titanlite.trainer.sampling import SamplingHook
 
     enc = tiktoken.Encoding(
         "plain",

@@ -27,10 +27,11 @@ from torch.distributed.checkpoint import load as dcp_load
 
 import titanlite.data.recipe as recipe
 from titanlite.checkpoint import layout
-from titanlite.metrics import rewind_metrics_log
 from titanlite.models import load_config
 from titanlite.run_lock import LOCK_FILE as LOCK
-from titanlite.train import Trainer, main
+from titanlite.train import main
+from titanlite.trainer import Trainer
+from titanlite.trainer.metrics_log import rewind_metrics_log
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 20
@@ -90,7 +91,7 @@ DRIVER = textwrap.dedent("""
     import os, signal, sys
     import torch
     import torch.distributed.checkpoint.filesystem as fs
-    import titanlite.metrics as metrics
+    import titanlite.trainer.metrics as metrics
     import titanlite.data.recipe as recipe
     import titanlite.train as train
     from titanlite.models import load_config

@@ -65,7 +65,7 @@ def train_worker(args: dict) -> dict:
     # save start-up time: the tokens this test process already has, no CPU peak-FLOPs probe
     tokens = torch.load(args["tokens"], weights_only=True)
     recipe.load_token_store = lambda dataset, path, split, tokenizer: tokens
-    import titanlite.metrics as metrics
+    import titanlite.trainer.metrics as metrics
 
     metrics.peak_flops = lambda *a, **k: None
     trainer = train.Trainer(load_config(args["argv"]))
@@ -150,7 +150,7 @@ def _assert_close_run(dump: Path, reference: list[dict]) -> None:
 
 
 def test_fsdp2_checkpoint_resumes_on_one_process(fsdp_run, tmp_path, caplog):
-    from titanlite.train import Trainer
+    from titanlite.trainer import Trainer
 
     source, reference = fsdp_run
     dump = resume_copy(source, tmp_path / "one")

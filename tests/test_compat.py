@@ -41,13 +41,13 @@ TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4"]  #
 @pytest.fixture
 def no_peak_probe(monkeypatch):
     """MFU is not under test: skip the trainer's CPU matmul-peak probe (seconds) during the test."""
-    import titanlite.metrics as metrics
+    import titanlite.trainer.metrics as metrics
 
     monkeypatch.setattr(metrics, "peak_flops", lambda *args, **kwargs: 1e11)
 
 
 def skip_peak_measurement() -> None:  # in worker processes, for good
-    import titanlite.metrics as metrics
+    import titanlite.trainer.metrics as metrics
 
     metrics.peak_flops = lambda *args, **kwargs: 1e11
 

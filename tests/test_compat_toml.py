@@ -215,7 +215,7 @@ def test_a_tokenizer_larger_than_the_flavors_vocabulary_is_refused():
 def test_a_torchtitan_debugmodel_checkpoint_loads_without_vocab_size(tmp_path, monkeypatch):
     """A checkpoint of torchtitan's debugmodel has 2,048 embedding rows whatever the tokenizer; compat's
     model now has the same, so it loads with no --model.vocab_size (weights equal bit for bit)."""
-    import titanlite.metrics as metrics
+    import titanlite.trainer.metrics as metrics
 
     monkeypatch.setattr(metrics, "peak_flops", lambda *args, **kwargs: 1e11)  # MFU is not under test
     torch.manual_seed(3)  # torchtitan's debugmodel at TINY's size: 2,048 embedding and output rows
@@ -316,8 +316,8 @@ def test_pipeline_keys_map_one_to_one_and_the_trainer_accepts_them(tmp_path):
     """The debug fixture already names Interleaved1F1B (with degree 1, where torchtitan and compat ignore it);
     degree 2 turns it on: degree, schedule, microbatch size and the split reach titanlite unchanged, and the
     trainer's own PipelinePlan and the dry run accept them."""
-    from titanlite.dry_run import dry_run
     from titanlite.parallel.pipeline import PipelinePlan
+    from titanlite.plan.dry_run import dry_run
 
     path = FIXTURES / "debug_model.toml"
     off = load_translated(translate(str(path), LOCAL)).parallelism

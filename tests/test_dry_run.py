@@ -30,8 +30,8 @@ import sys
 import pytest
 from dist_utils import REPO
 
-from titanlite.dry_run import dry_run, resolve_world_size
 from titanlite.models import load_config
+from titanlite.plan.dry_run import dry_run, resolve_world_size
 
 RUN_WITH_RSS = """
 import resource, runpy, sys
@@ -84,7 +84,7 @@ EIGHT_B_AND_QWEN = """
 import json
 import torchtitan_ext.qwen3  # the extension family, as [job] extensions would import it
 from titanlite.models import load_config
-from titanlite.dry_run import dry_run
+from titanlite.plan.dry_run import dry_run
 out = {}
 for name, argv in (("llama8b", ["--config", "train_configs/llama8b.toml"]),
                    ("qwen3_8b", ["--model.name", "qwen3", "--model.flavor", "8B", "--training.seq_len", "4096",
@@ -158,7 +158,8 @@ def test_405b_pipeline_config_dry_runs_every_stage_on_512_ranks():
     import time
 
     from titanlite.models import make_model_args
-    from titanlite.planner import ModelShape, RunSetup, pipeline_memory
+    from titanlite.models.flops import ModelShape
+    from titanlite.plan.planner import RunSetup, pipeline_memory
 
     start = time.monotonic()
     proc = run(RUN_WITH_RSS, "--config", "train_configs/llama405b.toml", "--job.dry_run", "true")

@@ -16,7 +16,7 @@ from tiny import TINY_MODEL
 
 from titanlite.eval import cli as eval_cli
 from titanlite.models import load_config
-from titanlite.train import Trainer
+from titanlite.trainer import Trainer
 
 STEPS = 6
 TASKS = "hellaswag,arc_easy,arc_challenge,piqa,lambada_openai"

@@ -16,7 +16,7 @@ from titanlite.checkpoint import safe_load
 from titanlite.checkpoint.load_model import load_model
 from titanlite.eval.watch import watch
 from titanlite.models import load_config
-from titanlite.train import Trainer
+from titanlite.trainer import Trainer
 
 STEPS = 6
 
@@ -98,7 +98,7 @@ def test_records_a_rewind_of_the_run_drops_are_scored_again(run, tmp_path, monke
     record past step 2, the watcher's record of step 4 with it (its step 2 record stays). The live watcher must
     score step 4 again, not only a restarted one."""
     from titanlite.eval import watch as watch_module
-    from titanlite.metrics import rewind_metrics_log
+    from titanlite.trainer.metrics_log import rewind_metrics_log
 
     dump = copy_run(run, tmp_path)
     shutil.move(dump / "checkpoint" / "step-6", tmp_path / "step-6")  # the run stopped after saving step 4

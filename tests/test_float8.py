@@ -150,7 +150,7 @@ def test_conversion_skips_filtered_and_ineligible_shapes_and_logs(caplog):
 def test_float8_debug_model_trains(tmp_path):
     """A float8 run of a small debug model learns on CPU (loss falls) and keeps `output` in fp32."""
     from titanlite.models import load_config
-    from titanlite.train import Trainer
+    from titanlite.trainer import Trainer
 
     cfg = load_config(
         [

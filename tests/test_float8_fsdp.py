@@ -30,7 +30,7 @@ def all_gather_worker(args: dict) -> dict:
 
     from titanlite.parallel import float8_fsdp
     from titanlite.parallel.float8 import Float8GatheredWeight, float8_modules
-    from titanlite.train import Trainer
+    from titanlite.trainer import Trainer
 
     seen = {"pre_all_gather": 0, "own_all_reduce": 0, "gathered_in_forward": 0, "float8_inputs": 0}
     original = float8_fsdp.Float8ShardedWeight.fsdp_pre_all_gather

@@ -428,8 +428,8 @@ def test_a_family_that_ignores_the_cache_it_declares_gets_a_one_line_error():
 def test_the_sampling_hook_checks_the_family_at_start(caplog):
     """[sampling] with a family without the cache: a warning when the hook is built, samples that work."""
     from titanlite.config.sections import Sampling
-    from titanlite.sampling import SamplingHook
     from titanlite.tokenizer import build_byte_tokenizer
+    from titanlite.trainer.sampling import SamplingHook
 
     tok = build_byte_tokenizer()
     section = Sampling(enable=True, prompts=["ab"], max_new_tokens=5, compile=True)

@@ -13,10 +13,10 @@ import torch
 from tiny import TINY_MODEL
 
 from titanlite.config.sections import Guard
-from titanlite.guard import SpikeDetector, StepGuard, TrainingDivergedError
 from titanlite.hooks import Hook
 from titanlite.models import load_config
-from titanlite.train import Trainer
+from titanlite.trainer import Trainer
+from titanlite.trainer.guard import SpikeDetector, StepGuard, TrainingDivergedError
 
 TINY = [
     *TINY_MODEL,
@@ -116,7 +116,7 @@ def test_verdict_is_agreed_across_ranks(tmp_path):
         textwrap.dedent("""
         import json, os, sys, torch, torch.distributed as dist
         from titanlite.config.sections import Guard
-        from titanlite.guard import StepGuard
+        from titanlite.trainer.guard import StepGuard
         dist.init_process_group("gloo")
         rank = dist.get_rank()
         g = StepGuard(Guard(policy="skip_step"), torch.device("cpu"))

@@ -166,7 +166,7 @@ def test_dcp_to_hf_loads_in_transformers_with_matching_logits(case, tmp_path):
 
 def test_trainer_bf16_export_converts(tmp_path):
     from titanlite.models import load_config
-    from titanlite.train import Trainer
+    from titanlite.trainer import Trainer
 
     dump = tmp_path / "run"
     cfg = load_config(
@@ -274,7 +274,7 @@ def test_hf_to_dcp_gives_titanlite_the_same_logits(case, tmp_path):
 def test_hf_checkpoint_seeds_a_training_run(tmp_path, caplog):
     """HF -> DCP -> ``initial_load_path``: the trainer starts from exactly the HF weights."""
     from titanlite.models import load_config
-    from titanlite.train import Trainer
+    from titanlite.trainer import Trainer
 
     src = hf_model_folder(tmp_path, tie_word_embeddings=False)
     proc = run_cli("hf-to-dcp", str(src), str(tmp_path / "dcp"))
@@ -594,7 +594,8 @@ def test_a_seed_trains_with_its_own_rope_and_norm_eps(tmp_path, caplog, capsys):
     another value is a one-line error."""
     from titanlite.models import load_config
     from titanlite.models.registry import RUN_ARGS, model_args_for
-    from titanlite.train import Trainer, main
+    from titanlite.train import main
+    from titanlite.trainer import Trainer
 
     src = hf_model_folder(
         tmp_path,

@@ -30,7 +30,7 @@ from test_checkpoint import TINY
 import titanlite.data.recipe as recipe
 from titanlite.checkpoint import layout
 from titanlite.models import load_config
-from titanlite.train import Trainer
+from titanlite.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = [
@@ -65,7 +65,7 @@ DRIVER = textwrap.dedent("""
     import torch.distributed.checkpoint.staging as staging
     import titanlite.checkpoint.layout as layout
     import titanlite.checkpoint.manager as manager
-    import titanlite.metrics as metrics
+    import titanlite.trainer.metrics as metrics
     import titanlite.data.recipe as recipe
     import titanlite.train as train
     from titanlite.hooks import Hook

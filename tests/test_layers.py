@@ -6,18 +6,22 @@ from the source, as ``../shared/tools/import_graph.py --all`` reads them).
 Layers, lowest first (a module may import its own layer or lower ones):
 
 0. leaves: ``config``, ``components``, ``hooks``, ``dtypes``, ``extensions``, ``tokenizer`` (with ``hf_tokenizer``,
-   ``hf_regex``), ``planner``, ``run_lock``, ``nesting``, ``fsio`` (atomic writes, ``one_line``),
-   ``_torch_compat`` (every private torch API titanlite uses); ``fsio`` and ``_torch_compat`` import nothing
-   from titanlite
-1. ``parallel``: policies, mesh, FSDP/TP/AC/compile/float8, ``build_parallel_model``; and ``loss``, ``output_loss``
-2. ``models``: the registry and the families (a family's parallelize plan is built from ``parallel``)
+   ``hf_regex``), ``run_lock``, ``nesting``, ``_moved`` (where moved modules went),
+   ``fsio`` (atomic writes, ``one_line``), ``_torch_compat`` (every private torch API titanlite uses); ``fsio`` and
+   ``_torch_compat`` import nothing from titanlite
+1. ``parallel``: policies, mesh, FSDP/TP/AC/compile/float8, pipeline schedules and their arithmetic,
+   ``build_parallel_model``; and ``loss``, ``output_loss``
+2. ``models``: the registry, the families (a family's parallelize plan is built from ``parallel``) and
+   ``models.flops`` (parameter and FLOP counts)
 3. ``data`` (``data.chat``: the chat template, used by ``generate`` and ``sampling``),
    ``checkpoint`` (with ``checkpoint.safe_load``, which imports torch only), ``optim``
-4. the loop's pieces: ``train_step``, ``metrics``, ``guard``, ``preemption``, ``profiling``, ``validation``;
-   ``generate`` and ``sampling`` (generation, the loop's samples), ``eval`` (downstream benchmarks, the
-   checkpoint watcher); their command lines load models through ``checkpoint``
-5. ``train``, ``dry_run``
-6. the command line: ``cli`` (the ``titanlite`` command, ``__main__``), ``tools`` (estimate, plot), ``bench``
+4. ``plan``'s estimates: ``plan.planner`` (with ``planner_moe``) and ``plan.run_plan``, above ``models`` and
+   ``parallel`` whose counts and pipeline arithmetic they use
+5. ``trainer`` (the loop and its hooks: step, metrics, guard, preemption, profiling, validation, sampling, stages),
+   ``generate``, ``eval`` (downstream benchmarks); their command lines load models through ``checkpoint``
+6. the command lines on top: ``train``, ``plan.dry_run``, ``eval.watch`` / ``eval.cli`` (the checkpoint
+   watcher writes the trainer's metrics log)
+7. the ``titanlite`` command: ``cli`` (with ``__main__``), ``tools`` (estimate, plot), ``bench``
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "titanlite"
 LAYERS = [
     (
         "titanlite",
+        "titanlite._moved",
         "titanlite.config",
         "titanlite.components",
         "titanlite.hooks",
@@ -37,7 +42,6 @@ LAYERS = [
         "titanlite.tokenizer",
         "titanlite.hf_tokenizer",
         "titanlite.hf_regex",
-        "titanlite.planner",
         "titanlite.run_lock",
         "titanlite.nesting",
         "titanlite.fsio",
@@ -52,19 +56,15 @@ LAYERS = [
         "titanlite.checkpoint.safe_load",
         "titanlite.optim",
     ),
+    ("titanlite.plan", "titanlite.plan.planner", "titanlite.plan.planner_moe", "titanlite.plan.run_plan"),
+    ("titanlite.trainer", "titanlite.generate", "titanlite.eval"),
     (
-        "titanlite.train_step",
-        "titanlite.assemble",
-        "titanlite.metrics",
-        "titanlite.guard",
-        "titanlite.preemption",
-        "titanlite.profiling",
-        "titanlite.validation",
-        "titanlite.generate",
-        "titanlite.sampling",
-        "titanlite.eval",
+        "titanlite.train",
+        "titanlite.plan.dry_run",
+        "titanlite.eval.watch",
+        "titanlite.eval.cli",
+        "titanlite.eval.__main__",
     ),
-    ("titanlite.train", "titanlite.dry_run"),
     ("titanlite.cli", "titanlite.__main__", "titanlite.tools", "titanlite.bench"),
 ]
 LEAVES = ("titanlite.nesting", "titanlite.fsio", "titanlite._torch_compat")
@@ -178,3 +178,18 @@ def test_the_checker_sees_function_local_imports(tmp_path):
     src = tmp_path / "mod.py"
     src.write_text("def f():\n    from titanlite.train import Trainer\n")
     assert imports("titanlite.config.mod", src, {"titanlite.train", "titanlite.config.mod"}) == {"titanlite.train"}
+
+
+def test_nothing_below_imports_plan_or_trainer():
+    """``models``, ``parallel``, ``data``, ``checkpoint``, ``optim`` and ``config`` never import the planning tools or
+    the loop (the FLOP counts live in ``models.flops``, the pipeline arithmetic in ``parallel``)."""
+    lower = ("titanlite.models", "titanlite.parallel", "titanlite.data", "titanlite.checkpoint", "titanlite.optim")
+    lower += ("titanlite.config",)
+    bad = [
+        f"{m} imports {t}"
+        for m, targets in graph().items()
+        if m.startswith(lower)
+        for t in targets
+        if t.startswith(("titanlite.plan", "titanlite.trainer", "titanlite.train"))
+    ]
+    assert not bad, "\n".join(bad)

@@ -52,7 +52,7 @@ def run_loop(env: dict) -> list[float]:
 
 def trainer_run(tmp_path, extra: list[str] = ()) -> list[dict]:
     from titanlite.models import load_config
-    from titanlite.train import Trainer
+    from titanlite.trainer import Trainer
 
     cfg = load_config(
         [
@@ -228,7 +228,7 @@ def test_own_family_trains_with_the_stock_launcher_and_is_planned_exactly(tmp_pa
 
 def test_a_registered_loss_is_chosen_by_name_and_validation_stays_cross_entropy(tmp_path, monkeypatch):
     from titanlite.models import load_config
-    from titanlite.train import Trainer
+    from titanlite.trainer import Trainer
 
     (tmp_path / "my_loss.py").write_text(LOSS)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -256,7 +256,7 @@ def test_a_registered_loss_is_chosen_by_name_and_validation_stays_cross_entropy(
     ]
     plain = Trainer(load_config([*args, "--job.dump_folder", str(tmp_path / "a")]))
     z = Trainer(load_config([*args, "--training.loss", "z_loss", "--job.dump_folder", str(tmp_path / "b")]))
-    batch = next(iter(plain.build_dataloader("train")))  # a loader of its own: the trainer's has not started
+    batch = next(iter(plain.build_train_dataloader()))  # a loader of its own: the trainer's has not started
     with torch.no_grad():
         lse = torch.logsumexp(plain.model(batch["input_ids"]).float(), -1)
     assert plain.validate() == z.validate()  # validation: plain cross-entropy for both

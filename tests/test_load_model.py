@@ -14,7 +14,7 @@ from titanlite.checkpoint import layout
 from titanlite.checkpoint.hf import dcp_to_hf
 from titanlite.checkpoint.load_model import load_model
 from titanlite.models import load_config
-from titanlite.train import Trainer
+from titanlite.trainer import Trainer
 
 
 @pytest.fixture(scope="module")

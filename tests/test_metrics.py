@@ -7,10 +7,12 @@ import pytest
 import torch
 from tiny import TINY_MODEL
 
-from titanlite import metrics
-from titanlite.metrics import MetricsHook, gpu_memory_bytes, matmul_dtype, num_params, peak_flops, peak_flops_for_name
 from titanlite.models import build_model, get_model_spec, make_model_args
+from titanlite.models.flops import num_params
 from titanlite.models.registry import model_counts
+from titanlite.trainer import peaks
+from titanlite.trainer.metrics import MetricsHook
+from titanlite.trainer.peaks import gpu_memory_bytes, matmul_dtype, peak_flops, peak_flops_for_name
 
 
 def test_flops_per_token_1b_by_hand():
@@ -68,9 +70,9 @@ def test_cpu_peak_sizes_the_matmul_to_the_rate(monkeypatch, gflops, largest):
         sizes.append(a.shape[0])
         clock[0] += 2 * a.shape[0] ** 3 / (gflops * 1e9)
 
-    monkeypatch.setattr(metrics, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(peaks, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     monkeypatch.setattr(torch, "mm", fake_mm)
-    rate = metrics.measure_cpu_matmul_peak.__wrapped__("bfloat16", threads=7)
+    rate = peaks.measure_cpu_matmul_peak.__wrapped__("bfloat16", threads=7)
     assert max(sizes) == largest and sizes[-1] == largest
     assert rate == pytest.approx(gflops * 1e9)
 
@@ -134,7 +136,7 @@ TINY = [
 def test_mfu_by_hand(tmp_path):
     """MFU in a logged record = tokens/s per device x FLOPs/token / peak, FLOPs/token by hand."""
     from titanlite.models import load_config
-    from titanlite.train import Trainer
+    from titanlite.trainer import Trainer
 
     t = Trainer(load_config(TINY + ["--job.dump_folder", str(tmp_path / "a")]))
     d, L, V, F = 64, 2, 512, 256  # ffn: int(8 * 64 / 3) = 170, rounded up to a multiple of 256
@@ -157,8 +159,8 @@ def test_validation_time_is_left_out_of_tokens_per_s(tmp_path, monkeypatch):
     import time
 
     from titanlite.models import load_config
-    from titanlite.train import Trainer
-    from titanlite.validation import ValidationHook
+    from titanlite.trainer import Trainer
+    from titanlite.trainer.validation import ValidationHook
 
     args = [*TINY[:-4], "--training.steps", "4", "--metrics.log_freq", "2", "--validation.enable"]
     t = Trainer(load_config(args + ["--validation.freq", "1", "--job.dump_folder", str(tmp_path)]))

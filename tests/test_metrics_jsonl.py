@@ -13,7 +13,7 @@ from tiny import TINY_MODEL
 
 from titanlite.config import load_config
 from titanlite.eval.watch import append_record
-from titanlite.metrics import MetricsLogger, rewind_metrics_log
+from titanlite.trainer.metrics_log import MetricsLogger, rewind_metrics_log
 
 
 def strict(line: str | bytes):
@@ -82,7 +82,7 @@ def test_non_finite_values_are_null_plus_a_flag(tmp_path):
 @pytest.mark.usefixtures("one_thread")
 def test_a_run_with_a_nan_step_writes_strict_json(tmp_path):
     from titanlite.models import load_config as load_model_config
-    from titanlite.train import Trainer
+    from titanlite.trainer import Trainer
 
     argv = [
         *TINY_MODEL,

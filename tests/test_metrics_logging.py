@@ -12,11 +12,12 @@ import torch
 from tiny import TINY_MODEL
 from torch import nn
 
-import titanlite.metrics as metrics
+import titanlite.trainer.metrics as metrics
+import titanlite.trainer.metrics_log as metrics_log
 from titanlite.checkpoint import layout
-from titanlite.metrics import RunProgress, UpdateRatio, format_duration, format_summary
 from titanlite.models import load_config
-from titanlite.train import Trainer
+from titanlite.trainer import Trainer
+from titanlite.trainer.metrics import RunProgress, UpdateRatio, format_duration, format_summary
 
 TINY = [
     *TINY_MODEL,
@@ -236,7 +237,7 @@ def test_disk_full_during_a_write_leaves_no_torn_line(tmp_path, err):
     log.log({"step": 1, "loss": 2.5})
     before = log.path.read_bytes()
     log.file = _FullDisk(log.file, room=7, err=err)  # part of the next line fits
-    with pytest.raises(metrics.DiskFullError) as full:
+    with pytest.raises(metrics_log.DiskFullError) as full:
         log.log({"step": 2, "loss": 2.25})
     log.close()
     assert log.path.read_bytes() == before == b'{"step": 1, "loss": 2.5}\n'  # the partial line was cut off
@@ -284,11 +285,11 @@ def test_summary_write_on_a_full_disk_keeps_the_old_file(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(metrics.Path, "write_text", half_then_full)
-    with pytest.raises(metrics.DiskFullError, match=re.escape(f"could not write {path}; it was left as it was")):
-        metrics.write_file_whole(path, '{"steps": 8}\n')
+    with pytest.raises(metrics_log.DiskFullError, match=re.escape(f"could not write {path}; it was left as it was")):
+        metrics_log.write_file_whole(path, '{"steps": 8}\n')
     monkeypatch.undo()
     assert path.read_text() == '{"steps": 4}\n' and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
-    metrics.write_file_whole(path, '{"steps": 8}\n')
+    metrics_log.write_file_whole(path, '{"steps": 8}\n')
     assert path.read_text() == '{"steps": 8}\n'
 
 
@@ -297,8 +298,9 @@ def test_an_implausible_cpu_mfu_remeasures_the_peak_then_says_so(tmp_path, monke
     one used; still above 100%, one warning and MFU unknown from then on (111-163% were logged silently)."""
     from titanlite.config.sections import Metrics
     from titanlite.hooks import LoopState
-    from titanlite.metrics import MetricsHook, MetricsLogger
-    from titanlite.train_step import StepResult
+    from titanlite.trainer.metrics import MetricsHook
+    from titanlite.trainer.metrics_log import MetricsLogger
+    from titanlite.trainer.step import StepResult
 
     def hook_with_peak(peak: float, reprobe: float) -> MetricsHook:
         log = MetricsLogger(Metrics(log_freq=1), tmp_path / str(peak), 0)

@@ -6,8 +6,8 @@ import time
 import pytest
 import torch
 
-from titanlite.metrics import num_params
 from titanlite.models import build_model, make_model_args
+from titanlite.models.flops import num_params
 from titanlite.models.llama3 import LLAMA3_FLAVORS, Llama3HFAdapter, Llama3ModelArgs, Transformer
 from titanlite.models.llama3.model import apply_rope, precompute_rope, rope_frequencies
 

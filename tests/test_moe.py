@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from titanlite.models import build_model, get_model_spec, load_config, make_model_args
+from titanlite.models.flops import ModelShape, active_param_count, param_count
 from titanlite.models.llama3.model import FeedForward
 from titanlite.models.moe import MoE, MoEConfig, MoEStep
 from titanlite.models.moe.router import limit_to_groups
-from titanlite.planner import ModelShape, active_param_count, param_count
 
 DEBUG_MOE = str(Path(__file__).resolve().parents[1] / "train_configs" / "debug_moe.toml")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -293,7 +293,7 @@ def test_bad_moe_settings_are_one_line_errors(argv, message):
 )
 def test_bad_expert_parallel_layouts_are_one_line_errors(argv, world, message):
     """Checked by the dry run exactly as by the trainer (fake process group, meta model)."""
-    from titanlite.dry_run import dry_run
+    from titanlite.plan.dry_run import dry_run
 
     cfg = load_config(["--config", DEBUG_MOE, *argv])
     with pytest.raises(ValueError) as e:

@@ -222,7 +222,7 @@ def test_expert_parallel_matches_one_process_and_resumes_under_fsdp(reference, e
 def test_expert_parallel_checkpoint_resumes_on_one_process(reference, ep2_run, tmp_path):
     """The EP 2 step-5 checkpoint (experts saved as stacked global tensors, the moved biases included) resumed
     by one process (local batch 4, accumulated twice) continues the one-process curve."""
-    from titanlite.train import Trainer
+    from titanlite.trainer import Trainer
 
     cache_token_stores()
     dump = tmp_path / "one_from_ep2"

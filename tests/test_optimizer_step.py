@@ -1,4 +1,4 @@
-"""The optimizer step (titanlite.train_step, titanlite.parallel.grad_clip, titanlite.optim.bandwidth).
+"""The optimizer step (titanlite.trainer.step, titanlite.parallel.grad_clip, titanlite.optim.bandwidth).
 
 The reference is the step as it was before the clip was fused into the update, written out with torch's own
 pieces: ``torch.nn.utils.clip_grad_norm_`` on the full gradients, then ``torch.optim.AdamW`` (the same
@@ -22,7 +22,7 @@ from titanlite.models import build_model
 from titanlite.optim import build_optimizer
 from titanlite.optim.bandwidth import optimizer_floor, update_bytes
 from titanlite.parallel.grad_clip import WorldLayout, grad_square_sum
-from titanlite.train_step import TrainStep
+from titanlite.trainer.step import TrainStep
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -107,7 +107,7 @@ def parallel_step_worker(args: dict) -> dict:
     from torch.distributed.tensor import DTensor
 
     from titanlite.models import load_config
-    from titanlite.train import Trainer
+    from titanlite.trainer import Trainer
 
     def full(t):
         return t.full_tensor() if isinstance(t, DTensor) else t

@@ -25,7 +25,7 @@ import torchtitan_ext.qwen3  # noqa: F401  (registers the family)
 from titanlite.loss import cross_entropy_sum
 from titanlite.models import build_model
 from titanlite.output_loss import ChunkedLoss, LogitsLoss, chunk_sizes, supports_hidden_states
-from titanlite.train import Trainer
+from titanlite.trainer import Trainer
 
 LOSS_RTOL = 1e-6
 GRAD_RTOL = 1e-5

@@ -94,7 +94,7 @@ def test_model_that_tp_cannot_split(overrides, tp, message):
 
 
 def test_sequence_length_must_split_under_tp():
-    from titanlite.dry_run import dry_run
+    from titanlite.plan.dry_run import dry_run
 
     cfg = load_config(["--training.seq_len", "33", "--parallelism.tensor_parallel_degree", "2"])
     with pytest.raises(ValueError, match=r"must divide training.seq_len \(sequence parallelism\) \(33\)"):

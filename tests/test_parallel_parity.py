@@ -44,7 +44,7 @@ from dist_utils import backends, cache_token_stores, run_workers
 from tiny import TINY_MODEL
 
 from titanlite.models import load_config
-from titanlite.train import Trainer
+from titanlite.trainer import Trainer
 
 STEPS = 10
 GLOBAL_BATCH = 8

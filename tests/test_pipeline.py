@@ -27,7 +27,7 @@ from test_parallel_parity import RTOL, STEPS, RecordingTrainer, check, check_dat
 
 from titanlite.models import load_config as parse_args
 from titanlite.parallel.pipeline import PipelinePlan
-from titanlite.planner import split_evenly
+from titanlite.parallel.pipeline_schedules import split_evenly
 
 PP_MODEL = ["--model.n_layers", "4"]
 
@@ -182,7 +182,7 @@ def test_schedule_lists_agree_with_torch():
 
     from titanlite.config.sections import PIPELINE_SCHEDULES
     from titanlite.parallel.pipeline import SCHEDULES, is_multi_stage
-    from titanlite.planner import PIPELINE_SCHEDULES as PLANNED
+    from titanlite.parallel.pipeline_schedules import PIPELINE_SCHEDULES as PLANNED
 
     assert tuple(SCHEDULES) == PIPELINE_SCHEDULES == PLANNED
     for name, cls in SCHEDULES.items():

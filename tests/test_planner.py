@@ -14,22 +14,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from titanlite.metrics import num_params
 from titanlite.models import build_model, make_model_args
-from titanlite.planner import (
+from titanlite.models.flops import ModelShape, block_params, num_params, param_count
+from titanlite.parallel.pipeline_schedules import (
     PIPELINE_SCHEDULES,
     V_SCHEDULES,
-    ModelShape,
+    microbatches_in_flight,
+    pipeline_bubble_fraction,
+    pipeline_rank_stages,
+)
+from titanlite.plan.planner import (
     RunSetup,
     activation_bytes_per_token_layer,
-    block_params,
+    estimate_run,
     memory_breakdown,
-    microbatches_in_flight,
-    param_count,
-    pipeline_bubble_fraction,
     pipeline_memory,
-    pipeline_rank_stages,
-    plan_run,
     stage_shares,
 )
 
@@ -70,7 +69,7 @@ def test_1b_on_8_h100_for_20b_tokens_by_hand():
         ac_option="op",
         compute_dtype="bfloat16",
     )
-    plan = plan_run(
+    plan = estimate_run(
         s,
         setup,
         tokens=20e9,
@@ -124,7 +123,7 @@ def test_chunked_loss_holds_one_piece_of_the_logits():
 
 def test_memory_verdicts_and_layouts():
     s8 = shape("8B")
-    one = plan_run(
+    one = estimate_run(
         s8,
         RunSetup(num_gpus=1, local_batch_size=1, seq_len=8192, ac_mode="full"),
         tokens=1e9,
@@ -134,7 +133,7 @@ def test_memory_verdicts_and_layouts():
         gpu_memory=80e9,
     )
     assert not one.fits  # 8B: 16 bytes/parameter of fp32 weights, gradients and AdamW alone is 128 GB
-    eight = plan_run(
+    eight = estimate_run(
         s8,
         RunSetup(num_gpus=8, local_batch_size=1, seq_len=8192, ac_mode="full"),
         tokens=1e9,
@@ -601,7 +600,7 @@ def test_pipeline_memory_by_hand():
         assert m["pipeline_fsdp_buffers"] == (2 + 4) * params[rank]  # gathered bf16 weights + fp32 grads
         # a bf16 hidden state (2048 x d) per microbatch received from the previous stage, a gradient from the next
         assert m["pipeline_receive_buffers"] == ((rank > 0) + (rank < 3)) * 8 * 2048 * d * 2
-    # the worst stage decides: memory_breakdown and plan_run report it
+    # the worst stage decides: memory_breakdown and estimate_run report it
     worst = max(mem, key=lambda m: m["total"])
     assert memory_breakdown(s, setup) == worst
     # GPipe keeps all 8 microbatches on every rank, and all 8 last-stage logits
@@ -618,8 +617,8 @@ def test_pipeline_memory_by_hand():
 def test_time_estimate_includes_the_bubble():
     s = shape("8B")
     common = dict(tokens=1e9, mfu=0.4, peak_flops=989.5e12, matmul_dtype="bfloat16", gpu_memory=80e9)
-    flat = plan_run(s, RunSetup(num_gpus=8, local_batch_size=8, global_batch_size=64, seq_len=2048), **common)
-    pp = plan_run(
+    flat = estimate_run(s, RunSetup(num_gpus=8, local_batch_size=8, global_batch_size=64, seq_len=2048), **common)
+    pp = estimate_run(
         s,
         RunSetup(num_gpus=32, pp=4, local_batch_size=8, global_batch_size=64, seq_len=2048, ac_mode="full"),
         **common,
@@ -781,7 +780,8 @@ def test_estimate_plans_each_seq_len_stage(tmp_path, capsys):
 def test_absurd_sizes_against_the_device():
     """Far above the device (more than ABSURD_FACTOR x its memory): refused naming the sizes; a plausible run or
     one merely too big for the device (the dry run's verdict) passes."""
-    from titanlite.planner import ModelShape, RunSetup, check_absurd_size
+    from titanlite.models.flops import ModelShape
+    from titanlite.plan.planner import RunSetup, check_absurd_size
 
     shape = ModelShape(dim=256, n_layers=6, n_heads=8, kv_heads=4, ffn_hidden_dim=768, vocab_size=512)
     check_absurd_size(shape, RunSetup(1, local_batch_size=8, seq_len=256), 16e9, "cpu")

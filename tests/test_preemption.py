@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from tiny import TINY_MODEL
 
-from titanlite.preemption import REPEAT_WINDOW_S, PreemptionHandler
 from titanlite.run_lock import LOCK_FILE
+from titanlite.trainer.preemption import REPEAT_WINDOW_S, PreemptionHandler
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 40
@@ -125,7 +125,7 @@ def test_stop_request_without_checkpointing_returns_cleanly(tmp_path, caplog):
 
     from titanlite.hooks import Hook
     from titanlite.models import load_config
-    from titanlite.train import Trainer
+    from titanlite.trainer import Trainer
 
     class StopAfter2(Trainer):
         def build_hooks(self):
@@ -201,7 +201,8 @@ def test_failed_checkpoint_on_stop_exits_128_plus_signal(tmp_path, caplog):
     import logging
 
     from titanlite.hooks import Hook
-    from titanlite.train import Trainer, main
+    from titanlite.train import main
+    from titanlite.trainer import Trainer
 
     class StopAt3SaveFails(Trainer):
         def build_hooks(self):

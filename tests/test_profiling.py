@@ -8,8 +8,8 @@ import torch
 
 from titanlite.config.sections import Profiling
 from titanlite.models import load_config
-from titanlite.profiling import build_profiler
-from titanlite.train import Trainer
+from titanlite.trainer import Trainer
+from titanlite.trainer.profiling import build_profiler
 
 TINY = [
     "--model.dim",

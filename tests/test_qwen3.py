@@ -248,7 +248,7 @@ def run_config(cfg, seed_state, trainer=None) -> dict:
 def skip_peak_measurement(monkeypatch=None) -> None:
     """MFU is not under test: skip the trainer's ~5 s CPU matmul-peak probe (for good in a worker
     process, undone after the test with ``monkeypatch`` in the pytest process)."""
-    import titanlite.metrics as metrics
+    import titanlite.trainer.metrics as metrics
 
     fake = lambda *args, **kwargs: 1e11  # noqa: E731
     if monkeypatch is None:

@@ -18,7 +18,9 @@ from tiny import TINY_MODEL
 from titanlite.data.chat import encode_conversations, render_conversation
 from titanlite.data.recipe import SourceData, source_windows
 from titanlite.models import load_config
-from titanlite.train import Trainer, main
+from titanlite.train import main
+from titanlite.trainer import Trainer
+from titanlite.trainer.stages import StageHook
 
 CHAT = Path(__file__).parent / "fixtures" / "chat"
 PACKAGE = Path(__file__).resolve().parents[1] / "titanlite"
@@ -204,9 +206,10 @@ def test_seq_len_schedule_switches_mid_run_and_resumes_exactly_across_the_switch
 
 def test_stage_batches_have_the_stage_shape(tmp_path):
     trainer = Trainer(load_config(BASE + ["--job.dump_folder", str(tmp_path), "--config", str(stages_toml(tmp_path))]))
-    trainer.enter_stage(1)
+    stages = next(h for h in trainer.hooks if isinstance(h, StageHook))
+    stages.enter(1)
     first = next(iter(trainer.train_loader))
-    trainer.enter_stage(trainer.run_plan.stages[1].first_step)
+    stages.enter(trainer.run_plan.stages[1].first_step)
     second = next(iter(trainer.train_loader))
     assert first["input_ids"].shape == (8, 32) and second["input_ids"].shape == (4, 64)
 

@@ -12,7 +12,7 @@ from dist_utils import cache_token_stores, run_workers
 from tiny import TINY_MODEL
 
 from titanlite.models import load_config
-from titanlite.train import Trainer
+from titanlite.trainer import Trainer
 
 CHAT = Path(__file__).parent / "fixtures" / "chat" / "train.jsonl"
 RTOL = 2e-5  # fp32, summation order only (tests/test_parallel_parity.py explains the figure)

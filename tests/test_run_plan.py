@@ -1,16 +1,16 @@
-"""Token budgets and seq_len stages (titanlite.run_plan) against hand arithmetic."""
+"""Token budgets and seq_len stages (titanlite.plan.run_plan) against hand arithmetic."""
 
 from __future__ import annotations
 
 import pytest
 
-from titanlite.run_plan import plan_run
+from titanlite.plan.run_plan import plan_steps
 
 BASE = dict(steps=100, tokens=-1, seq_len=2048, local_batch_size=8, grad_accum_steps=2, dp_degree=4)
 
 
 def test_without_a_schedule_or_budget_one_stage_of_steps():
-    plan = plan_run(**BASE)
+    plan = plan_steps(**BASE)
     (s,) = plan.stages
     assert (plan.total_steps, s.first_step, s.last_step, s.seq_len, s.local_batch_size) == (100, 1, 100, 2048, 8)
     assert s.tokens_per_step == 8 * 4 * 2 * 2048 == 131_072
@@ -20,16 +20,16 @@ def test_without_a_schedule_or_budget_one_stage_of_steps():
 
 
 def test_a_token_budget_becomes_steps_exactly_or_with_the_overshoot_said():
-    exact = plan_run(**{**BASE, "tokens": 131_072 * 61})
+    exact = plan_steps(**{**BASE, "tokens": 131_072 * 61})
     assert exact.total_steps == 61 and exact.total_tokens == 131_072 * 61
     assert exact.log_lines[-1].endswith("exactly the budget")
-    over = plan_run(**{**BASE, "tokens": 1_000_000})
+    over = plan_steps(**{**BASE, "tokens": 1_000_000})
     assert over.total_steps == 8  # ceil(1e6 / 131072) = ceil(7.63)
     assert over.log_lines[-1].endswith(f"{8 * 131_072 - 1_000_000:,} tokens over it (the last step does not fit whole)")
 
 
 def test_stages_by_fraction_keep_the_global_batch_in_tokens():
-    plan = plan_run(**BASE, schedule=[{"seq_len": 2048, "fraction": 0.9}, {"seq_len": 4096}])
+    plan = plan_steps(**BASE, schedule=[{"seq_len": 2048, "fraction": 0.9}, {"seq_len": 4096}])
     a, b = plan.stages
     assert (a.first_step, a.last_step, b.first_step, b.last_step) == (1, 90, 91, 100)
     assert (a.local_batch_size, b.local_batch_size) == (8, 4)
@@ -39,7 +39,7 @@ def test_stages_by_fraction_keep_the_global_batch_in_tokens():
 
 def test_stages_with_a_budget_and_their_own_batch():
     sched = [{"seq_len": 1024, "steps": 10}, {"seq_len": 2048, "global_batch_size": 128}]
-    plan = plan_run(**{**BASE, "tokens": 10 * 131_072 + 5 * 262_144}, schedule=sched)
+    plan = plan_steps(**{**BASE, "tokens": 10 * 131_072 + 5 * 262_144}, schedule=sched)
     a, b = plan.stages
     assert (a.local_batch_size, a.grad_accum_steps, a.tokens_per_step) == (16, 2, 131_072)
     assert (b.local_batch_size, b.grad_accum_steps, b.tokens_per_step) == (8, 4, 262_144)  # 128 = 8 x 4 dp x 4
@@ -61,36 +61,36 @@ def test_stages_with_a_budget_and_their_own_batch():
 )
 def test_bad_schedules_are_one_line_errors_naming_the_stage(schedule, message):
     with pytest.raises(ValueError, match=message):
-        plan_run(**BASE, schedule=schedule)
+        plan_steps(**BASE, schedule=schedule)
 
 
 def test_a_budget_resumed_after_a_batch_change_plans_the_remaining_tokens():
     """Checkpoint at step 6 with 384 tokens (64 per step before); now 131,072 tokens per step: the rest of a
     1,000,000-token budget is ceil(999,616 / 131,072) = 8 more steps. Unchanged progress keeps the plan."""
-    plan = plan_run(**{**BASE, "tokens": 1_000_000}, resumed=(6, 384))
+    plan = plan_steps(**{**BASE, "tokens": 1_000_000}, resumed=(6, 384))
     assert plan.total_steps == 6 + 8 and plan.total_tokens == 384 + 8 * 131_072
     assert plan.tokens_through(6) == 384 and plan.tokens_through(7) == 384 + 131_072
     over = 8 * 131_072 - 999_616
     assert plan.log_lines[-1].endswith(
         f"14 steps train {384 + 8 * 131_072:,} tokens, {over:,} tokens over it (the last step does not fit whole)"
     )
-    assert plan_run(**{**BASE, "tokens": 1_000_000}, resumed=(6, 6 * 131_072)) == plan_run(
+    assert plan_steps(**{**BASE, "tokens": 1_000_000}, resumed=(6, 6 * 131_072)) == plan_steps(
         **{**BASE, "tokens": 1_000_000}
     )
-    done = plan_run(**{**BASE, "tokens": 1_000_000}, resumed=(20, 1_000_000))  # the budget is already trained
+    done = plan_steps(**{**BASE, "tokens": 1_000_000}, resumed=(20, 1_000_000))  # the budget is already trained
     assert done.total_steps == 20 and done.total_tokens == 1_000_000
     with pytest.raises(
         ValueError,
         match="seq_len_schedule: the checkpoint of step 6 has seen 384 tokens but this config's stages give 786,432",
     ):
-        plan_run(**{**BASE, "tokens": 1_000_000}, schedule=[{"seq_len": 2048}], resumed=(6, 384))
+        plan_steps(**{**BASE, "tokens": 1_000_000}, schedule=[{"seq_len": 2048}], resumed=(6, 384))
 
 
 def test_a_huge_budget_is_exact_only_when_it_is():
     """Integer arithmetic: 10**30 + 1 tokens do not fit whole steps (float division called it exact)."""
     per_step = 131_072
-    assert plan_run(**{**BASE, "tokens": per_step * 10**25}).log_lines[-1].endswith("exactly the budget")
-    odd = plan_run(**{**BASE, "tokens": 10**30 + 1})
+    assert plan_steps(**{**BASE, "tokens": per_step * 10**25}).log_lines[-1].endswith("exactly the budget")
+    odd = plan_steps(**{**BASE, "tokens": 10**30 + 1})
     assert odd.total_steps == -(-(10**30 + 1) // per_step)
     assert odd.log_lines[-1].endswith(
         f"{odd.total_steps * per_step - 10**30 - 1:,} tokens over it (the last step does not fit whole)"

@@ -17,8 +17,8 @@ from dist_utils import REPO, run_workers
 from titanlite.data.chat import encode_conversations
 from titanlite.models.llama3 import Llama3ModelArgs
 from titanlite.tokenizer import build_byte_tokenizer
-from titanlite.train_step import TrainStep
-from titanlite.validation import validation_loss
+from titanlite.trainer.step import TrainStep
+from titanlite.trainer.validation import validation_loss
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SEQ = 48
@@ -180,7 +180,7 @@ def test_validation_without_a_scored_token_says_so(caplog):
     """No loss of 0 / 0 = NaN, no bits per byte of 0: ``{"val_tokens": 0}``, and the hook's log line says it."""
     from titanlite.config.sections import Validation
     from titanlite.hooks import LoopState
-    from titanlite.validation import ValidationHook, combine_validation
+    from titanlite.trainer.validation import ValidationHook, combine_validation
 
     batch = chat_batch(2)
     batch["labels"] = torch.full_like(batch["labels"], -100)

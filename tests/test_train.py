@@ -10,7 +10,8 @@ import torch
 from tiny import TINY_MODEL
 
 from titanlite.models import load_config
-from titanlite.train import Trainer, grad_accum_steps
+from titanlite.trainer import Trainer
+from titanlite.trainer.step import grad_accum_steps
 
 TINY = [
     *TINY_MODEL,
@@ -193,7 +194,7 @@ def test_repeated_validation_reads_the_same_windows(tmp_path):
 def test_deterministic_sets_the_cublas_workspace_before_any_matmul(monkeypatch):
     """torch refuses deterministic CUDA matmuls unless CUBLAS_WORKSPACE_CONFIG is set before cuBLAS's
     first use; set_seed(deterministic=True) sets it (keeping a value the user chose)."""
-    from titanlite.train import set_seed
+    from titanlite.trainer.trainer import set_seed
 
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     try:

@@ -46,7 +46,7 @@ PIPELINED = {
 DRY_RUN_ALL = """
 import json, sys
 from titanlite.models import load_config
-from titanlite.dry_run import dry_run
+from titanlite.plan.dry_run import dry_run
 out = {}
 for path in sys.argv[1:]:
     r = dry_run(load_config(["--config", path]), out=lambda line: None)  # imports [job] extensions

@@ -15,7 +15,7 @@ from titanlite.data.loader import load_token_store
 from titanlite.data.prepare import prepare
 from titanlite.models import load_config
 from titanlite.tokenizer import build_tokenizer, tokenizer_fingerprint
-from titanlite.train import Trainer
+from titanlite.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 

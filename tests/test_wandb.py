@@ -1,4 +1,4 @@
-"""Optional Weights & Biases logging (``[metrics] enable_wandb``, titanlite.wandb_logger).
+"""Optional Weights & Biases logging (``[metrics] enable_wandb``, titanlite.trainer.wandb_logger).
 
 - With a recording stand-in for the ``wandb`` module: a short run gives W&B exactly the numbers
   metrics.jsonl holds (so the same scalars TensorBoard gets), the samples as a table, the eval scores;
@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 from tiny import TINY_MODEL
 
-from titanlite.metrics import MetricsLogger
 from titanlite.models import load_config
-from titanlite.train import Trainer, main
-from titanlite.wandb_logger import RUN_ID_FILE
+from titanlite.train import main
+from titanlite.trainer import Trainer
+from titanlite.trainer.metrics_log import MetricsLogger
+from titanlite.trainer.wandb_logger import RUN_ID_FILE
 
 REPO = Path(__file__).resolve().parents[1]
 EVAL_DATA = REPO.parent / "shared" / "data" / "eval"

@@ -32,6 +32,7 @@ BENCH = {
     "optimizer": Tool("titanlite.bench.optimizer", "main", "the optimizer step against its bandwidth floor"),
     "loss-chunks": Tool("titanlite.bench.loss_chunks", "main", "memory and time of [training] loss_chunks settings"),
     "moe": Tool("titanlite.bench.moe", "main", "the MoE layer's time split (grouped GEMM, all-to-all)", True),
+    "encode": Tool("titanlite.bench.encode", "main", "prepare's process pool vs tiktoken threads, same chunks"),
     "data": Tool("titanlite.bench.data", "main", "tokenization, shard reading and integrity-check costs"),
     "checkpoint": Tool("titanlite.bench.checkpoint", "main", "how long a save blocks the loop, per async_mode"),
     "hf-baseline": Tool("titanlite.bench.hf_baseline", "main", "the transformers training loop at the same shape"),

@@ -8,11 +8,11 @@ piece by registering it, with no copy of ``titanlite.train.main``::
 
     register("loss", "z_loss", my_z_loss)   # then [training] loss = "z_loss"
 
-Signatures: ``trainer``: a :class:`titanlite.train.Trainer` subclass; ``loss``: ``fn(logits, labels)
+Signatures: ``trainer``: a :class:`titanlite.trainer.Trainer` subclass; ``loss``: ``fn(logits, labels)
 -> token-sum loss``; ``optimizer``: ``fn(model, optimizer_section) -> Optimizer``;
 ``lr_scheduler``: ``fn(optimizer, lr_scheduler_section, total_steps) -> scheduler``.
 The built-ins register when their module is imported (``titanlite.loss``, ``titanlite.optim``,
-``titanlite.train``).
+``titanlite.trainer``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The training loop's hook points and the state it shares with them (OLMo-core's callbacks, in small).
 
-:meth:`titanlite.train.Trainer.train` calls every hook's methods in list order (``on_train_end`` in
+:meth:`titanlite.trainer.Trainer.train` calls every hook's methods in list order (``on_train_end`` in
 reverse order, like nested context managers closing):
 
 - ``on_train_start(state)``: before the first step, after a resume set ``state.step``;

@@ -3,7 +3,7 @@
 Summing per micro-batch and dividing once by the number of tokens in the whole optimizer step (all
 micro-batches, all data-parallel ranks) makes gradient accumulation and data parallelism give
 exactly the gradient of one big batch: no mean-of-means when micro-batches differ in size
-(:mod:`titanlite.train_step`). Registered as the ``[training] loss`` named ``cross_entropy``.
+(:mod:`titanlite.trainer.step`). Registered as the ``[training] loss`` named ``cross_entropy``.
 """
 
 from __future__ import annotations

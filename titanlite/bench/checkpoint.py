@@ -64,7 +64,7 @@ def bench_checkpoint(
     """Per mode: blocked / write seconds of every save, the state size and the mean step time."""
     from titanlite.checkpoint import layout
     from titanlite.models import load_config
-    from titanlite.train import Trainer
+    from titanlite.trainer import Trainer
 
     root = Path(folder or tempfile.mkdtemp(prefix="bench_ckpt_"))
     results: dict = {}

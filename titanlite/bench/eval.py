@@ -124,7 +124,7 @@ def measure(name: str, runner: Runner, baseline: Baseline | None, task: str, lim
     row = dict(model=name, task=task, batch_size=batch, **work, device=a.device, dtype=a.dtype, repeats=a.repeats)
     flops = work["run_tokens"] * forward_flops_per_token(runner.model, work["mean_len"])
     if runner.device.type == "cpu":  # a shared CPU's rate drifts: measured again right after the timings
-        from titanlite.metrics import measure_cpu_matmul_peak
+        from titanlite.trainer.peaks import measure_cpu_matmul_peak
 
         a.peak = measure_cpu_matmul_peak.__wrapped__(a.dtype, threads=torch.get_num_threads())
     row["peak_tflops"] = None if a.peak is None else round(a.peak / 1e12, 4)
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     a.modes = [m for m in a.modes.split(",") if m]
     if set(a.modes) - set(MODES) or a.repeats < 1:
         p.error(f"--modes: of {', '.join(MODES)}; --repeats >= 1")
-    from titanlite.metrics import matmul_dtype, peak_flops
+    from titanlite.trainer.peaks import matmul_dtype, peak_flops
 
     device = torch.device(a.device)
     a.peak = peak_flops(device, matmul_dtype(a.dtype, device=device))

@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 
 from titanlite.dtypes import DTYPES
-from titanlite.metrics import memory_stats, peak_flops
 from titanlite.models import get_model_spec
 from titanlite.models.registry import model_counts
+from titanlite.trainer.peaks import memory_stats, peak_flops
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -18,7 +18,7 @@ Reported (rank 0 prints; values are rank 0's, the data-parallel ranks do identic
 - ``tokens_per_s_per_device`` (and global): tokens of the timed steps / their wall time;
 - ``mfu``: ``tokens/s/device * FLOPs/token / peak``. The peak is that of the dtype the matmuls run
   in (bf16, float8 with float8 linears on CUDA, fp32/TF32) from the table in
-  ``titanlite.metrics`` (H100 SXM / H200 bf16 989.5 dense TFLOP/s, A100 312, float8 twice bf16);
+  ``titanlite.trainer.metrics`` (H100 SXM / H200 bf16 989.5 dense TFLOP/s, A100 312, float8 twice bf16);
   an unknown GPU gets no guessed peak (``mfu`` null). On CPU the peak is this machine's measured
   matmul rate, reported as ``peak_tflops``/``peak_source``. With float8 ``mfu_vs_bf16_peak`` is
   also given (the usual way float8 runs are compared);
@@ -74,14 +74,16 @@ import torch
 import torch.distributed as dist
 
 from titanlite.config import exit_with_error, parse_args_or_exit
-from titanlite.metrics import MetricsHook, memory_stats, peak_flops
 from titanlite.models import get_model_spec, model_schema
 from titanlite.optim.bandwidth import measure_copy_bandwidth, optimizer_floor
 from titanlite.parallel.distributed import main_then_exit, world_from_env
 from titanlite.parallel.parallel_dims import ParallelDims
 from titanlite.parallel.pipeline import PipelinePlan
-from titanlite.train import Trainer, setup_logging
-from titanlite.train_step import TrainStep, grad_accum_steps
+from titanlite.train import setup_logging
+from titanlite.trainer import Trainer
+from titanlite.trainer.metrics import MetricsHook
+from titanlite.trainer.peaks import memory_stats, peak_flops
+from titanlite.trainer.step import TrainStep, grad_accum_steps
 
 
 class StepTimer:
@@ -278,7 +280,8 @@ class BenchTrainer(Trainer):
                 return save(step, **kw)
 
         self.checkpointer.save = timed_save
-        if (ratio := self.metrics_hook.update_ratio) is not None:  # [metrics] log_update_ratio, on log steps only
+        metrics = next(h for h in self.hooks if isinstance(h, MetricsHook))
+        if (ratio := metrics.update_ratio) is not None:  # [metrics] log_update_ratio, on log steps only
             for name in ("before_step", "after_step"):
                 setattr(ratio, name, self.timed_update_ratio(getattr(ratio, name), count=name == "after_step"))
 

@@ -32,6 +32,7 @@ import re
 import shutil
 import warnings
 import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -318,3 +319,36 @@ def quiet_single_process():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
+
+
+RESUMED = "the run's checkpoint"  # what recorded_checkpoint calls a checkpoint of the run itself
+
+
+def recorded_checkpoint(
+    section: Any, dump_folder: str | os.PathLike, usable: Callable[[dict], bool]
+) -> tuple[Path, str, dict] | None:
+    """``(folder, what, checkpoint.json)`` of the checkpoint a run (``[checkpoint]`` ``section``) will start from,
+    read before anything is built: the newest step folder of the run (``load_step``'s when set) whose
+    ``checkpoint.json`` is readable and ``usable`` (``what`` = :data:`RESUMED`); else ``initial_load_path``'s
+    (``what`` = "checkpoint.initial_load_path"); else None."""
+    c = section
+    if c.enable:
+        folders = list_step_folders(Path(dump_folder) / c.folder)
+        for f in reversed([f for f in folders if c.load_step in (-1, f.step)]):
+            with contextlib.suppress(ValueError):  # a damaged one is reported (and skipped) by the manager
+                if usable(info := read_info(f.path)):
+                    return f.path, RESUMED, info
+    if not c.initial_load_path:
+        return None
+    path, info = Path(c.initial_load_path), {}
+    with contextlib.suppress(ValueError, OSError):  # the manager reports what is wrong with it
+        info = read_info(path) if (path / INFO_FILE).is_file() else {}
+    return path, "checkpoint.initial_load_path", info
+
+
+def model_args_source(section: Any, dump_folder: str | os.PathLike) -> tuple[Path, str] | None:
+    """The checkpoint whose recorded model args a run takes (see ``model_args_from_seed``): the newest step
+    folder of the run whose ``checkpoint.json`` records them, so a resume computes as the run did; else
+    ``initial_load_path``; None for a fresh start."""
+    found = recorded_checkpoint(section, dump_folder, lambda info: isinstance(info.get("model", {}).get("args"), dict))
+    return None if found is None else (found[0], found[1])

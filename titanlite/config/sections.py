@@ -398,6 +398,8 @@ class JobConfig:
                 f"parallelism.pipeline_parallel_microbatch_size ({p.pipeline_parallel_microbatch_size}): "
                 "each pipeline step splits the local batch into microbatches of that size"
             )
+        if t.seq_len_schedule:
+            self.validate_seq_len_schedule()
         for key in ("sampling", "eval"):
             if getattr(self, key).enable and p.pipeline_parallel_degree > 1:
                 raise ConfigError(
@@ -414,3 +416,21 @@ class JobConfig:
                 f"({batch} x {t.seq_len} = {tokens} tokens per micro-batch) to be a multiple of 16: "
                 "float8 matmuls (torch._scaled_mm) need every matrix dimension divisible by 16"
             )
+
+    def validate_seq_len_schedule(self) -> None:
+        """``[training] seq_len_schedule`` against the other sections (its own entries: titanlite.plan.run_plan)."""
+        p, g = self.parallelism, self.guard
+        if p.pipeline_parallel_degree > 1:
+            raise ConfigError("training.seq_len_schedule is not supported with pipeline parallelism")
+        if g.policy == "rollback" and g.rollback_skip_data:
+            raise ConfigError(
+                "guard.policy = 'rollback' with guard.rollback_skip_data is not supported with "
+                "training.seq_len_schedule (the skipped batches may span stages): set rollback_skip_data = false"
+            )
+        tp = p.tensor_parallel_degree
+        for i, spec in enumerate(self.training.seq_len_schedule):
+            n = spec.get("seq_len") if isinstance(spec, dict) else None
+            if tp > 1 and isinstance(n, int) and n % tp:
+                raise ConfigError(
+                    f"parallelism.tensor_parallel_degree={tp} must divide training.seq_len_schedule[{i}].seq_len ({n})"
+                )

@@ -56,7 +56,7 @@ class ParallelEncoder(contextlib.AbstractContextManager):
     exactly what the in-process path produces, so the worker count never changes the output.
 
     Processes, not tiktoken's ``encode_ordinary_batch(num_threads=2)``: on prepare's chunks (cl100k, 1.35M tokens,
-    2 shared cores, scripts/bench_encode.py) 2 threads ran at 0.64-0.79x the 2-worker pool's tokens/s in 3 runs.
+    2 shared cores, titanlite bench encode) 2 threads ran at 0.64-0.79x the 2-worker pool's tokens/s in 3 runs.
     """
 
     def __init__(self, tokenizer: Tokenizer, dtype: np.dtype, workers: int = 1, start_method: str | None = None):

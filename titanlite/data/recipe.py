@@ -18,6 +18,7 @@ loop can build the same datasets.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,8 @@ from titanlite.data.mixture import MixtureWindows
 from titanlite.data.shards import MANIFEST, is_chat_folder
 from titanlite.data.windows import TokenWindows
 from titanlite.nesting import loads_json
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -174,3 +177,38 @@ def training_dataset(
     names = [s.name for s in sources]
     kw = dict(seed=seed, dp_rank=dp_rank, dp_world=dp_world, batch_size=batch_size, on_exhausted=on_exhausted)
     return MixtureWindows(windows, weights, names, **kw)
+
+
+def load_sources(
+    training: Any, validation: Any, split: str, tokenizer: Any, block_causal: bool = False
+) -> list[tuple[SourceData, float]]:
+    """``[training]`` (``split = "train"``) or ``[validation]`` data: each source and its weight, one unless the
+    section sets ``mixture``. Shards are checked against the tokenizer here; what validation reads is logged
+    (a warning when it cannot follow the training data)."""
+    section = training if split == "train" else validation
+    if split == "train":
+        entries = mixture_entries(training)
+    else:
+        entries, what, warn = validation_entries(training, validation)
+        (logger.warning if warn else logger.info)(what)
+    out = []
+    for i, entry in enumerate(entries):
+        try:
+            data = load_source(entry["name"], entry.get("dataset", "auto"), entry.get("path", ""), split, tokenizer)
+        except (ValueError, FileNotFoundError) as e:
+            if not section.mixture:
+                raise
+            key = f"{'training' if split == 'train' else 'validation'}.mixture[{i}]"
+            raise type(e)(f"{key} (source '{entry['name']}'): {e}") from e
+        out.append((data, float(entry["weight"])))
+    if split == "train" and training.loss_mask == "assistant" and not any(d.chat for d, _ in out):
+        raise ValueError(
+            "training.loss_mask = 'assistant' needs chat data, but no training source is chat data "
+            "(dataset = 'chat' for JSONL conversations, or shards prepared with --format chat)"
+        )
+    if any(data.chat for data, _ in out) and (tokenizer.eos_id if block_causal else None) is None:
+        logger.warning(
+            "chat data packs several conversations per window; with [model] attn_mask_type = 'causal' they "
+            "attend to one another: set attn_mask_type = 'block_causal' to keep them apart"
+        )
+    return out

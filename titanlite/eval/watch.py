@@ -14,7 +14,7 @@ and to TensorBoard (an event file of its own in the run's folder) when the run w
 - **Restarts and rewinds.** The scores in ``metrics.jsonl`` are the watcher's memory: before each pass
   over the checkpoints it skips every step that already has a watcher record there, so a restarted
   watcher goes on where it stopped. A run that resumes or rolls back to step K drops the log's records of
-  steps after K (:func:`titanlite.metrics.rewind_metrics_log`), the watcher's with them; the next pass
+  steps after K (:func:`titanlite.trainer.metrics_log.rewind_metrics_log`), the watcher's with them; the next pass
   scores those checkpoints again.
 - **Checkpoints that go away.** ``keep_latest_k`` may delete a step folder while it is read: the
   failed read is logged and the watcher moves on. A step folder that is damaged is logged and skipped
@@ -44,7 +44,7 @@ from titanlite.checkpoint.load_model import load_model
 from titanlite.eval.hook import eval_record, scores_line
 from titanlite.extensions import load_extensions
 from titanlite.fsio import one_line
-from titanlite.metrics import strict_json_line
+from titanlite.trainer.metrics_log import strict_json_line
 
 logger = logging.getLogger("titanlite")
 

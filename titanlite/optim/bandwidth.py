@@ -77,7 +77,7 @@ def optimizer_floor(
     floor_s = nbytes / bandwidth
     defaults = optimizer.defaults
     kernel = "fused" if defaults.get("fused") else "foreach" if defaults.get("foreach") else "for-loop"
-    folded = getattr(optimizer, "_step_supports_amp_scaling", False)  # see titanlite.train_step
+    folded = getattr(optimizer, "_step_supports_amp_scaling", False)  # see titanlite.trainer.step
     out: dict[str, Any] = {
         "implementation": kernel,
         "clip": "in the fused kernel (grad_scale)" if folded else "one multi-tensor multiply",

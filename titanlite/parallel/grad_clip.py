@@ -17,7 +17,7 @@ others (the sequence-parallel norm weights). Two ways to the total norm live her
 Both equal the norm of the full gradients in one process (up to summation order), on every rank.
 :func:`clip_coefficient` and :func:`scale_grads_` clip with torch's rule (``max_norm / (norm + 1e-6)``,
 at most 1); the training step instead folds that coefficient into a fused optimizer's ``grad_scale``
-(see :class:`titanlite.train_step.TrainStep`), which saves a read and a write of every gradient.
+(see :class:`titanlite.trainer.step.TrainStep`), which saves a read and a write of every gradient.
 """
 
 from __future__ import annotations

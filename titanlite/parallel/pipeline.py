@@ -62,14 +62,14 @@ from titanlite import _torch_compat
 from titanlite.dtypes import autocast
 from titanlite.output_loss import as_output_loss
 from titanlite.parallel.fsdp import is_fsdp
-from titanlite.parallel.tensor_parallel import to_local_value
-from titanlite.planner import (
+from titanlite.parallel.pipeline_schedules import (
     MULTI_STAGE_SCHEDULES,
     V_SCHEDULES,
     pipeline_bubble_fraction,
     pipeline_rank_stages,
     split_evenly,
 )
+from titanlite.parallel.tensor_parallel import to_local_value
 
 SCHEDULES: dict[str, type] = {
     "GPipe": ScheduleGPipe,
@@ -191,7 +191,7 @@ class PipelinePlan:
 
     def bubble_fraction(self) -> float:
         """Idle fraction of each rank's step for the schedule (the planner's model,
-        :func:`titanlite.planner.pipeline_bubble_fraction`: an estimate, not a measurement)."""
+        :func:`titanlite.parallel.pipeline_schedules.pipeline_bubble_fraction`: an estimate, not a measurement)."""
         return pipeline_bubble_fraction(self.schedule, self.degree, self.n_microbatches, self.stages_per_rank)
 
 

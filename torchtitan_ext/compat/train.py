@@ -8,7 +8,7 @@
 Overrides use torchtitan's key names (``--training.local_batch_size 4``, ``--checkpoint.no_initial_load_model_only``);
 titanlite-only keys (``--guard.policy skip_step``, ``--job.dry_run true``) pass through.
 
-:class:`CompatTrainer` is titanlite's :class:`~titanlite.train.Trainer` with the three pieces whose
+:class:`CompatTrainer` is titanlite's :class:`~titanlite.trainer.Trainer` with the three pieces whose
 math differs between the two libraries set to torchtitan's:
 
 - optimizer: one parameter group, weight decay on *every* parameter (titanlite decays matrices
@@ -39,8 +39,9 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from titanlite import _torch_compat
 from titanlite.config import ConfigError, JobConfig, exit_with_error
-from titanlite.train import Trainer, setup_logging
 from titanlite.train import main as train_main
+from titanlite.train import setup_logging
+from titanlite.trainer import Trainer
 from torchtitan_ext.compat.checkpoint import broadcast_from_rank0, choose_source, load_torchtitan_checkpoint
 from torchtitan_ext.compat.config import CompatError, CompatSettings, load_translated, parse_cli, translate
 

@@ -6,8 +6,8 @@ Activate it with ``[job] extensions = ["torchtitan_ext.qwen3"]`` in a train conf
 """
 
 from titanlite.models import ModelSpec, register_model
+from titanlite.models.flops import flops_of
 from titanlite.parallel.pipeline import pipeline_decoder
-from titanlite.planner import flops_of
 from titanlite.tokenizer import build_tokenizer
 from torchtitan_ext.qwen3.args import QWEN3_FLAVORS, Qwen3ModelArgs, num_params_from_args
 from torchtitan_ext.qwen3.hf_adapter import Qwen3HFAdapter

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titanlite.planner import params_of
+from titanlite.models.flops import params_of
 
 ATTN_MASK_TYPES: tuple[str, ...] = ("causal", "block_causal")
 ATTN_BACKENDS: tuple[str, ...] = ("auto", "sdpa", "flex")

@@ -6,11 +6,11 @@ expert parallelism and load balancing (titanlite.models.moe), and an HF adapter 
 """
 
 from titanlite.models import ModelSpec, register_model
+from titanlite.models.flops import active_params_of, flops_of, params_of
 from titanlite.models.moe import MOE_RUN_ARGS
 from titanlite.models.moe.parallelize import parallelize_moe_decoder
 from titanlite.models.registry import RUN_ARGS
 from titanlite.parallel.pipeline import pipeline_decoder
-from titanlite.planner import active_params_of, flops_of, params_of
 from titanlite.tokenizer import build_tokenizer
 from torchtitan_ext.qwen3.parallelize import block_tp_plan
 from torchtitan_ext.qwen3_moe.args import QWEN3_MOE_FLAVORS, Qwen3MoEArgs

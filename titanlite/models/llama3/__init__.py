@@ -1,12 +1,12 @@
 """Llama 3 family: registers itself with the model registry on import."""
 
+from titanlite.models.flops import flops_of, params_of
 from titanlite.models.llama3.args import LLAMA3_FLAVORS, Llama3ModelArgs
 from titanlite.models.llama3.hf_adapter import Llama3HFAdapter
 from titanlite.models.llama3.model import Transformer
 from titanlite.models.llama3.parallelize import parallelize_llama
 from titanlite.models.registry import ModelSpec, register_model
 from titanlite.parallel.pipeline import pipeline_decoder
-from titanlite.planner import flops_of, params_of
 from titanlite.tokenizer import build_tokenizer
 
 register_model(

@@ -1,5 +1,6 @@
 """``llama3_moe``: a Llama 3 decoder with MoE feed-forward layers (core's MoE model); registers itself."""
 
+from titanlite.models.flops import active_params_of, flops_of, params_of
 from titanlite.models.llama3.parallelize import block_tp_plan
 from titanlite.models.llama3_moe.args import LLAMA3_MOE_FLAVORS, Llama3MoEArgs
 from titanlite.models.llama3_moe.model import Llama3MoE
@@ -7,7 +8,6 @@ from titanlite.models.moe import MOE_RUN_ARGS
 from titanlite.models.moe.parallelize import parallelize_moe_decoder
 from titanlite.models.registry import RUN_ARGS, ModelSpec, register_model
 from titanlite.parallel.pipeline import pipeline_decoder
-from titanlite.planner import active_params_of, flops_of, params_of
 from titanlite.tokenizer import build_tokenizer
 
 

@@ -1,7 +1,7 @@
 """Load balancing of MoE layers: the auxiliary losses and the aux-loss-free bias.
 
 **Auxiliary losses, in the loss contract.** The training loss is a token *sum* divided once by the
-number of tokens in the whole optimizer step (:mod:`titanlite.train_step`), so that accumulation and
+number of tokens in the whole optimizer step (:mod:`titanlite.trainer.step`), so that accumulation and
 data parallelism equal one big batch. The MoE losses follow it: each layer computes its term as a sum
 over its tokens and divides it by the step's token count (``MoE.aux_divisor``, which
 :class:`~titanlite.models.moe.step.MoEStep` sets before each step; 0, as in a foreign loop that never

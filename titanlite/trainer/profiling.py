@@ -25,7 +25,7 @@ import torch
 from titanlite import _torch_compat
 from titanlite.hooks import Hook
 
-logger = logging.getLogger("titanlite.profiling")
+logger = logging.getLogger("titanlite.trainer.profiling")
 
 MEMORY_HISTORY_ENTRIES = 100_000
 

@@ -2,7 +2,7 @@
 
 ``wandb`` is an optional extra (``pip install 'titanlite[wandb]'``), imported only when enabled; without it
 the run stops at start with one line naming the extra. :class:`WandbLogger` gets every record the loop
-logs (see :class:`titanlite.metrics.MetricsLogger`, which calls it on rank 0 only): its numbers are the
+logs (see :class:`titanlite.trainer.metrics_log.MetricsLogger`, which calls it on rank 0 only): its numbers are the
 same scalars TensorBoard gets (loss, grad norm, lr, throughput, MFU, memory, validation, the downstream
 ``eval/<task>/<metric>`` scores ...), a list of records such as ``[sampling]``'s samples becomes a table.
 

@@ -1,7 +1,7 @@
 """One optimizer step: gradient accumulation, the token-sum loss, clipping, the update.
 
 :class:`TrainStep` owns the model, optimizer, LR schedule, loss, accumulation and clipping; the stock
-loop (:class:`titanlite.train.Trainer`) calls it, and so can any other loop::
+loop (:class:`titanlite.trainer.Trainer`) calls it, and so can any other loop::
 
     step = TrainStep(model, optimizer, scheduler, grad_accum_steps=2, max_norm=1.0)
     for i in range(steps):

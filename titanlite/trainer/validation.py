@@ -33,7 +33,7 @@ from titanlite.output_loss import output_loss
 from titanlite.parallel.distributed import all_reduce_sum
 from titanlite.parallel.float8 import float8_disabled
 from titanlite.parallel.tensor_parallel import loss_parallel_context, to_local_value
-from titanlite.train_step import batch_to_device
+from titanlite.trainer.step import batch_to_device
 
 logger = logging.getLogger("titanlite")
 

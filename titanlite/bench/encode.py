@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """prepare_data's encoding stage, printed as one JSON object: its process pool (``ParallelEncoder``, pool start-up
 included, as ``prepare`` uses it) vs tiktoken's ``encode_ordinary_batch(num_threads=N)`` in this process, on the same
 chunks (``CHUNK_CHARS``/``CHUNK_DOCS``) of the shared corpus with cl100k; every way's output is checked equal to the
@@ -50,12 +49,12 @@ def with_threads(tok, chunks: list[list[str]], threads: int) -> list:
     return out
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default=str(Path(__file__).resolve().parents[1].parent / "shared" / "data"))
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="titanlite bench encode", description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", default=str(Path(__file__).resolve().parents[2].parent / "shared" / "data"))
     p.add_argument("--workers", type=int, default=2, help="Worker processes, and tiktoken threads.")
     p.add_argument("--repeats", type=int, default=3)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     data = Path(a.data)
     tok = build_tokenizer(str(data / "tokenizers" / "cl100k_base.tiktoken"))
     docs = [t for name in TEXTS for t, _ in iter_file_documents(data / "text" / name, "text", "auto", "paragraphs")]

@@ -3,7 +3,7 @@
 First signal: the handler only records the request and logs it. The loop finishes the current optimizer
 step (a signal that arrives after a step's reduction, e.g. during its update, validation or a checkpoint save,
 is acted on at the end of the next step); the request is all-reduced with the step's loss and gradient norm
-(:meth:`titanlite.train_step.TrainStep.reduce_step`; the NaN guard's flags in a loop without that reduction),
+(:meth:`titanlite.trainer.step.TrainStep.reduce_step`; the NaN guard's flags in a loop without that reduction),
 so every rank stops after that same step, even when the ranks got the signal at slightly different moments
 or only one got it. :class:`PreemptionHook` then writes a full checkpoint of that step when checkpointing is
 on, waits for asynchronous saves, logs one line and ends the loop; the same command resumes from there
@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable
 
 from titanlite.hooks import Hook
 
-logger = logging.getLogger("titanlite.preemption")
+logger = logging.getLogger("titanlite.trainer.preemption")
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 REPEAT_WINDOW_S = 5.0  # the same signal again this soon is a forwarded copy of the first, not a second request

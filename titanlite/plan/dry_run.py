@@ -12,7 +12,7 @@
    hidden size, sequence length ...) fails here with the trainer's own error;
 4. prints the parameter count of every rank (computed from each parameter's DTensor placements for
    every mesh coordinate), the sharding of each parameter group, and the planner's per-GPU memory
-   estimate (:mod:`titanlite.planner`) against ``job.dry_run_gpu``;
+   estimate (:mod:`titanlite.plan.planner`) against ``job.dry_run_gpu``;
 5. with pipeline parallelism, builds the stages of *every* pp rank (the family's ``pipeline_fn`` and
    ``parallelize_fn`` on a view of the mesh whose ``pp_rank`` is that rank: as rank 0 of the fake
    group only pp rank 0 would be seen) and prints, per pp rank, its modules (``tok_embeddings,
@@ -95,7 +95,7 @@ def _local_numel_fn(global_mesh_names: tuple[str, ...]) -> Callable:
 
 def _stage_memory(cfg: Any, shape: Any, world_size: int, stage: Any) -> dict[str, Any]:
     """The modelled memory of one seq_len stage: its length, micro-batch and accumulation."""
-    from titanlite.planner import RunSetup, pipeline_memory
+    from titanlite.plan.planner import RunSetup, pipeline_memory
 
     c = copy.deepcopy(cfg)
     c.training.seq_len, c.training.local_batch_size = stage.seq_len, stage.local_batch_size
@@ -108,24 +108,17 @@ def dry_run(cfg, world_size: int | None = None, out: Callable[[str], None] = pri
     """Run the dry run for ``cfg`` (see module docstring); prints through ``out``, returns a report."""
     import torch.distributed as dist
 
-    from titanlite.metrics import gpu_memory_bytes
     from titanlite.models import get_model_spec
+    from titanlite.models.flops import ModelShape, active_param_count, param_count
     from titanlite.models.registry import model_args_for, model_counts
     from titanlite.parallel.build import parallelize_on_meta
     from titanlite.parallel.parallel_dims import MESH_DIMS, ParallelDims
     from titanlite.parallel.pipeline import PipelinePlan
     from titanlite.parallel.policies import Policies
-    from titanlite.planner import (
-        ModelShape,
-        RunSetup,
-        active_param_count,
-        all_to_all_volume,
-        param_count,
-        pipeline_memory,
-        usable_memory,
-    )
-    from titanlite.run_plan import plan_run as plan_stages
-    from titanlite.train_step import grad_accum_steps
+    from titanlite.plan.planner import RunSetup, all_to_all_volume, pipeline_memory, usable_memory
+    from titanlite.plan.run_plan import plan_steps
+    from titanlite.trainer.peaks import gpu_memory_bytes
+    from titanlite.trainer.step import grad_accum_steps
 
     world_size, source = resolve_world_size(cfg) if world_size is None else (world_size, "argument")
     t, par, ac, f8 = cfg.training, cfg.parallelism, cfg.activation_checkpoint, cfg.quantize_linear_float8
@@ -136,7 +129,7 @@ def dry_run(cfg, world_size: int | None = None, out: Callable[[str], None] = pri
     args = model_args_for(cfg.model, vocab)
     plan = PipelinePlan.from_config(par, args.n_layers, t.local_batch_size) if dims.pp_enabled else None
     kw = dict(seq_len=t.seq_len, local_batch_size=t.local_batch_size, grad_accum_steps=accum, dp_degree=dims.dp_degree)
-    stages = plan_stages(steps=t.steps, tokens=t.tokens, schedule=t.seq_len_schedule, **kw).stages
+    stages = plan_steps(steps=t.steps, tokens=t.tokens, schedule=t.seq_len_schedule, **kw).stages
 
     if world_size > 1:
         if dist.is_available() and dist.is_initialized():

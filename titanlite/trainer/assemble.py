@@ -1,12 +1,12 @@
 """A job config's model, policies, loss, optimizer, LR schedule and train step in one call, for a loop of your own.
 
-:func:`build_training` builds what :class:`titanlite.train.Trainer` builds from the same config, through the same
+:func:`build_training` builds what :class:`titanlite.trainer.Trainer` builds from the same config, through the same
 functions (the trainer's ``build_model``, ``build_loss`` and ``build_train_step`` call :func:`build_config_model`,
 :func:`config_loss` and :func:`config_train_step`): the family's model with the config's policies (``[training]``
 mixed precision, ``[activation_checkpoint]``, ``[compile]``, ``[quantize.linear.float8]``, FSDP/TP from the
 parallel dims), the ``[training] loss`` by name (over ``loss_chunks`` pieces of the tokens), the ``[optimizer]``
 and ``[lr_scheduler]`` by name, and the accumulation, clipping and autocast of the
-:class:`~titanlite.train_step.TrainStep`. With the same seed set first (``torch.manual_seed(cfg.training.seed)``)
+:class:`~titanlite.trainer.step.TrainStep`. With the same seed set first (``torch.manual_seed(cfg.training.seed)``)
 a loop over its ``train_step`` gives the trainer's losses bit for bit.
 
 What it leaves to the caller, as the trainer's other pieces: the data (sources, mixtures, loss masks, seq_len
@@ -35,7 +35,7 @@ from titanlite.parallel.build import build_parallel_model
 from titanlite.parallel.compile import CompilePolicy
 from titanlite.parallel.pipeline import Pipeline
 from titanlite.parallel.policies import Policies
-from titanlite.train_step import TrainStep, grad_accum_steps
+from titanlite.trainer.step import TrainStep, grad_accum_steps
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ Configured by ``[guard]`` (see ``titanlite/config/sections.py``):
   accepted losses enter the mean, so a spike does not raise the bar for the next one).
 - **Agreement.** Every rank must take the same branch (a rank that disagreed would hang the next
   collective). In the stock loop the loss, the gradient norm and the preemption request come out of the
-  training step's one all-reduce (:meth:`titanlite.train_step.TrainStep.reduce_step`), so every rank holds
+  training step's one all-reduce (:meth:`titanlite.trainer.step.TrainStep.reduce_step`), so every rank holds
   the same values, a NaN on any rank included, and takes the same verdict from them with no collective of
   its own. Values that were not agreed that way (a foreign loop) have their flags all-reduced (MAX) over
   the default process group first.
@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from titanlite.hooks import Hook
 
-logger = logging.getLogger("titanlite.guard")
+logger = logging.getLogger("titanlite.trainer.guard")
 
 POLICIES = ("raise", "skip_step", "rollback")
 

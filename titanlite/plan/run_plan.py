@@ -31,6 +31,8 @@ import math
 from collections.abc import Sequence
 from fractions import Fraction
 
+from titanlite._moved import moved_names
+
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
@@ -103,7 +105,7 @@ def stage_batch(i: int, spec: dict, seq_len: int, local_batch_size: int, dp: int
     return n, local, accum
 
 
-def plan_run(
+def plan_steps(
     *,
     steps: int,
     tokens: int,
@@ -209,3 +211,6 @@ def _budget_line(budget: int, steps: int, total: int) -> str:
     over = total - budget
     tail = "exactly the budget" if over == 0 else f"{over:,} tokens over it (the last step does not fit whole)"
     return f"token budget training.tokens = {budget:,}: {steps:,} steps train {total:,} tokens, {tail}"
+
+
+__getattr__ = moved_names(__name__)  # old names (titanlite._moved)

@@ -1,78 +1,7 @@
 """Run planner: parameters, FLOPs, steps, time, cost and per-GPU memory of a training run.
 
-Pure functions of the model shape and the run's settings (no torch, no GPU); ``titanlite estimate``
-is the command-line front end. Memory is modelled for the way titanlite trains (eager mode; AdamW;
-fp32 master weights; FSDP2 over the data-parallel ranks when there is more than one, bf16 autocast
-otherwise), component by component:
-
-========================  =====================================================================
-parameters                fp32 master weights, sharded over ``dp_shard x tp``; plus, in bf16,
-                          the compute copies: FSDP keeps ~2 blocks gathered (current + prefetch)
-                          and the last group (final norm + output), autocast keeps a bf16 copy of
-                          every matmul weight for backward
-gradients                 fp32, sharded like the parameters; they exist from the backward on
-                          (and through the next micro-batch's forward under gradient accumulation)
-optimizer state           AdamW first and second moments, fp32, sharded like the parameters
-activations               what autograd keeps for backward, per token per block (formula below)
-                          times ``n_layers x local_batch_size x seq_len``, divided by ``tp``
-logits                    per token: the output matmul's logits (compute dtype) + fp32 log-softmax
-                          output, its gradient and the logits' gradient (3 x 4 bytes) / ``tp``; with
-                          ``loss_chunks`` (``titanlite.output_loss``) those of one piece of the tokens
-                          only, plus the output weight's fp32 gradient per micro-batch in flight
-optimizer step scratch    foreach AdamW allocates one fp32 parameter-sized buffer during the step
-                          (fused: none)
-========================  =====================================================================
-
-The modelled peak (``total``) is parameters + optimizer state + the largest of three moments: the
-start of backward (activations + logits, plus the gradients when they accumulate over several
-micro-batches), the end of backward (gradients + the block being recomputed under activation
-checkpointing) and the optimizer step (gradients + scratch).
-
-Activation bytes per token per transformer block without activation checkpointing, with ``d =
-dim``, ``q = n_heads x head_dim`` (``= d`` for Llama), ``F = ffn hidden``, ``h = n_heads``, ``c`` =
-compute-dtype bytes, ``r`` = residual-stream bytes (fp32 under autocast, else ``c``), ``l`` = bytes
-of saved matmul inputs (``c``, or 1 for float8 linears), as counted with
-``torch.autograd.graph.saved_tensors_hooks`` on titanlite's Llama 3 block (exact for fp32 and bf16
-autocast, see tests/test_planner.py)::
-
-    2 RMSNorms (eager)    2 x 2 r d          input and normalized input of each norm
-    matmul inputs         l d x (k_attn + k_ffn)   k = 1 when wq/wk/wv (w1/w3) share one saved input,
-                                            3 (2) under autocast or float8 (each casts its own)
-    attention             3 c q + c q + 4 h  q, and k, v repeated to h heads; output (also the wo
-                                            input, plus an l-byte copy with float8); log-sum-exp
-    SwiGLU                3 c F + l F       w1 out, w3 out, silu out; the w2 input
-    norm statistics       8
-
-With float8 linears each block also keeps a 1-byte copy of its matmul weights for backward (under
-FSDP the gathered bf16 weights are freed after forward, these copies are not), counted with the
-activations: for large models this can outweigh the saving on the 1-byte matmul inputs.
-
-Activation checkpointing: ``full`` keeps each block's input (``r d``) plus, during backward, one
-block's activations while it is recomputed; ``selective`` ``op`` keeps the block input and the
-outputs of the matmuls and attention (``r d + c (q + 2 d_kv) + c q + 4 h + c d + 2 c F + c d``)
-plus one block's recomputed remainder; ``selective`` ``N`` applies full AC to every N-th block.
-
-Mixture-of-experts models (``ModelShape.moe``) are modelled by :mod:`titanlite.planner_moe`: exact total and
-active parameters, FLOPs of the active ones, per-block averages of parameters and activations over dense and
-MoE blocks, experts sharded over the data-parallel shard ranks only (EP is a factor of them), and the
-all-to-all volume of expert parallelism (:func:`all_to_all_volume`).
-
-Other families are modelled as that block with their own sizes: parameters and FLOPs stay exact
-(``head_dim``, QK-norm weights), activations are a lower bound where a block keeps more (Qwen3's
-QK-norm and fp32 half-split RoPE keep ~2x as much per token under bf16 autocast).
-
-Pipeline parallelism (``pp > 1``): each pp rank holds only its stages' blocks (plus the embedding on
-the first stage, the final norm and output on the last), so parameters, gradients and optimizer state
-are the rank's share; its activations are one pipeline microbatch's (``pp_microbatch_size`` sequences)
-times the microbatches its schedule keeps in flight (:func:`microbatches_in_flight`: all ``m`` for
-GPipe, ``p - rank`` for 1F1B, about ``(1 + 1/v)`` times that for interleaved 1F1B); the worst rank
-decides the verdict (:func:`pipeline_memory`). The time estimate divides by ``1 - bubble``
-(:func:`pipeline_bubble_fraction`).
-
-Not modelled: the CUDA context and communication buffers and allocator fragmentation (the verdict
-keeps a reserve for them, :data:`RESERVE_BYTES` and :data:`FRAGMENTATION`), torch.compile's fusions
-(which save less). The pipeline's receive buffers (a hidden state and a gradient per microbatch and
-stage, :func:`pipeline_receive_buffers`) are counted.
+Pure functions of the model shape and the run's settings (no torch, no GPU); ``titanlite estimate`` is the
+command-line front end. The memory and time model, component by component, with its formulas: docs/memory_model.md.
 """
 
 from __future__ import annotations
@@ -81,222 +10,29 @@ import dataclasses
 import math
 from typing import Any
 
+from titanlite._moved import moved_names
 from titanlite.dtypes import DTYPES
-from titanlite.planner_moe import MoEShape, all_to_all_bytes
+from titanlite.models.flops import (
+    ModelShape,
+    active_param_count,
+    block_matmul_params,
+    block_params,
+    flops_per_token,
+    param_count,
+)
+from titanlite.parallel.pipeline_schedules import (
+    MULTI_STAGE_SCHEDULES,
+    check_pipeline,
+    microbatches_in_flight,
+    pipeline_bubble_fraction,
+    pipeline_rank_stages,
+    split_evenly,
+)
+from titanlite.plan.planner_moe import all_to_all_bytes
 
 RESERVE_BYTES = 2.0e9  # CUDA context, NCCL buffers, cuBLAS workspaces
 FRAGMENTATION = 0.05  # share of the GPU memory assumed lost to the caching allocator's fragmentation
 CHINCHILLA_TOKENS_PER_PARAM = 20
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelShape:
-    """The sizes that determine parameters, FLOPs and activations (Llama-style decoder; names as in the
-    Llama 3 model args). Families with their own ``head_dim`` and query/key RMSNorm weights (``qk_norm``,
-    Qwen3) are counted exactly too. ``num_params``: the family's exact count when its blocks are not Llama
-    blocks (0: the formula of :func:`param_count`)."""
-
-    dim: int
-    n_layers: int
-    n_heads: int
-    kv_heads: int
-    ffn_hidden_dim: int
-    vocab_size: int
-    tie_word_embeddings: bool = False
-    head_dim: int = 0  # 0: dim // n_heads, filled in by __post_init__
-    qk_norm: bool = False
-    num_params: int = 0
-    moe: MoEShape | None = None  # mixture-of-experts blocks (titanlite.planner_moe)
-
-    def __post_init__(self) -> None:
-        if not self.head_dim:
-            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
-
-    @classmethod
-    def from_args(cls, args: Any, num_params: int = 0) -> ModelShape:
-        kv = getattr(args, "kv_heads", None) or getattr(args, "n_kv_heads", None) or args.n_heads
-        sizes = (args.dim, args.n_layers, args.n_heads, kv, args.ffn_hidden_dim, args.vocab_size)
-        tied, head_dim, qk_norm = (getattr(args, k, None) for k in ("tie_word_embeddings", "head_dim", "qk_norm"))
-        return cls(*sizes, bool(tied), int(head_dim or 0), bool(qk_norm), num_params, MoEShape.from_args(args))
-
-    @property
-    def q_dim(self) -> int:
-        """Width of the concatenated query heads (``wq`` output, ``wo`` input); ``dim`` for Llama."""
-        return self.n_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    @property
-    def moe_fraction(self) -> float:
-        """Share of the blocks that are MoE blocks (0 for a dense model)."""
-        return 0.0 if self.moe is None else self.moe.n_moe / self.n_layers
-
-    @property
-    def active_ffn_hidden(self) -> float:
-        """The SwiGLU width a token goes through, averaged over the blocks (``ffn_hidden_dim`` when dense)."""
-        f = self.moe_fraction
-        return self.ffn_hidden_dim * (1 - f) + (self.moe.active_hidden() * f if self.moe else 0)
-
-    def moe_extra_params(self, active: bool = False) -> int:
-        """All MoE blocks' feed-forward parameters (``active``: per token) minus the dense SwiGLUs they replace."""
-        if self.moe is None:
-            return 0
-        return self.moe.n_moe * (self.moe.block_ffn_params(self.dim)[active] - 3 * self.dim * self.ffn_hidden_dim)
-
-
-def _block_matmul_params(s: ModelShape) -> float:
-    """The linear weights of one block: wq, wo; wk, wv; w1, w2, w3 (MoE: the average block's)."""
-    dense = 2 * s.dim * s.q_dim + 2 * s.dim * s.kv_dim + 3 * s.dim * s.ffn_hidden_dim
-    return dense + s.moe_extra_params() / s.n_layers if s.moe else dense
-
-
-def block_params(s: ModelShape) -> int:
-    """Parameters of one block: its linears, two RMSNorm weights and, with ``qk_norm``, the query/key ones."""
-    return _block_matmul_params(s) + 2 * s.dim + (2 * s.head_dim if s.qk_norm else 0)
-
-
-def param_count(s: ModelShape) -> int:
-    """All parameters, a tied embedding/output counted once."""
-    if s.num_params:
-        return s.num_params
-    embed = s.vocab_size * s.dim
-    output = 0 if s.tie_word_embeddings else embed
-    return round(embed + s.n_layers * block_params(s) + s.dim + output)
-
-
-def active_param_count(s: ModelShape) -> int:
-    """Parameters a token uses: all of them but the routed experts it does not go to (MoE)."""
-    return param_count(s) - (s.moe_extra_params() - s.moe_extra_params(active=True))
-
-
-def matmul_param_count(s: ModelShape) -> int:
-    """Parameters used in matmuls: the blocks' linear weights and the output projection."""
-    return round(s.n_layers * _block_matmul_params(s) + s.vocab_size * s.dim)
-
-
-def palm_flops_per_token(matmul_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> int:
-    """Training FLOPs per token (PaLM, Chowdhery et al. 2022, appendix B): a forward+backward pass
-    costs 6 FLOPs per parameter that takes part in a matmul, plus 12 x n_layers x n_heads x head_dim
-    x seq_len for the attention scores and weighted sum (2 matmuls of 2 FLOPs, x3 for backward)."""
-    return 6 * matmul_params + 12 * n_layers * n_heads * head_dim * seq_len
-
-
-def flops_per_token(s: ModelShape, seq_len: int) -> int:
-    """:func:`palm_flops_per_token` of the shape: every parameter a token uses but the input embedding table
-    is a matmul parameter (a tied table is the output projection, so it counts; MoE: the active ones)."""
-    embed = 0 if s.tie_word_embeddings else s.vocab_size * s.dim
-    return palm_flops_per_token(active_param_count(s) - embed, s.n_layers, s.n_heads, s.head_dim, seq_len)
-
-
-def params_of(args: Any) -> int:
-    """Exact parameters of a Llama-style family's model args (a ``ModelSpec.num_params``)."""
-    return param_count(ModelShape.from_args(args))
-
-
-def active_params_of(args: Any) -> int:
-    """Parameters per token of a Llama-style family's model args (a ``ModelSpec.active_params``; MoE-aware)."""
-    return active_param_count(ModelShape.from_args(args))
-
-
-def flops_of(args: Any, seq_len: int) -> int:
-    """Training FLOPs per token of a Llama-style family's model args (a ``ModelSpec.flops_per_token``)."""
-    return flops_per_token(ModelShape.from_args(args), seq_len)
-
-
-# torch.distributed.pipelining schedules by their torchtitan names (as [parallelism] pipeline_parallel_schedule)
-PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # rank r holds stages r and 2p - 1 - r
-ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-
-
-def check_pipeline(schedule: str, local_batch_size: int, microbatch_size: int, stage_sizes: tuple[int, ...]) -> None:
-    """The planner's own checks of a pipeline setup (the trainer's full ones are ``PipelinePlan.check``)."""
-    if schedule not in PIPELINE_SCHEDULES:
-        raise ValueError(f"pipeline schedule {schedule!r} must be one of {', '.join(PIPELINE_SCHEDULES)}")
-    if microbatch_size < 1 or local_batch_size % microbatch_size:
-        raise ValueError(
-            f"local_batch_size ({local_batch_size}) must be a multiple of the pipeline microbatch size "
-            f"({microbatch_size})"
-        )
-    if any(n < 1 for n in stage_sizes):
-        raise ValueError(f"every pipeline stage needs at least one block, got {list(stage_sizes)}")
-
-
-def pipeline_bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
-    """Idle share of each pipeline rank's time in one schedule run, for ``p`` ranks, ``m`` microbatches and
-    ``v`` stages per rank, in the usual unit model (every stage equally fast, a backward twice its forward, no
-    communication time):
-
-    - GPipe and 1F1B: ``(p - 1) / (m + p - 1)`` (Huang et al. 2019; Narayanan et al. 2021): the first
-      microbatch needs ``p - 1`` stage times to reach the last rank, and the last one as many to come back;
-    - Interleaved1F1B: ``(p - 1) / (v m + p - 1)`` (Narayanan et al. 2021): the ramp is ``p - 1`` *virtual*
-      stage times, each ``1/v`` of a rank's share. With fewer microbatches than ranks a round cannot fill
-      the pipeline and it is ``1 - v m / (v p + m - 1)``; both are ``1 - v m / max(v m + p - 1, v p + m - 1)``;
-    - the zero-bubble schedules (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV), whose backward is split
-      into an input-gradient and a weight-gradient half (each as long as the forward): the weight halves fill
-      the backward ramp, leaving ``(p - 1) / (3 v m + p - 1)``. Exact for ``m >= p`` (InterleavedZeroBubble)
-      and ``m >= 2p`` (ZBV, DualPipeV); with fewer microbatches the schedules idle more than this.
-
-    tests/test_planner.py replays torch's own action orders in the unit model and finds these values.
-    """
-    if schedule not in PIPELINE_SCHEDULES:
-        raise ValueError(f"pipeline schedule {schedule!r} must be one of {', '.join(PIPELINE_SCHEDULES)}")
-    if p <= 1:
-        return 0.0
-    if schedule in ZERO_BUBBLE_SCHEDULES:
-        return (p - 1) / (3 * v * m + p - 1)
-    return 1 - v * m / max(v * m + p - 1, v * p + m - 1)
-
-
-def split_evenly(n_layers: int, num_stages: int) -> list[int]:
-    """Blocks per stage, as even as possible; the extra blocks go to the middle stages first (the first
-    stage holds the most activations in flight under 1F1B, the last one computes the output and loss)."""
-    base, extra = divmod(n_layers, num_stages)
-    order = [*range(1, num_stages - 1), num_stages - 1, 0] if num_stages > 1 else [0]
-    sizes = [base] * num_stages
-    for s in order[:extra]:
-        sizes[s] += 1
-    return sizes
-
-
-def pipeline_rank_stages(schedule: str, p: int, num_stages: int, rank: int) -> list[int]:
-    """The stages pp rank ``rank`` runs: a loop (``rank, rank + p, ...``), or a V for ZBV and DualPipeV."""
-    return [rank, 2 * p - 1 - rank] if schedule in V_SCHEDULES else list(range(rank, num_stages, p))
-
-
-def microbatches_in_flight(schedule: str, p: int, m: int, v: int, rank: int) -> int:
-    """The most (microbatch, local stage) forwards whose activations pp rank ``rank`` holds at once, i.e.
-    forwards minus (input-)backwards, maximized over torch.distributed.pipelining's order for the schedule
-    (torch 2.13; tests/test_planner.py checks each against the order torch builds):
-
-    - GPipe: ``m`` (every forward runs before the first backward);
-    - 1F1B: ``min(m, p - rank)`` (warm-up forwards, then one backward before each forward);
-    - Interleaved1F1B: ``min(W + 1, v m)`` with ``W = min((v - 1) k + 2 (p - 1 - rank), v m)`` warm-up
-      forwards, ``k = m / max(1, m // p)`` microbatches per round (one more forward runs before the first
-      backward): about ``(1 + 1/v)`` times the 1F1B stage's activations on the first rank;
-    - InterleavedZeroBubble: the same with ``W = (v - 1) k + (p - 1 - rank)`` (its warm-up grows by one per hop);
-    - ZBVZeroBubble: ``min(2p, m + rank + 1, 2m)``; DualPipeV: ``2p + 1`` (it needs ``m >= 2p``).
-
-    For the zero-bubble schedules a backward counts when its input-gradient half runs: the weight-gradient
-    half, run later, still needs the saved matmul inputs, so their peak is somewhat higher (not modelled).
-    """
-    if p <= 1 or schedule == "GPipe":
-        return m * v
-    if schedule == "1F1B":
-        return min(m, p - rank)
-    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
-        per_round = m // max(1, m // p)
-        hops = (2 if schedule == "Interleaved1F1B" else 1) * (p - 1 - rank)
-        warmup = min((v - 1) * per_round + hops, v * m)
-        return min(warmup + 1, v * m)
-    if schedule == "ZBVZeroBubble":
-        return min(2 * p, m + rank + 1, 2 * m)
-    if schedule == "DualPipeV":
-        return min(2 * p + 1, 2 * m)
-    raise ValueError(f"pipeline schedule {schedule!r} must be one of {', '.join(PIPELINE_SCHEDULES)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -421,7 +157,7 @@ class RunSetup:
 
 
 def _bytes(setup: RunSetup) -> tuple[int, int, int]:
-    """(compute c, residual r, saved-matmul-input l) bytes, see the module docstring."""
+    """(compute c, residual r, saved-matmul-input l) bytes, see docs/memory_model.md."""
     c = DTYPES[setup.compute_dtype].itemsize
     r = 4 if (setup.autocast or c == 4) else c
     lin = 1 if setup.float8 else c
@@ -560,7 +296,7 @@ def stage_memory_breakdown(s: ModelShape, setup: RunSetup, share: StageShare) ->
     experts = share.n_layers * s.moe_fraction * s.moe.expert_params(s.dim) if s.moe else 0.0
     local += experts / shards * (1 - 1 / setup.tp)  # experts are replicated over the TP ranks
     c = _bytes(setup)[0]
-    matmul = share.n_layers * _block_matmul_params(s) + (s.vocab_size * s.dim if share.last else 0)
+    matmul = share.n_layers * block_matmul_params(s) + (s.vocab_size * s.dim if share.last else 0)
     params = 4 * local
     if setup.fsdp and c != 4:  # gathered compute-dtype copies: ~2 blocks + the last group (norm + output)
         block = block_params(s) / setup.tp
@@ -577,7 +313,7 @@ def stage_memory_breakdown(s: ModelShape, setup: RunSetup, share: StageShare) ->
     activations = tokens * (share.in_flight * kept + recomputed_per_token + final_norm)
     if setup.float8:  # float8 copies of the block weights, saved for backward by every forward outside AC
         kept_blocks, recomputed_blocks = _float8_saved_blocks(setup, share.n_layers / v)
-        activations += (share.in_flight * kept_blocks + recomputed_blocks) * _block_matmul_params(s) / setup.tp
+        activations += (share.in_flight * kept_blocks + recomputed_blocks) * block_matmul_params(s) / setup.tp
     logits = _logits_bytes(s, setup, share, sequences * setup.seq_len, c)
     scratch = 4 * local if setup.optimizer_impl == "foreach" else 0.0
     recomputed = 0.0 if setup.ac_mode == "none" else tokens * activation_bytes_per_token_layer(s, setup)
@@ -650,7 +386,7 @@ def pipeline_memory(s: ModelShape, setup: RunSetup) -> list[dict[str, Any]]:
 
 
 def memory_breakdown(s: ModelShape, setup: RunSetup) -> dict[str, Any]:
-    """Per-GPU bytes by component (see the module docstring); ``total`` is the modelled peak, reached
+    """Per-GPU bytes by component (docs/memory_model.md); ``total`` is the modelled peak, reached
     at ``peak_at`` (start of backward, end of backward or optimizer step). With pipelining, the breakdown of
     the pipeline rank with the largest total (it decides whether the run fits; ``pp_rank`` says which)."""
     return max(pipeline_memory(s, setup), key=lambda m: m["total"])
@@ -659,7 +395,7 @@ def memory_breakdown(s: ModelShape, setup: RunSetup) -> dict[str, Any]:
 def all_to_all_volume(s: ModelShape, setup: RunSetup) -> float:
     """Bytes each GPU sends by all-to-all per optimizer step under expert parallelism (0 without EP or MoE):
     every micro-batch's tokens (``local_batch_size x seq_len``, all of them on every TP rank) through the MoE
-    blocks of the busiest pipeline rank (:func:`titanlite.planner_moe.all_to_all_bytes`)."""
+    blocks of the busiest pipeline rank (:func:`titanlite.plan.planner_moe.all_to_all_bytes`)."""
     if s.moe is None or setup.ep <= 1:
         return 0.0
     blocks = max(share.n_layers for share in stage_shares(s, setup)) * s.moe_fraction
@@ -714,7 +450,7 @@ class Plan:
     all_to_all_bytes: float = 0.0  # sent per GPU per optimizer step under expert parallelism
 
 
-def plan_run(
+def estimate_run(
     s: ModelShape,
     setup: RunSetup,
     *,
@@ -764,3 +500,6 @@ def plan_run(
         active_param_count(s),
         all_to_all_volume(s, setup),
     )
+
+
+__getattr__ = moved_names(__name__)  # old names (titanlite._moved)

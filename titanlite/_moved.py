@@ -1,0 +1,63 @@
+"""Where moved modules and renamed names went, so an old import fails with a one-line error naming the new place.
+Add a row when you move a module or rename a public name; a module that lost a name sets
+``__getattr__ = moved_names(__name__)``. tests/test_moved.py imports every row and every module a row names."""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+
+T, P = "titanlite.trainer", "titanlite.plan"
+MOVED_MODULES: dict[str, str] = {  # old module -> where it went (every titanlite.* module named must import)
+    **{f"titanlite.{m}": f"{T}.{m}" for m in ("guard", "preemption", "profiling", "validation", "sampling")},
+    **{f"titanlite.{m}": f"{T}.{m}" for m in ("wandb_logger", "assemble")},
+    "titanlite.train_step": f"{T}.step",
+    "titanlite.metrics": f"{T}.metrics (MetricsHook, UpdateRatio, RunProgress), {T}.peaks (peak FLOP/s, matmul_dtype, "
+    f"the CPU probe, memory), {T}.metrics_log (MetricsLogger, rewind_metrics_log, DiskFullError) and "
+    "titanlite.models.flops (num_params)",
+    "titanlite.planner": f"{P}.planner (plan_run is now estimate_run), titanlite.models.flops (ModelShape, parameter "
+    "and FLOP counts) and titanlite.parallel.pipeline_schedules (schedules, bubble, microbatches in flight)",
+    "titanlite.planner_moe": f"{P}.planner_moe and titanlite.models.flops (MoEShape)",
+    "titanlite.run_plan": f"{P}.run_plan (plan_run is now plan_steps)",
+    "titanlite.dry_run": f"{P}.dry_run",
+}
+MOVED_NAMES: dict[tuple[str, str], str] = {  # (module, old name) -> the new full name
+    (f"{P}.planner", "plan_run"): f"{P}.planner.estimate_run",
+    (f"{P}.run_plan", "plan_run"): f"{P}.run_plan.plan_steps",
+    ("titanlite.train", "set_seed"): f"{T}.trainer.set_seed",
+    ("titanlite.train", "grad_accum_steps"): f"{T}.step.grad_accum_steps",
+    ("titanlite.train", "REMOVED_METHODS"): f"{T}.trainer.REMOVED_METHODS",
+    ("titanlite.train", "RESUMED"): "titanlite.checkpoint.layout.RESUMED",
+}
+
+
+def moved_message(old: str) -> str:
+    return f"{old} has moved to {MOVED_MODULES[old]}"
+
+
+class MovedModuleFinder(importlib.abc.MetaPathFinder):
+    """First on ``sys.meta_path`` (no stale copy elsewhere answers for a moved module): a moved module is a
+    ModuleNotFoundError naming its new place; any other is left to the next finder."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname in MOVED_MODULES:
+            raise ModuleNotFoundError(moved_message(fullname), name=fullname)
+        return None
+
+
+def install() -> None:
+    if not any(isinstance(f, MovedModuleFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, MovedModuleFinder())
+
+
+def moved_names(module: str):
+    """A module ``__getattr__``: an old name raises ImportError naming the new one (``from m import old`` too)."""
+
+    def __getattr__(name: str):
+        if (new := MOVED_NAMES.get((module, name))) is not None:
+            raise ImportError(f"{module}.{name} has moved: use {new}", name=module)
+        if f"{module}.{name}" in MOVED_MODULES:  # from titanlite import metrics
+            raise ModuleNotFoundError(moved_message(f"{module}.{name}"), name=f"{module}.{name}")
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return __getattr__

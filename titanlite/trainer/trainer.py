@@ -1,0 +1,520 @@
+"""The training job: ``python -m titanlite.train --config FILE`` or ``torchrun ... -m titanlite.train``.
+
+:class:`Trainer` builds every piece from its own config section and runs the loop: one
+:class:`~titanlite.trainer.step.TrainStep` call per optimizer step, and hooks
+(:mod:`titanlite.hooks`) for metrics, the guard, the profiler, validation, checkpoints, preemption
+and collective timeouts. To swap a piece, override its ``build_*`` method in a subclass, register it
+(``titanlite.components.register("trainer", "mine", MyTrainer)`` in an extension module) and name
+it in ``[job] trainer``; losses, optimizers and LR schedules are chosen by name the same way.
+Every piece is also usable from a foreign loop (README, "Use titanlite as a library").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from titanlite import components
+from titanlite.checkpoint import CheckpointHook, CheckpointManager, layout
+from titanlite.checkpoint.hf import model_args_from_seed
+from titanlite.config import JobConfig, config_to_toml, dump_config
+from titanlite.data.loader import build_dataloader
+from titanlite.data.recipe import (
+    SourceData,
+    load_sources,
+    source_windows,
+    training_dataset,
+)
+from titanlite.data.staged import StagedLoader
+from titanlite.eval import evaluate, get_task
+from titanlite.eval.hook import EvalHook
+from titanlite.hooks import Hook, LoopState, call_hooks
+from titanlite.loss import cross_entropy_sum  # noqa: F401  (registers the built-in loss)
+from titanlite.models import get_model_spec
+from titanlite.models.flops import ModelShape, num_params
+from titanlite.models.registry import active_params, check_seq_len, model_args_for, model_counts
+from titanlite.optim import build_optimizer  # noqa: F401  (registers the built-in optimizers and schedules)
+from titanlite.output_loss import output_loss
+from titanlite.parallel.distributed import (
+    CollectiveTimeoutHook,
+    WorldInfo,
+    init_distributed,
+    run_on_rank0,
+    world_from_env,
+)
+from titanlite.parallel.float8 import float8_disabled, float8_modules
+from titanlite.parallel.float8_fsdp import register_float8_scale_precompute
+from titanlite.parallel.fsdp import quiet_view_warning
+from titanlite.parallel.parallel_dims import ParallelDims
+from titanlite.parallel.pipeline import PipelinePlan
+from titanlite.plan.planner import RunSetup, check_absurd_size
+from titanlite.plan.run_plan import RunPlan, plan_steps
+from titanlite.run_lock import RunLock
+from titanlite.tokenizer import token_byte_lengths
+from titanlite.trainer.assemble import build_config_model, config_loss, config_train_step, loss_chunks_for
+from titanlite.trainer.guard import GuardHook, StepGuard
+from titanlite.trainer.metrics import MetricsHook
+from titanlite.trainer.metrics_log import MetricsLogger
+from titanlite.trainer.peaks import device_memory_bytes, matmul_dtype
+from titanlite.trainer.preemption import PreemptionHandler, PreemptionHook
+from titanlite.trainer.profiling import ProfilerHook
+from titanlite.trainer.sampling import SamplingHook
+from titanlite.trainer.stages import StageHook
+from titanlite.trainer.step import TrainStep, grad_accum_steps
+from titanlite.trainer.validation import ValidationHook, combine_validation, validation_loss
+from titanlite.trainer.wandb_logger import import_wandb
+
+logger = logging.getLogger("titanlite")
+
+
+class ResumeError(ValueError):
+    """The checkpoint cannot resume this run (e.g. the data or its windowing changed): one line at the
+    command line, raised before anything (metrics, checkpoints) is touched."""
+
+
+def set_seed(seed: int, deterministic: bool = False) -> None:
+    """Seed python, torch (CPU and CUDA); optionally force deterministic kernels."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        # cuBLAS is deterministic only with a fixed workspace; torch raises at the first CUDA matmul
+        # without it. Read once, at cuBLAS's first use, so it must be set before any matmul.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=False)
+        torch.backends.cudnn.benchmark = False
+
+
+# Trainer methods of earlier versions and where their work went: a subclass overriding one would never be called
+REMOVED_METHODS = {
+    "loss_fn": "build_loss() (it returns the token-sum loss function)",
+    "forward_backward": "build_train_step() (a TrainStep: TrainStep.forward_backward)",
+    "train_step": "build_train_step() (self.train_step is the TrainStep it returns)",
+    "clip_grad_norm": "build_train_step() (TrainStep.reduce_step gives the norm, TrainStep.update clips)",
+    "optimizer_step": "build_train_step() (TrainStep.update)",
+    "model_inputs": "build_train_step() (titanlite.trainer.step.batch_to_device)",
+    "autocast": "build_train_step() (TrainStep.autocast)",
+    "dp_sum": "build_train_step() (TrainStep.dp_sum)",
+    "step_record": "build_hooks() (titanlite.trainer.metrics.MetricsHook)",
+    "log_step": "build_hooks() (titanlite.trainer.metrics.MetricsHook)",
+    "is_log_step": "build_hooks() (titanlite.trainer.metrics.MetricsHook)",
+    "log_summary": "build_hooks() (titanlite.trainer.metrics.MetricsHook)",
+    "stop_on_signal": "build_hooks() (titanlite.trainer.preemption.PreemptionHook)",
+    "build_dataloader": "build_train_dataloader(stage) (validation: build_val_loaders)",
+    "enter_stage": "build_hooks() (titanlite.trainer.stages.StageHook)",
+    "load_sources": "train_sources or build_val_loaders() (titanlite.data.recipe.load_sources)",
+    "model_args_source": "__init__ (titanlite.checkpoint.layout.model_args_source)",
+    "recorded_checkpoint": "resume_point() (titanlite.checkpoint.layout.recorded_checkpoint)",
+}
+
+
+class Trainer:
+    """Builds every piece from a :class:`JobConfig` (each from its own section) and runs the loop.
+
+    A subclass that defines a method of an earlier version (:data:`REMOVED_METHODS`, e.g. ``loss_fn``) is refused
+    when it is defined, naming what to override instead: it would otherwise be silently bypassed."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name, instead in REMOVED_METHODS.items():
+            if name in vars(cls):
+                raise TypeError(
+                    f"{cls.__qualname__}.{name}: Trainer.{name} was removed and would never be called; override "
+                    f"{instead} instead"
+                )
+
+    def __init__(self, cfg: JobConfig, world: WorldInfo | None = None):
+        t = cfg.training
+        self.cfg = cfg
+        if cfg.metrics.enable_wandb:
+            import_wandb()  # a missing optional extra stops every rank before anything is written
+        self.world = world or world_from_env()
+        self.device = self.world.device
+        self.parallel_dims = self.build_parallel_dims()
+        layout.refuse_inside_step_folder(cfg.job.dump_folder, f"job.dump_folder={cfg.job.dump_folder}")
+        self.run_lock = RunLock(cfg.job.dump_folder)  # rank 0 holds it: one run per dump folder
+        run_on_rank0(lambda: self.run_lock.acquire() and None)
+        self.grad_accum_steps = grad_accum_steps(t.global_batch_size, t.local_batch_size, self.parallel_dims.dp_degree)
+        self.global_batch = t.local_batch_size * self.parallel_dims.dp_degree * self.grad_accum_steps
+        self.run_plan = self.build_run_plan()  # the token budget and the seq_len stages, checked before building
+        self.total_steps = self.run_plan.total_steps
+        set_seed(t.seed, t.deterministic)
+        self.spec = get_model_spec(cfg.model.name)
+        self.tokenizer = self.build_tokenizer()
+        if cfg.eval.enable:  # unknown task names, then bad data files: stop now, not at the first evaluation
+            for task in [get_task(name) for name in cfg.eval.tasks]:
+                task.items(cfg.eval.data_dir)
+        self.model_args = model_args_for(cfg.model, self.tokenizer.vocab_size)
+        if source := layout.model_args_source(cfg.checkpoint, cfg.job.dump_folder):  # RoPE, norm eps ... unless set
+            try:
+                self.model_args = model_args_from_seed(self.spec, self.model_args, cfg.model.overrides, *source)
+            except ValueError as e:
+                if source[1] != layout.RESUMED:
+                    raise
+                raise ValueError(f"{e}; or start a new run in another --job.dump_folder") from None
+        check_seq_len(self.model_args, max(t.seq_len, self.run_plan.max_seq_len))
+        self.pipeline_plan = self.build_pipeline_plan()
+        self.check_absurd_size()
+        self.model = self.build_model()
+        n_params, self.flops_per_token = model_counts(self.spec, self.model_args, t.seq_len)
+        self.stage_flops = [model_counts(self.spec, self.model_args, s.seq_len)[1] for s in self.run_plan.stages]
+        self.n_params = n_params if self.pipeline_plan else num_params(self.model)  # a stage holds a part
+        self.optimizer = self.build_optimizer()
+        self.lr_scheduler = self.build_lr_scheduler()
+        self.train_loader = self.build_train_loader()
+        self.val_loaders = self.build_val_loaders() if cfg.validation.enable else {}
+        self.train_step = self.build_train_step()
+        self.state = LoopState(total_steps=self.total_steps)
+        self.preemption = PreemptionHandler()
+        self.guard = StepGuard(cfg.guard, self.device)
+        self.checkpointer = self.build_checkpointer()  # it checks what to resume against the model
+        self.complete = self.checkpointer.plan.kind == "complete"  # a rerun of a finished run: nothing to do
+        self.hooks = [] if self.complete else self.build_hooks()
+
+    # ---- builders (override in a subclass to swap a piece) ----
+    def build_parallel_dims(self) -> ParallelDims:
+        """Degrees from ``[parallelism]`` (checked before any communication), then the process group
+        (``[comm] init_timeout_seconds``) and the named device mesh."""
+        dims = ParallelDims.from_config(self.cfg.parallelism, self.world.world_size)
+        dims.check_tp_divides(**{"training.seq_len (sequence parallelism)": self.cfg.training.seq_len})
+        if dims.pp_enabled and (n_layers := self.model_layers()):  # the split and schedule, before communicating
+            PipelinePlan.from_config(self.cfg.parallelism, n_layers, self.cfg.training.local_batch_size)
+        init_distributed(self.world, self.cfg.comm.init_timeout_seconds)
+        dims.build_mesh(self.device.type)
+        return dims
+
+    def model_layers(self) -> int | None:
+        """``n_layers`` of the configured flavor (with ``[model]`` overrides), for checks before the model exists."""
+        m = self.cfg.model
+        return m.overrides.get("n_layers", getattr(get_model_spec(m.name).flavors.get(m.flavor), "n_layers", None))
+
+    def build_pipeline_plan(self) -> PipelinePlan | None:
+        """``[parallelism] pipeline_parallel_*``: the stages and the microbatches, or None without pipelining."""
+        if not self.parallel_dims.pp_enabled:
+            return None
+        c = self.cfg
+        return PipelinePlan.from_config(c.parallelism, self.model_args.n_layers, c.training.local_batch_size)
+
+    def check_absurd_size(self) -> None:
+        """Refuse, before anything is allocated, a run whose modelled memory per device is far beyond the device's
+        (:func:`titanlite.plan.planner.check_absurd_size`); families without the planner's sizes are not checked."""
+        device_bytes = device_memory_bytes(self.device)
+        try:
+            shape = ModelShape.from_args(self.model_args)
+        except (AttributeError, TypeError, ZeroDivisionError):
+            return
+        if device_bytes is None:
+            return
+        sizes = self.pipeline_plan.stage_sizes if self.pipeline_plan is not None else ()
+        check_absurd_size(
+            shape, RunSetup.from_config(self.cfg, self.world.world_size, sizes), device_bytes, self.device.type
+        )
+
+    def build_tokenizer(self):
+        return self.spec.tokenizer_builder(self.cfg.model.tokenizer_path)
+
+    def build_model(self) -> nn.Module:
+        """Meta build, the family's parallelize plan, materialize and initialize
+        (:func:`~titanlite.parallel.build.build_parallel_model`)."""
+        return build_config_model(
+            self.cfg, self.spec, self.model_args, self.parallel_dims, self.device, pipeline=self.pipeline_plan
+        )
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        optimizer = components.get("optimizer", self.cfg.optimizer.name)(self.model, self.cfg.optimizer)
+        register_float8_scale_precompute(optimizer, self.model)  # float8 all-gather: all scales in one all-reduce
+        return optimizer
+
+    def build_lr_scheduler(self) -> Any:
+        build = components.get("lr_scheduler", self.cfg.lr_scheduler.name)
+        return build(self.optimizer, self.cfg.lr_scheduler, self.total_steps)
+
+    def build_loss(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The ``[training] loss`` (a token sum), compiled with ``[compile] components = ["loss"]``."""
+        return config_loss(self.cfg, self.parallel_dims)
+
+    @functools.cached_property
+    def loss_chunks(self) -> int:
+        """``[training] loss_chunks``, or 0 (with a warning) for a family whose model cannot return hidden states."""
+        return loss_chunks_for(self.cfg, self.spec)
+
+    @functools.cached_property
+    def train_sources(self) -> list[tuple[SourceData, float]]:
+        """``[training]``'s data: each source and its weight (:func:`~titanlite.data.recipe.load_sources`)."""
+        return load_sources(self.cfg.training, self.cfg.validation, "train", self.tokenizer, self.block_causal)
+
+    @property
+    def block_causal(self) -> bool:
+        """Block-causal attention: documents packed in a window do not attend to one another."""
+        return getattr(self.model_args, "attn_mask_type", "causal") != "causal"
+
+    @property
+    def eos_id_for_documents(self) -> int | None:
+        """The EOS id that separates documents for block-causal attention (None for causal attention)."""
+        return self.tokenizer.eos_id if self.block_causal else None
+
+    def build_run_plan(self) -> RunPlan:
+        """``[training] steps | tokens`` and ``seq_len_schedule`` as stages (:mod:`titanlite.plan.run_plan`); under a
+        token budget the warm-up is checked here, once the steps are known."""
+        c, t, dims = self.cfg, self.cfg.training, self.parallel_dims
+        kw = dict(seq_len=t.seq_len, local_batch_size=t.local_batch_size, grad_accum_steps=self.grad_accum_steps)
+        kw.update(resumed=self.resume_point() if t.tokens > 0 else None)
+        plan = plan_steps(steps=t.steps, tokens=t.tokens, dp_degree=dims.dp_degree, schedule=t.seq_len_schedule, **kw)
+        if c.lr_scheduler.warmup_steps > plan.total_steps:
+            raise ValueError(
+                f"lr_scheduler.warmup_steps ({c.lr_scheduler.warmup_steps}) must be <= the run's {plan.total_steps} "
+                f"steps (training.tokens = {t.tokens:,})"
+            )
+        return plan  # the checks of the schedule that need no plan: JobConfig.validate
+
+    def build_train_loader(self):
+        """The training batches; with a ``seq_len_schedule``, a :class:`StagedLoader` over the stages."""
+        if not self.cfg.training.seq_len_schedule:
+            return self.build_train_dataloader()
+        build = lambda i: self.build_train_dataloader(stage=i)  # noqa: E731
+        return StagedLoader(build, self.run_plan.stage_index(1), num_stages=len(self.run_plan.stages))
+
+    def build_train_dataloader(self, stage: int | None = None):
+        """The training batches: one source's windows, or a weighted mixture of ``[training] mixture``; at
+        ``stage``'s seq_len and local batch (its data order seeded from the seed and the stage)."""
+        t, dims = self.cfg.training, self.parallel_dims
+        seq_len, batch, seed = t.seq_len, t.local_batch_size, t.seed
+        if stage is not None:
+            s = self.run_plan.stages[stage]
+            seq_len, batch, seed = s.seq_len, s.local_batch_size, t.seed + 1_000 * stage
+        sources = self.train_sources
+        kw = dict(loss_mask=t.loss_mask, eos_id=self.eos_id_for_documents, seed=seed, dp_rank=self.dp_rank)
+        kw["pad_id"] = self.tokenizer.eos_id
+        kw.update(dp_world=dims.dp_degree, batch_size=batch, on_exhausted=t.mixture_on_exhausted)
+        weights = [w for _, w in sources]
+        dataset = training_dataset([s for s, _ in sources], weights, seq_len, mixture=bool(t.mixture), **kw)
+        return build_dataloader(None, dataset=dataset, batch_size=batch)
+
+    def build_val_loaders(self) -> dict[str, tuple[float, Any]]:
+        """``[validation]``: a finite, unshuffled loader per source (name -> (weight, loader))."""
+        c, t, dims = self.cfg, self.cfg.training, self.parallel_dims
+        kw = dict(loss_mask=t.loss_mask, eos_id=self.eos_id_for_documents, dp_rank=self.dp_rank)
+        kw["pad_id"] = self.tokenizer.eos_id
+        kw.update(dp_world=dims.dp_degree, batch_size=t.local_batch_size, shuffle=False, infinite=False)
+        loaders = {}
+        for data, weight in load_sources(c.training, c.validation, "val", self.tokenizer, self.block_causal):
+            name = f"val/{data.name}" if self.cfg.validation.mixture else "val"
+            windows = source_windows(data, t.seq_len, seed=t.seed, name=name, **kw)
+            loaders[data.name] = (weight, build_dataloader(None, dataset=windows, batch_size=t.local_batch_size))
+        return loaders
+
+    def build_train_step(self) -> TrainStep:
+        kw = dict(grad_accum_steps=self.grad_accum_steps, loss_fn=self.build_loss(), device=self.device)
+        kw["count_unmasked"] = any(data.chat for data, _ in self.train_sources)  # masks or packing padding
+        kw["loss_fn"] = output_loss(
+            kw["loss_fn"], self.loss_chunks, loss_parallel=self.parallel_dims.loss_parallel_enabled
+        )
+        kw["pipeline_plan"] = self.pipeline_plan  # the stages and the schedule that runs them
+        kw["stop_requested"] = lambda: self.preemption.requested  # agreed in the step's reduction (the guard reads it)
+        return config_train_step(self.cfg, self.model, self.optimizer, self.lr_scheduler, self.parallel_dims, **kw)
+
+    def build_checkpointer(self) -> CheckpointManager:
+        """``[checkpoint]``: what is saved, and what :meth:`resume` will load (user errors such as a
+        missing ``load_step`` are raised here)."""
+        c, tok = self.cfg, self.tokenizer
+        info = {
+            "model": {"name": c.model.name, "flavor": c.model.flavor, "args": dataclasses.asdict(self.model_args)},
+            "extensions": list(c.job.extensions),  # what converters import to know the family
+            "tokenizer": {"path": c.model.tokenizer_path, **{k: getattr(tok, k, None) for k in ("bos_id", "eos_id")}},
+        }
+        states = {"model": self.model, "optimizer": self.optimizer, "lr_scheduler": self.lr_scheduler}
+        states.update(dataloader=self.train_loader, train_state=self.state, guard=self.guard)
+        folder = Path(c.job.dump_folder) / c.checkpoint.folder
+        kw = dict(dp_rank=self.dp_rank, device=self.device, info=info, config_toml=config_to_toml(c))
+        kw.update(final_step=self.total_steps)
+        return CheckpointManager(c.checkpoint, folder, states, **kw)
+
+    def build_hooks(self) -> list[Hook]:
+        """The loop's hooks, in calling order (see :mod:`titanlite.hooks`)."""
+        c, rank, main = self.cfg, self.world.rank, self.world.is_main
+        float8 = any(True for _ in float8_modules(self.model))  # enabled but every linear skipped: no fp8 peak
+        kw = dict(device=self.device, autocast_dtype=self.train_step.autocast_dtype)  # first: it checks its prompts
+        sampling = SamplingHook(c.sampling, self.model, self.tokenizer, **kw) if c.sampling.enable else None
+        log = MetricsLogger(c.metrics, c.job.dump_folder, rank, run_config=dataclasses.asdict(c))
+        metrics = MetricsHook(
+            c.metrics,
+            log,
+            device=self.device,
+            world_size=self.world.world_size,
+            model=self.model,
+            flops_per_token=self.stage_flops[self.run_plan.stage_index(self.state.step + 1)],
+            matmul_dtype=matmul_dtype(c.training.mixed_precision_param, float8, self.device),
+            summary_path=Path(c.job.dump_folder) / "summary.json" if main else None,
+            pp_group=self.parallel_dims.pp_group,
+        )
+        stop = lambda: self.preemption.requested  # noqa: E731 - agreed across ranks by the guard's check
+        kw = dict(checkpointer=self.checkpointer, loader=self.train_loader, grad_accum_steps=self.grad_accum_steps)
+        guard = GuardHook(self.guard, stop_requested=stop, **kw)
+        hooks: list[Hook] = [metrics, guard, ProfilerHook(c.profiling, c.job.dump_folder, rank, self.device)]
+        if self.val_loaders:
+            hooks.append(ValidationHook(c.validation, self.validate))
+        if sampling is not None:
+            hooks.append(sampling)
+        if c.eval.enable:
+            hooks.append(EvalHook(c.eval, self.evaluate_tasks))
+        hooks += [CheckpointHook(self.checkpointer), PreemptionHook(self.preemption, self.checkpointer)]
+        if self.world.world_size > 1:
+            hooks.append(CollectiveTimeoutHook(c.comm.train_timeout_seconds, self.parallel_dims.all_groups()))
+        if c.training.seq_len_schedule:  # last: a step is saved and logged on its own stage
+            hooks.append(StageHook(self.run_plan, self.train_loader, self.train_step, metrics, self.stage_flops))
+        return hooks
+
+    def resume_point(self) -> tuple[int, int] | None:
+        """``(step, tokens seen)`` of the run so far, as its newest checkpoint records them (a model-only last save
+        too: the run may be finished), or a full ``initial_load_path``'s; None for a fresh start. A token budget
+        plans the remaining steps from the remaining tokens."""
+        found = layout.recorded_checkpoint(self.cfg.checkpoint, self.cfg.job.dump_folder, lambda info: True)
+        c = self.cfg.checkpoint
+        if found is None or found[1] != layout.RESUMED and c.initial_load_model_only:
+            return None
+        info = found[2]
+        if isinstance(info.get("step"), int) and isinstance(info.get("tokens_seen"), int):
+            return info["step"], info["tokens_seen"]
+        return None
+
+    @property
+    def active_note(self) -> str:
+        """`` (N active per token)`` for a mixture-of-experts model, else ""."""
+        total = model_counts(self.spec, self.model_args, self.cfg.training.seq_len)[0]
+        active = active_params(self.spec, self.model_args, total)
+        return f" ({active:,} active per token)" if active != total else ""
+
+    @property
+    def dp_rank(self) -> int:
+        """Index among the data-parallel ranks; the TP ranks of one DP rank share it (same batches)."""
+        return self.parallel_dims.dp_rank(self.world.rank)
+
+    # ---- the loop ----
+    def train(self) -> list[dict[str, Any]]:
+        """Run to ``training.steps`` (resuming first when there is a checkpoint); returns the logged records."""
+        state, hooks = self.state, self.hooks
+        if self.complete:
+            path = self.checkpointer.plan.paths[0]
+            logger.info(f"the run is complete ({path} exists, training.steps = {state.total_steps}); nothing to do")
+            logger.info(
+                "to train further, raise training.steps and rerun; to train anew, choose another --job.dump_folder"
+            )
+            self.checkpointer.close()  # its folder's lock
+            self.run_lock.release()
+            return state.records
+        self.log_start()
+        try:  # before the data iterator exists: the checkpoint restores the data position
+            self.resume()
+            self.check_budget_progress()
+            state.data_iter = iter(self.train_loader)  # the data position is checked here
+        except (ValueError, FileNotFoundError) as e:
+            raise ResumeError(str(e)) from e
+        self.checkpointer.commit_resume()  # a good resume: an abandoned newer lineage is moved aside now
+        if self.world.is_main:  # the config this run trains with (not written by a run that failed to resume)
+            dump_config(self.cfg, Path(self.cfg.job.dump_folder) / "config.toml")
+        call_hooks(hooks, "on_train_start", state)
+        try:
+            with quiet_view_warning():
+                while state.step < state.total_steps and not state.stop:
+                    before_update = lambda r: call_hooks(hooks, "before_update", state, r)  # noqa: E731
+                    result = self.train_step(state.data_iter, before_update, step=state.step + 1)
+                    if result.action == "rollback":  # the guard reloaded a checkpoint: state.step went back
+                        call_hooks(hooks, "on_resume", state, result)
+                        continue
+                    state.step += 1
+                    state.tokens_seen += result.tokens
+                    if (per_source := result.extra.pop("source_tokens", None)) is not None:
+                        state.count_sources([data.name for data, _ in self.train_sources], per_source)
+                    call_hooks(hooks, "on_step_end", state, result)
+        except BaseException:  # the loop's error is the one to report; closing may fail too (a full disk)
+            try:
+                call_hooks(hooks, "on_train_end", state)
+            except Exception as e:  # noqa: BLE001
+                logger.error(f"closing the run after that error failed too: {type(e).__name__}: {e}")
+            raise
+        else:  # the last save is waited for, logs and threads are closed (after an error too, above)
+            call_hooks(hooks, "on_train_end", state)
+        finally:
+            self.run_lock.release()
+        return state.records
+
+    def resume(self) -> int | None:
+        """Load what the checkpoint manager planned (a resume, or ``initial_load_path``)."""
+        return self.checkpointer.load()
+
+    def check_budget_progress(self) -> None:
+        """Under a token budget, the resumed tokens must be the ones the run plan was made from (it was made from
+        the newest checkpoint's ``checkpoint.json``: a fallback to an older one, after the batch changed, is not)."""
+        budget, state = self.cfg.training.tokens, self.state
+        if budget > 0 and state.tokens_seen != (expected := self.run_plan.tokens_through(state.step)):
+            raise ValueError(
+                f"training.tokens = {budget:,}: the checkpoint resumed at step {state.step:,} has seen "
+                f"{state.tokens_seen:,} tokens, but the run was planned for {expected:,} by then (the batch changed "
+                "and an older checkpoint was loaded): resume with the batch it was trained with"
+            )
+
+    def validate(self) -> dict[str, float]:
+        """Mean token loss over ``validation.steps`` global batches (``training.global_batch_size``
+        sequences each), so the validation set, and the loss, do not depend on the parallel layout."""
+        steps = self.cfg.validation.steps
+        batches = None if steps == -1 else steps * self.grad_accum_steps
+        kw = dict(parallel_dims=self.parallel_dims, device=self.device, autocast_dtype=self.train_step.autocast_dtype)
+        kw.update(pipeline=self.train_step.pipeline, token_bytes=self.token_bytes, loss_chunks=self.loss_chunks)
+        results = {
+            name: (w, validation_loss(self.model, loader, max_batches=batches, **kw))
+            for name, (w, loader) in self.val_loaders.items()
+        }
+        if not self.cfg.validation.mixture:
+            return next(iter(results.values()))[1]
+        return combine_validation(results)
+
+    def evaluate_tasks(self) -> dict[str, dict]:
+        """``[eval]``: each task's scores (:func:`titanlite.eval.evaluate`); every rank takes part, each
+        data-parallel rank scoring its share of the items, float8 linears in high precision, compiled
+        blocks run eagerly (the items' lengths vary: no recompilation per length)."""
+        e, dims = self.cfg.eval, self.parallel_dims
+        kw = dict(limit=None if e.limit == -1 else e.limit, batch_size=e.batch_size, device=self.device)
+        max_len = getattr(self.model_args, "max_seq_len", self.cfg.training.seq_len)  # else: the trained length
+        kw.update(max_seq_len=max_len, autocast_dtype=self.train_step.autocast_dtype)
+        kw.update(dp_rank=self.dp_rank, dp_world=dims.dp_degree, dp_group=dims.dp_group)
+        with float8_disabled(self.model), torch.compiler.set_stance("force_eager"):
+            return evaluate(self.model, self.tokenizer, e.tasks, e.data_dir, **kw)
+
+    @functools.cached_property
+    def token_bytes(self) -> torch.Tensor | None:
+        """Bytes of text per token id, for bits per byte (None for a tokenizer that is not tiktoken-based)."""
+        if getattr(self.tokenizer, "encoding", None) is None:
+            return None
+        return torch.tensor(token_byte_lengths(self.tokenizer, self.model_args.vocab_size), device=self.device)
+
+    def log_start(self) -> None:
+        t, c, dp, accum = self.cfg.training, self.cfg, self.parallel_dims.dp_degree, self.grad_accum_steps
+        logger.info(
+            f"model {c.model.name}/{c.model.flavor}: {self.n_params:,} parameters{self.active_note}, "
+            f"{self.flops_per_token:.3g} "
+            f"FLOPs/token | world {self.world.world_size} (dp {dp}) | device {self.device}"
+        )
+        logger.info(
+            f"batch: {self.global_batch} sequences x {t.seq_len} tokens = {self.global_batch * t.seq_len:,} tokens "
+            f"per optimizer step (local batch {t.local_batch_size} x dp {dp} x grad accumulation {accum})"
+        )
+        if t.tokens > 0 or t.seq_len_schedule:
+            for line in self.run_plan.log_lines:
+                logger.info(line)
+        if (plan := self.pipeline_plan) is not None:
+            logger.info(
+                f"pipeline: {plan.schedule} over {plan.degree} ranks, {plan.num_stages} stages of "
+                f"{list(plan.stage_sizes)} blocks, {plan.n_microbatches} microbatches per local batch "
+                f"(expected bubble {100 * plan.bubble_fraction():.0f}%); this rank runs stages {self.model.stage_ids}"
+            )
+
+
+components.register("trainer", "default", Trainer)
