@@ -28,7 +28,7 @@ from torch import nn
 from titanlite import components
 from titanlite.assemble import build_config_model, config_loss, config_train_step, loss_chunks_for
 from titanlite.checkpoint import CheckpointHook, CheckpointManager, CheckpointWriteError, layout
-from titanlite.checkpoint.hf import model_args_from_seed
+from titanlite.checkpoint.seed_args import model_args_from_seed
 from titanlite.config import JobConfig, config_to_toml, dump_config, exit_with_error, parse_args_or_exit
 from titanlite.data.loader import build_dataloader
 from titanlite.data.mixture import DataExhausted
