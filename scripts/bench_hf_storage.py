@@ -7,7 +7,7 @@
 For each model (``tiny``: 2 layers, dim 64, tied embeddings, fp32 stored, exported as bf16; ``100m``: a
 126M-parameter Llama 3, untied, bf16 stored and exported, cut into 3 safetensors shards with an index) it
 writes a model-only titanlite step folder, then runs each variant in a fresh process (so its peak RSS is its
-own; the figure is the peak minus the RSS after the imports):
+own; the figure is the peak RSS during the variant minus the RSS just before it, Linux only):
 
 - ``export``: DCP step folder -> HF safetensors. titanlite: :func:`~titanlite.checkpoint.hf.dcp_to_hf`. DCP:
   ``dcp.save`` with ``HuggingFaceStorageWriter`` (the same shard plan as ``fqn_to_index_mapping``), each tensor
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import resource
 import subprocess
 import sys
 import tempfile
@@ -118,12 +117,24 @@ def dcp_import(hf: Path, out: Path) -> None:
     dcp.save({"model": native}, storage_writer=dcp.FileSystemWriter(str(out), single_file_per_rank=False), no_dist=True)
 
 
+def status_kib(key: str) -> int:
+    """``VmRSS`` / ``VmHWM`` of this process (KiB), from ``/proc/self/status`` (``ru_maxrss`` would carry the
+    parent's peak over the fork)."""
+    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(key + ":"))
+    return int(line.split()[1])
+
+
+def reset_peak() -> int:
+    """Reset the peak RSS to the current RSS (``clear_refs`` 5); returns the current RSS (KiB)."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return status_kib("VmRSS")
+
+
 def child(variant: str, size: str, folder: Path) -> dict:
     """Run one variant; its wall time and peak RSS above the RSS after the imports (MiB)."""
     spec, step, hf = SIZES[size], folder / f"{size}-step", folder / f"{size}-hf-titanlite"
     out = folder / f"{size}-{variant}"
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    t0 = time.perf_counter()
+    base, t0 = reset_peak(), time.perf_counter()
     if variant == "export-titanlite":
         dcp_to_hf(step, out, dtype=spec["export"], max_shard_bytes=spec["shard_bytes"])
     elif variant == "export-dcp":
@@ -133,8 +144,10 @@ def child(variant: str, size: str, folder: Path) -> dict:
     elif variant == "import-dcp":
         dcp_import(hf, out)
     else:  # the model's own storage is allocated before the baseline: only what reading adds is counted
-        model = Transformer(Llama3ModelArgs(**spec["args"], max_seq_len=128)).to(spec["export"] or spec["stored"])
-        base, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.perf_counter()
+        with torch.device("meta"):
+            model = Transformer(Llama3ModelArgs(**spec["args"], max_seq_len=128))
+        model = model.to(spec["export"] or spec["stored"]).to_empty(device="cpu")
+        base, t0 = reset_peak(), time.perf_counter()
         if variant == "load-titanlite":  # before: every tensor read whole, then set_model_state_dict
             hf_seed = hf_import.hf_seed(hf)
             state = hf_import.hf_state_dict(hf, hf_seed[0].hf_adapter(hf_seed[1]))
@@ -143,7 +156,7 @@ def child(variant: str, size: str, folder: Path) -> dict:
         else:
             hf_import.load_hf_weights(hf, model)
         state = model.state_dict()
-    wall, peak = time.perf_counter() - t0, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
+    wall, peak = time.perf_counter() - t0, (status_kib("VmHWM") - base) / 1024
     if variant.startswith("load"):
         torch.save(state, out.with_suffix(".pt"))  # for the bitwise comparison, after the measurement
     return {"s": wall, "peak_mib": peak}

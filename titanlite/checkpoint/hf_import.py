@@ -2,12 +2,15 @@
 
 - :func:`read_hf_config`, :func:`hf_seed`: the family and model args of a folder's ``config.json`` (through the
   family's HF adapter, found by ``architectures`` / ``model_type``).
-- :func:`hf_state_dict`, :func:`read_hf_weights`: its weights under titanlite's names (memory-mapped
-  safetensors); the initial load of ``[checkpoint] initial_load_path`` from an HF folder uses the latter.
-- :func:`hf_to_dcp`: plans the DCP checkpoint from the safetensors headers alone (meta tensors), and lets DCP
-  pull each tensor lazily from the safetensors file while writing (one file per tensor, so nothing
-  accumulates). The result is a model-only step folder that ``[checkpoint] initial_load_path`` loads under
-  any parallel layout. It is written into ``<out>.partial-<token>`` and renamed at the end.
+- :func:`hf_state_dict`: its weights under titanlite's names; :func:`load_hf_weights`: them loaded into a
+  (sharded) model, each rank reading its own slices through DCP's ``HuggingFaceStorageReader``.
+- :func:`hf_to_dcp`: plans the DCP checkpoint from the safetensors headers alone (meta tensors) and lets DCP
+  pull each tensor from the safetensors file while writing (one file per tensor, nothing accumulates): a
+  model-only step folder that ``[checkpoint] initial_load_path`` loads under any parallel layout, written into
+  ``<out>.partial-<token>`` and renamed at the end. Reading through ``HuggingFaceStorageReader`` instead (the
+  full state loaded, then saved; ``scripts/bench_hf_storage.py``, 126M-parameter bf16 model, shared 2-core CPU)
+  gave bitwise the same step folder but peaked at 6.2x the RSS (+333 MiB, the whole model, against +54): this
+  path keeps one tensor in memory.
 
 Wrong inputs (a truncated ``.safetensors``, a ``config.json`` that is not what it should be ...) raise
 ``ValueError`` / ``FileNotFoundError`` with a one-line message naming the file, and nothing is written.
@@ -84,12 +87,10 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
     return config
 
 
-def hf_state_dict(path: Path, adapter: Any, only: Collection[str] | None = None) -> dict[str, torch.Tensor]:
-    """The full weights of the HF folder ``path`` under titanlite's names (``adapter``: the family's
-    HF adapter for the folder's args); a tensor of a shape ``config.json`` does not imply is an error.
-    Native tensors made of several HF tensors (stacked experts) are assembled once all their parts are read.
-    ``only``: the HF tensors to read (every tensor's name and shape is checked, from the headers)."""
-    hf_layout, parts = adapter.hf_layout(), {}
+def _checked_tensors(path: Path, adapter: Any) -> dict[str, tuple[Path, torch.dtype]]:
+    """``{HF name: (file, dtype)}`` of the weights in the HF folder ``path``, each checked from the safetensors
+    headers alone (no data read) against the model of ``config.json`` (``adapter``): known name, shape."""
+    hf_layout, found = adapter.hf_layout(), {}
     for hf_name, file in _tensor_files(path).items():
         try:
             native = adapter.from_hf_name(hf_name)
@@ -97,41 +98,51 @@ def hf_state_dict(path: Path, adapter: Any, only: Collection[str] | None = None)
             raise ValueError(f"{path}: {e.args[0]}") from None
         if native is None:
             continue
+        if hf_name not in hf_layout:
+            layers = getattr(adapter.args, "n_layers", "?")
+            raise ValueError(f"{path}: tensor {hf_name} does not belong to a model with {layers} layers (config.json)")
+        if not (path / file).is_file():
+            raise ValueError(f"{path}: {file} (holding {hf_name}) is missing")
         with _safe_open(path / file) as f:
             if hf_name not in f.keys():
-                raise ValueError(f"{path / file} has no tensor {hf_name}")
-            shape, want = tuple(f.get_slice(hf_name).get_shape()), hf_layout.get(hf_name)
-            if want is None or shape != want[1]:
-                raise ValueError(
-                    f"{path}: {hf_name} has shape {list(shape)}, config.json implies "
-                    f"{list(want[1]) if want else 'no such tensor'}"
-                )
-            if only is None or hf_name in only:
+                raise ValueError(f"{path / file} has no tensor {hf_name} ({INDEX_FILE} says it does)")
+            header = f.get_slice(hf_name)
+            shape, want = tuple(header.get_shape()), hf_layout[hf_name][1]
+            if shape != want:
+                raise ValueError(f"{path}: {hf_name} has shape {list(shape)} but config.json implies {list(want)}")
+            found[hf_name] = (path / file, header[:0].dtype)  # an empty slice names the torch dtype, reads no data
+    return found
+
+
+def hf_state_dict(path: Path, adapter: Any, only: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+    """The full weights of the HF folder ``path`` under titanlite's names (``adapter``: the family's
+    HF adapter for the folder's args); a tensor of a shape ``config.json`` does not imply is an error.
+    Native tensors made of several HF tensors (stacked experts) are assembled once all their parts are read.
+    ``only``: the HF tensors to read (every tensor's name and shape is checked, from the headers)."""
+    parts = {}
+    for hf_name, (file, _) in _checked_tensors(path, adapter).items():
+        if only is None or hf_name in only:
+            with _safe_open(file) as f:
                 parts[hf_name] = f.get_tensor(hf_name)
     state = {}
-    for native, names in _parts_by_native(adapter, hf_layout).items():
+    for native, names in _parts_by_native(adapter, adapter.hf_layout()).items():
         if all(n in parts for n in names):
             state[native] = adapter.from_hf_parts(native, [parts.pop(n) for n in names])
     return state
 
 
 def load_hf_weights(path: str | os.PathLike, model: nn.Module, *, process_group: Any = None) -> None:
-    """Load the weights of the HF folder ``path`` into ``model``, whatever its layout (FSDP/TP DTensors, a
-    pipeline stage's part); collective when ``torch.distributed`` is initialized (``process_group``).
-
-    A tensor the family's adapter only renames goes through DCP's ``HuggingFaceStorageReader`` straight into
-    the model's own shard, so each rank reads only its slices of the safetensors files. One the adapter
-    converts (Llama's q/k row order, experts stacked from several HF tensors) is read whole on every rank,
-    converted, and sharded by ``set_model_state_dict``: its rows are reordered within heads, which a shard
-    boundary may cut. A tied output missing from the folder is read from the embedding."""
+    """Load the weights of the HF folder ``path`` into ``model`` (FSDP/TP DTensors, a pipeline stage's part ...;
+    collective under ``torch.distributed``). What the adapter only renames goes through DCP's
+    ``HuggingFaceStorageReader`` into the model's own shards: each rank reads only its slices. What it converts
+    (Llama's q/k rows, reordered within heads that a shard may cut; stacked experts) is read whole, converted and
+    sharded by ``set_model_state_dict``. A tied output missing from the folder is read from the embedding."""
     path = Path(path)
     spec, args = hf_seed(path)
-    adapter = spec.hf_adapter(args)
-    own = get_model_state_dict(model)  # this rank's tensors (shards), by native name
+    adapter, own = spec.hf_adapter(args), get_model_state_dict(model)  # own: this rank's tensors (shards)
     files, parts = _tensor_files(path), _parts_by_native(adapter, adapter.hf_layout())
     tied = bool(getattr(args, "tie_word_embeddings", False)) and not set(parts["output.weight"]) & set(files)
-    direct: tuple[dict, dict] = ({}, {})  # the second: the tied output, which reads the embedding's HF name again
-    whole: dict[str, list[str]] = {}
+    direct, whole = ({}, {}), {}  # direct[1]: a tied output, which reads the embedding's HF name again
     for name, tensor in own.items():
         names = parts["tok_embeddings.weight"] if tied and name == "output.weight" else parts[name]
         probe = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
@@ -140,15 +151,10 @@ def load_hf_weights(path: str | os.PathLike, model: nn.Module, *, process_group:
         else:
             whole[name] = names
     state = hf_state_dict(path, adapter, only={n for names in whole.values() for n in names})  # checks all headers
-    distributed = dist.is_available() and dist.is_initialized()
+    kw = dict(process_group=process_group, no_dist=not (dist.is_available() and dist.is_initialized()))
     for group in direct[: 1 + tied]:  # the same number of collective loads on every rank
         try:
-            dcp.load(
-                group,
-                storage_reader=HuggingFaceStorageReader(str(path)),
-                process_group=process_group,
-                no_dist=not distributed,
-            )
+            dcp.load(group, storage_reader=HuggingFaceStorageReader(str(path)), **kw)
         except CheckpointException as e:  # a BaseException; a file changed or damaged past its header
             raise ValueError(f"{path}: cannot read its weights ({safe_load.one_line(e)})") from None
     set_model_state_dict(model, {**direct[0], **direct[1]}, options=StateDictOptions(strict=False))
@@ -219,30 +225,7 @@ def hf_to_dcp(
     spec, args = model_for_hf(config, hf_dir / "config.json")
     adapter = spec.hf_adapter(args)
     expected, hf_layout = adapter.expected_shapes(), adapter.hf_layout()
-    found: dict[str, tuple[str, Path, torch.dtype]] = {}  # HF name -> (name in the files, file, dtype)
-    for hf_name, file in _tensor_files(hf_dir).items():
-        try:
-            native = adapter.from_hf_name(hf_name)
-        except KeyError as e:
-            raise ValueError(f"{hf_dir}: {e.args[0]}") from None
-        if native is None:
-            continue
-        if hf_name not in hf_layout:
-            layers = config.get("num_hidden_layers")
-            raise ValueError(
-                f"{hf_dir}: tensor {hf_name} does not belong to a model with {layers} layers (config.json)"
-            )
-        if not (hf_dir / file).is_file():
-            raise ValueError(f"{hf_dir}: {file} (holding {hf_name}) is missing")
-        with _safe_open(hf_dir / file) as f:
-            if hf_name not in f.keys():
-                raise ValueError(f"{hf_dir / file} has no tensor {hf_name} ({INDEX_FILE} says it does)")
-            header = f.get_slice(hf_name)
-            shape, want = tuple(header.get_shape()), hf_layout[hf_name][1]
-            if shape != want:
-                raise ValueError(f"{hf_dir}: {hf_name} has shape {list(shape)} but config.json implies {list(want)}")
-            dtype = header[:0].dtype  # an empty slice: safetensors names the torch dtype, no data is read
-        found[hf_name] = (hf_name, hf_dir / file, dtype)
+    found = {name: (name, file, dtype) for name, (file, dtype) in _checked_tensors(hf_dir, adapter).items()}
     output, embedding = adapter.to_hf_name("output.weight"), adapter.to_hf_name("tok_embeddings.weight")
     if output not in found and args.tie_word_embeddings and embedding in found:
         found[output] = found[embedding]  # a tied model stores both names

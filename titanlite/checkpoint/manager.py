@@ -34,16 +34,13 @@ Every save goes to ``step-N.partial-<token>`` and is renamed to ``step-N`` by ra
 written its ``.metadata`` (after every rank's data): a ``step-N`` folder is complete or absent,
 whenever the process dies. ``keep_latest_k`` then deletes older ones, never the newest resumable.
 
-Loading: what to load is decided in the constructor by :class:`~titanlite.checkpoint.resume.ResumePlanner`
-(so a missing ``load_step`` or a model that does not fit is a one-line ``ValueError`` before training starts;
-fallbacks past damaged checkpoints, a finished run's ``plan.kind = "complete"`` and the set-aside of an abandoned
-lineage are described there); :meth:`load` does it, and refuses once a saved data loader is being iterated (its
-position would not reach that iterator); a candidate that cannot be read on some rank falls back on every rank.
-An enabled manager holds ``<folder>/.titanlite.lock`` (rank 0, from the
-constructor to :meth:`close`; :class:`~titanlite.run_lock.RunLock`): a second process on the same folder is
-refused in one line before anything is read, cleaned or moved, and a folder inside a step folder is refused.
-A save that fails for lack of space raises :class:`CheckpointWriteError`
-(one line; the earlier checkpoints are intact, the partial folder is removed at the next start).
+Loading: :class:`~titanlite.checkpoint.resume.ResumePlanner` decides what in the constructor (fallbacks,
+finished runs, set-aside lineages); :meth:`load` does it (a candidate unreadable on any rank falls back on all),
+and refuses once a saved data loader is being iterated (its position would not reach that iterator). An enabled
+manager holds ``<folder>/.titanlite.lock`` (rank 0, until :meth:`close`; :class:`~titanlite.run_lock.RunLock`):
+a second process on the same folder, or a folder inside a step folder, is refused in one line before anything
+is read. A save that fails for lack of space raises :class:`CheckpointWriteError` (one line; the earlier
+checkpoints are intact, the partial folder is removed at the next start).
 """
 
 from __future__ import annotations
@@ -221,11 +218,10 @@ class CheckpointManager:
         self._staging: Future | None = None
         self._closed = False
         # global shapes, computed on every rank (rank 0 alone plans, and must not run collectives)
-        self._shapes: dict[str, tuple[int, ...]] = {}
-        if self.enabled or section.initial_load_path:
-            self._shapes = {k: tuple(v.shape) for k, v in get_model_state_dict(self.model).items()}
-        self._lock = RunLock(self.folder, "checkpoint.folder")  # rank 0 holds it while enabled (see _prepare)
-        self.resume = ResumePlanner(section, self.folder, self._shapes, self.model_key, final_step)
+        sd = get_model_state_dict(self.model) if self.enabled or section.initial_load_path else {}
+        shapes = {k: tuple(v.shape) for k, v in sd.items()}
+        self.resume = ResumePlanner(section, self.folder, shapes, self.model_key, final_step)
+        self._lock = RunLock(self.folder, "checkpoint.folder")  # rank 0 holds it while enabled (ResumePlanner.prepare)
         self.token, self.plan = self._on_rank0(lambda: self.resume.prepare(self.enabled, self._lock))
 
     # ------------------------------------------------------------------ planning (constructor)

@@ -1,13 +1,9 @@
-"""Resume planning of the :class:`~titanlite.checkpoint.manager.CheckpointManager` (rank 0, in its constructor).
-
-:class:`ResumePlanner` decides what a run loads: nothing, the newest intact resumable step folder (falling
-back past damaged ones and skipping model-only exports), ``load_step``, the ``initial_load_path`` seed (a DCP
-step folder or a Hugging Face folder), or nothing because the newest checkpoint is at ``final_step`` (a
-finished run: nothing is loaded or cleaned). A damaged newest checkpoint is reported in one line and the previous
-complete one is used: rank 0 verifies the size and CRC-32 of every file of the checkpoint it is about to load against
-the values recorded in ``checkpoint.json`` after the save. Every candidate's model tensors must have this model's
-global shapes; a user error is a one-line ``ValueError`` before training starts. After a resume from an older step
-than the newest (``load_step``, or a fallback), the newer step folders (an abandoned lineage) move aside into
+"""What a run loads, decided by :class:`ResumePlanner` on rank 0 when the checkpoint manager is built: the
+newest intact resumable step folder (past damaged ones: the size and CRC-32 of every file are checked against
+``checkpoint.json``; model-only exports skipped), ``load_step``, the ``initial_load_path`` seed (DCP or Hugging
+Face), or nothing (also when the newest is at ``final_step``: a finished run). A candidate must hold this model's
+global shapes; a user error is a one-line ``ValueError`` before training starts. After a resume from an older
+step than the newest, the newer step folders (an abandoned lineage) move aside into
 ``abandoned-after-step-N-<token>``: never purged, overwritten or resumed later.
 """
 
@@ -36,21 +32,17 @@ class LoadPlan:
     notes: list[str] = dataclasses.field(default_factory=list)  # logged (warnings) at load
 
 
+@dataclasses.dataclass
 class ResumePlanner:
-    """What a run in ``folder`` loads (``section``: the ``[checkpoint]`` section; ``shapes``: the model's global
+    """What a run in ``folder`` loads (``cfg``: the ``[checkpoint]`` section; ``shapes``: the model's global
     tensor shapes, stored under ``model_key``). Its methods read files: rank 0 calls them."""
 
-    def __init__(
-        self, section: Any, folder: Path, shapes: dict[str, tuple[int, ...]], model_key: str, final_step: int | None
-    ):
-        self.cfg, self.folder, self._shapes, self.model_key, self.final_step = (
-            section,
-            folder,
-            shapes,
-            model_key,
-            final_step,
-        )
-        self.token = ""  # names the folder of an abandoned lineage; set by prepare()
+    cfg: Any
+    folder: Path
+    shapes: dict[str, tuple[int, ...]]
+    model_key: str
+    final_step: int | None
+    token: str = ""  # names the folder of an abandoned lineage; set by prepare()
 
     def prepare(self, enabled: bool, lock: Any) -> tuple[str, LoadPlan]:
         """Rank 0: clean leftovers, choose what to load, validate it. ValueError on user errors."""
@@ -160,7 +152,7 @@ class ResumePlanner:
             raise ValueError(f"{what} is a Hugging Face folder (weights only): set checkpoint.initial_load_model_only")
         spec, args = hf_import.hf_seed(path)
         expected = spec.hf_adapter(args).expected_shapes()
-        for name, shape in self._shapes.items():
+        for name, shape in self.shapes.items():
             if name not in expected:
                 raise ValueError(f"{what}: the folder's {spec.name} model has no tensor {name}")
             if tuple(expected.get(name, shape)) != shape:
@@ -175,7 +167,7 @@ class ResumePlanner:
         stored = layout.read_metadata(path).state_dict_metadata
         own = Path(path).parent == self.folder  # this folder's run: another model needs a run of its own
         hint = "; to train another model, start a new run in another folder (job.dump_folder)" if own else ""
-        for name, shape in self._shapes.items():
+        for name, shape in self.shapes.items():
             md = stored.get(f"{self.model_key}.{name}")
             if md is None or not hasattr(md, "size"):
                 raise ValueError(

@@ -45,7 +45,8 @@ def model_args_from_seed(
         return state_shapes(spec, a) == state_shapes(spec, b)
 
     def same_model(a: Any, b: Any) -> bool:  # the same config.json: the same model, however the args spell it
-        return spec.hf_adapter is not None and _hf_config_of(spec, a) == _hf_config_of(spec, b)
+        hf = spec.hf_adapter
+        return hf is not None and hf(a).hf_config(dtype=torch.float32) == hf(b).hf_config(dtype=torch.float32)
 
     kw = dict(run_args=spec.run_args, same_shapes=same_shapes, seed=str(seed), same_model=same_model)
     new_args, adopted = adopt_seed_args(args, seed_args, explicit, **kw)
@@ -54,10 +55,6 @@ def model_args_from_seed(
             "model.%s = %r from the seed checkpoint %s (the config's flavor has %r)", k, v, seed, getattr(args, k)
         )
     return new_args
-
-
-def _hf_config_of(spec, args: Any) -> dict[str, Any]:
-    return spec.hf_adapter(args).hf_config(dtype=torch.float32)
 
 
 def _recorded_args(seed: Path, what: str) -> tuple[Any, dict]:
