@@ -5,7 +5,7 @@ reads only that tensor's byte ranges, from however many ranks' files it was shar
 the family's HF adapter (names, q/k row order) and collects it into the current safetensors shard, which
 ``safetensors.torch.save_file`` writes as soon as it is full. Peak memory is about one shard
 (``max_shard_bytes``, or one larger tensor). A torchtitan step folder of a Llama 3 model (v0.2 or 0.3.0
-names, no ``checkpoint.json``) is read too (:mod:`torchtitan_ext.compat.format`).
+names, no ``checkpoint.json``) is read too, by the format ``torchtitan_ext`` installs (entry points).
 
 DCP's ``HuggingFaceStorageWriter`` is not used: fed the same tensors lazily (``scripts/bench_hf_storage.py``,
 126M-parameter bf16 model, 3 shards, shared 2-core CPU) it wrote bitwise the same tensors but peaked at 1.34x
@@ -27,6 +27,7 @@ import math
 import os
 import shutil
 from collections.abc import Mapping, Sequence
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -73,10 +74,8 @@ def dcp_to_hf(
         raise FileNotFoundError(f"{step_dir}: no such folder")
     metadata = safe_load.read_metadata(step_dir)
     torchtitan = not (step_dir / layout.INFO_FILE).exists()
-    if torchtitan:  # torchtitan's layout lives with the interop, shipped in the same distribution
-        from torchtitan_ext.compat.format import TorchtitanFolder
-
-        info, key_of = {}, (folder := TorchtitanFolder(metadata.state_dict_metadata, step_dir)).key
+    if torchtitan:
+        info, key_of = {}, (folder := _foreign_folder(metadata.state_dict_metadata, step_dir)).key
     else:
         if model_args:
             raise ValueError(f"{step_dir / layout.INFO_FILE} records the model args: model args are not taken too")
@@ -141,6 +140,19 @@ def dcp_to_hf(
         if tokenizer is not None:
             write_tokenizer_files(partial, tokenizer_path, tokenizer, getattr(args, "max_seq_len", None))
     return out_dir
+
+
+def _foreign_folder(keys: Mapping[str, Any], step_dir: Path) -> Any:
+    """The reader of a DCP folder another tool wrote (no ``checkpoint.json``): the first installed format
+    (entry points ``titanlite.dcp_formats``, e.g. ``torchtitan_ext.compat.format:TorchtitanFolder``) that takes
+    it; each is built from the folder's keys and raises ValueError (its one-line message) when it is not its."""
+    errors = []
+    for ep in entry_points(group="titanlite.dcp_formats"):
+        try:
+            return ep.load()(keys, step_dir)
+        except ValueError as e:
+            errors.append(e)
+    raise errors[0] if errors else ValueError(f"{step_dir} has no {layout.INFO_FILE}: not a titanlite step folder")
 
 
 def _recorded_tokenizer(spec, path: str, bos: int | None, args: Any, step_dir: Path) -> Any:
