@@ -59,14 +59,10 @@ def dcp_to_hf(
     files of the tokenizer ``checkpoint.json`` records (:mod:`titanlite.checkpoint.hf_tokenizer_files`: also
     for a tiktoken file or the byte tokenizer; none when its file is gone, with a warning).
 
-    ``extensions`` (modules that register the model family) are imported first. Those that the
-    checkpoint's ``checkpoint.json`` records are never imported on that file's word alone: a
-    checkpoint is data, and importing a module it names would run code chosen by whoever wrote
-    it; a family that needs one gets an error naming the module to pass.
-
-    A torchtitan step folder (no ``checkpoint.json``) records no model args: they come from the tensor shapes,
-    torchtitan's llama3 defaults and ``model_args``, which win (:mod:`torchtitan_ext.compat.format`); a titanlite
-    folder's ``checkpoint.json`` records them, so ``model_args`` is refused there.
+    ``extensions`` (modules that register the model family) are imported first; those ``checkpoint.json``
+    records are never imported on its word alone (a checkpoint is data): a family that needs one is an error
+    naming the module to pass. A torchtitan folder records no model args: they come from its shapes, torchtitan's
+    llama3 defaults and ``model_args``, which win; a titanlite folder records them, so ``model_args`` is refused.
     """
     step_dir, out_dir = Path(step_dir), Path(out_dir)
     given = load_extensions(extensions)
@@ -143,9 +139,8 @@ def dcp_to_hf(
 
 
 def _foreign_folder(keys: Mapping[str, Any], step_dir: Path) -> Any:
-    """The reader of a DCP folder another tool wrote (no ``checkpoint.json``): the first installed format
-    (entry points ``titanlite.dcp_formats``, e.g. ``torchtitan_ext.compat.format:TorchtitanFolder``) that takes
-    it; each is built from the folder's keys and raises ValueError (its one-line message) when it is not its."""
+    """The reader of a DCP folder another tool wrote (no ``checkpoint.json``): the first installed format (entry
+    points ``titanlite.dcp_formats``; built from the folder's keys, a ValueError when it is not its) that takes it."""
     errors = []
     for ep in entry_points(group="titanlite.dcp_formats"):
         try:

@@ -1,19 +1,13 @@
-"""Hugging Face model folder -> titanlite: the model of an HF folder, its weights, and :func:`hf_to_dcp`.
-
-- :func:`read_hf_config`, :func:`hf_seed`: the family and model args of a folder's ``config.json`` (through the
-  family's HF adapter, found by ``architectures`` / ``model_type``).
-- :func:`hf_state_dict`: its weights under titanlite's names; :func:`load_hf_weights`: them loaded into a
-  (sharded) model, each rank reading its own slices through DCP's ``HuggingFaceStorageReader``.
-- :func:`hf_to_dcp`: plans the DCP checkpoint from the safetensors headers alone (meta tensors) and lets DCP
-  pull each tensor from the safetensors file while writing (one file per tensor, nothing accumulates): a
-  model-only step folder that ``[checkpoint] initial_load_path`` loads under any parallel layout, written into
-  ``<out>.partial-<token>`` and renamed at the end. Reading through ``HuggingFaceStorageReader`` instead (the
-  full state loaded, then saved; ``scripts/bench_hf_storage.py``, 126M-parameter bf16 model, shared 2-core CPU)
-  gave bitwise the same step folder but peaked at 6.2x the RSS (+333 MiB, the whole model, against +54): this
-  path keeps one tensor in memory.
-
-Wrong inputs (a truncated ``.safetensors``, a ``config.json`` that is not what it should be ...) raise
-``ValueError`` / ``FileNotFoundError`` with a one-line message naming the file, and nothing is written.
+"""Hugging Face model folder -> titanlite. :func:`read_hf_config`, :func:`hf_seed`: the family and model args of
+its ``config.json`` (the family's HF adapter, found by ``architectures`` / ``model_type``); :func:`hf_state_dict`:
+its weights under titanlite's names; :func:`load_hf_weights`: them loaded into a (sharded) model, each rank
+reading its own slices through DCP's ``HuggingFaceStorageReader``; :func:`hf_to_dcp`: a model-only step folder
+(loadable under any layout), planned from the safetensors headers (meta tensors), each tensor pulled from its
+file while DCP writes it. Reading through ``HuggingFaceStorageReader`` instead (``scripts/bench_hf_storage.py``,
+126M-parameter bf16 model, shared 2-core CPU) gave bitwise the same step folder but peaked at 6.2x the RSS
+(+333 MiB, the whole model, against +54): this path keeps one tensor in memory. Outputs go to
+``<out>.partial-<token>``, renamed at the end; wrong inputs (a truncated ``.safetensors``, a wrong
+``config.json`` ...) are a one-line ``ValueError`` / ``FileNotFoundError`` naming the file, nothing written.
 """
 
 from __future__ import annotations
