@@ -7,7 +7,7 @@
   shapes changes nothing (the checkpoint's own shape check reports it).
 - What counts as explicit: ``model.overrides`` as the config loader fills it ([model] keys and
   ``--model.*`` options), not the flavor's defaults.
-- :func:`titanlite.checkpoint.hf.model_args_from_seed` reads the seed folder (missing folder or
+- :func:`titanlite.checkpoint.seed_args.model_args_from_seed` reads the seed folder (missing folder or
   ``checkpoint.json``: nothing taken; another family: error).
 - ``training.seq_len`` above ``max_seq_len`` is refused when the trainer is built, for Llama 3 and
   the Qwen3 extension, through the command line (exit status 2, one line).
@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from titanlite.checkpoint import layout
-from titanlite.checkpoint.hf import model_args_from_seed
+from titanlite.checkpoint.seed_args import model_args_from_seed
 from titanlite.models import get_model_spec, load_config
 from titanlite.models.registry import RUN_ARGS, adopt_seed_args, check_seq_len, model_args_for, state_shapes
 

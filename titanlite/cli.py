@@ -36,6 +36,7 @@ BENCH = {
     "data": Tool("titanlite.bench.data", "main", "tokenization, shard reading and integrity-check costs"),
     "checkpoint": Tool("titanlite.bench.checkpoint", "main", "how long a save blocks the loop, per async_mode"),
     "hf-baseline": Tool("titanlite.bench.hf_baseline", "main", "the transformers training loop at the same shape"),
+    "hf-storage": Tool("titanlite.bench.hf_storage", "main", "DCP's HF storage reader/writer vs titanlite's own path"),
     "table": Tool("titanlite.bench.table", "main", "the training benchmark's table from JSON lines"),
     "trace-summary": Tool("titanlite.bench.trace_summary", "main", "GPU time by kernel kind from a profiler trace"),
 }

@@ -1,14 +1,15 @@
 """Checkpoints: DCP saves with exact resume and resharding, atomic publication, HF conversion.
 
-- :class:`CheckpointManager` (``manager``): save / resume of any Stateful objects (``[checkpoint]``),
-  and :class:`CheckpointHook`, its place in the training loop.
+- :class:`CheckpointManager` (``manager``): save / load of any Stateful objects (``[checkpoint]``),
+  and :class:`CheckpointHook`, its place in the training loop; ``resume``: what a run loads (fallbacks, set-aside).
 - ``layout``: folder naming, atomic publication, completeness and damage checks.
 - ``state``: the RNG state saved with every checkpoint.
-- ``hf``: streaming conversion between DCP step folders and Hugging Face folders (the model
-  family's ``hf_adapter`` maps names and layouts); ``convert_cli`` holds the command lines of
-  ``titanlite convert``.
+- ``hf``: :func:`dcp_to_hf` (``hf_export``) and :func:`hf_to_dcp` (``hf_import``, also the HF initial load), the
+  family's ``hf_adapter`` mapping names and layouts; ``seed_args``: a seed checkpoint's model args;
+  ``convert_cli``: the command lines of ``titanlite convert``.
 """
 
-from titanlite.checkpoint.manager import CheckpointHook, CheckpointManager, CheckpointWriteError, LoadPlan, SaveStats
+from titanlite.checkpoint.manager import CheckpointHook, CheckpointManager, CheckpointWriteError, SaveStats
+from titanlite.checkpoint.resume import LoadPlan
 
 __all__ = ["CheckpointHook", "CheckpointManager", "CheckpointWriteError", "LoadPlan", "SaveStats"]

@@ -90,7 +90,7 @@ def main_dcp_to_hf(argv: Sequence[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help=(
             "a llama3 model arg for a torchtitan step folder (no checkpoint.json), e.g. n_heads=16; repeatable. "
-            "Otherwise the shapes and torchtitan's llama3 flavors decide (see titanlite.checkpoint.hf)"
+            "Otherwise the shapes and torchtitan's llama3 flavors decide (see torchtitan_ext.compat.format)"
         ),
     )
     _add_common_args(p, "; a checkpoint that needs one not given is refused with the module to pass")

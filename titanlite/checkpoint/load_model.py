@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from titanlite.checkpoint import hf, layout, safe_load
+from titanlite.checkpoint import hf_export, hf_import, layout, safe_load
 from titanlite.checkpoint.hf_tokenizer_files import check_tokenizer
 from titanlite.extensions import load_extensions
 from titanlite.hf_tokenizer import tokenizer_files
@@ -70,19 +70,19 @@ def load_model(
         spec, args, state, info = _from_step_folder(path, given)
         step, recorded = info.get("step"), (info.get("tokenizer") or {}).get("path", "")
         tokenizer = _tokenizer(spec, tokenizer_path, recorded, f"the tokenizer {recorded!r} recorded in {path}")
-        bos_id, eos_id = hf._token_ids(info, path)
+        bos_id, eos_id = hf_export._token_ids(info, path)
         where = path / layout.INFO_FILE
         eos_ids = _ints(eos_id)
     elif (path / "config.json").is_file():
-        config = hf.read_hf_config(path)
-        spec, args = hf._model_for_hf(config, path / "config.json")
-        state, step = hf.hf_state_dict(path, spec.hf_adapter(args)), None
+        config = hf_import.read_hf_config(path)
+        spec, args = hf_import.model_for_hf(config, path / "config.json")
+        state, step = hf_import.hf_state_dict(path, spec.hf_adapter(args)), None
         if tokenizer_path is None and not tokenizer_files(str(path)):
             raise ValueError(
                 f"{path} has no tokenizer files: pass a tokenizer path (bytes for the built-in byte-level tokenizer)"
             )
         tokenizer = _tokenizer(spec, tokenizer_path, str(path), f"the tokenizer files in {path}")
-        bos_id, where = hf._first(config.get("bos_token_id")), path / "config.json"
+        bos_id, where = hf_import.first_token_id(config.get("bos_token_id")), path / "config.json"
         eos_ids = _ints(config.get("eos_token_id"))
     else:
         raise ValueError(f"{path} is neither a titanlite checkpoint step folder nor a Hugging Face model folder")
@@ -112,10 +112,10 @@ def _tokenizer(spec, override: str | None, recorded: str, what: str):
 
 
 def _from_step_folder(path: Path, extensions: list[str]) -> tuple[Any, Any, dict[str, torch.Tensor], dict]:
-    info = hf._read_info(path)
+    info = hf_export._read_info(path)
     if problem := layout.problem_with(path, verify=True):  # sizes and the checksums recorded at save
         raise ValueError(f"{path} is damaged: {problem}")
-    spec, args = hf.model_from_info(info, path, extensions)
+    spec, args = hf_export.model_from_info(info, path, extensions)
     stored = safe_load.read_metadata(path).state_dict_metadata
     # the family's names and shapes (a family without an HF adapter: its model's, built on the meta device)
     expected = spec.hf_adapter(args).expected_shapes() if spec.hf_adapter else state_shapes(spec, args)

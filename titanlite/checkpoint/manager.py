@@ -34,20 +34,13 @@ Every save goes to ``step-N.partial-<token>`` and is renamed to ``step-N`` by ra
 written its ``.metadata`` (after every rank's data): a ``step-N`` folder is complete or absent,
 whenever the process dies. ``keep_latest_k`` then deletes older ones, never the newest resumable.
 
-Loading: what to load is decided in the constructor (so a missing ``load_step`` or a model that
-does not fit is a one-line ``ValueError`` before training starts); :meth:`load` does it, and
-refuses once a saved data loader is being iterated (its position would not reach that iterator).
-A damaged newest checkpoint is reported in one line and the previous complete one is used: rank 0
-verifies the size and CRC-32 of every file of the checkpoint it is about to load against the values
-it recorded in ``checkpoint.json`` after the save (on the writer thread for asynchronous saves).
-Resuming from an older step than the newest (``load_step``, or a fallback) moves the newer step
-folders aside (``abandoned-after-step-N-*``): they are never purged, overwritten or resumed later.
-A folder whose newest checkpoint is at ``final_step`` is a finished run: ``plan.kind = "complete"``,
-nothing is loaded or cleaned. An enabled manager holds ``<folder>/.titanlite.lock`` (rank 0, from the
-constructor to :meth:`close`; :class:`~titanlite.run_lock.RunLock`): a second process on the same folder is
-refused in one line before anything is read, cleaned or moved, and a folder inside a step folder is refused.
-A save that fails for lack of space raises :class:`CheckpointWriteError`
-(one line; the earlier checkpoints are intact, the partial folder is removed at the next start).
+Loading: :class:`~titanlite.checkpoint.resume.ResumePlanner` decides what in the constructor (fallbacks,
+finished runs, set-aside lineages); :meth:`load` does it (a candidate unreadable on any rank falls back on all),
+and refuses once a saved data loader is being iterated (its position would not reach that iterator). An enabled
+manager holds ``<folder>/.titanlite.lock`` (rank 0, until :meth:`close`; :class:`~titanlite.run_lock.RunLock`):
+a second process on the same folder, or a folder inside a step folder, is refused in one line before anything
+is read. A save that fails for lack of space raises :class:`CheckpointWriteError` (one line; the earlier
+checkpoints are intact, the partial folder is removed at the next start).
 """
 
 from __future__ import annotations
@@ -56,8 +49,6 @@ import dataclasses
 import datetime
 import errno
 import logging
-import os
-import secrets
 import shutil
 import time
 from concurrent.futures import Future
@@ -71,7 +62,6 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -80,7 +70,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite import _torch_compat
-from titanlite.checkpoint import codec, hf, layout, safe_load
+from titanlite.checkpoint import codec, hf_import, layout, safe_load
+from titanlite.checkpoint.resume import LoadPlan, ResumePlanner
 from titanlite.checkpoint.safe_load import one_line
 from titanlite.checkpoint.state import RNGState
 from titanlite.dtypes import DTYPES, dtype_name
@@ -117,17 +108,6 @@ def _disk_full(exc: BaseException, folder: Path) -> bool:
         return shutil.disk_usage(folder).free < (1 << 20)
     except OSError:
         return False
-
-
-@dataclasses.dataclass
-class LoadPlan:
-    """What :meth:`CheckpointManager.load` will do; decided on rank 0 and shared."""
-
-    kind: str = "none"  # none | resume | initial | complete (a checkpoint of final_step exists: nothing to do)
-    paths: list[str] = dataclasses.field(default_factory=list)  # candidates, preferred first
-    model_only: bool = False
-    hf: bool = False  # an initial load from a Hugging Face model folder (weights through the family's adapter)
-    notes: list[str] = dataclasses.field(default_factory=list)  # logged (warnings) at load
 
 
 @dataclasses.dataclass
@@ -239,159 +219,13 @@ class CheckpointManager:
         self._staging: Future | None = None
         self._closed = False
         # global shapes, computed on every rank (rank 0 alone plans, and must not run collectives)
-        self._shapes: dict[str, tuple[int, ...]] = {}
-        if self.enabled or section.initial_load_path:
-            self._shapes = {k: tuple(v.shape) for k, v in get_model_state_dict(self.model).items()}
-        self._lock = RunLock(self.folder, "checkpoint.folder")  # rank 0 holds it while enabled (see _prepare)
-        self.token, self.plan = self._on_rank0(self._prepare)
+        sd = get_model_state_dict(self.model) if self.enabled or section.initial_load_path else {}
+        shapes = {k: tuple(v.shape) for k, v in sd.items()}
+        self.resume = ResumePlanner(section, self.folder, shapes, self.model_key, final_step)
+        self._lock = RunLock(self.folder, "checkpoint.folder")  # rank 0 holds it while enabled (ResumePlanner.prepare)
+        self.token, self.plan = self._on_rank0(lambda: self.resume.prepare(self.enabled, self._lock))
 
     # ------------------------------------------------------------------ planning (constructor)
-    def _prepare(self) -> tuple[str, LoadPlan]:
-        """Rank 0: clean leftovers, choose what to load, validate it. ValueError on user errors."""
-        token = secrets.token_hex(4)
-        plan = LoadPlan()
-        if self.enabled:  # one run per checkpoint folder, wherever it lives: before anything is read or cleaned
-            layout.refuse_inside_step_folder(self.folder, f"checkpoint.folder={self.folder}")
-            self._lock.acquire()
-        if self.enabled and (done := self._finished()):
-            return token, LoadPlan("complete", [str(done)])
-        if self.enabled:
-            for p in layout.list_partial_folders(self.folder):
-                logger.warning("checkpoint: removing incomplete save %s (interrupted before it finished)", p)
-                layout.remove(p)
-            plan = self._plan_resume()
-        if plan.kind == "none" and self.cfg.initial_load_path:
-            plan = self._plan_initial()
-        elif plan.kind == "resume" and self.cfg.initial_load_path:
-            plan.notes.append(
-                f"checkpoint.initial_load_path={self.cfg.initial_load_path} is ignored: resuming from {plan.paths[0]}"
-            )
-        return token, plan
-
-    def _finished(self) -> Path | None:
-        """The newest step folder when it is intact and at or past ``final_step`` (the run is done; a
-        rerun must not retrain and overwrite its final export), unless ``load_step`` asks otherwise."""
-        folders = layout.list_step_folders(self.folder)
-        if self.final_step is None or self.cfg.load_step != -1 or not folders or folders[-1].step < self.final_step:
-            return None
-        if layout.problem_with(folders[-1].path):
-            return None
-        self._check_model(folders[-1].path, "the finished run in this folder")  # another model: one-line error
-        return folders[-1].path
-
-    def _plan_resume(self, newest: bool = False) -> LoadPlan:
-        folders = layout.list_step_folders(self.folder)
-        if self.cfg.load_step != -1 and not newest:
-            want = self.cfg.load_step
-            match = [f for f in folders if f.step == want]
-            if not match:
-                have = ", ".join(str(f.step) for f in folders) or "none"
-                raise ValueError(
-                    f"checkpoint.load_step={want}: no checkpoint {layout.step_dir_name(want)} in "
-                    f"{self.folder} (complete checkpoints: {have})"
-                )
-            path = match[0].path
-            problem = layout.problem_with(path, verify=True)
-            if problem:
-                raise ValueError(f"checkpoint.load_step={want}: {path} is damaged: {problem}")
-            if layout.read_info(path).get("model_only"):
-                raise ValueError(
-                    f"checkpoint.load_step={want}: {path} holds model weights only (an export), not "
-                    "a training state; load it with checkpoint.initial_load_path in a fresh folder"
-                )
-            self._check_model(path, "checkpoint.load_step")
-            return LoadPlan("resume", [str(path)])
-        notes: list[str] = []
-        paths: list[str] = []
-        damaged: list[str] = []
-        for f in reversed(folders):
-            try:
-                model_only = layout.read_info(f.path).get("model_only")
-            except ValueError:
-                model_only = False
-            if model_only:
-                if not paths:
-                    notes.append(f"checkpoint {f.path.name} holds model weights only (export); not resumable, skipped")
-                continue
-            problem = layout.problem_with(f.path, verify=not paths)  # read it all only for the one to load
-            if problem is not None:
-                if not paths:  # only the ones newer than what we will load matter
-                    logger.warning("checkpoint %s is damaged (%s); falling back to the previous one", f.path, problem)
-                    damaged.append(f"{f.path.name}: {problem}")
-                continue
-            paths.append(str(f.path))
-        if not paths:
-            if damaged:
-                raise ValueError(
-                    f"no usable checkpoint in {self.folder} ({'; '.join(damaged)}); move the folder "
-                    "away to start from scratch"
-                )
-            return LoadPlan(notes=notes)
-        self._check_model(paths[0], "resume")
-        return LoadPlan("resume", paths, notes=notes)
-
-    def _plan_initial(self) -> LoadPlan:
-        path = Path(self.cfg.initial_load_path)
-        what = f"checkpoint.initial_load_path={path}"
-        if not path.is_dir():
-            raise FileNotFoundError(f"{what}: no such folder")
-        if not (path / layout.INFO_FILE).is_file() and (path / "config.json").is_file():
-            return self._plan_initial_hf(path, what)
-        problem = layout.problem_with(path, require_info=False, verify=True)
-        if problem:
-            raise ValueError(f"{what}: {problem}")
-        model_only = bool(self.cfg.initial_load_model_only)
-        if not model_only:
-            keys = layout.read_metadata(path).state_dict_metadata
-            if not any(k.startswith("optimizer.") for k in keys):
-                raise ValueError(f"{what} holds no optimizer state; set checkpoint.initial_load_model_only = true")
-        self._check_model(path, what)
-        return LoadPlan("initial", [str(path)], model_only=model_only)
-
-    def _plan_initial_hf(self, path: Path, what: str) -> LoadPlan:
-        """An HF model folder as the initial weights (model only): its tensors must have this model's shapes."""
-        if not self.cfg.initial_load_model_only:
-            raise ValueError(f"{what} is a Hugging Face folder (weights only): set checkpoint.initial_load_model_only")
-        spec, args = hf.hf_seed(path)
-        expected = spec.hf_adapter(args).expected_shapes()
-        for name, shape in self._shapes.items():
-            if name not in expected:
-                raise ValueError(f"{what}: the folder's {spec.name} model has no tensor {name}")
-            if tuple(expected.get(name, shape)) != shape:
-                raise ValueError(
-                    f"{what}: {name} has shape {list(expected[name])} in the folder but {list(shape)} in this "
-                    "model (the model config differs from config.json)"
-                )
-        return LoadPlan("initial", [str(path)], model_only=True, hf=True)
-
-    def _read_hf(self, path: str) -> dict[str, Any]:
-        """The full weights of an HF folder, as this rank's part of the model state (every rank reads the
-        files, memory-mapped); set_model_state_dict shards them to the model's layout."""
-        spec, args = hf.hf_seed(Path(path))
-        state = hf.hf_state_dict(Path(path), spec.hf_adapter(args))
-        if bool(getattr(args, "tie_word_embeddings", False)):  # tied: the folder stores the embedding once
-            state.setdefault("output.weight", state["tok_embeddings.weight"])
-        mine = get_model_state_dict(self.model)  # a pipeline stage holds only its own part
-        return {k: state[k] for k in mine}
-
-    def _check_model(self, path: str | Path, what: str) -> None:
-        """The checkpoint's model tensors must exist with this model's (global) shapes."""
-        stored = layout.read_metadata(path).state_dict_metadata
-        own = Path(path).parent == self.folder  # this folder's run: another model needs a run of its own
-        hint = "; to train another model, start a new run in another folder (job.dump_folder)" if own else ""
-        for name, shape in self._shapes.items():
-            md = stored.get(f"{self.model_key}.{name}")
-            if md is None or not hasattr(md, "size"):
-                raise ValueError(
-                    f"{what}: {path} has no tensor {self.model_key}.{name}; it was saved from a different model{hint}"
-                )
-            if tuple(md.size) != shape:
-                raise ValueError(
-                    f"{what}: {path} has {self.model_key}.{name} of shape {list(md.size)} but this "
-                    f"model's is {list(shape)} (the model config differs from the checkpoint's){hint}"
-                )
-
-    # ------------------------------------------------------------------ loading
     def load(self) -> int | None:
         """Carry out the plan; returns the step resumed from (None when nothing was resumed)."""
         for k, v in self.per_rank.items():
@@ -409,7 +243,7 @@ class CheckpointManager:
         if not self.enabled:
             return None
         self.wait()  # an in-flight save may become the newest complete checkpoint
-        plan = self._on_rank0(lambda: self._plan_resume(newest=True))
+        plan = self._on_rank0(lambda: self.resume.plan_resume(newest=True))
         step = self._load(plan) if plan.kind == "resume" else None
         self.commit_resume()
         return step
@@ -417,11 +251,11 @@ class CheckpointManager:
     def commit_resume(self) -> None:
         """Once the resume is known to be good (the caller has also checked the data position, e.g. by
         ``iter(loader)``), move the newer step folders of the abandoned lineage aside (see
-        :meth:`_set_aside_newer`). Collective; also done by the first :meth:`save`. A resume that fails
+        :meth:`ResumePlanner.set_aside_newer`). Collective; also done by the first :meth:`save`. A resume that fails
         before this leaves the folder as it was."""
         step, self._resumed_step = self._resumed_step, None
         if step is not None:
-            self._on_rank0(lambda: self._set_aside_newer(step))
+            self._on_rank0(lambda: self.resume.set_aside_newer(step))
 
     def _load(self, plan: LoadPlan) -> int | None:
         for note in plan.notes:
@@ -435,8 +269,7 @@ class CheckpointManager:
         if plan.kind == "initial":
             path = plan.paths[0]
             if plan.hf:
-                full = StateDictOptions(full_state_dict=True)
-                set_model_state_dict(self.model, self._read_hf(path), options=full)
+                hf_import.load_hf_weights(path, self.model, process_group=self._pg)
             else:
                 self._apply(self._read(path, model_only=plan.model_only), path)
             what = "model weights only" if plan.model_only else "the full training state"
@@ -447,7 +280,7 @@ class CheckpointManager:
         failures = []
         for i, path in enumerate(plan.paths):
             name = Path(path).name
-            problem = self._on_rank0(lambda p=path: self._unusable(p)) if i > 0 else None
+            problem = self._on_rank0(lambda p=path: self.resume.unusable(p)) if i > 0 else None
             if problem:  # the first candidate was checked when planning
                 self._warn(f"checkpoint {path} is {problem}; falling back to the previous one")
                 failures.append(f"{name}: {problem}")
@@ -480,32 +313,6 @@ class CheckpointManager:
         flag = torch.tensor([int(ok)])
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._pg)
         return bool(flag.item())
-
-    def _set_aside_newer(self, step: int) -> None:
-        """Rank 0, after resuming ``step``: move every newer step folder (an abandoned lineage, after an
-        older ``load_step`` or a fallback past damaged ones) into ``abandoned-after-step-<step>-<token>``,
-        so it is never purged by ``keep_latest_k``, overwritten or resumed later. Nothing is deleted."""
-        newer = [f for f in layout.list_step_folders(self.folder) if f.step > step]
-        if not newer:
-            return
-        aside = self.folder / f"abandoned-after-step-{step}-{self.token}"
-        aside.mkdir(exist_ok=True)
-        for f in newer:
-            os.rename(f.path, aside / f.path.name)
-        layout.fsync_dir(self.folder)
-        names = ", ".join(f.path.name for f in newer)
-        logger.warning(f"checkpoint: resumed from step {step}, so the newer checkpoints ({names}) moved to {aside}")
-
-    def _unusable(self, path: str) -> str | None:
-        """Why a fallback candidate cannot be loaded (damaged, or another model), or None."""
-        problem = layout.problem_with(path, verify=True)
-        if problem:
-            return f"damaged ({problem})"
-        try:
-            self._check_model(path, "resume")
-        except ValueError as e:
-            return f"not this model's ({e})"
-        return None
 
     def _read(self, path: str, *, model_only: bool) -> dict[str, Any]:
         """DCP-load ``path`` into this run's layout: model tensors in place, the rest returned. Every

@@ -17,19 +17,19 @@ import math
 import sys
 
 from titanlite.config import ConfigError
-from titanlite.metrics import format_duration, gpu_memory_bytes, peak_flops_for_name
 from titanlite.models import load_config
-from titanlite.planner import (
+from titanlite.models.flops import ModelShape, param_count
+from titanlite.plan.planner import (
     CHINCHILLA_TOKENS_PER_PARAM,
     FRAGMENTATION,
     RESERVE_BYTES,
-    ModelShape,
     RunSetup,
-    param_count,
-    plan_run,
+    estimate_run,
     usable_memory,
 )
-from titanlite.planner_moe import all_to_all_seconds
+from titanlite.plan.planner_moe import all_to_all_seconds
+from titanlite.trainer.metrics import format_duration
+from titanlite.trainer.peaks import gpu_memory_bytes, peak_flops_for_name
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -58,9 +58,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def build(args: argparse.Namespace, rest: list[str]):
     import torch
 
-    from titanlite.metrics import matmul_dtype
     from titanlite.models import get_model_spec, make_model_args
     from titanlite.models.registry import model_counts
+    from titanlite.trainer.peaks import matmul_dtype
 
     cfg = load_config(rest)
     spec = get_model_spec(cfg.model.name)
@@ -83,7 +83,7 @@ def build(args: argparse.Namespace, rest: list[str]):
     dtype = matmul_dtype(t.mixed_precision_param, setup.float8, torch.device("cuda"))
     peak = peak_flops_for_name(args.gpu, dtype)
     tokens = CHINCHILLA_TOKENS_PER_PARAM * param_count(shape) if args.chinchilla else args.tokens
-    plan = plan_run(
+    plan = estimate_run(
         shape,
         setup,
         tokens=tokens,
@@ -104,11 +104,11 @@ def stage_plans(args, cfg, shape: ModelShape, setup: RunSetup, plan) -> list[tup
 
     from titanlite.models import get_model_spec, make_model_args
     from titanlite.models.registry import model_counts
-    from titanlite.run_plan import plan_run as plan_stages
+    from titanlite.plan.run_plan import plan_steps
 
     t = cfg.training
     kw = dict(seq_len=t.seq_len, local_batch_size=t.local_batch_size, grad_accum_steps=setup.grad_accum)
-    stages = plan_stages(steps=1, tokens=int(plan.tokens), dp_degree=setup.dp_degree, schedule=t.seq_len_schedule, **kw)
+    stages = plan_steps(steps=1, tokens=int(plan.tokens), dp_degree=setup.dp_degree, schedule=t.seq_len_schedule, **kw)
     args_ = make_model_args(cfg.model.name, cfg.model.flavor, **cfg.model.overrides)
     out = []
     for st in stages.stages:
@@ -119,7 +119,7 @@ def stage_plans(args, cfg, shape: ModelShape, setup: RunSetup, plan) -> list[tup
         fpt = model_counts(get_model_spec(cfg.model.name), args_, st.seq_len)[1]
         kw = dict(mfu=plan.mfu, peak_flops=plan.peak_flops, matmul_dtype=plan.matmul_dtype, flops_per_token_=fpt)
         kw.update(gpu_memory=plan.gpu_memory, price_per_gpu_hour=args.price_per_gpu_hour)
-        out.append((st, plan_run(shape, s_setup, tokens=st.steps * st.tokens_per_step, **kw)))
+        out.append((st, estimate_run(shape, s_setup, tokens=st.steps * st.tokens_per_step, **kw)))
     return out
 
 
@@ -180,7 +180,7 @@ def report(args, cfg, shape: ModelShape, setup: RunSetup, plan) -> str:
     if plan.peak_flops is None:
         lines.append(
             f"time       unknown: no {plan.matmul_dtype} peak for GPU '{args.gpu}' in the table "
-            "(titanlite.metrics.PEAK_TFLOPS)"
+            "(titanlite.trainer.peaks.PEAK_TFLOPS)"
         )
     else:
         tps = setup.num_gpus * plan.peak_flops * plan.mfu * (1 - plan.bubble) / plan.flops_per_token

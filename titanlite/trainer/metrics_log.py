@@ -37,7 +37,7 @@ def disk_full_error(error: OSError, path: str | os.PathLike, what: str) -> OSErr
 
 class MetricsLogger:
     """``[metrics]``: records to ``<dump_folder>/metrics.jsonl`` (one line each, on disk before :meth:`log`
-    returns), TensorBoard and Weights & Biases (:mod:`titanlite.wandb_logger`), on rank 0 only. Opening the
+    returns), TensorBoard and Weights & Biases (:mod:`titanlite.trainer.wandb_logger`), on rank 0 only. Opening the
     file never changes it: only :meth:`rewind`, called once a resume has loaded its checkpoint, drops the
     records after a step (the resumed run logs them again; W&B keeps what it got and gets them again). A
     write that fails midway (disk full) is cut back, so the file never ends in a torn line."""

@@ -25,7 +25,7 @@ from torch import nn
 
 from titanlite import components
 from titanlite.checkpoint import CheckpointHook, CheckpointManager, layout
-from titanlite.checkpoint.hf import model_args_from_seed
+from titanlite.checkpoint.seed_args import model_args_from_seed
 from titanlite.config import JobConfig, config_to_toml, dump_config
 from titanlite.data.loader import build_dataloader
 from titanlite.data.recipe import (

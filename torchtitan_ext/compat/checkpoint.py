@@ -63,8 +63,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titanlite.checkpoint import layout, safe_load
-from titanlite.checkpoint.hf import torchtitan_name, torchtitan_version
 from titanlite.checkpoint.layout import list_step_folders
+from torchtitan_ext.compat.format import torchtitan_name, torchtitan_version
 
 logger = logging.getLogger("torchtitan_ext.compat")
 

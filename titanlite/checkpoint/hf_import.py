@@ -1,0 +1,344 @@
+"""Hugging Face model folder -> titanlite. :func:`read_hf_config`, :func:`hf_seed`: the family and model args of
+its ``config.json`` (the family's HF adapter, found by ``architectures`` / ``model_type``); :func:`hf_state_dict`:
+its weights under titanlite's names; :func:`load_hf_weights`: them loaded into a (sharded) model, each rank
+reading its own slices through DCP's ``HuggingFaceStorageReader``; :func:`hf_to_dcp`: a model-only step folder
+(loadable under any layout), planned from the safetensors headers (meta tensors), each tensor pulled from its
+file while DCP writes it. Reading through ``HuggingFaceStorageReader`` instead (``titanlite bench hf-storage``,
+126M-parameter bf16 model, shared 2-core CPU) gave bitwise the same step folder but peaked at 6.2x the RSS
+(+333 MiB, the whole model, against +54): this path keeps one tensor in memory. Outputs go to
+``<out>.partial-<token>``, renamed at the end; wrong inputs (a truncated ``.safetensors``, a wrong
+``config.json`` ...) are a one-line ``ValueError`` / ``FileNotFoundError`` naming the file, nothing written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import os
+import secrets
+import shutil
+from collections.abc import Callable, Collection, Iterator, Sequence
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from torch import nn
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+from titanlite.checkpoint import layout, safe_load
+from titanlite.checkpoint.hf_tokenizer_files import check_tokenizer, folder_tokenizer_path
+from titanlite.dtypes import dtype_name
+from titanlite.extensions import load_extensions
+from titanlite.models import get_model_spec, model_names
+from titanlite.models.registry import check_model_args, matching_flavor
+from titanlite.nesting import loads_json
+
+logger = logging.getLogger(__name__)
+
+Progress = Callable[[int, int, str, tuple, torch.dtype], None]
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def no_progress(i: int, n: int, name: str, shape: tuple, dtype: torch.dtype) -> None:
+    pass
+
+
+class _LazySavePlanner(DefaultSavePlanner):
+    """Plans from meta tensors; each tensor's data is produced only when DCP writes it."""
+
+    def __init__(self, loaders: dict[str, Callable[[], torch.Tensor]]):
+        super().__init__()
+        self._loaders = loaders
+
+    def resolve_data(self, write_item):
+        load = self._loaders.get(write_item.index.fqn)
+        return super().resolve_data(write_item) if load is None else load()
+
+
+def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
+    hf_dir = Path(hf_dir)
+    if not hf_dir.is_dir():
+        raise FileNotFoundError(f"{hf_dir}: no such folder")
+    file = hf_dir / "config.json"
+    if not file.is_file():
+        raise ValueError(f"{hf_dir} is not a Hugging Face model folder (no config.json)")
+    try:
+        config = loads_json(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # JSONDecodeError, UnicodeDecodeError (random bytes)
+        raise ValueError(f"{file} is unreadable: {' '.join(str(e).split())}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} is not a JSON object")
+    return config
+
+
+def _checked_tensors(path: Path, adapter: Any) -> dict[str, tuple[Path, torch.dtype]]:
+    """``{HF name: (file, dtype)}`` of the weights in the HF folder ``path``, each checked from the safetensors
+    headers alone (no data read) against the model of ``config.json`` (``adapter``): known name, shape."""
+    hf_layout, found = adapter.hf_layout(), {}
+    for hf_name, file in _tensor_files(path).items():
+        try:
+            native = adapter.from_hf_name(hf_name)
+        except KeyError as e:
+            raise ValueError(f"{path}: {e.args[0]}") from None
+        if native is None:
+            continue
+        if hf_name not in hf_layout:
+            layers = getattr(adapter.args, "n_layers", "?")
+            raise ValueError(f"{path}: tensor {hf_name} does not belong to a model with {layers} layers (config.json)")
+        if not (path / file).is_file():
+            raise ValueError(f"{path}: {file} (holding {hf_name}) is missing")
+        with _safe_open(path / file) as f:
+            if hf_name not in f.keys():
+                raise ValueError(f"{path / file} has no tensor {hf_name} ({INDEX_FILE} says it does)")
+            header = f.get_slice(hf_name)
+            shape, want = tuple(header.get_shape()), hf_layout[hf_name][1]
+            if shape != want:
+                raise ValueError(f"{path}: {hf_name} has shape {list(shape)} but config.json implies {list(want)}")
+            found[hf_name] = (path / file, header[:0].dtype)  # an empty slice names the torch dtype, reads no data
+    return found
+
+
+def hf_state_dict(path: Path, adapter: Any, only: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+    """The full weights of the HF folder ``path`` under titanlite's names (``adapter``: the family's
+    HF adapter for the folder's args); a tensor of a shape ``config.json`` does not imply is an error.
+    Native tensors made of several HF tensors (stacked experts) are assembled once all their parts are read.
+    ``only``: the HF tensors to read (every tensor's name and shape is checked, from the headers)."""
+    parts = {}
+    for hf_name, (file, _) in _checked_tensors(path, adapter).items():
+        if only is None or hf_name in only:
+            with _safe_open(file) as f:
+                parts[hf_name] = f.get_tensor(hf_name)
+    state = {}
+    for native, names in _parts_by_native(adapter, adapter.hf_layout()).items():
+        if all(n in parts for n in names):
+            state[native] = adapter.from_hf_parts(native, [parts.pop(n) for n in names])
+    return state
+
+
+def load_hf_weights(path: str | os.PathLike, model: nn.Module, *, process_group: Any = None) -> None:
+    """Load the weights of the HF folder ``path`` into ``model`` (FSDP/TP DTensors, a pipeline stage's part ...;
+    collective under ``torch.distributed``). What the adapter only renames goes through DCP's
+    ``HuggingFaceStorageReader`` into the model's own shards: each rank reads only its slices. What it converts
+    (Llama's q/k rows, reordered within heads that a shard may cut; stacked experts) is read whole, converted and
+    sharded by ``set_model_state_dict``. A tied output missing from the folder is read from the embedding."""
+    path = Path(path)
+    spec, args = hf_seed(path)
+    adapter, own = spec.hf_adapter(args), get_model_state_dict(model)  # own: this rank's tensors (shards)
+    files, parts = _tensor_files(path), _parts_by_native(adapter, adapter.hf_layout())
+    tied = bool(getattr(args, "tie_word_embeddings", False)) and not set(parts["output.weight"]) & set(files)
+    direct, whole = ({}, {}), {}  # direct[1]: a tied output, which reads the embedding's HF name again
+    for name, tensor in own.items():
+        names = parts["tok_embeddings.weight"] if tied and name == "output.weight" else parts[name]
+        probe = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+        if len(names) == 1 and adapter.from_hf_parts(name, [probe]) is probe:  # a rename only
+            direct[int(tied and name == "output.weight")][names[0]] = tensor
+        else:
+            whole[name] = names
+    state = hf_state_dict(path, adapter, only={n for names in whole.values() for n in names})  # checks all headers
+    kw = dict(process_group=process_group, no_dist=not (dist.is_available() and dist.is_initialized()))
+    for group in direct[: 1 + tied]:  # the same number of collective loads on every rank
+        try:
+            dcp.load(group, storage_reader=HuggingFaceStorageReader(str(path)), **kw)
+        except CheckpointException as e:  # a BaseException; a file changed or damaged past its header
+            raise ValueError(f"{path}: cannot read its weights ({safe_load.one_line(e)})") from None
+    set_model_state_dict(model, {**direct[0], **direct[1]}, options=StateDictOptions(strict=False))
+    full = {name: state.get(name, state.get("tok_embeddings.weight")) for name in whole}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def _parts_by_native(adapter: Any, hf_layout: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, list[str]]:
+    """``{native name: [its HF names, in order]}`` for every native tensor (an empty list: made from nothing)."""
+    out: dict[str, list[str]] = {name: [] for name in adapter.expected_shapes()}
+    for hf_name, (native, _) in hf_layout.items():
+        out[native].append(hf_name)
+    return out
+
+
+def hf_seed(path: Path) -> tuple[Any, Any] | None:
+    """``(spec, args)`` of an HF model folder (``config.json``), or None when ``path`` is not one."""
+    return model_for_hf(read_hf_config(path), path / "config.json") if (path / "config.json").is_file() else None
+
+
+def model_for_hf(config: dict[str, Any], file: Path):
+    """``(spec, args)`` for an HF ``config.json``; any value of the wrong kind is a one-line
+    ValueError naming the file (a hand-edited or damaged config must not end in a traceback)."""
+    try:
+        spec = _family_for_hf(config)  # its ValueError says what the model is and what converts
+    except (TypeError, AttributeError) as e:
+        raise ValueError(f"{file} has an unusable value ({type(e).__name__}: {' '.join(str(e).split())})") from None
+    try:
+        return spec, check_model_args(spec.hf_adapter.args_from_hf_config(config))
+    except ValueError as e:
+        raise ValueError(f"{file}: {' '.join(str(e).split())}") from None
+    except (TypeError, KeyError, AttributeError, ArithmeticError) as e:
+        raise ValueError(f"{file} has an unusable value ({type(e).__name__}: {' '.join(str(e).split())})") from None
+
+
+def _family_for_hf(config: dict[str, Any]):
+    archs = config.get("architectures") or []
+    if isinstance(archs, str):
+        archs = [archs]
+    specs = [spec for spec in map(get_model_spec, model_names()) if spec.hf_adapter is not None]
+    for spec in specs:
+        if spec.hf_adapter.architecture in archs or config.get("model_type") == spec.hf_adapter.model_type:
+            return spec
+    known = ", ".join(spec.hf_adapter.architecture for spec in specs)
+    model = f"model_type={config.get('model_type')!r}, architectures={archs}"
+    # installed extensions declare the architectures they convert (entry points: metadata, not imported)
+    hint = [ep.value for ep in entry_points(group="titanlite.hf_architectures") if ep.name in archs]
+    if hint:
+        raise ValueError(f"{model} is converted by the extension {hint[0]}: pass --extensions {hint[0]}")
+    raise ValueError(f"unsupported Hugging Face model ({model}); titanlite converts: {known}")
+
+
+def hf_to_dcp(
+    hf_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    progress: Progress = no_progress,
+    extensions: Sequence[str] = (),
+) -> Path:
+    """A model-only titanlite DCP step folder with the weights of an HF model folder.
+
+    ``extensions``: modules to import first when the family comes from one (as ``[job]
+    extensions``); they are recorded in ``checkpoint.json`` so that :func:`dcp_to_hf` finds them.
+    """
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    extensions = load_extensions(extensions)
+    config = read_hf_config(hf_dir)
+    spec, args = model_for_hf(config, hf_dir / "config.json")
+    adapter = spec.hf_adapter(args)
+    expected, hf_layout = adapter.expected_shapes(), adapter.hf_layout()
+    found = {name: (name, file, dtype) for name, (file, dtype) in _checked_tensors(hf_dir, adapter).items()}
+    output, embedding = adapter.to_hf_name("output.weight"), adapter.to_hf_name("tok_embeddings.weight")
+    if output not in found and args.tie_word_embeddings and embedding in found:
+        found[output] = found[embedding]  # a tied model stores both names
+    if missing := [n for n in hf_layout if n not in found]:
+        more = f" and {len(missing) - 1} more tensor(s)" if len(missing) > 1 else ""
+        raise ValueError(f"{hf_dir} lacks {missing[0]}{more}")
+    parts_of = _parts_by_native(adapter, hf_layout)
+    metas = {
+        n: torch.empty(expected[n], dtype=found[parts[0]][2] if parts else torch.float32, device="meta")
+        for n, parts in parts_of.items()
+    }
+
+    loaded = []
+
+    def load(native: str) -> torch.Tensor:
+        raw = []
+        for part in parts_of[native]:
+            hf_name, file, _ = found[part]
+            try:
+                with _safe_open(file) as f:
+                    raw.append(f.get_tensor(hf_name))
+            except Exception as e:  # the file changed or is damaged past its header
+                raise ValueError(f"{file}: cannot read {hf_name} ({safe_load.one_line(e)})") from None
+        tensor = adapter.from_hf_parts(native, raw)
+        loaded.append(native)
+        progress(len(loaded), len(expected), f"model.{native}", tuple(tensor.shape), tensor.dtype)
+        return tensor.contiguous()
+
+    bos, eos = (first_token_id(config.get(f"{k}_token_id")) for k in ("bos", "eos"))
+    tokenizer_path = _folder_tokenizer(spec, hf_dir, bos, args)
+    planner = _LazySavePlanner({f"model.{n}": functools.partial(load, n) for n in expected})
+    dtypes = {metas[n].dtype for n in expected if parts_of[n]}  # weights made from nothing (a zero bias) aside
+    with atomic_output(out_dir) as partial, layout.quiet_single_process():
+        writer = dcp.FileSystemWriter(str(partial), single_file_per_rank=False, sync_files=True, thread_count=1)
+        meta_state = {"model": {n: metas[n] for n in expected}}
+        try:
+            dcp.save(meta_state, storage_writer=writer, planner=planner, no_dist=True)
+        except CheckpointException as e:  # a BaseException: a read error while writing, one line
+            error = e.failures[min(e.failures)][0]
+            raise (
+                error if isinstance(error, ValueError) else ValueError(f"{out_dir}: {safe_load.one_line(error)}")
+            ) from None
+        info = dict(step=0, tokens_seen=0, model_only=True, dtype=dtype_name(*dtypes) if len(dtypes) == 1 else None)
+        info["model"] = {"name": spec.name, "flavor": matching_flavor(spec, args), "args": dataclasses.asdict(args)}
+        info.update(extensions=extensions, tokenizer={"path": tokenizer_path, "bos_id": bos, "eos_id": eos})
+        info["files"] = layout.file_checksums(partial)  # verified when the seed is loaded or converted
+        layout.write_info(partial, {**info, "source": {"hugging_face": str(hf_dir.resolve())}})
+    return out_dir
+
+
+def _folder_tokenizer(spec, hf_dir: Path, bos: Any, args: Any) -> str:
+    """The path ``checkpoint.json`` records for the HF folder's tokenizer ("" when it has none), so that
+    evaluating or generating with the converted checkpoint uses it. A tokenizer whose BOS or size is not
+    the model's is refused; one titanlite cannot read is recorded with a warning (loading it names the
+    problem, instead of silently using the byte tokenizer)."""
+    path = folder_tokenizer_path(hf_dir)
+    if not path or spec.tokenizer_builder is None:
+        return path
+    try:
+        tokenizer = spec.tokenizer_builder(path)
+    except (ValueError, OSError) as e:
+        logger.warning("%s: titanlite cannot read its tokenizer (%s); recorded anyway", hf_dir, safe_load.one_line(e))
+        return path
+    what = f"the tokenizer of {hf_dir}"
+    check_tokenizer(tokenizer, bos_id=bos, vocab_size=args.vocab_size, what=what, where=str(hf_dir / "config.json"))
+    return path
+
+
+def _tensor_files(folder: Path) -> dict[str, str]:
+    """``{tensor name: file name}`` of an HF folder's safetensors (index or single file)."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = loads_json(index.read_text(encoding="utf-8")).get("weight_map")
+        except (OSError, ValueError, AttributeError) as e:
+            raise ValueError(f"{index} is unreadable ({safe_load.one_line(e)})") from None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no weight_map")
+        for name, file in weight_map.items():
+            if not isinstance(file, str) or Path(file).name != file:  # a plain file name in this folder
+                raise ValueError(f"{index}: weight_map[{name!r}] must be a file name in {folder}, got {file!r}")
+        return weight_map
+    if not (folder / SINGLE_FILE).is_file():
+        raise ValueError(f"{folder} has no {SINGLE_FILE} or {INDEX_FILE} (only safetensors weights are supported)")
+    with _safe_open(folder / SINGLE_FILE) as f:
+        return dict.fromkeys(f.keys(), SINGLE_FILE)
+
+
+def _safe_open(file: Path):
+    """``safe_open(file)``; a truncated or garbled file is a one-line ValueError naming it."""
+    try:
+        return safe_open(file, framework="pt")
+    except Exception as e:  # SafetensorError (header too large, file not fully covered ...), OSError
+        raise ValueError(f"{file} is not a readable safetensors file ({safe_load.one_line(e)})") from None
+
+
+def first_token_id(v: Any) -> Any:
+    return v[0] if isinstance(v, list) and v else v
+
+
+@contextlib.contextmanager
+def atomic_output(out_dir: Path) -> Iterator[Path]:
+    """Yields ``<out_dir>.partial-<token>``, renamed to ``out_dir`` at the end; removed on any error,
+    with the parent folders this call created (an error leaves the file system as it found it)."""
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ValueError(f"output {out_dir} already exists and is not empty (nothing was overwritten)")
+    created = [p for p in reversed(out_dir.parents) if not p.exists()]
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    partial = out_dir.with_name(f"{out_dir.name}.partial-{secrets.token_hex(4)}")
+    partial.mkdir()
+    try:
+        yield partial
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        for folder in reversed(created):
+            with contextlib.suppress(OSError):  # only while empty: something else may have appeared
+                folder.rmdir()
+        raise
+    if out_dir.is_dir():  # empty (checked at start)
+        out_dir.rmdir()
+    os.rename(partial, out_dir)
+    layout.fsync_dir(out_dir.parent)

@@ -1,0 +1,69 @@
+"""The model args of a seed checkpoint (``[checkpoint] initial_load_path``): :func:`model_args_from_seed`."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from titanlite.checkpoint import layout
+from titanlite.checkpoint.hf_import import hf_seed
+from titanlite.models.registry import adopt_seed_args, state_shapes
+
+logger = logging.getLogger(__name__)
+
+
+def model_args_from_seed(
+    spec, args: Any, explicit: Collection[str], seed: str | os.PathLike, what: str = "checkpoint.initial_load_path"
+) -> Any:
+    """``args`` with the model args of the seed checkpoint ``seed`` (``[checkpoint]
+    initial_load_path``) taken by the rule of :func:`~titanlite.models.registry.adopt_seed_args`;
+    ``explicit``: the ``[model]`` keys the config sets (``model.overrides``). Each value taken is
+    logged. A folder without ``checkpoint.json`` (DCP written elsewhere), or no folder at all (the
+    checkpoint manager reports that, or ignores it when resuming), leaves ``args`` as they are."""
+    seed = Path(seed)
+    what = f"{what}={seed}"
+    if not (seed / layout.INFO_FILE).is_file() and (found := hf_seed(seed)) is not None:  # an HF model folder
+        name, seed_args = found[0].name, dataclasses.asdict(found[1])
+    elif not (seed / layout.INFO_FILE).is_file():
+        if seed.is_dir():
+            logger.info(
+                "%s has no %s: its model args are not known, only tensor shapes are checked", what, layout.INFO_FILE
+            )
+        return args
+    else:
+        name, seed_args = _recorded_args(seed, what)
+    if name != spec.name:
+        raise ValueError(f"{what} holds a {name!r} model but this config trains {spec.name!r} (model.name)")
+
+    def same_shapes(a: Any, b: Any) -> bool:
+        return state_shapes(spec, a) == state_shapes(spec, b)
+
+    def same_model(a: Any, b: Any) -> bool:  # the same config.json: the same model, however the args spell it
+        hf = spec.hf_adapter
+        return hf is not None and hf(a).hf_config(dtype=torch.float32) == hf(b).hf_config(dtype=torch.float32)
+
+    kw = dict(run_args=spec.run_args, same_shapes=same_shapes, seed=str(seed), same_model=same_model)
+    new_args, adopted = adopt_seed_args(args, seed_args, explicit, **kw)
+    for k, v in adopted.items():
+        logger.info(
+            "model.%s = %r from the seed checkpoint %s (the config's flavor has %r)", k, v, seed, getattr(args, k)
+        )
+    return new_args
+
+
+def _recorded_args(seed: Path, what: str) -> tuple[Any, dict]:
+    """The family name and model args a step folder's ``checkpoint.json`` records."""
+    try:
+        info = layout.read_info(seed)
+    except ValueError as e:  # also UnicodeDecodeError: bytes that are not text
+        raise ValueError(f"{what}: {seed / layout.INFO_FILE} is unreadable ({' '.join(str(e).split())})") from None
+    model = info.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("args"), dict):
+        raise ValueError(f"{what}: {seed / layout.INFO_FILE} records no model args")
+    return model.get("name"), model["args"]
