@@ -163,7 +163,17 @@ def child(variant: str, size: str, folder: Path) -> dict:
 
 
 def run_child(variant: str, size: str, folder: Path) -> dict:
-    cmd = [sys.executable, "-m", "titanlite.bench.hf_storage", "--child", variant, "--sizes", size, "--folder", str(folder)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "titanlite.bench.hf_storage",
+        "--child",
+        variant,
+        "--sizes",
+        size,
+        "--folder",
+        str(folder),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode:
         raise SystemExit(f"{variant} {size} failed:\n{proc.stderr[-3000:]}")

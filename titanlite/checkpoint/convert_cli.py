@@ -19,6 +19,7 @@ import torch
 
 from titanlite.checkpoint.hf import dcp_to_hf, hf_to_dcp
 from titanlite.dtypes import DTYPES, dtype_name
+from titanlite.fsio import one_line
 
 
 class _Printer:
@@ -47,7 +48,7 @@ def parse_size(text: str) -> int:
 
 def _error(msg: object) -> int:
     """Print ``error: <msg>`` as one line on stderr; the exit status 2."""
-    print(f"error: {' '.join(str(msg).split())}", file=sys.stderr)
+    print(f"error: {one_line(msg)}", file=sys.stderr)
     return 2
 
 

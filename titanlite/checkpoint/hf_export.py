@@ -35,9 +35,10 @@ import torch
 from safetensors.torch import save_file
 
 from titanlite.checkpoint import layout, safe_load
-from titanlite.checkpoint.hf_import import INDEX_FILE, SINGLE_FILE, Progress, atomic_output, no_progress
+from titanlite.checkpoint.hf_import import INDEX_FILE, SINGLE_FILE, Progress, no_progress
 from titanlite.checkpoint.hf_tokenizer_files import check_tokenizer, write_tokenizer_files
 from titanlite.extensions import load_extensions
+from titanlite.fsio import atomic_dir, one_line
 from titanlite.hf_tokenizer import tokenizer_files
 from titanlite.models import get_model_spec, model_names
 from titanlite.models.registry import check_model_args
@@ -112,7 +113,7 @@ def dcp_to_hf(
     tokenizer_path = str(recorded.get("path") or "")
     known = not torchtitan and "path" in recorded  # a checkpoint.json that names no tokenizer: none is exported
     tokenizer = _recorded_tokenizer(spec, tokenizer_path, bos, args, step_dir) if known else None
-    with atomic_output(out_dir) as partial, layout.quiet_single_process():
+    with atomic_dir(out_dir) as partial, layout.quiet_single_process():
         done = 0
         for file, shard in zip(files, shards):
             tensors = {}  # one shard in memory at a time: save_file takes all of a file's tensors at once
@@ -161,7 +162,7 @@ def _recorded_tokenizer(spec, path: str, bos: int | None, args: Any, step_dir: P
     try:
         tokenizer = spec.tokenizer_builder(path)
     except (ValueError, OSError) as e:
-        raise ValueError(f"{what} cannot be read ({' '.join(str(e).split())})") from None
+        raise ValueError(f"{what} cannot be read ({one_line(e)})") from None
     where = str(step_dir / layout.INFO_FILE)
     check_tokenizer(tokenizer, bos_id=bos, vocab_size=getattr(args, "vocab_size", None), what=what, where=where)
     return tokenizer
@@ -231,7 +232,7 @@ def model_from_info(info: dict[str, Any], where: Path, extensions: Sequence[str]
     try:
         return spec, check_model_args(spec.args_cls(**args))
     except (TypeError, ValueError, ArithmeticError) as e:
-        raise ValueError(f"{file}: invalid model args ({' '.join(str(e).split())})") from None
+        raise ValueError(f"{file}: invalid model args ({one_line(e)})") from None
 
 
 def _plan_shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:

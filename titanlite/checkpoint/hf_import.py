@@ -12,14 +12,11 @@ file while DCP writes it. Reading through ``HuggingFaceStorageReader`` instead (
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
 import os
-import secrets
-import shutil
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -38,6 +35,7 @@ from titanlite.checkpoint import layout, safe_load
 from titanlite.checkpoint.hf_tokenizer_files import check_tokenizer, folder_tokenizer_path
 from titanlite.dtypes import dtype_name
 from titanlite.extensions import load_extensions
+from titanlite.fsio import atomic_dir, one_line
 from titanlite.models import get_model_spec, model_names
 from titanlite.models.registry import check_model_args, matching_flavor
 from titanlite.nesting import loads_json
@@ -75,7 +73,7 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
     try:
         config = loads_json(file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:  # JSONDecodeError, UnicodeDecodeError (random bytes)
-        raise ValueError(f"{file} is unreadable: {' '.join(str(e).split())}") from None
+        raise ValueError(f"{file} is unreadable: {one_line(e)}") from None
     if not isinstance(config, dict):
         raise ValueError(f"{file} is not a JSON object")
     return config
@@ -175,13 +173,13 @@ def model_for_hf(config: dict[str, Any], file: Path):
     try:
         spec = _family_for_hf(config)  # its ValueError says what the model is and what converts
     except (TypeError, AttributeError) as e:
-        raise ValueError(f"{file} has an unusable value ({type(e).__name__}: {' '.join(str(e).split())})") from None
+        raise ValueError(f"{file} has an unusable value ({type(e).__name__}: {one_line(e)})") from None
     try:
         return spec, check_model_args(spec.hf_adapter.args_from_hf_config(config))
     except ValueError as e:
-        raise ValueError(f"{file}: {' '.join(str(e).split())}") from None
+        raise ValueError(f"{file}: {one_line(e)}") from None
     except (TypeError, KeyError, AttributeError, ArithmeticError) as e:
-        raise ValueError(f"{file} has an unusable value ({type(e).__name__}: {' '.join(str(e).split())})") from None
+        raise ValueError(f"{file} has an unusable value ({type(e).__name__}: {one_line(e)})") from None
 
 
 def _family_for_hf(config: dict[str, Any]):
@@ -252,7 +250,7 @@ def hf_to_dcp(
     tokenizer_path = _folder_tokenizer(spec, hf_dir, bos, args)
     planner = _LazySavePlanner({f"model.{n}": functools.partial(load, n) for n in expected})
     dtypes = {metas[n].dtype for n in expected if parts_of[n]}  # weights made from nothing (a zero bias) aside
-    with atomic_output(out_dir) as partial, layout.quiet_single_process():
+    with atomic_dir(out_dir) as partial, layout.quiet_single_process():
         writer = dcp.FileSystemWriter(str(partial), single_file_per_rank=False, sync_files=True, thread_count=1)
         meta_state = {"model": {n: metas[n] for n in expected}}
         try:
@@ -318,27 +316,3 @@ def _safe_open(file: Path):
 
 def first_token_id(v: Any) -> Any:
     return v[0] if isinstance(v, list) and v else v
-
-
-@contextlib.contextmanager
-def atomic_output(out_dir: Path) -> Iterator[Path]:
-    """Yields ``<out_dir>.partial-<token>``, renamed to ``out_dir`` at the end; removed on any error,
-    with the parent folders this call created (an error leaves the file system as it found it)."""
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ValueError(f"output {out_dir} already exists and is not empty (nothing was overwritten)")
-    created = [p for p in reversed(out_dir.parents) if not p.exists()]
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    partial = out_dir.with_name(f"{out_dir.name}.partial-{secrets.token_hex(4)}")
-    partial.mkdir()
-    try:
-        yield partial
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        for folder in reversed(created):
-            with contextlib.suppress(OSError):  # only while empty: something else may have appeared
-                folder.rmdir()
-        raise
-    if out_dir.is_dir():  # empty (checked at start)
-        out_dir.rmdir()
-    os.rename(partial, out_dir)
-    layout.fsync_dir(out_dir.parent)

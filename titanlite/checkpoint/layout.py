@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from titanlite.fsio import fsync_dir
 from titanlite.nesting import loads_json
 
 logger = logging.getLogger(__name__)
@@ -285,16 +286,6 @@ def checksum_problem(path: str | os.PathLike, recorded: dict[str, dict[str, Any]
         if crc != recorded[file.name]["crc32"]:
             return f"{file.name} fails its checksum (crc32 {crc}, {recorded[file.name]['crc32']} when saved)"
     return None
-
-
-def fsync_dir(path: str | os.PathLike) -> None:
-    """Best effort: some file systems refuse to open or fsync a folder."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def publish(partial: Path, final: Path, token: str) -> None:

@@ -31,6 +31,7 @@ from torch import nn
 from titanlite.checkpoint import hf_export, hf_import, layout, safe_load
 from titanlite.checkpoint.hf_tokenizer_files import check_tokenizer
 from titanlite.extensions import load_extensions
+from titanlite.fsio import one_line
 from titanlite.hf_tokenizer import tokenizer_files
 from titanlite.models.registry import state_shapes
 
@@ -108,7 +109,7 @@ def _tokenizer(spec, override: str | None, recorded: str, what: str):
         return builder("" if source == "bytes" else source)
     except (ValueError, OSError) as e:  # a moved or damaged tokenizer file
         where = "the tokenizer path given" if override is not None else what
-        raise ValueError(f"{where} cannot be read ({' '.join(str(e).split())}): pass a tokenizer path") from None
+        raise ValueError(f"{where} cannot be read ({one_line(e)}): pass a tokenizer path") from None
 
 
 def _from_step_folder(path: Path, extensions: list[str]) -> tuple[Any, Any, dict[str, torch.Tensor], dict]:

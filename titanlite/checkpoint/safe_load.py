@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from titanlite import _torch_compat
+from titanlite import _torch_compat, fsio
 
 METADATA_FILE = ".metadata"
 _DCP_MODULES = ("torch.distributed.checkpoint.", "torch.distributed._shard.")  # older torch kept records here
@@ -89,7 +89,7 @@ def _why(e: pickle.UnpicklingError) -> str:
 def one_line(e: BaseException) -> str:
     """``Type: message`` on one line; torch's weights-only refusal shortened to what it found (its
     advice to retry with ``weights_only=False`` is exactly what must not be done with such a file)."""
-    text = " ".join(str(e).split())
+    text = fsio.one_line(e)
     if isinstance(e, pickle.UnpicklingError) and "weights_only" in text:
         found = re.search(r"WeightsUnpickler error: (.*?)(?: Check the documentation|$)", text)
         text = f"not a plain-data pickle: {found.group(1) if found else 'refused by the weights-only unpickler'}"

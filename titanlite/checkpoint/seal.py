@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from titanlite.checkpoint import layout
+from titanlite.fsio import one_line
 
 
 def seal(path: str | Path, record_files: bool = False) -> str:
@@ -32,7 +33,7 @@ def seal(path: str | Path, record_files: bool = False) -> str:
     except FileNotFoundError:
         raise ValueError(f"{path} has no {layout.INFO_FILE}: not a titanlite checkpoint step folder") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{file} is unreadable: {' '.join(str(e).split())}") from None
+        raise ValueError(f"{file} is unreadable: {one_line(e)}") from None
     if not isinstance(info, dict) or info.get("format") != layout.FORMAT:
         raise ValueError(f"{file} is not a titanlite checkpoint description")
     if info.get("version") == layout.FORMAT_VERSION:
@@ -66,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             print(seal(folder, a.record_files))
         except ValueError as e:
-            print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+            print(f"error: {one_line(e)}", file=sys.stderr)
             status = 2
     return status
 

@@ -13,6 +13,7 @@ import torch
 
 from titanlite.checkpoint import layout
 from titanlite.checkpoint.hf_import import hf_seed
+from titanlite.fsio import one_line
 from titanlite.models.registry import adopt_seed_args, state_shapes
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ def _recorded_args(seed: Path, what: str) -> tuple[Any, dict]:
     try:
         info = layout.read_info(seed)
     except ValueError as e:  # also UnicodeDecodeError: bytes that are not text
-        raise ValueError(f"{what}: {seed / layout.INFO_FILE} is unreadable ({' '.join(str(e).split())})") from None
+        raise ValueError(f"{what}: {seed / layout.INFO_FILE} is unreadable ({one_line(e)})") from None
     model = info.get("model")
     if not isinstance(model, dict) or not isinstance(model.get("args"), dict):
         raise ValueError(f"{what}: {seed / layout.INFO_FILE} records no model args")

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from titanlite.fsio import atomic_write
 from titanlite.trainer.wandb_logger import WandbLogger, import_wandb
 
 logger = logging.getLogger(__name__)
@@ -111,16 +112,9 @@ def as_markdown(items: list[dict[str, Any]]) -> str:
 def write_file_whole(path: Path, text: str | bytes) -> None:
     """Write ``text`` to ``path`` through a temporary file renamed over it: ``path`` holds the old or the new
     text, never a part (disk full: a :class:`DiskFullError`, and the old file is left as it was)."""
-    tmp = path.with_name(f".{path.name}.tmp")
     try:
-        if isinstance(text, bytes):
-            tmp.write_bytes(text)
-        else:
-            tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
+        atomic_write(path, text, fsync=False, hidden_tmp=True)
     except OSError as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
         raise disk_full_error(e, path, "it was left as it was") from e
 
 

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from titanlite.fsio import one_line
 from titanlite.models import get_model_spec
 from titanlite.models.registry import check_arg_types, check_model_args
 
@@ -102,7 +103,7 @@ def torchtitan_model_args(
                 args = spec.args_cls(**{**base, "multiple_of": hidden, "ffn_dim_multiplier": hidden / raw})
         check_model_args(args)
     except (TypeError, ValueError, ArithmeticError) as e:
-        raise ValueError(f"{where}: invalid model args {base} ({' '.join(str(e).split())})") from None
+        raise ValueError(f"{where}: invalid model args {base} ({one_line(e)})") from None
     logger.info("%s: torchtitan %s checkpoint, exported with llama3 model args %s", where, version, args)
     return args
 
