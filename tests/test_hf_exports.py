@@ -68,7 +68,7 @@ def test_an_extension_family_without_extensions_names_the_one_to_pass(tmp_path):
         hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2
     )
     transformers.Qwen3ForCausalLM(cfg).save_pretrained(str(tmp_path / "hf"))
-    proc = run_cli("convert_hf_to_dcp.py", str(tmp_path / "hf"), str(tmp_path / "out"))
+    proc = run_cli("hf-to-dcp", str(tmp_path / "hf"), str(tmp_path / "out"))
     err = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(err) == 1, proc.stderr
     assert "is converted by the extension torchtitan_ext.qwen3: pass --extensions torchtitan_ext.qwen3" in err[0]
