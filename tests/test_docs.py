@@ -225,7 +225,11 @@ HOW: dict[str, How] = {
     "docs/scale.md#from-raw-text-to-the-main-job-1": How(
         "sized",
         "the corpus and Meta's tokenizer are the user's: a C4 sample and a small tiktoken file",
-        subs=(("/path/to/original/tokenizer.model", f"{SHARED_DATA}/tokenizers/test_tiktoken.model"), *FINEWEB),
+        subs=(
+            ("/path/to/original/tokenizer.model", f"{SHARED_DATA}/tokenizers/test_tiktoken.model"),
+            ("--output data/fineweb_llama3", "--output data/fineweb_llama3_scale"),  # the README's block made the other
+            *FINEWEB,
+        ),
         setup=SETUP_MY_TEXT,
         slow=True,
     ),
