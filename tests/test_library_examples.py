@@ -1,4 +1,4 @@
-"""The README's "Use titanlite as a library" examples, executed as written (sizes shrunk where said).
+"""docs/library.md's "Use titanlite as a library" examples, executed as written (sizes shrunk where said).
 
 1. the foreign loop equals ``Trainer`` (what ``python -m titanlite.train`` runs) bit for bit;
 2. the same loop on 2 processes (FSDP 2, TP 2) equals it within fp32 summation order;
@@ -24,7 +24,7 @@ import torch
 from dist_utils import run_workers
 
 REPO = Path(__file__).resolve().parents[1]
-BLOCKS = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
+BLOCKS = re.findall(r"```python\n(.*?)```", (REPO / "docs" / "library.md").read_text(), flags=re.S)
 LOOP = next(b for b in BLOCKS if "step = TrainStep(" in b)
 CKPT = next(b for b in BLOCKS if "class TokenCounter" in b)
 FAMILY = next(b for b in BLOCKS if 'name="gpt2"' in b)
@@ -46,7 +46,7 @@ def run_loop(env: dict) -> list[float]:
     """Example 1 in this process (or a worker of run_workers): returns its losses."""
     os.environ.update(env)
     namespace: dict = {}
-    exec(compile(shrink(LOOP), "README.md", "exec"), namespace)
+    exec(compile(shrink(LOOP), "docs/library.md", "exec"), namespace)
     return namespace["losses"]
 
 
@@ -367,7 +367,7 @@ def test_build_training_gives_a_foreign_loop_the_configs_policies_and_loss(tmp_p
 
     def run(code: str) -> list[float]:
         namespace: dict = {}
-        exec(compile(shrink(code, policies), "README.md", "exec"), namespace)
+        exec(compile(shrink(code, policies), "docs/library.md", "exec"), namespace)
         return namespace["losses"]
 
     expected = [r["loss"] for r in trainer_run(tmp_path, policies) if "loss" in r]

@@ -2,10 +2,10 @@
 
     titanlite plot outputs/run_a [outputs/run_b ...] -o curves.png [--smooth 0.9]
 
-Panels against the optimizer step: training loss (validation loss as markers, NaN-guard events as
-dotted lines), learning rate, gradient norm, tokens/s per device and MFU; and when the runs logged
-them, validation bits per byte and the downstream scores (``eval/<task>/<metric>``, from the in-loop
-``[eval]`` or the ``--watch`` watcher): accuracies in one panel, perplexities in another. A folder or
+Panels against the optimizer step, each drawn only when some run logged its metric: training loss
+(validation loss as markers, NaN-guard events as dotted lines), learning rate, gradient norm, tokens/s per
+device and MFU; and validation bits per byte and the downstream scores (``eval/<task>/<metric>``, from the
+in-loop ``[eval]`` or the ``--watch`` watcher): accuracies in one panel, perplexities in another. A folder or
 a ``metrics.jsonl`` path may be given; runs are labelled by folder name. Needs matplotlib, which
 titanlite itself does not depend on (``pip install matplotlib``).
 """
@@ -51,6 +51,13 @@ def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
             points.append((r["step"], float(v)))
     points.sort(key=lambda p: p[0])
     return [p[0] for p in points], [p[1] for p in points]
+
+
+def base_panels(runs: list[tuple[str, list[dict]]]) -> list[tuple[str, str, bool]]:
+    """The panels of ``PANELS`` that some run logged (a CPU run has no MFU when its peak is unknown, a run cut
+    short may have no record yet): the loss panel also shows validation loss alone."""
+    logged = {k for _, records in runs for r in records for k in r if series([r], k)[0]}
+    return [p for p in PANELS if p[1] in logged or (p[1] == "loss" and "val_loss" in logged)]
 
 
 def extra_panels(runs: list[tuple[str, list[dict]]]) -> list[tuple[str, list[str], bool]]:
@@ -105,10 +112,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         label = path.parent.name or str(path.parent)
         runs.append((label, read_metrics(path)))
-    extra = extra_panels(runs)
-    n = len(PANELS) + len(extra)
-    fig, axes = plt.subplots(n, 1, figsize=(9, 2.6 * n), sharex=True)
-    for ax, (title, keys, log) in zip(axes[len(PANELS) :], extra):
+    base, extra = base_panels(runs), extra_panels(runs)
+    n = len(base) + len(extra)
+    if n == 0:
+        print(f"error: no metric to plot in {', '.join(args.runs)} (no record with a step yet)", file=sys.stderr)
+        return 2
+    fig, axes = plt.subplots(n, 1, figsize=(9, 2.6 * n), sharex=True, squeeze=False)
+    axes = list(axes[:, 0])
+    for ax, (title, keys, log) in zip(axes[len(base) :], extra):
         for i, (label, records) in enumerate(runs):  # a color per metric, a line style per run
             for j, key in enumerate(keys):
                 xs, ys = series(records, key)
@@ -122,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         ax.legend(fontsize=7)
     for i, (label, records) in enumerate(runs):
         color = f"C{i % 10}"
-        for ax, (title, key, log) in zip(axes, PANELS):
+        for ax, (title, key, log) in zip(axes, base):
             xs, ys = series(records, key)
             if key == "loss" and args.smooth > 0:
                 ys = ema(ys, args.smooth)
@@ -144,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     fig.tight_layout()
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.output, dpi=110)
-    titles = [p[0] for p in PANELS] + [p[0] for p in extra]
+    titles = [p[0] for p in base] + [p[0] for p in extra]
     print(f"wrote {args.output} ({len(runs)} run(s); panels: {', '.join(titles)})")
     return 0
 
