@@ -74,9 +74,7 @@ def test_plot_draws_only_the_panels_a_run_logged(tmp_path):
     records = [{"step": s, "loss": 5.0 - 0.1 * s, "lr": 1e-3, "mfu": None} for s in range(1, 6)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     out = tmp_path / "curves.png"
-    r = subprocess.run(
-        [sys.executable, str(SCRIPT), str(run), "-o", str(out)], capture_output=True, text=True, timeout=120
-    )
+    r = subprocess.run([*PLOT, str(run), "-o", str(out)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().endswith("(1 run(s); panels: loss, learning rate)"), r.stdout
     from PIL import Image
@@ -84,9 +82,7 @@ def test_plot_draws_only_the_panels_a_run_logged(tmp_path):
     height = Image.open(out).size[1]
     assert height == round(110 * 2.6 * 2)  # two panels of 2.6 inches at 110 dpi
     (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "mfu": None}) + "\n")
-    empty = subprocess.run(
-        [sys.executable, str(SCRIPT), str(run), "-o", str(tmp_path / "e.png")], capture_output=True, text=True
-    )
+    empty = subprocess.run([*PLOT, str(run), "-o", str(tmp_path / "e.png")], capture_output=True, text=True)
     assert empty.returncode == 2 and "no metric to plot" in empty.stderr and not (tmp_path / "e.png").exists()
 
 
