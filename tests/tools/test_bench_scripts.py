@@ -1,0 +1,111 @@
+"""scripts/trace_summary.py and scripts/bench_table.py: the numbers they print, from known inputs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def script(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def kernel(name: str, ts: float, dur: float) -> dict:
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+
+def test_trace_summary_counts_gpu_time_by_kind_with_overlap_once():
+    summary = script("trace_summary")
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#5", "ts": 0.0, "dur": 10_000.0},
+        kernel("sm90_xmma_gemm_e4m3e4m3_bf16_tn", 0.0, 4_000.0),  # float8 matmul
+        kernel("nvjet_tst_128x256_64x4_bf16", 4_000.0, 2_000.0),  # other matmul
+        kernel("triton_red_fused_abs_amax_0", 5_000.0, 2_000.0),  # overlaps the last 1 ms of the matmul
+        kernel("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>", 8_000.0, 1_000.0),
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH", "ts": 9_500.0, "dur": 100.0},
+    ]
+    text = summary.summarize(events, top=3)
+    assert "wall time 10.00 ms" in text
+    assert "GPU busy (kernels, overlap counted once): 8.10 ms (81.0% of the wall time)" in text
+    assert "| matmul, float8 | 4.00 | 44.0% |" in text  # of 9.1 ms of kernel time
+    assert "| matmul, other | 2.00 | 22.0% |" in text
+    assert "| fused by compile (triton) | 2.00 | 22.0% |" in text
+    assert "| optimizer (multi-tensor) | 1.00 | 11.0% |" in text
+    assert "| copies and fills | 0.10 | 1.1% |" in text
+    assert text.count("| `") == 3  # the top 3 kernels
+
+
+def test_bench_table_rows_ratios_and_failures(tmp_path):
+    table = script("bench_table")
+    base = {"params": 10, "local_batch_size": 4, "seq_len": 2048, "device": "NVIDIA H100 80GB HBM3"}
+    rows = [
+        {
+            "row": "1B, batch 4, compiled",
+            "compile": True,
+            "tokens_per_s_per_device": 60_000.0,
+            "mfu": 0.5,
+            "peak_memory_gib": 30.0,
+            "time_split_frac": {"forward_backward": 0.85, "optimizer": 0.1},
+            "optimizer": {"floor_ratio": 1.2},
+            **base,
+        },
+        {
+            "row": "1B, batch 4, compiled, float8",
+            "compile": True,
+            "tokens_per_s_per_device": 66_000.0,
+            "mfu": 0.3,
+            "mfu_vs_bf16_peak": 0.6,
+            "peak_memory_gib": 25.0,
+            **base,
+        },
+        {
+            "row": "transformers 1B, batch 4, compiled",
+            "compile": True,
+            "tokens_per_s_per_device": 48_000.0,
+            "mfu": 0.4,
+            "peak_memory_gib": 34.6,
+            **base,
+        },
+        {"row": "1B, batch 4, eager", "error": "timed out"},
+        {
+            "row": "optimizer step alone, 1B",
+            "params": 1.24e9,
+            "floor_s": 0.0115,
+            "clip_then_step_s": 0.0215,
+            "merged_s": 0.0138,
+            "step_only_s": 0.0125,
+            "clip_then_step_floor_ratio": 1.87,
+            "merged_floor_ratio": 1.2,
+            "step_only_floor_ratio": 1.087,
+            "device": "NVIDIA H100 80GB HBM3",
+        },
+    ]
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = table.table([json.loads(x) for x in path.read_text().splitlines()])
+    lines = text.splitlines()
+    assert lines[0] == "Device: NVIDIA H100 80GB HBM3"
+    assert "| 1B, batch 4, compiled | 60,000 | 50.0% | 30.0 GiB | 85% / 10% / 5% | 1.20x | 1.25x |" in lines
+    assert "| 1B, batch 4, compiled, float8 | 66,000 | 60.0% | 25.0 GiB | - / - / - | - | 1.38x |" in lines
+    assert "| transformers 1B, batch 4, compiled | 48,000 | 40.0% | 34.6 GiB | - / - / - | - | - |" in lines
+    assert "| 1B, batch 4, eager | timed out | | | | | |" in lines
+    assert (
+        lines[-1]
+        == "| optimizer step alone, 1B | 1,240 M | 11.5 ms | 21.5 ms (1.87x) | 13.8 ms (1.20x) | 12.5 ms (1.09x) |"
+    )
+    assert not any(line.startswith("| optimizer step alone") for line in lines[:-3])  # a table of its own
+
+
+@pytest.mark.parametrize("name", ["trace_summary", "bench_table"])
+def test_unreadable_input_is_one_line_error(name, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        script(name).main([str(tmp_path / "missing.json")])
+    assert str(e.value).startswith("error: cannot read")
