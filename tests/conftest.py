@@ -18,5 +18,5 @@ def one_thread():
 def pytest_collection_modifyitems(session, config, items):
     """Tests marked ``memory_measurement`` run first: they compare a fresh process's RSS with a model,
     and after a few hundred other tests the machine's memory state (page cache, reclaim) inflated the
-    measured peaks by 30-180% (tests/test_planner.py), while the same test alone stayed within 10%."""
+    measured peaks by 30-180% (tests/plan/test_planner.py), while the same test alone stayed within 10%."""
     items.sort(key=lambda item: item.get_closest_marker("memory_measurement") is None)  # stable sort

@@ -103,7 +103,7 @@ def run_workers(
             env["CUDA_VISIBLE_DEVICES"] = ""
         log = work / f"rank{rank}.log"
         logs.append(log)
-        cmd = [sys.executable, __file__, str(module_file), fn.__name__, str(work)]
+        cmd = [sys.executable, __file__, str(module_file), fn.__name__, str(work), fn.__module__]
         with open(log, "w") as out:
             procs.append(
                 subprocess.Popen(
@@ -160,10 +160,11 @@ def cache_token_stores() -> None:
     recipe.load_token_store = cached
 
 
-def _worker_main(module_file: str, fn_name: str, work: str) -> None:
+def _worker_main(module_file: str, fn_name: str, work: str, module_name: str) -> None:
     import torch.distributed as dist
 
-    spec = importlib.util.spec_from_file_location(Path(module_file).stem, module_file)
+    # under the parent's module name (tests.<folder>.test_x), so what it pickles unpickles there
+    spec = importlib.util.spec_from_file_location(module_name, module_file)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -181,4 +182,4 @@ def _worker_main(module_file: str, fn_name: str, work: str) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
-    _worker_main(*sys.argv[1:4])
+    _worker_main(*sys.argv[1:5])

@@ -9,7 +9,7 @@ entry, or an entry without a block, fails ``test_every_block_has_an_entry``. Mod
   ``bash scripts/run_train.sh``) gets ``TINY`` appended (a 1-layer, 2-step run; later flags win), every
   ``torchrun ... -m titanlite.train`` becomes the same command's dry run at its world size (GPUs, nodes or
   several CPU processes: the layout, not the training, is what a CPU test can check; parallel training
-  itself is tested in tests/test_parallel_parity.py and friends), and checkpoint paths ``step-N`` under
+  itself is tested in tests/parallel/test_parallel_parity.py and friends), and checkpoint paths ``step-N`` under
   ``outputs/`` point at the 2-step runs' ``step-2``;
 - ``help``: each program the block runs is asked for ``--help``, in this process (benchmarks: minutes of CPU
   or a GPU);
@@ -150,7 +150,7 @@ HOW: dict[str, How] = {
     "docs/benchmarks.md#running-scripts-gpu-check-sh-on-the-gpu-machine-1": How(
         "skip",
         "the GPU machine's set-up: downloads a wheel from PyPI and runs scripts/gpu_check.sh (~3 min on CPU); "
-        "tests/test_bench_scripts.py checks the script",
+        "tests/tools/test_bench_scripts.py checks the script",
     ),
     "docs/benchmarks.md#downstream-evaluation-scoring-1": How("help", BENCH),
     "docs/benchmarks.md#downstream-evaluation-scoring-2": How(
@@ -172,6 +172,10 @@ HOW: dict[str, How] = {
     "docs/extensions.md#writing-an-extension-1": How("toml"),
     "docs/extensions.md#writing-an-extension-2": How("sized", slow=True),
     "docs/layout.md#layout-1": How("output", "a file tree, not code"),
+    "docs/memory_model.md#the-run-planner-s-memory-and-time-model-1": How("output", "a table of the memory terms"),
+    "docs/memory_model.md#the-run-planner-s-memory-and-time-model-2": How(
+        "output", "the activation formula; tests/plan/test_planner.py checks it against measured memory"
+    ),
     "docs/library.md#models-1": How("python"),
     "docs/library.md#1-your-own-training-loop-1": How(
         "library", "test_own_loop_reproduces_the_trainer_bitwise (and on 2 processes)"
@@ -418,7 +422,7 @@ def test_every_block_has_an_entry():
 
 
 def test_library_blocks_are_the_ones_test_library_examples_runs():
-    import test_library_examples as examples
+    import tests.test_library_examples as examples
 
     ran = {examples.LOOP, examples.CKPT, examples.FAMILY, examples.LOSS, examples.BUILD}
     for block_id, how in HOW.items():

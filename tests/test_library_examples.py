@@ -30,7 +30,7 @@ CKPT = next(b for b in BLOCKS if "class TokenCounter" in b)
 FAMILY = next(b for b in BLOCKS if 'name="gpt2"' in b)
 LOSS = next(b for b in BLOCKS if 'register("loss", "z_loss"' in b)
 BUILD = next(b for b in BLOCKS if "parts = build_training(" in b)
-RTOL = 2e-5  # fp32 summation order across ranks (see tests/test_parallel_parity.py)
+RTOL = 2e-5  # fp32 summation order across ranks (see tests/parallel/test_parallel_parity.py)
 README_ARGS = '"--model.n_layers", "2", "--training.steps", "20"]'
 SMALL = ["--training.steps", "6", "--training.seq_len", "64", "--lr_scheduler.warmup_steps", "2"]
 

@@ -3,7 +3,7 @@
 - the eval watcher imports only the modules on its own ``--extensions``, never the ``[job] extensions`` of the
   ``config.toml`` it watches (a module file beside it would run);
 - ``prepare_data --overwrite`` deletes only plain shard files inside its output folder, whatever its manifest or
-  journal list (tests/test_prepare_data.py);
+  journal list (tests/data/test_prepare_data.py);
 - the run lock covers the checkpoint folder wherever it lives, and a ``CheckpointManager`` used as a library takes
   it too;
 - nothing writes into a checkpoint step folder (a dump folder there, ``eval --output <step>/checkpoint.json``).
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 from shared_data import shared_file
-from test_checkpoint import TINY, run_trainer
-from test_failure_modes import one_line_error
 from tiny import TINY_MODEL
 
+from tests.checkpoint.test_checkpoint import TINY, run_trainer
+from tests.trainer.test_failure_modes import one_line_error
 from titanlite.config import config_to_toml
 from titanlite.models import load_config
 

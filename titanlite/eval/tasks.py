@@ -10,7 +10,7 @@ The built-in tasks are lm-evaluation-harness's zero-shot definitions (``hellaswa
 ``arc_challenge``, ``piqa``, ``lambada_openai``: the same prompt strings, the same ``" "`` between
 context and choice, ``acc_norm`` by the choice's length in characters, the same metric names), so
 their scores stand beside published lm-eval numbers; ``hellaswag_llmc`` is llm.c's rendering of
-HellaSwag (``acc_norm`` per token). ``tests/test_eval_definitions.py`` pins them against lm-eval's.
+HellaSwag (``acc_norm`` per token). ``tests/eval/test_eval_definitions.py`` pins them against lm-eval's.
 
 Adding a task is one small class: subclass :class:`MultipleChoiceTask` (or :class:`ClozeTask`),
 set ``name`` and ``files`` and write ``item(row)`` for one parsed JSON line, then register it::

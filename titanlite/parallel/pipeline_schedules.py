@@ -39,7 +39,7 @@ def pipeline_bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float
       the backward ramp, leaving ``(p - 1) / (3 v m + p - 1)``. Exact for ``m >= p`` (InterleavedZeroBubble)
       and ``m >= 2p`` (ZBV, DualPipeV); with fewer microbatches the schedules idle more than this.
 
-    tests/test_planner.py replays torch's own action orders in the unit model and finds these values.
+    tests/plan/test_planner.py replays torch's own action orders in the unit model and finds these values.
     """
     if schedule not in PIPELINE_SCHEDULES:
         raise ValueError(f"pipeline schedule {schedule!r} must be one of {', '.join(PIPELINE_SCHEDULES)}")
@@ -69,7 +69,7 @@ def pipeline_rank_stages(schedule: str, p: int, num_stages: int, rank: int) -> l
 def microbatches_in_flight(schedule: str, p: int, m: int, v: int, rank: int) -> int:
     """The most (microbatch, local stage) forwards whose activations pp rank ``rank`` holds at once, i.e.
     forwards minus (input-)backwards, maximized over torch.distributed.pipelining's order for the schedule
-    (torch 2.13; tests/test_planner.py checks each against the order torch builds):
+    (torch 2.13; tests/plan/test_planner.py checks each against the order torch builds):
 
     - GPipe: ``m`` (every forward runs before the first backward);
     - 1F1B: ``min(m, p - rank)`` (warm-up forwards, then one backward before each forward);

@@ -1,0 +1,135 @@
+"""Every shipped train config: it loads and validates, builds its model on the meta device, and its
+parallel layout is checked at its stated world size by the dry run (fake process group).
+
+Shipped configs: ``train_configs/*.toml`` and ``torchtitan_ext/configs/*.toml``. For each: the
+header comments say which hardware it is tuned for; ``[job] world_size`` states the world size;
+the dry run at that size must succeed with the expected degrees, the expected model size, every
+rank's parameters adding up to the model once per replica, the expected tokens per step, and a
+memory estimate that fits the stated GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from dist_utils import REPO
+
+from titanlite.models import load_config
+
+CONFIGS = sorted(
+    str(p.relative_to(REPO))
+    for p in [*(REPO / "train_configs").glob("*.toml"), *(REPO / "torchtitan_ext" / "configs").glob("*.toml")]
+)
+# config -> (dp_replicate, dp_shard, tp), parameters, tokens per optimizer step (pipeline degrees in PIPELINED)
+EXPECTED = {
+    "train_configs/debug_model.toml": ((1, 1, 1), 4_984_064, 16 * 256),
+    "train_configs/debug_midtrain.toml": ((1, 1, 1), 4_984_064, 16 * 256),
+    "train_configs/debug_sft.toml": ((1, 1, 1), 4_984_064, 16 * 256),
+    "train_configs/llama1b.toml": ((1, 8, 1), 1_235_814_400, 512 * 2048),
+    "train_configs/llama3b.toml": ((1, 8, 1), 3_212_749_824, 512 * 2048),
+    "train_configs/llama8b.toml": ((4, 8, 1), 8_030_261_248, 512 * 8192),
+    "train_configs/llama70b.toml": ((1, 8, 8), 70_553_706_496, 512 * 8192),
+    "train_configs/llama405b.toml": ((1, 8, 8), 405_853_388_800, 1024 * 8192),
+    "torchtitan_ext/configs/qwen3_debug.toml": ((1, 1, 1), 4_066_048, 16 * 256),
+    "train_configs/debug_moe.toml": ((1, 1, 1), 10_892_544, 8 * 256),
+    "train_configs/qwen3_30b_a3b.toml": ((1, 64, 1), 30_532_122_624, 512 * 4096),
+    "train_configs/deepseek_v3_671b.toml": ((1, 32, 1), 671_030_277_120, 1024 * 4096),
+}
+PIPELINED = {
+    "train_configs/llama405b.toml": 8,
+    "train_configs/deepseek_v3_671b.toml": 16,
+}  # config -> pipeline_parallel_degree (1 when not listed)
+
+DRY_RUN_ALL = """
+import json, sys
+from titanlite.models import load_config
+from titanlite.plan.dry_run import dry_run
+out = {}
+for path in sys.argv[1:]:
+    r = dry_run(load_config(["--config", path]), out=lambda line: None)  # imports [job] extensions
+    out[path] = {k: r[k] for k in ("world_size", "world_size_source", "degrees", "params", "per_rank", "fits",
+                                   "tokens_per_step", "groups", "pipeline")}
+print("REPORT" + json.dumps(out))
+"""
+
+
+def test_every_shipped_config_is_listed():
+    assert set(CONFIGS) == set(EXPECTED), "add new shipped configs to EXPECTED"
+
+
+def load(path: str):
+    return load_config(
+        ["--config", str(REPO / path)]
+    )  # imports [job] extensions (qwen3); strict: unknown keys, bad values and cross-field rules raise
+
+
+@pytest.mark.parametrize("path", CONFIGS)
+def test_config_validates_and_says_what_it_is_tuned_for(path):
+    cfg = load(path)
+    assert cfg.job.world_size >= 1, f"{path}: state the world size it is tuned for ([job] world_size)"
+    header = []
+    for line in (REPO / path).read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line)
+    text = "\n".join(header)
+    assert len(header) >= 3 and ("H100" in text or "CPU" in text), f"{path}: header must say the hardware"
+    if cfg.job.world_size > 1:
+        assert "Tuned for" in text and "Why these numbers" in text, path
+
+
+@pytest.fixture(scope="module")
+def dry_runs():
+    """Every config's dry run, in two processes at once (each is one busy Python thread: the second core
+    would idle otherwise); alternate configs of the sorted list, which splits the big ones about evenly."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", DRY_RUN_ALL, *CONFIGS[half::2]],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for half in (0, 1)
+    ]
+    reports = {}
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0, out[-3000:] + err[-3000:]
+            reports.update(json.loads(out.split("REPORT", 1)[1]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return reports
+
+
+@pytest.mark.parametrize("path", CONFIGS)
+def test_config_dry_runs_at_its_stated_world_size(path, dry_runs):
+    r = dry_runs[path]
+    degrees, params, tokens = EXPECTED[path]
+    stated = load(path).job.world_size
+    assert (r["world_size"], r["world_size_source"]) == (stated, "job.world_size")
+    assert (r["degrees"]["dp_replicate"], r["degrees"]["dp_shard"], r["degrees"]["tp"]) == degrees
+    assert r["params"] == params and r["tokens_per_step"] == tokens
+    assert r["fits"] is True
+    rep, shard, tp = degrees
+    pp = PIPELINED.get(path, 1)
+    assert r["degrees"]["pp"] == pp and (r["pipeline"] is None) == (pp == 1)
+    assert len(r["per_rank"]) == stated
+    # each model replica (one dp_replicate group: in every pp rank, the ranks of replica 0) holds every
+    # parameter exactly once, except the parameters TP replicates (the RMSNorm gains), held once per TP rank
+    replicated_by_tp = sum(g["numel"] for g in r["groups"] if g["placements"].endswith("tp:Replicate"))
+    block = shard * tp  # ranks of one replica within one pp rank (pp outermost, then dp_replicate)
+    per_replica = sum(sum(r["per_rank"][k * rep * block : k * rep * block + block]) for k in range(pp))
+    assert per_replica == params + (tp - 1) * replicated_by_tp
+    assert sum(r["per_rank"]) == rep * per_replica
+    if pp > 1:  # every pp rank's stages, together the whole model, and each stage fits
+        ranks = r["pipeline"]["ranks"]
+        assert len(ranks) == pp and sum(k["params"] for k in ranks) == params
+        assert all(k["fits"] for k in ranks)

@@ -1,0 +1,236 @@
+"""titanlite bench train (titanlite.bench.train): runs a config after warm-up and prints one JSON line with the
+documented keys; the pipeline bubble measurement (StageActivity) against known compute times; --compare-pp (PP 2
+vs FSDP 2)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import TINY_MODEL
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_bench_prints_json_with_throughput_mfu_memory_and_split(tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "titanlite",
+            "bench",
+            "train",
+            "--warmup",
+            "1",
+            "--steps",
+            "2",
+            "--json-out",
+            str(tmp_path / "b.json"),
+            *TINY_MODEL,
+            "--training.seq_len",
+            "32",
+            "--training.local_batch_size",
+            "4",
+            "--job.dump_folder",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=REPO,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads([l for l in out.stdout.splitlines() if l.startswith("{")][-1])
+    assert result == json.loads((tmp_path / "b.json").read_text())
+    assert result["timed_steps"] == 2 and result["warmup_steps"] == 1 and result["tokens_per_step"] == 128
+    assert result["tokens_per_s_per_device"] > 0 and 0 < result["mfu"] < 1
+    assert result["peak_source"] == "measured matmul rate of this CPU" and result["peak_tflops"] > 0
+    assert result["peak_memory_gib"] > 0
+    split = result["time_split_s"]  # the last step logs, so it measures the update ratio
+    assert set(split) == {"data", "forward_backward", "optimizer", "checkpoint", "update_ratio", "other"}
+    assert abs(sum(split.values()) - result["step_time_s"]) < 1e-6 * max(1.0, result["step_time_s"]) + 1e-9
+    assert split["forward_backward"] > split["data"]
+    cost = result["update_ratio_cost"]
+    assert cost["log_steps"] == 1 and cost["s_per_log_step"] == pytest.approx(2 * split["update_ratio"])
+    opt = result["optimizer"]  # the tiny model in fp32 with AdamW: 28 bytes per parameter
+    assert opt["update_bytes"] == 28 * result["params"] and opt["copy_bandwidth_gb_s"] > 0
+    assert opt["floor_s"] == pytest.approx(opt["update_bytes"] / opt["copy_bandwidth_gb_s"] / 1e9)
+    assert opt["optimizer_s"] == split["optimizer"] and opt["floor_ratio"] == pytest.approx(
+        split["optimizer"] / opt["floor_s"]
+    )
+    assert (opt["implementation"], opt["clip"]) == ("foreach", "one multi-tensor multiply")
+
+
+def test_bench_bad_parallelism_is_one_line_error(tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "titanlite",
+            "bench",
+            "train",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--job.dump_folder",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert out.returncode == 2 and out.stderr.startswith("error: parallelism") and "Traceback" not in out.stderr
+
+
+def _bench_module():
+    """The benchmark's module (its StageActivity and helpers), without an interpreter start."""
+    return importlib.import_module("titanlite.bench.train")
+
+
+def test_busy_seconds_is_the_clipped_union_of_intervals():
+    bench = _bench_module()
+    spans = [(1.0, 3.0), (0.0, 2.0), (5.0, 6.0), (2.5, 2.75)]  # overlaps counted once
+    assert bench.busy_seconds(spans, 0.5, 5.5) == pytest.approx(1.5 + 1.0 + 0.5)
+    assert bench.busy_seconds(spans, 3.0, 5.0) == 0.0
+    assert bench.busy_seconds([], 0.0, 1.0) == 0.0
+
+
+class _SleepyMatmul(torch.autograd.Function):
+    """``x @ w`` that takes FORWARD_S to run forward and BACKWARD_S per backward run: known compute times."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        time.sleep(FORWARD_S)
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(BACKWARD_S)
+        x, w = ctx.saved_tensors
+        return grad @ w.T, x.T @ grad
+
+
+FORWARD_S, BACKWARD_S, IDLE_S = 0.04, 0.08, 0.06
+
+
+class _SleepyStage(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        return _SleepyMatmul.apply(x, self.w).relu()
+
+
+def _measure(backward) -> tuple[object, float, float]:
+    """Idle, forward, idle, ``backward(out, x, stage)``, idle; the recorder, the window and the idle time slept."""
+    bench = _bench_module()
+    activity, stage = bench.StageActivity(torch.device("cpu")), _SleepyStage()
+    activity.attach(7, stage)
+    x = torch.randn(2, 4, requires_grad=True)  # a received activation: the schedule's detached leaf
+    start = time.perf_counter()
+    time.sleep(IDLE_S)
+    out = stage(x)
+    time.sleep(IDLE_S)
+    backward(out, x, stage)
+    time.sleep(IDLE_S)
+    return activity, start, time.perf_counter()
+
+
+def _check_busy(activity, start, end, backward_runs: int) -> None:
+    forward = activity.busy(start, end, 7, ("forward",))
+    backward = activity.busy(start, end, 7, ("backward",))
+    # sleeps last at least their time, a little more on a busy machine
+    assert FORWARD_S <= forward < FORWARD_S + 0.05
+    assert backward_runs * BACKWARD_S <= backward < backward_runs * BACKWARD_S + 0.05 * backward_runs
+    # the idle sleeps are not compute: busy time leaves at least their sum out of the window
+    idle = (end - start) - activity.busy(start, end)
+    assert idle >= (2 + backward_runs) * IDLE_S
+    assert activity.busy(start, end, 8) == 0.0  # another stage computed nothing
+
+
+def test_stage_activity_measures_forward_and_backward_against_known_times():
+    def full_backward(out, x, stage):
+        out.sum().backward()
+
+    activity, start, end = _measure(full_backward)
+    _check_busy(activity, start, end, backward_runs=1)
+
+
+def test_stage_activity_measures_a_split_backward_weight_pass():
+    """Zero-bubble schedules run the input gradients, then (later) the weight gradients from inside the graph:
+    both passes are compute. Through the functions torch's stages call for them (private torch API: this test
+    breaks, rather than the bench silently under-counting, if they change)."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    def split_backward(out, x, stage):
+        _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], iter([stage.w]))
+        time.sleep(IDLE_S)
+        stage_backward_weight(iter([stage.w]), groups)
+        assert stage.w.grad is not None and x.grad is not None
+
+    activity, start, end = _measure(split_backward)
+    _check_busy(activity, start, end, backward_runs=2)
+
+
+def test_compare_pp_runs_both_layouts_and_reports_bubbles(tmp_path, capsys, monkeypatch):
+    """PP 2 and FSDP 2 under torchrun (2 processes each) at the same global batch: both throughputs, their ratio,
+    and per stage the measured bubble in [0, 1] next to the analytic prediction (p-1)/(m+p-1) of 1F1B. In this
+    process (the torchrun runs are bounded by --compare-timeout); the runs' logs go to files."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # two CPU processes, whatever GPUs the machine has
+    argv = ["--compare-pp", "--compare-timeout", "120", "--warmup", "1", "--steps", "2", *TINY_MODEL]
+    argv += ["--training.seq_len", "32", "--training.local_batch_size", "4", "--training.global_batch_size", "8"]
+    argv += ["--metrics.enable_tensorboard", "false", "--job.dump_folder", str(tmp_path)]
+    result = _bench_module().main(argv + ["--json-out", str(tmp_path / "c.json")])
+    out = capsys.readouterr()
+    assert json.loads(out.out) == result == json.loads((tmp_path / "c.json").read_text())  # one line on stdout
+    assert [line.split(" run")[0] for line in out.err.splitlines()] == ["fsdp2", "pp2"]  # one line per run
+    assert (tmp_path / "compare_pp2_0.log").stat().st_size > 0 and (tmp_path / "compare_fsdp2_0.json").exists()
+    pp, fsdp = result["runs"]["pp2"][0], result["runs"]["fsdp2"][0]
+    assert pp["parallelism"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "tp": 1}
+    assert fsdp["parallelism"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 1}
+    assert pp["global_batch_size"] == fsdp["global_batch_size"] == result["global_batch_size"] == 8
+    assert pp["tokens_per_step"] == fsdp["tokens_per_step"] == 8 * 32
+    assert result["tokens_per_s_global"] == {"pp2": pp["tokens_per_s_global"], "fsdp2": fsdp["tokens_per_s_global"]}
+    assert result["ratio_pp2_over_fsdp2"] == pytest.approx(pp["tokens_per_s_global"] / fsdp["tokens_per_s_global"])
+    assert "pipeline" not in fsdp
+    # the same global batch, the same data and initial weights: both layouts train to the same loss
+    assert pp["loss_first"] == pytest.approx(fsdp["loss_first"], rel=1e-5)
+    assert pp["loss_last"] == pytest.approx(fsdp["loss_last"], rel=1e-4)
+    pipe = result["pipeline"]
+    assert pipe == pp["pipeline"] and pipe["schedule"] == "1F1B" and pipe["n_microbatches"] == 4
+    assert pipe["bubble_predicted"] == pytest.approx((2 - 1) / (4 + 2 - 1))
+    assert [s["stage"] for s in pipe["stages"]] == [0, 1] and [s["pp_rank"] for s in pipe["stages"]] == [0, 1]
+    for s in pipe["stages"]:
+        assert s["bubble_predicted"] == pipe["bubble_predicted"]
+        assert 0 <= s["bubble_measured_in_schedule"] <= s["bubble_measured"] <= 1  # the schedule is part of the step
+        assert s["forward_s_per_step"] > 0 and s["backward_s_per_step"] > 0
+        busy = s["forward_s_per_step"] + s["backward_s_per_step"]  # one stage per rank: its whole compute
+        assert busy <= (1 - s["bubble_measured"]) * pp["step_time_s"] * 1.05 + 1e-3
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--parallelism.pipeline_parallel_degree", "2"],
+            "error: parallelism.pipeline_parallel_degree=2: --compare-pp",
+        ),
+        (["--training.global_batch_size", "4"], "error: training.global_batch_size=4 must be a multiple"),
+    ],
+)
+def test_compare_pp_bad_config_is_one_line_error(tmp_path, capsys, args, message):
+    """Refused before any run starts: exit status 2 and one line."""
+    argv = ["--compare-pp", *TINY_MODEL, "--training.local_batch_size", "4", *args, "--job.dump_folder", str(tmp_path)]
+    with pytest.raises(SystemExit) as exit_info:
+        _bench_module().main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith(message), err
+    assert err.count("\n") == 1 and not list(tmp_path.iterdir())  # nothing ran
