@@ -257,7 +257,7 @@ REFUSED = {
     "plug-in code": ('[experimental]\ncustom_import = "my.model"', "custom_import"),
     "a different loss": ("--training.label_smoothing 0.1", "loss / experts"),
     "unknown loss section": ('[loss]\nname = "chunked_cross_entropy"', "loss / experts"),
-    "HF weights": ("--checkpoint.initial_load_in_hf", "convert_hf_to_dcp"),
+    "HF weights": ("--checkpoint.initial_load_in_hf", "titanlite convert hf-to-dcp"),
     "seed checkpoint": ("--checkpoint.create_seed_checkpoint", "seed checkpoint"),
 }
 

@@ -14,6 +14,7 @@ from torch import nn
 
 import titanlite.trainer.metrics as metrics
 import titanlite.trainer.metrics_log as metrics_log
+from titanlite import fsio
 from titanlite.checkpoint import layout
 from titanlite.models import load_config
 from titanlite.trainer import Trainer
@@ -278,13 +279,23 @@ def test_disk_full_on_the_command_line_is_one_line_and_exit_2(tmp_path, capsys):
 def test_summary_write_on_a_full_disk_keeps_the_old_file(tmp_path, monkeypatch):
     path = tmp_path / "summary.json"
     path.write_text('{"steps": 4}\n')
-    real_write = metrics.Path.write_text
+    real_open = open
 
-    def half_then_full(self, text, **kw):
-        real_write(self, text[:5], **kw)
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    class HalfThenFull:  # the file the write goes to: part of the text lands, then the disk is full
+        def __init__(self, *args, **kw):
+            self.f = real_open(*args, **kw)
 
-    monkeypatch.setattr(metrics.Path, "write_text", half_then_full)
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def writelines(self, chunks):
+            self.f.write(b"".join(chunks)[:5])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(fsio, "open", HalfThenFull, raising=False)  # titanlite.fsio's writes go through open()
     with pytest.raises(metrics_log.DiskFullError, match=re.escape(f"could not write {path}; it was left as it was")):
         metrics_log.write_file_whole(path, '{"steps": 8}\n')
     monkeypatch.undo()
