@@ -213,7 +213,8 @@ def test_compare_pp_runs_both_layouts_and_reports_bubbles(tmp_path, capsys, monk
         assert 0 <= s["bubble_measured_in_schedule"] <= s["bubble_measured"] <= 1  # the schedule is part of the step
         assert s["forward_s_per_step"] > 0 and s["backward_s_per_step"] > 0
         busy = s["forward_s_per_step"] + s["backward_s_per_step"]  # one stage per rank: its whole compute
-        assert busy <= (1 - s["bubble_measured"]) * pp["step_time_s"] * 1.05 + 1e-3
+        # the bubble is a fraction of the rank's own timed window, which a loaded machine made 2x the step time
+        assert busy <= (1 - s["bubble_measured"]) * s["wall_s_per_step"] * 1.05 + 1e-3
 
 
 @pytest.mark.parametrize(

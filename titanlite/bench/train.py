@@ -512,6 +512,7 @@ def pipeline_report(trainer: BenchTrainer, elapsed: float, steps: int, peak_memo
             "pp_rank": r,
             "bubble_measured": max(0.0, 1 - busy / wall),
             "bubble_measured_in_schedule": None if not schedule else max(0.0, 1 - busy / schedule),
+            "wall_s_per_step": wall / steps,  # the window the bubble is a fraction of
             "peak_memory_gib": _mean([m["peak_memory_gib"] for m in mine]),
         }
         per_rank.append(rank)
