@@ -16,6 +16,7 @@ import math
 import os
 import re
 import sys
+import time
 import types
 import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -462,4 +463,6 @@ def exit_with_error(error: object, code: int = 2, every_rank: bool = False) -> N
         sys.stderr.write(f"error: {f'rank {rank}: ' if rank is not None and world > 1 else ''}{msg}\n")
     elif os.environ.get("LOCAL_RANK", "0") == "0":
         sys.stderr.write(f"error: {msg}\n")
+    else:  # torchrun stops every rank once one exits: give local rank 0, which says why, time to say it first
+        time.sleep(5.0)
     raise SystemExit(code)
