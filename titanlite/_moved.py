@@ -21,6 +21,10 @@ MOVED_MODULES: dict[str, str] = {  # old module -> where it went (every titanlit
     "titanlite.run_plan": f"{P}.run_plan (plan_run is now plan_steps)",
     "titanlite.dry_run": f"{P}.dry_run",
 }
+HF = "titanlite.checkpoint.hf"
+HF_IMPORT = ("read_hf_config", "hf_seed", "hf_state_dict", "INDEX_FILE", "SINGLE_FILE", "Progress")
+TORCHTITAN_FORMAT = ("torchtitan_version", "torchtitan_name", "torchtitan_model_args", "TORCHTITAN_QKV")
+TORCHTITAN_FORMAT += ("TORCHTITAN_LLAMA3_HEADS", "TORCHTITAN_LLAMA3_KEYS")
 MOVED_NAMES: dict[tuple[str, str], str] = {  # (module, old name) -> the new full name
     (f"{P}.planner", "plan_run"): f"{P}.planner.estimate_run",
     (f"{P}.run_plan", "plan_run"): f"{P}.run_plan.plan_steps",
@@ -28,6 +32,10 @@ MOVED_NAMES: dict[tuple[str, str], str] = {  # (module, old name) -> the new ful
     ("titanlite.train", "grad_accum_steps"): f"{T}.step.grad_accum_steps",
     ("titanlite.train", "REMOVED_METHODS"): f"{T}.trainer.REMOVED_METHODS",
     ("titanlite.train", "RESUMED"): "titanlite.checkpoint.layout.RESUMED",
+    **{(HF, n): f"titanlite.checkpoint.hf_import.{n}" for n in HF_IMPORT},
+    **{(HF, n): f"torchtitan_ext.compat.format.{n}" for n in TORCHTITAN_FORMAT},
+    (HF, "model_args_from_seed"): "titanlite.checkpoint.seed_args.model_args_from_seed",
+    (HF, "model_from_info"): "titanlite.checkpoint.hf_export.model_from_info",
 }
 
 
