@@ -25,6 +25,7 @@ HF = "titanlite.checkpoint.hf"
 HF_IMPORT = ("read_hf_config", "hf_seed", "hf_state_dict", "INDEX_FILE", "SINGLE_FILE", "Progress")
 TORCHTITAN_FORMAT = ("torchtitan_version", "torchtitan_name", "torchtitan_model_args", "TORCHTITAN_QKV")
 TORCHTITAN_FORMAT += ("TORCHTITAN_LLAMA3_HEADS", "TORCHTITAN_LLAMA3_KEYS")
+TP_DECODER = "titanlite.parallel.tensor_parallel.parallelize_decoder"
 MOVED_NAMES: dict[tuple[str, str], str] = {  # (module, old name) -> the new full name
     (f"{P}.planner", "plan_run"): f"{P}.planner.estimate_run",
     (f"{P}.run_plan", "plan_run"): f"{P}.run_plan.plan_steps",
@@ -36,6 +37,12 @@ MOVED_NAMES: dict[tuple[str, str], str] = {  # (module, old name) -> the new ful
     **{(HF, n): f"torchtitan_ext.compat.format.{n}" for n in TORCHTITAN_FORMAT},
     (HF, "model_args_from_seed"): "titanlite.checkpoint.seed_args.model_args_from_seed",
     (HF, "model_from_info"): "titanlite.checkpoint.hf_export.model_from_info",
+    ("titanlite.parallel.tensor_parallel", "parallelize_decoder_ends"): TP_DECODER,
+    **{
+        (f"{m}.parallelize", "apply_tensor_parallel"): TP_DECODER
+        for m in ("titanlite.models.llama3", "titanlite.models.moe")
+    },
+    ("torchtitan_ext.qwen3.parallelize", "apply_tensor_parallel"): TP_DECODER,
 }
 
 

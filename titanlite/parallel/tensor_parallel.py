@@ -11,6 +11,7 @@ inside :func:`loss_parallel_context`.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,6 +24,8 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
+
+from titanlite._moved import moved_names
 
 
 def loss_parallel_context(enabled: bool):
@@ -59,12 +62,16 @@ class SyncRowwiseParallel(RowwiseParallel):
         return outputs.to_local() if use_local_output else outputs
 
 
-def parallelize_decoder_ends(model: nn.Module, tp_mesh: Any, loss_parallel: bool) -> None:
-    """The TP plan of a decoder's ends (Llama 3, Qwen3): the embedding row-wise (a vocabulary-sharded table) with
-    its output sharded along the sequence, the final norm sequence-parallel, the output column-wise (logits
-    vocabulary-sharded with ``loss_parallel``, else gathered). A pipeline stage lacks the embedding or the
-    norm and output (None there, see ``titanlite.parallel.pipeline``): only the modules present are planned."""
-    plan = {
+def parallelize_decoder(
+    model: nn.Module, tp_mesh: Any, loss_parallel: bool, block_plan: Callable[[nn.Module], dict]
+) -> None:
+    """The TP plan of a decoder (Llama 3, Qwen3, their MoE): each block of ``model.layers`` by ``block_plan(block)``
+    (submodule name -> style); the embedding row-wise (a vocabulary-sharded table) with its output sharded along
+    the sequence, the final norm sequence-parallel, the output column-wise (logits vocabulary-sharded with
+    ``loss_parallel``, else gathered). A pipeline stage lacks the embedding or the norm and output (None there,
+    see ``titanlite.parallel.pipeline``): only the modules present are planned. A tied output shares the
+    embedding's DTensor again (TP replaced both parameters)."""
+    ends = {
         "tok_embeddings": SyncRowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
         "output": ColwiseParallel(
@@ -73,4 +80,11 @@ def parallelize_decoder_ends(model: nn.Module, tp_mesh: Any, loss_parallel: bool
             use_local_output=not loss_parallel,
         ),
     }
-    parallelize_module(model, tp_mesh, {k: v for k, v in plan.items() if getattr(model, k, None) is not None})
+    parallelize_module(model, tp_mesh, {k: v for k, v in ends.items() if getattr(model, k, None) is not None})
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, block_plan(block))
+    if model.args.tie_word_embeddings and model.output is not None:
+        model.output.weight = model.tok_embeddings.weight
+
+
+__getattr__ = moved_names(__name__)  # old names (titanlite._moved)

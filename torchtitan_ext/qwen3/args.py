@@ -19,9 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from titanlite.models.flops import params_of
-
-ATTN_MASK_TYPES: tuple[str, ...] = ("causal", "block_causal")
-ATTN_BACKENDS: tuple[str, ...] = ("auto", "sdpa", "flex")
+from titanlite.models.llama3.args import check_decoder_args
 
 
 @dataclass
@@ -46,24 +44,9 @@ class Qwen3ModelArgs:
         self.validate()
 
     def validate(self) -> None:
-        for name in ("dim", "n_layers", "n_heads", "head_dim", "ffn_hidden_dim", "vocab_size", "max_seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"Qwen3ModelArgs.{name} must be a positive integer, got {value!r}")
-        if self.n_kv_heads is not None and (not isinstance(self.n_kv_heads, int) or self.n_kv_heads <= 0):
-            raise ValueError(f"Qwen3ModelArgs.n_kv_heads must be a positive integer or None, got {self.n_kv_heads!r}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
-        if self.n_heads % self.kv_heads:
-            raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.kv_heads})")
-        if self.norm_eps <= 0:
-            raise ValueError(f"norm_eps must be positive, got {self.norm_eps}")
-        if self.rope_theta <= 0:
-            raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
-        if self.attn_mask_type not in ATTN_MASK_TYPES:
-            raise ValueError(f"attn_mask_type must be one of {ATTN_MASK_TYPES}, got {self.attn_mask_type!r}")
-        if self.attn_backend not in ATTN_BACKENDS:
-            raise ValueError(f"attn_backend must be one of {ATTN_BACKENDS}, got {self.attn_backend!r}")
+        check_decoder_args(
+            self, ("dim", "n_layers", "n_heads", "head_dim", "ffn_hidden_dim", "vocab_size", "max_seq_len")
+        )
 
     @property
     def kv_heads(self) -> int:
@@ -79,11 +62,9 @@ class Qwen3ModelArgs:
         return self.kv_heads * self.head_dim
 
 
-def num_params_from_args(a: Qwen3ModelArgs) -> int:
-    """Parameter count from the architecture alone (tied embedding counted once): titanlite's
-    planner formula, which knows Qwen3's free ``head_dim`` and the QK-norm gains."""
-    return params_of(a)
-
+# the parameter count from the architecture alone (tied embedding once): titanlite's formula knows Qwen3's free
+# head_dim and the QK-norm gains
+num_params_from_args = params_of
 
 _QWEN3 = dict(vocab_size=151936, norm_eps=1e-6, rope_theta=1_000_000.0, max_seq_len=40960, head_dim=128)
 

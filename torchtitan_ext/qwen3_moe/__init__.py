@@ -20,11 +20,7 @@ from torchtitan_ext.qwen3_moe.model import Qwen3MoEModel
 
 def parallelize_qwen3_moe(model, parallel_dims, policies):
     """Qwen3's TP plan (QK-norm) with MoE blocks (:func:`titanlite.models.moe.parallelize.parallelize_moe_decoder`)."""
-    a = model.args
-    sizes = {"model.n_heads": a.n_heads, "model.n_kv_heads": a.kv_heads, "model.vocab_size": a.vocab_size}
-    if any(not a.is_moe_layer(i) for i in range(a.n_layers)):
-        sizes["model.ffn_hidden_dim"] = a.ffn_hidden_dim
-    return parallelize_moe_decoder(model, parallel_dims, policies, lambda: block_tp_plan(a.qk_norm), sizes)
+    return parallelize_moe_decoder(model, parallel_dims, policies, lambda: block_tp_plan(model.args.qk_norm))
 
 
 SPEC = register_model(

@@ -109,6 +109,10 @@ class Attention(nn.Module):
             trunc_normal_(linear.weight, 0.02)
         trunc_normal_(self.wo.weight, init_std)
 
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, rope_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE on the query and key heads (a family with another layout or QK-norm overrides it)."""
+        return apply_rope(q, rope_cache), apply_rope(k, rope_cache)
+
     def forward(
         self, x: torch.Tensor, rope_cache: torch.Tensor, attn_mask: AttentionMask = None, cache: LayerKV | None = None
     ) -> torch.Tensor:
@@ -117,7 +121,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
-        q, k = apply_rope(q, rope_cache), apply_rope(k, rope_cache)
+        q, k = self.rotate(q, k, rope_cache)
         if cache is not None:  # generation / packed scoring: the cached keys/values, GQA's few heads unrepeated
             k, v = cache.update(k, v)  # (models/kv_cache.py)
             return self.wo(grouped_query_attention(q, k, v, attn_mask).reshape(bsz, seqlen, -1))
@@ -148,9 +152,11 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm block: attention then SwiGLU, each with a residual connection."""
 
+    attention_cls: type[Attention] = Attention
+
     def __init__(self, layer_id: int, args: Llama3ModelArgs):
         super().__init__()
-        self.attention = Attention(args)
+        self.attention = self.attention_cls(args)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
@@ -171,13 +177,16 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """The Llama 3 language model: ``forward(tokens [B, S]) -> logits [B, S, vocab]``."""
+    """The Llama 3 language model: ``forward(tokens [B, S]) -> logits [B, S, vocab]``. A family with other blocks
+    or another rotary table subclasses it (``block_cls``, :meth:`_precompute_rope`)."""
+
+    block_cls: type[TransformerBlock] = TransformerBlock
 
     def __init__(self, args: Llama3ModelArgs):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): self.block_cls(i, args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_word_embeddings:

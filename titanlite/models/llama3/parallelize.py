@@ -50,6 +50,7 @@ With a single data-parallel rank FSDP is not applied and the Trainer uses bf16 a
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -58,22 +59,25 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
-    parallelize_module,
 )
 
+from titanlite._moved import moved_names
 from titanlite.parallel.fsdp import FSDPPolicy
-from titanlite.parallel.tensor_parallel import parallelize_decoder_ends
+from titanlite.parallel.tensor_parallel import parallelize_decoder
 
 logger = logging.getLogger(__name__)
 
 
-def parallelize_llama(model: nn.Module, parallel_dims, policies) -> nn.Module:
-    """Float8 -> TP -> AC -> compile -> FSDP on a meta-device Llama 3 model (see module docstring)."""
+def parallelize_llama(
+    model: nn.Module, parallel_dims, policies, block_plan: Callable[[], dict] | None = None
+) -> nn.Module:
+    """Float8 -> TP -> AC -> compile -> FSDP on a meta-device Llama 3 model (see module docstring). ``block_plan()``:
+    a block's TP plan, for a family with Llama's modules but another attention (default :func:`block_tp_plan`)."""
     check_llama_parallelism(model.args, parallel_dims)
     policies.float8.apply(model, parallel_dims.tp)
     if parallel_dims.tp_enabled:
-        loss_parallel = parallel_dims.loss_parallel_enabled
-        apply_tensor_parallel(model, parallel_dims.tp_mesh, loss_parallel)
+        loss_parallel, plan = parallel_dims.loss_parallel_enabled, block_plan or block_tp_plan
+        parallelize_decoder(model, parallel_dims.tp_mesh, loss_parallel, lambda block: plan())
         logger.info("tensor parallel over %d ranks (loss parallel: %s)", parallel_dims.tp, loss_parallel)
     if checkpointed := policies.activation_checkpoint.apply(model):
         logger.info("activation checkpointing %s on blocks %s", policies.activation_checkpoint, ",".join(checkpointed))
@@ -92,7 +96,8 @@ def check_llama_parallelism(args, parallel_dims) -> None:
         **{
             "model.n_heads": args.n_heads,
             "model.n_kv_heads": args.kv_heads,
-            "the SwiGLU hidden size": args.ffn_hidden_dim,
+            # a field of some families' args, computed from others in Llama 3's
+            "model.ffn_hidden_dim" if "ffn_hidden_dim" in vars(args) else "the SwiGLU hidden size": args.ffn_hidden_dim,
             "model.vocab_size": args.vocab_size,
         }
     )
@@ -118,17 +123,6 @@ def block_tp_plan() -> dict:
     }
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
-    """The Llama TP + sequence-parallel plan (module docstring, step 2)."""
-    parallelize_decoder_ends(model, tp_mesh, loss_parallel)
-    for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_tp_plan())
-    if (
-        model.args.tie_word_embeddings and model.output is not None
-    ):  # TP replaced both parameters: share the embedding's again
-        model.output.weight = model.tok_embeddings.weight
-
-
 def apply_fsdp(model: nn.Module, policy: FSDPPolicy) -> None:
     """FSDP groups bottom-up (module docstring, step 5)."""
     tied = model.args.tie_word_embeddings
@@ -139,3 +133,6 @@ def apply_fsdp(model: nn.Module, policy: FSDPPolicy) -> None:
     if not tied and model.output is not None:  # None: an earlier pipeline stage
         policy.shard(model.output, last=True)  # the norm goes to the root group
     policy.finish(model)
+
+
+__getattr__ = moved_names(__name__)  # old names (titanlite._moved)

@@ -13,11 +13,7 @@ from titanlite.tokenizer import build_tokenizer
 
 def parallelize_llama3_moe(model, parallel_dims, policies):
     """Llama's plan with MoE blocks (:func:`titanlite.models.moe.parallelize.parallelize_moe_decoder`)."""
-    a = model.args
-    sizes = {"model.n_heads": a.n_heads, "model.n_kv_heads": a.kv_heads, "model.vocab_size": a.vocab_size}
-    if a.n_dense_layers:
-        sizes["model.ffn_hidden_dim"] = a.ffn_hidden_dim
-    return parallelize_moe_decoder(model, parallel_dims, policies, block_tp_plan, sizes)
+    return parallelize_moe_decoder(model, parallel_dims, policies, block_tp_plan)
 
 
 register_model(

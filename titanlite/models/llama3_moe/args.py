@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titanlite.models.llama3.args import ATTN_BACKENDS, ATTN_MASK_TYPES
+from titanlite.models.llama3.args import check_decoder_args
 from titanlite.models.moe.args import MoEArgs
 
 
@@ -56,26 +56,11 @@ class Llama3MoEArgs(MoEArgs):
         self.validate()
 
     def validate(self) -> None:
-        for name in ("dim", "n_layers", "n_heads", "vocab_size", "ffn_hidden_dim", "max_seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
-        if self.n_kv_heads is not None and (not isinstance(self.n_kv_heads, int) or self.n_kv_heads <= 0):
-            raise ValueError(f"model.n_kv_heads must be a positive integer or None, got {self.n_kv_heads!r}")
+        check_decoder_args(self, ("dim", "n_layers", "n_heads", "vocab_size", "ffn_hidden_dim", "max_seq_len"))
         if self.attn_head_dim < 0 or (not self.attn_head_dim and self.dim % self.n_heads):
             raise ValueError(f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
-        if self.n_heads % self.kv_heads:
-            raise ValueError(f"model.n_heads ({self.n_heads}) must be divisible by model.n_kv_heads ({self.kv_heads})")
         if not 0 <= self.n_dense_layers <= self.n_layers:
             raise ValueError(f"model.n_dense_layers ({self.n_dense_layers}) must be in [0, n_layers={self.n_layers}]")
-        if self.norm_eps <= 0 or self.rope_theta <= 0:
-            raise ValueError("model.norm_eps and model.rope_theta must be positive")
-        if self.attn_mask_type not in ATTN_MASK_TYPES:
-            raise ValueError(f"model.attn_mask_type must be one of {ATTN_MASK_TYPES}, got {self.attn_mask_type!r}")
-        if self.attn_backend not in ATTN_BACKENDS:
-            raise ValueError(f"model.attn_backend must be one of {ATTN_BACKENDS}, got {self.attn_backend!r}")
         self.moe_config()  # checks the moe_* fields
 
     @property

@@ -29,13 +29,14 @@ from collections.abc import Callable
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import PrepareModuleInputOutput, parallelize_module
+from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
+from titanlite._moved import moved_names
 from titanlite.models.llama3.parallelize import apply_fsdp
 from titanlite.models.moe.expert_parallel import shard_experts
 from titanlite.models.moe.layer import MoE
 from titanlite.parallel.compile import compile_fn
-from titanlite.parallel.tensor_parallel import parallelize_decoder_ends
+from titanlite.parallel.tensor_parallel import parallelize_decoder
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +69,17 @@ def check_moe_parallelism(model: nn.Module, parallel_dims) -> None:
 
 
 def parallelize_moe_decoder(
-    model: nn.Module, parallel_dims, policies, block_tp_plan: Callable[[], dict], tp_sizes: dict[str, int]
+    model: nn.Module, parallel_dims, policies, block_tp_plan: Callable[[], dict], tp_sizes: dict[str, int] | None = None
 ) -> nn.Module:
     """float8 -> TP -> EP -> AC -> compile -> FSDP on a meta-device decoder with MoE blocks (module docstring).
-    ``block_tp_plan()``: the family's TP plan of a dense block; ``tp_sizes``: sizes TP must divide (named)."""
+    ``block_tp_plan()``: the family's TP plan of a dense block; ``tp_sizes``: sizes TP must divide (named; default:
+    the heads, the vocabulary and, with dense blocks, ``model.ffn_hidden_dim``)."""
     check_moe_parallelism(model, parallel_dims)
+    if tp_sizes is None:
+        a = model.args
+        tp_sizes = {"model.n_heads": a.n_heads, "model.n_kv_heads": a.kv_heads, "model.vocab_size": a.vocab_size}
+        if any(not a.is_moe_layer(i) for i in range(a.n_layers)):
+            tp_sizes["model.ffn_hidden_dim"] = a.ffn_hidden_dim
     parallel_dims.check_tp_divides(**tp_sizes)
     moes = moe_layers(model)
     float8 = policies.float8
@@ -82,7 +89,8 @@ def parallelize_moe_decoder(
             logger.info("float8: routers stay in high precision; the stacked experts run their grouped GEMMs in bf16")
     float8.apply(model, parallel_dims.tp)
     if parallel_dims.tp_enabled:
-        apply_tensor_parallel(model, parallel_dims.tp_mesh, parallel_dims.loss_parallel_enabled, block_tp_plan)
+        plan, lp = (lambda block: moe_block_plan(block, block_tp_plan())), parallel_dims.loss_parallel_enabled
+        parallelize_decoder(model, parallel_dims.tp_mesh, lp, plan)
         logger.info("tensor parallel over %d ranks (MoE layers replicated over them)", parallel_dims.tp)
     dp_group = parallel_dims.dp_group if parallel_dims.dp_degree > 1 else None
     for moe in moes:
@@ -108,16 +116,11 @@ def parallelize_moe_decoder(
     return model
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh, loss_parallel: bool, block_tp_plan: Callable[[], dict]) -> None:
-    parallelize_decoder_ends(model, tp_mesh, loss_parallel)
-    for block in model.layers.values():
-        plan = block_tp_plan()
-        if isinstance(block.feed_forward, MoE):
-            plan = {k: v for k, v in plan.items() if not k.startswith("feed_forward")}
-            plan["feed_forward"] = MOE_TP_PLAN
-        parallelize_module(block, tp_mesh, plan)
-    if model.args.tie_word_embeddings and model.output is not None:  # TP replaced both: share the embedding's again
-        model.output.weight = model.tok_embeddings.weight
+def moe_block_plan(block: nn.Module, dense_plan: dict) -> dict:
+    """A block's TP plan: the family's dense one, with :data:`MOE_TP_PLAN` for a MoE ``feed_forward``."""
+    if not isinstance(block.feed_forward, MoE):
+        return dense_plan
+    return {**{k: v for k, v in dense_plan.items() if not k.startswith("feed_forward")}, "feed_forward": MOE_TP_PLAN}
 
 
 def apply_compile(model: nn.Module, on_dtensors: bool) -> None:
@@ -128,3 +131,6 @@ def apply_compile(model: nn.Module, on_dtensors: bool) -> None:
         breaks = isinstance(ff, MoE) and (ff.ep_group is not None or not ff.experts.grouped_mm)
         block.forward = compile_fn(block.forward, on_dtensors, fullgraph=not breaks)
     logger.info("compiled each transformer block")
+
+
+__getattr__ = moved_names(__name__)  # old names (titanlite._moved)
