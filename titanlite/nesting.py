@@ -74,8 +74,3 @@ def loads_toml(text: str) -> dict[str, Any]:
     if too_deep(value):
         raise TOMLNestingError()
     return value
-
-
-def load_toml(fp: IO[bytes]) -> dict[str, Any]:
-    """``tomllib.load(fp)`` (a binary file, as tomllib wants it) with the nesting bound."""
-    return loads_toml(fp.read().decode())

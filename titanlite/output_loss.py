@@ -60,11 +60,6 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 LOSS_GRADIENTS: dict[Callable, Callable] = {cross_entropy_sum: cross_entropy_sum_and_grad}
 
 
-def register_loss_gradient(loss_fn: LossFn, value_and_grad: Callable) -> None:
-    """Let the chunked loss use ``value_and_grad(logits, labels) -> (loss, dloss/dlogits)`` for ``loss_fn``."""
-    LOSS_GRADIENTS[loss_fn] = value_and_grad
-
-
 def supports_hidden_states(model_cls: type) -> bool:
     """Whether ``model_cls.forward`` takes ``return_hidden`` (the family side of :class:`ChunkedLoss`)."""
     forward = getattr(model_cls, "forward", None)

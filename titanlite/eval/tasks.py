@@ -366,18 +366,14 @@ def arc_item(row: dict) -> Item:
 class ARCEasy(MultipleChoiceTask):
     name = "arc_easy"
     files = ("arc/ARC-Easy-Test.jsonl",)
-
-    def item(self, row: dict) -> Item:
-        return arc_item(row)
+    item = staticmethod(arc_item)
 
 
 @register_task
 class ARCChallenge(MultipleChoiceTask):
     name = "arc_challenge"
     files = ("arc/ARC-Challenge-Test.jsonl",)
-
-    def item(self, row: dict) -> Item:
-        return arc_item(row)
+    item = staticmethod(arc_item)
 
 
 @register_task

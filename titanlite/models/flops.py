@@ -126,11 +126,6 @@ def active_param_count(s: ModelShape) -> int:
     return param_count(s) - (s.moe_extra_params() - s.moe_extra_params(active=True))
 
 
-def matmul_param_count(s: ModelShape) -> int:
-    """Parameters used in matmuls: the blocks' linear weights and the output projection."""
-    return round(s.n_layers * block_matmul_params(s) + s.vocab_size * s.dim)
-
-
 def palm_flops_per_token(matmul_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> int:
     """Training FLOPs per token (PaLM, Chowdhery et al. 2022, appendix B): a forward+backward pass
     costs 6 FLOPs per parameter that takes part in a matmul, plus 12 x n_layers x n_heads x head_dim
