@@ -19,11 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from titanlite.models.flops import params_of
-from titanlite.models.llama3.args import check_decoder_args
+from titanlite.models.llama3.args import DecoderArgs, check_decoder_args
 
 
 @dataclass
-class Qwen3ModelArgs:
+class Qwen3ModelArgs(DecoderArgs):
     dim: int = 1024
     n_layers: int = 28
     n_heads: int = 16
@@ -40,26 +40,10 @@ class Qwen3ModelArgs:
     attn_mask_type: str = "causal"
     attn_backend: str = "auto"
 
-    def __post_init__(self) -> None:
-        self.validate()
-
     def validate(self) -> None:
         check_decoder_args(
             self, ("dim", "n_layers", "n_heads", "head_dim", "ffn_hidden_dim", "vocab_size", "max_seq_len")
         )
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
-
-    @property
-    def q_dim(self) -> int:
-        """Width of the concatenated query heads (``wq`` output, ``wo`` input)."""
-        return self.n_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
 
 
 # the parameter count from the architecture alone (tied embedding once): titanlite's formula knows Qwen3's free

@@ -11,8 +11,21 @@ ATTN_MASK_TYPES: tuple[str, ...] = ("causal", "block_causal")
 ATTN_BACKENDS: tuple[str, ...] = ("auto", "sdpa", "flex")
 
 
+class DecoderArgs:
+    """What the args of a Llama-style decoder (Llama 3, its MoE, Qwen3) share: :meth:`validate` on construction
+    and :attr:`kv_heads`."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def kv_heads(self) -> int:
+        """Number of key/value heads (``n_kv_heads`` with None resolved to ``n_heads``)."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+
 @dataclass
-class Llama3ModelArgs:
+class Llama3ModelArgs(DecoderArgs):
     dim: int = 4096
     n_layers: int = 32
     n_heads: int = 32
@@ -33,20 +46,12 @@ class Llama3ModelArgs:
     attn_mask_type: str = "causal"  # "block_causal": attend only within the token's own document
     attn_backend: str = "auto"  # block_causal kernel: flex on CUDA, SDPA + boolean mask on CPU
 
-    def __post_init__(self) -> None:
-        self.validate()
-
     def validate(self) -> None:
         check_decoder_args(self, ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"))
         if self.dim % self.n_heads != 0:
             raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if self.ffn_dim_multiplier is not None and self.ffn_dim_multiplier <= 0:
             raise ValueError(f"ffn_dim_multiplier must be positive or None, got {self.ffn_dim_multiplier}")
-
-    @property
-    def kv_heads(self) -> int:
-        """Number of key/value heads (``n_kv_heads`` with None resolved to ``n_heads``)."""
-        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
     @property
     def head_dim(self) -> int:

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titanlite.models.llama3.args import check_decoder_args
+from titanlite.models.llama3.args import DecoderArgs, check_decoder_args
 from titanlite.models.moe.args import MoEArgs
 
 
 @dataclass
-class Llama3MoEArgs(MoEArgs):
+class Llama3MoEArgs(MoEArgs, DecoderArgs):
     dim: int = 256
     n_layers: int = 6
     n_heads: int = 8
@@ -52,9 +52,6 @@ class Llama3MoEArgs(MoEArgs):
     attn_mask_type: str = "causal"
     attn_backend: str = "auto"
 
-    def __post_init__(self) -> None:
-        self.validate()
-
     def validate(self) -> None:
         check_decoder_args(self, ("dim", "n_layers", "n_heads", "vocab_size", "ffn_hidden_dim", "max_seq_len"))
         if self.attn_head_dim < 0 or (not self.attn_head_dim and self.dim % self.n_heads):
@@ -62,10 +59,6 @@ class Llama3MoEArgs(MoEArgs):
         if not 0 <= self.n_dense_layers <= self.n_layers:
             raise ValueError(f"model.n_dense_layers ({self.n_dense_layers}) must be in [0, n_layers={self.n_layers}]")
         self.moe_config()  # checks the moe_* fields
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
     @property
     def head_dim(self) -> int:
