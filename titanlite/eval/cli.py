@@ -82,7 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for key in ("checkpoint", "watch", "data_dir", "output", "tokenizer"):  # --output=~/x: the shell leaves ~
             if getattr(a, key):
                 setattr(a, key, os.path.expanduser(getattr(a, key)))
-        load_extensions([m.strip() for m in a.extensions.split(",") if m.strip()])  # they may register tasks
+        a.extensions = [m.strip() for m in a.extensions.split(",") if m.strip()]
+        load_extensions(a.extensions)  # they may register tasks
         if a.watch:
             return run_watch(a)
         tasks, data_dir = check_args(a)
@@ -110,7 +111,7 @@ def run_watch(a: argparse.Namespace) -> int:
     tasks = [t.strip() for t in a.tasks.split(",") if t.strip()] if a.tasks else None
     kw = dict(tasks=tasks, data_dir=a.data_dir, limit=a.limit, batch_size=a.batch_size, device=a.device)
     kw.update(compile=a.compile, max_seq_len=a.max_seq_len)
-    kw.update(tokenizer_path=a.tokenizer, extensions=[m.strip() for m in a.extensions.split(",") if m.strip()])
+    kw.update(tokenizer_path=a.tokenizer, extensions=a.extensions)
     watch(a.watch, poll_seconds=a.poll_seconds, once=a.once, **kw)
     return 0
 
@@ -156,14 +157,9 @@ def check_numbers_and_device(a: argparse.Namespace) -> None:
 
 def evaluate_checkpoint(path: str, a: argparse.Namespace, tasks: list[str], data_dir: Path) -> dict[str, Any]:
     """Load ``path`` and score it: the results dict of :func:`evaluate` plus ``step`` and ``checkpoint``.
-    One call per checkpoint, so a watcher can call it for each new one."""
-    extensions = [m.strip() for m in a.extensions.split(",") if m.strip()]
-    try:
-        device = torch.device(a.device)
-    except RuntimeError:
-        raise UsageError(f"--device {a.device!r}: expected cpu, cuda or cuda:N") from None
-    dtype = DTYPES[a.dtype or "float32"]
-    loaded = load_model(path, device=device, dtype=dtype, tokenizer_path=a.tokenizer, extensions=extensions)
+    One call per checkpoint, so a watcher can call it for each new one (``a``: checked by :func:`check_args`)."""
+    device, dtype = torch.device(a.device), DTYPES[a.dtype or "float32"]
+    loaded = load_model(path, device=device, dtype=dtype, tokenizer_path=a.tokenizer, extensions=a.extensions)
     kw = dict(limit=a.limit, batch_size=a.batch_size, max_seq_len=a.max_seq_len, compile=a.compile)
     results = evaluate(loaded.model, loaded.tokenizer, tasks, data_dir, **kw)
     return {**results, "step": loaded.step, "checkpoint": str(loaded.path)}
