@@ -45,6 +45,15 @@ class Qwen3ModelArgs(DecoderArgs):
             self, ("dim", "n_layers", "n_heads", "head_dim", "ffn_hidden_dim", "vocab_size", "max_seq_len")
         )
 
+    @property
+    def q_dim(self) -> int:
+        """Width of the concatenated query heads (``wq`` output, ``wo`` input)."""
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
 
 # the parameter count from the architecture alone (tied embedding once): titanlite's formula knows Qwen3's free
 # head_dim and the QK-norm gains
