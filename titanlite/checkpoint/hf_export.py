@@ -38,7 +38,7 @@ from titanlite.checkpoint import layout, safe_load
 from titanlite.checkpoint.hf_import import INDEX_FILE, SINGLE_FILE, Progress, no_progress
 from titanlite.checkpoint.hf_tokenizer_files import check_tokenizer, write_tokenizer_files
 from titanlite.extensions import load_extensions
-from titanlite.fsio import atomic_dir, one_line
+from titanlite.fsio import atomic_dir, fsync_dir, one_line
 from titanlite.hf_tokenizer import tokenizer_files
 from titanlite.models import get_model_spec, model_names
 from titanlite.models.registry import check_model_args
@@ -125,7 +125,7 @@ def dcp_to_hf(
                     tensors[hf_name], weight_map[hf_name] = part.to(out_dtype).contiguous(), file
                     progress(done, len(expected), hf_name, tuple(part.shape), out_dtype)
             save_file(tensors, partial / file, metadata={"format": "pt"})
-            layout.fsync_dir(partial / file)  # save_file does not fsync; fsync_dir works on a file too
+            fsync_dir(partial / file)  # save_file does not fsync; fsync_dir works on a file too
         if n > 1:
             index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
             layout.write_json(partial / INDEX_FILE, index)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from titanlite.fsio import fsync_dir
+from titanlite.fsio import atomic_write, fsync_dir
 from titanlite.nesting import loads_json
 
 logger = logging.getLogger(__name__)
@@ -87,20 +87,8 @@ def list_partial_folders(folder: str | os.PathLike) -> list[Path]:
 
 
 def write_json(file: str | os.PathLike, data: dict[str, Any], sort_keys: bool = False) -> None:
-    """Written and fsynced (a step folder is published right after: it must not hold an empty file)."""
-    with open(file, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, sort_keys=sort_keys)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def write_text(file: str | os.PathLike, text: str) -> None:
-    """Written and fsynced, like :func:`write_json`."""
-    with open(file, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    """Written atomically and fsynced (a step folder is published right after: it must not hold an empty file)."""
+    atomic_write(file, json.dumps(data, indent=2, sort_keys=sort_keys) + "\n", hidden_tmp=True)
 
 
 class InfoIntegrityError(ValueError):
@@ -118,15 +106,13 @@ def info_digest(info: dict[str, Any]) -> str:
 def write_info(path: str | os.PathLike, info: dict[str, Any]) -> None:
     """``<path>/checkpoint.json``: ``info``, the size and CRC-32 of the folder's DCP files (``info["files"]``,
     computed now unless given: write it after the DCP files) and the SHA-256 of the whole (:func:`info_digest`),
-    which :func:`read_info` verifies. Written to a temporary file and renamed into place."""
+    which :func:`read_info` verifies. Written to a hidden temporary file and renamed into place."""
     data = {**info, "format": FORMAT, "version": FORMAT_VERSION}
     data.pop(DIGEST_KEY, None)
     if "files" not in data:
         data["files"] = file_checksums(path)
     data[DIGEST_KEY] = info_digest(data)
-    tmp = Path(path) / f".{INFO_FILE}.tmp"
-    write_json(tmp, data, sort_keys=True)
-    os.replace(tmp, Path(path) / INFO_FILE)
+    write_json(Path(path) / INFO_FILE, data, sort_keys=True)
 
 
 def read_info(path: str | os.PathLike) -> dict[str, Any]:
