@@ -90,18 +90,7 @@ def dcp_to_hf(
     adapter = spec.hf_adapter(args)
     stored = metadata.state_dict_metadata
     expected = adapter.expected_shapes()
-    tied = bool(getattr(args, "tie_word_embeddings", False))
-    sources: dict[str, tuple[str, Any]] = {}  # native name written -> (DCP key read, its metadata)
-    for name, shape in expected.items():
-        src = key_of(name)
-        if name == "output.weight" and tied and src not in stored:
-            src = key_of("tok_embeddings.weight")
-        md = stored.get(src)
-        if md is None or not hasattr(md, "size"):
-            raise ValueError(f"{step_dir} has no tensor {src} (it is not a {spec.name} model with {whose})")
-        if tuple(md.size) != shape:
-            raise ValueError(f"{step_dir}: {src} has shape {list(md.size)}, {whose} give {list(shape)}")
-        sources[name] = (src, md)
+    sources = tensor_sources(step_dir, stored, expected, args, key_of, f"a {spec.name} model", whose)
     out_dtype = dtype or stored[key_of("tok_embeddings.weight")].properties.dtype
     sizes = {name: math.prod(shape) * out_dtype.itemsize for name, shape in expected.items()}
     shards = _plan_shards(sizes, max_shard_bytes)
@@ -139,6 +128,24 @@ def dcp_to_hf(
     return out_dir
 
 
+def tensor_sources(step_dir: Path, stored: Mapping, expected: dict, args: Any, key_of, model: str, whose: str) -> dict:
+    """``{native name: (DCP key, its metadata)}`` for each tensor of ``expected`` (native name -> shape) in the DCP
+    metadata ``stored`` (a tied output without a key of its own: the embedding's); one missing or of another shape
+    is a one-line ValueError: the folder is not ``model`` with ``whose`` args."""
+    tied, sources = bool(getattr(args, "tie_word_embeddings", False)), {}
+    for name, shape in expected.items():
+        src = key_of(name)
+        if name == "output.weight" and tied and src not in stored:
+            src = key_of("tok_embeddings.weight")
+        md = stored.get(src)
+        if md is None or not hasattr(md, "size"):
+            raise ValueError(f"{step_dir} has no tensor {src} (it is not {model} with {whose})")
+        if tuple(md.size) != shape:
+            raise ValueError(f"{step_dir}: {src} has shape {list(md.size)}, {whose} give {list(shape)}")
+        sources[name] = (src, md)
+    return sources
+
+
 def _foreign_folder(keys: Mapping[str, Any], step_dir: Path) -> Any:
     """The reader of a DCP folder another tool wrote (no ``checkpoint.json``): the first installed format (entry
     points ``titanlite.dcp_formats``; built from the folder's keys, a ValueError when it is not its) that takes it."""
@@ -172,8 +179,6 @@ def _read_info(step_dir: Path) -> dict[str, Any]:
     """``checkpoint.json``, or a one-line ValueError naming it (also for bytes that are not text)."""
     try:
         return layout.read_info(step_dir)
-    except UnicodeDecodeError:
-        raise ValueError(f"{step_dir / layout.INFO_FILE} is unreadable (not UTF-8 JSON text)") from None
     except layout.InfoIntegrityError:  # says what to do itself
         raise
     except ValueError as e:

@@ -22,7 +22,6 @@ putting BOS first, as Llama 3's does. Where several merges make one token, one o
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 from pathlib import Path
@@ -30,8 +29,6 @@ from typing import Any
 
 from titanlite.checkpoint import layout
 from titanlite.hf_tokenizer import byte_level_alphabet, resolve_tokenizer_file, tokenizer_files
-
-logger = logging.getLogger(__name__)
 
 # Llama 3's chat format (see titanlite.data.chat): BOS, then per message a header with the role, two
 # newlines, the stripped content and <|eot_id|>; the generation prompt is the assistant's header.
@@ -49,9 +46,6 @@ CHAT_TOKENS = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", 
 def write_tokenizer_files(out: Path, recorded_path: str, tokenizer: Any, max_seq_len: int | None = None) -> list[str]:
     """Write the tokenizer files for ``tokenizer`` (built from ``recorded_path``, the path a checkpoint
     recorded; "" for the byte tokenizer) into the HF folder ``out``; returns the names written."""
-    if recorded_path not in ("", "bytes") and not tokenizer_files(recorded_path):
-        logger.warning("tokenizer %s recorded in checkpoint.json not found: the export has no tokenizer", recorded_path)
-        return []
     written = []
     for name, src in tokenizer_files(recorded_path).items():  # a tokenizer.json (+ config), or a tiktoken file
         (out / name).parent.mkdir(parents=True, exist_ok=True)

@@ -120,21 +120,12 @@ def _from_step_folder(path: Path, extensions: list[str]) -> tuple[Any, Any, dict
     stored = safe_load.read_metadata(path).state_dict_metadata
     # the family's names and shapes (a family without an HF adapter: its model's, built on the meta device)
     expected = spec.hf_adapter(args).expected_shapes() if spec.hf_adapter else state_shapes(spec, args)
-    tied = bool(getattr(args, "tie_word_embeddings", False))
-    state = {}
-    for name, shape in expected.items():
-        key = f"model.{name}"
-        if name == "output.weight" and tied and key not in stored:
-            continue  # one tensor, stored under the embedding's name
-        md = stored.get(key)
-        if md is None or not hasattr(md, "size"):
-            raise ValueError(f"{path} has no tensor {key} (it is not the {spec.name} model its checkpoint.json says)")
-        if tuple(md.size) != shape:
-            raise ValueError(f"{path}: {key} has shape {list(md.size)}, the args in checkpoint.json give {list(shape)}")
-        state[key] = torch.empty(shape, dtype=md.properties.dtype)
+    whose = "the args in checkpoint.json"
+    sources = hf_export.tensor_sources(path, stored, expected, args, "model.{}".format, f"a {spec.name} model", whose)
+    state = {src: torch.empty(tuple(md.size), dtype=md.properties.dtype) for src, md in sources.values()}
     with layout.quiet_single_process():
         safe_load.load(state, path, no_dist=True)
-    return spec, args, {k.removeprefix("model."): v for k, v in state.items()}, info
+    return spec, args, {name: state[src] for name, (src, _) in sources.items()}, info
 
 
 def _build(spec, args, state: dict[str, torch.Tensor], device, dtype: torch.dtype, where: Path) -> nn.Module:
