@@ -1,7 +1,7 @@
 """Hugging Face model folder -> titanlite. :func:`read_hf_config`, :func:`hf_seed`: the family and model args of
 its ``config.json`` (the family's HF adapter, found by ``architectures`` / ``model_type``); :func:`hf_state_dict`:
 its weights under titanlite's names; :func:`load_hf_weights`: them loaded into a (sharded) model, each rank
-reading its own slices through DCP's ``HuggingFaceStorageReader``; :func:`hf_to_dcp`: a model-only step folder
+reading only what its shards need; :func:`hf_to_dcp`: a model-only step folder
 (loadable under any layout), planned from the safetensors headers (meta tensors), each tensor pulled from its
 file while DCP writes it. Reading through ``HuggingFaceStorageReader`` instead (``titanlite bench hf-storage``,
 126M-parameter bf16 model, shared 2-core CPU) gave bitwise the same step folder but peaked at 6.2x the RSS

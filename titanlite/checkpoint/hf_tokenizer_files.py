@@ -1,14 +1,9 @@
 """The tokenizer files of a Hugging Face export, so the folder loads whole in ``transformers``, lm-eval or vLLM.
 
-:func:`write_tokenizer_files` puts into an HF folder, for the tokenizer a checkpoint recorded:
-
-- a tokenizer.json input: that file, copied, with its ``tokenizer_config.json`` (copied, or written as
-  below when it has none);
-- a tiktoken file (Meta's ``tokenizer.model``, ``cl100k_base.tiktoken`` ...) or the built-in byte
-  tokenizer: a ``tokenizer.json`` written from the ranks (:func:`tokenizer_json`; a tiktoken file is
-  also copied to ``original/tokenizer.model`` as Meta's repositories carry it), and a
-  ``tokenizer_config.json`` (:func:`tokenizer_config`) with BOS/EOS and, when the tokenizer has Llama 3's
-  chat tokens, a chat template that renders as :func:`titanlite.data.chat.render_conversation` does.
+:func:`write_tokenizer_files` copies a tokenizer.json (with its ``tokenizer_config.json``); for a tiktoken file
+(also copied to ``original/tokenizer.model``, as Meta's repositories carry it) or the built-in byte tokenizer it
+writes a ``tokenizer.json`` from the ranks (:func:`tokenizer_json`) and a ``tokenizer_config.json``
+(:func:`tokenizer_config`; docs/checkpoints.md).
 
 The written tokenizer.json is a byte-level BPE as ``tokenizers`` reads it: the vocabulary in GPT-2's
 byte-to-character alphabet, Llama 3's pre-tokenizer regex in a ``Split`` before ``ByteLevel``,

@@ -15,10 +15,6 @@ Atomicity is write-then-rename: a save writes into ``step-N.partial-<token>`` an
 to ``step-N`` only after DCP's ``.metadata`` (written by the coordinator once every rank's data is
 on disk) exists. ``rename`` is atomic on POSIX file systems, so a ``step-N`` folder is either
 absent or complete; a crash at any moment leaves at worst a ``.partial`` folder.
-
-:func:`problem_with` additionally checks a complete-looking folder cheaply (metadata readable, every
-data file present and long enough), so a truncated or deleted file is reported in one line before
-anything is loaded.
 """
 
 from __future__ import annotations

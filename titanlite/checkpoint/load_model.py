@@ -11,10 +11,9 @@ loop evaluates its own (possibly sharded) model instead and never calls this.
   converts that architecture, the weights go through the adapter (names, q/k row order). The
   tokenizer is read from the folder's tokenizer files (an export carries them, also for the byte tokenizer).
 
-``tokenizer_path`` overrides either (``"bytes"``: the built-in byte-level tokenizer). A tokenizer with
-more ids than the model's vocabulary, or whose BOS is not the one ``checkpoint.json`` (``config.json``)
-records, is refused. Every error is a one-line ``ValueError`` or
-``FileNotFoundError`` naming the file. As for the converters, the extension modules a
+``tokenizer_path`` overrides either (``"bytes"``: the built-in byte-level tokenizer); a tokenizer that is not the
+model's is refused (:func:`~titanlite.checkpoint.hf_tokenizer_files.check_tokenizer`). Every error is a one-line
+``ValueError`` or ``FileNotFoundError`` naming the file. As for the converters, the extension modules a
 ``checkpoint.json`` records are never imported on its word alone.
 """
 
