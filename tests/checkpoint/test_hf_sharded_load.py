@@ -111,3 +111,22 @@ def test_each_rank_reads_only_its_slices_and_gets_the_exported_weights(tied, kv_
     assert {name for r in results for name, _ in r["rows_read"]} == {
         f"model.layers.{i}.self_attn.{p}.weight" for i in range(ARGS["n_layers"]) for p in ("q_proj", "k_proj")
     }
+
+
+def test_only_a_pure_row_reordering_is_read_by_rows():
+    from titanlite.checkpoint.hf_import import _row_order
+    from titanlite.models.llama3.hf_adapter import Llama3HFAdapter
+
+    class Convert:  # an adapter whose conversion is ``fn``
+        def __init__(self, fn):
+            self.from_hf_parts = lambda name, parts: fn(parts[0])
+
+    w = torch.randn(8, 3)
+    flip = _row_order(Convert(lambda t: t.flip(0)), "w", w)
+    assert torch.equal(w.flip(0), w[flip])
+    for not_rows in (lambda t: t * 2, lambda t: t.flip(1), lambda t: t[:4], lambda t: t[[0, 0, 1, 2, 3, 4, 5, 6]]):
+        assert _row_order(Convert(not_rows), "w", w) is None
+    adapter = Llama3HFAdapter(Llama3ModelArgs(**ARGS))
+    wq = torch.randn(64, 64)
+    order = _row_order(adapter, "layers.0.attention.wq.weight", wq)
+    assert torch.equal(adapter.from_hf_parts("layers.0.attention.wq.weight", [wq]), wq[order])

@@ -176,11 +176,12 @@ def _row_order(adapter: Any, name: str, tensor: torch.Tensor) -> torch.Tensor | 
     if tensor.dim() != 2 or (isinstance(tensor, DTensor) and len(tensor.__create_chunk_list__()) != 1):
         return None
     n = tensor.shape[0]
-    out = adapter.from_hf_parts(name, [torch.arange(2 * n).reshape(n, 2)])
-    order = out[:, 0] // 2
+    out = adapter.from_hf_parts(name, [torch.arange(2 * n, dtype=torch.float64).reshape(n, 2)])  # exact to 2**53
     if out.shape != (n, 2) or not torch.equal(out[:, 1] - out[:, 0], torch.ones(n, dtype=out.dtype)):
         return None
-    return order if torch.equal(order.sort().values, torch.arange(n)) and not (out[:, 0] % 2).any() else None
+    order = (out[:, 0] / 2).long()
+    is_order = torch.equal(out[:, 0], (2 * order).to(out.dtype)) and torch.equal(order.sort().values, torch.arange(n))
+    return order if is_order else None
 
 
 def _local_part(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:

@@ -156,7 +156,7 @@ class ResumePlanner:
         for name, shape in self.shapes.items():
             if name not in expected:
                 raise ValueError(f"{what}: the folder's {spec.name} model has no tensor {name}")
-            if tuple(expected.get(name, shape)) != shape:
+            if tuple(expected[name]) != shape:
                 raise ValueError(
                     f"{what}: {name} has shape {list(expected[name])} in the folder but {list(shape)} in this "
                     "model (the model config differs from config.json)"

@@ -92,9 +92,7 @@ class RNGState:
 class CheckpointStates:
     """The objects to save by name, sorted: the one ``nn.Module`` (``model_key``), the ``optimizers``, ``per_rank``
     (``{name: (object, key)}``: a data loader, or an object with ``per_rank_state``, under ``dp_rank_<r>``; the RNG
-    under ``rank_<r>`` when ``rng``) and ``shared`` (any other ``Stateful``, the same on every rank). Non-tensor
-    states are stored through :mod:`~titanlite.checkpoint.codec`, so nothing from a folder is unpickled but DCP's
-    own ``.metadata``."""
+    under ``rank_<r>`` when ``rng``) and ``shared`` (any other ``Stateful``, the same on every rank)."""
 
     def __init__(self, states: dict[str, Any], *, dp_rank: int, rank: int, device: Any, rng: bool | None):
         modules = [(k, v) for k, v in states.items() if isinstance(v, nn.Module)]
