@@ -21,7 +21,8 @@ MOVED_MODULES: dict[str, str] = {  # old module -> where it went (every titanlit
     "titanlite.run_plan": f"{P}.run_plan (plan_run is now plan_steps)",
     "titanlite.dry_run": f"{P}.dry_run",
 }
-HF = "titanlite.checkpoint.hf"
+C = "titanlite.checkpoint"
+HF = f"{C}.hf"
 HF_IMPORT = ("read_hf_config", "hf_seed", "hf_state_dict", "INDEX_FILE", "SINGLE_FILE", "Progress")
 TORCHTITAN_FORMAT = ("torchtitan_version", "torchtitan_name", "torchtitan_model_args", "TORCHTITAN_QKV")
 TORCHTITAN_FORMAT += ("TORCHTITAN_LLAMA3_HEADS", "TORCHTITAN_LLAMA3_KEYS")
@@ -43,6 +44,7 @@ MOVED_NAMES: dict[tuple[str, str], str] = {  # (module, old name) -> the new ful
         for m in ("titanlite.models.llama3", "titanlite.models.moe")
     },
     ("torchtitan_ext.qwen3.parallelize", "apply_tensor_parallel"): TP_DECODER,
+    **{(f"{C}.manager", n): f"{C}.state.{n}" for n in ("ModelState", "OptimizerState", "all_ranks_param_groups")},
 }
 
 

@@ -1,6 +1,7 @@
 """Loading an HF folder into an FSDP-sharded model (``[checkpoint] initial_load_path``) reads only each rank's
-slices of the tensors the adapter only renames (through DCP's ``HuggingFaceStorageReader``), and gives exactly
-the weights the folder was exported from (bitwise, gathered back to full tensors), tied embeddings included."""
+slices of the tensors the adapter only renames (through DCP's ``HuggingFaceStorageReader``) and only the HF rows
+its q/k rows come from, and gives exactly the weights the folder was exported from (bitwise, gathered back to full
+tensors), as a single-process load does, tied embeddings included."""
 
 from __future__ import annotations
 
@@ -32,14 +33,21 @@ def load_worker(args: dict) -> dict:
     from titanlite.checkpoint import hf_import
 
     dist.init_process_group("gloo")
-    requested = []
+    requested, rows_read = [], []
 
     class CountingReader(hf_import.HuggingFaceStorageReader):
         def read_data(self, plan, planner):
             requested.extend((item.storage_index.fqn, math.prod(item.lengths)) for item in plan.items)
             return super().read_data(plan, planner)
 
-    hf_import.HuggingFaceStorageReader = CountingReader
+    read_tensor = hf_import._read_tensor
+
+    def counting_read(file, hf_name, index=None):
+        tensor = read_tensor(file, hf_name, index)
+        rows_read.append((hf_name, tensor.numel()))
+        return tensor
+
+    hf_import.HuggingFaceStorageReader, hf_import._read_tensor = CountingReader, counting_read
     torch.manual_seed(1 + dist.get_rank())  # other weights than the folder's, and different on each rank
     model = Transformer(Llama3ModelArgs(**args["model"]))
     mesh = init_device_mesh("cpu", (2,))
@@ -51,12 +59,15 @@ def load_worker(args: dict) -> dict:
     expected = torch.load(args["expected"], weights_only=True)
     same = sorted(full) == sorted(expected) and all(torch.equal(full[k], expected[k]) for k in expected)
     dist.destroy_process_group()
-    return {"same": same, "requested": requested}
+    return {"same": same, "requested": requested, "rows_read": rows_read}
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_each_rank_reads_only_its_slices_and_gets_the_exported_weights(tied, tmp_path):
-    model_args = {**ARGS, "tie_word_embeddings": tied}
+# n_kv_heads=2: each rank's half of wk is one whole head; n_kv_heads=1: the ranks' halves cut the one head
+@pytest.mark.parametrize("tied,kv_heads", [(False, 2), (True, 1)])
+def test_each_rank_reads_only_its_slices_and_gets_the_exported_weights(tied, kv_heads, tmp_path):
+    from titanlite.checkpoint.hf_import import load_hf_weights
+
+    model_args = {**ARGS, "tie_word_embeddings": tied, "n_kv_heads": kv_heads}
     torch.manual_seed(0)
     model = Transformer(Llama3ModelArgs(**model_args))
     model.init_weights()
@@ -73,6 +84,9 @@ def test_each_rank_reads_only_its_slices_and_gets_the_exported_weights(tied, tmp
         save_file({k: v for k, v in load_file(file).items() if k != "lm_head.weight"}, file, metadata={"format": "pt"})
         (hf / "model.safetensors.index.json").write_text(json.dumps(index))
     torch.save({k: v.clone() for k, v in state.items()}, tmp_path / "expected.pt")
+    single = Transformer(Llama3ModelArgs(**model_args))  # the single-process load gives the same weights
+    load_hf_weights(hf, single)
+    assert all(torch.equal(v, state[k]) for k, v in single.state_dict().items())
     args = {"model": model_args, "hf": str(hf), "expected": str(tmp_path / "expected.pt")}
     results = run_workers(load_worker, 2, args, timeout=180)
     assert results[0]["same"]  # gathered on rank 0 (cpu_offload)
@@ -83,4 +97,36 @@ def test_each_rank_reads_only_its_slices_and_gets_the_exported_weights(tied, tmp
     assert all(n < sum(direct.values()) * 0.6 for n in per_rank), per_rank  # about half each (FSDP rows)
     names = {name for r in results for name, _ in r["requested"]}
     assert "lm_head.weight" not in names if tied else "lm_head.weight" in names
-    assert not any(n.endswith(("q_proj.weight", "k_proj.weight")) for n in names)  # read whole, then reordered
+    assert not any(n.endswith(("q_proj.weight", "k_proj.weight")) for n in names)  # reordered: read by rows
+    # q/k: each rank reads the HF rows its native rows come from (native row 2j + i of a head is HF row j + i * 8)
+    for proj, native in (("q_proj", "wq"), ("k_proj", "wk")):
+        for layer in range(ARGS["n_layers"]):
+            numel = state[f"layers.{layer}.attention.{native}.weight"].numel()
+            hf_name = f"model.layers.{layer}.self_attn.{proj}.weight"
+            read = [sum(n for name, n in r["rows_read"] if name == hf_name) for r in results]
+            if proj == "k_proj" and kv_heads == 1:  # rank 0's rows 0-7 are HF rows 0-3 and 8-11: rows 0-11 read
+                assert read == [numel * 12 // 16] * 2, read
+            else:  # a rank's rows are whole heads: exactly its half
+                assert read == [numel // 2] * 2, read
+    assert {name for r in results for name, _ in r["rows_read"]} == {
+        f"model.layers.{i}.self_attn.{p}.weight" for i in range(ARGS["n_layers"]) for p in ("q_proj", "k_proj")
+    }
+
+
+def test_only_a_pure_row_reordering_is_read_by_rows():
+    from titanlite.checkpoint.hf_import import _row_order
+    from titanlite.models.llama3.hf_adapter import Llama3HFAdapter
+
+    class Convert:  # an adapter whose conversion is ``fn``
+        def __init__(self, fn):
+            self.from_hf_parts = lambda name, parts: fn(parts[0])
+
+    w = torch.randn(8, 3)
+    flip = _row_order(Convert(lambda t: t.flip(0)), "w", w)
+    assert torch.equal(w.flip(0), w[flip])
+    for not_rows in (lambda t: t * 2, lambda t: t.flip(1), lambda t: t[:4], lambda t: t[[0, 0, 1, 2, 3, 4, 5, 6]]):
+        assert _row_order(Convert(not_rows), "w", w) is None
+    adapter = Llama3HFAdapter(Llama3ModelArgs(**ARGS))
+    wq = torch.randn(64, 64)
+    order = _row_order(adapter, "layers.0.attention.wq.weight", wq)
+    assert torch.equal(adapter.from_hf_parts("layers.0.attention.wq.weight", [wq]), wq[order])

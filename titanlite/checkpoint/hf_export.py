@@ -38,7 +38,7 @@ from titanlite.checkpoint import layout, safe_load
 from titanlite.checkpoint.hf_import import INDEX_FILE, SINGLE_FILE, Progress, no_progress
 from titanlite.checkpoint.hf_tokenizer_files import check_tokenizer, write_tokenizer_files
 from titanlite.extensions import load_extensions
-from titanlite.fsio import atomic_dir, one_line
+from titanlite.fsio import atomic_dir, fsync_dir, one_line
 from titanlite.hf_tokenizer import tokenizer_files
 from titanlite.models import get_model_spec, model_names
 from titanlite.models.registry import check_model_args
@@ -90,18 +90,7 @@ def dcp_to_hf(
     adapter = spec.hf_adapter(args)
     stored = metadata.state_dict_metadata
     expected = adapter.expected_shapes()
-    tied = bool(getattr(args, "tie_word_embeddings", False))
-    sources: dict[str, tuple[str, Any]] = {}  # native name written -> (DCP key read, its metadata)
-    for name, shape in expected.items():
-        src = key_of(name)
-        if name == "output.weight" and tied and src not in stored:
-            src = key_of("tok_embeddings.weight")
-        md = stored.get(src)
-        if md is None or not hasattr(md, "size"):
-            raise ValueError(f"{step_dir} has no tensor {src} (it is not a {spec.name} model with {whose})")
-        if tuple(md.size) != shape:
-            raise ValueError(f"{step_dir}: {src} has shape {list(md.size)}, {whose} give {list(shape)}")
-        sources[name] = (src, md)
+    sources = tensor_sources(step_dir, stored, expected, args, key_of, f"a {spec.name} model", whose)
     out_dtype = dtype or stored[key_of("tok_embeddings.weight")].properties.dtype
     sizes = {name: math.prod(shape) * out_dtype.itemsize for name, shape in expected.items()}
     shards = _plan_shards(sizes, max_shard_bytes)
@@ -125,7 +114,7 @@ def dcp_to_hf(
                     tensors[hf_name], weight_map[hf_name] = part.to(out_dtype).contiguous(), file
                     progress(done, len(expected), hf_name, tuple(part.shape), out_dtype)
             save_file(tensors, partial / file, metadata={"format": "pt"})
-            layout.fsync_dir(partial / file)  # save_file does not fsync; fsync_dir works on a file too
+            fsync_dir(partial / file)  # save_file does not fsync; fsync_dir works on a file too
         if n > 1:
             index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
             layout.write_json(partial / INDEX_FILE, index)
@@ -137,6 +126,24 @@ def dcp_to_hf(
         if tokenizer is not None:
             write_tokenizer_files(partial, tokenizer_path, tokenizer, getattr(args, "max_seq_len", None))
     return out_dir
+
+
+def tensor_sources(step_dir: Path, stored: Mapping, expected: dict, args: Any, key_of, model: str, whose: str) -> dict:
+    """``{native name: (DCP key, its metadata)}`` for each tensor of ``expected`` (native name -> shape) in the DCP
+    metadata ``stored`` (a tied output without a key of its own: the embedding's); one missing or of another shape
+    is a one-line ValueError: the folder is not ``model`` with ``whose`` args."""
+    tied, sources = bool(getattr(args, "tie_word_embeddings", False)), {}
+    for name, shape in expected.items():
+        src = key_of(name)
+        if name == "output.weight" and tied and src not in stored:
+            src = key_of("tok_embeddings.weight")
+        md = stored.get(src)
+        if md is None or not hasattr(md, "size"):
+            raise ValueError(f"{step_dir} has no tensor {src} (it is not {model} with {whose})")
+        if tuple(md.size) != shape:
+            raise ValueError(f"{step_dir}: {src} has shape {list(md.size)}, {whose} give {list(shape)}")
+        sources[name] = (src, md)
+    return sources
 
 
 def _foreign_folder(keys: Mapping[str, Any], step_dir: Path) -> Any:
@@ -172,8 +179,6 @@ def _read_info(step_dir: Path) -> dict[str, Any]:
     """``checkpoint.json``, or a one-line ValueError naming it (also for bytes that are not text)."""
     try:
         return layout.read_info(step_dir)
-    except UnicodeDecodeError:
-        raise ValueError(f"{step_dir / layout.INFO_FILE} is unreadable (not UTF-8 JSON text)") from None
     except layout.InfoIntegrityError:  # says what to do itself
         raise
     except ValueError as e:

@@ -1,7 +1,7 @@
 """Hugging Face model folder -> titanlite. :func:`read_hf_config`, :func:`hf_seed`: the family and model args of
 its ``config.json`` (the family's HF adapter, found by ``architectures`` / ``model_type``); :func:`hf_state_dict`:
 its weights under titanlite's names; :func:`load_hf_weights`: them loaded into a (sharded) model, each rank
-reading its own slices through DCP's ``HuggingFaceStorageReader``; :func:`hf_to_dcp`: a model-only step folder
+reading only what its shards need; :func:`hf_to_dcp`: a model-only step folder
 (loadable under any layout), planned from the safetensors headers (meta tensors), each tensor pulled from its
 file while DCP writes it. Reading through ``HuggingFaceStorageReader`` instead (``titanlite bench hf-storage``,
 126M-parameter bf16 model, shared 2-core CPU) gave bitwise the same step folder but peaked at 6.2x the RSS
@@ -30,6 +30,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from titanlite.checkpoint import layout, safe_load
 from titanlite.checkpoint.hf_tokenizer_files import check_tokenizer, folder_tokenizer_path
@@ -111,11 +112,11 @@ def hf_state_dict(path: Path, adapter: Any, only: Collection[str] | None = None)
     HF adapter for the folder's args); a tensor of a shape ``config.json`` does not imply is an error.
     Native tensors made of several HF tensors (stacked experts) are assembled once all their parts are read.
     ``only``: the HF tensors to read (every tensor's name and shape is checked, from the headers)."""
-    parts = {}
-    for hf_name, (file, _) in _checked_tensors(path, adapter).items():
-        if only is None or hf_name in only:
-            with _safe_open(file) as f:
-                parts[hf_name] = f.get_tensor(hf_name)
+    parts = {
+        hf_name: _read_tensor(file, hf_name)
+        for hf_name, (file, _) in _checked_tensors(path, adapter).items()
+        if only is None or hf_name in only
+    }
     state = {}
     for native, names in _parts_by_native(adapter, adapter.hf_layout()).items():
         if all(n in parts for n in names):
@@ -125,33 +126,80 @@ def hf_state_dict(path: Path, adapter: Any, only: Collection[str] | None = None)
 
 def load_hf_weights(path: str | os.PathLike, model: nn.Module, *, process_group: Any = None) -> None:
     """Load the weights of the HF folder ``path`` into ``model`` (FSDP/TP DTensors, a pipeline stage's part ...;
-    collective under ``torch.distributed``). What the adapter only renames goes through DCP's
-    ``HuggingFaceStorageReader`` into the model's own shards: each rank reads only its slices. What it converts
-    (Llama's q/k rows, reordered within heads that a shard may cut; stacked experts) is read whole, converted and
-    sharded by ``set_model_state_dict``. A tied output missing from the folder is read from the embedding."""
+    collective under ``torch.distributed``), each rank reading only what its own slices need. What the adapter only
+    renames goes through DCP's ``HuggingFaceStorageReader`` into the model's own shards. What it only reorders by
+    rows (Llama's q/k rows, within each head) is read by rows from the safetensors file (:func:`_row_order`): the
+    HF rows this rank's rows come from, which is one more head at most when a shard boundary cuts a head (DCP's
+    reader cannot do it: it fills a shard from the same rows of the stored tensor). What it assembles from several
+    HF tensors (stacked experts) or makes from nothing is read whole, converted and sharded by
+    ``set_model_state_dict``. A tied output missing from the folder is read from the embedding."""
     path = Path(path)
     spec, args = hf_seed(path)
     adapter, own = spec.hf_adapter(args), get_model_state_dict(model)  # own: this rank's tensors (shards)
     files, parts = _tensor_files(path), _parts_by_native(adapter, adapter.hf_layout())
     tied = bool(getattr(args, "tie_word_embeddings", False)) and not set(parts["output.weight"]) & set(files)
-    direct, whole = ({}, {}), {}  # direct[1]: a tied output, which reads the embedding's HF name again
+    direct, rows, whole = ({}, {}), {}, {}  # direct[1]: a tied output, which reads the embedding's HF name again
     for name, tensor in own.items():
         names = parts["tok_embeddings.weight"] if tied and name == "output.weight" else parts[name]
         probe = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
         if len(names) == 1 and adapter.from_hf_parts(name, [probe]) is probe:  # a rename only
             direct[int(tied and name == "output.weight")][names[0]] = tensor
+        elif len(names) == 1 and (order := _row_order(adapter, name, tensor)) is not None:
+            rows[name] = (names[0], order)
         else:
             whole[name] = names
     state = hf_state_dict(path, adapter, only={n for names in whole.values() for n in names})  # checks all headers
     kw = dict(process_group=process_group, no_dist=not (dist.is_available() and dist.is_initialized()))
     for group in direct[: 1 + tied]:  # the same number of collective loads on every rank
         try:
-            dcp.load(group, storage_reader=HuggingFaceStorageReader(str(path)), **kw)
+            with layout.quiet_single_process():
+                dcp.load(group, storage_reader=HuggingFaceStorageReader(str(path)), **kw)
         except CheckpointException as e:  # a BaseException; a file changed or damaged past its header
             raise ValueError(f"{path}: cannot read its weights ({safe_load.one_line(e)})") from None
-    set_model_state_dict(model, {**direct[0], **direct[1]}, options=StateDictOptions(strict=False))
+    for name, (hf_name, order) in rows.items():
+        local, (row, col) = _local_part(own[name])
+        need = order[row : row + local.shape[0]]
+        if need.numel():
+            first, cols = int(need.min()), slice(col, col + local.shape[1])
+            block = _read_tensor(path / files[hf_name], hf_name, (slice(first, int(need.max()) + 1), cols))
+            local.copy_(block[need - first])
+    loaded = {**direct[0], **direct[1], **{name: own[name] for name in rows}}
+    set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
     full = {name: state.get(name, state.get("tok_embeddings.weight")) for name in whole}
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def _row_order(adapter: Any, name: str, tensor: torch.Tensor) -> torch.Tensor | None:
+    """``order``, native row ``r`` of ``name`` being HF row ``order[r]``, when the adapter's conversion only reorders
+    the rows of a matrix whose part on this rank is one block of it; else None. Found by converting a matrix of
+    numbers ``2 * row + column`` (two columns): a reordering of rows keeps each row's pair of numbers together."""
+    if tensor.dim() != 2 or (isinstance(tensor, DTensor) and len(tensor.__create_chunk_list__()) != 1):
+        return None
+    n = tensor.shape[0]
+    out = adapter.from_hf_parts(name, [torch.arange(2 * n, dtype=torch.float64).reshape(n, 2)])  # exact to 2**53
+    if out.shape != (n, 2) or not torch.equal(out[:, 1] - out[:, 0], torch.ones(n, dtype=out.dtype)):
+        return None
+    order = (out[:, 0] / 2).long()
+    is_order = torch.equal(out[:, 0], (2 * order).to(out.dtype)) and torch.equal(order.sort().values, torch.arange(n))
+    return order if is_order else None
+
+
+def _local_part(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """This rank's part of a (DTensor) state-dict tensor and the global position of its first element."""
+    if not isinstance(tensor, DTensor):
+        return tensor, (0,) * tensor.dim()
+    (chunk,) = tensor.__create_chunk_list__()  # DCP's protocol: the shard's offsets and sizes
+    return tensor.to_local(), tuple(chunk.offsets)
+
+
+def _read_tensor(file: Path, hf_name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+    """The tensor ``hf_name`` of a safetensors ``file`` (only ``index`` of it when given: the file's other bytes are
+    not read); a file changed or damaged past its header is a one-line ValueError naming it."""
+    try:
+        with _safe_open(file) as f:
+            return f.get_tensor(hf_name) if index is None else f.get_slice(hf_name)[index]
+    except Exception as e:
+        raise ValueError(f"{file}: cannot read {hf_name} ({safe_load.one_line(e)})") from None
 
 
 def _parts_by_native(adapter: Any, hf_layout: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, list[str]]:
@@ -233,14 +281,7 @@ def hf_to_dcp(
     loaded = []
 
     def load(native: str) -> torch.Tensor:
-        raw = []
-        for part in parts_of[native]:
-            hf_name, file, _ = found[part]
-            try:
-                with _safe_open(file) as f:
-                    raw.append(f.get_tensor(hf_name))
-            except Exception as e:  # the file changed or is damaged past its header
-                raise ValueError(f"{file}: cannot read {hf_name} ({safe_load.one_line(e)})") from None
+        raw = [_read_tensor(found[part][1], found[part][0]) for part in parts_of[native]]
         tensor = adapter.from_hf_parts(native, raw)
         loaded.append(native)
         progress(len(loaded), len(expected), f"model.{native}", tuple(tensor.shape), tensor.dtype)

@@ -1,14 +1,9 @@
 """The tokenizer files of a Hugging Face export, so the folder loads whole in ``transformers``, lm-eval or vLLM.
 
-:func:`write_tokenizer_files` puts into an HF folder, for the tokenizer a checkpoint recorded:
-
-- a tokenizer.json input: that file, copied, with its ``tokenizer_config.json`` (copied, or written as
-  below when it has none);
-- a tiktoken file (Meta's ``tokenizer.model``, ``cl100k_base.tiktoken`` ...) or the built-in byte
-  tokenizer: a ``tokenizer.json`` written from the ranks (:func:`tokenizer_json`; a tiktoken file is
-  also copied to ``original/tokenizer.model`` as Meta's repositories carry it), and a
-  ``tokenizer_config.json`` (:func:`tokenizer_config`) with BOS/EOS and, when the tokenizer has Llama 3's
-  chat tokens, a chat template that renders as :func:`titanlite.data.chat.render_conversation` does.
+:func:`write_tokenizer_files` copies a tokenizer.json (with its ``tokenizer_config.json``); for a tiktoken file
+(also copied to ``original/tokenizer.model``, as Meta's repositories carry it) or the built-in byte tokenizer it
+writes a ``tokenizer.json`` from the ranks (:func:`tokenizer_json`) and a ``tokenizer_config.json``
+(:func:`tokenizer_config`; docs/checkpoints.md).
 
 The written tokenizer.json is a byte-level BPE as ``tokenizers`` reads it: the vocabulary in GPT-2's
 byte-to-character alphabet, Llama 3's pre-tokenizer regex in a ``Split`` before ``ByteLevel``,
@@ -22,7 +17,6 @@ putting BOS first, as Llama 3's does. Where several merges make one token, one o
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 from pathlib import Path
@@ -30,8 +24,6 @@ from typing import Any
 
 from titanlite.checkpoint import layout
 from titanlite.hf_tokenizer import byte_level_alphabet, resolve_tokenizer_file, tokenizer_files
-
-logger = logging.getLogger(__name__)
 
 # Llama 3's chat format (see titanlite.data.chat): BOS, then per message a header with the role, two
 # newlines, the stripped content and <|eot_id|>; the generation prompt is the assistant's header.
@@ -49,9 +41,6 @@ CHAT_TOKENS = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", 
 def write_tokenizer_files(out: Path, recorded_path: str, tokenizer: Any, max_seq_len: int | None = None) -> list[str]:
     """Write the tokenizer files for ``tokenizer`` (built from ``recorded_path``, the path a checkpoint
     recorded; "" for the byte tokenizer) into the HF folder ``out``; returns the names written."""
-    if recorded_path not in ("", "bytes") and not tokenizer_files(recorded_path):
-        logger.warning("tokenizer %s recorded in checkpoint.json not found: the export has no tokenizer", recorded_path)
-        return []
     written = []
     for name, src in tokenizer_files(recorded_path).items():  # a tokenizer.json (+ config), or a tiktoken file
         (out / name).parent.mkdir(parents=True, exist_ok=True)

@@ -11,10 +11,9 @@ loop evaluates its own (possibly sharded) model instead and never calls this.
   converts that architecture, the weights go through the adapter (names, q/k row order). The
   tokenizer is read from the folder's tokenizer files (an export carries them, also for the byte tokenizer).
 
-``tokenizer_path`` overrides either (``"bytes"``: the built-in byte-level tokenizer). A tokenizer with
-more ids than the model's vocabulary, or whose BOS is not the one ``checkpoint.json`` (``config.json``)
-records, is refused. Every error is a one-line ``ValueError`` or
-``FileNotFoundError`` naming the file. As for the converters, the extension modules a
+``tokenizer_path`` overrides either (``"bytes"``: the built-in byte-level tokenizer); a tokenizer that is not the
+model's is refused (:func:`~titanlite.checkpoint.hf_tokenizer_files.check_tokenizer`). Every error is a one-line
+``ValueError`` or ``FileNotFoundError`` naming the file. As for the converters, the extension modules a
 ``checkpoint.json`` records are never imported on its word alone.
 """
 
@@ -120,21 +119,12 @@ def _from_step_folder(path: Path, extensions: list[str]) -> tuple[Any, Any, dict
     stored = safe_load.read_metadata(path).state_dict_metadata
     # the family's names and shapes (a family without an HF adapter: its model's, built on the meta device)
     expected = spec.hf_adapter(args).expected_shapes() if spec.hf_adapter else state_shapes(spec, args)
-    tied = bool(getattr(args, "tie_word_embeddings", False))
-    state = {}
-    for name, shape in expected.items():
-        key = f"model.{name}"
-        if name == "output.weight" and tied and key not in stored:
-            continue  # one tensor, stored under the embedding's name
-        md = stored.get(key)
-        if md is None or not hasattr(md, "size"):
-            raise ValueError(f"{path} has no tensor {key} (it is not the {spec.name} model its checkpoint.json says)")
-        if tuple(md.size) != shape:
-            raise ValueError(f"{path}: {key} has shape {list(md.size)}, the args in checkpoint.json give {list(shape)}")
-        state[key] = torch.empty(shape, dtype=md.properties.dtype)
+    whose = "the args in checkpoint.json"
+    sources = hf_export.tensor_sources(path, stored, expected, args, "model.{}".format, f"a {spec.name} model", whose)
+    state = {src: torch.empty(tuple(md.size), dtype=md.properties.dtype) for src, md in sources.values()}
     with layout.quiet_single_process():
         safe_load.load(state, path, no_dist=True)
-    return spec, args, {k.removeprefix("model."): v for k, v in state.items()}, info
+    return spec, args, {name: state[src] for name, (src, _) in sources.items()}, info
 
 
 def _build(spec, args, state: dict[str, torch.Tensor], device, dtype: torch.dtype, where: Path) -> nn.Module:

@@ -1,46 +1,31 @@
 """CheckpointManager: periodic (optionally asynchronous) DCP saves of any Stateful objects, exact resume.
 
-``CheckpointManager(section, folder, states={...})`` takes the ``[checkpoint]`` section, the folder
-of ``step-N`` sub-folders and the objects to save by name. An ``nn.Module`` is saved with
-``get_model_state_dict`` (sharded DTensors under FSDP/TP; a model-only save holds only this, cast to
-``export_dtype``), an optimizer with ``get_optimizer_state_dict`` (keyed by parameter name), a
-``StatefulDataLoader`` per data-parallel rank (``<name>.dp_rank_<r>``), any other ``Stateful`` once
-(the same on every rank: a user's own objects too), plus every rank's RNG states (``rng.rank_<r>``) when the
-states hold an optimizer (a training state; ``rng=True/False`` decides otherwise): a manager of weights only
-never saves nor overwrites the process's global random state.
-Non-tensor states are stored as JSON in tensors (:mod:`~titanlite.checkpoint.codec`), whose sizes
-are read from the metadata at load, so a state dict whose shape changes between save and load (a data
-loader's) still loads, and loading never unpickles anything from the folder but DCP's ``.metadata``.
-DCP re-partitions model and optimizer to whatever layout loads them; a rank whose ``dp_rank_<r>`` is
-missing (the degree changed) takes ``dp_rank_0``'s position, which the loader re-partitions exactly
-or refuses. ``checkpoint.json`` (step, ``info``: model family and args, tokenizer; the checksums) and
-``config.toml`` sit next to the DCP files (:mod:`~titanlite.checkpoint.layout`).
+``CheckpointManager(section, folder, states={...})`` takes the ``[checkpoint]`` section, the folder of ``step-N``
+sub-folders and the objects to save by name (docs/checkpoints.md). The one ``nn.Module`` and the optimizers go
+through :mod:`~titanlite.checkpoint.state` (sharded, keyed by parameter name; DCP re-partitions them to whatever
+layout loads them); a ``StatefulDataLoader`` is saved per data-parallel rank (``<name>.dp_rank_<r>``; a rank whose
+entry is missing because the degree changed takes ``dp_rank_0``'s position, which the loader re-partitions exactly
+or refuses), any other ``Stateful`` once, and every rank's RNG states when the states hold an optimizer (``rng``
+decides otherwise: a manager of weights only never touches the process's random state). Non-tensor states are
+JSON in tensors (:mod:`~titanlite.checkpoint.codec`) whose sizes are read from the metadata at load, so a state
+whose shape changes between save and load (a data loader's) still loads, and nothing but DCP's ``.metadata`` is
+ever unpickled.
 
-Saving (``async_mode``) goes through ``torch.distributed.checkpoint``: ``disabled`` runs
-``dcp.save`` in the loop; ``async`` and ``async_with_pinned_mem`` call ``dcp.async_save`` with a
-``DefaultStager`` that copies the state to CPU on its own thread while the next step's forward and
-backward run (they do not modify it), then DCP writes the copy on another thread. The loop waits
-for the copy, if at all, in :meth:`wait_for_staging` just before the optimizer step. ``async``
-stages into fresh memory, freed after the write; ``async_with_pinned_mem`` keeps one stager whose
-buffers are reused (page-locked on CUDA). At most one save is in flight, and background writes use
-their own gloo process group, so their collectives never interleave with the training ones.
-Measured (``titanlite bench checkpoint --steps 80``, 2-core CPU, 334 MB of model + AdamW state, same
-machine, one after the other): the loop is blocked 19 ms (async) / 35 ms (pinned) per save, against
-6 ms for the hand-written stager and writer thread this replaced, and 630 ms for a synchronous save.
-The extra ~20 ms is ``async_save`` starting its threads while the staging thread already holds the
-GIL; it was kept as the price of using the library (about 20 ms per checkpoint interval).
+Asynchronous saves use ``dcp.async_save`` with a ``DefaultStager`` that copies the state on its own thread while
+the next step's forward and backward run (they do not modify it); the loop waits for the copy, if at all, in
+:meth:`wait_for_staging` before the optimizer step (``async`` stages into fresh memory, freed after the write;
+``async_with_pinned_mem`` reuses one stager's buffers, page-locked on CUDA). At most one save is in flight, and
+background writes use their own gloo process group so their collectives never interleave with the training ones.
+Measured (``titanlite bench checkpoint --steps 80``, 2-core CPU, 334 MB of model + AdamW state): the loop is
+blocked 19 ms (async) / 35 ms (pinned) per save, against 6 ms for the hand-written stager and writer thread this
+replaced and 630 ms for a synchronous save; the extra ~20 ms is ``async_save`` starting its threads while the
+staging thread holds the GIL, kept as the price of using the library.
 
-Every save goes to ``step-N.partial-<token>`` and is renamed to ``step-N`` by rank 0 once DCP has
-written its ``.metadata`` (after every rank's data): a ``step-N`` folder is complete or absent,
-whenever the process dies. ``keep_latest_k`` then deletes older ones, never the newest resumable.
-
-Loading: :class:`~titanlite.checkpoint.resume.ResumePlanner` decides what in the constructor (fallbacks,
-finished runs, set-aside lineages); :meth:`load` does it (a candidate unreadable on any rank falls back on all),
-and refuses once a saved data loader is being iterated (its position would not reach that iterator). An enabled
-manager holds ``<folder>/.titanlite.lock`` (rank 0, until :meth:`close`; :class:`~titanlite.run_lock.RunLock`):
-a second process on the same folder, or a folder inside a step folder, is refused in one line before anything
-is read. A save that fails for lack of space raises :class:`CheckpointWriteError` (one line; the earlier
-checkpoints are intact, the partial folder is removed at the next start).
+Every save goes to ``step-N.partial-<token>``, renamed to ``step-N`` by rank 0 once DCP has written its
+``.metadata`` (:mod:`~titanlite.checkpoint.layout`). What to load is decided in the constructor by
+:class:`~titanlite.checkpoint.resume.ResumePlanner`; :meth:`load` does it (a candidate unreadable on any rank falls
+back on all). An enabled manager holds ``<folder>/.titanlite.lock`` (:class:`~titanlite.run_lock.RunLock`) until
+:meth:`close`. A save that fails for lack of space raises :class:`CheckpointWriteError` (one line).
 """
 
 from __future__ import annotations
@@ -58,23 +43,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
 )
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite import _torch_compat
-from titanlite.checkpoint import codec, hf_import, layout, safe_load
+from titanlite._moved import moved_names
+from titanlite.checkpoint import hf_import, layout, safe_load
 from titanlite.checkpoint.resume import LoadPlan, ResumePlanner
 from titanlite.checkpoint.safe_load import one_line
-from titanlite.checkpoint.state import RNGState
+from titanlite.checkpoint.state import CheckpointStates
 from titanlite.dtypes import DTYPES, dtype_name
+from titanlite.fsio import atomic_write
 from titanlite.hooks import Hook
 from titanlite.parallel.distributed import run_on_rank0
 from titanlite.run_lock import RunLock
@@ -84,6 +67,7 @@ logger = logging.getLogger("titanlite.checkpoint")
 # Errors that mean "these files cannot be read", as opposed to a mismatch with this run.
 _READ_ERRORS = (CheckpointException, OSError, EOFError, RuntimeError, ValueError, KeyError)
 CHECKPOINT_PG_TIMEOUT_S = 3600
+__getattr__ = moved_names(__name__)
 
 
 class CheckpointWriteError(OSError):
@@ -121,53 +105,6 @@ class SaveStats:
     checksum_s: float = 0.0  # part of write_s spent computing the files' checksums (rank 0)
 
 
-class ModelState:
-    """A model as a DCP ``Stateful`` (sharded state dicts); cast to ``dtype`` when saving, if given."""
-
-    def __init__(self, model: nn.Module, dtype: torch.dtype | None = None):
-        self.model, self.dtype = model, dtype
-
-    def state_dict(self) -> dict[str, Any]:
-        sd = get_model_state_dict(self.model)
-        if self.dtype is None:
-            return sd
-        return {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in sd.items()}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, sd)
-
-
-class OptimizerState:
-    """An optimizer as a DCP ``Stateful``: its state keyed by the model's parameter names."""
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Any = None):
-        self.model, self.optimizer, self.group = model, optimizer, group
-
-    def state_dict(self) -> dict[str, Any]:
-        sd = get_optimizer_state_dict(self.model, self.optimizer)
-        groups = sd["param_groups"]
-        if hasattr(self.model, "stages"):  # pipeline stages: each rank's groups name other parameters
-            groups = all_ranks_param_groups(groups, self.group)
-        return {**sd, "param_groups": codec.encode(groups, "param_groups")}  # JSON, not pickles
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, sd)
-
-
-def all_ranks_param_groups(groups: list[dict[str, Any]], group: Any = None) -> list[dict[str, Any]]:
-    """``groups`` with every rank's parameter names in each group's ``params``. DCP stores one copy of a value
-    every rank holds, so under pipeline parallelism (where each rank's groups list its own stages' parameters)
-    the stored groups must be the same on all ranks; a load keeps the names of the parameters it has."""
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, groups, group=group)
-    merged = [dict(g, params=list(g["params"])) for g in everyone[0]]
-    for other in everyone[1:]:
-        for mine, theirs in zip(merged, other):
-            seen = set(mine["params"])
-            mine["params"] += [p for p in theirs["params"] if p not in seen]
-    return merged
-
-
 class CheckpointManager:
     def __init__(
         self,
@@ -189,25 +126,8 @@ class CheckpointManager:
         self.rank = dist.get_rank() if self.distributed else 0
         self.stats: list[SaveStats] = []
         self.last_saved_step: int | None = None
-        modules = [(k, v) for k, v in states.items() if isinstance(v, nn.Module)]
-        if len(modules) != 1:
-            raise ValueError(f"CheckpointManager needs exactly one nn.Module in states, got {len(modules)}")
-        self.model_key, self.model = modules[0]
-        self.optimizers = {k: v for k, v in states.items() if isinstance(v, torch.optim.Optimizer)}
-        per_rank = [
-            k for k, v in states.items() if isinstance(v, StatefulDataLoader) or getattr(v, "per_rank_state", 0)
-        ]
-        self.per_rank = {k: (states[k], f"dp_rank_{dp_rank}") for k in per_rank}  # data positions
-        if rng if rng is not None else bool(self.optimizers):  # a training state, not weights only
-            self.per_rank["rng"] = (RNGState(device), f"rank_{self.rank}")
-        self.shared = {
-            k: v
-            for k, v in states.items()
-            if k not in self.per_rank and k != self.model_key and k not in self.optimizers
-        }
-        for k, v in self.shared.items():
-            if not (callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None))):
-                raise TypeError(f"checkpoint state {k!r} ({type(v).__name__}) has no state_dict/load_state_dict")
+        self.states = CheckpointStates(states, dp_rank=dp_rank, rank=self.rank, device=device, rng=rng)
+        self.model_key, self.model = self.states.model_key, self.states.model
         self._pg = None
         if self.enabled and self.distributed:  # collective: every rank builds the manager
             timeout = datetime.timedelta(seconds=CHECKPOINT_PG_TIMEOUT_S)
@@ -228,7 +148,7 @@ class CheckpointManager:
     # ------------------------------------------------------------------ planning (constructor)
     def load(self) -> int | None:
         """Carry out the plan; returns the step resumed from (None when nothing was resumed)."""
-        for k, v in self.per_rank.items():
+        for k, v in self.states.per_rank.items():
             if isinstance(v[0], StatefulDataLoader) and _torch_compat.loader_is_iterating(v[0]):
                 raise RuntimeError(
                     f"CheckpointManager.load(): the data loader {k!r} is already being iterated, so "
@@ -271,7 +191,7 @@ class CheckpointManager:
             if plan.hf:
                 hf_import.load_hf_weights(path, self.model, process_group=self._pg)
             else:
-                self._apply(self._read(path, model_only=plan.model_only), path)
+                self.states.apply(self._read(path, model_only=plan.model_only), path)
             what = "model weights only" if plan.model_only else "the full training state"
             self._warn(
                 f"checkpoint: no checkpoint to resume in {self.folder}; loaded {what} from initial_load_path {path}"
@@ -295,7 +215,7 @@ class CheckpointManager:
                 self._warn(f"checkpoint {path} could not be read ({msg}); falling back to the previous one")
                 failures.append(f"{name}: {msg[:150]}")
                 continue
-            self._apply(state, path)
+            self.states.apply(state, path)
             info = self._on_rank0(lambda p=path: layout.read_info(p))
             self._resumed_step = info["step"]  # newer folders move aside once the resume is committed
             tokens, what = info.get("tokens_seen") or 0, ", ".join(state)
@@ -315,58 +235,13 @@ class CheckpointManager:
         return bool(flag.item())
 
     def _read(self, path: str, *, model_only: bool) -> dict[str, Any]:
-        """DCP-load ``path`` into this run's layout: model tensors in place, the rest returned. Every
-        entry is a tensor (non-tensor state as :mod:`~titanlite.checkpoint.codec` JSON), so nothing
-        from the folder is unpickled but DCP's own ``.metadata``."""
+        """DCP-load ``path`` into this run's layout: model tensors in place, the rest returned, decoded (decoding is
+        part of reading: a damaged value falls back too)."""
         entries = self._on_rank0(lambda: layout.stored_entries(path))
-
-        def stored(prefix: str) -> dict[str, torch.Tensor]:  # placeholders of the entries under prefix
-            found = {k[len(prefix) :]: v for k, v in entries.items() if k.startswith(prefix)}
-            if pickled := [prefix + k for k, v in found.items() if v is None]:
-                raise ValueError(
-                    f"{path} stores {pickled[0]} as a pickle (an older titanlite or another tool wrote it); "
-                    "titanlite never unpickles checkpoint data, so it cannot resume from this folder"
-                )
-            return codec.placeholders(found)
-
-        state: dict[str, Any] = {self.model_key: get_model_state_dict(self.model)}
-        if not model_only:
-            for k, opt in self.optimizers.items():
-                state[k] = {**get_optimizer_state_dict(self.model, opt), "param_groups": stored(f"{k}.param_groups.")}
-            for k in self.shared:
-                state[k] = stored(f"{k}.")
-                if not state[k]:
-                    raise ValueError(f"{path} has no saved state {k!r}")
-            for k, (_, own) in self.per_rank.items():
-                fallback = "dp_rank_0" if own.startswith("dp_rank_") else None
-                for key in (own, fallback):
-                    if key is not None and (found := stored(f"{k}.{key}.")):
-                        state[k] = {key: found}
-                        break
+        state = self.states.placeholders(path, entries, model_only)
         with layout.quiet_single_process():  # allowlisted .metadata, non-tensor items refused unless plain data
             safe_load.load(state, path, process_group=self._pg, no_dist=not self.distributed)
-        for k in state:  # decoding is part of reading: a damaged value falls back too
-            if k in self.shared:
-                state[k] = codec.decode(state[k])
-            elif k in self.per_rank:
-                state[k] = codec.decode(next(iter(state[k].values())))
-            elif k in self.optimizers:
-                state[k]["param_groups"] = codec.decode(state[k]["param_groups"])
-        return state
-
-    def _apply(self, state: dict[str, Any], path: str) -> None:
-        set_model_state_dict(self.model, state[self.model_key])
-        for k, opt in self.optimizers.items():
-            if k in state:
-                set_optimizer_state_dict(self.model, opt, state[k])
-        for k, obj in self.shared.items():
-            if k in state:
-                obj.load_state_dict(state[k])
-        for k, (obj, _) in self.per_rank.items():
-            if k in state:
-                obj.load_state_dict(state[k])
-            elif len(state) > 1:
-                logger.warning(f"checkpoint {path} has no {k} state for this rank (saved with fewer ranks); kept as is")
+        return self.states.decode(state)
 
     # ------------------------------------------------------------------ saving
     def save(self, step: int, *, last: bool = False, force: bool = False) -> bool:
@@ -380,12 +255,12 @@ class CheckpointManager:
         dtype = DTYPES[self.cfg.export_dtype] if model_only else None
         t0 = time.perf_counter()
         prev = self._pending_step
-        self._wait_pending()  # at most one save in flight
+        self.wait()  # at most one save in flight
         stats = SaveStats(step, self.mode, model_only, wait_prev_s=time.perf_counter() - t0)
         if prev is not None and stats.wait_prev_s > 0.1:
             self._warn(f"checkpoint step {step} waited {stats.wait_prev_s:.2f} s for the write of step {prev}")
         self.stats.append(stats)
-        state = self._state_to_save(model_only, dtype)
+        state = self.states.to_save(model_only, dtype, self._pg)
         partial = self.folder / layout.partial_dir_name(step, self.token)
         final = self.folder / layout.step_dir_name(step)
         info = self._info(step, model_only, dtype)  # now; written by rank 0 with the rest (DCP makes the folder)
@@ -446,20 +321,8 @@ class CheckpointManager:
             executor.submit(torch.cuda.set_device, torch.cuda.current_device()).result()
         return stager
 
-    def _state_to_save(self, model_only: bool, dtype: torch.dtype | None) -> dict[str, Any]:
-        state: dict[str, Any] = {self.model_key: ModelState(self.model, dtype)}
-        if model_only:
-            return state
-        for k, opt in self.optimizers.items():
-            state[k] = OptimizerState(self.model, opt, self._pg)
-        for k, obj in self.shared.items():
-            state[k] = codec.encode(obj.state_dict(), k)
-        for k, (obj, key) in self.per_rank.items():
-            state[k] = {key: codec.encode(obj.state_dict(), k)}
-        return state
-
     def _info(self, step: int, model_only: bool, dtype: torch.dtype | None) -> dict[str, Any]:
-        train = self.shared.get("train_state")
+        train = self.states.shared.get("train_state")
         return {
             "step": step,
             "tokens_seen": train.state_dict().get("tokens_seen") if train is not None else None,
@@ -479,7 +342,7 @@ class CheckpointManager:
             info["files"] = layout.file_checksums(partial)  # every rank's files are complete by now
             stats.checksum_s = time.perf_counter() - t1
             layout.write_info(partial, info)
-            layout.write_text(partial / layout.CONFIG_FILE, self.config_toml)
+            atomic_write(partial / layout.CONFIG_FILE, self.config_toml, hidden_tmp=True)
             layout.publish(partial, final, self.token)
             self._purge()
         stats.write_s = time.perf_counter() - t0
@@ -494,10 +357,6 @@ class CheckpointManager:
         if self.stats:
             self.stats[-1].blocked_s += time.perf_counter() - t0
 
-    def wait(self) -> None:
-        """Block until the in-flight save (if any) is complete on disk."""
-        self._wait_pending()
-
     def close(self) -> None:
         """Wait for the last save, then release the stager, the checkpoint process group and the folder's lock."""
         if self._closed:
@@ -506,7 +365,7 @@ class CheckpointManager:
         try:
             if self._pending is not None:
                 logger.info("checkpoint: waiting for the write of step %d to finish", self._pending_step)
-            self._wait_pending()
+            self.wait()
         finally:
             if self._stager is not None:
                 self._stager.close()
@@ -515,7 +374,8 @@ class CheckpointManager:
                 self._pg = None
             self._lock.release()
 
-    def _wait_pending(self) -> None:
+    def wait(self) -> None:
+        """Block until the in-flight save (if any) is complete on disk."""
         self.wait_for_staging()
         fut, step = self._pending, self._pending_step
         self._pending = self._pending_step = None

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from titanlite.checkpoint import hf_import, layout
+from titanlite.fsio import fsync_dir
 
 logger = logging.getLogger("titanlite.checkpoint")
 
@@ -155,7 +156,7 @@ class ResumePlanner:
         for name, shape in self.shapes.items():
             if name not in expected:
                 raise ValueError(f"{what}: the folder's {spec.name} model has no tensor {name}")
-            if tuple(expected.get(name, shape)) != shape:
+            if tuple(expected[name]) != shape:
                 raise ValueError(
                     f"{what}: {name} has shape {list(expected[name])} in the folder but {list(shape)} in this "
                     "model (the model config differs from config.json)"
@@ -190,7 +191,7 @@ class ResumePlanner:
         aside.mkdir(exist_ok=True)
         for f in newer:
             os.rename(f.path, aside / f.path.name)
-        layout.fsync_dir(self.folder)
+        fsync_dir(self.folder)
         names = ", ".join(f.path.name for f in newer)
         logger.warning(f"checkpoint: resumed from step {step}, so the newer checkpoints ({names}) moved to {aside}")
 

@@ -15,7 +15,6 @@ Each refusal is one ``error:`` line naming the folder; the exit status is 2 when
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,15 +26,7 @@ from titanlite.fsio import one_line
 def seal(path: str | Path, record_files: bool = False) -> str:
     """Seal one step folder (see the module docstring); returns what was done, ValueError (one line) otherwise."""
     path = Path(path)
-    file = path / layout.INFO_FILE
-    try:
-        info = json.loads(file.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ValueError(f"{path} has no {layout.INFO_FILE}: not a titanlite checkpoint step folder") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{file} is unreadable: {one_line(e)}") from None
-    if not isinstance(info, dict) or info.get("format") != layout.FORMAT:
-        raise ValueError(f"{file} is not a titanlite checkpoint description")
+    file, info = path / layout.INFO_FILE, layout.read_info(path, verify=False)
     if info.get("version") == layout.FORMAT_VERSION:
         layout.read_info(path)  # intact, or the error saying it was edited
         return f"{path}: already in format version {layout.FORMAT_VERSION}, left as it is"
