@@ -36,6 +36,8 @@ MOVED_NAMES: dict[tuple[str, str], str] = {  # (module, old name) -> the new ful
     **{(HF, n): f"torchtitan_ext.compat.format.{n}" for n in TORCHTITAN_FORMAT},
     (HF, "model_args_from_seed"): "titanlite.checkpoint.seed_args.model_args_from_seed",
     (HF, "model_from_info"): "titanlite.checkpoint.hf_export.model_from_info",
+    **{("titanlite.data.prepare", n): f"titanlite.data.prepare_folder.{n}" for n in ("STATE", "JOURNAL")},
+    **{("titanlite.data.prepare", n): f"titanlite.data.prepare_folder.{n}" for n in ("shard_name", "mask_name")},
 }
 
 
