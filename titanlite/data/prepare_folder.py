@@ -129,22 +129,14 @@ def _existing_prefix(out: Path, split: str, known: dict[str, dict]) -> list[dict
             return kept
         try:
             r = ShardReader(out / name)
+            m = ShardReader(out / entry["mask"]["name"]) if "mask" in entry else None  # chat data's loss mask
         except ValueError:
             return kept  # unreadable: it will be rewritten
         if (r.num_tokens, r.num_docs) != (entry.get("tokens"), entry.get("docs")):
             return kept
-        if "mask" in entry and not _mask_matches(out / entry["mask"]["name"], r):
+        if m is not None and (m.num_tokens, m.num_docs, m.dtype.itemsize) != (r.num_tokens, r.num_docs, 1):
             return kept
         kept.append({**entry, "split": split})
-
-
-def _mask_matches(path: Path, shard: ShardReader) -> bool:
-    """Whether the loss-mask shard at ``path`` is readable and has ``shard``'s tokens and documents count."""
-    try:
-        m = ShardReader(path)
-    except ValueError:
-        return False
-    return (m.num_tokens, m.num_docs, m.dtype.itemsize) == (shard.num_tokens, shard.num_docs, 1)
 
 
 def _our_files(out: Path, known: dict[str, dict]) -> list[Path]:

@@ -176,9 +176,7 @@ class ShardedTokens:
         i = int(idx) + (self._len if int(idx) < 0 else 0)
         if not 0 <= i < self._len:
             raise IndexError(f"token index {idx} out of range for {self._len} tokens")
-        k = bisect.bisect_right(self.shard_starts, i) - 1
-        self.verify_shard(k)
-        return int(self._arrays[k][i - self.shard_starts[k]])
+        return int(self[i : i + 1][0])
 
     def gather(self, starts: Sequence[int], length: int) -> torch.Tensor:
         """Windows ``store[s:s+length]`` for each ``s`` in ``starts`` as one ``[B, length]`` int64 tensor."""
