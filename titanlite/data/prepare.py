@@ -11,15 +11,7 @@ split's documents are cut, in input order, into shards ``<split>-NNNNN.bin``: a 
 as soon as it holds >= ``--shard-tokens`` tokens (documents are never split across shards), so
 the shard numbering is a function of the inputs and settings only.
 
-Restarts: shards are written to ``.tmp`` and renamed, so an existing ``<split>-NNNNN.bin`` is
-complete; just before the rename, the shard (with its largest token id and checksum) is appended
-to ``prepare_journal.jsonl``, so every shard file this tool wrote is listed there or in the
-manifest. A re-run with the same settings (recorded in ``prepare_state.json``) keeps the existing
-leading shards of each split that the journal lists, skips their documents without tokenizing
-them, and overwrites any leftover ``.tmp``. ``manifest.json`` is written last; a folder without it
-is unfinished. Changed settings or inputs are refused unless ``--overwrite`` is given, which
-deletes only the files the manifest or the journal lists. A file named like a shard that neither
-lists is never deleted or overwritten: the run is refused until it is moved away.
+Restarts and ``--overwrite``: see :mod:`titanlite.data.prepare_folder`.
 
 ``--format chat`` reads JSONL conversations (``{"messages": [{"role", "content"}, ...]}``, see
 :mod:`titanlite.data.chat`): each conversation is one document, its Llama 3 chat rendering (which starts

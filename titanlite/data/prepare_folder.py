@@ -1,6 +1,15 @@
 """``titanlite prepare``'s output folder: shard names, the journal of written shards, the settings state, the
 resume step (what a re-run keeps, what ``--overwrite`` deletes) and the writers that add each split's shards.
-The rules are in :mod:`titanlite.data.prepare`'s docstring.
+
+Restarts: shards are written to ``.tmp`` and renamed, so an existing ``<split>-NNNNN.bin`` is
+complete; just before the rename, the shard (with its largest token id and checksum) is appended
+to ``prepare_journal.jsonl``, so every shard file this tool wrote is listed there or in the
+manifest. A re-run with the same settings (recorded in ``prepare_state.json``) keeps the existing
+leading shards of each split that the journal lists, skips their documents without tokenizing
+them, and overwrites any leftover ``.tmp``. ``manifest.json`` is written last; a folder without it
+is unfinished. Changed settings or inputs are refused unless ``--overwrite`` is given, which
+deletes only the files the manifest or the journal lists. A file named like a shard that neither
+lists is never deleted or overwritten: the run is refused until it is moved away.
 """
 
 from __future__ import annotations
