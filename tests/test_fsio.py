@@ -130,3 +130,13 @@ def test_atomic_dir_refuses_a_non_empty_output(tmp_path):
 )
 def test_one_line(value, want):
     assert fsio.one_line(value) == want
+
+
+def test_append_line_ends_a_torn_last_line_first(tmp_path):
+    log = tmp_path / "log.jsonl"
+    fsio.append_line(log, '{"a": 1}')
+    with open(log, "ab") as f:
+        f.write(b'{"torn')  # a crash in the middle of a line
+    fsio.append_line(log, b'{"b": 2}')
+    assert log.read_bytes().splitlines() == [b'{"a": 1}', b'{"torn', b'{"b": 2}']
+    assert log.read_bytes().endswith(b"\n")

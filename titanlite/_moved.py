@@ -45,6 +45,10 @@ MOVED_NAMES: dict[tuple[str, str], str] = {  # (module, old name) -> the new ful
     },
     ("torchtitan_ext.qwen3.parallelize", "apply_tensor_parallel"): TP_DECODER,
     **{(f"{C}.manager", n): f"{C}.state.{n}" for n in ("ModelState", "OptimizerState", "all_ranks_param_groups")},
+    **{
+        ("titanlite.data.prepare", n): f"titanlite.data.prepare_folder.{n}"
+        for n in ("STATE", "JOURNAL", "shard_name", "mask_name")
+    },
 }
 
 

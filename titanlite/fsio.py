@@ -3,6 +3,7 @@
 - :func:`atomic_write`: a file that holds the old content or the new one, never a part of the new one.
 - :func:`atomic_dir`: a folder built under a temporary name and renamed into place when complete.
 - :func:`fsync_dir`: make a rename in a folder durable (best effort).
+- :func:`append_line`: a line appended to a log file and fsynced.
 - :func:`one_line`: an exception's (or any object's) text with every run of whitespace made one space.
 """
 
@@ -32,6 +33,18 @@ def fsync_dir(path: PathLike) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def append_line(path: PathLike, line: str | bytes) -> None:
+    """Append ``line`` and a newline to ``path`` and fsync it. A last line torn by a crash (the file does not end
+    in a newline) is ended first, so it stays one unreadable line instead of spoiling this one."""
+    data = line.encode() if isinstance(line, str) else line
+    with open(path, "ab+") as f:
+        end = f.seek(0, os.SEEK_END)
+        torn = end > 0 and (f.seek(end - 1), f.read(1))[1] != b"\n"
+        f.write(b"\n" * torn + data + b"\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def atomic_write(
@@ -90,4 +103,4 @@ def atomic_dir(out_dir: PathLike) -> Iterator[Path]:
     fsync_dir(out_dir.parent)
 
 
-__all__ = ["atomic_dir", "atomic_write", "fsync_dir", "one_line"]
+__all__ = ["append_line", "atomic_dir", "atomic_write", "fsync_dir", "one_line"]

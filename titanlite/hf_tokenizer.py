@@ -199,7 +199,7 @@ def _is_id(i) -> bool:
 
 def _ranks(path: str, vocab: dict) -> dict[bytes, int]:
     """The vocabulary mapped back from byte-level strings to bytes: tiktoken's mergeable ranks."""
-    decode = {c: b for b, c in byte_level_alphabet().items()}
+    decode = _alphabet_inverse()
     ranks: dict[bytes, int] = {}
     for token, i in vocab.items():
         if not _is_id(i):
@@ -275,7 +275,7 @@ def _check_merges(path: str, model: dict, ranks: dict[bytes, int]) -> None:
     in the order it learned them, so those pairs never end up side by side. The
     parity tests check converted and trained files against HF on real text.
     """
-    decode = {c: b for b, c in byte_level_alphabet().items()}
+    decode = _alphabet_inverse()
     made: set[bytes] = set()
     last = -1
     for n, (left, right) in enumerate(_merge_pairs(path, model.get("merges"))):

@@ -22,12 +22,13 @@ depend on ``titanlite.data``.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import os
 import re
 import string
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
@@ -88,14 +89,15 @@ class HFEncoding(tiktoken.Encoding):
     def __setstate__(self, value: dict) -> None:
         self.__init__(**value)
 
-    def _pieces(self, text: str) -> list[str | int]:
-        """``text`` cut into the ids of its added tokens and the strings between them (normalized)."""
-        out: list[str | int] = []
+    def _ids(self, text: str, encode: Callable[[str], list[int]]) -> list[int]:
+        """``text`` cut into the ids of its added tokens and the (normalized) strings between them, ``encode``d."""
+        ids: list[int] = []
         for piece in self._cut(self._raw, text):
             if isinstance(piece, str) and self.nfc:
                 piece = unicodedata.normalize("NFC", piece)
-            out += self._cut(self._normalized, piece) if isinstance(piece, str) else [piece]
-        return out
+            for p in self._cut(self._normalized, piece) if isinstance(piece, str) else [piece]:
+                ids += [p] if isinstance(p, int) else encode(p) if p else []
+        return ids
 
     def _cut(self, pattern: re.Pattern | None, text: str) -> list[str | int]:
         if pattern is None:
@@ -108,28 +110,16 @@ class HFEncoding(tiktoken.Encoding):
         return [*out, text[start:]]
 
     def encode_ordinary(self, text: str) -> list[int]:
-        ids: list[int] = []
-        for piece in self._pieces(text):
-            ids += [piece] if isinstance(piece, int) else super().encode_ordinary(piece) if piece else []
-        return ids
+        return self._ids(text, super().encode_ordinary)
 
     def encode(self, text: str, **kwargs) -> list[int]:
-        ids: list[int] = []
-        for piece in self._pieces(text):
-            ids += [piece] if isinstance(piece, int) else super().encode(piece, **kwargs) if piece else []
-        return ids
+        return self._ids(text, functools.partial(super().encode, **kwargs))
 
     def decode_bytes(self, tokens: Sequence[int]) -> bytes:
+        plain = super().decode_bytes
         if not self._decoded or not any(t in self._decoded for t in tokens):
-            return super().decode_bytes(tokens)
-        out, run = [], []
-        for t in tokens:
-            if t in self._decoded:
-                out += [super().decode_bytes(run), self._decoded[t]]
-                run = []
-            else:
-                run.append(t)
-        return b"".join([*out, super().decode_bytes(run)])
+            return plain(tokens)
+        return b"".join(self._decoded[t] if t in self._decoded else plain([t]) for t in tokens)
 
     def decode(self, tokens: Sequence[int], errors: str = "replace") -> str:
         return self.decode_bytes(tokens).decode("utf-8", errors=errors)

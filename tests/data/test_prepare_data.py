@@ -15,6 +15,7 @@ import torch
 from shared_data import shared_file
 
 from titanlite.data import prepare as prep
+from titanlite.data.prepare_folder import JOURNAL, STATE
 from titanlite.data.shards import MANIFEST, ShardedTokens, ShardReader
 from titanlite.data.sources import iter_documents, list_files
 from titanlite.tokenizer import build_tokenizer, tokenizer_fingerprint
@@ -196,7 +197,7 @@ def test_rerun_skips_finished_shards_and_ignores_tmp(tmp_path):
     for p in shards[2:]:
         p.unlink()
     (out / (shards[2].name + ".tmp")).write_bytes(b"TLSHARD\0 half written garbage")
-    with open(out / prep.JOURNAL, "ab") as f:
+    with open(out / JOURNAL, "ab") as f:
         f.write(b'{"name": "train-000')  # a journal line torn by the crash
     with pytest.raises(ValueError, match="manifest.json: not found"):
         ShardedTokens(out)
@@ -318,7 +319,7 @@ def test_overwrite_refuses_a_listing_that_names_files_outside_the_shards(small_p
     victim.write_text("the user's file")
     name = str(victim) if where == "journal_absolute" else "../victim.txt"
     if where.startswith("journal"):
-        with open(out / prep.JOURNAL, "a") as f:
+        with open(out / JOURNAL, "a") as f:
             f.write(json.dumps({"name": name, "tokens": 1, "docs": 1}) + "\n")
     else:
         manifest = json.loads((out / MANIFEST).read_text())
@@ -332,7 +333,7 @@ def test_overwrite_refuses_a_listing_that_names_files_outside_the_shards(small_p
     with pytest.raises(ValueError) as e:
         prep.prepare(src, out, tok, **{**kw, "shard_tokens": 5_000, "overwrite": True})
     msg = str(e.value)
-    listing = prep.JOURNAL if where.startswith("journal") else MANIFEST
+    listing = JOURNAL if where.startswith("journal") else MANIFEST
     assert msg.startswith(f"{out / listing}: entry {name!r} is not a shard file of this folder") and "\n" not in msg
     assert victim.read_text() == "the user's file"
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing deleted or written
@@ -401,10 +402,10 @@ def test_prepared_folder_copy_verifies(small_prepared, tmp_path):
 
 def test_folder_of_an_older_version_needs_overwrite(small_prepared):
     src, out, tok, kw, manifest = small_prepared
-    state = json.loads((out / prep.STATE).read_text())
+    state = json.loads((out / STATE).read_text())
     del state["tokenizer"]["fingerprint"]  # what an older titanlite recorded
-    (out / prep.STATE).write_text(json.dumps(state))
-    (out / prep.JOURNAL).unlink()
+    (out / STATE).write_text(json.dumps(state))
+    (out / JOURNAL).unlink()
     with pytest.raises(ValueError, match=r"prepared by an older titanlite .*; use --overwrite"):
         prep.prepare(src, out, tok, **kw)
     assert prep.prepare(src, out, tok, **{**kw, "overwrite": True}) == manifest

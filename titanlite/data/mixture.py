@@ -152,10 +152,10 @@ class MixtureWindows(IterableDataset):
             raise ValueError(
                 f"cannot resume the mixture: checkpoint has sources {saved['names']}, this run has {now['names']}"
             )
-        for key, what in (("seq_len", "seq_len"), ("seed", "seed")):
+        for key in ("seq_len", "seed"):
             if saved[key] != now[key]:
                 raise ValueError(
-                    f"cannot resume the mixture: checkpoint has {what}={saved[key]}, this run has {now[key]}"
+                    f"cannot resume the mixture: checkpoint has {key}={saved[key]}, this run has {now[key]}"
                 )
         for key, what in (("weights", "weight"), ("num_windows", "number of windows")):
             for name, old, new in zip(now["names"], saved[key], now[key]):

@@ -11,15 +11,7 @@ split's documents are cut, in input order, into shards ``<split>-NNNNN.bin``: a 
 as soon as it holds >= ``--shard-tokens`` tokens (documents are never split across shards), so
 the shard numbering is a function of the inputs and settings only.
 
-Restarts: shards are written to ``.tmp`` and renamed, so an existing ``<split>-NNNNN.bin`` is
-complete; just before the rename, the shard (with its largest token id and checksum) is appended
-to ``prepare_journal.jsonl``, so every shard file this tool wrote is listed there or in the
-manifest. A re-run with the same settings (recorded in ``prepare_state.json``) keeps the existing
-leading shards of each split that the journal lists, skips their documents without tokenizing
-them, and overwrites any leftover ``.tmp``. ``manifest.json`` is written last; a folder without it
-is unfinished. Changed settings or inputs are refused unless ``--overwrite`` is given, which
-deletes only the files the manifest or the journal lists. A file named like a shard that neither
-lists is never deleted or overwritten: the run is refused until it is moved away.
+Restarts and ``--overwrite``: see :mod:`titanlite.data.prepare_folder`.
 
 ``--format chat`` reads JSONL conversations (``{"messages": [{"role", "content"}, ...]}``, see
 :mod:`titanlite.data.chat`): each conversation is one document, its Llama 3 chat rendering (which starts
@@ -39,8 +31,6 @@ import collections
 import hashlib
 import json
 import os
-import re
-import stat
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -50,31 +40,28 @@ from typing import TextIO
 
 import numpy as np
 
+from titanlite._moved import moved_names
 from titanlite.data.chat import iter_conversations, render_conversation
 from titanlite.data.encode import ParallelEncoder
-from titanlite.data.shards import (
+from titanlite.data.manifest import (
     CHAT_CONTENT,
     MANIFEST,
     SPLITS,
-    ShardReader,
     build_manifest,
     describe_tokenizer,
-    dtype_for_vocab,
     mask_entry,
     open_shard,
     read_manifest,
     tokenizer_info,
     verify_shard_bytes,
     write_json_atomic,
-    write_shard_flat,
 )
+from titanlite.data.prepare_folder import SplitWriter, resume
+from titanlite.data.shard_file import dtype_for_vocab
 from titanlite.data.sources import FORMATS, TXT_SPLITS, iter_file_documents, list_files
 from titanlite.fsio import one_line
 from titanlite.tokenizer import build_tokenizer
 
-STATE = "prepare_state.json"
-JOURNAL = "prepare_journal.jsonl"  # one line per shard written, appended before its rename
-_SHARD_NAME = re.compile(rf"({'|'.join(SPLITS)})-[0-9]+\.bin")
 DEFAULT_SHARD_TOKENS = 100_000_000
 CHUNK_CHARS = 1 << 18  # characters of text per task sent to a worker
 CHUNK_DOCS = 4096
@@ -90,171 +77,10 @@ def split_of(text: str, val_fraction: float) -> str:
     return "val" if h < val_fraction * 18446744073709551616.0 else "train"
 
 
-def shard_name(split: str, index: int) -> str:
-    return f"{split}-{index:05d}.bin"
-
-
-def mask_name(shard: str) -> str:
-    """The loss-mask shard of token shard ``shard`` (chat data): ``train-00000.bin`` -> ``train-00000.mask.bin``."""
-    return shard.removesuffix(".bin") + ".mask.bin"
-
-
 def _fmt_time(seconds: float) -> str:
     h, rem = divmod(int(max(0, seconds)), 3600)
     m, s = divmod(rem, 60)
     return f"{h}h{m:02d}m{s:02d}s" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
-
-
-class _SplitWriter:
-    """Accumulates one split's documents and writes a shard whenever it reaches ``shard_tokens``."""
-
-    def __init__(self, out: Path, split: str, dtype: str, shard_tokens: int, kept: list[dict], chat: bool = False):
-        self.out, self.split, self.dtype, self.shard_tokens = out, split, dtype, shard_tokens
-        self.entries = list(kept)  # shards kept from an earlier run, then the ones written now
-        self.parts, self.lengths, self.tokens = [], [], 0  # arrays, their sizes, their sum
-        self.chat, self.masks = chat, []  # chat data: each document's loss mask (uint8), written as a mask shard
-
-    def add(self, tokens: np.ndarray, mask: np.ndarray | None = None) -> None:
-        self.parts.append(tokens)
-        if self.chat:
-            self.masks.append(mask)
-        self.lengths.append(tokens.size)
-        self.tokens += tokens.size
-        if self.tokens >= self.shard_tokens:
-            self.flush()
-
-    def flush(self) -> None:
-        if self.lengths:
-            path = self.out / shard_name(self.split, len(self.entries))
-            extra = {"split": self.split}
-            if self.chat:  # the mask shard first: a token shard with its final name always has its mask on disk
-                mask = write_shard_flat(self.out / mask_name(path.name), np.concatenate(self.masks), self.lengths, "u1")
-                extra["mask"] = {"name": mask["name"], "checksum": mask["checksum"]}
-            record = lambda info: _append_journal(self.out, {**info, **extra})  # noqa: E731
-            info = write_shard_flat(path, np.concatenate(self.parts), self.lengths, self.dtype, before_rename=record)
-            self.entries.append({**info, **extra})
-            self.parts, self.lengths, self.tokens, self.masks = [], [], 0, []
-
-
-def _append_journal(out: Path, entry: dict) -> None:
-    """Append ``entry`` to the journal and fsync it (a line torn by a crash is ended first)."""
-    with open(out / JOURNAL, "ab+") as f:
-        end = f.seek(0, os.SEEK_END)
-        torn = end > 0 and (f.seek(end - 1), f.read(1))[1] != b"\n"
-        f.write(b"\n" * torn + json.dumps(entry).encode() + b"\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _read_journal(out: Path) -> dict[str, dict]:
-    """Shard name -> its latest journal entry (lines torn by a crash are skipped)."""
-    try:
-        lines = (out / JOURNAL).read_bytes().splitlines()
-    except FileNotFoundError:
-        return {}
-    entries = {}
-    for line in lines:
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(entry, dict) and isinstance(entry.get("name"), str):
-            entries[entry["name"]] = entry
-    return entries
-
-
-def _known_shards(out: Path) -> dict[str, dict]:
-    """The shards this tool wrote in ``out``: name -> entry, from the manifest and then the journal. Every entry
-    must name a shard of this folder (``<split>-NNNNN.bin``, its mask ``<split>-NNNNN.mask.bin``): a listing is
-    what ``--overwrite`` deletes, so one naming any other path is refused (one line naming the entry)."""
-    known = {}
-    if (out / MANIFEST).exists():
-        try:
-            known = {e["name"]: e for e in read_manifest(out)["shards"]}
-        except ValueError as e:
-            raise ValueError(f"{e}; it is needed to tell which files in {out} prepare_data wrote") from None
-    journal = _read_journal(out)
-    for listing, entries in ((MANIFEST, known), (JOURNAL, journal)):
-        for name, entry in entries.items():
-            mask = entry["mask"].get("name") if isinstance(entry.get("mask"), dict) else None
-            if not _SHARD_NAME.fullmatch(name):
-                bad, want = name, "<split>-NNNNN.bin"
-            elif mask not in (None, mask_name(name)):
-                bad, want = mask, mask_name(name)
-            else:
-                continue
-            raise ValueError(
-                f"{out / listing}: entry {bad!r} is not a shard file of this folder ({want}); prepare_data "
-                f"deletes and rewrites only its own shard files: remove that entry, or choose another --output"
-            )
-    return {**known, **journal}
-
-
-def _refuse_strays(out: Path, known: dict[str, dict]) -> None:
-    """A file named like a shard that this tool did not write would be overwritten or mixed in: refuse."""
-    strays = sorted(p.name for p in out.iterdir() if _SHARD_NAME.fullmatch(p.name) and p.name not in known)
-    if strays:
-        more = f" (and {len(strays) - 1} more)" if len(strays) > 1 else ""
-        raise ValueError(
-            f"{out / strays[0]}{more}: named like a shard but listed in neither {MANIFEST} nor {JOURNAL}, so "
-            f"prepare_data did not write it; move it out of {out} or choose another --output"
-        )
-
-
-def _existing_prefix(out: Path, split: str, known: dict[str, dict]) -> list[dict]:
-    """The complete shards ``<split>-00000.bin, -00001, ...`` already in ``out`` whose header matches
-    their journal entry (stops at the first that does not: it and the later ones are rewritten)."""
-    kept = []
-    while True:
-        name = shard_name(split, len(kept))
-        entry = known.get(name)
-        if entry is None or not {"max_id", "checksum"} <= set(entry) or not (out / name).is_file():
-            return kept
-        try:
-            r = ShardReader(out / name)
-        except ValueError:
-            return kept  # unreadable: it will be rewritten
-        if (r.num_tokens, r.num_docs) != (entry.get("tokens"), entry.get("docs")):
-            return kept
-        if "mask" in entry and not _mask_matches(out / entry["mask"]["name"], r):
-            return kept
-        kept.append({**entry, "split": split})
-
-
-def _mask_matches(path: Path, shard: ShardReader) -> bool:
-    """Whether the loss-mask shard at ``path`` is readable and has ``shard``'s tokens and documents count."""
-    try:
-        m = ShardReader(path)
-    except ValueError:
-        return False
-    return (m.num_tokens, m.num_docs, m.dtype.itemsize) == (shard.num_tokens, shard.num_docs, 1)
-
-
-def _our_files(out: Path, known: dict[str, dict]) -> list[Path]:
-    """The files of ``out`` that --overwrite deletes: the listed shards (and masks), their .tmp, our own records
-    (names :func:`_known_shards` checked). Each must be a plain file: a link or a folder of that name is refused."""
-    listed = [*known, *(e["mask"]["name"] for e in known.values() if isinstance(e.get("mask"), dict))]
-    names = [*listed, *(n + ".tmp" for n in listed)]
-    names += [n + t for n in (MANIFEST, STATE, JOURNAL) for t in ("", ".tmp")]
-    found = []
-    for path in sorted(out / n for n in names if os.path.lexists(out / n)):
-        if not stat.S_ISREG(path.lstat().st_mode):
-            kind = "a symbolic link" if path.is_symlink() else "not a plain file"
-            raise ValueError(
-                f"{path} is {kind}, where prepare_data keeps one of its own files; it never deletes or writes "
-                "through it: move it out of the folder, or choose another --output"
-            )
-        found.append(path)
-    return found
-
-
-def _why_not_resumable(state: dict, old_state: dict | None) -> str:
-    if old_state is None:
-        return f"holds shard files but no readable {STATE}"
-    if "fingerprint" not in old_state.get("tokenizer", {}):
-        return "was prepared by an older titanlite (no tokenizer fingerprint or shard checksums recorded)"
-    diff = sorted(k for k in set(state) | set(old_state) if state.get(k) != old_state.get(k))
-    return f"was prepared with different {', '.join(diff)} (see {STATE})"
 
 
 def _sayer(log: TextIO | None) -> Callable[[str], None]:
@@ -276,35 +102,6 @@ def _check_settings(inputs: list, val_fraction: float, workers: int, shard_token
     ):
         if bad:
             raise ValueError(msg)
-
-
-def _resume(out: Path, state: dict, overwrite: bool, say: Callable[[str], None]) -> dict[str, list[dict]]:
-    """The resume step: refuse a folder that cannot be resumed (or, with ``overwrite``, delete what prepare_data
-    wrote there), record ``state``, and return each split's leading shards that are kept."""
-    known = _known_shards(out)
-    _refuse_strays(out, known)  # before anything is deleted or written
-    old_files = _our_files(out, known)
-    try:
-        old_state = json.loads((out / STATE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        old_state = None
-    old_state = old_state if isinstance(old_state, dict) else None
-    if old_files and old_state != state:
-        if not overwrite:
-            why = _why_not_resumable(state, old_state)
-            raise ValueError(f"{out}: {why}; use --overwrite to start over or choose another --output")
-        say(f"--overwrite: deleting the {len(old_files)} files prepare_data wrote in {out}")
-        for p in old_files:
-            p.unlink()
-        known = {}
-    write_json_atomic(out / STATE, state)
-    kept = {s: _existing_prefix(out, s, known) for s in SPLITS}
-    if n_kept := sum(len(v) for v in kept.values()):
-        say(
-            f"resuming: keeping {n_kept} finished shards "
-            f"({', '.join(f'{s} {len(kept[s])}' for s in SPLITS)}); skipping their documents"
-        )
-    return kept
 
 
 class _Progress:
@@ -423,8 +220,9 @@ def prepare(
 ) -> dict:
     """Tokenize ``inputs`` into shards under ``output``; returns the manifest (also written to disk).
 
-    Three steps: resume (:func:`_resume`: what an earlier run left), encoding (:func:`_add_texts` through the
-    worker pool, or :func:`_add_conversations`, into one :class:`_SplitWriter` per split), manifest.
+    Three steps: resume (:func:`~titanlite.data.prepare_folder.resume`: what an earlier run left), encoding
+    (:func:`_add_texts` through the worker pool, or :func:`_add_conversations`, into one
+    :class:`~titanlite.data.prepare_folder.SplitWriter` per split), manifest.
     Raises one-line ``ValueError`` (bad input/settings) or ``ImportError`` (missing optional package).
     """
     inputs = [inputs] if isinstance(inputs, (str, os.PathLike)) else inputs
@@ -454,12 +252,12 @@ def prepare(
         "txt_split": txt_split,
     }
     stats = [{"path": str(f.resolve()), "bytes": s, "mtime_ns": f.stat().st_mtime_ns} for f, s in zip(files, sizes)]
-    kept = _resume(
+    kept = resume(
         out, {"settings": settings, "tokenizer": tok_info, "dtype": dtype, "input_files": stats}, overwrite, say
     )
     skip = {s: sum(e["docs"] for e in kept[s]) for s in SPLITS}
     chat = file_format == "chat"
-    writers = {s: _SplitWriter(out, s, dtype, shard_tokens, kept[s], chat) for s in SPLITS}
+    writers = {s: SplitWriter(out, s, dtype, shard_tokens, kept[s], chat) for s in SPLITS}
 
     progress = _Progress(sum(sizes), say, progress_interval)
     if chat:  # rendering is cheap next to BPE on long text: one process
@@ -634,6 +432,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     return 0
 
+
+__getattr__ = moved_names(__name__)  # old names (titanlite._moved)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -128,9 +128,7 @@ def source_windows(
     tokens with ``loss_mask = "assistant"``), the cut token stream otherwise. ``eos_id``: document ids for
     block-causal attention (None: causal); ``pad_id``: the token that fills the rest of a packed window."""
     if data.chat:
-        mask = data.mask if loss_mask == "assistant" else None
-        kwargs.update(mask=mask, doc_offsets=data.doc_offsets, pad_id=pad_id)
-        return TokenWindows(data.tokens, seq_len, eos_id=eos_id, seed=seed, **kwargs)
+        kwargs.update(mask=data.mask if loss_mask == "assistant" else None, doc_offsets=data.doc_offsets, pad_id=pad_id)
     return TokenWindows(data.tokens, seq_len, eos_id=eos_id, seed=seed, **kwargs)
 
 
@@ -163,8 +161,8 @@ def training_dataset(
     """The training windows: one source's :class:`TokenWindows` (the same windows, order and state as
     before mixtures existed), or a :class:`MixtureWindows` over several (each source with its own seed). A
     source whose loss mask leaves no token to train on is refused (one line)."""
-    kw = dict(dp_rank=dp_rank, dp_world=dp_world, batch_size=batch_size, loss_mask=loss_mask, eos_id=eos_id)
-    kw["pad_id"] = pad_id
+    ranks = dict(dp_rank=dp_rank, dp_world=dp_world, batch_size=batch_size)
+    kw = dict(ranks, loss_mask=loss_mask, eos_id=eos_id, pad_id=pad_id)
     if not mixture:
         return _with_loss_labels(source_windows(sources[0], seq_len, seed=seed, name="train", **kw), "training data")
     windows = [
@@ -174,9 +172,7 @@ def training_dataset(
         )
         for i, s in enumerate(sources)
     ]
-    names = [s.name for s in sources]
-    kw = dict(seed=seed, dp_rank=dp_rank, dp_world=dp_world, batch_size=batch_size, on_exhausted=on_exhausted)
-    return MixtureWindows(windows, weights, names, **kw)
+    return MixtureWindows(windows, weights, [s.name for s in sources], seed=seed, on_exhausted=on_exhausted, **ranks)
 
 
 def load_sources(

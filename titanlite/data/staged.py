@@ -39,11 +39,8 @@ class StagedLoader:
         self._it = iter(self.loader)
 
         def batches() -> Iterator[dict]:
-            while True:  # reads whichever stage's iterator is current (set_stage swaps it)
-                try:
-                    batch = next(self._it)
-                except StopIteration:
-                    return
+            # reads whichever stage's iterator is current (set_stage swaps it); batches are dicts, never None
+            while (batch := next(self._it, None)) is not None:
                 yield batch
 
         return batches()
