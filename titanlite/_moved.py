@@ -23,6 +23,8 @@ MOVED_MODULES: dict[str, str] = {  # old module -> where it went (every titanlit
 }
 C = "titanlite.checkpoint"
 HF = f"{C}.hf"
+PLANNER_MEMORY = ("StageShare", "stage_params", "stage_memory_breakdown", "pipeline_receive_buffers", "pipeline_memory")
+PLANNER_MEMORY += ("activation_bytes_per_token_layer",)
 HF_IMPORT = ("read_hf_config", "hf_seed", "hf_state_dict", "INDEX_FILE", "SINGLE_FILE", "Progress")
 TORCHTITAN_FORMAT = ("torchtitan_version", "torchtitan_name", "torchtitan_model_args", "TORCHTITAN_QKV")
 TORCHTITAN_FORMAT += ("TORCHTITAN_LLAMA3_HEADS", "TORCHTITAN_LLAMA3_KEYS")
@@ -30,6 +32,8 @@ TP_DECODER = "titanlite.parallel.tensor_parallel.parallelize_decoder"
 MOVED_NAMES: dict[tuple[str, str], str] = {  # (module, old name) -> the new full name
     (f"{P}.planner", "plan_run"): f"{P}.planner.estimate_run",
     (f"{P}.run_plan", "plan_run"): f"{P}.run_plan.plan_steps",
+    **{(f"{P}.planner", n): f"{P}.memory.{n}" for n in PLANNER_MEMORY},
+    ("titanlite.generate", "draw"): "titanlite.token_sampling.draw",
     ("titanlite.train", "set_seed"): f"{T}.trainer.set_seed",
     ("titanlite.train", "grad_accum_steps"): f"{T}.step.grad_accum_steps",
     ("titanlite.train", "REMOVED_METHODS"): f"{T}.trainer.REMOVED_METHODS",
@@ -49,6 +53,29 @@ MOVED_NAMES: dict[tuple[str, str], str] = {  # (module, old name) -> the new ful
         ("titanlite.data.prepare", n): f"titanlite.data.prepare_folder.{n}"
         for n in ("STATE", "JOURNAL", "shard_name", "mask_name")
     },
+}
+
+# Trainer methods of earlier versions and where their work went: titanlite.trainer.Trainer refuses a subclass
+# that defines one (it would never be called)
+REMOVED_METHODS = {
+    "loss_fn": "build_loss() (it returns the token-sum loss function)",
+    "forward_backward": "build_train_step() (a TrainStep: TrainStep.forward_backward)",
+    "train_step": "build_train_step() (self.train_step is the TrainStep it returns)",
+    "clip_grad_norm": "build_train_step() (TrainStep.reduce_step gives the norm, TrainStep.update clips)",
+    "optimizer_step": "build_train_step() (TrainStep.update)",
+    "model_inputs": "build_train_step() (titanlite.trainer.step.batch_to_device)",
+    "autocast": "build_train_step() (TrainStep.autocast)",
+    "dp_sum": "build_train_step() (TrainStep.dp_sum)",
+    "step_record": "build_hooks() (titanlite.trainer.metrics.MetricsHook)",
+    "log_step": "build_hooks() (titanlite.trainer.metrics.MetricsHook)",
+    "is_log_step": "build_hooks() (titanlite.trainer.metrics.MetricsHook)",
+    "log_summary": "build_hooks() (titanlite.trainer.metrics.MetricsHook)",
+    "stop_on_signal": "build_hooks() (titanlite.trainer.preemption.PreemptionHook)",
+    "build_dataloader": "build_train_dataloader(stage) (validation: build_val_loaders)",
+    "enter_stage": "build_hooks() (titanlite.trainer.stages.StageHook)",
+    "load_sources": "train_sources or build_val_loaders() (titanlite.data.recipe.load_sources)",
+    "model_args_source": "__init__ (titanlite.checkpoint.layout.model_args_source)",
+    "recorded_checkpoint": "resume_point() (titanlite.checkpoint.layout.recorded_checkpoint)",
 }
 
 

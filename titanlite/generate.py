@@ -1,45 +1,30 @@
 """Text generation from a titanlite decoder: greedy or sampled, with a KV cache, on one process or on
-every rank of a sharded model.
+every rank of a sharded model (what it does for a user: docs/evaluation.md, "Generation").
 
 Library: :func:`generate` continues a batch of token-id prompts and returns each one's completion ids;
-:func:`sample_next` picks next tokens from logits (temperature, top-k, top-p). The training loop's
-in-loop samples, the evaluation watcher and the command line below all call these.
+:func:`titanlite.token_sampling.sample_next` picks next tokens from logits (temperature, top-k, top-p). The
+training loop's in-loop samples, the evaluation watcher and the command line below all call these.
 
-- The batch is one left-padded prefill (every prompt ends in the same slot), then one token per step
-  through the model's static KV cache (:mod:`titanlite.models.kv_cache`: allocated once at the request's
-  final length, positions and mask built on the device). ``use_cache=False`` instead runs the plain
-  training forward over each whole prefix at every step (prompts of one length together): the reference
-  the cache is tested against, and the benchmark's baseline. A family whose ``forward`` takes no
-  ``cache`` argument generates that way, with a warning.
-- ``compile=True``: the one-token decode step (fixed shapes for a request) runs through ``torch.compile``,
-  with CUDA graphs on CUDA (``mode="reduce-overhead"``), compiled once per shape and replayed for every
-  token; the prefill stays eager. Eager is the default and the reference. A sharded model, or one
-  without a cache, decodes eagerly (:func:`compile_refusal`, logged).
-- No host read per token: the next tokens are drawn on the device, the stop state (each row's first
-  ``eos_ids`` token) stays there, and the host reads it once every ``STOP_CHECK_EVERY`` tokens (to stop
-  early) and the tokens once at the end. Finished rows keep running with the batch until then; their
-  extra tokens are dropped, so the result is the same as stopping at once.
-- Sampling draws only from the ``generator`` it is given, never from torch's global RNG, so a training
-  run's random stream is the same with or without samples; the draws are ``torch.multinomial``'s, made
-  without its host-side checks (:func:`draw`). Give a generator on the model's device: another one costs
-  a copy per token.
-- Distributed (FSDP and/or tensor parallel): every rank of ``sync_group`` calls :func:`generate` with
-  the same prompts and runs every forward (they hold shards); the group's first rank picks the next
-  tokens and broadcasts them (one broadcast per step), so all ranks continue and stop together. Under
-  tensor parallelism every forward is padded on the right with filler up to a multiple of the TP degree
-  (titanlite's plan shards the sequence evenly over the TP ranks); causal attention keeps the real
-  tokens blind to it.
-- Eager steps run under ``torch.no_grad`` and ``torch.compiler.set_stance("force_eager")``: per-block
-  compiled models run eagerly, instead of recompiling for every new sequence length.
+- ``use_cache=False`` runs the plain training forward over each whole prefix at every step (prompts of one length
+  together): the reference the static KV cache is tested against, and the benchmark's baseline.
+- ``compile=True`` compiles the one-token decode step only (its shapes are fixed for a request: captured once,
+  replayed for every token); the prefill stays eager. A sharded model, or one without a cache, decodes eagerly
+  (:func:`compile_refusal`, logged).
+- No host read per token: finished rows keep running with the batch until the host's next read of the stop
+  state (every ``STOP_CHECK_EVERY`` tokens); their extra tokens are dropped, so the result is the same as
+  stopping at once.
+- Sampling draws only from the ``generator`` it is given (:mod:`titanlite.token_sampling`). Give a generator on
+  the model's device: another one costs a copy per token.
+- Distributed (FSDP and/or tensor parallel): every rank of ``sync_group`` runs every forward (they hold shards);
+  the group's first rank picks the next tokens and broadcasts them (one broadcast per step), so all ranks
+  continue and stop together. Under tensor parallelism every forward is padded on the right with filler up to a
+  multiple of the TP degree (titanlite's plan shards the sequence evenly over the TP ranks); causal attention
+  keeps the real tokens blind to it.
+- Eager steps run under ``torch.no_grad`` and ``torch.compiler.set_stance("force_eager")``: per-block compiled
+  models run eagerly, instead of recompiling for every new sequence length.
 
-Command line (one ``error: ...`` line on stderr and exit status 2 for bad input)::
-
-    python -m titanlite.generate --checkpoint DIR --prompt TEXT [--prompt TEXT ...] [--prompt-file F]
-        [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--json]
-        [--tokenizer PATH|bytes] [--device cpu|cuda] [--dtype float32|bfloat16] [--extensions M]
-        [--no-bos] [--no-cache] [--compile] [--chat]
-
-``DIR`` is a titanlite checkpoint step folder or a Hugging Face folder
+Command line: ``python -m titanlite.generate --help`` (one ``error: ...`` line on stderr and exit status 2 for
+bad input); ``--checkpoint`` is a titanlite checkpoint step folder or a Hugging Face folder
 (:func:`titanlite.checkpoint.load_model.load_model`).
 """
 
@@ -59,77 +44,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from titanlite._moved import moved_names
 from titanlite.checkpoint.load_model import load_model
 from titanlite.data.chat import chat_prompt_ids, special_id
 from titanlite.dtypes import DTYPES
 from titanlite.fsio import one_line
 from titanlite.models.kv_cache import KVCache, supports_cache
+from titanlite.token_sampling import check_sampling, sample_next
 
 logger = logging.getLogger(__name__)
 
 FILLER = 0  # the token in a left-padded row's empty slots (masked out, any valid id would do)
 STOP_CHECK_EVERY = 16  # decode steps between the host's reads of the stop state (the only reads until the end)
 CACHE_BUCKET = 64  # a compiled request's cache length is rounded up to a multiple of this
-
-
-# ----------------------------------------------------------------------------- sampling
-
-
-def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
-    """One-line ``ValueError`` for a setting :func:`sample_next` cannot use (NaN included)."""
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"top_k must be an integer >= 0 (0: off), got {top_k}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1] (1: off), got {top_p}")
-
-
-def sample_next(
-    logits: torch.Tensor,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """Next token ids ``[B]`` from ``logits [B, V]``.
-
-    ``temperature == 0``: the argmax (greedy, as transformers' ``do_sample=False``). Otherwise a draw from
-    ``softmax(logits / temperature)`` restricted to the ``top_k`` largest logits (ties with the k-th kept;
-    0: all) and then to the smallest set of most likely tokens whose probability reaches ``top_p`` (1: all),
-    renormalized. The draw uses ``generator`` only, which sampling therefore needs."""
-    check_sampling(temperature, top_k, top_p)
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    if generator is None:
-        raise ValueError("sampling (temperature > 0) needs a torch.Generator: it never draws from the global RNG")
-    scores = logits.float() / temperature
-    if 0 < top_k < scores.shape[-1]:
-        kth = scores.topk(top_k, dim=-1).values[:, -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    probs = scores.softmax(dim=-1)
-    if top_p < 1:
-        probs = _nucleus(probs, top_p)
-    if probs.device.type != generator.device.type:  # e.g. a CPU generator for CUDA logits (a copy per step)
-        probs = probs.to(generator.device)
-    return draw(probs, generator).to(logits.device)
-
-
-def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One index per row of ``probs [B, V]``: the draw of ``torch.multinomial(probs, 1, generator=generator)``,
-    the same numbers from the same generator (its one-sample path: the argmax of ``probs / q``, ``q`` drawn
-    from Exp(1)), without the validity checks that read the device (a host sync per token on a GPU)."""
-    q = torch.empty_like(probs).exponential_(1, generator=generator)
-    return probs.div(q).argmax(dim=-1)
-
-
-def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """``probs`` kept on the most likely tokens until their total first reaches ``top_p``, renormalized."""
-    ranked, order = probs.sort(dim=-1, descending=True)
-    above = ranked.cumsum(dim=-1) - ranked  # the probability of the tokens ranked above each one
-    ranked = ranked.masked_fill(above >= top_p, 0.0)  # the most likely token is always kept (above = 0)
-    kept = torch.zeros_like(probs).scatter(-1, order, ranked)
-    return kept / kept.sum(dim=-1, keepdim=True)
 
 
 # ----------------------------------------------------------------------------- generation
@@ -478,6 +405,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(("\n" if i else "") + r["prompt"] + r["completion"])
     return 0
 
+
+__getattr__ = moved_names(__name__)  # old names (titanlite._moved)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,16 +13,20 @@ reverse order, like nested context managers closing):
 - ``on_train_end(state)``: after the last step, also after an early stop.
 
 Validation, metrics, the NaN/spike guard, preemption, the profiler and checkpointing are hooks; a
-foreign loop can drive them the same way with its own :class:`LoopState`.
+foreign loop can drive them the same way with its own :class:`LoopState` (:func:`run_steps` does it for a step
+function).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+
+logger = logging.getLogger("titanlite")
 
 
 @dataclasses.dataclass
@@ -115,3 +119,30 @@ def call_hooks(hooks: list[Hook], point: str, *args: Any) -> None:
             error = error or e
     if error is not None:
         raise error
+
+
+def run_steps(
+    hooks: list[Hook], state: LoopState, step: Callable[[Callable], Any], sources: Sequence[str] = ()
+) -> None:
+    """The loop after ``on_train_start``: ``step(before_update)`` (an optimizer step that calls ``before_update``
+    with its result) until ``state.total_steps`` or ``state.stop``, every hook point in its place; ``sources``: a
+    mixture's source names (``result.extra["source_tokens"]``). ``on_train_end`` runs after an error too; the
+    loop's error is the one raised (closing may fail as well, e.g. on a full disk: logged)."""
+    try:
+        while state.step < state.total_steps and not state.stop:
+            result = step(lambda r: call_hooks(hooks, "before_update", state, r))
+            if result.action == "rollback":  # the guard reloaded a checkpoint: state.step went back
+                call_hooks(hooks, "on_resume", state, result)
+                continue
+            state.step += 1
+            state.tokens_seen += result.tokens
+            if (per_source := result.extra.pop("source_tokens", None)) is not None:
+                state.count_sources(list(sources), per_source)
+            call_hooks(hooks, "on_step_end", state, result)
+    except BaseException:
+        try:
+            call_hooks(hooks, "on_train_end", state)
+        except Exception as e:  # noqa: BLE001
+            logger.error(f"closing the run after that error failed too: {type(e).__name__}: {e}")
+        raise
+    call_hooks(hooks, "on_train_end", state)  # the last save is waited for, logs and threads are closed

@@ -159,7 +159,7 @@ def test_405b_pipeline_config_dry_runs_every_stage_on_512_ranks():
 
     from titanlite.models import make_model_args
     from titanlite.models.flops import ModelShape
-    from titanlite.plan.planner import RunSetup, pipeline_memory
+    from titanlite.plan.memory import RunSetup, pipeline_memory
 
     start = time.monotonic()
     proc = run(RUN_WITH_RSS, "--config", "train_configs/llama405b.toml", "--job.dry_run", "true")

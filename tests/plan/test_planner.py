@@ -23,14 +23,14 @@ from titanlite.parallel.pipeline_schedules import (
     pipeline_bubble_fraction,
     pipeline_rank_stages,
 )
-from titanlite.plan.planner import (
+from titanlite.plan.memory import (
     RunSetup,
     activation_bytes_per_token_layer,
-    estimate_run,
     memory_breakdown,
     pipeline_memory,
     stage_shares,
 )
+from titanlite.plan.planner import estimate_run
 
 REPO = Path(__file__).resolve().parents[2]
 

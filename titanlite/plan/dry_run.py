@@ -1,25 +1,13 @@
-"""Dry run: check a config's parallel layout at its real scale on a machine without GPUs.
+"""Dry run: check a config's parallel layout at its real scale on a machine without GPUs (what it does and prints
+for a user: docs/scale.md, "Dry run without GPUs").
 
-``python -m titanlite.train --config train_configs/llama70b.toml --job.dry_run true`` (optionally
-``--job.dry_run_world_size N``) does, in one CPU process and in a few seconds:
-
-1. resolves the world size (:func:`resolve_world_size`) and validates the degrees and the batch
-   arithmetic exactly as the trainer would (``ParallelDims``, gradient accumulation);
-2. joins a *fake* process group of that size as rank 0 (``FakeStore`` + the ``fake`` backend: every
-   collective is a no-op, no other process exists) and builds the trainer's named device mesh;
-3. builds the model on the meta device and applies the family's ``parallelize_fn`` (float8, TP, AC,
-   compile wrapping, FSDP) exactly as a real run does: a plan that does not divide (heads, vocab,
-   hidden size, sequence length ...) fails here with the trainer's own error;
-4. prints the parameter count of every rank (computed from each parameter's DTensor placements for
-   every mesh coordinate), the sharding of each parameter group, and the planner's per-GPU memory
-   estimate (:mod:`titanlite.plan.planner`) against ``job.dry_run_gpu``;
-5. with pipeline parallelism, builds the stages of *every* pp rank (the family's ``pipeline_fn`` and
-   ``parallelize_fn`` on a view of the mesh whose ``pp_rank`` is that rank: as rank 0 of the fake
-   group only pp rank 0 would be seen) and prints, per pp rank, its modules (``tok_embeddings,
-   layers.0-15``), its parameters and the planner's memory estimate for that stage; the worst stage
-   decides the verdict;
-
-and exits without allocating a single weight. :func:`dry_run` returns the same facts as a dict.
+``python -m titanlite.train --config FILE --job.dry_run true`` joins a *fake* process group of the config's world
+size as rank 0 (``FakeStore`` + the ``fake`` backend: every collective is a no-op, no other process exists),
+builds the model on the meta device with the family's ``parallelize_fn`` exactly as a real run does, and counts
+every rank's parameters from each parameter's DTensor placements at that rank's mesh coordinate. With pipeline
+parallelism it builds the stages of *every* pp rank (on a view of the mesh whose ``pp_rank`` is that rank: as
+rank 0 of the fake group only pp rank 0 would be seen); the worst stage decides the verdict. Nothing is
+allocated; :func:`dry_run` returns the printed facts as a dict.
 """
 
 from __future__ import annotations
@@ -95,7 +83,7 @@ def _local_numel_fn(global_mesh_names: tuple[str, ...]) -> Callable:
 
 def _stage_memory(cfg: Any, shape: Any, world_size: int, stage: Any) -> dict[str, Any]:
     """The modelled memory of one seq_len stage: its length, micro-batch and accumulation."""
-    from titanlite.plan.planner import RunSetup, pipeline_memory
+    from titanlite.plan.memory import RunSetup, pipeline_memory
 
     c = copy.deepcopy(cfg)
     c.training.seq_len, c.training.local_batch_size = stage.seq_len, stage.local_batch_size
@@ -115,7 +103,8 @@ def dry_run(cfg, world_size: int | None = None, out: Callable[[str], None] = pri
     from titanlite.parallel.parallel_dims import MESH_DIMS, ParallelDims
     from titanlite.parallel.pipeline import PipelinePlan
     from titanlite.parallel.policies import Policies
-    from titanlite.plan.planner import RunSetup, all_to_all_volume, pipeline_memory, usable_memory
+    from titanlite.plan.memory import RunSetup, pipeline_memory
+    from titanlite.plan.planner import all_to_all_volume, usable_memory
     from titanlite.plan.run_plan import plan_steps
     from titanlite.trainer.peaks import gpu_memory_bytes
     from titanlite.trainer.step import grad_accum_steps

@@ -1,27 +1,15 @@
-"""How long a run trains and at which sequence length: the token budget and the seq_len stages.
+"""How long a run trains and at which sequence length: the token budget and the seq_len stages (for a user:
+docs/recipes.md, "Token budgets" and "Sequence-length stages").
 
-Pure functions of the ``[training]`` values (no torch), unit-tested against hand arithmetic.
+Pure functions of the ``[training]`` values (no torch), unit-tested against hand arithmetic. The arithmetic is on
+integers, so a budget of any size is either met exactly or said not to be. Resuming under a budget
+(``resumed = (step, tokens seen)``, the checkpoint's): when the checkpoint saw the tokens this plan gives its
+steps, nothing changes; when it did not (the batch changed since), the run trains
+``ceil(remaining tokens / tokens per step)`` more steps, so it still stops at the budget.
 
-**Tokens per optimizer step** = ``local_batch_size x data-parallel degree x gradient accumulation x
-seq_len``. ``[training] tokens`` (a budget) replaces ``steps``: the run trains
-``ceil(tokens / tokens per step)`` steps; a budget that is a whole number of steps stops exactly at
-it, any other overshoots by less than one step (the start-up log says by how much). The arithmetic is on
-integers, so a budget of any size is either exact or said not to be.
-
-**Resuming under a budget** (``resumed = (step, tokens seen)``, the checkpoint's): when the checkpoint saw
-the tokens this plan gives its steps, nothing changes. When it did not (the batch changed since), the run
-trains ``ceil(remaining tokens / tokens per step)`` more steps, so it still stops at the budget; with a
-``seq_len_schedule`` (whose stages are shares of the budget) such a change is refused.
-
-**Stages** (``[training] seq_len_schedule``): consecutive ``{seq_len, fraction | steps[,
-global_batch_size]}`` tables. ``fraction`` is a share of the run (of the token budget when ``tokens``
-is set, else of ``steps``), ``steps`` a step count; the last stage may give neither and takes the rest.
-By default a stage keeps the **global batch in tokens** of the base config: its micro-batch holds the
-same ``local_batch_size x seq_len`` tokens (``local_batch_size x seq_len / stage seq_len`` sequences,
-which must be whole) and the accumulation is unchanged, so the step's tokens, the learning-rate
-schedule's meaning and the activation memory stay put while the sequences get longer. A stage's
-``global_batch_size`` (sequences per step) sets its own batch instead: the accumulation becomes
-``global_batch_size / (local sequences x dp)``.
+A stage's ``global_batch_size`` (sequences per step) sets its own batch: the accumulation becomes
+``global_batch_size / (local sequences x dp)``; otherwise it keeps the base config's accumulation, and its
+micro-batch the same ``local_batch_size x seq_len`` tokens (which the stage's seq_len must divide).
 """
 
 from __future__ import annotations

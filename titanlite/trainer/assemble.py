@@ -1,17 +1,10 @@
-"""A job config's model, policies, loss, optimizer, LR schedule and train step in one call, for a loop of your own.
+"""A job config's model, policies, loss, optimizer, LR schedule and train step in one call, for a loop of your own
+(docs/library.md: what it builds and what it leaves to the caller).
 
-:func:`build_training` builds what :class:`titanlite.trainer.Trainer` builds from the same config, through the same
-functions (the trainer's ``build_model``, ``build_loss`` and ``build_train_step`` call :func:`build_config_model`,
-:func:`config_loss` and :func:`config_train_step`): the family's model with the config's policies (``[training]``
-mixed precision, ``[activation_checkpoint]``, ``[compile]``, ``[quantize.linear.float8]``, FSDP/TP from the
-parallel dims), the ``[training] loss`` by name (over ``loss_chunks`` pieces of the tokens), the ``[optimizer]``
-and ``[lr_scheduler]`` by name, and the accumulation, clipping and autocast of the
-:class:`~titanlite.trainer.step.TrainStep`. With the same seed set first (``torch.manual_seed(cfg.training.seed)``)
-a loop over its ``train_step`` gives the trainer's losses bit for bit.
-
-What it leaves to the caller, as the trainer's other pieces: the data (sources, mixtures, loss masks, seq_len
-stages), the run's length beyond ``training.steps`` (token budgets), pipeline parallelism, a seed checkpoint's
-model args, validation, checkpoints and the loop's hooks.
+:func:`build_training` goes through the functions the trainer itself calls (its ``build_model``, ``build_loss`` and
+``build_train_step`` call :func:`build_config_model`, :func:`config_loss` and :func:`config_train_step`), so with the
+same seed set first (``torch.manual_seed(cfg.training.seed)``) a loop over its ``train_step`` gives the trainer's
+losses bit for bit.
 """
 
 from __future__ import annotations

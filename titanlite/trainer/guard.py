@@ -1,30 +1,12 @@
-"""Loss-spike and NaN guard: detect a bad optimizer step and raise, skip it or roll back.
+"""Loss-spike and NaN guard: detect a bad optimizer step and raise, skip it or roll back (``[guard]``; the
+detection, policies and cost for a user: docs/monitoring.md, "Loss-spike and NaN guard").
 
-Configured by ``[guard]`` (see ``titanlite/config/sections.py``):
-
-- **Detection.** A step is bad when its loss or its (pre-clip) gradient norm is not finite, or, with
-  ``spike_factor = k > 0``, when its loss is above ``k`` times the mean of the last
-  ``spike_window`` accepted losses (checked once ``spike_min_history`` losses are known; only
-  accepted losses enter the mean, so a spike does not raise the bar for the next one).
-- **Agreement.** Every rank must take the same branch (a rank that disagreed would hang the next
-  collective). In the stock loop the loss, the gradient norm and the preemption request come out of the
-  training step's one all-reduce (:meth:`titanlite.trainer.step.TrainStep.reduce_step`), so every rank holds
-  the same values, a NaN on any rank included, and takes the same verdict from them with no collective of
-  its own. Values that were not agreed that way (a foreign loop) have their flags all-reduced (MAX) over
-  the default process group first.
-- **Policies** (small classes below): ``raise`` stops with the step, loss and grad norm
-  (:class:`TrainingDivergedError`); ``skip_step`` drops the update (no optimizer or LR-scheduler
-  step; the batch is consumed and the step counter advances; with gradient accumulation the whole
-  step is dropped); ``rollback`` reloads the newest complete checkpoint, skips the batches from
-  there to the offending step (``rollback_skip_data``) and can scale the learning rate by
-  ``rollback_lr_factor`` for ``rollback_lr_steps`` steps. Too many consecutive skips or rollbacks
-  stop the run. Every event is logged and counted (``guard_*`` keys in every metrics record).
-
-Cost: the agreed values are fetched in the step's one device->host transfer and judged on the host
-(``agreed=True``); values that were not agreed are judged on the device and their flags all-reduced first.
-That sync sits before ``optimizer.step()`` (the decision must precede the update), so the optimizer
-kernels are launched once the backward has drained instead of being queued behind it. On CPU the check
-takes ~0.1 ms per step.
+- Only accepted losses enter the rolling mean, so a spike does not raise the bar for the next one.
+- Every rank must take the same branch (a rank that disagreed would hang the next collective). In the stock loop
+  the loss, the gradient norm and the preemption request come out of the training step's one all-reduce
+  (:meth:`titanlite.trainer.step.TrainStep.reduce_step`), so every rank takes the same verdict with no collective
+  of its own (``agreed=True``); values that were not agreed that way (a foreign loop) have their flags
+  all-reduced (MAX) over the default process group first.
 """
 
 from __future__ import annotations

@@ -1,27 +1,18 @@
-"""Graceful shutdown on SIGTERM / SIGINT (preemption, ``scancel``, Ctrl-C).
+"""Graceful shutdown on SIGTERM / SIGINT (preemption, ``scancel``, Ctrl-C): what a user sees, the exit status and
+torchrun's part are docs/monitoring.md's ("Preemption").
 
-First signal: the handler only records the request and logs it. The loop finishes the current optimizer
-step (a signal that arrives after a step's reduction, e.g. during its update, validation or a checkpoint save,
-is acted on at the end of the next step); the request is all-reduced with the step's loss and gradient norm
-(:meth:`titanlite.trainer.step.TrainStep.reduce_step`; the NaN guard's flags in a loop without that reduction),
-so every rank stops after that same step, even when the ranks got the signal at slightly different moments
-or only one got it. :class:`PreemptionHook` then writes a full checkpoint of that step when checkpointing is
-on, waits for asynchronous saves, logs one line and ends the loop; the same command resumes from there
-exactly (model, optimizer, LR schedule, data position and RNG are in the checkpoint).
+First signal: the handler only records the request. The request is all-reduced with the step's loss and gradient
+norm (:meth:`titanlite.trainer.step.TrainStep.reduce_step`; the NaN guard's flags in a loop without that
+reduction), so every rank stops after the same step, even when the ranks got the signal at slightly different
+moments or only one got it; :class:`PreemptionHook` then saves and ends the loop. A rank that stopped on another
+rank's request counts it as SIGTERM in its exit status.
 
-Exit status (:meth:`PreemptionHandler.exit_status`, used by ``python -m titanlite.train``): 0 when the
-checkpoint of the stopped step was saved; otherwise (checkpointing off, or that save failed) 128 + the
-signal number, the shell's convention for "ended by that signal" (143 for SIGTERM, 130 for SIGINT), so a
-scheduler never records a preempted job with nothing to resume from as finished. A rank that stopped on
-another rank's request counts it as SIGTERM.
+Second signal: exit at once; an interrupted checkpoint write leaves only a ``step-N.partial-*`` folder, removed at
+the next start. The same signal again within :data:`REPEAT_WINDOW_S` of the first is a copy of the first: when a
+scheduler signals every process of a job (Slurm at its time limit or on ``scancel``), a worker under torchrun gets
+the scheduler's SIGTERM and, milliseconds later, the one torchrun forwards to it.
 
-Second signal: exit at once (status 128 + signal number) without waiting for anything; an interrupted
-checkpoint write leaves only a ``step-N.partial-*`` folder, removed at the next start. The same signal
-again within :data:`REPEAT_WINDOW_S` of the first is not a second request but a copy of the first: when a
-scheduler signals every process of a job (Slurm at its time limit or on ``scancel``), a worker under
-torchrun gets the scheduler's SIGTERM and, milliseconds later, the one torchrun forwards to it.
-
-Handlers can only be installed from the main thread (elsewhere a message says they are not).
+Handlers can only be installed from the main thread (elsewhere a message says they are not);
 ``python -m titanlite.train`` installs them around ``Trainer.train()`` (``with trainer.preemption:``), as a
 library user may too; the previous handlers are restored on exit.
 """

@@ -1,18 +1,6 @@
-"""``[profiling]``: torch.profiler traces and CUDA memory snapshots of chosen steps.
-
-Traces: with ``enable_profiling``, the profiler idles, warms up for ``profiler_warmup`` steps and
-records ``profiler_active`` steps ending at every multiple of ``profile_freq``; each window is
-written to ``<dump_folder>/<save_traces_folder>/iteration_<step>/rank<r>.pt.trace.json``. View it
-with TensorBoard's profiler plugin (``pip install torch-tb-profiler; tensorboard --logdir
-<dump_folder>/<save_traces_folder>``, one run per iteration folder) or drop the file on
-https://ui.perfetto.dev (Chrome trace format).
-
-Memory snapshots (``enable_memory_snapshot``, CUDA only): the caching allocator's history is
-recorded from the start, and ``iteration_<step>/rank<r>_memory_snapshot.pickle`` is dumped at every
-multiple of ``profile_freq`` (drag it onto https://pytorch.org/memory_viz). On CPU there is no such
-allocator history: a note is logged and nothing is recorded.
-
-When both are off, :func:`build_profiler` returns None and the training loop does nothing extra.
+"""``[profiling]``: torch.profiler traces and CUDA memory snapshots of chosen steps (where they are written and how
+to view them: docs/monitoring.md, "Profiling"). When both are off, :func:`build_profiler` returns None and the
+training loop does nothing extra.
 """
 
 from __future__ import annotations

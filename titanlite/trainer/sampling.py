@@ -1,18 +1,10 @@
-"""In-loop samples (``[sampling]``): the model completes fixed prompts every ``freq`` steps.
+"""In-loop samples (``[sampling]``): the model completes fixed prompts every ``freq`` steps (docs/evaluation.md).
 
-Watching a few prompts being completed shows what the model learned long before downstream scores
-move. Every rank takes part in each forward pass (FSDP gathers, TP shards), and the tokens chosen
-on rank 0 are broadcast (:func:`titanlite.generate.generate`), so the ranks stay in step; rank 0
-logs the text to the console, ``metrics.jsonl`` (``{"step", "samples": [{"prompt", "completion"}]}``)
-and TensorBoard (as text).
-
-Sampling leaves training exactly as it was: the tokens are drawn from a generator of its own,
-reseeded from ``[sampling] seed`` each time (so successive samples differ only by what the model
-learned), float8 linears run in high precision and the model goes back to training mode. The
-losses are bitwise the same with sampling on or off. With ``enable = false`` the hook is not even
-built. ``compile = true`` compiles the one-token decode step once (the prompts, hence the shapes, are
-the same at every sample) and replays it; a sharded model samples eagerly (logged at the start). A
-family whose ``forward`` takes no ``cache`` samples by recomputing the prefix (logged at the start).
+Sampling leaves training exactly as it was (the losses are bitwise the same with it on or off): the tokens are
+drawn from a generator of its own, reseeded from ``[sampling] seed`` each time (so successive samples differ only
+by what the model learned), float8 linears run in high precision and the model goes back to training mode. With
+``enable = false`` the hook is not even built. A sharded model, or a family whose ``forward`` takes no ``cache``,
+is said at the start (it samples eagerly, or by recomputing the prefix).
 """
 
 from __future__ import annotations

@@ -8,36 +8,19 @@ loop (:class:`titanlite.trainer.Trainer`) calls it, and so can any other loop::
         result = step(batches)               # batches: an iterator of {"input_ids", "labels"} dicts
         print(i + 1, result.loss_value)
 
-**The loss contract.** ``loss_fn(logits, labels)`` returns the *sum* of the per-token losses of a
-micro-batch (or ``loss_fn`` is a :class:`~titanlite.output_loss.ChunkedLoss` around one: the model then returns
-hidden states and the loss applies the output layer a few tokens at a time, ``[training] loss_chunks``). Each
-micro-batch's sum is divided once by the number of tokens in the whole optimizer
-step (every micro-batch on every data-parallel rank) before ``backward``, and FSDP sums gradients
-over the data-parallel ranks instead of averaging them (:mod:`titanlite.parallel.fsdp`). So gradient
-accumulation and data parallelism give exactly the update of one big batch, and the logged
-``loss`` is the global token mean. A loss that adds terms (z-loss, ...) keeps the contract by
-returning their sum over tokens; validation always reports plain cross-entropy.
+The loss contract (a token sum, divided once by the step's global token count, so accumulation and data
+parallelism give exactly one big batch's update) is docs/library.md's; the step's one all-reduce and the clipping
+inside the fused optimizer's kernel are docs/configuration.md's ("The optimizer step"). What the code below
+relies on beyond them:
 
-**Mixture-of-experts models** (:mod:`titanlite.models.moe`): the layers' aux / z losses follow the same
-contract (their token sums divided by the step's token count, which each step sets), and after the update
-the layers' loads, summed over the ranks, move the aux-loss-free biases and give the step's ``moe/*``
-metrics (``result.extra``).
-
-**Pipeline parallelism** (``pipeline``, a :class:`~titanlite.parallel.pipeline.Pipeline`): each micro-batch
-is one run of the schedule over the local batch (which the schedule cuts into pipeline microbatches), so
-gradient accumulation composes with it. The loss exists on the last stage only; its sum is shared over the
-pipeline group so that every rank logs (and the guard judges) the true loss, and the gradient norm covers
-every stage's parameters.
-
-**One collective, one host transfer.** After the backward pass the step's scalars are reduced together in
-one SUM all-reduce over every rank (:meth:`TrainStep.reduce_step`): the loss sum, each rank's share of the
-squared gradient norm (:func:`~titanlite.parallel.grad_clip.grad_square_sum`: one multi-tensor norm over
-the gradient pieces the rank owns) and the stop request, so a guard can judge the step from agreed values
-with no collective of its own and fetch them in the step's single device-to-host transfer. The clipping
-factor stays on the device: a fused optimizer (``implementation = "fused"``, the default on CUDA) applies
-it inside its kernel through ``grad_scale`` (each gradient is divided by ``1 / factor`` as it is read), so
-clipping costs no pass over the gradients; other optimizers get one multi-tensor multiply before the
-update. The gradients a ``before_update`` hook sees are therefore not yet clipped.
+- a loss that adds terms (z-loss, ...) keeps the contract by returning their sum over tokens; mixture-of-experts
+  layers' aux / z losses too (the step sets their token count), and after the update the layers' loads, summed
+  over the ranks, move the aux-loss-free biases and give the step's ``moe/*`` metrics (``result.extra``);
+- under pipeline parallelism (``pipeline``) each micro-batch is one run of the schedule over the local batch, so
+  accumulation composes with it; the loss exists on the last stage only and its sum is shared over the pipeline
+  group, so every rank logs (and the guard judges) the true loss;
+- the gradients a ``before_update`` hook sees are not yet clipped: the clipping factor stays on the device
+  until :meth:`TrainStep.update`.
 """
 
 from __future__ import annotations

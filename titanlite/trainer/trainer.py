@@ -24,20 +24,13 @@ import torch
 from torch import nn
 
 from titanlite import components
+from titanlite._moved import REMOVED_METHODS
 from titanlite.checkpoint import CheckpointHook, CheckpointManager, layout
 from titanlite.checkpoint.seed_args import model_args_from_seed
 from titanlite.config import JobConfig, config_to_toml, dump_config
-from titanlite.data.loader import build_dataloader
-from titanlite.data.recipe import (
-    SourceData,
-    load_sources,
-    source_windows,
-    training_dataset,
-)
-from titanlite.data.staged import StagedLoader
 from titanlite.eval import evaluate, get_task
 from titanlite.eval.hook import EvalHook
-from titanlite.hooks import Hook, LoopState, call_hooks
+from titanlite.hooks import Hook, LoopState, call_hooks, run_steps
 from titanlite.loss import cross_entropy_sum  # noqa: F401  (registers the built-in loss)
 from titanlite.models import get_model_spec
 from titanlite.models.flops import ModelShape, num_params
@@ -70,6 +63,7 @@ from titanlite.trainer.profiling import ProfilerHook
 from titanlite.trainer.sampling import SamplingHook
 from titanlite.trainer.stages import StageHook
 from titanlite.trainer.step import TrainStep, grad_accum_steps
+from titanlite.trainer.trainer_data import TrainerData
 from titanlite.trainer.validation import ValidationHook, combine_validation, validation_loss
 from titanlite.trainer.wandb_logger import import_wandb
 
@@ -93,30 +87,7 @@ def set_seed(seed: int, deterministic: bool = False) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-# Trainer methods of earlier versions and where their work went: a subclass overriding one would never be called
-REMOVED_METHODS = {
-    "loss_fn": "build_loss() (it returns the token-sum loss function)",
-    "forward_backward": "build_train_step() (a TrainStep: TrainStep.forward_backward)",
-    "train_step": "build_train_step() (self.train_step is the TrainStep it returns)",
-    "clip_grad_norm": "build_train_step() (TrainStep.reduce_step gives the norm, TrainStep.update clips)",
-    "optimizer_step": "build_train_step() (TrainStep.update)",
-    "model_inputs": "build_train_step() (titanlite.trainer.step.batch_to_device)",
-    "autocast": "build_train_step() (TrainStep.autocast)",
-    "dp_sum": "build_train_step() (TrainStep.dp_sum)",
-    "step_record": "build_hooks() (titanlite.trainer.metrics.MetricsHook)",
-    "log_step": "build_hooks() (titanlite.trainer.metrics.MetricsHook)",
-    "is_log_step": "build_hooks() (titanlite.trainer.metrics.MetricsHook)",
-    "log_summary": "build_hooks() (titanlite.trainer.metrics.MetricsHook)",
-    "stop_on_signal": "build_hooks() (titanlite.trainer.preemption.PreemptionHook)",
-    "build_dataloader": "build_train_dataloader(stage) (validation: build_val_loaders)",
-    "enter_stage": "build_hooks() (titanlite.trainer.stages.StageHook)",
-    "load_sources": "train_sources or build_val_loaders() (titanlite.data.recipe.load_sources)",
-    "model_args_source": "__init__ (titanlite.checkpoint.layout.model_args_source)",
-    "recorded_checkpoint": "resume_point() (titanlite.checkpoint.layout.recorded_checkpoint)",
-}
-
-
-class Trainer:
+class Trainer(TrainerData):
     """Builds every piece from a :class:`JobConfig` (each from its own section) and runs the loop.
 
     A subclass that defines a method of an earlier version (:data:`REMOVED_METHODS`, e.g. ``loss_fn``) is refused
@@ -246,21 +217,6 @@ class Trainer:
         """``[training] loss_chunks``, or 0 (with a warning) for a family whose model cannot return hidden states."""
         return loss_chunks_for(self.cfg, self.spec)
 
-    @functools.cached_property
-    def train_sources(self) -> list[tuple[SourceData, float]]:
-        """``[training]``'s data: each source and its weight (:func:`~titanlite.data.recipe.load_sources`)."""
-        return load_sources(self.cfg.training, self.cfg.validation, "train", self.tokenizer, self.block_causal)
-
-    @property
-    def block_causal(self) -> bool:
-        """Block-causal attention: documents packed in a window do not attend to one another."""
-        return getattr(self.model_args, "attn_mask_type", "causal") != "causal"
-
-    @property
-    def eos_id_for_documents(self) -> int | None:
-        """The EOS id that separates documents for block-causal attention (None for causal attention)."""
-        return self.tokenizer.eos_id if self.block_causal else None
-
     def build_run_plan(self) -> RunPlan:
         """``[training] steps | tokens`` and ``seq_len_schedule`` as stages (:mod:`titanlite.plan.run_plan`); under a
         token budget the warm-up is checked here, once the steps are known."""
@@ -274,42 +230,6 @@ class Trainer:
                 f"steps (training.tokens = {t.tokens:,})"
             )
         return plan  # the checks of the schedule that need no plan: JobConfig.validate
-
-    def build_train_loader(self):
-        """The training batches; with a ``seq_len_schedule``, a :class:`StagedLoader` over the stages."""
-        if not self.cfg.training.seq_len_schedule:
-            return self.build_train_dataloader()
-        build = lambda i: self.build_train_dataloader(stage=i)  # noqa: E731
-        return StagedLoader(build, self.run_plan.stage_index(1), num_stages=len(self.run_plan.stages))
-
-    def build_train_dataloader(self, stage: int | None = None):
-        """The training batches: one source's windows, or a weighted mixture of ``[training] mixture``; at
-        ``stage``'s seq_len and local batch (its data order seeded from the seed and the stage)."""
-        t, dims = self.cfg.training, self.parallel_dims
-        seq_len, batch, seed = t.seq_len, t.local_batch_size, t.seed
-        if stage is not None:
-            s = self.run_plan.stages[stage]
-            seq_len, batch, seed = s.seq_len, s.local_batch_size, t.seed + 1_000 * stage
-        sources = self.train_sources
-        kw = dict(loss_mask=t.loss_mask, eos_id=self.eos_id_for_documents, seed=seed, dp_rank=self.dp_rank)
-        kw["pad_id"] = self.tokenizer.eos_id
-        kw.update(dp_world=dims.dp_degree, batch_size=batch, on_exhausted=t.mixture_on_exhausted)
-        weights = [w for _, w in sources]
-        dataset = training_dataset([s for s, _ in sources], weights, seq_len, mixture=bool(t.mixture), **kw)
-        return build_dataloader(None, dataset=dataset, batch_size=batch)
-
-    def build_val_loaders(self) -> dict[str, tuple[float, Any]]:
-        """``[validation]``: a finite, unshuffled loader per source (name -> (weight, loader))."""
-        c, t, dims = self.cfg, self.cfg.training, self.parallel_dims
-        kw = dict(loss_mask=t.loss_mask, eos_id=self.eos_id_for_documents, dp_rank=self.dp_rank)
-        kw["pad_id"] = self.tokenizer.eos_id
-        kw.update(dp_world=dims.dp_degree, batch_size=t.local_batch_size, shuffle=False, infinite=False)
-        loaders = {}
-        for data, weight in load_sources(c.training, c.validation, "val", self.tokenizer, self.block_causal):
-            name = f"val/{data.name}" if self.cfg.validation.mixture else "val"
-            windows = source_windows(data, t.seq_len, seed=t.seed, name=name, **kw)
-            loaders[data.name] = (weight, build_dataloader(None, dataset=windows, batch_size=t.local_batch_size))
-        return loaders
 
     def build_train_step(self) -> TrainStep:
         kw = dict(grad_accum_steps=self.grad_accum_steps, loss_fn=self.build_loss(), device=self.device)
@@ -421,27 +341,11 @@ class Trainer:
         if self.world.is_main:  # the config this run trains with (not written by a run that failed to resume)
             dump_config(self.cfg, Path(self.cfg.job.dump_folder) / "config.toml")
         call_hooks(hooks, "on_train_start", state)
+        sources = [data.name for data, _ in self.train_sources]
+        step = lambda before_update: self.train_step(state.data_iter, before_update, step=state.step + 1)  # noqa: E731
         try:
             with quiet_view_warning():
-                while state.step < state.total_steps and not state.stop:
-                    before_update = lambda r: call_hooks(hooks, "before_update", state, r)  # noqa: E731
-                    result = self.train_step(state.data_iter, before_update, step=state.step + 1)
-                    if result.action == "rollback":  # the guard reloaded a checkpoint: state.step went back
-                        call_hooks(hooks, "on_resume", state, result)
-                        continue
-                    state.step += 1
-                    state.tokens_seen += result.tokens
-                    if (per_source := result.extra.pop("source_tokens", None)) is not None:
-                        state.count_sources([data.name for data, _ in self.train_sources], per_source)
-                    call_hooks(hooks, "on_step_end", state, result)
-        except BaseException:  # the loop's error is the one to report; closing may fail too (a full disk)
-            try:
-                call_hooks(hooks, "on_train_end", state)
-            except Exception as e:  # noqa: BLE001
-                logger.error(f"closing the run after that error failed too: {type(e).__name__}: {e}")
-            raise
-        else:  # the last save is waited for, logs and threads are closed (after an error too, above)
-            call_hooks(hooks, "on_train_end", state)
+                run_steps(hooks, state, step, sources)
         finally:
             self.run_lock.release()
         return state.records

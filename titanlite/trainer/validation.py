@@ -2,13 +2,9 @@
 
 Always plain cross-entropy, whatever the training loss adds (z-loss, ...), in high precision for
 float8 linears, over the same windows every time (the validation loader restarts from its first
-window), summed over the data-parallel ranks, so the figure does not depend on the layout.
-
-Bits per byte (``val_bpb``) divide the same loss, in bits, by the bytes of text the predicted tokens
-stand for: the loss per token depends on how much text a token holds, the loss per byte does not,
-so runs with different tokenizers compare. Labels of -100 (chat data's non-assistant tokens) count in
-neither the loss nor the tokens nor the bytes. As nanochat does, tokens that stand for no text (special
-tokens such as EOS) are left out of both sums.
+window), summed over the data-parallel ranks, so the figure does not depend on the layout. Bits per byte
+(``val_bpb``, docs/evaluation.md) leave out the tokens that stand for no text (special tokens such as EOS), as
+nanochat does; labels of -100 count in neither the loss nor the tokens nor the bytes.
 
 Windows with no scored token at all (chat data whose assistant turns are all empty or cut off) have no loss:
 the result is ``{"val_tokens": 0}`` and the hook logs "no scored tokens", never a NaN loss or a bpb of 0.

@@ -1,17 +1,9 @@
-"""Weights & Biases as a second sink of the metrics log (``[metrics] enable_wandb``), beside TensorBoard.
+"""Weights & Biases as a second sink of the metrics log (``[metrics] enable_wandb``; docs/monitoring.md).
 
-``wandb`` is an optional extra (``pip install 'titanlite[wandb]'``), imported only when enabled; without it
-the run stops at start with one line naming the extra. :class:`WandbLogger` gets every record the loop
-logs (see :class:`titanlite.trainer.metrics_log.MetricsLogger`, which calls it on rank 0 only): its numbers are the
-same scalars TensorBoard gets (loss, grad norm, lr, throughput, MFU, memory, validation, the downstream
-``eval/<task>/<metric>`` scores ...), a list of records such as ``[sampling]``'s samples becomes a table.
-
-Every value is logged against the training step as W&B's x-axis (``define_metric``), never through
-``wandb.log(step=)``: W&B drops a record whose ``step=`` is not above the last one, so the records a
-resumed or rolled-back run logs again for steps it already passed would be lost. The W&B run id is kept
-in ``<dump_folder>/wandb_run_id``; a resumed run continues that W&B run (``resume="allow"``).
-
-This module imports nothing from titanlite.
+``wandb`` is an optional extra, imported only when enabled. Every value is logged against the training step as
+W&B's x-axis (``define_metric``), never through ``wandb.log(step=)``: W&B drops a record whose ``step=`` is not
+above the last one, so the records a resumed or rolled-back run logs again for steps it already passed would be
+lost. This module imports nothing from titanlite but ``fsio``.
 """
 
 from __future__ import annotations
