@@ -7,7 +7,8 @@ Layers, lowest first (a module may import its own layer or lower ones):
 
 0. leaves: ``config``, ``components``, ``hooks``, ``dtypes``, ``extensions``, ``tokenizer`` (with ``hf_tokenizer``,
    ``hf_regex``), ``run_lock``, ``nesting``, ``_moved`` (where moved modules went),
-   ``fsio`` (atomic writes, ``one_line``), ``_torch_compat`` (every private torch API titanlite uses); ``fsio`` and
+   ``fsio`` (atomic writes, ``one_line``), ``_torch_compat`` (every private torch API titanlite uses),
+   ``token_sampling`` (greedy / temperature / top-k / top-p draws, torch only); ``fsio`` and
    ``_torch_compat`` import nothing from titanlite
 1. ``parallel``: policies, mesh, FSDP/TP/AC/compile/float8, pipeline schedules and their arithmetic,
    ``build_parallel_model``; and ``loss``, ``output_loss``
@@ -46,6 +47,7 @@ LAYERS = [
         "titanlite.nesting",
         "titanlite.fsio",
         "titanlite._torch_compat",
+        "titanlite.token_sampling",
     ),
     ("titanlite.parallel", "titanlite.loss", "titanlite.output_loss"),
     ("titanlite.models",),

@@ -27,12 +27,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from titanlite.config.sections import ConfigError, JobConfig
-from titanlite.config.toml_io import (
-    decode_utf8,  # noqa: F401  (titanlite.data imports it from here)
-    read_toml,
-    toml_key,
-    toml_value,
-)
+from titanlite.config.toml_io import read_toml, toml_key, toml_value
 from titanlite.fsio import one_line
 from titanlite.nesting import loads_toml
 

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from titanlite.config.parser import decode_utf8
+from titanlite.config.toml_io import decode_utf8
 from titanlite.data.sources import list_files
 from titanlite.nesting import loads_json
 

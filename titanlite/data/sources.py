@@ -33,7 +33,7 @@ import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from titanlite.config.parser import decode_utf8
+from titanlite.config.toml_io import decode_utf8
 from titanlite.nesting import loads_json
 
 PathLike = str | os.PathLike
