@@ -13,6 +13,7 @@ titanlite itself does not depend on (``pip install matplotlib``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -28,17 +29,11 @@ PANELS = (  # (title, key, log scale)
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """The records of a ``metrics.jsonl`` (a torn last line is ignored)."""
+    """The records of a ``metrics.jsonl`` (a torn last line, or any line that is no JSON, is ignored)."""
     records = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                continue
+    for line in path.read_text(encoding="utf-8").splitlines():
+        with contextlib.suppress(ValueError):
+            records.append(json.loads(line))
     return records
 
 
