@@ -12,7 +12,7 @@ from pathlib import Path
 from titanlite.bench.common import REPO, alternating, run_bench_train
 from titanlite.bench.moe import SPARSE, layer_bench
 from titanlite.config import exit_with_error, parse_args_or_exit
-from titanlite.models import get_model_spec, model_schema
+from titanlite.models import make_model_args, model_schema
 from titanlite.parallel.parallel_dims import ParallelDims
 from titanlite.parallel.pipeline import PipelinePlan
 from titanlite.trainer.step import grad_accum_steps
@@ -62,17 +62,12 @@ def compare_config(rest: list[str]) -> tuple[list[str], Path]:
     try:
         pp = parse_args_or_exit(rest + COMPARE_LAYOUTS["pp2"], prog=prog, model_schema=model_schema)
         ParallelDims.from_config(pp.parallelism, 2)
-        if (n_layers := config_layers(cfg)) is not None:  # the split and schedule suit the model
+        model_args = make_model_args(cfg.model.name, cfg.model.flavor, **cfg.model.overrides)
+        if (n_layers := getattr(model_args, "n_layers", None)) is not None:  # the split and schedule suit the model
             PipelinePlan.from_config(pp.parallelism, n_layers, t.local_batch_size)
     except (ValueError, KeyError) as e:
         exit_with_error(e)
     return ["--training.global_batch_size", str(global_batch)], Path(cfg.job.dump_folder)
-
-
-def config_layers(cfg) -> int | None:
-    """``n_layers`` of the configured flavor (with ``[model]`` overrides), before any model is built."""
-    flavor = get_model_spec(cfg.model.name).flavors.get(cfg.model.flavor)
-    return cfg.model.overrides.get("n_layers", getattr(flavor, "n_layers", None))
 
 
 def compare_pp(args, rest: list[str]) -> dict:

@@ -36,7 +36,7 @@ from titanlite.checkpoint.load_model import load_model
 from titanlite.dtypes import DTYPES
 from titanlite.eval import evaluate, get_task, task_names
 from titanlite.eval.scoring import build_requests
-from titanlite.models.registry import get_model_spec, make_model_args
+from titanlite.models import build_model
 from titanlite.tokenizer import build_byte_tokenizer
 
 MODES = ("eager", "compiled")
@@ -53,10 +53,7 @@ class Runner:
         else:
             flavor, extra = ("debugmodel", {}) if which == "debug" else (a.big_flavor, {"max_seq_len": 2048})
             torch.manual_seed(0)
-            with torch.device(self.device):
-                self.model = get_model_spec("llama3").model_cls(make_model_args("llama3", flavor, **extra))
-                self.model.init_weights()
-            self.model = self.model.to(DTYPES[a.dtype]).eval()
+            self.model = build_model("llama3", flavor, device=self.device, **extra).to(DTYPES[a.dtype]).eval()
             self.tokenizer = build_byte_tokenizer()
 
     def handle(self, r: dict) -> dict:

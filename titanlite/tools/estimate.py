@@ -79,20 +79,10 @@ def build(args: argparse.Namespace, rest: list[str]):
             f"(it would be {setup.dp_shard}; -1 derives it)"
         )
     dtype = matmul_dtype(t.mixed_precision_param, setup.float8, torch.device("cuda"))
-    peak = peak_flops_for_name(args.gpu, dtype)
     tokens = CHINCHILLA_TOKENS_PER_PARAM * param_count(shape) if args.chinchilla else args.tokens
-    plan = estimate_run(
-        shape,
-        setup,
-        tokens=tokens,
-        mfu=args.mfu,
-        peak_flops=peak,
-        matmul_dtype=dtype,
-        gpu_memory=gpu_memory_bytes(args.gpu),
-        price_per_gpu_hour=args.price_per_gpu_hour,
-        flops_per_token_=flops,
-    )
-    return cfg, shape, setup, plan
+    kw = dict(mfu=args.mfu, peak_flops=peak_flops_for_name(args.gpu, dtype), matmul_dtype=dtype)
+    kw.update(gpu_memory=gpu_memory_bytes(args.gpu), price_per_gpu_hour=args.price_per_gpu_hour)
+    return cfg, shape, setup, estimate_run(shape, setup, tokens=tokens, flops_per_token_=flops, **kw)
 
 
 def stage_plans(args, cfg, shape: ModelShape, setup: RunSetup, plan) -> list[tuple]:

@@ -76,11 +76,6 @@ def ema(ys: list[float], alpha: float) -> list[float]:
     return out
 
 
-def resolve(arg: str) -> Path:
-    p = Path(arg)
-    return p / "metrics.jsonl" if p.is_dir() else p
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="titanlite plot", description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", help="dump folders (or metrics.jsonl files)")
@@ -101,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     runs = []
     for arg in args.runs:
-        path = resolve(arg)
+        path = Path(arg) / "metrics.jsonl" if Path(arg).is_dir() else Path(arg)
         if not path.is_file():
             print(f"error: no metrics.jsonl at {path}", file=sys.stderr)
             return 2
