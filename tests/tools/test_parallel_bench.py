@@ -1,6 +1,6 @@
 """titanlite bench train (titanlite.bench.train): runs a config after warm-up and prints one JSON line with the
-documented keys; the pipeline bubble measurement (StageActivity) against known compute times; --compare-pp (PP 2
-vs FSDP 2)."""
+documented keys; the pipeline bubble measurement (titanlite.bench.bubble.StageActivity) against known compute
+times; --compare-pp (PP 2 vs FSDP 2, titanlite.bench.compare)."""
 
 from __future__ import annotations
 
@@ -89,12 +89,13 @@ def test_bench_bad_parallelism_is_one_line_error(tmp_path):
 
 
 def _bench_module():
-    """The benchmark's module (its StageActivity and helpers), without an interpreter start."""
+    """The benchmark's module, without an interpreter start."""
     return importlib.import_module("titanlite.bench.train")
 
 
 def test_busy_seconds_is_the_clipped_union_of_intervals():
-    bench = _bench_module()
+    from titanlite.bench import common as bench
+
     spans = [(1.0, 3.0), (0.0, 2.0), (5.0, 6.0), (2.5, 2.75)]  # overlaps counted once
     assert bench.busy_seconds(spans, 0.5, 5.5) == pytest.approx(1.5 + 1.0 + 0.5)
     assert bench.busy_seconds(spans, 3.0, 5.0) == 0.0
@@ -131,8 +132,9 @@ class _SleepyStage(torch.nn.Module):
 
 def _measure(backward) -> tuple[object, float, float]:
     """Idle, forward, idle, ``backward(out, x, stage)``, idle; the recorder, the window and the idle time slept."""
-    bench = _bench_module()
-    activity, stage = bench.StageActivity(torch.device("cpu")), _SleepyStage()
+    from titanlite.bench.bubble import StageActivity
+
+    activity, stage = StageActivity(torch.device("cpu")), _SleepyStage()
     activity.attach(7, stage)
     x = torch.randn(2, 4, requires_grad=True)  # a received activation: the schedule's detached leaf
     start = time.perf_counter()

@@ -82,6 +82,18 @@ class Baseline:
         self._tmp.cleanup()
 
 
+def caller(handle: Callable[[dict[str, Any]], dict[str, Any]], baseline: Baseline | None):
+    """``call(request, mode)``: this titanlite's ``handle`` for its own modes, the worker's eager path for
+    ``"baseline"``."""
+
+    def call(request: dict[str, Any], mode: str) -> dict[str, Any]:
+        if mode == "baseline":
+            return baseline.call({**request, "mode": "eager"})
+        return handle({**request, "mode": mode})
+
+    return call
+
+
 def serve(handle: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
     """The worker's loop: one JSON request per stdin line, one JSON answer per stdout line (other output
     goes to stderr, so it cannot break the protocol)."""

@@ -27,7 +27,6 @@ whatever ``titanlite.train`` picks (CUDA when visible).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import sys
@@ -36,21 +35,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from titanlite.bench.common import seconds, write_json
+
 MODES = ("disabled", "async", "async_with_pinned_mem")
-DEFAULT_MODEL = [
-    "--model.dim",
-    "512",
-    "--model.n_layers",
-    "8",
-    "--model.n_heads",
-    "8",
-    "--model.n_kv_heads",
-    "8",
-    "--training.seq_len",
-    "64",
-    "--training.local_batch_size",
-    "2",
-]
+DEFAULT_MODEL = "--model.dim 512 --model.n_layers 8 --model.n_heads 8 --model.n_kv_heads 8".split()
+DEFAULT_MODEL += "--training.seq_len 64 --training.local_batch_size 2".split()
 
 
 def bench_checkpoint(
@@ -69,43 +58,16 @@ def bench_checkpoint(
     root = Path(folder or tempfile.mkdtemp(prefix="bench_ckpt_"))
     results: dict = {}
     for mode in modes:
-        argv = [
-            *config_argv,
-            "--training.steps",
-            str(steps),
-            "--metrics.log_freq",
-            str(steps),
-            "--validation.enable",
-            "false",
-            "--lr_scheduler.warmup_steps",
-            "0",
-            "--job.dump_folder",
-            str(root / mode),
-            "--checkpoint.enable",
-            "--checkpoint.interval",
-            str(interval),
-            "--checkpoint.async_mode",
-            mode,
-            "--checkpoint.keep_latest_k",
-            "2",
-            "--checkpoint.last_save_model_only",
-            "false",
-        ]
+        argv = [*config_argv, "--training.steps", str(steps), "--metrics.log_freq", str(steps)]
+        argv += ["--validation.enable", "false", "--lr_scheduler.warmup_steps", "0"]
+        argv += ["--job.dump_folder", str(root / mode)]
+        argv += ["--checkpoint.enable", "--checkpoint.interval", str(interval), "--checkpoint.async_mode", mode]
+        argv += ["--checkpoint.keep_latest_k", "2", "--checkpoint.last_save_model_only", "false"]
         trainer = Trainer(load_config(argv))
         state_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters()) * 3  # + 2 Adam moments
-        t0 = time.perf_counter()
-        trainer.train()
-        wall = time.perf_counter() - t0
-        saves = [
-            {
-                "step": s.step,
-                "blocked_s": s.blocked_s,
-                "wait_prev_s": s.wait_prev_s,
-                "write_s": s.write_s,
-                "checksum_s": s.checksum_s,
-            }
-            for s in trainer.checkpointer.stats
-        ]
+        wall = seconds(trainer.train, trainer.device)
+        keys = ("step", "blocked_s", "wait_prev_s", "write_s", "checksum_s")
+        saves = [{k: getattr(s, k) for k in keys} for s in trainer.checkpointer.stats]
         newest = layout.list_step_folders(root / mode / "checkpoint")[-1].path
         t1 = time.perf_counter()
         assert layout.problem_with(newest, verify=True) is None
@@ -200,7 +162,7 @@ def run(
     res = bench_checkpoint(config_argv, modes=modes, steps=steps, interval=interval, folder=folder)
     print_table(res)
     if json_out:
-        Path(json_out).write_text(json.dumps(res, indent=2))
+        write_json(json_out, res, indent=2)
     return res
 
 

@@ -23,6 +23,7 @@ Default run: well under a minute on 2 CPU cores (``--integrity-only``: a few sec
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -35,10 +36,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-try:
-    import titanlite  # noqa: F401
-except ImportError:
-    from titanlite.data import prepare as prepare_data
+from titanlite.bench.common import best_seconds, shared_data
+from titanlite.data import prepare as prepare_data
 from titanlite.data.shards import (
     MANIFEST,
     ShardedTokens,
@@ -51,12 +50,6 @@ from titanlite.data.shards import (
 )
 from titanlite.data.sources import iter_documents
 from titanlite.tokenizer import build_tokenizer, tokenizer_fingerprint
-
-REPO = Path(__file__).resolve().parents[2]  # the checkout
-
-
-def shared_data() -> Path:
-    return Path(os.environ.get("TITANLITE_SHARED_DATA") or REPO.parent / "shared" / "data")
 
 
 def pick_inputs(tmp: Path, max_chars: int) -> tuple[str, list[Path], str]:
@@ -94,14 +87,9 @@ def bench_tokenize(tok_path: str, inputs: list[Path], out: Path, workers: int, r
         "chars": chars,
         "tokenizer_load_seconds": round(load_s, 3),
     }
-    tok.encoding.encode_ordinary_batch(docs[:8], num_threads=1)  # warm up
+    n = sum(len(b) for b in tok.encoding.encode_ordinary_batch(docs, num_threads=1))  # (and a warm-up)
     for threads in (1, 8):
-        el = float("inf")
-        for _ in range(repeats):
-            t = time.perf_counter()
-            batch = tok.encoding.encode_ordinary_batch(docs, num_threads=threads)
-            el = min(el, time.perf_counter() - t)
-        n = sum(len(b) for b in batch)
+        el = best_seconds(functools.partial(tok.encoding.encode_ordinary_batch, docs, num_threads=threads), repeats)
         res[f"tiktoken_encode_ordinary_batch_{threads}thread_tokens_per_s"] = round(n / el)
     res["tokens"] = n
     for w in sorted({1, workers}):
@@ -175,16 +163,6 @@ def bench_read(folder: Path, seq_len: int, batch: int, seconds: float) -> dict:
     return res
 
 
-def best_seconds(fn, repeats: int = 3) -> float:
-    """The fastest of ``repeats`` runs of ``fn()`` (the machine is shared: the least disturbed one)."""
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def bench_integrity(tmp: Path, tok_path: str, checksum_mb: int, startup_shards: int) -> dict:
     """Checksum throughput, start-up check time per shard, and both extrapolated to 1 TB."""
     blob = np.random.default_rng(0).integers(0, 1 << 32, size=checksum_mb << 18, dtype=np.uint32)
@@ -244,13 +222,11 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp)
         tok_path, inputs, desc = pick_inputs(tmp, args.fallback_chars)
         result["integrity"] = bench_integrity(tmp, tok_path, args.checksum_mb, args.startup_shards)
-        if args.integrity_only:
-            print(json.dumps(result, indent=1))
-            return 0
-        result["text"] = desc
-        result["tokenize"] = bench_tokenize(tok_path, inputs, tmp, args.workers, args.repeats)
-        result["read_prepared"] = bench_read(tmp / "prepared_w1", args.seq_len, args.batch, args.read_seconds)
-        if args.synthetic_tokens > 0:
+        if not args.integrity_only:
+            result["text"] = desc
+            result["tokenize"] = bench_tokenize(tok_path, inputs, tmp, args.workers, args.repeats)
+            result["read_prepared"] = bench_read(tmp / "prepared_w1", args.seq_len, args.batch, args.read_seconds)
+        if args.synthetic_tokens > 0 and not args.integrity_only:
             make_synthetic(tmp / "synthetic", args.synthetic_tokens, 4)
             result["read_synthetic"] = bench_read(tmp / "synthetic", args.seq_len, args.batch, args.read_seconds)
     print(json.dumps(result, indent=1))

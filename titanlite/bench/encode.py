@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from titanlite.bench.common import shared_data
 from titanlite.data.encode import ParallelEncoder
 from titanlite.data.prepare import CHUNK_CHARS, CHUNK_DOCS
 from titanlite.data.sources import iter_file_documents
@@ -51,7 +52,7 @@ def with_threads(tok, chunks: list[list[str]], threads: int) -> list:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="titanlite bench encode", description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default=str(Path(__file__).resolve().parents[2].parent / "shared" / "data"))
+    p.add_argument("--data", default=str(shared_data()))
     p.add_argument("--workers", type=int, default=2, help="Worker processes, and tiktoken threads.")
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args(argv)

@@ -6,56 +6,40 @@ side by side with (``--baseline REF``) another titanlite's scoring.
         [--big-flavor 1B] [--big-task arc_easy] [--big-limit 24] [--skip-big]
         [--device cpu|cuda] [--dtype float32|bfloat16] [--json FILE] [--jsonl FILE]
 
-Two models, each timed on every task and batch size after one untimed warm-up call per mode (which
-compiles, for ``compiled``):
-
-- ``debug``: the Llama 3 debug model (``--checkpoint``'s weights when given, else random ones; the
-  weights do not change the cost), on the first ``--limit`` items of every task;
-- ``big``: llama3 flavor ``--big-flavor`` (default "1B": Llama 3.2 1B's shape, 1.24 B parameters,
-  128,256-token output layer) with random weights, on the first ``--big-limit`` items of ``--big-task``.
-
-Modes: ``eager`` (``evaluate``'s default), ``compiled`` (``compile=True``) and ``baseline``
-(``evaluate`` of the titanlite at git revision REF in a worker process, :mod:`bench_baseline`); they
-alternate within each of ``--repeats`` rounds and the median is reported. Text goes through the
-built-in byte-level tokenizer, so a request is as many tokens as its text has bytes (a BPE tokenizer
-makes them about 4x shorter). ``tokens/s`` counts the requests' real input tokens (each request's
-context + choice, less its last token: what a per-request scorer computes), whatever the scorer runs.
-
-MFU counts the FLOPs this titanlite's scorer actually runs: each forward pass's real tokens (a shared
-context once, padding not counted) at 2 FLOPs per matmul parameter plus the attention over the tokens
-before each (PaLM's forward third), over the time, over the peak (CUDA: the datasheet rate of the
-matmul dtype; CPU: this machine's matmul rate, measured again after each row's timings). The
-baseline ran more FLOPs per request token (every choice recomputed its context), so its MFU is not
-shown. One JSON object per measurement on
-stdout (and ``--jsonl``), then a Markdown table.
+Two models, each timed on every task and batch size after one untimed warm-up call per mode (which compiles, for
+``compiled``): ``debug``, the Llama 3 debug model (``--checkpoint``'s weights, else random ones: the weights do not
+change the cost) on the first ``--limit`` items of every task, and ``big``, llama3 flavor ``--big-flavor`` with
+random weights on the first ``--big-limit`` items of ``--big-task``. Modes (docs/benchmarks.md, "Downstream
+evaluation scoring"): ``eager``, ``compiled`` and ``baseline`` (REF's ``evaluate``, :mod:`titanlite.bench.baseline`),
+alternating within each of ``--repeats`` rounds; the median is reported. Text goes through the byte-level
+tokenizer. ``tokens/s`` counts the requests' real input tokens (context + choice, less its last token), whatever
+the scorer runs. MFU counts the FLOPs this titanlite's scorer actually runs (a shared context once, padding not
+counted; :func:`forward_flops_per_token`) over the peak (CUDA: the datasheet; CPU: this machine's matmul rate,
+measured again after each row's timings); the baseline ran more FLOPs per request token, so its MFU is not shown.
+One JSON object per measurement on stdout (and ``--jsonl``), then a Markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
-from titanlite.bench.baseline import Baseline, imported_from, serve
+from titanlite.bench.baseline import Baseline, caller, imported_from, serve
+from titanlite.bench.common import REPO, add_device_args, append_jsonl, interleaved, seconds, write_json
 from titanlite.checkpoint.load_model import load_model
 from titanlite.dtypes import DTYPES
 from titanlite.eval import evaluate, get_task, task_names
 from titanlite.eval.scoring import build_requests
-from titanlite.models.registry import get_model_spec, make_model_args
+from titanlite.models import build_model
 from titanlite.tokenizer import build_byte_tokenizer
 
-REPO = Path(__file__).resolve().parents[2]  # the checkout
 MODES = ("eager", "compiled")
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class Runner:
@@ -69,21 +53,15 @@ class Runner:
         else:
             flavor, extra = ("debugmodel", {}) if which == "debug" else (a.big_flavor, {"max_seq_len": 2048})
             torch.manual_seed(0)
-            with torch.device(self.device):
-                self.model = get_model_spec("llama3").model_cls(make_model_args("llama3", flavor, **extra))
-                self.model.init_weights()
-            self.model = self.model.to(DTYPES[a.dtype]).eval()
+            self.model = build_model("llama3", flavor, device=self.device, **extra).to(DTYPES[a.dtype]).eval()
             self.tokenizer = build_byte_tokenizer()
 
     def handle(self, r: dict) -> dict:
         """``{"task", "limit", "batch_size", "mode"}`` -> ``{"seconds"}`` of one ``evaluate`` call."""
         kw = {"compile": True} if r["mode"] == "compiled" else {}
-        synchronize(self.device)
-        start = time.perf_counter()
         kw.update(limit=r["limit"], batch_size=r["batch_size"])
-        evaluate(self.model, self.tokenizer, [r["task"]], self.data_dir, **kw)
-        synchronize(self.device)
-        return {"seconds": time.perf_counter() - start}
+        run = functools.partial(evaluate, self.model, self.tokenizer, [r["task"]], self.data_dir, **kw)
+        return {"seconds": seconds(run, self.device)}
 
 
 def workload(runner: Runner, task: str, limit: int) -> dict:
@@ -110,17 +88,11 @@ def forward_flops_per_token(model: torch.nn.Module, seq_len: float) -> float:
 
 
 def measure(name: str, runner: Runner, baseline: Baseline | None, task: str, limit: int, batch: int, a) -> dict:
-    modes = [*a.modes, *(["baseline"] if baseline else [])]
+    modes, call = [*a.modes, *(["baseline"] if baseline else [])], caller(runner.handle, baseline)
     work = workload(runner, task, limit)
     request = {"task": task, "limit": limit, "batch_size": batch}
-    for mode in modes:  # warm-up (compiles, for compiled)
-        call = baseline.call if mode == "baseline" else runner.handle
-        call({**request, "limit": min(limit, 4), "mode": "eager" if mode == "baseline" else mode})
-    seconds: dict[str, list[float]] = {m: [] for m in modes}
-    for r in range(a.repeats):
-        for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
-            call = baseline.call if mode == "baseline" else runner.handle
-            seconds[mode].append(call({**request, "mode": "eager" if mode == "baseline" else mode})["seconds"])
+    warmup = functools.partial(call, {**request, "limit": min(limit, 4)})  # compiles, for compiled
+    runs = interleaved(modes, a.repeats, functools.partial(call, request), warmup)
     row = dict(model=name, task=task, batch_size=batch, **work, device=a.device, dtype=a.dtype, repeats=a.repeats)
     flops = work["run_tokens"] * forward_flops_per_token(runner.model, work["mean_len"])
     if runner.device.type == "cpu":  # a shared CPU's rate drifts: measured again right after the timings
@@ -129,7 +101,7 @@ def measure(name: str, runner: Runner, baseline: Baseline | None, task: str, lim
         a.peak = measure_cpu_matmul_peak.__wrapped__(a.dtype, threads=torch.get_num_threads())
     row["peak_tflops"] = None if a.peak is None else round(a.peak / 1e12, 4)
     for mode in modes:
-        s = statistics.median(seconds[mode])
+        s = statistics.median(x["seconds"] for x in runs[mode])
         row[f"{mode}_s"] = round(s, 3)
         row[f"{mode}_tok_s"] = round(work["tokens"] / s, 1)
         if mode != "baseline" and a.peak:
@@ -170,8 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--big-task", default="arc_easy")
     p.add_argument("--big-limit", type=int, default=24, help="items for the big model")
     p.add_argument("--skip-big", action="store_true", help="no big model")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    add_device_args(p)
     p.add_argument("--json", help="also write the measurements here (a JSON list)")
     p.add_argument("--jsonl", help="append one JSON object per measurement to this file")
     p.add_argument("--serve", metavar="MODEL", help=argparse.SUPPRESS)  # the --baseline worker
@@ -199,9 +170,7 @@ def main(argv: list[str] | None = None) -> None:
             for b in batch_sizes:
                 rows.append(measure(name if name == "debug" else a.big_flavor, runner, baseline, task, limit, b, a))
                 print(json.dumps(rows[-1]), flush=True)
-                if a.jsonl:
-                    with open(a.jsonl, "a") as f:
-                        f.write(json.dumps({"bench": "eval", **rows[-1]}) + "\n")
+                append_jsonl(a.jsonl, {"bench": "eval", **rows[-1]})
         if baseline is not None:
             baseline.close()
     peak = "no peak (MFU unknown)" if not a.peak else f"peak {a.peak / 1e12:.3g} TFLOP/s"
@@ -209,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     modes = [*a.modes, *(["baseline"] if a.baseline else [])]
     print(f"\n{setup}, titanlite from {imported_from()}\n" + table(rows, modes))
     if a.json:
-        Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
+        write_json(a.json, rows)
 
 
 if __name__ == "__main__":

@@ -5,63 +5,35 @@ and (``--baseline REF``) another titanlite's eager path; and the fraction of the
         [--new-tokens 32] [--modes eager,compiled,recompute] [--baseline 5c7a1f4] [--repeats 3]
         [--device cpu|cuda] [--dtype float32|bfloat16] [--json FILE] [--jsonl FILE]
 
-For each Llama 3 flavor (random weights, seeded) and batch size, :func:`titanlite.generate.generate`
-runs greedily on random prompts of ``--prompt-len`` tokens in each mode: ``eager`` (the static KV cache,
-the default), ``compiled`` (``compile=True``: the one-token step under ``torch.compile``, CUDA graphs on
-CUDA), ``recompute`` (``use_cache=False``: the plain forward over the whole sequence at every step) and
-``baseline`` (``generate(..., use_cache=True)`` of the titanlite at git revision REF, eager, in a worker
-process: :mod:`bench_baseline`). Each is warmed up (compiling, for ``compiled``), then timed for 1 new
-token (the prefill) and for ``--new-tokens``; the difference is the decode time of the other ``N - 1``:
+For each Llama 3 flavor (random weights, seeded) and batch size, :func:`titanlite.generate.generate` runs greedily
+on random prompts of ``--prompt-len`` tokens in each mode (``eager``: the static KV cache; ``compiled``;
+``recompute``: no cache; ``baseline``: REF's eager cache, :mod:`titanlite.bench.baseline`; docs/benchmarks.md,
+"Generation"). Each is warmed up, then timed for 1 new token (the prefill) and for ``--new-tokens`` N, the modes
+alternating within each of ``--repeats`` rounds (the median is reported); every row runs to N (no EOS):
 
-    decode tokens/s = batch * (N - 1) / (t(N) - t(1))
+    decode tokens/s = batch * (N - 1) / (t(N) - t(1)),   floor tokens/s = batch * bandwidth / bytes per step
 
-counting the generated tokens of all rows (no EOS: every row runs to ``N``). The modes alternate within
-each of ``--repeats`` rounds (so they share the machine's load) and the median is reported.
-
-The floor: a decode step must read every weight once (the input embedding: only the rows it looks up)
-and the keys and values cached so far (on average ``prompt + N / 2`` of them). The device's copy
-bandwidth is measured here with a large tensor copy (bytes read + written per second), so
-
-    floor tokens/s = batch * bandwidth / bytes per step,   % floor = decode tokens/s / floor tokens/s.
+where a step reads every weight (the input embedding: only the rows it looks up) and the keys and values cached so
+far (``prompt + N / 2`` on average), at the device's copy bandwidth measured in the run.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from titanlite.bench.baseline import Baseline, imported_from, serve
+from titanlite.bench.baseline import Baseline, caller, imported_from, serve
+from titanlite.bench.common import add_device_args, append_jsonl, interleaved, sync, write_json
 from titanlite.dtypes import DTYPES
 from titanlite.generate import generate
 from titanlite.models import build_model
 
 MODES = ("eager", "compiled", "recompute")
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def copy_bandwidth(device: torch.device, megabytes: int) -> float:
-    """Bytes read + written per second by a ``megabytes`` tensor copy on ``device`` (best of 5)."""
-    src = torch.ones(megabytes * 2**20 // 4, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(5):
-        synchronize(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * src.numel() * src.element_size() / best
 
 
 class Runner:
@@ -74,10 +46,10 @@ class Runner:
 
     def timed(self, prompts: list[list[int]], new: int, mode: str) -> float:
         kw = {"compile": True} if mode == "compiled" else {"use_cache": mode != "recompute"}
-        synchronize(self.device)
+        sync(self.device)
         start = time.perf_counter()
         out = generate(self.model, prompts, max_new_tokens=new, **kw)
-        synchronize(self.device)
+        sync(self.device)
         assert all(len(c) == new for c in out)
         return time.perf_counter() - start
 
@@ -106,28 +78,18 @@ def step_bytes(model: torch.nn.Module, batch: int, cached_tokens: float) -> floa
 def bench(flavor: str, batch_sizes: list[int], a: argparse.Namespace, bandwidth: float) -> list[dict]:
     runner = Runner(flavor, a.device, a.dtype)
     model = runner.model
-    baseline = (
-        Baseline(a.baseline, "titanlite.bench.generate", ["--serve", "--flavor", flavor, *_common(a)])
-        if a.baseline
-        else None
+    baseline = a.baseline and Baseline(
+        a.baseline, "titanlite.bench.generate", ["--serve", "--flavor", flavor, *_common(a)]
     )
-    modes = [*a.modes, *(["baseline"] if baseline else [])]
+    call, modes = caller(runner.handle, baseline), [*a.modes, *(["baseline"] if baseline else [])]
     params = sum(p.numel() for p in model.parameters())
     rows = []
     for batch in batch_sizes:
         gen = torch.Generator().manual_seed(batch)
         prompts = torch.randint(0, model.args.vocab_size, (batch, a.prompt_len), generator=gen).tolist()
         request = {"prompts": prompts, "new": a.new_tokens}
-        runs: dict[str, list[dict]] = {m: [] for m in modes}
-        for mode in modes:  # warm-up: allocator, kernels, the compiled step for this shape
-            call = baseline.call if mode == "baseline" else runner.handle
-            call({**request, "mode": "eager" if mode == "baseline" else mode, "warmup": True})
-        for r in range(a.repeats):
-            for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
-                if mode == "baseline":
-                    runs[mode].append(baseline.call({**request, "mode": "eager"}))
-                else:
-                    runs[mode].append(runner.handle({**request, "mode": mode}))
+        warmup = {**request, "warmup": True}  # allocator, kernels, the compiled step for this shape
+        runs = interleaved(modes, a.repeats, functools.partial(call, request), functools.partial(call, warmup))
         row = {"flavor": flavor, "params": params, "batch": batch, "prompt_len": a.prompt_len, "new": a.new_tokens}
         row.update(device=a.device, dtype=a.dtype, repeats=a.repeats, baseline=a.baseline)
         for mode, results in runs.items():
@@ -140,25 +102,22 @@ def bench(flavor: str, batch_sizes: list[int], a: argparse.Namespace, bandwidth:
             row[f"{mode}_floor_fraction"] = row[f"{mode}_tok_s"] / row["floor_tok_s"]
         rows.append(row)
         print(format_row(row, modes), flush=True)
-        if a.jsonl:
-            with open(a.jsonl, "a") as f:
-                f.write(json.dumps({"bench": "generate", **row}) + "\n")
-    if baseline is not None:
+        append_jsonl(a.jsonl, {"bench": "generate", **row})
+    if baseline:
         baseline.close()
     return rows
 
 
+RATIOS = (
+    ("comp/eager", "compiled", "eager"),
+    ("comp/base", "compiled", "baseline"),
+    ("cache/recmp", "eager", "recompute"),
+)
+
+
 def header(modes: list[str]) -> str:
     cols = " ".join(f"{m + ' tok/s':>15}" for m in modes)
-    ratios = "".join(
-        f" {name:>11}"
-        for name, ok in (
-            ("comp/eager", {"compiled", "eager"} <= set(modes)),
-            ("comp/base", {"compiled", "baseline"} <= set(modes)),
-            ("cache/recmp", {"eager", "recompute"} <= set(modes)),
-        )
-        if ok
-    )
+    ratios = "".join(f" {name:>11}" for name, num, den in RATIOS if num in modes and den in modes)
     best = "compiled" if "compiled" in modes else modes[0]
     head = f"{'model':<11} {'params':>7} {'batch':>5} {'prompt':>6} {'new':>4} {'prefill s':>9}"
     return f"{head} {cols}{ratios}  % floor ({best})"
@@ -166,10 +125,9 @@ def header(modes: list[str]) -> str:
 
 def format_row(r: dict, modes: list[str]) -> str:
     cols = " ".join(f"{r[m + '_tok_s']:>15.1f}" for m in modes)
-    ratios = ""
-    for num, den in (("compiled", "eager"), ("compiled", "baseline"), ("eager", "recompute")):
-        if num in modes and den in modes:
-            ratios += f" {r[num + '_tok_s'] / r[den + '_tok_s']:>10.2f}x"
+    ratios = "".join(
+        f" {r[num + '_tok_s'] / r[den + '_tok_s']:>10.2f}x" for _, num, den in RATIOS if num in modes and den in modes
+    )
     best = "compiled" if "compiled" in modes else modes[0]
     return (
         f"{r['flavor']:<11} {r['params'] / 1e6:>6.0f}M {r['batch']:>5} {r['prompt_len']:>6} {r['new']:>4} "
@@ -190,8 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     p.add_argument("--baseline", metavar="REF", help="also time the eager cache path of titanlite at this git revision")
     p.add_argument("--repeats", type=int, default=3, help="rounds of timings per mode (median reported)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    add_device_args(p)
     p.add_argument("--json", help="also write the rows to this file (a JSON list)")
     p.add_argument("--jsonl", help="append one JSON object per row to this file")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the --baseline worker
@@ -205,8 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--new-tokens must be >= 2, --prompt-len and --repeats >= 1, --modes of {', '.join(MODES)}")
     a.modes = modes
     batch_sizes = [int(b) for b in a.batch_sizes.split(",")]
+    from titanlite.optim.bandwidth import measure_copy_bandwidth  # not in every --baseline titanlite
+
     device = torch.device(a.device)
-    bandwidth = copy_bandwidth(device, 1024 if device.type == "cuda" else 256)
+    bandwidth = measure_copy_bandwidth(device, 2**30 if device.type == "cuda" else 2**28)
     print(
         f"device {a.device}, {a.dtype}, {torch.get_num_threads()} threads, torch {torch.__version__}, titanlite "
         f"from {imported_from()}; copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write); decode tokens/s over "
@@ -216,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     print(header(all_modes), flush=True)
     rows = [r for flavor in a.flavors.split(",") for r in bench(flavor, batch_sizes, a, bandwidth)]
     if a.json:
-        Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
+        write_json(a.json, rows)
     return 0
 
 

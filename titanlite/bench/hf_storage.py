@@ -163,18 +163,8 @@ def child(variant: str, size: str, folder: Path) -> dict:
 
 
 def run_child(variant: str, size: str, folder: Path) -> dict:
-    cmd = [
-        sys.executable,
-        "-m",
-        "titanlite.bench.hf_storage",
-        "--child",
-        variant,
-        "--sizes",
-        size,
-        "--folder",
-        str(folder),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    cmd = [sys.executable, "-m", "titanlite.bench.hf_storage", "--child", variant, "--sizes", size]
+    proc = subprocess.run([*cmd, "--folder", str(folder)], capture_output=True, text=True, check=False)
     if proc.returncode:
         raise SystemExit(f"{variant} {size} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -16,13 +16,12 @@ The config defaults to the debug model at Llama 3's vocabulary, checkpoints off:
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from titanlite.bench.common import alternating, run_bench_train, write_json
 
 DEFAULT_CONFIG = ["--config", "train_configs/debug_model.toml", "--model.vocab_size", "128256"]
 QUIET = ["--checkpoint.enable", "false", "--metrics.enable_tensorboard", "false"]
@@ -30,17 +29,12 @@ QUIET = ["--checkpoint.enable", "false", "--metrics.enable_tensorboard", "false"
 
 def run(chunks: int, args: argparse.Namespace, config: list[str], timeout: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "titanlite.bench.train", "--warmup", str(args.warmup), "--steps", str(args.steps)]
-        cmd += ["--json-out", str(out), *config, *QUIET, "--job.dump_folder", tmp]
-        cmd += ["--training.loss_chunks", str(chunks)]
+        argv = ["--warmup", str(args.warmup), "--steps", str(args.steps), *config, *QUIET, "--job.dump_folder", tmp]
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        argv += ["--training.loss_chunks", str(chunks)]
+        result = run_bench_train(argv, Path(tmp) / "result.json", timeout, f"loss_chunks={chunks}: bench train")
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        if proc.returncode != 0:
-            raise SystemExit(f"loss_chunks={chunks}: bench train failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-        cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
-        return {**json.loads(out.read_text()), "run_cpu_s": cpu_s}
+        return {**result, "run_cpu_s": after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime}
 
 
 def table(results: dict[int, list[dict]]) -> tuple[list[dict], str]:
@@ -88,20 +82,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error("--repeats and --steps must be >= 1, --warmup and every chunk count >= 0")
     config = config or DEFAULT_CONFIG
     results: dict[int, list[dict]] = {c: [] for c in settings}
-    for repeat in range(args.repeats):
-        for chunks in settings if repeat % 2 == 0 else reversed(settings):
-            results[chunks].append(run(chunks, args, config, args.timeout))
-            r = results[chunks][-1]
-            print(
-                f"loss_chunks={chunks}: {r['peak_memory_gib']:.2f} GiB, {r['step_time_s']:.2f} s/step, "
-                f"run CPU {r['run_cpu_s']:.1f} s",
-                flush=True,
-            )
+    for _, chunks in alternating(settings, args.repeats):
+        results[chunks].append(r := run(chunks, args, config, args.timeout))
+        print(
+            f"loss_chunks={chunks}: {r['peak_memory_gib']:.2f} GiB, {r['step_time_s']:.2f} s/step, "
+            f"run CPU {r['run_cpu_s']:.1f} s",
+            flush=True,
+        )
     rows, text = table(results)
     device = next(iter(results.values()))[0]["device"]
     print(f"\n{device}, {' '.join(config)}, median of {args.repeats}\n{text}")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(rows) + "\n")
+        write_json(args.json_out, rows, indent=None)
     return rows
 
 

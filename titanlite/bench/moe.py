@@ -1,16 +1,12 @@
 """MoE benchmark: the debug MoE against the dense debug model of the same active size, and the MoE layer's time split.
 
     titanlite bench train --compare-moe [--warmup 3] [--steps 10] [--compare-repeats 2] [--section.key value ...]
-    titanlite bench moe [--steps 10] [--section.key value ...]                     # the layer split alone
+    titanlite bench moe [--steps 10] [--json-out FILE] [--section.key value ...]     # the layer split alone
     torchrun --nproc-per-node 2 -m titanlite.bench.moe --parallelism.expert_parallel_degree 2   # with all-to-all
 
-``--compare-moe`` (through ``bench train``) runs ``bench train`` on a checkout's ``train_configs/debug_model.toml``
-(dense: a 768-wide SwiGLU per block) and on ``train_configs/debug_moe.toml`` (8 experts of 256, top-2, one
-shared expert: the same FFN FLOPs per token, 2.2x the parameters), one after the other in fresh processes,
-alternating the order over repeats, with the same batch and sequence length (no accumulation unless
-asked; the overrides given apply to both), and reports each one's tokens/s (median over repeats), their
-ratio and the trainer's time split (forward+backward, optimizer, data). Then the MoE layer's own split,
-measured here.
+``--compare-moe`` (through ``bench train``, :mod:`titanlite.bench.compare`): ``bench train`` of the dense debug
+model (a 768-wide SwiGLU per block) and of ``train_configs/debug_moe.toml`` (8 experts of 256, top-2, one shared
+expert: the same FFN FLOPs per token) at the same batch, side by side; then the MoE layer's own split, measured here.
 
 The layer split times one MoE layer of the config (its sizes, ``local_batch_size x seq_len`` tokens) piece
 by piece, forward and backward each, ``--steps`` times after a warm-up, on this rank:
@@ -30,17 +26,15 @@ Timings on a shared machine drift: the comparison is only meaningful side by sid
 
 from __future__ import annotations
 
-import json
-import statistics
-import subprocess
+import argparse
+import functools
 import sys
-import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from titanlite.config import exit_with_error, parse_args_or_exit
+from titanlite.bench.common import REPO, emit, mean_seconds
+from titanlite.config import parse_args_or_exit
 from titanlite.dtypes import DTYPES
 from titanlite.models import model_schema
 from titanlite.models.llama3.model import FeedForward
@@ -50,21 +44,7 @@ from titanlite.models.moe.router import expert_counts
 from titanlite.models.registry import model_args_for
 from titanlite.parallel.distributed import init_distributed, main_then_exit, world_from_env
 
-REPO = Path(__file__).resolve().parents[2]  # the checkout
-DENSE, SPARSE = "train_configs/debug_model.toml", "train_configs/debug_moe.toml"
-
-
-def timed(fn, steps: int, warmup: int = 2) -> float:
-    """Mean seconds of ``fn()`` (forward and backward) over ``steps`` calls after ``warmup``."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    for _ in range(warmup):
-        fn()
-    sync()
-    start = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    sync()
-    return (time.perf_counter() - start) / steps
+SPARSE = "train_configs/debug_moe.toml"
 
 
 def backward(*outs: torch.Tensor) -> None:
@@ -75,6 +55,7 @@ def layer_split(moe: MoE, tokens: int, dim: int, steps: int, ep_group=None) -> d
     """Seconds per forward + backward of each piece of ``moe`` on ``tokens`` tokens (module docstring)."""
     torch.manual_seed(0)
     w = moe.router.gate.weight
+    timed = functools.partial(mean_seconds, device=w.device)
     x = torch.randn(1, tokens, dim, device=w.device, dtype=w.dtype, requires_grad=True)
     flat = x.detach().reshape(-1, dim).requires_grad_()
     k, e = moe.cfg.top_k, moe.cfg.num_experts
@@ -169,56 +150,14 @@ def layer_bench(rest: list[str], steps: int) -> dict:
     }
 
 
-def run_bench(config: str, rest: list[str], args, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "titanlite.bench.train", "--config", str(REPO / config)]
-    cmd += ["--warmup", str(args.warmup), "--steps", str(args.steps), "--json-out", str(out), *rest]
-    cmd += ["--checkpoint.enable", "false", "--job.dump_folder", str(out.parent / out.stem)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.compare_timeout)
-    if proc.returncode != 0 or not out.exists():
-        exit_with_error(f"--compare-moe: {config} failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}", 1)
-    return json.loads(out.read_text())
-
-
-def compare_moe(args, rest: list[str]) -> dict:
-    """Dense and MoE debug models one after the other (alternating), then the MoE layer split (module docstring)."""
-    rest = ["--training.global_batch_size", "-1", *rest]  # the same batch for both (no accumulation unless asked)
-    dump = Path("./outputs/bench_moe")
-    dump.mkdir(parents=True, exist_ok=True)
-    runs: dict[str, list[dict]] = {"dense": [], "moe": []}
-    order = [("dense", DENSE), ("moe", SPARSE)]
-    for i in range(args.compare_repeats):
-        for name, config in order if i % 2 == 0 else order[::-1]:
-            result = run_bench(config, rest, args, dump / f"{name}_{i}.json")
-            runs[name].append(result)
-            print(f"{name} run {i + 1}: {result['tokens_per_s_global']:,.0f} tokens/s", file=sys.stderr, flush=True)
-    median = {name: statistics.median(r["tokens_per_s_global"] for r in rs) for name, rs in runs.items()}
-    keys = ("params", "flops_per_token", "step_time_s", "time_split_frac", "mfu", "loss_first", "loss_last")
-    return {
-        "compare": "debug_moe_vs_dense",
-        "device": runs["moe"][-1]["device"],
-        "tokens_per_step": runs["moe"][-1]["tokens_per_step"],
-        "tokens_per_s_global": median,
-        "ratio_moe_over_dense": median["moe"] / median["dense"],
-        "dense": {k: runs["dense"][-1].get(k) for k in keys},
-        "moe": {k: runs["moe"][-1].get(k) for k in keys},
-        "moe_layer": layer_bench(rest, args.steps),
-        "runs": runs,
-    }
-
-
 def main(argv=None) -> dict:
-    import argparse
-
     parser = argparse.ArgumentParser(prog="titanlite bench moe", description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=10, help="timed repetitions of each piece")
     parser.add_argument("--json-out", default="")
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     result = layer_bench(rest, args.steps)
     if world_from_env().is_main:
-        line = json.dumps(result)
-        print(line, flush=True)
-        if args.json_out:
-            Path(args.json_out).write_text(line + "\n")
+        emit(result, args.json_out)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -21,16 +21,12 @@ One JSON line: each way's seconds and ratio to the floor.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import statistics
-import time
-from pathlib import Path
 
 import torch
 
+from titanlite.bench.common import add_flavor_args, device_name, emit, flavor_args, interleaved, seconds
 from titanlite.config.sections import Optimizer
-from titanlite.models import get_model_spec
 from titanlite.optim import build_optimizer
 from titanlite.optim.bandwidth import measure_copy_bandwidth, update_bytes
 from titanlite.parallel.grad_clip import WorldLayout, clip_coefficient, clip_grad_norm_, grad_square_sum, scale_grads_
@@ -38,18 +34,14 @@ from titanlite.parallel.grad_clip import WorldLayout, clip_coefficient, clip_gra
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="titanlite bench optimizer", description=__doc__.split("\n")[0])
-    p.add_argument("--flavor", default="1B")
-    p.add_argument("--n-layers", type=int, default=0, help="override the flavor's layer count (0: keep)")
-    p.add_argument("--vocab-size", type=int, default=128256)
+    add_flavor_args(p)
     p.add_argument("--implementation", default="auto", choices=["auto", "fused", "foreach"])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json-out", default="")
     args = p.parse_args(argv)
     device = torch.device(args.device)
-    spec = get_model_spec("llama3")
-    overrides = {"vocab_size": args.vocab_size} | ({"n_layers": args.n_layers} if args.n_layers else {})
-    model_args = dataclasses.replace(spec.flavors[args.flavor], **overrides)
+    spec, model_args = flavor_args(args)
     with torch.device(device):
         model = spec.model_cls(model_args)
     model.init_weights()  # no uninitialized memory (NaN or subnormal values slow a CPU down)
@@ -60,10 +52,6 @@ def main(argv=None) -> dict:
     optimizer = build_optimizer(model, Optimizer(implementation=args.implementation))
     world = WorldLayout(None)
     max_norm = 0.999 * clip_grad_norm_(params, 0.0).item()
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
 
     def clip_then_step() -> None:
         clip_grad_norm_(params, max_norm)
@@ -79,34 +67,24 @@ def main(argv=None) -> dict:
         optimizer.__dict__.pop("grad_scale", None)
 
     ways = {"clip_then_step": clip_then_step, "merged": merged, "step_only": optimizer.step}
-    for fn in ways.values():  # warm-up: state allocation, kernel loads
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in ways}
-    for _ in range(args.steps):
-        for name, fn in ways.items():
-            sync()
-            start = time.perf_counter()
-            fn()
-            sync()
-            times[name].append(time.perf_counter() - start)
+    # warm-up (state allocation, kernel loads), then the ways in rotation
+    times = interleaved(list(ways), args.steps, lambda name: seconds(ways[name], device), lambda name: ways[name]())
     bandwidth = measure_copy_bandwidth(device)
     floor_s = update_bytes(optimizer) / bandwidth
-    result = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()})",
-        "flavor": args.flavor,
-        "params": sum(q.numel() for q in params),
-        "implementation": "fused" if optimizer.defaults.get("fused") else "foreach",
-        "update_bytes": update_bytes(optimizer),
-        "copy_bandwidth_gb_s": bandwidth / 1e9,
-        "floor_s": floor_s,
-        **{f"{name}_s": statistics.median(ts) for name, ts in times.items()},
-        **{f"{name}_floor_ratio": statistics.median(ts) / floor_s for name, ts in times.items()},
-    }
-    line = json.dumps(result)
-    print(line, flush=True)
-    if args.json_out:
-        Path(args.json_out).write_text(line + "\n")
-    return result
+    return emit(
+        {
+            "device": device_name(device),
+            "flavor": args.flavor,
+            "params": sum(q.numel() for q in params),
+            "implementation": "fused" if optimizer.defaults.get("fused") else "foreach",
+            "update_bytes": update_bytes(optimizer),
+            "copy_bandwidth_gb_s": bandwidth / 1e9,
+            "floor_s": floor_s,
+            **{f"{name}_s": statistics.median(ts) for name, ts in times.items()},
+            **{f"{name}_floor_ratio": statistics.median(ts) / floor_s for name, ts in times.items()},
+        },
+        args.json_out,
+    )
 
 
 if __name__ == "__main__":

@@ -15,10 +15,13 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import math
 import re
 import sys
 from collections import defaultdict
 from pathlib import Path
+
+from titanlite.bench.common import busy_seconds
 
 KINDS = [  # (kind, pattern on the kernel name): the first match wins
     ("matmul, float8", r"e4m3|e5m2|f8f8|fp8|_f8_"),
@@ -46,22 +49,13 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def union_us(spans: list[tuple[float, float]]) -> float:
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(spans):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
-
-
 def summarize(events: list[dict], top: int = 15) -> str:
     steps = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")]
     step_us = sum(e["dur"] for e in steps)
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     lines = [f"profiled steps: {len(steps)}, wall time {step_us / 1e3:.2f} ms"]
     if kernels:
-        busy = union_us([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
+        busy = busy_seconds([(e["ts"], e["ts"] + e["dur"]) for e in kernels], -math.inf, math.inf)
         share = f" ({100 * busy / step_us:.1f}% of the wall time)" if step_us else ""
         lines.append(f"GPU busy (kernels, overlap counted once): {busy / 1e3:.2f} ms{share}")
         by_kind, by_name = defaultdict(float), defaultdict(lambda: [0.0, 0])

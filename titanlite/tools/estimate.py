@@ -12,13 +12,18 @@ The memory model and its assumptions are documented in ``titanlite/planner.py``.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import sys
 
+import torch
+
 from titanlite.config import ConfigError
-from titanlite.models import load_config
+from titanlite.models import get_model_spec, load_config, make_model_args
 from titanlite.models.flops import ModelShape, param_count
+from titanlite.models.registry import model_counts
+from titanlite.parallel.pipeline import PipelinePlan
 from titanlite.plan.planner import (
     CHINCHILLA_TOKENS_PER_PARAM,
     FRAGMENTATION,
@@ -28,8 +33,9 @@ from titanlite.plan.planner import (
     usable_memory,
 )
 from titanlite.plan.planner_moe import all_to_all_seconds
+from titanlite.plan.run_plan import plan_steps
 from titanlite.trainer.metrics import format_duration
-from titanlite.trainer.peaks import gpu_memory_bytes, peak_flops_for_name
+from titanlite.trainer.peaks import gpu_memory_bytes, matmul_dtype, peak_flops_for_name
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -56,12 +62,6 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def build(args: argparse.Namespace, rest: list[str]):
-    import torch
-
-    from titanlite.models import get_model_spec, make_model_args
-    from titanlite.models.registry import model_counts
-    from titanlite.trainer.peaks import matmul_dtype
-
     cfg = load_config(rest)
     spec = get_model_spec(cfg.model.name)
     model_args = make_model_args(cfg.model.name, cfg.model.flavor, **cfg.model.overrides)
@@ -70,8 +70,6 @@ def build(args: argparse.Namespace, rest: list[str]):
     par, t = cfg.parallelism, cfg.training
     stage_sizes = ()
     if par.pipeline_parallel_degree > 1:  # the trainer's own split (and its checks of the schedule)
-        from titanlite.parallel.pipeline import PipelinePlan
-
         stage_sizes = PipelinePlan.from_config(par, model_args.n_layers, t.local_batch_size).stage_sizes
     setup = RunSetup.from_config(cfg, args.num_gpus, stage_sizes)
     if par.data_parallel_shard_degree not in (-1, setup.dp_shard):
@@ -81,31 +79,15 @@ def build(args: argparse.Namespace, rest: list[str]):
             f"(it would be {setup.dp_shard}; -1 derives it)"
         )
     dtype = matmul_dtype(t.mixed_precision_param, setup.float8, torch.device("cuda"))
-    peak = peak_flops_for_name(args.gpu, dtype)
     tokens = CHINCHILLA_TOKENS_PER_PARAM * param_count(shape) if args.chinchilla else args.tokens
-    plan = estimate_run(
-        shape,
-        setup,
-        tokens=tokens,
-        mfu=args.mfu,
-        peak_flops=peak,
-        matmul_dtype=dtype,
-        gpu_memory=gpu_memory_bytes(args.gpu),
-        price_per_gpu_hour=args.price_per_gpu_hour,
-        flops_per_token_=flops,
-    )
-    return cfg, shape, setup, plan
+    kw = dict(mfu=args.mfu, peak_flops=peak_flops_for_name(args.gpu, dtype), matmul_dtype=dtype)
+    kw.update(gpu_memory=gpu_memory_bytes(args.gpu), price_per_gpu_hour=args.price_per_gpu_hour)
+    return cfg, shape, setup, estimate_run(shape, setup, tokens=tokens, flops_per_token_=flops, **kw)
 
 
 def stage_plans(args, cfg, shape: ModelShape, setup: RunSetup, plan) -> list[tuple]:
     """With ``[training] seq_len_schedule``: each stage's (stage, planner plan), planned at its own seq_len,
     micro-batch and share of the tokens (``plan.tokens``), with the family's FLOPs per token at that length."""
-    import copy
-
-    from titanlite.models import get_model_spec, make_model_args
-    from titanlite.models.registry import model_counts
-    from titanlite.plan.run_plan import plan_steps
-
     t = cfg.training
     kw = dict(seq_len=t.seq_len, local_batch_size=t.local_batch_size, grad_accum_steps=setup.grad_accum)
     stages = plan_steps(steps=1, tokens=int(plan.tokens), dp_degree=setup.dp_degree, schedule=t.seq_len_schedule, **kw)
@@ -198,15 +180,9 @@ def report(args, cfg, shape: ModelShape, setup: RunSetup, plan) -> str:
             )
     m = plan.memory
     lines.append("memory     per GPU (GB = 1e9 bytes):")
-    for key, label in (
-        ("parameters", "parameters"),
-        ("gradients", "gradients"),
-        ("optimizer", "optimizer state"),
-        ("activations", "activations"),
-        ("logits", "logits"),
-        ("optimizer_scratch", "optimizer step scratch"),
-    ):
-        lines.append(f"             {label:<24}{m[key] / gb:9.2f}")
+    labels = {"optimizer": "optimizer state", "optimizer_scratch": "optimizer step scratch"}
+    for key in ("parameters", "gradients", "optimizer", "activations", "logits", "optimizer_scratch"):
+        lines.append(f"             {labels.get(key, key):<24}{m[key] / gb:9.2f}")
     if setup.pp > 1:
         lines.append(f"             {'unsharded stage (PP)':<24}{m['pipeline_fsdp_buffers'] / gb:9.2f}")
     worst = f" (pp rank {m['pp_rank']}, the worst stage)" if setup.pp > 1 else ""

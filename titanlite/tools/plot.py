@@ -13,6 +13,7 @@ titanlite itself does not depend on (``pip install matplotlib``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -28,17 +29,11 @@ PANELS = (  # (title, key, log scale)
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """The records of a ``metrics.jsonl`` (a torn last line is ignored)."""
+    """The records of a ``metrics.jsonl`` (a torn last line, or any line that is no JSON, is ignored)."""
     records = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                continue
+    for line in path.read_text(encoding="utf-8").splitlines():
+        with contextlib.suppress(ValueError):
+            records.append(json.loads(line))
     return records
 
 
@@ -81,11 +76,6 @@ def ema(ys: list[float], alpha: float) -> list[float]:
     return out
 
 
-def resolve(arg: str) -> Path:
-    p = Path(arg)
-    return p / "metrics.jsonl" if p.is_dir() else p
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="titanlite plot", description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", help="dump folders (or metrics.jsonl files)")
@@ -106,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     runs = []
     for arg in args.runs:
-        path = resolve(arg)
+        path = Path(arg) / "metrics.jsonl" if Path(arg).is_dir() else Path(arg)
         if not path.is_file():
             print(f"error: no metrics.jsonl at {path}", file=sys.stderr)
             return 2
