@@ -5,9 +5,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh test
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
+# one intra-op thread per process: the pytest workers and the processes they start share the cores, and OpenMP
+# threads spin-waiting for a descheduled peer made a tiny model's steps up to 15x slower (a 50-step test: 55 s with
+# 2 threads, 3.8 s with 1, beside two busy processes on this 2-core machine)
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"  # a process asking for more threads: they sleep, not spin
 .venv/bin/ruff format --check --quiet . || { echo "ruff format: files above need formatting (.venv/bin/ruff format .)"; exit 1; }
 .venv/bin/ruff check --quiet .
-# two pytest workers (pytest-xdist): the suite is mostly one-thread tests and waits on subprocesses, so 2 cores run
-# it in ~0.78x the time of one worker (709.9 s against 910.2 s, 1,110 tests, this 2-core machine, 2026-11-26)
-exec .venv/bin/python -m pytest -q -n "${TITANLITE_TEST_WORKERS:-2}" "$@"
+# two pytest workers (pytest-xdist), each given whole files (--dist loadfile: a module's fixtures, e.g. a trained
+# checkpoint, are built once, not once per worker) in the order tests/conftest.py sets (the longest files first)
+exec .venv/bin/python -m pytest -q -n "${TITANLITE_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"

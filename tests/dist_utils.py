@@ -10,11 +10,21 @@ the test fails with each rank's log tail, so a hang can never stall the suite.
 Backends: tests are written once and parametrized with :func:`backends`: ``gloo`` (CPU; CUDA is
 hidden from the workers so they build CPU meshes) everywhere, plus ``nccl`` where there are enough
 GPUs. Workers run with ``OMP_NUM_THREADS=1``: several processes share the cores.
+
+Launch: each rank is forked from a fork server (``multiprocessing``'s ``forkserver``, one per pytest
+process) that has imported torch and titanlite once but never run an operator or made a thread, so a
+rank starts as a fresh process would, without paying ~2.5 s of CPU for the imports. ``spawn=True``
+(what a process reads only as it starts matters, e.g. ``MALLOC_*`` variables) or
+``TITANLITE_TEST_LAUNCH=spawn`` start each rank as a fresh interpreter instead. Either
+way a rank runs in its own session with ``faulthandler`` on, so a crash leaves its stack in the log.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import importlib.util
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import pickle
 import signal
@@ -60,13 +70,80 @@ def _kill(procs: list[subprocess.Popen]) -> None:
         if p.poll() is None:
             try:
                 os.killpg(p.pid, signal.SIGKILL)  # each worker leads its own session/process group
-            except ProcessLookupError:
-                pass
+            except ProcessLookupError:  # a forked rank killed before its os.setsid
+                try:
+                    os.kill(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
     for p in procs:
         try:
             p.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+
+
+# what nearly every rank imports; the fork server imports them once (in this order)
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor.parallel",
+    "torch.distributed.pipelining",
+    "titanlite.train",
+]
+
+
+def _fork_server() -> multiprocessing.context.BaseContext:
+    """This process's fork server, started on first use with one intra-op thread (as the ranks run) and
+    the repository importable."""
+    ctx, server = multiprocessing.get_context("forkserver"), multiprocessing.forkserver._forkserver
+    if server._forkserver_pid is None:
+        ctx.set_forkserver_preload(_PRELOAD)
+        saved = dict(os.environ)
+        os.environ.update(
+            OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+        )
+        try:
+            server.ensure_running()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+    return ctx
+
+
+class _ForkedRank:
+    """A rank forked from the fork server, with the part of ``subprocess.Popen``'s interface used here."""
+
+    def __init__(self, env: dict, log: Path, argv: list[str], threads: int):
+        self.process = _fork_server().Process(target=_forked_main, args=(env, str(log), argv, threads))
+        self.process.start()
+        self.pid = self.process.pid
+
+    def poll(self) -> int | None:
+        return self.process.exitcode  # -N for a signal, like Popen's returncode
+
+    returncode = property(poll)
+
+    def wait(self, timeout: float) -> None:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout)
+
+
+def _forked_main(env: dict, log: str, argv: list[str], threads: int) -> None:
+    """A forked rank: its own session, output to its log, the rank's environment, then the test's function."""
+    os.setsid()
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(REPO)
+    sys.path.insert(0, str(REPO))
+    torch.set_num_threads(threads)  # the fork server read OMP_NUM_THREADS when it started
+    _worker_main(*argv)
 
 
 def run_workers(
@@ -77,6 +154,7 @@ def run_workers(
     backend: str = "gloo",
     timeout: float = 240.0,
     threads: int = 1,
+    spawn: bool = False,
 ) -> list[Any]:
     """Run ``fn(args)`` on ``nprocs`` ranks; returns the per-rank results (see module docstring)."""
     module_file = Path(sys.modules[fn.__module__].__file__).resolve()
@@ -103,11 +181,19 @@ def run_workers(
             env["CUDA_VISIBLE_DEVICES"] = ""
         log = work / f"rank{rank}.log"
         logs.append(log)
-        cmd = [sys.executable, __file__, str(module_file), fn.__name__, str(work), fn.__module__]
+        argv = [str(module_file), fn.__name__, str(work), fn.__module__]
+        if not spawn and os.environ.get("TITANLITE_TEST_LAUNCH", "fork") != "spawn":
+            procs.append(_ForkedRank(env, log, argv, threads))
+            continue
         with open(log, "w") as out:
             procs.append(
                 subprocess.Popen(
-                    cmd, env=env, cwd=str(REPO), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                    [sys.executable, __file__, *argv],
+                    env=env,
+                    cwd=str(REPO),
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
                 )
             )
     deadline = time.monotonic() + timeout
@@ -131,9 +217,12 @@ def run_workers(
     finally:
         _kill(procs)
     if failed is not None:
+        code = procs[failed].returncode
+        others = "".join(f"\n--- rank {r} log tail:\n{_tail(logs[r], 1000)}" for r in range(nprocs) if r != failed)
         raise AssertionError(
-            f"{fn.__name__}: rank {failed} of {nprocs} ({backend}) exited with "
-            f"{procs[failed].returncode}:\n{_tail(logs[failed], 6000)}"
+            f"{fn.__name__}: rank {failed} of {nprocs} ({backend}) exited with {code}"
+            + (f" ({signal.Signals(-code).name})" if code < 0 else "")
+            + f":\n{_tail(logs[failed], 6000)}{others}"
         )
     results = []
     for rank in range(nprocs):
@@ -162,6 +251,8 @@ def cache_token_stores() -> None:
 
 def _worker_main(module_file: str, fn_name: str, work: str, module_name: str) -> None:
     import torch.distributed as dist
+
+    faulthandler.enable()  # a crash (SIGSEGV, SIGABRT) prints every thread's Python stack to the log
 
     # under the parent's module name (tests.<folder>.test_x), so what it pickles unpickles there
     spec = importlib.util.spec_from_file_location(module_name, module_file)

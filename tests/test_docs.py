@@ -343,7 +343,8 @@ class Workspace:
         self.done: dict[str, float] = {}
 
     def bash(self, script: str, what: str) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="2", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(self.root))
+        threads = os.environ.get("OMP_NUM_THREADS", "2")  # scripts/test.sh: 1 (its workers share the cores)
+        env = dict(os.environ, OMP_NUM_THREADS=threads, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(self.root))
         out = subprocess.run(
             ["bash", "-c", "set -eo pipefail\nsource .venv/bin/activate\n" + script],
             cwd=self.root,

@@ -736,7 +736,8 @@ def test_pipeline_stage_memory_matches_measured_cpu_memory(schedule, monkeypatch
     predicted = {m["pp_rank"]: m for m in pipeline_memory(shape("debugmodel"), setup)}
 
     def measure() -> dict[int, dict]:
-        return {r["pp_rank"]: r for r in run_workers(pipeline_rss_worker, 2, args, timeout=240)}
+        # fresh interpreters: glibc reads MALLOC_MMAP_THRESHOLD_ as a process starts
+        return {r["pp_rank"]: r for r in run_workers(pipeline_rss_worker, 2, args, timeout=240, spawn=True)}
 
     measured = measure()
     for rank in (0, 1):
