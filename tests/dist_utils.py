@@ -1,11 +1,12 @@
 """Run a test function in N processes, torchrun-style, under a hard timeout.
 
-``run_workers(fn, nprocs, args)`` starts ``nprocs`` fresh Python processes with torchrun's
+``run_workers(fn, nprocs, args)`` starts ``nprocs`` processes with torchrun's
 variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT), each calling ``fn(args)`` where ``fn``
 is a module-level function of a test file; each rank's return value comes back (pickled) in a list
 ordered by rank. A rank that fails makes the others be killed at once (they would otherwise wait
 in a collective); if the whole launch exceeds ``timeout`` seconds every process group is killed and
-the test fails with each rank's log tail, so a hang can never stall the suite.
+the test fails with each rank's log tail, so a hang can never stall the suite. A launch's folder
+(arguments, results, one log per rank) is removed once it succeeded.
 
 Backends: tests are written once and parametrized with :func:`backends`: ``gloo`` (CPU; CUDA is
 hidden from the workers so they build CPU meshes) everywhere, plus ``nccl`` where there are enough
@@ -27,6 +28,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import pickle
+import shutil
 import signal
 import socket
 import subprocess
@@ -210,7 +212,7 @@ def run_workers(
             if time.monotonic() > deadline:
                 _kill(procs)
                 raise AssertionError(
-                    f"{fn.__name__} on {nprocs} ranks ({backend}) timed out after {timeout:.0f} s; "
+                    f"{fn.__name__} on {nprocs} ranks ({backend}) timed out after {timeout:.0f} s (logs in {work}); "
                     + "".join(f"\n--- rank {r} log tail:\n{_tail(l)}" for r, l in enumerate(logs))
                 )
             time.sleep(0.05)
@@ -222,12 +224,13 @@ def run_workers(
         raise AssertionError(
             f"{fn.__name__}: rank {failed} of {nprocs} ({backend}) exited with {code}"
             + (f" ({signal.Signals(-code).name})" if code < 0 else "")
-            + f":\n{_tail(logs[failed], 6000)}{others}"
+            + f" (logs in {work}):\n{_tail(logs[failed], 6000)}{others}"
         )
     results = []
     for rank in range(nprocs):
         with open(work / f"result{rank}.pkl", "rb") as f:
             results.append(pickle.load(f))
+    shutil.rmtree(work, ignore_errors=True)  # a failed launch keeps its folder (the logs)
     return results
 
 
