@@ -14,10 +14,11 @@ GPUs. Workers run with ``OMP_NUM_THREADS=1``: several processes share the cores.
 
 Launch: each rank is forked from a fork server (``multiprocessing``'s ``forkserver``, one per pytest
 process) that has imported torch and titanlite once but never run an operator or made a thread, so a
-rank starts as a fresh process would, without paying ~2.5 s of CPU for the imports. ``spawn=True``
-(what a process reads only as it starts matters, e.g. ``MALLOC_*`` variables) or
-``TITANLITE_TEST_LAUNCH=spawn`` start each rank as a fresh interpreter instead. Either
-way a rank runs in its own session with ``faulthandler`` on, so a crash leaves its stack in the log.
+rank starts as a fresh process would, without paying ~2 s of CPU for the imports (the suite starts
+~100 ranks). NCCL ranks, ``spawn=True`` (what a process reads only as it starts matters, e.g.
+``MALLOC_*`` variables) and ``TITANLITE_TEST_LAUNCH=spawn`` start each rank as a fresh interpreter
+instead. Either way a rank runs in its own session with ``faulthandler`` on, so a crash leaves its
+stack in the log.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def _fork_server() -> multiprocessing.context.BaseContext:
     """This process's fork server, started on first use with one intra-op thread (as the ranks run) and
     the repository importable."""
     ctx, server = multiprocessing.get_context("forkserver"), multiprocessing.forkserver._forkserver
-    if server._forkserver_pid is None:
+    if getattr(server, "_forkserver_pid", None) is None:
         ctx.set_forkserver_preload(_PRELOAD)
         saved = dict(os.environ)
         os.environ.update(
@@ -184,7 +185,7 @@ def run_workers(
         log = work / f"rank{rank}.log"
         logs.append(log)
         argv = [str(module_file), fn.__name__, str(work), fn.__module__]
-        if not spawn and os.environ.get("TITANLITE_TEST_LAUNCH", "fork") != "spawn":
+        if not spawn and backend == "gloo" and os.environ.get("TITANLITE_TEST_LAUNCH", "fork") != "spawn":
             procs.append(_ForkedRank(env, log, argv, threads))
             continue
         with open(log, "w") as out:
