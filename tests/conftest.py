@@ -17,25 +17,25 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-# The files that take longest, longest first (measured: a -n 2 run on the 2-core machine, 2026-11-26). scripts/test.sh
-# gives each pytest worker whole files in collection order (--dist loadfile); starting the long ones first keeps the
-# run from ending with one worker busy and the other idle. Only the order depends on this list.
+# The files that take longest, longest first (a -n 2 run of scripts/test.sh on the 2-core machine, 2026-11-27).
+# scripts/test.sh gives each pytest worker whole files in collection order (--dist loadfile); starting the long ones
+# first keeps the run from ending with one worker busy and the other idle. Only the order depends on this list.
 LONGEST_FILES = [
-    "eval/test_eval.py",
-    "test_docs.py",
-    "eval/test_eval_loop.py",
-    "data/test_recipes.py",
-    "trainer/test_output_loss.py",
+    "test_docs.py",  # 189 s
+    "parallel/test_pipeline.py",  # 90 s
     "parallel/test_parallel_parity.py",
-    "data/test_train_data.py",
-    "trainer/test_train.py",
-    "parallel/test_pipeline.py",
-    "ext/test_qwen3.py",
-    "eval/test_generate.py",
     "test_library_examples.py",
+    "eval/test_eval.py",
     "parallel/test_moe_parallel.py",
     "trainer/test_preemption.py",
-    "parallel/test_float8.py",
+    "trainer/test_output_loss.py",
+    "checkpoint/test_kill_moments.py",
+    "ext/test_qwen3.py",
+    "eval/test_eval_loop.py",
+    "tools/test_parallel_bench.py",
+    "checkpoint/test_hf_conversion.py",
+    "data/test_recipes.py",
+    "checkpoint/test_checkpoint.py",  # 19 s; the files not named take less
 ]
 
 

@@ -1,11 +1,12 @@
 """Run a test function in N processes, torchrun-style, under a hard timeout.
 
-``run_workers(fn, nprocs, args)`` starts ``nprocs`` fresh Python processes with torchrun's
+``run_workers(fn, nprocs, args)`` starts ``nprocs`` processes with torchrun's
 variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT), each calling ``fn(args)`` where ``fn``
 is a module-level function of a test file; each rank's return value comes back (pickled) in a list
 ordered by rank. A rank that fails makes the others be killed at once (they would otherwise wait
 in a collective); if the whole launch exceeds ``timeout`` seconds every process group is killed and
-the test fails with each rank's log tail, so a hang can never stall the suite.
+the test fails with each rank's log tail, so a hang can never stall the suite. A launch's folder
+(arguments, results, one log per rank) is removed once it succeeded.
 
 Backends: tests are written once and parametrized with :func:`backends`: ``gloo`` (CPU; CUDA is
 hidden from the workers so they build CPU meshes) everywhere, plus ``nccl`` where there are enough
@@ -13,10 +14,11 @@ GPUs. Workers run with ``OMP_NUM_THREADS=1``: several processes share the cores.
 
 Launch: each rank is forked from a fork server (``multiprocessing``'s ``forkserver``, one per pytest
 process) that has imported torch and titanlite once but never run an operator or made a thread, so a
-rank starts as a fresh process would, without paying ~2.5 s of CPU for the imports. ``spawn=True``
-(what a process reads only as it starts matters, e.g. ``MALLOC_*`` variables) or
-``TITANLITE_TEST_LAUNCH=spawn`` start each rank as a fresh interpreter instead. Either
-way a rank runs in its own session with ``faulthandler`` on, so a crash leaves its stack in the log.
+rank starts as a fresh process would, without paying ~2 s of CPU for the imports (the suite starts
+~100 ranks). NCCL ranks, ``spawn=True`` (what a process reads only as it starts matters, e.g.
+``MALLOC_*`` variables) and ``TITANLITE_TEST_LAUNCH=spawn`` start each rank as a fresh interpreter
+instead. Either way a rank runs in its own session with ``faulthandler`` on, so a crash leaves its
+stack in the log.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import pickle
+import shutil
 import signal
 import socket
 import subprocess
@@ -98,7 +101,7 @@ def _fork_server() -> multiprocessing.context.BaseContext:
     """This process's fork server, started on first use with one intra-op thread (as the ranks run) and
     the repository importable."""
     ctx, server = multiprocessing.get_context("forkserver"), multiprocessing.forkserver._forkserver
-    if server._forkserver_pid is None:
+    if getattr(server, "_forkserver_pid", None) is None:
         ctx.set_forkserver_preload(_PRELOAD)
         saved = dict(os.environ)
         os.environ.update(
@@ -182,7 +185,7 @@ def run_workers(
         log = work / f"rank{rank}.log"
         logs.append(log)
         argv = [str(module_file), fn.__name__, str(work), fn.__module__]
-        if not spawn and os.environ.get("TITANLITE_TEST_LAUNCH", "fork") != "spawn":
+        if not spawn and backend == "gloo" and os.environ.get("TITANLITE_TEST_LAUNCH", "fork") != "spawn":
             procs.append(_ForkedRank(env, log, argv, threads))
             continue
         with open(log, "w") as out:
@@ -210,7 +213,7 @@ def run_workers(
             if time.monotonic() > deadline:
                 _kill(procs)
                 raise AssertionError(
-                    f"{fn.__name__} on {nprocs} ranks ({backend}) timed out after {timeout:.0f} s; "
+                    f"{fn.__name__} on {nprocs} ranks ({backend}) timed out after {timeout:.0f} s (logs in {work}); "
                     + "".join(f"\n--- rank {r} log tail:\n{_tail(l)}" for r, l in enumerate(logs))
                 )
             time.sleep(0.05)
@@ -222,12 +225,13 @@ def run_workers(
         raise AssertionError(
             f"{fn.__name__}: rank {failed} of {nprocs} ({backend}) exited with {code}"
             + (f" ({signal.Signals(-code).name})" if code < 0 else "")
-            + f":\n{_tail(logs[failed], 6000)}{others}"
+            + f" (logs in {work}):\n{_tail(logs[failed], 6000)}{others}"
         )
     results = []
     for rank in range(nprocs):
         with open(work / f"result{rank}.pkl", "rb") as f:
             results.append(pickle.load(f))
+    shutil.rmtree(work, ignore_errors=True)  # a failed launch keeps its folder (the logs)
     return results
 
 
