@@ -6,7 +6,7 @@ from the source, as ``../shared/tools/import_graph.py --all`` reads them).
 Layers, lowest first (a module may import its own layer or lower ones):
 
 0. leaves: ``config``, ``components``, ``hooks``, ``dtypes``, ``extensions``, ``tokenizer`` (with ``hf_tokenizer``,
-   ``hf_regex``), ``run_lock``, ``nesting``, ``_moved`` (where moved modules went),
+   ``hf_regex``), ``run_lock``, ``nesting``,
    ``fsio`` (atomic writes, ``one_line``), ``_torch_compat`` (every private torch API titanlite uses),
    ``token_sampling`` (greedy / temperature / top-k / top-p draws, torch only); ``fsio`` and
    ``_torch_compat`` import nothing from titanlite
@@ -34,7 +34,6 @@ PACKAGE = Path(__file__).resolve().parents[1] / "titanlite"
 LAYERS = [
     (
         "titanlite",
-        "titanlite._moved",
         "titanlite.config",
         "titanlite.components",
         "titanlite.hooks",

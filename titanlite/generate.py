@@ -44,7 +44,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titanlite._moved import moved_names
 from titanlite.checkpoint.load_model import load_model
 from titanlite.data.chat import chat_prompt_ids, special_id
 from titanlite.dtypes import DTYPES
@@ -405,8 +404,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(("\n" if i else "") + r["prompt"] + r["completion"])
     return 0
 
-
-__getattr__ = moved_names(__name__)  # old names (titanlite._moved)
 
 if __name__ == "__main__":
     sys.exit(main())

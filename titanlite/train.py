@@ -14,7 +14,6 @@ from collections.abc import Callable
 import torch
 
 from titanlite import components
-from titanlite._moved import moved_names
 from titanlite.checkpoint import CheckpointWriteError
 from titanlite.config import exit_with_error, parse_args_or_exit
 from titanlite.data.mixture import DataExhausted
@@ -80,5 +79,3 @@ def main(argv: list[str] | None = None, trainer_cls: type | None = None, load_co
 
 if __name__ == "__main__":
     main_then_exit(main)  # under torchrun: no interpreter finalization after the run (see there)
-
-__getattr__ = moved_names(__name__)  # old names (titanlite._moved)

@@ -555,7 +555,7 @@ def test_rewind_metrics_log(tmp_path):
 def test_initial_load_path_takes_an_hf_folder(baseline, tmp_path, caplog):
     """A stage can start from a Hugging Face folder: the weights load through the family's adapter and
     equal the step folder they were exported from; the optimizer is fresh."""
-    from titanlite.checkpoint.hf import dcp_to_hf
+    from titanlite.checkpoint.hf_export import dcp_to_hf
 
     ref_dump, _ = baseline
     source = ref_dump / "checkpoint" / "step-20"

@@ -30,7 +30,8 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from titanlite.checkpoint import layout
 from titanlite.checkpoint.convert_cli import main_dcp_to_hf, main_hf_to_dcp
-from titanlite.checkpoint.hf import dcp_to_hf, hf_to_dcp
+from titanlite.checkpoint.hf_export import dcp_to_hf
+from titanlite.checkpoint.hf_import import hf_to_dcp
 from titanlite.models.llama3 import Llama3HFAdapter, Llama3ModelArgs, Transformer
 
 transformers = pytest.importorskip("transformers")

@@ -19,7 +19,8 @@ from shared_data import shared_file
 from tests.checkpoint.test_hf_conversion import run_cli, save_step_folder, tiny_args, titanlite_model, tokens
 from tests.data.test_hf_tokenizer import convert, corpora
 from titanlite.checkpoint import layout
-from titanlite.checkpoint.hf import dcp_to_hf, hf_to_dcp
+from titanlite.checkpoint.hf_export import dcp_to_hf
+from titanlite.checkpoint.hf_import import hf_to_dcp
 from titanlite.checkpoint.load_model import load_model
 from titanlite.data.chat import render_conversation
 from titanlite.generate import generate

@@ -16,7 +16,7 @@ from dist_utils import run_workers
 from safetensors.torch import load_file, save_file
 
 from titanlite.checkpoint import layout
-from titanlite.checkpoint.hf import dcp_to_hf
+from titanlite.checkpoint.hf_export import dcp_to_hf
 from titanlite.models.llama3 import Llama3ModelArgs, Transformer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

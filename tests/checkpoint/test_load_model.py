@@ -11,7 +11,7 @@ import torch
 from tiny import TINY_MODEL
 
 from titanlite.checkpoint import layout
-from titanlite.checkpoint.hf import dcp_to_hf
+from titanlite.checkpoint.hf_export import dcp_to_hf
 from titanlite.checkpoint.load_model import load_model
 from titanlite.models import load_config
 from titanlite.trainer import Trainer

@@ -265,7 +265,7 @@ def test_prepare_data_then_qwen3_trains_and_exports_the_tokenizer(tmp_path, qwen
     that carries the tokenizer files and works as a tokenizer folder itself."""
     import titanlite.train as train
     from tests.ext.test_qwen3 import skip_peak_measurement
-    from titanlite.checkpoint.hf import dcp_to_hf
+    from titanlite.checkpoint.hf_export import dcp_to_hf
 
     folder = qwen_json.parent
     (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": None, "eos_token": "<|im_end|>"}))

@@ -87,7 +87,7 @@ def hf_loglik(hf_model, ids: list[int], num_cont: int) -> tuple[float, bool]:
 
 def test_logliks_and_predictions_equal_transformers(checkpoint, loaded, results, data_dir, tmp_path):
     transformers = pytest.importorskip("transformers")
-    from titanlite.checkpoint.hf import dcp_to_hf
+    from titanlite.checkpoint.hf_export import dcp_to_hf
 
     hf_dir = dcp_to_hf(checkpoint, tmp_path / "hf")
     hf_model = transformers.LlamaForCausalLM.from_pretrained(str(hf_dir), attn_implementation="eager").eval()

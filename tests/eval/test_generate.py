@@ -37,7 +37,7 @@ from tests.checkpoint.test_hf_conversion import titanlite_model
 from tests.ext.test_qwen3 import qwen3_model
 from tests.ext.test_qwen3 import save_step_folder as save_qwen3_step_folder
 from tests.ext.test_qwen3 import tiny_args as qwen3_args
-from titanlite.checkpoint.hf import dcp_to_hf
+from titanlite.checkpoint.hf_export import dcp_to_hf
 from titanlite.checkpoint.load_model import load_model
 from titanlite.generate import STOP_CHECK_EVERY, generate, main, sample_next
 from titanlite.models.attention import grouped_query_attention

@@ -37,7 +37,7 @@ from tests.ext.test_compat import (  # noqa: F401  (no_peak_probe: a fixture)
     write_torchtitan_checkpoint,
 )
 from titanlite.checkpoint import safe_load
-from titanlite.checkpoint.hf import dcp_to_hf
+from titanlite.checkpoint.hf_export import dcp_to_hf
 from titanlite.models.llama3.args import Llama3ModelArgs
 from titanlite.models.llama3.model import Transformer
 from torchtitan_ext.compat import load_translated, translate

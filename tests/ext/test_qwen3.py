@@ -2,7 +2,7 @@
 
 - Parameter counts: the 0.6B flavor has exactly the count the published ``config.json`` gives by
   hand arithmetic (596,049,920), and the other flavors round to the published model-card figures.
-- Hugging Face: titanlite -> DCP step folder -> ``titanlite.checkpoint.hf.dcp_to_hf`` -> folder
+- Hugging Face: titanlite -> DCP step folder -> ``titanlite.checkpoint.hf_export.dcp_to_hf`` -> folder
   that ``transformers.Qwen3ForCausalLM.from_pretrained`` loads with the same logits (fp32, atol
   1e-4; measured ~1e-6), for tied/untied, GQA/MHA and head_dim != dim / n_heads; and back
   (``hf_to_dcp``), with every tensor bit-identical after HF -> DCP -> HF.
@@ -38,7 +38,8 @@ from dist_utils import REPO, cache_token_stores, run_workers
 import torchtitan_ext.qwen3  # noqa: F401  (registers "qwen3")
 from tests.parallel.test_parallel_parity import RTOL, RecordingTrainer, check, check_data, make_config
 from titanlite.checkpoint import layout
-from titanlite.checkpoint.hf import dcp_to_hf, hf_to_dcp
+from titanlite.checkpoint.hf_export import dcp_to_hf
+from titanlite.checkpoint.hf_import import hf_to_dcp
 from titanlite.models import build_model, get_model_spec
 from torchtitan_ext.qwen3 import QWEN3_FLAVORS, Qwen3HFAdapter, Qwen3Model, Qwen3ModelArgs, num_params_from_args
 

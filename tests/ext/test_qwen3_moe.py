@@ -22,7 +22,8 @@ import torch.distributed.checkpoint as dcp
 
 import torchtitan_ext.qwen3_moe  # noqa: F401  (registers "qwen3_moe")
 from titanlite.checkpoint import layout
-from titanlite.checkpoint.hf import dcp_to_hf, hf_to_dcp
+from titanlite.checkpoint.hf_export import dcp_to_hf
+from titanlite.checkpoint.hf_import import hf_to_dcp
 from titanlite.models import build_model, get_model_spec
 from titanlite.models.flops import ModelShape, active_param_count, param_count
 from torchtitan_ext.qwen3_moe import QWEN3_MOE_FLAVORS, Qwen3MoEArgs, Qwen3MoEHFAdapter, Qwen3MoEModel

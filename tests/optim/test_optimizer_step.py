@@ -203,10 +203,3 @@ def test_update_bytes_counts_the_floor_traffic():
     report = optimizer_floor(adam, optimizer_s=2e-6, bandwidth=1e9, step_s=1e-5)
     assert report["floor_s"] == pytest.approx(14 * n / 1e9)
     assert report["floor_ratio"] == pytest.approx(2e-6 / report["floor_s"]) and report["share"] == pytest.approx(0.2)
-
-
-def test_the_removed_clip_grad_norm_names_its_replacement():
-    model = torch.nn.Linear(4, 4)
-    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(AttributeError, match=r"reduce_step\(loss_sum\).*update\(lr_scale, grad_norm\)"):
-        step.clip_grad_norm()

@@ -225,14 +225,3 @@ def test_absurd_sizes_are_refused_before_allocating(tmp_path, capsys, args, culp
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1, err
     assert "this run needs about" in err[0] and "per cpu device" in err[0] and culprit in err[0], err[0]
-
-
-@pytest.mark.parametrize("name, instead", [("loss_fn", "build_loss()"), ("train_step", "build_train_step()")])
-def test_a_trainer_subclass_overriding_a_removed_method_fails_naming_the_replacement(name, instead):
-    """``loss_fn`` became ``build_loss``: an override of the old name was silently never called."""
-
-    def method(self, *args):
-        raise AssertionError("never called")
-
-    with pytest.raises(TypeError, match=rf"^Mine.{name}: Trainer.{name} was removed .* override {instead}"):
-        type("Mine", (Trainer,), {name: method})

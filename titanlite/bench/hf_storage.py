@@ -9,11 +9,11 @@ For each model (``tiny``: 2 layers, dim 64, tied embeddings, fp32 stored, export
 writes a model-only titanlite step folder, then runs each variant in a fresh process (so its peak RSS is its
 own; the figure is the peak RSS during the variant minus the RSS just before it, Linux only):
 
-- ``export``: DCP step folder -> HF safetensors. titanlite: :func:`~titanlite.checkpoint.hf.dcp_to_hf`. DCP:
+- ``export``: DCP step folder -> HF safetensors. titanlite: :func:`~titanlite.checkpoint.hf_export.dcp_to_hf`. DCP:
   ``dcp.save`` with ``HuggingFaceStorageWriter`` (the same shard plan as ``fqn_to_index_mapping``), each tensor
   read from the step folder and converted by the adapter only when the writer asks for it (a lazy planner:
   DCP's best case).
-- ``import``: HF folder -> DCP step folder. titanlite: :func:`~titanlite.checkpoint.hf.hf_to_dcp` (each tensor
+- ``import``: HF folder -> DCP step folder. titanlite: :func:`~titanlite.checkpoint.hf_import.hf_to_dcp` (each tensor
   pulled from the safetensors file while DCP writes it). DCP: ``dcp.load`` with ``HuggingFaceStorageReader``
   into the full state, the adapter, then ``dcp.save``.
 - ``load``: the weights of an HF folder into a model (``[checkpoint] initial_load_path``). titanlite (before
@@ -43,7 +43,8 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from titanlite.checkpoint import hf_export, hf_import, layout, safe_load
-from titanlite.checkpoint.hf import dcp_to_hf, hf_to_dcp
+from titanlite.checkpoint.hf_export import dcp_to_hf
+from titanlite.checkpoint.hf_import import hf_to_dcp
 from titanlite.models.llama3 import Llama3ModelArgs, Transformer
 
 SIZES = {

@@ -4,7 +4,7 @@
   and :class:`CheckpointHook`, its place in the training loop; ``resume``: what a run loads (fallbacks, set-aside).
 - ``layout``: folder naming, atomic publication, completeness and damage checks.
 - ``state``: the RNG state saved with every checkpoint.
-- ``hf``: :func:`dcp_to_hf` (``hf_export``) and :func:`hf_to_dcp` (``hf_import``, also the HF initial load), the
+- ``hf_export``: :func:`dcp_to_hf`; ``hf_import``: :func:`hf_to_dcp` and the HF initial load; the
   family's ``hf_adapter`` mapping names and layouts; ``seed_args``: a seed checkpoint's model args;
   ``convert_cli``: the command lines of ``titanlite convert``.
 """

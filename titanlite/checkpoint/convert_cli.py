@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from titanlite.checkpoint.hf import dcp_to_hf, hf_to_dcp
+from titanlite.checkpoint.hf_export import dcp_to_hf
+from titanlite.checkpoint.hf_import import hf_to_dcp
 from titanlite.dtypes import DTYPES, dtype_name
 from titanlite.fsio import one_line
 

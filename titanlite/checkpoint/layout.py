@@ -44,9 +44,8 @@ METADATA_FILE = ".metadata"
 INFO_FILE = "checkpoint.json"
 CONFIG_FILE = "config.toml"
 FORMAT = "titanlite-dcp"
-FORMAT_VERSION = 2  # 2: checkpoint.json carries the SHA-256 of its own content ("sha256"); 1 did not
+FORMAT_VERSION = 2
 DIGEST_KEY = "sha256"
-SEAL_COMMAND = "python -m titanlite.checkpoint.seal"
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _PARTIAL_RE = re.compile(r"^step-(\d+)\.(partial|replaced)-[0-9a-zA-Z]+$")
@@ -89,8 +88,8 @@ def write_json(file: str | os.PathLike, data: dict[str, Any], sort_keys: bool = 
 
 
 class InfoIntegrityError(ValueError):
-    """``checkpoint.json`` is titanlite's but cannot be trusted: edited or damaged (its checksum fails), or written
-    by an earlier titanlite without a checksum. One line, naming what to do."""
+    """``checkpoint.json`` is titanlite's but cannot be trusted: edited or damaged after the save (its checksum
+    fails). One line."""
 
 
 def info_digest(info: dict[str, Any]) -> str:
@@ -112,11 +111,10 @@ def write_info(path: str | os.PathLike, info: dict[str, Any]) -> None:
     write_json(Path(path) / INFO_FILE, data, sort_keys=True)
 
 
-def read_info(path: str | os.PathLike, verify: bool = True) -> dict[str, Any]:
-    """``checkpoint.json`` of a step folder, its own checksum verified (unless not ``verify``: :mod:`seal`);
-    ValueError (one line) when it is missing, not ours, edited or damaged (the checksum differs), or written by an
-    earlier titanlite without a checksum (format version 1: the message names :data:`SEAL_COMMAND`, which checks
-    and upgrades it)."""
+def read_info(path: str | os.PathLike) -> dict[str, Any]:
+    """``checkpoint.json`` of a step folder, its own checksum verified; ValueError (one line)
+    when it is missing, not ours, of another format version, or edited or damaged after the save (the checksum
+    differs: its model args and file checksums could no longer be trusted)."""
     file = Path(path) / INFO_FILE
     try:
         info = loads_json(file.read_text(encoding="utf-8"))
@@ -129,14 +127,6 @@ def read_info(path: str | os.PathLike, verify: bool = True) -> dict[str, Any]:
     if not isinstance(info, dict) or info.get("format") != FORMAT:
         raise ValueError(f"{file} is not a titanlite checkpoint description")
     version = info.get("version")
-    if not verify:
-        return info
-    if version == 1:
-        raise InfoIntegrityError(
-            f"{file} was written by an earlier titanlite (format version 1, without a checksum of its own, so an edit "
-            f"of its model args or file checksums would go unnoticed); if you trust this checkpoint, check and upgrade "
-            f"it with: {SEAL_COMMAND} {path}"
-        )
     if version != FORMAT_VERSION:
         raise ValueError(f"{file} has format version {version!r}; this titanlite reads version {FORMAT_VERSION}")
     if info.get(DIGEST_KEY) != info_digest(info):

@@ -51,7 +51,6 @@ from torch.distributed.checkpoint.state_dict import (
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite import _torch_compat
-from titanlite._moved import moved_names
 from titanlite.checkpoint import hf_import, layout, safe_load
 from titanlite.checkpoint.resume import LoadPlan, ResumePlanner
 from titanlite.checkpoint.safe_load import one_line
@@ -67,7 +66,6 @@ logger = logging.getLogger("titanlite.checkpoint")
 # Errors that mean "these files cannot be read", as opposed to a mismatch with this run.
 _READ_ERRORS = (CheckpointException, OSError, EOFError, RuntimeError, ValueError, KeyError)
 CHECKPOINT_PG_TIMEOUT_S = 3600
-__getattr__ = moved_names(__name__)
 
 
 class CheckpointWriteError(OSError):

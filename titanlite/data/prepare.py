@@ -40,7 +40,6 @@ from typing import TextIO
 
 import numpy as np
 
-from titanlite._moved import moved_names
 from titanlite.data.chat import iter_conversations, render_conversation
 from titanlite.data.encode import ParallelEncoder
 from titanlite.data.manifest import (
@@ -432,8 +431,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     return 0
 
-
-__getattr__ = moved_names(__name__)  # old names (titanlite._moved)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -24,7 +24,7 @@ Integrity checks, and what they cost (figures from ``titanlite bench data`` in t
   ``titanlite prepare --verify FOLDER`` checks every shard at once (e.g. after a copy).
   CRC-32 (zlib) is used because it is several times faster than a cryptographic hash and detects
   every accidental change of up to 32 consecutive bits; it is no defence against deliberate edits.
-* chat data (``prepare_data.py --format chat``, manifest ``"content": "chat"``) has a loss-mask stream:
+* chat data (``titanlite prepare --format chat``, manifest ``"content": "chat"``) has a loss-mask stream:
   next to each token shard ``<split>-NNNNN.bin`` a shard ``<split>-NNNNN.mask.bin`` in the same format with
   dtype code 1 (uint8, 1 = the token is trained on), the same tokens and documents count, recorded in the
   shard's entry as ``"mask": {"name", "checksum"}`` and checked the same way (header at start, CRC lazily).

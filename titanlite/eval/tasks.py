@@ -45,8 +45,6 @@ from titanlite.nesting import loads_json
 
 # Keys of the results dict next to the task names (see titanlite.eval.scoring.evaluate and the CLI).
 RESERVED_NAMES = ("step", "checkpoint")
-# Task names that changed: asking for the old one is an error naming the new one.
-RENAMED_TASKS = {"lambada": "lambada_openai"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,8 +268,8 @@ _TASKS: dict[str, type[Task]] = {}
 def register_task(cls: type[Task]) -> type[Task]:
     """Register ``cls`` under ``cls.name`` (usable as a class decorator); a taken name is an error."""
     name = cls.name
-    if not name or name in RESERVED_NAMES or name in RENAMED_TASKS or "," in name:
-        taken = ", ".join((*RESERVED_NAMES, *RENAMED_TASKS))
+    if not name or name in RESERVED_NAMES or "," in name:
+        taken = ", ".join(RESERVED_NAMES)
         raise ValueError(f"{cls.__name__}.name must be a non-empty name other than {taken}")
     if _TASKS.get(name, cls) is not cls:
         raise ValueError(f"an eval task named {name!r} is already registered ({_TASKS[name].__name__})")
@@ -285,9 +283,6 @@ def task_names() -> list[str]:
 
 def get_task(name: str) -> Task:
     """A new instance of the task registered as ``name``; a one-line ValueError listing the known ones otherwise."""
-    if name in RENAMED_TASKS:
-        new = RENAMED_TASKS[name]
-        raise ValueError(f"eval task {name!r} is now called {new!r} (lm-evaluation-harness's name): use {new}")
     if name not in _TASKS:
         raise ValueError(f"unknown eval task {name!r} (known: {', '.join(_TASKS)}){did_you_mean(name, list(_TASKS))}")
     return _TASKS[name]()

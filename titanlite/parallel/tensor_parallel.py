@@ -25,8 +25,6 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from titanlite._moved import moved_names
-
 
 def loss_parallel_context(enabled: bool):
     """``loss_parallel()`` when ``enabled``, else a no-op context."""
@@ -85,6 +83,3 @@ def parallelize_decoder(
         parallelize_module(block, tp_mesh, block_plan(block))
     if model.args.tie_word_embeddings and model.output is not None:
         model.output.weight = model.tok_embeddings.weight
-
-
-__getattr__ = moved_names(__name__)  # old names (titanlite._moved)

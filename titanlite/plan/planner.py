@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from titanlite._moved import moved_names
 from titanlite.dtypes import DTYPES
 from titanlite.models.flops import ModelShape, active_param_count, flops_per_token, param_count
 from titanlite.parallel.pipeline_schedules import pipeline_bubble_fraction
@@ -130,6 +129,3 @@ def estimate_run(
         active_param_count(s),
         all_to_all_volume(s, setup),
     )
-
-
-__getattr__ = moved_names(__name__)  # old names (titanlite._moved)

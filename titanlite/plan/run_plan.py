@@ -19,8 +19,6 @@ import math
 from collections.abc import Sequence
 from fractions import Fraction
 
-from titanlite._moved import moved_names
-
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
@@ -199,6 +197,3 @@ def _budget_line(budget: int, steps: int, total: int) -> str:
     over = total - budget
     tail = "exactly the budget" if over == 0 else f"{over:,} tokens over it (the last step does not fit whole)"
     return f"token budget training.tokens = {budget:,}: {steps:,} steps train {total:,} tokens, {tail}"
-
-
-__getattr__ = moved_names(__name__)  # old names (titanlite._moved)

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         import matplotlib.pyplot as plt
     except ImportError:
         print(
-            "error: plot_metrics.py needs matplotlib, which titanlite does not install; "
+            "error: titanlite plot needs matplotlib, which titanlite does not install; "
             "run `pip install matplotlib` (or `pip install -e .[test]`)",
             file=sys.stderr,
         )

@@ -271,13 +271,6 @@ class TrainStep:
             dist.all_reduce(values)
         return values[0], values[1].sqrt(), values[2]
 
-    def clip_grad_norm(self) -> torch.Tensor:
-        """Removed: a foreign loop calling it learns where its work went instead of a bare AttributeError."""
-        raise AttributeError(
-            "TrainStep.clip_grad_norm() was removed: reduce_step(loss_sum) returns the total gradient norm (with the "
-            "loss, in one all-reduce) and update(lr_scale, grad_norm) clips inside the optimizer step"
-        )
-
     def update(self, lr_scale: float = 1.0, grad_norm: torch.Tensor | None = None) -> None:
         """``optimizer.step()`` (learning rates scaled by ``lr_scale`` for this step only), then the schedule.
         With ``grad_norm`` (the total norm from :meth:`reduce_step`) and ``max_norm > 0`` the gradients are

@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from titanlite import components
-from titanlite._moved import REMOVED_METHODS
 from titanlite.checkpoint import CheckpointHook, CheckpointManager, layout
 from titanlite.checkpoint.seed_args import model_args_from_seed
 from titanlite.config import JobConfig, config_to_toml, dump_config
@@ -88,19 +87,7 @@ def set_seed(seed: int, deterministic: bool = False) -> None:
 
 
 class Trainer(TrainerData):
-    """Builds every piece from a :class:`JobConfig` (each from its own section) and runs the loop.
-
-    A subclass that defines a method of an earlier version (:data:`REMOVED_METHODS`, e.g. ``loss_fn``) is refused
-    when it is defined, naming what to override instead: it would otherwise be silently bypassed."""
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        for name, instead in REMOVED_METHODS.items():
-            if name in vars(cls):
-                raise TypeError(
-                    f"{cls.__qualname__}.{name}: Trainer.{name} was removed and would never be called; override "
-                    f"{instead} instead"
-                )
+    """Builds every piece from a :class:`JobConfig` (each from its own section) and runs the loop."""
 
     def __init__(self, cfg: JobConfig, world: WorldInfo | None = None):
         t = cfg.training

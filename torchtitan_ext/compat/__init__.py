@@ -7,7 +7,7 @@ DCP checkpoints of Llama 3 models, on titanlite.
   config), :class:`CompatError` for refused features;
 - :mod:`torchtitan_ext.compat.checkpoint`: the torchtitan checkpoint layout and its loader;
 - :mod:`torchtitan_ext.compat.format`: torchtitan's DCP names and the model args of its step folders (also what
-  ``titanlite.checkpoint.hf.dcp_to_hf`` reads a torchtitan folder with);
+  ``titanlite.checkpoint.hf_export.dcp_to_hf`` reads a torchtitan folder with);
 - :mod:`torchtitan_ext.compat.train`: :class:`CompatTrainer` and the entry point.
 
 What maps and what does not: ``torchtitan_ext/compat/README.md``.

@@ -1,5 +1,5 @@
 """torchtitan's DCP names of a Llama 3 model, and the titanlite model args of a torchtitan step folder (which
-records none): what :func:`titanlite.checkpoint.hf.dcp_to_hf` and :mod:`torchtitan_ext.compat.checkpoint` read
+records none): what :func:`titanlite.checkpoint.hf_export.dcp_to_hf` and :mod:`torchtitan_ext.compat.checkpoint` read
 torchtitan folders (v0.2, 0.3.0, and the older ``model.``-prefixed layout) with.
 """
 

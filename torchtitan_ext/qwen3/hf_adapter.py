@@ -16,7 +16,7 @@ titanlite / torchtitan name            Hugging Face name
 =====================================  ==================================================
 
 Built on titanlite's shared ``HFDecoderAdapter`` (the ``ModelSpec.hf_adapter`` contract), so
-``titanlite.checkpoint.hf`` (``titanlite convert dcp-to-hf`` / ``hf-to-dcp``) converts
+``titanlite.checkpoint.hf_export`` / ``hf_import`` (``titanlite convert dcp-to-hf`` / ``hf-to-dcp``) converts
 Qwen3 checkpoints once the extension is imported.
 """
 

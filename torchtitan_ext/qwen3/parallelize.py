@@ -22,7 +22,6 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
 
-from titanlite._moved import moved_names
 from titanlite.models.llama3.parallelize import block_tp_plan as llama_block_tp_plan
 from titanlite.models.llama3.parallelize import parallelize_llama
 
@@ -42,6 +41,3 @@ def block_tp_plan(qk_norm: bool) -> dict:
         plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     return plan
-
-
-__getattr__ = moved_names(__name__)  # old names (titanlite._moved)

@@ -61,7 +61,6 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from titanlite._moved import moved_names
 from titanlite.parallel.fsdp import FSDPPolicy
 from titanlite.parallel.tensor_parallel import parallelize_decoder
 
@@ -133,6 +132,3 @@ def apply_fsdp(model: nn.Module, policy: FSDPPolicy) -> None:
     if not tied and model.output is not None:  # None: an earlier pipeline stage
         policy.shard(model.output, last=True)  # the norm goes to the root group
     policy.finish(model)
-
-
-__getattr__ = moved_names(__name__)  # old names (titanlite._moved)

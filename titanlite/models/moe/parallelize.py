@@ -31,7 +31,6 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
-from titanlite._moved import moved_names
 from titanlite.models.llama3.parallelize import apply_fsdp
 from titanlite.models.moe.expert_parallel import shard_experts
 from titanlite.models.moe.layer import MoE
@@ -131,6 +130,3 @@ def apply_compile(model: nn.Module, on_dtensors: bool) -> None:
         breaks = isinstance(ff, MoE) and (ff.ep_group is not None or not ff.experts.grouped_mm)
         block.forward = compile_fn(block.forward, on_dtensors, fullgraph=not breaks)
     logger.info("compiled each transformer block")
-
-
-__getattr__ = moved_names(__name__)  # old names (titanlite._moved)
