@@ -320,9 +320,3 @@ def token_byte_lengths(tokenizer: Tokenizer, size: int | None = None) -> list[in
             except KeyError:  # an id no token has (tiktoken allows gaps)
                 pass
     return lengths
-
-
-def __getattr__(name: str):
-    if name == "NFCEncoding":  # renamed: it now runs every pre-tokenizer step of a tokenizer.json
-        raise AttributeError("titanlite.tokenizer.NFCEncoding is now HFEncoding (HFEncoding(name, nfc=True, ...))")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -474,10 +474,3 @@ def test_regex_constructs_tiktoken_cannot_follow_are_refused_in_one_line(tmp_pat
     with pytest.raises(ValueError, match=f"^{file}: pre-tokenizer regex construct .*{construct}") as e:
         build_tokenizer(str(file))
     assert "\n" not in str(e.value)
-
-
-def test_the_renamed_nfc_encoding_names_its_replacement():
-    import titanlite.tokenizer
-
-    with pytest.raises(AttributeError, match="NFCEncoding is now HFEncoding"):
-        titanlite.tokenizer.NFCEncoding  # noqa: B018

@@ -137,9 +137,6 @@ class KVCache:
             layer = self.layer(name)
             layer.k, layer.v = (torch.zeros(*rows, *shape, dtype=dtype, device=self.pad.device) for _ in range(2))
 
-    def truncate(self, length: int) -> None:
-        raise AttributeError("KVCache.truncate is gone: the caller keeps a step's real slots with advance(n)")
-
     def layer(self, name: str) -> LayerKV:
         """The buffers of the block called ``name`` (created empty on first use)."""
         if name not in self._layers:
