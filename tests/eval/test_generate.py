@@ -308,8 +308,6 @@ def test_cache_positions_start_after_each_rows_padding_and_the_mask_hides_the_fi
     assert mask[:, 0, 0].int().tolist() == [[0, 0, 1, 1], [1, 1, 1, 1]]
     with pytest.raises(ValueError, match="cannot advance 3 slots by 4"):
         cache.advance(4)
-    with pytest.raises(AttributeError, match="advance"):
-        cache.truncate(2)
 
 
 @pytest.mark.parametrize("seqlen", [1, 5])
