@@ -150,6 +150,9 @@ HOW: dict[str, How] = {
     "docs/benchmarks.md#generation-the-static-kv-cache-eager-and-compiled-against-recomputing-and-against-5c7a1f4-1": How(  # noqa: E501
         "help", BENCH
     ),
+    "docs/benchmarks.md#comparing-with-another-git-revision-development-only-1": How(
+        "help", "a development benchmark (minutes); tests/tools/test_benchmarks_revision.py runs it at a tiny size"
+    ),
     "docs/benchmarks.md#running-scripts-gpu-check-sh-on-the-gpu-machine-1": How(
         "skip",
         "the GPU machine's set-up: downloads a wheel from PyPI and runs scripts/gpu_check.sh (~3 min on CPU); "
@@ -334,7 +337,15 @@ class Workspace:
         self.root = root / "titanlite"
         self.root.mkdir()
         (root / "shared").symlink_to(SHARED_DATA.parent)
-        for name in ("train_configs", "scripts", "tests", "torchtitan_ext", "pyproject.toml", "constraints.txt"):
+        for name in (
+            "train_configs",
+            "scripts",
+            "benchmarks",
+            "tests",
+            "torchtitan_ext",
+            "pyproject.toml",
+            "constraints.txt",
+        ):
             (self.root / name).symlink_to(REPO / name)
         venv = self.root / ".venv"  # the repository's environment, marked installed (no pip from a scratch copy)
         venv.mkdir()
