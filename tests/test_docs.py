@@ -24,6 +24,7 @@ session (command 1's tiny debug run serves every block that reads ``outputs/debu
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import os
 import re
@@ -35,7 +36,9 @@ import time
 from pathlib import Path
 
 import pytest
-from shared_data import SHARED_DATA
+
+from tests.helpers import library_blocks
+from tests.helpers.shared_data import SHARED_DATA
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -146,6 +149,9 @@ HOW: dict[str, How] = {
     "docs/benchmarks.md#pipeline-parallelism-on-cpu-pp-2-against-fsdp-2-and-the-bubble-1": How("help", BENCH),
     "docs/benchmarks.md#generation-the-static-kv-cache-eager-and-compiled-against-recomputing-and-against-5c7a1f4-1": How(  # noqa: E501
         "help", BENCH
+    ),
+    "docs/benchmarks.md#comparing-with-another-git-revision-development-only-1": How(
+        "help", "a development benchmark (minutes); tests/tools/test_benchmarks_revision.py runs it at a tiny size"
     ),
     "docs/benchmarks.md#running-scripts-gpu-check-sh-on-the-gpu-machine-1": How(
         "skip",
@@ -331,7 +337,15 @@ class Workspace:
         self.root = root / "titanlite"
         self.root.mkdir()
         (root / "shared").symlink_to(SHARED_DATA.parent)
-        for name in ("train_configs", "scripts", "tests", "torchtitan_ext", "pyproject.toml", "constraints.txt"):
+        for name in (
+            "train_configs",
+            "scripts",
+            "benchmarks",
+            "tests",
+            "torchtitan_ext",
+            "pyproject.toml",
+            "constraints.txt",
+        ):
             (self.root / name).symlink_to(REPO / name)
         venv = self.root / ".venv"  # the repository's environment, marked installed (no pip from a scratch copy)
         venv.mkdir()
@@ -423,13 +437,13 @@ def test_every_block_has_an_entry():
 
 
 def test_library_blocks_are_the_ones_test_library_examples_runs():
-    import tests.test_library_examples as examples
-
-    ran = {examples.LOOP, examples.CKPT, examples.FAMILY, examples.LOSS, examples.BUILD}
+    ran = {library_blocks.LOOP, library_blocks.CKPT, library_blocks.FAMILY, library_blocks.LOSS, library_blocks.BUILD}
+    module = ast.parse((REPO / "tests" / "test_library_examples.py").read_text(encoding="utf-8"))
+    tests = {node.name for node in module.body if isinstance(node, ast.FunctionDef)}
     for block_id, how in HOW.items():
         if how.mode == "library":
             assert BLOCKS[block_id].code + "\n" in ran or BLOCKS[block_id].code in ran, block_id
-            assert hasattr(examples, how.reason.split()[0]), f"{block_id}: no test {how.reason.split()[0]}"
+            assert how.reason.split()[0] in tests, f"{block_id}: no test {how.reason.split()[0]}"
 
 
 def _params():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.checkpoint.test_checkpoint import TINY, run_trainer
+from tests.helpers.checkpoint_runs import TINY, run_trainer
 from titanlite.config import ConfigError, load_config
 from titanlite.data import prepare as prep
 from titanlite.data.recipe import load_source, mixture_entries
@@ -88,7 +88,7 @@ def test_a_leading_tilde_is_the_home_folder(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- model.safetensors permissions
 def test_the_hf_export_weights_get_the_permissions_of_their_siblings(tmp_path):
-    from tests.checkpoint.test_hf_conversion import save_step_folder, tiny_args, titanlite_model
+    from tests.helpers.llama import save_step_folder, tiny_args, titanlite_model
     from titanlite.checkpoint.hf_export import dcp_to_hf
 
     step = save_step_folder(titanlite_model(tiny_args()), tmp_path / "step-7")

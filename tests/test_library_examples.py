@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -21,15 +20,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import run_workers
+
+from tests.helpers.dist import run_workers
+from tests.helpers.library_blocks import BUILD, CKPT, FAMILY, LOOP, LOSS
 
 REPO = Path(__file__).resolve().parents[1]
-BLOCKS = re.findall(r"```python\n(.*?)```", (REPO / "docs" / "library.md").read_text(), flags=re.S)
-LOOP = next(b for b in BLOCKS if "step = TrainStep(" in b)
-CKPT = next(b for b in BLOCKS if "class TokenCounter" in b)
-FAMILY = next(b for b in BLOCKS if 'name="gpt2"' in b)
-LOSS = next(b for b in BLOCKS if 'register("loss", "z_loss"' in b)
-BUILD = next(b for b in BLOCKS if "parts = build_training(" in b)
 RTOL = 2e-5  # fp32 summation order across ranks (see tests/parallel/test_parallel_parity.py)
 README_ARGS = '"--model.n_layers", "2", "--training.steps", "20"]'
 SMALL = ["--training.steps", "6", "--training.seq_len", "64", "--lr_scheduler.warmup_steps", "2"]

@@ -18,11 +18,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from shared_data import shared_file
-from tiny import TINY_MODEL
 
-from tests.checkpoint.test_checkpoint import TINY, run_trainer
-from tests.trainer.test_failure_modes import one_line_error
+from tests.helpers.checkpoint_runs import TINY, run_trainer
+from tests.helpers.cli import one_line_error
+from tests.helpers.shared_data import shared_file
+from tests.helpers.tiny import TINY_MODEL
 from titanlite.config import config_to_toml
 from titanlite.models import load_config
 

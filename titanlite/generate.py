@@ -209,7 +209,8 @@ def compiled_decode_step(device_type: str) -> Callable[[nn.Module, torch.Tensor,
     """:func:`_decode_step` under ``torch.compile``: with CUDA graphs on CUDA (``reduce-overhead``). Its
     shapes are fixed for a request (static cache), so it is captured once and replayed. On CPU, inductor's
     pass that turns a one-row matmul into a fused multiply-and-sum is switched on: a batch of one reads
-    each weight at 2-3x the rate of the BLAS call (the step is bound by reading the weights)."""
+    the weights faster that way than through the BLAS call, and reading them bounds the step
+    (docs/benchmarks.md, "Generation")."""
     if device_type == "cuda":
         return torch.compile(_decode_step, mode="reduce-overhead", dynamic=False)
     return torch.compile(_decode_step, dynamic=False, options={"post_grad_fusion_options": {"decompose_mm_pass": {}}})

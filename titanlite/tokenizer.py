@@ -250,7 +250,7 @@ def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
     Shards store ids, so two tokenizers that give some id different bytes make each other's shards
     garbage even at the same vocabulary size; this tells them apart. The pre-tokenization regex is
     left out: it changes how text is cut, not what a stored id means. Computed from tiktoken's
-    public API only (about 50 ms for a 100K vocabulary), so the same ranks give the same hash
+    public API only (one pass over the vocabulary), so the same ranks give the same hash
     whichever file or tiktoken version they were loaded from.
     """
     enc = tokenizer.encoding

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import cache_token_stores
-from tiny import TINY_MODEL
 from torch.distributed.checkpoint import load as dcp_load
 
 import titanlite.data.recipe as recipe
+from tests.helpers.checkpoint_runs import STEPS, TINY, metrics, run_trainer, steps_in
+from tests.helpers.dist import cache_token_stores
 from titanlite.checkpoint import layout
 from titanlite.models import load_config
 from titanlite.run_lock import LOCK_FILE as LOCK
@@ -34,43 +34,9 @@ from titanlite.trainer import Trainer
 from titanlite.trainer.metrics_log import rewind_metrics_log
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 20
-TINY = [
-    *TINY_MODEL,
-    "--training.seq_len",
-    "32",
-    "--training.local_batch_size",
-    "4",
-    "--training.steps",
-    str(STEPS),
-    "--optimizer.lr",
-    "3e-3",
-    "--lr_scheduler.warmup_steps",
-    "2",
-    "--metrics.log_freq",
-    "1",
-    "--checkpoint.enable",
-    "--checkpoint.interval",
-    "5",
-    "--checkpoint.keep_latest_k",
-    "0",
-    "--checkpoint.last_save_model_only",
-    "false",
-]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def run_trainer(dump: Path, *extra: str) -> Trainer:
-    cache_token_stores()
-    trainer = Trainer(load_config(TINY + ["--job.dump_folder", str(dump), *extra]))
-    trainer.train()
-    return trainer
-
-
-def metrics(dump: Path) -> list[dict]:
-    return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
 
 
 def assert_same_run(dump: Path, reference: list[dict]) -> None:
@@ -78,10 +44,6 @@ def assert_same_run(dump: Path, reference: list[dict]) -> None:
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     for a, b in zip(got, reference):
         assert (a["step"], a["loss"], a["lr"], a["tokens_seen"]) == (b["step"], b["loss"], b["lr"], b["tokens_seen"])
-
-
-def steps_in(dump: Path) -> list[int]:
-    return [f.step for f in layout.list_step_folders(dump / "checkpoint")]
 
 
 # Runs the trainer in a fresh process and SIGKILLs it right after optimizer step KILL_AT_STEP, or

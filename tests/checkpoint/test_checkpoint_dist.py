@@ -10,7 +10,7 @@ starts from a copy of its step-10 folder and trains steps 11-20 again:
   and TP 2), and the losses must match up to fp32 summation order (``RTOL``, as in
   ``test_parallel_parity.py``: measured differences are ~1e-6).
 
-Every launch has a hard timeout (``dist_utils.run_workers``), so a hang fails instead of stalling.
+Every launch has a hard timeout (``tests.helpers.dist.run_workers``), so a hang fails instead of stalling.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import cache_token_stores, run_workers
-from tiny import TINY_MODEL
 
+from tests.helpers.dist import cache_token_stores, run_workers
+from tests.helpers.tiny import TINY_MODEL
 from titanlite.models import load_config
 
 STEPS = 20

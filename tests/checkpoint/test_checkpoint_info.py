@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.checkpoint.test_checkpoint import run_trainer
-from tests.checkpoint.test_hf_conversion import save_step_folder, tiny_args, titanlite_model
+from tests.helpers.checkpoint_runs import run_trainer
+from tests.helpers.llama import save_step_folder, tiny_args, titanlite_model
 from titanlite.checkpoint import layout
 from titanlite.checkpoint.load_model import load_model
 

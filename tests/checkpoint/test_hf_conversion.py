@@ -25,9 +25,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from tiny import TINY_MODEL
 from torch.distributed.checkpoint import FileSystemReader
 
+from tests.helpers.llama import run_cli, save_step_folder, tiny_args, titanlite_model, tokens
+from tests.helpers.tiny import TINY_MODEL
 from titanlite.checkpoint import layout
 from titanlite.checkpoint.convert_cli import main_dcp_to_hf, main_hf_to_dcp
 from titanlite.checkpoint.hf_export import dcp_to_hf
@@ -49,47 +50,6 @@ CASES = {
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def tiny_args(**overrides) -> Llama3ModelArgs:
-    base = dict(
-        dim=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        vocab_size=512,
-        multiple_of=256,
-        rope_theta=500000.0,
-        max_seq_len=128,
-    )
-    return Llama3ModelArgs(**{**base, **overrides})
-
-
-def titanlite_model(args: Llama3ModelArgs, seed: int = 0) -> Transformer:
-    torch.manual_seed(seed)
-    model = Transformer(args)
-    model.init_weights()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:  # break the all-ones init so the norms are exercised
-                p.uniform_(0.5, 1.5)
-    return model.eval()
-
-
-def save_step_folder(model: Transformer, path: Path) -> Path:
-    """What a model-only titanlite checkpoint looks like (DCP + checkpoint.json)."""
-    dcp.save({"model": model.state_dict()}, checkpoint_id=str(path), no_dist=True)
-    layout.write_info(
-        path,
-        {
-            "step": 7,
-            "model_only": True,
-            "dtype": "float32",
-            "model": {"name": "llama3", "flavor": None, "args": dataclasses.asdict(model.args)},
-            "tokenizer": {"bos_id": 256, "eos_id": 257},  # the built-in byte tokenizer's ids
-        },
-    )
-    return path
-
-
 def hf_files(folder: Path) -> dict[str, torch.Tensor]:
     out = {}
     for f in sorted(folder.glob("*.safetensors")):
@@ -97,25 +57,10 @@ def hf_files(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def tokens(vocab: int = 512) -> torch.Tensor:
-    return torch.randint(0, vocab, (2, 48), generator=torch.Generator().manual_seed(1))
-
-
 def hf_logits(folder: Path, dtype=torch.float32) -> torch.Tensor:
     hf = transformers.LlamaForCausalLM.from_pretrained(str(folder), dtype=dtype, attn_implementation="eager").eval()
     with torch.no_grad():
         return hf(tokens()).logits
-
-
-def run_cli(script: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "titanlite", "convert", script, *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
 
 
 # ----------------------------------------------------------------------------- titanlite -> HF

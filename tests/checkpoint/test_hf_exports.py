@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from shared_data import shared_file
 
-from tests.checkpoint.test_hf_conversion import run_cli, save_step_folder, tiny_args, titanlite_model, tokens
-from tests.data.test_hf_tokenizer import convert, corpora
+from tests.helpers.hf_tokenizers import convert, corpora
+from tests.helpers.llama import run_cli, save_step_folder, tiny_args, titanlite_model, tokens
+from tests.helpers.shared_data import shared_file
 from titanlite.checkpoint import layout
 from titanlite.checkpoint.hf_export import dcp_to_hf
 from titanlite.checkpoint.hf_import import hf_to_dcp

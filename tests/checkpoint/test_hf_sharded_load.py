@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dist_utils import run_workers
 from safetensors.torch import load_file, save_file
 
+from tests.helpers.dist import run_workers
 from titanlite.checkpoint import layout
 from titanlite.checkpoint.hf_export import dcp_to_hf
 from titanlite.models.llama3 import Llama3ModelArgs, Transformer

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import cache_token_stores
 
 import titanlite.data.recipe as recipe
-from tests.checkpoint.test_checkpoint import TINY
+from tests.helpers.checkpoint_runs import TINY
+from tests.helpers.dist import cache_token_stores
 from titanlite.checkpoint import layout
 from titanlite.models import load_config
 from titanlite.trainer import Trainer

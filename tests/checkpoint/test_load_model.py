@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 import torch
-from tiny import TINY_MODEL
 
+from tests.helpers.tiny import TINY_MODEL
 from titanlite.checkpoint import layout
 from titanlite.checkpoint.hf_export import dcp_to_hf
 from titanlite.checkpoint.load_model import load_model

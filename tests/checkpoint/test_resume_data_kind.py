@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.checkpoint.test_checkpoint import TINY, run_trainer
+from tests.helpers.checkpoint_runs import TINY, run_trainer
 from titanlite.train import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -15,8 +15,8 @@ import subprocess
 import sys
 
 import pytest
-from dist_utils import REPO
 
+from tests.helpers.dist import REPO
 from titanlite.models import load_config
 
 CONFIGS = sorted(

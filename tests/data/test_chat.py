@@ -24,9 +24,9 @@ import pytest
 import tiktoken
 import torch
 import torch.distributed.checkpoint as dcp
-from dist_utils import REPO
-from shared_data import shared_file
 
+from tests.helpers.dist import REPO
+from tests.helpers.shared_data import shared_file
 from titanlite.checkpoint import layout
 from titanlite.data.chat import chat_prompt_ids, encode_conversations, load_chat_data, render_conversation
 from titanlite.data.prepare import main as prepare_main

@@ -11,10 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from shared_data import shared_file
 
+from tests.helpers.hf_tokenizers import NFC_TEXT, SPECIAL_TEXT, convert, corpora
+from tests.helpers.shared_data import shared_file
 from titanlite.hf_tokenizer import byte_level_alphabet, tokenizer_files
-from titanlite.tokenizer import build_tokenizer, llama3_special_tokens, tokenizer_fingerprint
+from titanlite.tokenizer import build_tokenizer, tokenizer_fingerprint
 
 tokenizers = pytest.importorskip("tokenizers", reason="HF tokenizers (test extra, via transformers) not installed")
 converter = pytest.importorskip("transformers.convert_slow_tokenizer", reason="transformers not installed")
@@ -23,22 +24,6 @@ REPO = Path(__file__).resolve().parents[2]
 QWEN_PAT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-SPECIAL_TEXT = "Hello<|begin_of_text|> x <|end_of_text|>y<|im_end|>\n<|endoftext|>  <|eot_id|>"
-NFC_TEXT = "cafe\u0301 vs caf\u00e9, A\u030a, \ufb01 ligature, 한국어 \u1100\u1161"
-
-
-def corpora() -> list[str]:
-    """Slices of every shared corpus (kept small: the suite must stay fast on 2 cores)."""
-    c4 = shared_file("text/c4_sample.jsonl").read_text(encoding="utf-8").splitlines()
-    return [
-        shared_file("text/tinyshakespeare.txt").read_text(encoding="utf-8")[:150_000],
-        shared_file("text/wikitext2/valid.txt").read_text(encoding="utf-8")[:150_000],
-        shared_file("text/wikitext2/test.txt").read_text(encoding="utf-8")[-60_000:],
-        *[json.loads(line)["text"] for line in c4[:150]],
-        SPECIAL_TEXT,
-        NFC_TEXT,
-        "tabs\tand  double  spaces \r\n\r\n digits 1234567 emoji 🙂🙂 accents é",
-    ]
 
 
 def assert_same_ids(file: Path, texts: list[str]) -> None:
@@ -51,14 +36,6 @@ def assert_same_ids(file: Path, texts: list[str]) -> None:
         assert ours.encode(text) == plain.encode(text, add_special_tokens=False).ids, f"text {i}"
         want = split.encode(text, add_special_tokens=False).ids
         assert ours.encoding.encode(text, allowed_special="all") == want, f"text {i} (added tokens split out)"
-
-
-def convert(tiktoken_file: Path, out: Path, **kw) -> Path:
-    """A tokenizer.json made from a tiktoken file by transformers' own converter (+ Llama 3's specials)."""
-    tok = converter.TikTokenConverter(vocab_file=str(tiktoken_file), extra_special_tokens=llama3_special_tokens(), **kw)
-    out.mkdir(parents=True, exist_ok=True)
-    tok.converted().save(str(out / "tokenizer.json"))
-    return out / "tokenizer.json"
 
 
 def train_bpe(out: Path, qwen_style: bool, vocab_size: int = 1500) -> Path:
@@ -264,7 +241,7 @@ def test_prepare_data_then_qwen3_trains_and_exports_the_tokenizer(tmp_path, qwen
     """End to end: shards prepared with a tokenizer.json (CLI), a Qwen3 debug run on them, an HF export
     that carries the tokenizer files and works as a tokenizer folder itself."""
     import titanlite.train as train
-    from tests.ext.test_qwen3 import skip_peak_measurement
+    from tests.helpers.peaks import skip_peak_measurement
     from titanlite.checkpoint.hf_export import dcp_to_hf
 
     folder = qwen_json.parent

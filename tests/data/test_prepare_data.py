@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from shared_data import shared_file
 
+from tests.helpers.shared_data import shared_file
 from titanlite.data import prepare as prep
 from titanlite.data.prepare_folder import JOURNAL, STATE
 from titanlite.data.shards import MANIFEST, ShardedTokens, ShardReader

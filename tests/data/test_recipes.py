@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny import TINY_MODEL
 
+from tests.helpers.tiny import TINY_MODEL
 from titanlite.data.chat import encode_conversations, render_conversation
 from titanlite.data.recipe import SourceData, source_windows
 from titanlite.models import load_config
@@ -244,7 +244,7 @@ def test_prepared_chat_shards_train_exactly_like_the_raw_conversations(tmp_path)
         r["loss"] for r in prepared.state.records if "loss" in r
     ]
 
-    from shared_data import shared_file
+    from tests.helpers.shared_data import shared_file
 
     toml = tmp_path / "m.toml"
     toml.write_text(f'[training]\nmixture = [{{path = "{shards}", weight = 1.0}}]\n')

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import cache_token_stores, run_workers
-from tiny import TINY_MODEL
 
+from tests.helpers.dist import cache_token_stores, run_workers
+from tests.helpers.tiny import TINY_MODEL
 from titanlite.models import load_config
 from titanlite.trainer import Trainer
 

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from shared_data import shared_file
 
+from tests.helpers.shared_data import shared_file
 from titanlite.data.shards import dtype_for_vocab
 from titanlite.tokenizer import (
     Tokenizer,

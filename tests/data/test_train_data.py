@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from shared_data import shared_file
-from tiny import TINY_MODEL
 
+from tests.helpers.shared_data import shared_file
+from tests.helpers.tiny import TINY_MODEL
 from titanlite.config import parse_args_or_exit
 from titanlite.data.loader import load_token_store
 from titanlite.data.prepare import prepare

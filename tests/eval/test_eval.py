@@ -10,7 +10,7 @@
 - Left truncation to max_seq_len, counted; label parsing on real ARC/PIQA items; malformed files.
 - The CLI: its JSON, and one-line errors with exit status 2.
 
-The eval data is the shared folder's (tests/shared_data.py): tests skip when it is absent.
+The eval data is the shared folder's (tests/helpers/shared_data.py): tests skip when it is absent.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import run_workers
-from shared_data import shared_file
 
+from tests.helpers.dist import run_workers
+from tests.helpers.shared_data import shared_file
 from titanlite.checkpoint.load_model import load_model
 from titanlite.eval import ClozeTask, Item, MultipleChoiceTask, evaluate, get_task, register_task, task_names
 from titanlite.eval.cli import main
@@ -230,7 +230,7 @@ SCORED = ["hellaswag", "arc_easy", "lambada_openai"]
 def test_scores_eager_and_compiled_equal_the_per_request_logliks(data_dir, monkeypatch):
     """Shared contexts (HellaSwag, ARC), single requests (LAMBADA), left truncation (max_seq_len 160), eager
     and compiled: within 1e-5 of each request scored alone. Eagerly, one device-to-host read per batch."""
-    from tests.checkpoint.test_hf_conversion import tiny_args, titanlite_model
+    from tests.helpers.llama import tiny_args, titanlite_model
     from titanlite.eval.packing import canonical_batches, group_requests
     from titanlite.eval.scoring import build_requests
     from titanlite.tokenizer import build_byte_tokenizer
@@ -261,7 +261,7 @@ def test_a_family_without_the_cache_or_max_seq_len(data_dir):
     """A family of one's own: no cache protocol (scored one request a row), no args.max_seq_len (a
     one-line error naming max_seq_len, not an IndexError from its position table); with max_seq_len it
     scores each request as it would alone."""
-    from tests.eval.test_generate import NoCacheLM
+    from tests.helpers.families import NoCacheLM
     from titanlite.tokenizer import build_byte_tokenizer
 
     tok = build_byte_tokenizer()

@@ -18,8 +18,8 @@ import statistics
 from pathlib import Path
 
 import pytest
-from shared_data import shared_file
 
+from tests.helpers.shared_data import shared_file
 from titanlite.config import load_config
 from titanlite.eval import get_task
 from titanlite.eval.tasks import Item

@@ -10,10 +10,10 @@ import subprocess
 import sys
 
 import pytest
-from dist_utils import REPO, cache_token_stores, run_workers
-from shared_data import shared_file
-from tiny import TINY_MODEL
 
+from tests.helpers.dist import REPO, cache_token_stores, run_workers
+from tests.helpers.shared_data import shared_file
+from tests.helpers.tiny import TINY_MODEL
 from titanlite.eval import cli as eval_cli
 from titanlite.models import load_config
 from titanlite.trainer import Trainer

@@ -10,8 +10,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from tiny import TINY_MODEL
 
+from tests.helpers.tiny import TINY_MODEL
 from titanlite.checkpoint import safe_load
 from titanlite.checkpoint.load_model import load_model
 from titanlite.eval.watch import watch

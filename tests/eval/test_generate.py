@@ -29,14 +29,15 @@ import sys
 
 import pytest
 import torch
-from dist_utils import REPO, run_workers
-from tiny import TINY_MODEL
 
-from tests.checkpoint.test_hf_conversion import tiny_args as llama_args
-from tests.checkpoint.test_hf_conversion import titanlite_model
-from tests.ext.test_qwen3 import qwen3_model
-from tests.ext.test_qwen3 import save_step_folder as save_qwen3_step_folder
-from tests.ext.test_qwen3 import tiny_args as qwen3_args
+from tests.helpers.dist import REPO, run_workers
+from tests.helpers.families import NoCacheLM
+from tests.helpers.llama import tiny_args as llama_args
+from tests.helpers.llama import titanlite_model
+from tests.helpers.qwen3 import qwen3_model
+from tests.helpers.qwen3 import save_step_folder as save_qwen3_step_folder
+from tests.helpers.qwen3 import tiny_args as qwen3_args
+from tests.helpers.tiny import TINY_MODEL
 from titanlite.checkpoint.hf_export import dcp_to_hf
 from titanlite.checkpoint.load_model import load_model
 from titanlite.generate import STOP_CHECK_EVERY, generate, main, sample_next
@@ -370,20 +371,6 @@ def test_a_per_block_compiled_model_generates_eagerly():
     counters.clear()
     assert generate(model, prompts, max_new_tokens=6) == expected
     assert not counters["stats"]["unique_graphs"]
-
-
-class NoCacheLM(torch.nn.Module):
-    """A family of one's own without the cache protocol (a learned position table, no ``args``)."""
-
-    def __init__(self, vocab: int = 64, dim: int = 16, positions: int = 48):
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb, self.pos = torch.nn.Embedding(vocab, dim), torch.nn.Embedding(positions, dim)
-        self.head = torch.nn.Linear(dim, vocab)
-
-    def forward(self, tokens):
-        h = self.emb(tokens) + self.pos(torch.arange(tokens.shape[1]))
-        return self.head(torch.cumsum(h, dim=1))  # causal: position t sees tokens up to t
 
 
 class KwargsLM(NoCacheLM):

@@ -23,19 +23,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from dist_utils import run_workers
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-from tests.ext.test_compat import (  # noqa: F401  (no_peak_probe: a fixture)
-    FLAT,
-    TINY,
-    compat_trainer,
-    no_peak_probe,
-    skip_peak_measurement,
-    take_steps,
-    torchtitan_toml,
-    write_torchtitan_checkpoint,
-)
+from tests.helpers.compat import FLAT, TINY, compat_trainer, take_steps, torchtitan_toml, write_torchtitan_checkpoint
+from tests.helpers.dist import run_workers
+from tests.helpers.peaks import skip_peak_measurement
 from titanlite.checkpoint import safe_load
 from titanlite.checkpoint.hf_export import dcp_to_hf
 from titanlite.models.llama3.args import Llama3ModelArgs

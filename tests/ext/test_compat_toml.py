@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from shared_data import shared_file
 
+from tests.helpers.shared_data import shared_file
 from titanlite.models.llama3 import Llama3ModelArgs, Transformer
 from titanlite.models.registry import model_args_for
 from torchtitan_ext.compat import CompatError, load_translated, translate
@@ -397,7 +397,7 @@ def test_translate_only_needs_no_tokenizer_or_data_flags(tmp_path, capsys):
 
 def test_a_torchtitan_assets_folder_with_only_tokenizer_json_is_read(tmp_path):
     """torchtitan's download script leaves tokenizer.json (+ tokenizer_config.json) in hf_assets_path."""
-    from tests.data.test_hf_tokenizer import convert
+    from tests.helpers.hf_tokenizers import convert
 
     folder = convert(shared_file("tokenizers/test_tiktoken.model"), tmp_path / "assets").parent
     path = str(FIXTURES / "debug_model.toml")

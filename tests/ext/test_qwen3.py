@@ -23,7 +23,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import re
 import subprocess
@@ -33,10 +32,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dist_utils import REPO, cache_token_stores, run_workers
 
 import torchtitan_ext.qwen3  # noqa: F401  (registers "qwen3")
-from tests.parallel.test_parallel_parity import RTOL, RecordingTrainer, check, check_data, make_config
+from tests.helpers.dist import REPO, cache_token_stores, run_workers
+from tests.helpers.parity import RTOL, RecordingTrainer, check, check_data, make_config
+from tests.helpers.peaks import skip_peak_measurement
+from tests.helpers.qwen3 import qwen3_model, save_step_folder, tiny_args
 from titanlite.checkpoint import layout
 from titanlite.checkpoint.hf_export import dcp_to_hf
 from titanlite.checkpoint.hf_import import hf_to_dcp
@@ -103,41 +104,8 @@ HF_CASES = {
 }
 
 
-def tiny_args(**kw) -> Qwen3ModelArgs:
-    base = dict(
-        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_hidden_dim=96, vocab_size=512, max_seq_len=128
-    )
-    return Qwen3ModelArgs(**{**base, **kw})
-
-
-def qwen3_model(args: Qwen3ModelArgs) -> Qwen3Model:
-    torch.manual_seed(0)
-    model = Qwen3Model(args)
-    model.init_weights()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:  # break the all-ones init so every norm (QK-norm included) matters
-                p.uniform_(0.5, 1.5)
-    return model.eval()
-
-
 def tokens() -> torch.Tensor:
     return torch.randint(0, 512, (2, 48), generator=torch.Generator().manual_seed(1))
-
-
-def save_step_folder(model: Qwen3Model, path: Path) -> Path:
-    dcp.save({"model": model.state_dict()}, checkpoint_id=str(path), no_dist=True)
-    layout.write_info(
-        path,
-        {
-            "step": 3,
-            "model_only": True,
-            "dtype": "float32",
-            "model": {"name": "qwen3", "flavor": None, "args": dataclasses.asdict(model.args)},
-            "tokenizer": {"bos_id": 256, "eos_id": 257},  # the byte tokenizer's, which the tests load it with
-        },
-    )
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -244,18 +212,6 @@ def run_config(cfg, seed_state, trainer=None) -> dict:
         "compiled_graphs": 0,
         "final": full,
     }
-
-
-def skip_peak_measurement(monkeypatch=None) -> None:
-    """MFU is not under test: skip the trainer's ~5 s CPU matmul-peak probe (for good in a worker
-    process, undone after the test with ``monkeypatch`` in the pytest process)."""
-    import titanlite.trainer.metrics as metrics
-
-    fake = lambda *args, **kwargs: 1e11  # noqa: E731
-    if monkeypatch is None:
-        metrics.peak_flops = fake
-    else:
-        monkeypatch.setattr(metrics, "peak_flops", fake)
 
 
 def qwen3_worker(args: dict) -> dict:

@@ -15,9 +15,9 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_utils import run_workers
-from tiny import TINY_MODEL
 
+from tests.helpers.dist import run_workers
+from tests.helpers.tiny import TINY_MODEL
 from titanlite.models import build_model
 from titanlite.optim import build_optimizer
 from titanlite.optim.bandwidth import optimizer_floor, update_bytes

@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 import torch
-from dist_utils import run_workers
 from torch import nn
 
+from tests.helpers.dist import run_workers
 from titanlite.models import ModelSpec
 from titanlite.parallel import ParallelDims, build_parallel_model
 from titanlite.parallel.build import tied_parameters

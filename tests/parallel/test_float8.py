@@ -16,9 +16,9 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny import TINY_MODEL
 from torch import nn
 
+from tests.helpers.tiny import TINY_MODEL
 from titanlite.parallel.float8 import E4M3, E5M2, Float8Linear, convert_to_float8, float8_disabled, to_float8
 
 U = {E4M3: 2.0**-4, E5M2: 2.0**-3}

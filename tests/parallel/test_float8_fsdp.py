@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import run_workers
-from tiny import TINY_MODEL
 
+from tests.helpers.dist import run_workers
+from tests.helpers.tiny import TINY_MODEL
 from titanlite.config import ConfigError
 from titanlite.models import load_config
 

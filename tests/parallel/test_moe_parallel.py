@@ -31,9 +31,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import cache_token_stores, run_workers
 
-from tests.parallel.test_parallel_parity import RTOL, STEPS, TINY, RecordingTrainer, check, check_data
+from tests.helpers.dist import cache_token_stores, run_workers
+from tests.helpers.parity import RTOL, STEPS, TINY, RecordingTrainer, check, check_data
 from titanlite.hooks import Hook
 from titanlite.models import load_config
 

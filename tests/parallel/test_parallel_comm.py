@@ -10,7 +10,8 @@ import textwrap
 import time
 
 import pytest
-from dist_utils import backends, run_workers
+
+from tests.helpers.dist import backends, run_workers
 
 
 def missing_rank_worker(args: dict) -> dict:

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny import TINY_MODEL
 
+from tests.helpers.tiny import TINY_MODEL
 from titanlite.config import load_config
 from titanlite.models import make_model_args
 from titanlite.models.llama3.parallelize import check_llama_parallelism

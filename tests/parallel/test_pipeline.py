@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import REPO, backends, cache_token_stores, run_workers
 
-from tests.parallel.test_parallel_parity import RTOL, STEPS, RecordingTrainer, check, check_data, make_config
+from tests.helpers.dist import REPO, backends, cache_token_stores, run_workers
+from tests.helpers.parity import RTOL, STEPS, RecordingTrainer, check, check_data, make_config
 from titanlite.models import load_config as parse_args
 from titanlite.parallel.pipeline import PipelinePlan
 from titanlite.parallel.pipeline_schedules import split_evenly

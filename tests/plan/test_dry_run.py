@@ -28,8 +28,8 @@ import subprocess
 import sys
 
 import pytest
-from dist_utils import REPO
 
+from tests.helpers.dist import REPO
 from titanlite.models import load_config
 from titanlite.plan.dry_run import dry_run, resolve_world_size
 

@@ -719,7 +719,7 @@ def test_pipeline_stage_memory_matches_measured_cpu_memory(schedule, monkeypatch
             f.write("5")
     except OSError as e:
         pytest.skip(f"cannot reset the peak RSS here (/proc/self/clear_refs: {e})")
-    from dist_utils import run_workers
+    from tests.helpers.dist import run_workers
 
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     args = dict(schedule=schedule, batch=8, microbatch=2, seq=256, ac="none")

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 from safetensors import safe_open
-from tiny import TINY_MODEL
 
+from tests.helpers.tiny import TINY_MODEL
 from titanlite import cli
 
 REPO = Path(__file__).resolve().parents[2]

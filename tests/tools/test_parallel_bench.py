@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import TINY_MODEL
+
+from tests.helpers.tiny import TINY_MODEL
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -6,8 +6,8 @@ import math
 
 import torch
 import torch.nn.functional as F
-from shared_data import shared_file
 
+from tests.helpers.shared_data import shared_file
 from titanlite.models import build_model
 from titanlite.tokenizer import build_byte_tokenizer, build_tokenizer, token_byte_lengths
 from titanlite.trainer.validation import validation_loss

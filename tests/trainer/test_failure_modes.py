@@ -20,19 +20,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.checkpoint.test_checkpoint import TINY, metrics, run_trainer, steps_in
+from tests.helpers.checkpoint_runs import TINY, metrics, run_trainer, steps_in
+from tests.helpers.cli import one_line_error
 from titanlite.checkpoint import layout
 from titanlite.train import main
 
 REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def one_line_error(capsys) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
 
 
 def test_second_run_in_a_live_runs_folder_refuses_and_names_the_holder(tmp_path, capsys):

@@ -10,8 +10,8 @@ import textwrap
 
 import pytest
 import torch
-from tiny import TINY_MODEL
 
+from tests.helpers.tiny import TINY_MODEL
 from titanlite.config.sections import Guard
 from titanlite.hooks import Hook
 from titanlite.models import load_config

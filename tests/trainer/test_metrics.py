@@ -5,8 +5,8 @@ import types
 
 import pytest
 import torch
-from tiny import TINY_MODEL
 
+from tests.helpers.tiny import TINY_MODEL
 from titanlite.models import build_model, get_model_spec, make_model_args
 from titanlite.models.flops import num_params
 from titanlite.models.registry import model_counts

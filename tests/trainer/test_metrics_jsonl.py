@@ -9,8 +9,8 @@ import logging
 import math
 
 import pytest
-from tiny import TINY_MODEL
 
+from tests.helpers.tiny import TINY_MODEL
 from titanlite.config import load_config
 from titanlite.eval.watch import append_record
 from titanlite.trainer.metrics_log import MetricsLogger, rewind_metrics_log

@@ -9,11 +9,11 @@ import re
 
 import pytest
 import torch
-from tiny import TINY_MODEL
 from torch import nn
 
 import titanlite.trainer.metrics as metrics
 import titanlite.trainer.metrics_log as metrics_log
+from tests.helpers.tiny import TINY_MODEL
 from titanlite import fsio
 from titanlite.checkpoint import layout
 from titanlite.models import load_config

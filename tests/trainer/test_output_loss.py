@@ -17,11 +17,11 @@ import tempfile
 
 import pytest
 import torch
-from dist_utils import backends, cache_token_stores, run_workers
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchtitan_ext.qwen3  # noqa: F401  (registers the family)
-from tests.parallel.test_parallel_parity import make_config
+from tests.helpers.dist import backends, cache_token_stores, run_workers
+from tests.helpers.parity import make_config
 from titanlite.loss import cross_entropy_sum
 from titanlite.models import build_model
 from titanlite.output_loss import ChunkedLoss, LogitsLoss, chunk_sizes, supports_hidden_states

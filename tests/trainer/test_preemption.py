@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-from tiny import TINY_MODEL
 
+from tests.helpers.tiny import TINY_MODEL
 from titanlite.run_lock import LOCK_FILE
 from titanlite.trainer.preemption import REPEAT_WINDOW_S, PreemptionHandler
 

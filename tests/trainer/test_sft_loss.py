@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import REPO, run_workers
 
+from tests.helpers.dist import REPO, run_workers
 from titanlite.data.chat import encode_conversations
 from titanlite.models.llama3 import Llama3ModelArgs
 from titanlite.tokenizer import build_byte_tokenizer

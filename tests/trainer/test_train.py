@@ -7,8 +7,8 @@ import sys
 
 import pytest
 import torch
-from tiny import TINY_MODEL
 
+from tests.helpers.tiny import TINY_MODEL
 from titanlite.models import load_config
 from titanlite.trainer import Trainer
 from titanlite.trainer.step import grad_accum_steps

@@ -17,8 +17,8 @@ import types
 from pathlib import Path
 
 import pytest
-from tiny import TINY_MODEL
 
+from tests.helpers.tiny import TINY_MODEL
 from titanlite.models import load_config
 from titanlite.train import main
 from titanlite.trainer import Trainer

@@ -1,8 +1,11 @@
 """What the benchmarks share: the common flags, device sync and name, timing loops, the training step's timer and
 time split, results out (a JSON line, JSON lines, a JSON file) and ``bench train`` runs in fresh processes.
 
-Only the standard library and torch are imported here at module level: ``--baseline REF`` runs these modules
-against an older titanlite (:mod:`titanlite.bench.baseline`), which may lack the newer titanlite modules.
+``bench generate`` and ``bench eval`` also time a ``reference``, when their ``main`` is given one: a worker that
+runs the same requests elsewhere (:func:`serve`, behind their hidden ``--serve`` flag) and forms the ``baseline``
+mode. The checkout's benchmarks/revision.py (development only, not in the package) makes it another git revision of
+titanlite, running these modules; so only the standard library and torch are imported here at module level, since
+that older titanlite may lack the newer modules.
 """
 
 from __future__ import annotations
@@ -112,6 +115,34 @@ def interleaved(modes: list[str], repeats: int, run: Callable[[str], object], wa
         for mode in modes[k:] + modes[:k]:
             results[mode].append(run(mode))
     return results
+
+
+def imported_from() -> str:
+    """Where the titanlite this process runs comes from (to show which code a column measured)."""
+    import titanlite
+
+    return str(Path(titanlite.__file__).resolve().parent.parent)
+
+
+def mode_caller(handle: Callable[[dict], dict], reference_worker=None) -> Callable[[dict, str], dict]:
+    """``call(request, mode)``: this titanlite's ``handle`` for its own modes; for ``"baseline"``, the eager path
+    of ``reference_worker`` (``call(request) -> result``: the same request timed in another process)."""
+
+    def call(request: dict, mode: str) -> dict:
+        if mode == "baseline":
+            return reference_worker.call({**request, "mode": "eager"})
+        return handle({**request, "mode": mode})
+
+    return call
+
+
+def serve(handle: Callable[[dict], dict]) -> None:
+    """A reference worker's loop: one JSON request per stdin line, one JSON answer per stdout line (other
+    output goes to stderr, so it cannot break the protocol)."""
+    out, sys.stdout = sys.stdout, sys.stderr
+    for line in sys.stdin:
+        out.write(json.dumps(handle(json.loads(line))) + "\n")
+        out.flush()
 
 
 def busy_seconds(intervals: list[tuple[float, float]], start: float, end: float) -> float:

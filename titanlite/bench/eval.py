@@ -1,8 +1,8 @@
 """Downstream-eval scoring throughput of ``titanlite.eval.evaluate``: tokens/s and MFU, eager and compiled,
-side by side with (``--baseline REF``) another titanlite's scoring.
+side by side.
 
     titanlite bench eval [--data-dir D] [--checkpoint STEP_DIR] [--tasks hellaswag,...] [--limit 100]
-        [--batch-sizes 1,16] [--modes eager,compiled] [--baseline 5c7a1f4] [--repeats 2]
+        [--batch-sizes 1,16] [--modes eager,compiled] [--repeats 2]
         [--big-flavor 1B] [--big-task arc_easy] [--big-limit 24] [--skip-big]
         [--device cpu|cuda] [--dtype float32|bfloat16] [--json FILE] [--jsonl FILE]
 
@@ -10,13 +10,13 @@ Two models, each timed on every task and batch size after one untimed warm-up ca
 ``compiled``): ``debug``, the Llama 3 debug model (``--checkpoint``'s weights, else random ones: the weights do not
 change the cost) on the first ``--limit`` items of every task, and ``big``, llama3 flavor ``--big-flavor`` with
 random weights on the first ``--big-limit`` items of ``--big-task``. Modes (docs/benchmarks.md, "Downstream
-evaluation scoring"): ``eager``, ``compiled`` and ``baseline`` (REF's ``evaluate``, :mod:`titanlite.bench.baseline`),
-alternating within each of ``--repeats`` rounds; the median is reported. Text goes through the byte-level
-tokenizer. ``tokens/s`` counts the requests' real input tokens (context + choice, less its last token), whatever
-the scorer runs. MFU counts the FLOPs this titanlite's scorer actually runs (a shared context once, padding not
-counted; :func:`forward_flops_per_token`) over the peak (CUDA: the datasheet; CPU: this machine's matmul rate,
-measured again after each row's timings); the baseline ran more FLOPs per request token, so its MFU is not shown.
-One JSON object per measurement on stdout (and ``--jsonl``), then a Markdown table.
+evaluation scoring"): ``eager``, ``compiled`` and, given a ``reference`` (:mod:`titanlite.bench.common`),
+``baseline`` (its ``evaluate``), alternating within each of ``--repeats`` rounds; the median is reported. Text goes
+through the byte-level tokenizer. ``tokens/s`` counts the requests' real input tokens (context + choice, less its
+last token), whatever the scorer runs. MFU counts the FLOPs this titanlite's scorer actually runs (a shared context
+once, padding not counted; :func:`forward_flops_per_token`) over the peak (CUDA: the datasheet; CPU: this machine's
+matmul rate, measured again after each row's timings); a reference's scorer may run other FLOPs per request token,
+so its MFU is not shown. One JSON object per measurement on stdout (and ``--jsonl``), then a Markdown table.
 """
 
 from __future__ import annotations
@@ -30,8 +30,17 @@ from pathlib import Path
 
 import torch
 
-from titanlite.bench.baseline import Baseline, caller, imported_from, serve
-from titanlite.bench.common import REPO, add_device_args, append_jsonl, interleaved, seconds, write_json
+from titanlite.bench.common import (
+    REPO,
+    add_device_args,
+    append_jsonl,
+    imported_from,
+    interleaved,
+    mode_caller,
+    seconds,
+    serve,
+    write_json,
+)
 from titanlite.checkpoint.load_model import load_model
 from titanlite.dtypes import DTYPES
 from titanlite.eval import evaluate, get_task, task_names
@@ -43,7 +52,7 @@ MODES = ("eager", "compiled")
 
 
 class Runner:
-    """A model, its tokenizer and timed ``evaluate`` calls (the same code serves ``--baseline``)."""
+    """A model, its tokenizer and timed ``evaluate`` calls (the same code serves a reference worker)."""
 
     def __init__(self, which: str, a: argparse.Namespace):
         self.device, self.data_dir = torch.device(a.device), Path(a.data_dir)
@@ -66,7 +75,7 @@ class Runner:
 
 def workload(runner: Runner, task: str, limit: int) -> dict:
     """Items, request tokens (each request's input) and the tokens the scorer runs (a shared context once)."""
-    from titanlite.eval.packing import group_requests  # this titanlite's (not the baseline worker's)
+    from titanlite.eval.packing import group_requests  # this titanlite's (not the reference worker's)
 
     items = get_task(task).items(runner.data_dir)[:limit]
     requests = build_requests([items], runner.tokenizer, runner.model.args.max_seq_len)
@@ -87,8 +96,9 @@ def forward_flops_per_token(model: torch.nn.Module, seq_len: float) -> float:
     return 2 * params + 4 * a.n_layers * a.n_heads * a.head_dim * seq_len / 2
 
 
-def measure(name: str, runner: Runner, baseline: Baseline | None, task: str, limit: int, batch: int, a) -> dict:
-    modes, call = [*a.modes, *(["baseline"] if baseline else [])], caller(runner.handle, baseline)
+def measure(name: str, runner: Runner, worker, task: str, limit: int, batch: int, a) -> dict:
+    """One row: ``runner``'s modes (and ``worker``'s, as ``baseline``) timed on ``task`` at batch size ``batch``."""
+    modes, call = [*a.modes, *(["baseline"] if worker else [])], mode_caller(runner.handle, worker)
     work = workload(runner, task, limit)
     request = {"task": task, "limit": limit, "batch_size": batch}
     warmup = functools.partial(call, {**request, "limit": min(limit, 4)})  # compiles, for compiled
@@ -106,8 +116,8 @@ def measure(name: str, runner: Runner, baseline: Baseline | None, task: str, lim
         row[f"{mode}_tok_s"] = round(work["tokens"] / s, 1)
         if mode != "baseline" and a.peak:
             row[f"{mode}_mfu"] = round(flops / s / a.peak, 4)
-    if baseline is not None:
-        row["baseline"] = a.baseline
+    if worker is not None:
+        row["baseline"] = worker.ref
     return row
 
 
@@ -127,7 +137,8 @@ def table(rows: list[dict], modes: list[str]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, reference=None) -> None:
+    """``reference``: also time the ``baseline`` mode in its workers (see :mod:`titanlite.bench.common`)."""
     p = argparse.ArgumentParser(prog="titanlite bench eval", description=__doc__.split("\n\n")[0])
     default_data = os.environ.get("TITANLITE_EVAL_DATA") or str(REPO.parent / "shared" / "data" / "eval")
     p.add_argument("--data-dir", default=default_data, help="the eval data folder (default: $TITANLITE_EVAL_DATA)")
@@ -136,7 +147,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--limit", type=int, default=100, help="items per task for the debug model")
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
-    p.add_argument("--baseline", metavar="REF", help="also time evaluate() of titanlite at this git revision")
     p.add_argument("--repeats", type=int, default=2, help="timed rounds per mode (median reported)")
     p.add_argument("--big-flavor", default="1B")
     p.add_argument("--big-task", default="arc_easy")
@@ -145,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     add_device_args(p)
     p.add_argument("--json", help="also write the measurements here (a JSON list)")
     p.add_argument("--jsonl", help="append one JSON object per measurement to this file")
-    p.add_argument("--serve", metavar="MODEL", help=argparse.SUPPRESS)  # the --baseline worker
+    p.add_argument("--serve", metavar="MODEL", help=argparse.SUPPRESS)  # a reference worker
     a = p.parse_args(argv)
     if a.serve:
         serve(Runner(a.serve, a).handle)
@@ -165,17 +175,17 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name in dict.fromkeys(n for n, _, _ in plan):
         runner = Runner(name, a)
-        baseline = Baseline(a.baseline, "titanlite.bench.eval", ["--serve", name, *common]) if a.baseline else None
+        worker = reference.start("titanlite.bench.eval", ["--serve", name, *common]) if reference else None
         for _, task, limit in (x for x in plan if x[0] == name):
             for b in batch_sizes:
-                rows.append(measure(name if name == "debug" else a.big_flavor, runner, baseline, task, limit, b, a))
+                rows.append(measure(name if name == "debug" else a.big_flavor, runner, worker, task, limit, b, a))
                 print(json.dumps(rows[-1]), flush=True)
                 append_jsonl(a.jsonl, {"bench": "eval", **rows[-1]})
-        if baseline is not None:
-            baseline.close()
+        if worker is not None:
+            worker.close()
     peak = "no peak (MFU unknown)" if not a.peak else f"peak {a.peak / 1e12:.3g} TFLOP/s"
     setup = f"{a.device}, {a.dtype}, {torch.get_num_threads()} threads, torch {torch.__version__}, {peak}"
-    modes = [*a.modes, *(["baseline"] if a.baseline else [])]
+    modes = [*a.modes, *(["baseline"] if reference else [])]
     print(f"\n{setup}, titanlite from {imported_from()}\n" + table(rows, modes))
     if a.json:
         write_json(a.json, rows)

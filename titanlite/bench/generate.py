@@ -1,15 +1,16 @@
-"""Decode speed, side by side in one run: eager and compiled KV-cache decoding, recomputing the prefix,
-and (``--baseline REF``) another titanlite's eager path; and the fraction of the bandwidth floor.
+"""Decode speed, side by side in one run: eager and compiled KV-cache decoding and recomputing the prefix;
+and the fraction of the bandwidth floor.
 
     titanlite bench generate [--flavors debugmodel,1B] [--batch-sizes 1,8] [--prompt-len 128]
-        [--new-tokens 32] [--modes eager,compiled,recompute] [--baseline 5c7a1f4] [--repeats 3]
+        [--new-tokens 32] [--modes eager,compiled,recompute] [--repeats 3]
         [--device cpu|cuda] [--dtype float32|bfloat16] [--json FILE] [--jsonl FILE]
 
 For each Llama 3 flavor (random weights, seeded) and batch size, :func:`titanlite.generate.generate` runs greedily
 on random prompts of ``--prompt-len`` tokens in each mode (``eager``: the static KV cache; ``compiled``;
-``recompute``: no cache; ``baseline``: REF's eager cache, :mod:`titanlite.bench.baseline`; docs/benchmarks.md,
-"Generation"). Each is warmed up, then timed for 1 new token (the prefill) and for ``--new-tokens`` N, the modes
-alternating within each of ``--repeats`` rounds (the median is reported); every row runs to N (no EOS):
+``recompute``: no cache; ``baseline``: a ``reference``'s eager cache, see :mod:`titanlite.bench.common`;
+docs/benchmarks.md, "Generation"). Each is warmed up, then timed for 1 new token (the prefill) and for
+``--new-tokens`` N, the modes alternating within each of ``--repeats`` rounds (the median is reported); every row
+runs to N (no EOS):
 
     decode tokens/s = batch * (N - 1) / (t(N) - t(1)),   floor tokens/s = batch * bandwidth / bytes per step
 
@@ -27,8 +28,16 @@ import time
 
 import torch
 
-from titanlite.bench.baseline import Baseline, caller, imported_from, serve
-from titanlite.bench.common import add_device_args, append_jsonl, interleaved, sync, write_json
+from titanlite.bench.common import (
+    add_device_args,
+    append_jsonl,
+    imported_from,
+    interleaved,
+    mode_caller,
+    serve,
+    sync,
+    write_json,
+)
 from titanlite.dtypes import DTYPES
 from titanlite.generate import generate
 from titanlite.models import build_model
@@ -37,7 +46,7 @@ MODES = ("eager", "compiled", "recompute")
 
 
 class Runner:
-    """One flavor's model and its timed ``generate`` calls (the same code serves ``--baseline``)."""
+    """One flavor's model and its timed ``generate`` calls (the same code serves a reference worker)."""
 
     def __init__(self, flavor: str, device: str, dtype: str):
         self.device = torch.device(device)
@@ -75,13 +84,11 @@ def step_bytes(model: torch.nn.Module, batch: int, cached_tokens: float) -> floa
     return weights + 2 * a.n_layers * batch * cached_tokens * a.kv_heads * a.head_dim * elem
 
 
-def bench(flavor: str, batch_sizes: list[int], a: argparse.Namespace, bandwidth: float) -> list[dict]:
+def bench(flavor: str, batch_sizes: list[int], a: argparse.Namespace, bandwidth: float, reference=None) -> list[dict]:
     runner = Runner(flavor, a.device, a.dtype)
     model = runner.model
-    baseline = a.baseline and Baseline(
-        a.baseline, "titanlite.bench.generate", ["--serve", "--flavor", flavor, *_common(a)]
-    )
-    call, modes = caller(runner.handle, baseline), [*a.modes, *(["baseline"] if baseline else [])]
+    worker = reference and reference.start("titanlite.bench.generate", ["--serve", "--flavor", flavor, *_common(a)])
+    call, modes = mode_caller(runner.handle, worker), [*a.modes, *(["baseline"] if worker else [])]
     params = sum(p.numel() for p in model.parameters())
     rows = []
     for batch in batch_sizes:
@@ -91,7 +98,7 @@ def bench(flavor: str, batch_sizes: list[int], a: argparse.Namespace, bandwidth:
         warmup = {**request, "warmup": True}  # allocator, kernels, the compiled step for this shape
         runs = interleaved(modes, a.repeats, functools.partial(call, request), functools.partial(call, warmup))
         row = {"flavor": flavor, "params": params, "batch": batch, "prompt_len": a.prompt_len, "new": a.new_tokens}
-        row.update(device=a.device, dtype=a.dtype, repeats=a.repeats, baseline=a.baseline)
+        row.update(device=a.device, dtype=a.dtype, repeats=a.repeats, baseline=reference and reference.ref)
         for mode, results in runs.items():
             row[f"{mode}_prefill_s"] = statistics.median(x["prefill_s"] for x in results)
             row[f"{mode}_tok_s"] = statistics.median(batch * (a.new_tokens - 1) / x["decode_s"] for x in results)
@@ -103,8 +110,8 @@ def bench(flavor: str, batch_sizes: list[int], a: argparse.Namespace, bandwidth:
         rows.append(row)
         print(format_row(row, modes), flush=True)
         append_jsonl(a.jsonl, {"bench": "generate", **row})
-    if baseline:
-        baseline.close()
+    if worker:
+        worker.close()
     return rows
 
 
@@ -139,19 +146,20 @@ def _common(a: argparse.Namespace) -> list[str]:
     return ["--device", a.device, "--dtype", a.dtype]
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, reference=None) -> int:
+    """``reference``: also time the ``baseline`` mode in its workers (``reference.ref`` names it, and
+    ``reference.start(module, args)`` starts one; see :mod:`titanlite.bench.common`)."""
     p = argparse.ArgumentParser(prog="titanlite bench generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--flavors", default="debugmodel,1B", help="comma-separated llama3 flavors")
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=32, help="at least 2")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
-    p.add_argument("--baseline", metavar="REF", help="also time the eager cache path of titanlite at this git revision")
     p.add_argument("--repeats", type=int, default=3, help="rounds of timings per mode (median reported)")
     add_device_args(p)
     p.add_argument("--json", help="also write the rows to this file (a JSON list)")
     p.add_argument("--jsonl", help="append one JSON object per row to this file")
-    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the --baseline worker
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # a reference worker
     p.add_argument("--flavor", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.serve:
@@ -162,18 +170,18 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--new-tokens must be >= 2, --prompt-len and --repeats >= 1, --modes of {', '.join(MODES)}")
     a.modes = modes
     batch_sizes = [int(b) for b in a.batch_sizes.split(",")]
-    from titanlite.optim.bandwidth import measure_copy_bandwidth  # not in every --baseline titanlite
+    from titanlite.optim.bandwidth import measure_copy_bandwidth  # not in every reference titanlite
 
     device = torch.device(a.device)
     bandwidth = measure_copy_bandwidth(device, 2**30 if device.type == "cuda" else 2**28)
     print(
         f"device {a.device}, {a.dtype}, {torch.get_num_threads()} threads, torch {torch.__version__}, titanlite "
         f"from {imported_from()}; copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write); decode tokens/s over "
-        f"all rows, median of {a.repeats}" + (f"; baseline: titanlite at {a.baseline}, eager" if a.baseline else "")
+        f"all rows, median of {a.repeats}" + (f"; baseline: titanlite at {reference.ref}, eager" if reference else "")
     )
-    all_modes = [*modes, *(["baseline"] if a.baseline else [])]
+    all_modes = [*modes, *(["baseline"] if reference else [])]
     print(header(all_modes), flush=True)
-    rows = [r for flavor in a.flavors.split(",") for r in bench(flavor, batch_sizes, a, bandwidth)]
+    rows = [r for flavor in a.flavors.split(",") for r in bench(flavor, batch_sizes, a, bandwidth, reference)]
     if a.json:
         write_json(a.json, rows)
     return 0

@@ -16,8 +16,8 @@ own; the figure is the peak RSS during the variant minus the RSS just before it,
 - ``import``: HF folder -> DCP step folder. titanlite: :func:`~titanlite.checkpoint.hf_import.hf_to_dcp` (each tensor
   pulled from the safetensors file while DCP writes it). DCP: ``dcp.load`` with ``HuggingFaceStorageReader``
   into the full state, the adapter, then ``dcp.save``.
-- ``load``: the weights of an HF folder into a model (``[checkpoint] initial_load_path``). titanlite (before
-  this change): every tensor read whole (``hf_state_dict``), then ``set_model_state_dict``; DCP:
+- ``load``: the weights of an HF folder into a model (``[checkpoint] initial_load_path``). Labelled titanlite:
+  every tensor read whole (``hf_state_dict``), then ``set_model_state_dict``; labelled DCP:
   :func:`~titanlite.checkpoint.hf_import.load_hf_weights` (renamed-only tensors through
   ``HuggingFaceStorageReader`` into the model's own tensors, the q/k projections read whole and reordered).
 
@@ -149,7 +149,7 @@ def child(variant: str, size: str, folder: Path) -> dict:
             model = Transformer(Llama3ModelArgs(**spec["args"], max_seq_len=128))
         model = model.to(spec["export"] or spec["stored"]).to_empty(device="cpu")
         base, t0 = reset_peak(), time.perf_counter()
-        if variant == "load-titanlite":  # before: every tensor read whole, then set_model_state_dict
+        if variant == "load-titanlite":  # every tensor read whole, then set_model_state_dict
             hf_seed = hf_import.hf_seed(hf)
             state = hf_import.hf_state_dict(hf, hf_seed[0].hf_adapter(hf_seed[1]))
             state.setdefault("output.weight", state["tok_embeddings.weight"])

@@ -7,9 +7,9 @@ the family's HF adapter (names, q/k row order) and collects it into the current 
 (``max_shard_bytes``, or one larger tensor). A torchtitan step folder of a Llama 3 model (v0.2 or 0.3.0
 names, no ``checkpoint.json``) is read too, by the format ``torchtitan_ext`` installs (entry points).
 
-DCP's ``HuggingFaceStorageWriter`` is not used: fed the same tensors lazily (``titanlite bench hf-storage``,
-126M-parameter bf16 model, 3 shards, shared 2-core CPU) it wrote bitwise the same tensors but peaked at 1.34x
-the RSS (+293 MiB against +218: it serializes each file in memory) in 1.5-1.7x the time; it also names a single
+DCP's ``HuggingFaceStorageWriter`` is not used: fed the same tensors lazily it writes bitwise the same
+tensors, but it serializes each file in memory, so it peaks higher and takes longer (``titanlite bench
+hf-storage``; figures in docs/benchmarks.md, "Hugging Face conversion"); it also names a single
 file ``model-00001-of-00001.safetensors`` (with an index) where transformers' own is ``model.safetensors``, and
 adds DCP's sharding metadata to every header.
 

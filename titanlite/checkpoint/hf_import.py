@@ -3,9 +3,9 @@ its ``config.json`` (the family's HF adapter, found by ``architectures`` / ``mod
 its weights under titanlite's names; :func:`load_hf_weights`: them loaded into a (sharded) model, each rank
 reading only what its shards need; :func:`hf_to_dcp`: a model-only step folder
 (loadable under any layout), planned from the safetensors headers (meta tensors), each tensor pulled from its
-file while DCP writes it. Reading through ``HuggingFaceStorageReader`` instead (``titanlite bench hf-storage``,
-126M-parameter bf16 model, shared 2-core CPU) gave bitwise the same step folder but peaked at 6.2x the RSS
-(+333 MiB, the whole model, against +54): this path keeps one tensor in memory. Outputs go to
+file while DCP writes it. Reading through ``HuggingFaceStorageReader`` instead gives bitwise the same step
+folder but holds the whole model in memory; this path holds one tensor (``titanlite bench hf-storage``; figures
+in docs/benchmarks.md, "Hugging Face conversion"). Outputs go to
 ``<out>.partial-<token>``, renamed at the end; wrong inputs (a truncated ``.safetensors``, a wrong
 ``config.json`` ...) are a one-line ``ValueError`` / ``FileNotFoundError`` naming the file, nothing written.
 """

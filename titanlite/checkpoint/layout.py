@@ -226,8 +226,8 @@ def _crc32s(files: list[Path], threads: int) -> list[str]:
 def file_checksums(path: str | os.PathLike, threads: int = 4) -> dict[str, dict[str, Any]]:
     """``{file name: {"bytes": size, "crc32": hex}}`` of the DCP files in a step folder (``.metadata``
     and the data files), hashed in ``threads`` threads. CRC-32 detects accidental damage (a torn or
-    overwritten block) as well as a cryptographic hash would and measured 2.7x faster than SHA-256
-    here (4.1 vs 1.5 GB/s); checkpoints are trusted input anyway (README, "Trusting checkpoints")."""
+    overwritten block) as well as a cryptographic hash would and is several times faster than SHA-256
+    (docs/benchmarks.md, "Checksums"); checkpoints are trusted input anyway (README, "Trusting checkpoints")."""
     files = _dcp_files(path)
     return {p.name: {"bytes": p.stat().st_size, "crc32": crc} for p, crc in zip(files, _crc32s(files, threads))}
 

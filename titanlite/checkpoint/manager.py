@@ -16,10 +16,9 @@ the next step's forward and backward run (they do not modify it); the loop waits
 :meth:`wait_for_staging` before the optimizer step (``async`` stages into fresh memory, freed after the write;
 ``async_with_pinned_mem`` reuses one stager's buffers, page-locked on CUDA). At most one save is in flight, and
 background writes use their own gloo process group so their collectives never interleave with the training ones.
-Measured (``titanlite bench checkpoint --steps 80``, 2-core CPU, 334 MB of model + AdamW state): the loop is
-blocked 19 ms (async) / 35 ms (pinned) per save, against 6 ms for the hand-written stager and writer thread this
-replaced and 630 ms for a synchronous save; the extra ~20 ms is ``async_save`` starting its threads while the
-staging thread holds the GIL, kept as the price of using the library.
+The staging and writing threads are DCP's own rather than titanlite's: the library keeps them in step with its
+storage layer, at the cost of a little more time blocked per save while ``async_save`` starts them
+(``titanlite bench checkpoint``; figures in docs/benchmarks.md, "Checkpoint saves").
 
 Every save goes to ``step-N.partial-<token>``, renamed to ``step-N`` by rank 0 once DCP has written its
 ``.metadata`` (:mod:`~titanlite.checkpoint.layout`). What to load is decided in the constructor by
@@ -334,7 +333,7 @@ class CheckpointManager:
     def _published(self, partial: Path, final: Path, info: dict, stats: SaveStats, t0: float) -> None:
         """This rank's part is written; rank 0 (whose save ends after every rank's) adds checkpoint.json
         and config.toml and publishes it. Off the training thread: file-system calls can stall behind
-        the fsyncs of a write in flight (a mkdir in the loop measured 19 ms)."""
+        the fsyncs of a write in flight (docs/benchmarks.md, "Checkpoint saves")."""
         if self.rank == 0:
             t1 = time.perf_counter()
             info["files"] = layout.file_checksums(partial)  # every rank's files are complete by now

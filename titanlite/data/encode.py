@@ -55,8 +55,8 @@ class ParallelEncoder(contextlib.AbstractContextManager):
     see :func:`default_start_method`. ``submit`` returns a ``concurrent.futures.Future``; results are
     exactly what the in-process path produces, so the worker count never changes the output.
 
-    Processes, not tiktoken's ``encode_ordinary_batch(num_threads=2)``: on prepare's chunks (cl100k, 1.35M tokens,
-    2 shared cores, titanlite bench encode) 2 threads ran at 0.64-0.79x the 2-worker pool's tokens/s in 3 runs.
+    Processes, not tiktoken's ``encode_ordinary_batch(num_threads=...)``: on prepare's chunks the threads encoded
+    fewer tokens/s than as many worker processes (``titanlite bench encode``; docs/benchmarks.md, "Tokenizing").
     """
 
     def __init__(self, tokenizer: Tokenizer, dtype: np.dtype, workers: int = 1, start_method: str | None = None):

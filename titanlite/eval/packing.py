@@ -8,8 +8,8 @@ tokens), scored in two forward passes per batch
 (the last context token's logits score every choice's first token); the cache's rows are then copied
 once per choice (:meth:`~titanlite.models.kv_cache.KVCache.select`) and each choice's tokens but the
 last run on top of its context (right-padded). Each token is predicted from exactly what precedes it in
-its own request, while a context shared by k choices is computed once instead of k times (HellaSwag and
-ARC: 2-3x fewer tokens through the model), and attention costs what it did per request.
+its own request, while a context shared by k choices is computed once instead of k times (what HellaSwag and
+ARC gain: docs/benchmarks.md, "Downstream evaluation scoring"), and attention costs what it did per request.
 Otherwise a group is one request, whose tokens but the last run as one right-padded row of a plain
 causal forward pass (:func:`plain_batch`); a batch holds groups of one kind. Truncated requests (their
 contexts cut differently) form groups of their own.

@@ -102,7 +102,8 @@ def measure_cpu_matmul_peak(dtype: str = "float32", max_n: int = 2048, trials: i
 
     Square matmuls from 256 up, the size doubled while one takes under 20 ms (at most ``max_n``): large
     enough to reach the kernel's rate, small enough that a dtype without a native kernel costs a second,
-    not minutes (bf16 on an AVX2-only CPU runs at ~1 GFLOP/s: one 2048 matmul took ~25 s there). Then the
+    not minutes (bf16 on a CPU without bf16 instructions is orders of magnitude slower than fp32: docs/benchmarks.md,
+    "CPU matmul peak"). Then the
     best of ``trials`` ~0.1 s timings, so a busy moment does not lower the peak and inflate MFU (a loaded
     CPU still does: CPU MFU is indicative). A private generator leaves torch's global RNG alone."""
     dt = DTYPES.get(dtype, torch.float32)

@@ -72,7 +72,7 @@ def torchtitan_model_args(
     fields = set(spec.args_cls.__dataclass_fields__)
     if unknown := sorted(set(given) - fields):
         raise ValueError(f"unknown llama3 model args: {', '.join(unknown)} (known: {', '.join(sorted(fields))})")
-    check_arg_types(spec.args_cls, given)  # before any arithmetic with them (n_heads=abc was a TypeError)
+    check_arg_types(spec.args_cls, given)  # before any arithmetic with them (n_heads=abc: one line, not a TypeError)
 
     def shape(name: str) -> list[int]:
         md = keys.get(prefix + torchtitan_name(name, version))

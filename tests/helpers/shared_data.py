@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHARED_DATA = Path(os.environ.get("TITANLITE_SHARED_DATA") or REPO.parent / "shared" / "data")
 
 

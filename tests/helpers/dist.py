@@ -44,7 +44,7 @@ import torch
 
 from titanlite.parallel.distributed import exit_skipping_finalization
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def backends(nprocs: int) -> list[str]:
