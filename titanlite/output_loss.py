@@ -11,7 +11,9 @@ entries at 4 x 2048 tokens: about 10 GB). :class:`ChunkedLoss` never holds more 
    and differentiated at once (the gradients with respect to the piece's hidden states and to the weight);
    then the piece's logits are freed. The loss's gradient with respect to the logits comes from autograd, or,
    for the built-in cross-entropy, from its closed form computed with the loss (:data:`LOSS_GRADIENTS`: two
-   passes over the logits instead of four, which pays for the pieces' extra passes over the weight);
+   passes over the logits instead of four, which pays for the pieces' extra passes over the weight). The closed
+   form is found by the loss's registered name (:func:`registered_loss`, which compiles it with the loss where
+   ``[compile]`` compiles the loss), so a compiled loss keeps it; :attr:`ChunkedLoss.closed_form` says which;
 3. backward multiplies the stored gradients by the incoming one: nothing is recomputed, so the step does the
    same three matmuls as without chunks (the idea of Liger's fused linear cross-entropy; torchtitan runs each
    chunk's backward from inside its loss instead). The weight's gradient is accumulated over the pieces in fp32
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -52,12 +55,49 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Replicate
 
-from titanlite.loss import cross_entropy_sum, cross_entropy_sum_and_grad
+from titanlite import components
+from titanlite.loss import cross_entropy_sum_and_grad
+
+logger = logging.getLogger(__name__)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-# loss function -> fn(logits, labels) -> (its value, its gradient w.r.t. the logits), computed together without
-# autograd (fewer passes over a piece's logits); other losses are differentiated by autograd
-LOSS_GRADIENTS: dict[Callable, Callable] = {cross_entropy_sum: cross_entropy_sum_and_grad}
+# a registered [training] loss's name -> fn(logits, labels) -> (its value, its gradient w.r.t. the logits), computed
+# together without autograd (fewer passes over a piece's logits); other losses are differentiated by autograd
+LOSS_GRADIENTS: dict[str, Callable] = {"cross_entropy": cross_entropy_sum_and_grad}
+
+
+class ClosedFormLoss:
+    """A token-sum loss ``fn(logits, labels)`` (what calling this returns) together with its closed-form
+    ``value_and_grad(logits, labels) -> (loss, gradient w.r.t. the logits)``, each as the compile policy made it:
+    what :func:`registered_loss` returns, so that the chunked loss's pieces run the closed form whether or not the
+    loss is compiled."""
+
+    def __init__(self, name: str, fn: LossFn, value_and_grad: Callable):
+        self.name, self.fn, self.value_and_grad = name, fn, value_and_grad
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.fn(logits, labels)
+
+
+def registered_loss(name: str, compile: Callable[[Callable], Callable] = lambda fn: fn) -> LossFn | ClosedFormLoss:
+    """The ``[training] loss`` registered as ``name`` passed through ``compile`` (the compile policy's
+    ``compile_loss``); for a name with a closed-form gradient (:data:`LOSS_GRADIENTS`) a :class:`ClosedFormLoss`
+    whose closed form went through ``compile`` too. The closed form is looked up by name, before compiling (a
+    compiled function is another object), and the choice is logged."""
+    plain = components.get("loss", name)
+    fn, closed = compile(plain), LOSS_GRADIENTS.get(name)
+    how = "compiled" if fn is not plain else "eager"
+    pieces = "by autograd" if closed is None else f"by its closed-form gradient ({how} too)"
+    logger.info(f"training.loss = {name!r} ({how}): with loss_chunks, the pieces are differentiated {pieces}")
+    return fn if closed is None else ClosedFormLoss(name, fn, compile(closed))
+
+
+def closed_form_of(loss_fn: LossFn | ClosedFormLoss) -> Callable | None:
+    """The closed-form gradient of ``loss_fn``: a :class:`ClosedFormLoss`'s, or, for a registered loss function
+    given as registered (uncompiled), the one of its name; None: autograd."""
+    if isinstance(loss_fn, ClosedFormLoss):
+        return loss_fn.value_and_grad
+    return next((grad for name, grad in LOSS_GRADIENTS.items() if components.get("loss", name) is loss_fn), None)
 
 
 def supports_hidden_states(model_cls: type) -> bool:
@@ -100,7 +140,8 @@ class ChunkedLoss:
     (the module docstring); ``loss_parallel``: keep tensor-parallel logits vocabulary-sharded (else gathered).
 
     ``loss_fn`` must return a token sum: the pieces' values are added. With gradients it must be a scalar; without
-    (validation) any tensor of sums works. Usage (``model.output`` applies it)::
+    (validation) any tensor of sums works. :attr:`closed_form`: what differentiates the pieces, the loss's closed
+    form (:func:`closed_form_of`), or None for autograd. Usage (``model.output`` applies it)::
 
         loss = ChunkedLoss(cross_entropy_sum, chunks=8)
         total = loss(model, model(tokens, return_hidden=True), labels)
@@ -112,6 +153,7 @@ class ChunkedLoss:
         if chunks < 1:
             raise ValueError(f"ChunkedLoss: chunks must be >= 1, got {chunks} (0 = unchunked: LogitsLoss)")
         self.loss_fn, self.chunks, self.loss_parallel = loss_fn, chunks, loss_parallel
+        self.closed_form = closed_form_of(loss_fn)
 
     def with_fn(self, loss_fn: LossFn) -> ChunkedLoss:
         return ChunkedLoss(loss_fn, self.chunks, loss_parallel=self.loss_parallel)
@@ -155,12 +197,11 @@ class ChunkedLoss:
             return self.loss_fn(logits[None], labels[None])
 
     def _value_and_grad(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One piece's loss and its gradient with respect to ``logits``: by the loss's registered gradient
-        (:data:`LOSS_GRADIENTS`) for plain tensors, else by autograd."""
-        fused = LOSS_GRADIENTS.get(self.loss_fn)
-        if fused is not None and not isinstance(logits, DTensor):
+        """One piece's loss and its gradient with respect to ``logits``: by the loss's closed form
+        (:attr:`closed_form`) for plain tensors, else by autograd."""
+        if self.closed_form is not None and not isinstance(logits, DTensor):
             with _autocast_off(logits):
-                return fused(logits, labels)
+                return self.closed_form(logits, labels)
         logits.requires_grad_()  # computed without grad mode: a leaf
         with torch.enable_grad():
             loss = self._logits_loss(logits, labels)

@@ -23,7 +23,7 @@ from titanlite import components
 from titanlite.dtypes import DTYPES
 from titanlite.models import get_model_spec
 from titanlite.models.registry import model_args_for
-from titanlite.output_loss import output_loss, supports_hidden_states
+from titanlite.output_loss import output_loss, registered_loss, supports_hidden_states
 from titanlite.parallel.build import build_parallel_model
 from titanlite.parallel.compile import CompilePolicy
 from titanlite.parallel.pipeline import Pipeline
@@ -48,9 +48,10 @@ def build_config_model(
 
 
 def config_loss(cfg: Any, parallel_dims: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The ``[training] loss`` (a token sum), compiled with ``[compile] components = ["loss"]``."""
-    loss = components.get("loss", cfg.training.loss)
-    return CompilePolicy.from_config(cfg.compile).compile_loss(loss, parallel_dims.tp_enabled)
+    """The ``[training] loss`` (a token sum), compiled with ``[compile] components = ["loss"]``, with its closed-form
+    gradient, compiled alike, where it has one (:func:`titanlite.output_loss.registered_loss`)."""
+    policy = CompilePolicy.from_config(cfg.compile)
+    return registered_loss(cfg.training.loss, lambda fn: policy.compile_loss(fn, parallel_dims.tp_enabled))
 
 
 def loss_chunks_for(cfg: Any, spec: Any) -> int:
