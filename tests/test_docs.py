@@ -165,6 +165,12 @@ HOW: dict[str, How] = {
     "docs/configuration.md#the-output-layer-and-loss-in-chunks-1": How("help", BENCH),
     "docs/evaluation.md#see-what-the-model-learned-samples-downstream-scores-bits-per-byte-1": How("toml"),
     "docs/evaluation.md#generation-1": How("sized", needs=(DEBUG,)),
+    "docs/evaluation.md#generation-2": How(
+        "sized",
+        "a window of 32 over 100 tokens (the tiny run trained on 64)",
+        subs=(("--max-new-tokens 600 --context-window 256", "--max-new-tokens 100 --context-window 32"),),
+        needs=(DEBUG,),
+    ),
     "docs/evaluation.md#downstream-evaluation-1": How(
         "sized", "5 items per task on CPU", subs=(("--limit 1000", "--limit 5"),), needs=(DEBUG,)
     ),
@@ -331,7 +337,15 @@ class Workspace:
         self.root = root / "titanlite"
         self.root.mkdir()
         (root / "shared").symlink_to(SHARED_DATA.parent)
-        for name in ("train_configs", "scripts", "tests", "torchtitan_ext", "pyproject.toml", "constraints.txt"):
+        for name in (
+            "titanlite",
+            "train_configs",
+            "scripts",
+            "tests",
+            "torchtitan_ext",
+            "pyproject.toml",
+            "constraints.txt",
+        ):
             (self.root / name).symlink_to(REPO / name)
         venv = self.root / ".venv"  # the repository's environment, marked installed (no pip from a scratch copy)
         venv.mkdir()
