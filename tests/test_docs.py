@@ -162,6 +162,11 @@ HOW: dict[str, How] = {
         subs=(STEP_19073, ("path/to/Llama-3.2-1B", "hf_out")),
         needs=(DEBUG,),
     ),
+    "docs/configuration.md#a-validation-folder-of-its-own-1": How(
+        "sized",
+        "my_held_out/ is the user's: C4 lines",
+        setup=f"mkdir -p my_held_out && tail -n 200 {SHARED_DATA}/text/c4_sample.jsonl > my_held_out/c4.jsonl",
+    ),
     "docs/configuration.md#the-output-layer-and-loss-in-chunks-1": How("help", BENCH),
     "docs/evaluation.md#see-what-the-model-learned-samples-downstream-scores-bits-per-byte-1": How("toml"),
     "docs/evaluation.md#generation-1": How("sized", needs=(DEBUG,)),
