@@ -206,6 +206,15 @@ HOW: dict[str, How] = {
         setup="cp {block:docs/library.md#4-a-model-family-of-your-own-with-the-stock-launcher-1} gpt2_family.py",
         slow=True,
     ),
+    "docs/library.md#5-the-pieces-one-by-one-prepared-shards-modelspec-trainstep-s-result-load-model-1": How(
+        "python", needs=(OWN,)
+    ),
+    "docs/library.md#5-the-pieces-one-by-one-prepared-shards-modelspec-trainstep-s-result-load-model-2": How(
+        "library", "test_the_least_model_spec_trains_and_its_step_result_is_the_direct_computation"
+    ),
+    "docs/library.md#5-the-pieces-one-by-one-prepared-shards-modelspec-trainstep-s-result-load-model-3": How(
+        "python", subs=(("step-100", "step-2"),), needs=(DEBUG,)
+    ),
     "docs/library.md#swapping-one-piece-of-the-stock-job-1": How(
         "library", "test_a_registered_loss_is_chosen_by_name_and_validation_stays_cross_entropy"
     ),
@@ -444,7 +453,7 @@ def test_every_block_has_an_entry():
 def test_library_blocks_are_the_ones_test_library_examples_runs():
     import tests.test_library_examples as examples
 
-    ran = {examples.LOOP, examples.CKPT, examples.FAMILY, examples.LOSS, examples.BUILD}
+    ran = {examples.LOOP, examples.CKPT, examples.FAMILY, examples.LOSS, examples.BUILD, examples.SPEC}
     for block_id, how in HOW.items():
         if how.mode == "library":
             assert BLOCKS[block_id].code + "\n" in ran or BLOCKS[block_id].code in ran, block_id
