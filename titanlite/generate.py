@@ -93,7 +93,6 @@ def generate(
     step through ``torch.compile`` (see :func:`compile_refusal` for when it falls back to eager);
     ``context_window``, ``trained_seq_len``: see the module docstring."""
     check_sampling(temperature, top_k, top_p)
-    check_window(context_window)
     check_request(model, prompts, max_new_tokens, sequence_multiple(model), context_window)
     if not prompts or max_new_tokens == 0:
         return [[] for _ in prompts]
@@ -147,6 +146,7 @@ def check_request(
     """One-line ``ValueError`` for a request the model cannot run (before any forward). ``multiple``: see
     :func:`sequence_multiple`; a forward may carry up to ``multiple - 1`` filler tokens after the real ones.
     ``window``: the context window, which bounds the longest forward."""
+    check_window(window)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     if getattr(model, "tok_embeddings", True) is None or getattr(model, "output", True) is None:
