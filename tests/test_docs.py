@@ -168,9 +168,20 @@ HOW: dict[str, How] = {
         subs=(STEP_19073, ("path/to/Llama-3.2-1B", "hf_out")),
         needs=(DEBUG,),
     ),
+    "docs/configuration.md#a-validation-folder-of-its-own-1": How(
+        "sized",
+        "my_held_out/ is the user's: C4 lines",
+        setup=f"mkdir -p my_held_out && tail -n 200 {SHARED_DATA}/text/c4_sample.jsonl > my_held_out/c4.jsonl",
+    ),
     "docs/configuration.md#the-output-layer-and-loss-in-chunks-1": How("help", BENCH),
     "docs/evaluation.md#see-what-the-model-learned-samples-downstream-scores-bits-per-byte-1": How("toml"),
     "docs/evaluation.md#generation-1": How("sized", needs=(DEBUG,)),
+    "docs/evaluation.md#generation-2": How(
+        "sized",
+        "a window of 32 over 100 tokens (the tiny run trained on 64)",
+        subs=(("--max-new-tokens 600 --context-window 256", "--max-new-tokens 100 --context-window 32"),),
+        needs=(DEBUG,),
+    ),
     "docs/evaluation.md#downstream-evaluation-1": How(
         "sized", "5 items per task on CPU", subs=(("--limit 1000", "--limit 5"),), needs=(DEBUG,)
     ),
@@ -200,6 +211,15 @@ HOW: dict[str, How] = {
         "gpt2_family.py is the page's previous block",
         setup="cp {block:docs/library.md#4-a-model-family-of-your-own-with-the-stock-launcher-1} gpt2_family.py",
         slow=True,
+    ),
+    "docs/library.md#5-the-pieces-one-by-one-prepared-shards-modelspec-trainstep-s-result-load-model-1": How(
+        "python", needs=(OWN,)
+    ),
+    "docs/library.md#5-the-pieces-one-by-one-prepared-shards-modelspec-trainstep-s-result-load-model-2": How(
+        "library", "test_the_least_model_spec_trains_and_its_step_result_is_the_direct_computation"
+    ),
+    "docs/library.md#5-the-pieces-one-by-one-prepared-shards-modelspec-trainstep-s-result-load-model-3": How(
+        "python", subs=(("step-100", "step-2"),), needs=(DEBUG,)
     ),
     "docs/library.md#swapping-one-piece-of-the-stock-job-1": How(
         "library", "test_a_registered_loss_is_chosen_by_name_and_validation_stays_cross_entropy"
@@ -338,6 +358,7 @@ class Workspace:
         self.root.mkdir()
         (root / "shared").symlink_to(SHARED_DATA.parent)
         for name in (
+            "titanlite",
             "train_configs",
             "scripts",
             "benchmarks",
@@ -438,6 +459,7 @@ def test_every_block_has_an_entry():
 
 def test_library_blocks_are_the_ones_test_library_examples_runs():
     ran = {library_blocks.LOOP, library_blocks.CKPT, library_blocks.FAMILY, library_blocks.LOSS, library_blocks.BUILD}
+    ran |= {library_blocks.SPEC}
     module = ast.parse((REPO / "tests" / "test_library_examples.py").read_text(encoding="utf-8"))
     tests = {node.name for node in module.body if isinstance(node, ast.FunctionDef)}
     for block_id, how in HOW.items():

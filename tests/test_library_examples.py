@@ -5,7 +5,8 @@
 3. checkpoint and resume from the foreign loop, with a user ``Stateful``: identical after a SIGKILL;
 4. the GPT-2-style family trains through the stock launcher alike on 1 process and FSDP 2, and
    ``titanlite estimate`` counts its parameters exactly;
-and the loss swap: a registered loss named in the config, validation still plain cross-entropy.
+and the loss swap: a registered loss named in the config, validation still plain cross-entropy; the least
+``ModelSpec`` that ``build_parallel_model`` builds, and the ``TrainStep`` result fields the page lists.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import pytest
 import torch
 
 from tests.helpers.dist import run_workers
-from tests.helpers.library_blocks import BUILD, CKPT, FAMILY, LOOP, LOSS
+from tests.helpers.library_blocks import BUILD, CKPT, FAMILY, LOOP, LOSS, SPEC
 
 REPO = Path(__file__).resolve().parents[1]
 RTOL = 2e-5  # fp32 summation order across ranks (see tests/parallel/test_parallel_parity.py)
@@ -368,3 +369,40 @@ def test_build_training_gives_a_foreign_loop_the_configs_policies_and_loss(tmp_p
     expected = [r["loss"] for r in trainer_run(tmp_path, policies) if "loss" in r]
     assert run(loop_with_build_training(LOOP)) == expected
     assert run(LOOP) != expected
+
+
+def test_the_least_model_spec_trains_and_its_step_result_is_the_direct_computation():
+    """The block with a ModelSpec of name, args_cls, flavors and model_cls only: its step's loss and gradient
+    norm equal plain autograd on a model drawn with the same seed (the token mean over both micro-batches), its
+    update equals AdamW's after clipping to max_norm, and the page names every StepResult field."""
+    import dataclasses
+
+    from titanlite.trainer.step import StepResult
+
+    namespace: dict = {}
+    exec(compile(SPEC, "docs/library.md", "exec"), namespace)
+    result, model = namespace["result"], namespace["model"]
+    with torch.device("meta"):  # as build_parallel_model does: the constructor draws nothing
+        plain = namespace["TinyLM"](namespace["TinyArgs"]())
+    plain.to_empty(device="cpu")
+    torch.manual_seed(0)
+    plain.init_weights()
+    logits = [plain(b["input_ids"]) for b in namespace["micro_batches"]]
+    labels = [b["labels"] for b in namespace["micro_batches"]]
+    loss = sum(
+        torch.nn.functional.cross_entropy(x.flatten(0, 1), y.flatten(), reduction="sum") for x, y in zip(logits, labels)
+    )
+    loss = loss / sum(y.numel() for y in labels)
+    loss.backward()
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in plain.parameters()]))
+    torch.testing.assert_close(result.loss_value, loss.item(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(result.grad_norm_value, norm.item(), rtol=1e-5, atol=0)
+    assert (result.step, result.action, result.tokens, result.lr) == (1, "update", 128, 0.01)
+    torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+    torch.optim.AdamW(plain.parameters(), lr=1e-2).step()
+    for (name, got), want in zip(model.state_dict().items(), plain.state_dict().values()):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=name)
+    page = (REPO / "docs" / "library.md").read_text()
+    section = page[page.index("**`TrainStep`'s result.**") : page.index("**Loading a trained model.**")]
+    missing = [f.name for f in dataclasses.fields(StepResult) if f"`{f.name}`" not in section]
+    assert not missing, f"docs/library.md does not name these StepResult fields: {missing}"

@@ -22,6 +22,13 @@ training loop's in-loop samples, the evaluation watcher and the command line bel
   keeps the real tokens blind to it.
 - Eager steps run under ``torch.no_grad`` and ``torch.compiler.set_stance("force_eager")``: per-block compiled
   models run eagerly, instead of recompiling for every new sequence length.
+- ``context_window=N`` slides the context as nanoGPT's ``sample.py`` does: each next token is predicted from the
+  last ``N`` tokens only (the prompt is cut to its last ``N`` first). The KV cache serves the steps until a row's
+  context passes ``N``; from then on every step runs the window afresh (its positions start at 0 again, and the
+  keys of the dropped tokens must not count), as a plain forward of the last ``N`` tokens.
+- ``trained_seq_len`` (:class:`~titanlite.checkpoint.load_model.LoadedModel` has it): a model sees no longer
+  context in training, and its samples past it degrade. A request whose context would pass it (without a window
+  at most that long) logs one warning.
 
 Command line: ``python -m titanlite.generate --help`` (one ``error: ...`` line on stderr and exit status 2 for
 bad input); ``--checkpoint`` is a titanlite checkpoint step folder or a Hugging Face folder
@@ -75,16 +82,22 @@ def generate(
     sync_group: dist.ProcessGroup | None = None,
     use_cache: bool = True,
     compile: bool = False,
+    context_window: int | None = None,
+    trained_seq_len: int | None = None,
 ) -> list[list[int]]:
     """Each prompt's completion ids (at most ``max_new_tokens``; ending with the EOS id that stopped it,
     if one did). See the module docstring; ``device`` defaults to the model's, ``sync_group`` to the
     world when torch.distributed is initialized. Sampling without a ``generator`` uses a fresh one
     seeded by the operating system (still not the global RNG). ``compile``: run the one-token decode
-    step through ``torch.compile`` (see :func:`compile_refusal` for when it falls back to eager)."""
+    step through ``torch.compile`` (see :func:`compile_refusal` for when it falls back to eager);
+    ``context_window``, ``trained_seq_len``: see the module docstring."""
     check_sampling(temperature, top_k, top_p)
-    check_request(model, prompts, max_new_tokens, sequence_multiple(model))
+    check_request(model, prompts, max_new_tokens, sequence_multiple(model), context_window)
     if not prompts or max_new_tokens == 0:
         return [[] for _ in prompts]
+    if context_window is not None:
+        prompts = [p[-context_window:] for p in prompts]
+    _warn_past_trained_length(prompts, max_new_tokens, context_window, trained_seq_len)
     if use_cache and not supports_cache(model):
         logger.warning("%s; generating without a KV cache", no_cache_reason(model))
         use_cache = False
@@ -96,8 +109,7 @@ def generate(
     if temperature > 0 and generator is None:
         generator = torch.Generator(device=device)
         generator.seed()
-    steps = _CachedSteps(model, prompts, device, max_new_tokens, compile) if use_cache else None
-    steps = steps or _RecomputedSteps(model, prompts, device, max_new_tokens)
+    steps = _steps(model, prompts, device, max_new_tokens, use_cache, compile, context_window)
     rows = len(prompts)
     out = torch.zeros(rows, max_new_tokens, dtype=torch.long, device=device)
     count = torch.zeros(rows, dtype=torch.long, device=device)  # tokens kept per row: up to its first stop id
@@ -119,9 +131,21 @@ def generate(
     return [row[1 : 1 + row[0]] for row in kept]
 
 
-def check_request(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, multiple: int) -> None:
+def check_window(context_window: int | None) -> None:
+    """One-line ``ValueError`` unless ``context_window`` is None (no window) or an integer >= 1."""
+    if context_window is not None and (
+        isinstance(context_window, bool) or not isinstance(context_window, int) or context_window < 1
+    ):
+        raise ValueError(f"context_window must be an integer >= 1 (or None: no window), got {context_window!r}")
+
+
+def check_request(
+    model: nn.Module, prompts: list[list[int]], max_new_tokens: int, multiple: int, window: int | None = None
+) -> None:
     """One-line ``ValueError`` for a request the model cannot run (before any forward). ``multiple``: see
-    :func:`sequence_multiple`; a forward may carry up to ``multiple - 1`` filler tokens after the real ones."""
+    :func:`sequence_multiple`; a forward may carry up to ``multiple - 1`` filler tokens after the real ones.
+    ``window``: the context window, which bounds the longest forward."""
+    check_window(window)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     if getattr(model, "tok_embeddings", True) is None or getattr(model, "output", True) is None:
@@ -133,12 +157,33 @@ def check_request(model: nn.Module, prompts: list[list[int]], max_new_tokens: in
             raise ValueError(f"prompt {i} is empty: a prompt needs at least one token (e.g. BOS)")
         if vocab is not None and not all(0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt {i} has a token id outside the model's vocabulary [0, {vocab})")
-        if max_len is not None and len(prompt) + max_new_tokens + multiple - 1 > max_len:
+        longest = len(prompt) + max_new_tokens if window is None else min(window, len(prompt) + max_new_tokens)
+        if max_len is not None and longest + multiple - 1 > max_len:
             filler = f" + {multiple - 1} filler (tensor parallel)" if multiple > 1 else ""
-            raise ValueError(
-                f"prompt {i}: {len(prompt)} tokens + max_new_tokens {max_new_tokens}{filler} exceed the model's "
-                f"max_seq_len {max_len}"
+            what = (
+                f"context_window {window}"
+                if window is not None and longest == window
+                else (f"{len(prompt)} tokens + max_new_tokens {max_new_tokens}")
             )
+            raise ValueError(f"prompt {i}: {what}{filler} exceed the model's max_seq_len {max_len}")
+
+
+def _warn_past_trained_length(
+    prompts: list[list[int]], max_new_tokens: int, window: int | None, trained_seq_len: int | None
+) -> None:
+    """One warning when the context of the last token predicted (a prompt plus the tokens before it, at most
+    ``window``) is longer than the sequences the model was trained on."""
+    longest = max(len(p) for p in prompts) + max_new_tokens - 1
+    longest = longest if window is None else min(window, longest)
+    if trained_seq_len is not None and longest > trained_seq_len:
+        logger.warning(
+            "the context reaches %d tokens, past the %d the model was trained on: samples beyond it degrade; "
+            "slide a window no longer than that (context_window=%d, --context-window %d)",
+            longest,
+            trained_seq_len,
+            trained_seq_len,
+            trained_seq_len,
+        )
 
 
 def no_cache_reason(model: nn.Module) -> str:
@@ -263,12 +308,43 @@ class _CachedSteps:
             return contextlib.nullcontext()
 
 
-class _RecomputedSteps:
-    """Plain (training-path) forwards over each whole sequence so far, the prompts of one length together.
-    The sequences live on the device (each step's tokens are written there, never read back)."""
+def _steps(model, prompts, device, new: int, use_cache: bool, compile: bool, window: int | None):
+    """What runs the forwards of a request: a KV cache, a plain forward per step, or a window over a cache."""
+    if not use_cache:
+        return _RecomputedSteps(model, prompts, device, new, window)
+    if window is None:
+        return _CachedSteps(model, prompts, device, new, compile)
+    fits = window - max(len(p) for p in prompts)  # tokens generated before the longest row's context overflows
+    cached = _CachedSteps(model, prompts, device, min(new, fits), compile)
+    return _WindowedSteps(cached, _RecomputedSteps(model, prompts, device, new, window), fits)
 
-    def __init__(self, model: nn.Module, prompts: list[list[int]], device: torch.device, new: int):
-        self.model, self.multiple, self.generated = model, sequence_multiple(model), 0
+
+class _WindowedSteps:
+    """A sliding context window over a KV cache: ``cached`` serves the steps while every row's context fits the
+    window; past it, ``recomputed`` (which records every token) runs each row's last ``window`` tokens afresh."""
+
+    def __init__(self, cached: _CachedSteps, recomputed: _RecomputedSteps, fits: int):
+        self.cached, self.recomputed, self.fits = cached, recomputed, fits  # fits: steps the cache serves
+
+    def prefill(self) -> torch.Tensor:
+        return self.cached.prefill()
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        self.recomputed.record(ids)
+        if self.recomputed.generated <= self.fits:
+            return self.cached(ids)
+        return self.recomputed.logits()
+
+
+class _RecomputedSteps:
+    """Plain (training-path) forwards over each whole sequence so far (its last ``window`` tokens when given),
+    the prompts of one length together. The sequences live on the device (each step's tokens are written there,
+    never read back)."""
+
+    def __init__(
+        self, model: nn.Module, prompts: list[list[int]], device: torch.device, new: int, window: int | None = None
+    ):
+        self.model, self.multiple, self.generated, self.window = model, sequence_multiple(model), 0, window
         width = max(len(p) for p in prompts) + new
         self.sequences = torch.tensor([p + [FILLER] * (width - len(p)) for p in prompts], device=device)
         self.lengths = torch.tensor([len(p) for p in prompts], device=device)
@@ -279,17 +355,23 @@ class _RecomputedSteps:
         self.groups = {n: torch.tensor(rows, device=device) for n, rows in groups.items()}
 
     def prefill(self) -> torch.Tensor:
-        return self._logits()
+        return self.logits()
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        self.record(ids)
+        return self.logits()
+
+    def record(self, ids: torch.Tensor) -> None:
+        """Append each row's next token."""
         self.sequences[self.rows, self.lengths + self.generated] = ids
         self.generated += 1
-        return self._logits()
 
-    def _logits(self) -> torch.Tensor:
+    def logits(self) -> torch.Tensor:
+        """The next-token logits ``[B, V]`` of each row's sequence so far (its last ``window`` tokens)."""
         logits = None
         for length, rows in self.groups.items():
-            tokens = self.sequences[rows, : length + self.generated]
+            end = length + self.generated
+            tokens = self.sequences[rows, (0 if self.window is None else max(0, end - self.window)) : end]
             last = _last_logits(self.model(_right_padded(tokens, self.multiple)), tokens.shape[1] - 1)
             logits = last.new_empty(len(self.rows), last.shape[-1]) if logits is None else logits
             logits.index_copy_(0, rows, last)
@@ -327,6 +409,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cache", action="store_true", help="recompute the whole prefix each step")
     p.add_argument("--compile", action="store_true", help="compile the one-token decode step (CUDA graphs on CUDA)")
     p.add_argument(
+        "--context-window",
+        type=int,
+        metavar="N",
+        help="predict from the last N tokens only (a sliding window; e.g. the trained training.seq_len)",
+    )
+    p.add_argument(
         "--chat", action="store_true", help="prompts are user turns of the Llama 3 chat template; stop at <|eot_id|>"
     )
     return p
@@ -349,6 +437,8 @@ def _check_numbers(a: argparse.Namespace) -> None:
     for flag, value in (("--max-new-tokens", a.max_new_tokens), ("--top-k", a.top_k)):
         if value < 0:
             raise ValueError(f"{flag} must be >= 0, got {value}")
+    if a.context_window is not None and a.context_window < 1:
+        raise ValueError(f"--context-window must be >= 1, got {a.context_window}")
     if not a.temperature >= 0:
         raise ValueError(f"--temperature must be >= 0 (0: greedy), got {a.temperature}")
     if not 0 < a.top_p <= 1:
@@ -382,6 +472,8 @@ def _run(a: argparse.Namespace) -> list[dict]:
         generator=torch.Generator(device=a.device).manual_seed(a.seed),
         use_cache=not a.no_cache,
         compile=a.compile,
+        context_window=a.context_window,
+        trained_seq_len=loaded.trained_seq_len,
     )
     records = []
     for text, ids, out in zip(prompts, prompt_ids, completions):

@@ -583,6 +583,40 @@ def test_a_seed_trains_with_its_own_rope_and_norm_eps(tmp_path, caplog, capsys):
     assert "model.rope_theta=500000.0" in err[0] and "rope_theta=10000.0" in err[0] and str(seed) in err[0], err
 
 
+def test_a_seed_of_other_shapes_trains_with_no_model_flags(tmp_path, caplog):
+    """An HF Llama whose every shape differs from the default flavor's (dim 80, 3 layers, 5 heads, 1 KV head, an
+    MLP of 288, 576 tokens), converted and trained from with ``--checkpoint.initial_load_path`` as the only model
+    option: the run takes the seed's recorded args (shapes included) and starts from transformers' logits."""
+    from titanlite.models import load_config
+    from titanlite.models.registry import RUN_ARGS
+    from titanlite.trainer import Trainer
+
+    odd = dict(dim=80, n_layers=3, n_heads=5, n_kv_heads=1, multiple_of=96, vocab_size=576, tie_word_embeddings=False)
+    src = hf_model_folder(tmp_path, **odd)
+    proc = run_cli("hf-to-dcp", str(src), str(tmp_path / "dcp"))
+    assert proc.returncode == 0, proc.stderr
+    run = ["--training.seq_len", "32", "--training.steps", "1", "--lr_scheduler.warmup_steps", "0"]
+    cfg = load_config(
+        [*run, "--job.dump_folder", str(tmp_path / "run"), "--checkpoint.initial_load_path", str(tmp_path / "dcp")]
+    )
+    assert cfg.model.overrides == {}
+    with caplog.at_level("INFO", logger="titanlite"):
+        trainer = Trainer(cfg)
+        trainer.checkpointer.load()
+    seed_args = layout.read_info(tmp_path / "dcp")["model"]["args"]
+    assert {k: v for k, v in dataclasses.asdict(trainer.model_args).items() if k not in RUN_ARGS} == {
+        k: v for k, v in seed_args.items() if k not in RUN_ARGS
+    }
+    assert "model.dim = 80 from the seed checkpoint" in caplog.text
+    with torch.no_grad():
+        got = trainer.model.eval()(tokens(576))
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(src), dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(got, hf.eval()(tokens(576)).logits, rtol=0, atol=ATOL)
+    records = trainer.train()
+    assert [r["step"] for r in records if "loss" in r] == [1] and torch.isfinite(torch.tensor(records[-1]["loss"]))
+
+
 @pytest.mark.parametrize(
     "key, value",
     [

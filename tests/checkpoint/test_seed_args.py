@@ -3,8 +3,8 @@
 - The rule (:func:`titanlite.models.registry.adopt_seed_args`, a pure function): every field the
   seed's ``checkpoint.json`` records is taken, except run args (rotary-table length, attention
   kernel and mask, init) and fields the config sets explicitly; an explicit value that differs is
-  a one-line error naming the key, both values and the seed; a seed whose args would change tensor
-  shapes changes nothing (the checkpoint's own shape check reports it).
+  a one-line error naming the key, both values and the seed; fields that set tensor shapes are taken
+  too, so a seed needs no ``[model]`` keys (the flavor is only the default of what it does not record).
 - What counts as explicit: ``model.overrides`` as the config loader fills it ([model] keys and
   ``--model.*`` options), not the flavor's defaults.
 - :func:`titanlite.checkpoint.seed_args.model_args_from_seed` reads the seed folder (missing folder or
@@ -71,8 +71,11 @@ def test_an_explicit_value_that_differs_from_the_seed_is_a_one_line_error():
     assert "\n" not in msg and "model.rope_theta=500000.0" in msg and "rope_theta=10000.0" in msg and "SEED" in msg
 
 
-def test_a_seed_of_other_shapes_changes_nothing_and_bad_seeds_are_refused():
-    assert adopt(Args(), {"dim": 16, "rope_theta": 10000.0}) == (Args(), {})
+def test_a_seed_of_other_shapes_is_taken_and_bad_seeds_are_refused():
+    taken = {"dim": 16, "rope_theta": 10000.0}
+    assert adopt(Args(), taken) == (Args(dim=16, rope_theta=10000.0), taken)
+    with pytest.raises(ValueError, match="model.dim=8 is set in the config but the checkpoint SEED has dim=16"):
+        adopt(Args(), taken, explicit={"dim"})  # an explicit shape that differs is refused, naming the seed's
     with pytest.raises(ValueError, match="SEED has model args unknown to this titanlite: n_experts"):
         adopt(Args(), {"n_experts": 8})
 
@@ -114,9 +117,9 @@ def test_model_args_from_a_seed_folder(tmp_path, caplog):
     assert (
         "\n" not in msg and "model.rope_theta=500000.0" in msg and "rope_theta=10000.0" in msg and str(conflict) in msg
     )
-    # another shape (dim 128): nothing taken, the checkpoint's shape check will name the tensor
+    # another shape (dim 128): taken with the rest, unless the config sets it
     wide = write_seed(tmp_path / "wide", "llama3", dataclasses.replace(scaled, dim=128, rope_theta=5e5))
-    assert model_args_from_seed(spec, args, {}, wide) == args
+    assert model_args_from_seed(spec, args, {}, wide) == dataclasses.replace(scaled, dim=128)
     with pytest.raises(ValueError, match=r"model.dim=64 is set in the config but the checkpoint .* has dim=128"):
         model_args_from_seed(spec, args, cfg.model.overrides, wide)  # set explicitly: named, not left to shapes
     assert state_shapes(spec, args) != state_shapes(spec, dataclasses.replace(args, dim=128))
@@ -203,3 +206,31 @@ def test_an_hf_seed_of_the_configured_swiglu_size_is_not_a_conflict(tmp_path):
     assert (
         model_args_from_seed(spec, model_args_for(fixed.model, 512), fixed.model.overrides, seed).ffn_hidden_dim == 256
     )
+
+
+def test_a_seed_smaller_than_the_tokenizer_is_refused(tmp_path):
+    spec = get_model_spec("llama3")
+    args = model_args_for(load_config([]).model, 512)
+    seed = write_seed(tmp_path / "seed", "llama3", dataclasses.replace(args, vocab_size=300))
+    with pytest.raises(ValueError, match=r"has vocab_size=300, smaller than the tokenizer's vocabulary \(512"):
+        model_args_from_seed(spec, args, {}, seed)
+
+
+def test_a_qwen3_moe_seed_keeps_its_dense_blocks_and_its_balancing_is_named(tmp_path, caplog):
+    """The debugmodel flavor makes block 0 dense (``mlp_only_layers = [0]``) and balances with 1e-3: a seed with every
+    block sparse and another coefficient trains with its own blocks, and the coefficient this run keeps is logged
+    with the seed's."""
+    import torchtitan_ext.qwen3_moe  # noqa: F401  (registers the family)
+
+    spec = get_model_spec("qwen3_moe")
+    cfg = load_config(["--model.name", "qwen3_moe"])
+    args = model_args_for(cfg.model, 512)
+    assert args.mlp_only_layers == [0] and args.moe_aux_loss_coef == 1e-3
+    seed = write_seed(
+        tmp_path / "seed", "qwen3_moe", dataclasses.replace(args, mlp_only_layers=[], moe_aux_loss_coef=0.01)
+    )
+    with caplog.at_level(logging.INFO, logger="titanlite"):
+        got = model_args_from_seed(spec, args, cfg.model.overrides, seed)
+    assert got.mlp_only_layers == [] and all(got.is_moe_layer(i) for i in range(got.n_layers))
+    assert "model.mlp_only_layers = [] from the seed checkpoint" in caplog.text
+    assert "model.moe_aux_loss_coef = 0.001 is this run's" in caplog.text and "has 0.01" in caplog.text

@@ -133,3 +133,28 @@ def test_config_dry_runs_at_its_stated_world_size(path, dry_runs):
         ranks = r["pipeline"]["ranks"]
         assert len(ranks) == pp and sum(k["params"] for k in ranks) == params
         assert all(k["fits"] for k in ranks)
+
+
+def test_a_bare_name_is_a_shipped_recipe_unless_such_a_file_exists(tmp_path, monkeypatch, capsys):
+    """The package's recipes are train_configs/ itself (the same files, byte for byte); ``--config llama1b`` or
+    ``llama1b.toml`` run from another folder loads it, a file of that name where the command runs wins, an unknown
+    name is one line listing the recipes, and ``--list-configs`` lists each with its description."""
+    from titanlite.config import ConfigError, parse_args_or_exit
+    from titanlite.config.shipped import shipped_configs
+
+    ours = {p.stem: p.read_bytes() for p in sorted((REPO / "train_configs").glob("*.toml"))}
+    assert {name: path.read_bytes() for name, path in shipped_configs().items()} == ours
+    monkeypatch.chdir(tmp_path)
+    by_path = load_config(["--config", str(REPO / "train_configs" / "llama1b.toml")])
+    assert load_config(["--config", "llama1b"]) == by_path == load_config(["--config", "llama1b.toml"])
+    (tmp_path / "llama1b.toml").write_text('[job]\ndescription = "mine"\n')
+    assert load_config(["--config", "llama1b.toml"]).job.description == "mine"
+    with pytest.raises(ConfigError, match=r"config file llama2 not found, and no shipped recipe is named 'llama2' "):
+        load_config(["--config", "llama2"])
+    with pytest.raises(ConfigError, match="config file sub/debug_model.toml not found"):
+        load_config(["--config", "sub/debug_model.toml"])  # a path is a path
+    with pytest.raises(SystemExit) as e:
+        parse_args_or_exit(["--list-configs"])
+    listed = capsys.readouterr().out.splitlines()
+    assert e.value.code == 0 and [line.split()[0] for line in listed] == list(ours)
+    assert "llama1b              Llama 3.2 1B from scratch, 20B tokens, 8 x H100" in listed

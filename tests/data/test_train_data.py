@@ -212,3 +212,36 @@ def test_validation_follows_the_training_shards_unless_set(shakespeare_shards, t
     assert len(warned) == 1 and "the built-in corpus (Python source): training.dataset = 'text' has no held-out" in (
         warned[0].message
     )
+
+
+def test_a_val_only_folder_is_a_validation_dataset_path(shakespeare_shards, tmp_path, capsys):
+    """``titanlite prepare --val-only`` writes every document to the 'val' split: the same shards as
+    ``--val-fraction 1.0``, and a folder that ``[validation] dataset_path`` reads (a folder without that split is
+    refused with the flag to use). Both flags at once are a usage error."""
+    from titanlite.data import prepare as prep
+
+    shards, tok = shakespeare_shards
+    text = tmp_path / "held_out.txt"
+    text.write_text(shared_file("text/tinyshakespeare.txt").read_text()[-30000:])
+    common = ["--input", str(text), "--tokenizer", str(tok), "--txt-split", "paragraphs", "--workers", "1", "--quiet"]
+    assert prep.main([*common, "--output", str(tmp_path / "val_only"), "--val-only"]) == 0
+    assert prep.main([*common, "--output", str(tmp_path / "all_val"), "--val-fraction", "1.0"]) == 0
+    manifest = json.loads((tmp_path / "val_only" / "manifest.json").read_text())
+    assert manifest["totals"]["train"]["docs"] == 0 and manifest["totals"]["val"]["docs"] > 100
+    for f in sorted((tmp_path / "all_val").glob("*.bin")):
+        assert (tmp_path / "val_only" / f.name).read_bytes() == f.read_bytes(), f.name
+    with pytest.raises(SystemExit):
+        prep.main([*common, "--output", str(tmp_path / "both"), "--val-only", "--val-fraction", "0.5"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+    base = [*TINY, "--model.tokenizer_path", str(tok), "--training.dataset", "shards"]
+    base += ["--training.dataset_path", str(shards), "--validation.enable", "--validation.steps", "2"]
+    base += ["--validation.dataset", "shards", "--job.dump_folder", str(tmp_path / "run")]
+
+    def first_validation(folder) -> float:
+        return Trainer(load_config([*base, "--validation.dataset_path", str(folder)])).validate()["val_loss"]
+
+    assert first_validation(tmp_path / "val_only") == first_validation(tmp_path / "all_val")
+    assert prep.main([*common, "--output", str(tmp_path / "train_only")]) == 0
+    with pytest.raises(ValueError, match="split 'val' has no shards .*titanlite prepare --val-only"):
+        first_validation(tmp_path / "train_only")

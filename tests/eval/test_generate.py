@@ -335,6 +335,69 @@ def test_a_batch_generates_what_each_prompt_generates_alone(family):
     assert all(len(c) == 12 for c in batched)
 
 
+def last_n_greedy(model, prompt: list[int], new: int, window: int) -> list[int]:
+    """The direct computation of a sliding window (nanoGPT's sample.py): each step runs the plain forward over the
+    last ``window`` tokens of the sequence so far and takes the argmax of its last position."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(new):
+            seq.append(int(model(torch.tensor([seq[-window:]]))[0, -1].argmax()))
+    return seq[len(prompt) :]
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_a_context_window_generates_what_a_loop_over_the_last_n_tokens_does(family):
+    """Prompts of 5, 12, 1 and 9 tokens, a window of 8, 20 new tokens: the cached batch (which overflows the window
+    row by row) and the uncached one give each row's tokens of the direct loop; without the window they differ."""
+    model = random_model(family)
+    prompts = token_prompts(4)
+    want = [last_n_greedy(model, p, 20, 8) for p in prompts]
+    assert generate(model, prompts, max_new_tokens=20, context_window=8) == want
+    assert generate(model, prompts, max_new_tokens=20, context_window=8, use_cache=False) == want
+    assert generate(model, prompts, max_new_tokens=20) != want  # the window changes what is generated
+    assert generate(model, prompts, max_new_tokens=20, context_window=32) == generate(model, prompts, max_new_tokens=20)
+
+
+def test_a_window_generates_past_max_seq_len_and_bad_windows_are_refused():
+    model = titanlite_model(llama_args(max_seq_len=32))
+    with pytest.raises(ValueError, match="exceed the model's max_seq_len 32"):
+        generate(model, [[1, 2, 3]], max_new_tokens=40)
+    assert generate(model, [[1, 2, 3]], max_new_tokens=40, context_window=16) == [
+        last_n_greedy(model, [1, 2, 3], 40, 16)
+    ]
+    with pytest.raises(ValueError, match="context_window 40 exceed the model's max_seq_len 32"):
+        generate(model, [[1, 2, 3]], max_new_tokens=40, context_window=40)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="context_window must be an integer >= 1"):
+            generate(model, [[1, 2, 3]], max_new_tokens=4, context_window=bad)
+
+
+def test_a_context_past_the_trained_length_is_warned_once(trained, caplog, capsys):
+    """The trained fixture's run trained on 64 tokens (its config.toml): a context past 64 logs one warning naming
+    both lengths and the window to use; under that window nothing is logged, and the CLI's flag gives the
+    library's windowed tokens."""
+    step, _ = trained
+    loaded = load_model(step)
+    assert loaded.trained_seq_len == 64
+    prompt = [loaded.tokenizer.bos_id] + loaded.tokenizer.encode("Hello")
+    with caplog.at_level("WARNING", logger="titanlite"):
+        generate(loaded.model, [prompt], max_new_tokens=70, trained_seq_len=loaded.trained_seq_len)
+    past = [r for r in caplog.records if "past the 64 the model was trained on" in r.getMessage()]
+    assert len(past) == 1 and "context_window=64" in past[0].getMessage()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="titanlite"):
+        windowed = generate(loaded.model, [prompt], max_new_tokens=70, trained_seq_len=64, context_window=64)
+        generate(loaded.model, [prompt], max_new_tokens=58, trained_seq_len=64)  # 6 + 57 tokens of context
+    assert "trained on" not in caplog.text
+    with caplog.at_level("WARNING", logger="titanlite"):
+        got = cli_json(capsys, "--checkpoint", str(step), "--prompt", "Hello", "--max-new-tokens", "70")
+    assert "past the 64 the model was trained on" in caplog.text
+    got = cli_json(
+        capsys, *("--checkpoint", str(step), "--prompt", "Hello", "--max-new-tokens", "70"), "--context-window", "64"
+    )
+    assert got[0]["prompt_ids"] == prompt and got[0]["completion_ids"] == windowed[0][: len(got[0]["completion_ids"])]
+
+
 def test_bf16_cache_keeps_the_few_kv_heads_in_the_model_dtype():
     """GQA: the cache holds the 2 key/value heads (not the 4 query heads), in bf16; logits within bf16 noise."""
     model = random_model("llama3").to(torch.bfloat16)
@@ -578,6 +641,7 @@ def test_fsdp_and_tp_ranks_generate_what_one_process_does():
         (["--checkpoint", "{step}", "--prompt", "x", "--max-new-tokens", "-1"], "--max-new-tokens must be >= 0"),
         (["--checkpoint", "{step}", "--prompt", "x", "--max-new-tokens", "5000"], "exceed the model's max_seq_len"),
         (["--checkpoint", "{step}", "--prompt", "", "--no-bos"], "prompt 0 is empty"),
+        (["--checkpoint", "{step}", "--prompt", "x", "--context-window", "0"], "--context-window must be >= 1"),
         (["--checkpoint", "{bare}", "--prompt", "x"], "has no tokenizer files: pass a tokenizer path"),
         (["--checkpoint", "{step}", "--prompt", "x", "--dtype", "int8"], "argument --dtype: invalid choice"),
     ],

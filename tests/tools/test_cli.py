@@ -5,7 +5,8 @@
   the old ``scripts/*.py`` shims forward to the same ``main``.
 - Installed (slow): ``pip install`` of a copy of the sources into a fresh venv (no network: the venv reaches this
   one's dependencies through a path file, never this checkout), then from a folder outside the checkout the
-  ``titanlite`` console script prepares a small text, trains the tiny model 2 steps with a checkpoint, converts it
+  ``titanlite`` console script lists the shipped recipes, prepares a small text, trains the tiny model 2 steps
+  (``--config debug_model``: the recipe the wheel carries) with a checkpoint, converts it
   to Hugging Face, estimates a run and plots the metrics; every command's ``--help`` runs in that environment.
 """
 
@@ -178,13 +179,17 @@ def test_installed_command_prepares_trains_converts_estimates_and_plots(installe
     totals = json.loads((work / "shards" / "manifest.json").read_text())["totals"]["train"]
     assert totals["tokens"] == len(text.read_bytes()) + 2  # one document: BOS, its bytes, EOS
 
-    config = str(REPO / "train_configs" / "debug_model.toml")  # a data file: the code comes from the install
+    listed = run(installed, "titanlite", "train", "--list-configs")  # the recipes the wheel carries
+    assert listed.returncode == 0 and [line.split()[0] for line in listed.stdout.splitlines()] == sorted(
+        p.stem for p in (REPO / "train_configs").glob("*.toml")
+    )
+    assert not (work / "debug_model.toml").exists()
     train = run(
         installed,
         "titanlite",
         "train",
         "--config",
-        config,
+        "debug_model",  # the shipped recipe: no such file here
         *TINY_MODEL,
         *("--training.steps", "2", "--training.seq_len", "32", "--lr_scheduler.warmup_steps", "0"),
         *("--validation.enable", "false", "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "1"),
@@ -199,6 +204,7 @@ def test_installed_command_prepares_trains_converts_estimates_and_plots(installe
     assert json.loads((work / "hf" / "config.json").read_text())["num_hidden_layers"] == 2
     assert (work / "hf" / "model.safetensors").stat().st_size > 0
 
+    config = "debug_model.toml"  # the shipped recipe again, by its file name
     estimate = run(installed, "titanlite", "estimate", "--config", config, *TINY_MODEL, "--gpu", "H100")
     assert estimate.returncode == 2 and "--num-gpus" in estimate.stderr  # argparse's own error, as before
     estimate = run(

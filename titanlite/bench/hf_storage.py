@@ -209,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
             hf_t, hf_d = tensors_of_hf(folder / f"{size}-hf-titanlite"), tensors_of_hf(folder / f"{size}-export-dcp")
             dcp_t = tensors_of_dcp(folder / f"{size}-import-titanlite")
             dcp_d = tensors_of_dcp(folder / f"{size}-import-dcp")
-            load_t = torch.load(folder / f"{size}-load-titanlite.pt")
-            load_d = torch.load(folder / f"{size}-load-dcp.pt")
+            load_t = torch.load(folder / f"{size}-load-titanlite.pt", weights_only=True)
+            load_d = torch.load(folder / f"{size}-load-dcp.pt", weights_only=True)
             files = sorted(f.name for f in (folder / f"{size}-export-dcp").iterdir())
             print(f"== {size}: export files (DCP writer): {', '.join(files)}")
             print(

@@ -29,6 +29,9 @@ from torch import nn
 
 from titanlite.checkpoint import hf_export, hf_import, layout, safe_load
 from titanlite.checkpoint.hf_tokenizer_files import check_tokenizer
+from titanlite.config import ConfigError
+from titanlite.config.sections import Training
+from titanlite.config.toml_io import read_toml
 from titanlite.extensions import load_extensions
 from titanlite.fsio import one_line
 from titanlite.hf_tokenizer import tokenizer_files
@@ -38,7 +41,9 @@ from titanlite.models.registry import state_shapes
 @dataclasses.dataclass
 class LoadedModel:
     """The model (eval mode, on ``device``), its tokenizer, the family's spec and args, the training
-    ``step`` (None for an HF folder), the token ids that end a generation, and where it came from."""
+    ``step`` (None for an HF folder), the token ids that end a generation, where it came from, and
+    ``trained_seq_len``: the longest sequence it was trained on (``training.seq_len`` or the longest
+    ``seq_len_schedule`` stage of the step folder's ``config.toml``; None for an HF folder or without one)."""
 
     model: nn.Module
     tokenizer: Any
@@ -47,6 +52,7 @@ class LoadedModel:
     step: int | None
     eos_ids: tuple[int, ...]
     path: Path
+    trained_seq_len: int | None = None
 
 
 def is_step_folder(path: str | os.PathLike) -> bool:
@@ -90,7 +96,21 @@ def load_model(
     check_tokenizer(tokenizer, bos_id=bos_id, vocab_size=getattr(args, "vocab_size", None), what=what, where=str(where))
     model = _build(spec, args, state, device, dtype, path)
     eos_ids = tuple(dict.fromkeys((*eos_ids, tokenizer.eos_id)))
-    return LoadedModel(model, tokenizer, spec, args, step, eos_ids, path)
+    trained = trained_seq_len(path) if is_step_folder(path) else None
+    return LoadedModel(model, tokenizer, spec, args, step, eos_ids, path, trained)
+
+
+def trained_seq_len(step_folder: str | os.PathLike) -> int | None:
+    """The longest sequence the run that saved ``step_folder`` trained on, from its ``config.toml``
+    (``training.seq_len`` and the ``seq_len_schedule`` stages); None when the file is missing or unreadable."""
+    try:
+        training = read_toml(str(Path(step_folder) / layout.CONFIG_FILE)).get("training", {})
+    except ConfigError:
+        return None
+    lengths = [training.get("seq_len", Training.seq_len)]
+    lengths += [stage.get("seq_len") for stage in training.get("seq_len_schedule", []) if isinstance(stage, dict)]
+    lengths = [n for n in lengths if isinstance(n, int) and not isinstance(n, bool) and n > 0]
+    return max(lengths, default=None)
 
 
 def _ints(value: Any) -> tuple[int, ...]:

@@ -55,7 +55,36 @@ def model_args_from_seed(
         logger.info(
             "model.%s = %r from the seed checkpoint %s (the config's flavor has %r)", k, v, seed, getattr(args, k)
         )
+    _check_vocab(new_args, args, what)
+    _log_kept_run_args(spec, args, seed_args, explicit, seed)
     return new_args
+
+
+def _check_vocab(new_args: Any, args: Any, what: str) -> None:
+    """Refuse a seed whose embedding table is smaller than the tokenizer's vocabulary (``args.vocab_size``, unless
+    the config sets one): token ids past its last row would index nothing."""
+    seed_vocab, wanted = getattr(new_args, "vocab_size", None), getattr(args, "vocab_size", None)
+    if seed_vocab is not None and wanted is not None and seed_vocab < wanted:
+        raise ValueError(
+            f"{what} has vocab_size={seed_vocab}, smaller than the tokenizer's vocabulary ({wanted}, "
+            "model.tokenizer_path): train it with the tokenizer it was trained with"
+        )
+
+
+def _log_kept_run_args(spec, args: Any, seed_args: dict, explicit: Collection[str], seed: Path) -> None:
+    """Log each run arg (rotary-table length, kernels, MoE balancing ...) whose value this run keeps although the
+    seed records another, so a flavor's value never replaces the seed's unseen."""
+    for k in spec.run_args:
+        if k in seed_args and k not in explicit and hasattr(args, k) and getattr(args, k) != seed_args[k]:
+            logger.info(
+                "model.%s = %r is this run's (the config's flavor); the seed checkpoint %s has %r: set model.%s to "
+                "train with another value",
+                k,
+                getattr(args, k),
+                seed,
+                seed_args[k],
+                k,
+            )
 
 
 def _recorded_args(seed: Path, what: str) -> tuple[Any, dict]:

@@ -27,6 +27,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from titanlite.config.sections import ConfigError, JobConfig
+from titanlite.config.shipped import list_configs, resolve_config
 from titanlite.config.toml_io import read_toml, toml_key, toml_value
 from titanlite.fsio import one_line
 from titanlite.nesting import loads_toml
@@ -261,7 +262,16 @@ def _parser(fields: Mapping[str, _Key], prog: str | None = None, help: tuple[str
         "and 1e6; X | None fields accept none. A value starting with '-' (other than a number) needs the = form.",
     )
     p._negative_number_matcher = re.compile(r"^-\.?\d")  # -1e6 is a value, not an option (as in Python >= 3.13)
-    p.add_argument("--config", action="append", nargs="?", const="", default=[], metavar="FILE", help="TOML file")
+    p.add_argument(
+        "--config",
+        action="append",
+        nargs="?",
+        const="",
+        default=[],
+        metavar="FILE",
+        help="TOML file, or the name of a shipped recipe (debug_model, llama1b, ...) when no such file exists",
+    )
+    p.add_argument("--list-configs", action="store_true", help="list the shipped recipes and exit")
     for toml, (_, keys) in _sections(JobConfig).items():
         group = p.add_argument_group(f"[{toml}]", help[0] if help and toml == _MODEL else None)
         options = [(group, f"{toml}.{k}", key) for k, key in keys.items()]
@@ -300,8 +310,10 @@ def _load(argv: list[str], docs: list[tuple[Any, str]], args_cls: type | None, s
     if bad := [t for t in unknown if strict or t.startswith("--") and not re.match(r"--model\.[^.=]+(=|$)", t)]:
         raise _unknown(bad[0], _CLI, args_cls)
     paths, cfg, overrides = vars(ns).pop("config"), JobConfig(), {}
+    vars(ns).pop("list_configs")  # answered by parse_args_or_exit
     if "" in paths or len(paths) > 1:
         raise ConfigError("--config needs a file path" if "" in paths else f"--config given twice {paths[:2]}")
+    paths = [resolve_config(p) for p in paths]
     for doc, where in docs + [(read_toml(p), f"in config file {p}") for p in paths]:
         for section, k, v in _flatten(doc, "", where):
             attr, keys = sections[section]
@@ -403,6 +415,9 @@ def parse_args_or_exit(
     args = list(sys.argv[1:] if argv is None else argv)
     if "-h" in args or "--help" in args:
         print(format_help(prog, model_schema), end="", flush=True)
+        raise SystemExit(0)
+    if "--list-configs" in args:
+        print(list_configs(), flush=True)
         raise SystemExit(0)
     try:
         return load_config(args, model_schema)

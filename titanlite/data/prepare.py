@@ -363,7 +363,14 @@ def build_parser() -> argparse.ArgumentParser:
         "= built-in byte tokenizer.",
     )
     add("--output", metavar="DIR", help="Output folder for shards and manifest.json. Required unless --verify.")
-    add("--val-fraction", type=float, default=0.0, help="Fraction of documents held out as 'val'.")
+    split = p.add_mutually_exclusive_group()
+    split.add_argument("--val-fraction", type=float, default=0.0, help="Fraction of documents held out as 'val'.")
+    split.add_argument(
+        "--val-only",
+        action="store_true",
+        help="Every document to 'val' (--val-fraction 1): a folder for [validation] dataset_path, which reads "
+        "its 'val' split.",
+    )
     add("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)), help="Tokenizer worker processes.")
     add("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="Close a shard once it holds this many tokens.")
     add("--text-field", default="text", help="JSON/Parquet field holding the document text.")
@@ -406,6 +413,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     kwargs = vars(parser.parse_args(argv))  # the option names are prepare()'s keyword arguments
     log = None if kwargs.pop("quiet") else sys.stderr
+    if kwargs.pop("val_only"):
+        kwargs["val_fraction"] = 1.0
     folder = kwargs.pop("verify")
     if folder is not None and (kwargs["input"] or kwargs["output"]):
         parser.error("--verify takes no --input or --output")

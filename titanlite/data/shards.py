@@ -80,6 +80,8 @@ from titanlite.data.shard_file import (  # noqa: F401
 from titanlite.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+# Why a folder has no 'val' split, and how to write one that is all validation data.
+VAL_HINT = "; prepared with --val-fraction 0? a folder of validation data only: titanlite prepare --val-only"
 
 
 class ShardedTokens:
@@ -119,7 +121,7 @@ class ShardedTokens:
             splits = sorted({sh["split"] for sh in manifest["shards"]})
             raise ValueError(
                 f"{mpath}: split {split!r} has no shards (splits present: {', '.join(splits) or 'none'}"
-                f"{'; prepared with --val-fraction 0?' if split == 'val' else ''})"
+                f"{VAL_HINT if split == 'val' else ''})"
             )
         self.shards = [open_shard(mpath, manifest, sh) for sh in entries]
         self.shard_starts = [0, *itertools.accumulate(r.num_tokens for r in self.shards)]

@@ -211,9 +211,9 @@ def adopt_seed_args(
     seed: the same ``config.json``, e.g. ``multiple_of`` and ``ffn_dim_multiplier`` that give the seed's
     ``intermediate_size``, which the seed records as a ``multiple_of`` of its own); the error's advice for a
     field that sets a tensor shape is the seed's values of every such field, never to drop it (the flavor's
-    value then stays, with its shapes). Fields that change tensor shapes are not taken either: when taking them
-    all would change ``same_shapes(args, new_args)``, ``args`` are returned unchanged and the checkpoint's
-    shape check names the tensor that differs. ``seed`` names the checkpoint in messages.
+    value then stays, with its shapes). Fields that set tensor shapes (``dim``, ``n_layers``, ``multiple_of`` ...)
+    are taken like the others, so a seed's recorded shapes need no ``[model]`` keys and ``[model] flavor`` is only
+    the default of the fields the seed does not record. ``seed`` names the checkpoint in messages.
     """
     fields = {f.name for f in dataclasses.fields(args)}
     if unknown := sorted(set(seed_args) - fields):
@@ -234,8 +234,6 @@ def adopt_seed_args(
         adopted = check_model_args(dataclasses.replace(args, **differ))
     except (TypeError, ValueError) as e:
         raise ValueError(f"{seed} has invalid model args ({one_line(e)})") from None
-    if not same_shapes(args, adopted):
-        return args, {}
     return adopted, differ
 
 
