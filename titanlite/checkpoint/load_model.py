@@ -124,6 +124,7 @@ def _from_step_folder(path: Path, extensions: list[str]) -> tuple[Any, Any, dict
     state = {src: torch.empty(tuple(md.size), dtype=md.properties.dtype) for src, md in sources.values()}
     with layout.quiet_single_process():
         safe_load.load(state, path, no_dist=True)
+    hf_import.refuse_non_finite(state, path)
     return spec, args, {name: state[src] for name, (src, _) in sources.items()}, info
 
 

@@ -319,6 +319,11 @@ def _results(
             ks = per_item[(t, i)]
             truncated += any(requests[k].truncated for k in ks)
             loglik, greedy = [scores[k][0] for k in ks], [scores[k][1] for k in ks]
+            if not all(math.isfinite(x) for x in loglik):
+                raise ValueError(
+                    f"{task.name}: item {i} has a non-finite log-likelihood ({loglik}); expected finite scores: "
+                    "the model's outputs are not finite (check its weights)"
+                )
             records.append(task.record(i, item, loglik, [requests[k].num_cont for k in ks], greedy))
         if truncated:
             logger.warning(
