@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from titanlite.checkpoint import layout, safe_load
-from titanlite.checkpoint.hf_tokenizer_files import check_tokenizer, folder_tokenizer_path
+from titanlite.checkpoint.hf_tokenizer_files import check_tokenizer, folder_tokenizer_path, tokenizer_record
 from titanlite.dtypes import dtype_name
 from titanlite.extensions import load_extensions
 from titanlite.fsio import atomic_dir, one_line
@@ -328,7 +328,7 @@ def hf_to_dcp(
             ) from None
         info = dict(step=0, tokens_seen=0, model_only=True, dtype=dtype_name(*dtypes) if len(dtypes) == 1 else None)
         info["model"] = {"name": spec.name, "flavor": matching_flavor(spec, args), "args": dataclasses.asdict(args)}
-        info.update(extensions=extensions, tokenizer={"path": tokenizer_path, "bos_id": bos, "eos_id": eos})
+        info.update(extensions=extensions, tokenizer={**tokenizer_record(tokenizer_path), "bos_id": bos, "eos_id": eos})
         info["files"] = layout.file_checksums(partial)  # verified when the seed is loaded or converted
         layout.write_info(partial, {**info, "source": {"hugging_face": str(hf_dir.resolve())}})
     return out_dir

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from titanlite.checkpoint import hf_export, hf_import, layout, safe_load
-from titanlite.checkpoint.hf_tokenizer_files import check_tokenizer
+from titanlite.checkpoint.hf_tokenizer_files import check_tokenizer, verified_tokenizer_path
 from titanlite.extensions import load_extensions
 from titanlite.fsio import one_line
 from titanlite.hf_tokenizer import tokenizer_files
@@ -69,6 +69,8 @@ def load_model(
     if is_step_folder(path):
         spec, args, state, info = _from_step_folder(path, given)
         step, recorded = info.get("step"), (info.get("tokenizer") or {}).get("path", "")
+        if tokenizer_path is None:  # the recorded one: found by its absolute path, checked by its hash
+            recorded = verified_tokenizer_path(info.get("tokenizer") or {}, path / layout.INFO_FILE)
         tokenizer = _tokenizer(spec, tokenizer_path, recorded, f"the tokenizer {recorded!r} recorded in {path}")
         bos_id, eos_id = hf_export._token_ids(info, path)
         where = path / layout.INFO_FILE
