@@ -125,6 +125,7 @@ def load_hf_tokenizer(path: str) -> HFTokenizerSpec:
     vocab = model.get("vocab")
     if not isinstance(vocab, dict) or not vocab:
         raise ValueError(f"{path}: model.vocab must be a non-empty object of token -> id")
+    _refuse_renumbered_added_tokens(path, specials, vocab)
     # A special token trained into the vocabulary (same text, same id) is only a special token.
     ranks = _ranks(path, {t: i for t, i in vocab.items() if specials.get(t) != i})
     if clash := sorted(set(ranks.values()) & set(specials.values())):
@@ -247,6 +248,18 @@ def _added_tokens(path: str, added) -> tuple[dict[str, int], dict[str, bool]]:
                 raise ValueError(f"{path}: added token id {i} is empty; HF cannot match it in text")
             matched[content] = bool(entry.get("normalized", True))
     return out, matched
+
+
+def _refuse_renumbered_added_tokens(path: str, specials: dict[str, int], vocab: dict) -> None:
+    """An added token whose text is also a vocabulary token under another id: HF ``tokenizers`` then encodes the
+    text as the vocabulary id and drops the added one, which tiktoken's special tokens cannot express: refused."""
+    for content, i in specials.items():
+        if _is_id(other := vocab.get(content)) and other != i:
+            raise ValueError(
+                f"{path}: added token {content!r} has id {i} but is also vocabulary token id {other}, which HF "
+                f"tokenizers encodes it as instead; expected each added token's id to be its vocabulary id "
+                f"(set it to {other}) or its text to be absent from model.vocab"
+            )
 
 
 def _merge_pairs(path: str, merges) -> list[tuple[str, str]]:

@@ -133,11 +133,14 @@ def _alternation(tokens: list[str]) -> re.Pattern | None:
 
 
 class Tokenizer:
-    """A tiktoken encoding plus its BOS/EOS ids (Llama 3's ``<|begin_of_text|>``/``<|end_of_text|>`` by default)."""
+    """A tiktoken encoding plus its BOS/EOS ids (Llama 3's ``<|begin_of_text|>``/``<|end_of_text|>`` by default).
+    ``has_bos`` is False for a tokenizer that defines no BOS (its ``bos_id`` is then the EOS id)."""
 
-    def __init__(self, encoding: tiktoken.Encoding, name: str, path: str = "", bos: str = "", eos: str = ""):
+    def __init__(
+        self, encoding: tiktoken.Encoding, name: str, path: str = "", bos: str = "", eos: str = "", has_bos: bool = True
+    ):
         # path: what build_tokenizer() was given ("" for the built-in byte tokenizer)
-        self.encoding, self.name, self.path = encoding, name, path
+        self.encoding, self.name, self.path, self.has_bos = encoding, name, path, has_bos
         self.bos_id = encoding.encode_single_token(bos or "<|begin_of_text|>")
         self.eos_id = encoding.encode_single_token(eos or "<|end_of_text|>")
 
@@ -289,7 +292,8 @@ def build_hf_tokenizer(path: str, file: str) -> Tokenizer:
         encoding.encode_ordinary("a 1")  # the regex compiles lazily in some tiktoken versions
     except ValueError as e:
         raise ValueError(f"{file}: tiktoken cannot use its pre-tokenizer regex: {str(e).splitlines()[0]}") from None
-    return Tokenizer(encoding, name=name, path=path, bos=spec.bos_token or spec.eos_token, eos=spec.eos_token)
+    bos, has_bos = spec.bos_token or spec.eos_token, spec.bos_token is not None
+    return Tokenizer(encoding, name=name, path=path, bos=bos, eos=spec.eos_token, has_bos=has_bos)
 
 
 def build_tokenizer(path: str = "") -> Tokenizer:

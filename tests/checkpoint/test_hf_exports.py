@@ -8,6 +8,7 @@ the model's."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -163,7 +164,8 @@ def test_hf_to_dcp_records_the_folders_tokenizer_and_refuses_one_that_is_not_the
     hf, tok = export_with_tokenizer(tmp_path, path, vocab)
     seed = hf_to_dcp(hf, tmp_path / "seed")
     recorded = layout.read_info(seed)["tokenizer"]
-    assert recorded == {"path": str(hf.resolve()), "bos_id": tok.bos_id, "eos_id": tok.eos_id}
+    sha256 = hashlib.sha256((hf / "tokenizer.json").read_bytes()).hexdigest()  # the file the folder path names
+    assert recorded == {"path": str(hf.resolve()), "sha256": sha256, "bos_id": tok.bos_id, "eos_id": tok.eos_id}
     loaded = load_model(seed)
     assert tokenizer_fingerprint(loaded.tokenizer) == tokenizer_fingerprint(tok)
     with pytest.raises(ValueError, match=r"the tokenizer given has BOS id 256 but .*checkpoint.json records 2000"):

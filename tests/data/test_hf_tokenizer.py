@@ -451,3 +451,23 @@ def test_regex_constructs_tiktoken_cannot_follow_are_refused_in_one_line(tmp_pat
     with pytest.raises(ValueError, match=f"^{file}: pre-tokenizer regex construct .*{construct}") as e:
         build_tokenizer(str(file))
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("special", [False, True], ids=["matched", "special"])
+def test_an_added_token_renumbering_a_vocabulary_token_is_refused(tmp_path, test_model_json, special):
+    """HF gives an added token whose text is in the vocabulary the vocabulary's id, not its own: titanlite
+    cannot follow that with tiktoken's special tokens, so the file is refused in one line naming both ids."""
+    data = json.loads(test_model_json.read_text(encoding="utf-8"))
+    vocab_id = data["model"]["vocab"]["the"]
+    own_id = 1 + max(*data["model"]["vocab"].values(), *(e["id"] for e in data["added_tokens"]))
+    entry = {"id": own_id, "content": "the", "single_word": False, "lstrip": False, "rstrip": False}
+    data["added_tokens"].append({**entry, "normalized": False, "special": special})
+    file = tmp_path / "tokenizer.json"
+    file.write_text(json.dumps(data), encoding="utf-8")
+    hf = tokenizers.Tokenizer.from_file(str(file))
+    assert hf.encode("bathe", add_special_tokens=False).ids[-1] == vocab_id  # what HF does: the vocabulary id
+    with pytest.raises(ValueError) as e:
+        build_tokenizer(str(file))
+    msg = str(e.value)
+    assert msg.startswith(f"{file}: added token 'the' has id {own_id} but is also vocabulary token id {vocab_id}")
+    assert "\n" not in msg

@@ -409,3 +409,18 @@ def test_folder_of_an_older_version_needs_overwrite(small_prepared):
     with pytest.raises(ValueError, match=r"prepared by an older titanlite .*; use --overwrite"):
         prep.prepare(src, out, tok, **kw)
     assert prep.prepare(src, out, tok, **{**kw, "overwrite": True}) == manifest
+
+
+@pytest.mark.parametrize("where", ["equal", "inside", "inside_via_link"])
+def test_output_inside_input_refused_before_writing(tmp_path, capsys, where):
+    src = tmp_path / "corpus"
+    src.mkdir()
+    (src / "a.jsonl").write_text('{"text": "one document"}\n{"text": "another"}\n')
+    out = {"equal": src, "inside": src / "shards", "inside_via_link": tmp_path / "link" / "shards"}[where]
+    (tmp_path / "link").symlink_to(src)
+    before = sorted(p.name for p in src.rglob("*"))
+    assert prep.main(["--input", str(src), "--output", str(out), "--workers", "1", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"prepare_data: error: --output {out} "), err
+    assert f"--input {src}" in err[0]
+    assert sorted(p.name for p in src.rglob("*")) == before  # nothing written, not even the output folder

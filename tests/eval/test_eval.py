@@ -20,6 +20,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -539,3 +540,34 @@ def test_cli_max_seq_len_is_passed_to_evaluate(checkpoint, loaded, data_dir, tmp
     assert main([*argv, "--max-seq-len", "100", "--output", str(out)]) == 0
     lib = evaluate(loaded.model, loaded.tokenizer, ["hellaswag"], data_dir, limit=2, max_seq_len=100)
     assert json.loads(out.read_text())["hellaswag"] == lib["hellaswag"] and lib["hellaswag"]["num_truncated"] == 1
+
+
+def test_cli_output_is_checked_before_scoring(capsys, checkpoint, data_dir, tmp_path, monkeypatch):
+    """A run's own files are refused, and so is a folder that cannot be written, before the model is even loaded."""
+    import titanlite.eval.cli as cli
+
+    def no_scoring(*args, **kwargs):
+        raise AssertionError("scoring started although --output is unusable")
+
+    monkeypatch.setattr(cli, "load_model", no_scoring)
+    dump = checkpoint.parents[1]  # the run's dump folder: metrics.jsonl, config.toml, the run lock
+    metrics = (dump / "metrics.jsonl").read_bytes()
+    notes = write(dump / "notes.txt", "my notes")
+    base = ["--checkpoint", str(checkpoint), "--tasks", "piqa", "--data-dir", str(data_dir), "--output"]
+    for out in (dump / "metrics.jsonl", dump / "summary.json", notes, dump / "checkpoint" / ".titanlite.lock"):
+        line = one_error_line(capsys, [*base, str(out)])
+        assert line.startswith(f"error: --output {out}: a file of the run folder {out.parent} that is not an eval"), (
+            line
+        )
+    assert (dump / "metrics.jsonl").read_bytes() == metrics and notes.read_text() == "my notes"
+    unwritable = Path("/sys/titanlite-eval.json")  # not writable even by root
+    try:
+        tempfile.NamedTemporaryFile(dir=unwritable.parent).close()
+        pytest.skip("no unwritable folder here")
+    except OSError:
+        pass
+    assert one_error_line(capsys, [*base, str(unwritable)]).startswith(f"error: --output {unwritable}: cannot write")
+    earlier = write(dump / "eval.json", json.dumps({"step": 1, "checkpoint": str(checkpoint)}))
+    cli.check_output(str(earlier))  # an earlier eval output in the run folder may be replaced
+    cli.check_output(str(dump / "checkpoint" / "scores.json"))  # so may a new file there
+    assert not [p for p in dump.rglob(".eval-output-check-*")]  # the write check leaves nothing behind

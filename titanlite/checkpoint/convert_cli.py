@@ -95,6 +95,11 @@ def main_dcp_to_hf(argv: Sequence[str] | None = None) -> int:
             "Otherwise the shapes and torchtitan's llama3 flavors decide (see torchtitan_ext.compat.format)"
         ),
     )
+    p.add_argument(
+        "--no-tokenizer",
+        action="store_true",
+        help="export without tokenizer files (by default the recorded tokenizer is required, checked by its hash)",
+    )
     _add_common_args(p, "; a checkpoint that needs one not given is refused with the module to pass")
     a = p.parse_args(argv)
     try:
@@ -106,6 +111,7 @@ def main_dcp_to_hf(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         return _error(e)
     kwargs = dict(dtype=DTYPES.get(a.dtype), max_shard_bytes=max_bytes, model_args=model_args)
+    kwargs.update(no_tokenizer=a.no_tokenizer)
     return _run(dcp_to_hf, a, a.dcp_step_dir, a.hf_out_dir, **kwargs)
 
 

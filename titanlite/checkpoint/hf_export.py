@@ -36,7 +36,7 @@ from safetensors.torch import save_file
 
 from titanlite.checkpoint import layout, safe_load
 from titanlite.checkpoint.hf_import import INDEX_FILE, SINGLE_FILE, Progress, no_progress
-from titanlite.checkpoint.hf_tokenizer_files import check_tokenizer, write_tokenizer_files
+from titanlite.checkpoint.hf_tokenizer_files import check_tokenizer, verified_tokenizer_path, write_tokenizer_files
 from titanlite.extensions import load_extensions
 from titanlite.fsio import atomic_dir, fsync_dir, one_line
 from titanlite.hf_tokenizer import tokenizer_files
@@ -55,10 +55,12 @@ def dcp_to_hf(
     progress: Progress = no_progress,
     extensions: Sequence[str] = (),
     model_args: Mapping[str, Any] | None = None,
+    no_tokenizer: bool = False,
 ) -> Path:
     """Write ``model.safetensors`` (+ index), ``config.json``, ``generation_config.json`` and the tokenizer
     files of the tokenizer ``checkpoint.json`` records (:mod:`titanlite.checkpoint.hf_tokenizer_files`: also
-    for a tiktoken file or the byte tokenizer; none when its file is gone, with a warning).
+    for a tiktoken file or the byte tokenizer), found by its recorded absolute path and SHA-256: a file that is
+    gone or changed is a one-line error, unless ``no_tokenizer`` asks for an export without tokenizer files.
 
     ``extensions`` (modules that register the model family) are imported first; those ``checkpoint.json``
     records are never imported on its word alone (a checkpoint is data): a family that needs one is an error
@@ -100,7 +102,9 @@ def dcp_to_hf(
     bos, eos = _token_ids(info, step_dir)
     recorded = info.get("tokenizer") if isinstance(info.get("tokenizer"), dict) else {}
     tokenizer_path = str(recorded.get("path") or "")
-    known = not torchtitan and "path" in recorded  # a checkpoint.json that names no tokenizer: none is exported
+    known = not torchtitan and "path" in recorded and not no_tokenizer  # none recorded, or none asked: none exported
+    if known:
+        tokenizer_path = verified_tokenizer_path(recorded, step_dir / layout.INFO_FILE)
     tokenizer = _recorded_tokenizer(spec, tokenizer_path, bos, args, step_dir) if known else None
     with atomic_dir(out_dir) as partial, layout.quiet_single_process():
         done = 0
@@ -159,12 +163,15 @@ def _foreign_folder(keys: Mapping[str, Any], step_dir: Path) -> Any:
 
 
 def _recorded_tokenizer(spec, path: str, bos: int | None, args: Any, step_dir: Path) -> Any:
-    """The tokenizer ``checkpoint.json`` records ("": the byte tokenizer), checked against the model; None
-    (with a warning) when its file is gone or the family registers no tokenizer."""
-    if spec.tokenizer_builder is None or (path not in ("", "bytes") and not tokenizer_files(path)):
-        if path:
-            logger.warning("tokenizer %s recorded in checkpoint.json not found: the export has no tokenizer", path)
+    """The tokenizer ``checkpoint.json`` records ("": the byte tokenizer), checked against the model; None when the
+    family registers no tokenizer. A file that is gone is a one-line error: an export never silently lacks it."""
+    if spec.tokenizer_builder is None:
         return None
+    if path not in ("", "bytes") and not tokenizer_files(path):
+        raise ValueError(
+            f"{step_dir / layout.INFO_FILE}: the tokenizer it was trained with, {path}, is not found; restore it "
+            "there, or pass --no-tokenizer (no_tokenizer=True) to export without tokenizer files"
+        )
     what = f"the tokenizer {path or 'bytes'!r} recorded in {step_dir / layout.INFO_FILE}"
     try:
         tokenizer = spec.tokenizer_builder(path)

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from titanlite.checkpoint import layout, safe_load
-from titanlite.checkpoint.hf_tokenizer_files import check_tokenizer, folder_tokenizer_path
+from titanlite.checkpoint.hf_tokenizer_files import check_tokenizer, folder_tokenizer_path, tokenizer_record
 from titanlite.dtypes import dtype_name
 from titanlite.extensions import load_extensions
 from titanlite.fsio import atomic_dir, one_line
@@ -103,7 +103,13 @@ def _checked_tensors(path: Path, adapter: Any) -> dict[str, tuple[Path, torch.dt
             shape, want = tuple(header.get_shape()), hf_layout[hf_name][1]
             if shape != want:
                 raise ValueError(f"{path}: {hf_name} has shape {list(shape)} but config.json implies {list(want)}")
-            found[hf_name] = (path / file, header[:0].dtype)  # an empty slice names the torch dtype, reads no data
+            dtype = header[:0].dtype  # an empty slice names the torch dtype, reads no data
+            if not dtype.is_floating_point:
+                raise ValueError(
+                    f"{path / file}: tensor {hf_name} has dtype {dtype_name(dtype)}; expected floating-point weights "
+                    "(float32, bfloat16, float16, ...)"
+                )
+            found[hf_name] = (path / file, dtype)
     return found
 
 
@@ -156,6 +162,7 @@ def load_hf_weights(path: str | os.PathLike, model: nn.Module, *, process_group:
                 dcp.load(group, storage_reader=HuggingFaceStorageReader(str(path)), **kw)
         except CheckpointException as e:  # a BaseException; a file changed or damaged past its header
             raise ValueError(f"{path}: cannot read its weights ({safe_load.one_line(e)})") from None
+        refuse_non_finite(group, path, process_group)
     for name, (hf_name, order) in rows.items():
         local, (row, col) = _local_part(own[name])
         need = order[row : row + local.shape[0]]
@@ -163,6 +170,7 @@ def load_hf_weights(path: str | os.PathLike, model: nn.Module, *, process_group:
             first, cols = int(need.min()), slice(col, col + local.shape[1])
             block = _read_tensor(path / files[hf_name], hf_name, (slice(first, int(need.max()) + 1), cols))
             local.copy_(block[need - first])
+    refuse_non_finite({name: own[name] for name in rows}, path, process_group)
     loaded = {**direct[0], **direct[1], **{name: own[name] for name in rows}}
     set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
     full = {name: state.get(name, state.get("tok_embeddings.weight")) for name in whole}
@@ -197,9 +205,26 @@ def _read_tensor(file: Path, hf_name: str, index: tuple[slice, ...] | None = Non
     not read); a file changed or damaged past its header is a one-line ValueError naming it."""
     try:
         with _safe_open(file) as f:
-            return f.get_tensor(hf_name) if index is None else f.get_slice(hf_name)[index]
+            tensor = f.get_tensor(hf_name) if index is None else f.get_slice(hf_name)[index]
     except Exception as e:
         raise ValueError(f"{file}: cannot read {hf_name} ({safe_load.one_line(e)})") from None
+    if index is None:  # a part of a tensor (rows of this rank) is checked where the ranks agree on it
+        refuse_non_finite({hf_name: tensor}, file)
+    return tensor
+
+
+def refuse_non_finite(tensors: dict[str, torch.Tensor], where: Any, group: Any = None) -> None:
+    """A one-line ValueError naming the first of ``tensors`` (read from ``where``) holding a NaN or an infinity
+    (one reduction per tensor; a DTensor: this rank's part, the verdict agreed over ``group`` when distributed)."""
+    bad = next(
+        (n for n, t in tensors.items() if t.is_floating_point() and not torch.isfinite(_local_part(t)[0]).all()), None
+    )
+    if dist.is_available() and dist.is_initialized() and any(isinstance(t, DTensor) for t in tensors.values()):
+        flag = torch.tensor([int(bad is not None)], device=next(iter(tensors.values())).device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        bad = bad or ("a tensor on another rank" if flag.item() else None)
+    if bad is not None:
+        raise ValueError(f"{where}: {bad} holds NaN or infinite values; expected finite weights")
 
 
 def _parts_by_native(adapter: Any, hf_layout: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, list[str]]:
@@ -274,7 +299,7 @@ def hf_to_dcp(
         raise ValueError(f"{hf_dir} lacks {missing[0]}{more}")
     parts_of = _parts_by_native(adapter, hf_layout)
     metas = {
-        n: torch.empty(expected[n], dtype=found[parts[0]][2] if parts else torch.float32, device="meta")
+        n: torch.empty(expected[n], dtype=_stored_dtype([found[p][2] for p in parts]), device="meta")
         for n, parts in parts_of.items()
     }
 
@@ -303,10 +328,16 @@ def hf_to_dcp(
             ) from None
         info = dict(step=0, tokens_seen=0, model_only=True, dtype=dtype_name(*dtypes) if len(dtypes) == 1 else None)
         info["model"] = {"name": spec.name, "flavor": matching_flavor(spec, args), "args": dataclasses.asdict(args)}
-        info.update(extensions=extensions, tokenizer={"path": tokenizer_path, "bos_id": bos, "eos_id": eos})
+        info.update(extensions=extensions, tokenizer={**tokenizer_record(tokenizer_path), "bos_id": bos, "eos_id": eos})
         info["files"] = layout.file_checksums(partial)  # verified when the seed is loaded or converted
         layout.write_info(partial, {**info, "source": {"hugging_face": str(hf_dir.resolve())}})
     return out_dir
+
+
+def _stored_dtype(dtypes: list[torch.dtype]) -> torch.dtype:
+    """The dtype a native tensor made of HF parts of ``dtypes`` is stored in: one that holds each part exactly
+    (stacked fp32 experts beside a bf16 one stay fp32); float32 for one made from nothing (a zero bias)."""
+    return functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32
 
 
 def _folder_tokenizer(spec, hf_dir: Path, bos: Any, args: Any) -> str:

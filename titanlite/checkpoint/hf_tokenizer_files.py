@@ -17,6 +17,8 @@ putting BOS first, as Llama 3's does. Where several merges make one token, one o
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -24,6 +26,9 @@ from typing import Any
 
 from titanlite.checkpoint import layout
 from titanlite.hf_tokenizer import byte_level_alphabet, resolve_tokenizer_file, tokenizer_files
+
+logger = logging.getLogger("titanlite.checkpoint")
+BUILT_IN = ("", "bytes")  # tokenizer paths naming the built-in byte tokenizer: no file to record or check
 
 # Llama 3's chat format (see titanlite.data.chat): BOS, then per message a header with the role, two
 # newlines, the stripped content and <|eot_id|>; the generation prompt is the assistant's header.
@@ -171,3 +176,46 @@ def check_tokenizer(tokenizer: Any, *, bos_id: Any, vocab_size: int | None, what
         raise ValueError(
             f"{what} has BOS id {tokenizer.bos_id} but {where} records {bos_id}: not this model's tokenizer"
         )
+
+
+def tokenizer_sha256(path: str) -> str:
+    """The SHA-256 of the file a tokenizer path names (an HF folder: its tokenizer.json or original/tokenizer.model)."""
+    digest = hashlib.sha256()
+    with open(resolve_tokenizer_file(path), "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def tokenizer_record(path: str) -> dict[str, str]:
+    """What ``checkpoint.json`` records of the tokenizer at ``path``: its absolute path and its file's SHA-256, so
+    that a tool run from another folder, or after the file changed, finds it or refuses (the built-in byte
+    tokenizer: its name only)."""
+    if path in BUILT_IN:
+        return {"path": path}
+    absolute = os.path.abspath(os.path.expanduser(path))
+    return {"path": absolute, "sha256": tokenizer_sha256(absolute)}
+
+
+def verified_tokenizer_path(recorded: dict[str, Any], info_file: Path) -> str:
+    """The tokenizer path ``info_file`` records, once its file is found with the recorded SHA-256 (a one-line
+    ValueError otherwise); a record without a hash (older checkpoints) is used as it is, with a warning."""
+    path, want = str(recorded.get("path") or ""), recorded.get("sha256")
+    if path in BUILT_IN:
+        return path
+    if not isinstance(want, str):
+        logger.warning("%s records tokenizer %s without its sha256 (an older checkpoint): unverified", info_file, path)
+        return path
+    try:
+        got = tokenizer_sha256(path)
+    except (OSError, ValueError):
+        raise ValueError(
+            f"{info_file}: the tokenizer it was trained with, {path}, is not found; restore it there or pass the "
+            "tokenizer file (eval/generate: --tokenizer)"
+        ) from None
+    if got != want:
+        raise ValueError(
+            f"{info_file}: tokenizer {path} has sha256 {got[:16]}..., not the {want[:16]}... recorded at training: "
+            "the file changed; restore the one it was trained with or pass it (eval/generate: --tokenizer)"
+        )
+    return path

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from titanlite.checkpoint import hf_export, hf_import, layout, safe_load
-from titanlite.checkpoint.hf_tokenizer_files import check_tokenizer
+from titanlite.checkpoint.hf_tokenizer_files import check_tokenizer, verified_tokenizer_path
 from titanlite.config import ConfigError
 from titanlite.config.sections import Training
 from titanlite.config.toml_io import read_toml
@@ -75,6 +75,8 @@ def load_model(
     if is_step_folder(path):
         spec, args, state, info = _from_step_folder(path, given)
         step, recorded = info.get("step"), (info.get("tokenizer") or {}).get("path", "")
+        if tokenizer_path is None:  # the recorded one: found by its absolute path, checked by its hash
+            recorded = verified_tokenizer_path(info.get("tokenizer") or {}, path / layout.INFO_FILE)
         tokenizer = _tokenizer(spec, tokenizer_path, recorded, f"the tokenizer {recorded!r} recorded in {path}")
         bos_id, eos_id = hf_export._token_ids(info, path)
         where = path / layout.INFO_FILE
@@ -144,6 +146,7 @@ def _from_step_folder(path: Path, extensions: list[str]) -> tuple[Any, Any, dict
     state = {src: torch.empty(tuple(md.size), dtype=md.properties.dtype) for src, md in sources.values()}
     with layout.quiet_single_process():
         safe_load.load(state, path, no_dist=True)
+    hf_import.refuse_non_finite(state, path)
     return spec, args, {name: state[src] for name, (src, _) in sources.items()}, info
 
 

@@ -51,7 +51,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite import _torch_compat
 from titanlite.checkpoint import hf_import, layout, safe_load
-from titanlite.checkpoint.resume import LoadPlan, ResumePlanner
+from titanlite.checkpoint.resume import LoadPlan, ResumePlanner, changed_settings
 from titanlite.checkpoint.safe_load import one_line
 from titanlite.checkpoint.state import CheckpointStates
 from titanlite.dtypes import DTYPES, dtype_name
@@ -217,6 +217,8 @@ class CheckpointManager:
             self._resumed_step = info["step"]  # newer folders move aside once the resume is committed
             tokens, what = info.get("tokens_seen") or 0, ", ".join(state)
             self._warn(f"checkpoint: RESUMED from {path}: step {info['step']}, {tokens:,} tokens seen; {what} restored")
+            for line in self._on_rank0(lambda p=path: changed_settings(p, self.info, self.config_toml)):
+                self._warn(line)
             return info["step"]
         raise ValueError(
             f"no checkpoint in {self.folder} could be loaded ({'; '.join(failures)}); "

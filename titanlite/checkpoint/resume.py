@@ -10,6 +10,7 @@ step than the newest, the newer step folders (an abandoned lineage) move aside i
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import secrets
@@ -18,8 +19,50 @@ from typing import Any
 
 from titanlite.checkpoint import hf_import, layout
 from titanlite.fsio import fsync_dir
+from titanlite.nesting import loads_toml
 
 logger = logging.getLogger("titanlite.checkpoint")
+
+
+def changed_settings(path: str | os.PathLike, info: dict[str, Any], config_toml: str) -> list[str]:
+    """One line per setting this run changes from the checkpoint ``path`` it resumes: each model arg (from
+    ``checkpoint.json``; those that change a weight's shape were refused before) and each other config key (from
+    its ``config.toml``; e.g. ``quantize.linear.float8.enable``, MoE balancing coefficients), old and new."""
+    old_info, new_args = layout.read_info(path), (info.get("model") or {}).get("args")
+    old_args = (old_info.get("model") or {}).get("args")
+    lines = _changes("model.", old_args, json.loads(json.dumps(new_args, default=str)))
+    config_file = Path(path) / layout.CONFIG_FILE
+    if config_toml and config_file.is_file():
+        try:
+            old_config = loads_toml(config_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError, UnicodeDecodeError):
+            old_config = None
+        seen = {key for key, _, _ in lines}  # a model arg set in [model] is named once, with its resolved value
+        lines += [c for c in _changes("", _flat(old_config), _flat(loads_toml(config_toml))) if c[0] not in seen]
+    where = Path(path).name
+    return [f"resume: {key} changed from {old!r} ({where}) to {new!r}" for key, old, new in lines]
+
+
+def _flat(table: Any, prefix: str = "") -> dict[str, Any]:
+    """A TOML table as ``{"section.key": value}``."""
+    if not isinstance(table, dict):
+        return {}
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        out.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return out
+
+
+def _changes(prefix: str, old: Any, new: Any) -> list[tuple[str, Any, Any]]:
+    """``(prefix + key, old, new)`` for each key whose value differs (both mappings; nothing when either is not)."""
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return []
+    missing = "(not set)"
+    return [
+        (f"{prefix}{k}", old.get(k, missing), new.get(k, missing))
+        for k in sorted(set(old) | set(new))
+        if old.get(k, missing) != new.get(k, missing)
+    ]
 
 
 @dataclasses.dataclass

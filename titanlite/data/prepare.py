@@ -103,6 +103,20 @@ def _check_settings(inputs: list, val_fraction: float, workers: int, shard_token
             raise ValueError(msg)
 
 
+def _check_output_outside_inputs(inputs: list[Path], output: Path) -> None:
+    """An ``output`` equal to or inside an input folder would be read back as input on a re-run (its manifest,
+    journal and state files are .json/.jsonl): refuse before anything is read or written."""
+    out = output.resolve()
+    for given in inputs:
+        folder = given.resolve()
+        if folder.is_dir() and out.is_relative_to(folder):
+            where = "is" if out == folder else "is inside"
+            raise ValueError(
+                f"--output {output} {where} --input {given}: the prepared files would be read as input on a "
+                "re-run; choose an --output outside the input folders"
+            )
+
+
 class _Progress:
     """The encoding step's counts and its progress lines (every ``interval`` seconds; never when negative)."""
 
@@ -228,6 +242,7 @@ def prepare(
     _check_settings(inputs, val_fraction, workers, shard_tokens, file_format, txt_split)
     say = _sayer(log)
     inputs = [Path(p).expanduser() for p in inputs]  # a leading ~ is the home folder (also in --input=~/x)
+    _check_output_outside_inputs(inputs, Path(output).expanduser())
     files = list_files(inputs)
     if not files:
         raise ValueError(f"no input files (.txt/.md/.jsonl/.json/.parquet) found in {', '.join(map(str, inputs))}")

@@ -8,15 +8,18 @@ records, plus ``"step"`` and ``"checkpoint"``) as JSON, atomically (a temporary 
 
 Wrong input (an unknown task, a missing data folder or file, a checkpoint that cannot be loaded)
 prints one ``error: ...`` line on stderr and exits with status 2; an existing ``--output`` file is
-only ever replaced by a complete one.
+only ever replaced by a complete one. ``--output`` is checked before any scoring: it must be writable and must
+not be a run's own file (``metrics.jsonl``, a file in a run or checkpoint folder that is no eval output).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -32,8 +35,11 @@ from titanlite.eval.tasks import get_task, task_names
 from titanlite.eval.watch import watch
 from titanlite.extensions import load_extensions
 from titanlite.fsio import one_line
+from titanlite.run_lock import LOCK_FILE
 
 DATA_ENV = "TITANLITE_EVAL_DATA"
+METRICS_FILE = "metrics.jsonl"
+RUN_FILES = (METRICS_FILE, "summary.json", layout.CONFIG_FILE, layout.INFO_FILE, LOCK_FILE)  # a run's own files
 
 
 class UsageError(Exception):
@@ -132,11 +138,47 @@ def check_args(a: argparse.Namespace) -> tuple[list[str], Path]:
     for task in chosen:
         for rel in task.files:
             task.path(data_dir, rel)
-    if a.output and (Path(a.output).is_dir() or not Path(a.output).resolve().parent.is_dir()):
-        raise UsageError(f"--output {a.output}: expected a file path in an existing folder")
     if a.output:
-        layout.refuse_inside_step_folder(a.output, f"--output {a.output}")
+        check_output(a.output)
     return tasks, Path(data_dir)
+
+
+def check_output(output: str) -> None:
+    """``--output``: a new file or an earlier eval output, never a run's own file (its metrics log, config, a file
+    in a checkpoint folder), in a folder this process can write; checked before any scoring, so a bad path loses
+    no work."""
+    path = Path(output)
+    if path.is_dir() or not path.resolve().parent.is_dir():
+        raise UsageError(f"--output {output}: expected a file path in an existing folder")
+    layout.refuse_inside_step_folder(output, f"--output {output}")
+    run = _enclosing_run_folder(path)
+    if run is not None and (path.name in RUN_FILES or (path.exists() and not _is_eval_output(path))):
+        raise UsageError(
+            f"--output {output}: a file of the run folder {run} that is not an eval output; writing there would "
+            "replace it: choose a new file name"
+        )
+    try:
+        with tempfile.NamedTemporaryFile(dir=path.resolve().parent, prefix=".eval-output-check-"):
+            pass
+    except OSError as e:
+        raise UsageError(f"--output {output}: cannot write in {path.resolve().parent} ({e.strerror or e})") from None
+
+
+def _enclosing_run_folder(path: Path) -> Path | None:
+    """The run's dump folder or checkpoint folder ``path`` lies in (one holding the run lock or a metrics log)."""
+    for folder in path.resolve().parents:
+        if any((folder / name).is_file() for name in (LOCK_FILE, METRICS_FILE)):
+            return folder
+    return None
+
+
+def _is_eval_output(path: Path) -> bool:
+    """Whether ``path`` holds the JSON that ``--output`` writes (an object with ``step`` and ``checkpoint``)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and {"step", "checkpoint"} <= set(data)
 
 
 def check_numbers_and_device(a: argparse.Namespace) -> None:

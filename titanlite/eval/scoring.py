@@ -1,7 +1,8 @@
 """Log-likelihood scoring of benchmark tasks, batched and spread over data-parallel ranks.
 
 Every (context, choice) pair of every item is one *request*: the context's tokens with BOS first
-(``tokenizer.encode(context, bos=True)``) followed by the choice's (``tokenizer.encode(choice)``),
+(``tokenizer.encode(context, bos=True)``; nothing in front for a tokenizer without BOS, as lm-eval's HF
+backend does) followed by the choice's (``tokenizer.encode(choice)``),
 encoded separately, which are the ids a Hugging Face model gets in the tests. A forward pass gives the
 log-probability of each choice token given everything before it; the request's score is their sum
 (``loglik``), plus whether each one was the argmax (``greedy``, LAMBADA's accuracy).
@@ -131,11 +132,18 @@ def build_requests(loaded: Sequence[Sequence[Item]], tokenizer: Any, max_seq_len
     requests = []
     for t, items in enumerate(loaded):
         for i, item in enumerate(items):
-            context = tokenizer.encode(item.context, bos=True)
+            context = tokenizer.encode(item.context, bos=_context_prefix(tokenizer, item.context))
             for c, choice in enumerate(item.choices):
                 cont = tokenizer.encode(choice)
                 requests.append(_fit(Request(t, i, c, context + cont, len(cont), False), max_seq_len))
     return requests
+
+
+def _context_prefix(tokenizer: Any, context: str) -> bool:
+    """Whether the context gets the tokenizer's ``bos_id`` in front, as in lm-evaluation-harness's HF backend: a
+    tokenizer with a BOS adds it; one without (``has_bos`` False, Qwen3) adds nothing, except that an empty
+    context is scored after its ``bos_id`` (then the EOS id, lm-eval's ``prefix_token_id``)."""
+    return getattr(tokenizer, "has_bos", True) or not context
 
 
 def _fit(request: Request, max_seq_len: int) -> Request:
@@ -311,6 +319,11 @@ def _results(
             ks = per_item[(t, i)]
             truncated += any(requests[k].truncated for k in ks)
             loglik, greedy = [scores[k][0] for k in ks], [scores[k][1] for k in ks]
+            if not all(math.isfinite(x) for x in loglik):
+                raise ValueError(
+                    f"{task.name}: item {i} has a non-finite log-likelihood ({loglik}); expected finite scores: "
+                    "the model's outputs are not finite (check its weights)"
+                )
             records.append(task.record(i, item, loglik, [requests[k].num_cont for k in ks], greedy))
         if truncated:
             logger.warning(

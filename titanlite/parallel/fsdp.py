@@ -75,11 +75,22 @@ class FSDPPolicy:
         """Shard the root (remaining parameters, lazy-init point) and make every group SUM its gradients
         over the data-parallel ranks, with no division."""
         self.shard(model)
-        for m in model.modules():
+        sum_gradients(model)
+        return model
+
+
+def sum_gradients(model: nn.Module) -> int:
+    """Make every FSDP group of ``model`` (and of its pipeline ``stages``) SUM its gradients over the data-parallel
+    ranks with no division (FSDP2's default is their mean); returns how many groups did not already."""
+    changed = 0
+    for root in [model, *getattr(model, "stages", ())]:
+        for m in root.modules():
             if isinstance(m, FSDPModule):
+                groups = getattr(m._get_fsdp_state(), "_fsdp_param_groups", ())
+                changed += sum(g.gradient_divide_factor != 1.0 or not g.force_sum_reduction_for_comms for g in groups)
                 m.set_gradient_divide_factor(1.0)
                 m.set_force_sum_reduction_for_comms(True)
-        return model
+    return changed
 
 
 @contextlib.contextmanager

@@ -40,7 +40,7 @@ from titanlite.loss import cross_entropy_sum
 from titanlite.models.moe import MoEStep
 from titanlite.output_loss import ChunkedLoss, LogitsLoss, as_output_loss
 from titanlite.parallel.distributed import all_reduce_sum
-from titanlite.parallel.fsdp import is_fsdp
+from titanlite.parallel.fsdp import is_fsdp, sum_gradients
 from titanlite.parallel.grad_clip import WorldLayout, clip_coefficient, clip_grad_norm_, grad_square_sum, scale_grads_
 from titanlite.parallel.tensor_parallel import loss_parallel_context, to_local_value
 
@@ -156,6 +156,16 @@ class TrainStep:
         self.stop_requested = stop_requested
         self.world = self._world_layout()
         self.fold_clip = getattr(optimizer, "_step_supports_amp_scaling", False)  # a fused kernel takes grad_scale
+        self._sum_fsdp_gradients()
+
+    def _sum_fsdp_gradients(self) -> None:
+        """Each rank's gradient is its share of the global token mean, so data-parallel FSDP groups must SUM the
+        shares: a model sharded by ``fully_shard`` itself averages them (half the norm on 2 ranks), set to SUM here."""
+        if self.dp_degree > 1 and (changed := sum_gradients(self.model)):
+            logger.info(
+                f"TrainStep: {changed} FSDP groups averaged their gradients over the {self.dp_degree} data-parallel "
+                "ranks; set to sum them (each rank's gradient is its share of the global token mean)"
+            )
 
     def _world_layout(self) -> WorldLayout | None:
         """How to count replicas in the step's reduction; None when processes run without a known mesh (a

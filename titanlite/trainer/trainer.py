@@ -25,6 +25,7 @@ from torch import nn
 
 from titanlite import components
 from titanlite.checkpoint import CheckpointHook, CheckpointManager, layout
+from titanlite.checkpoint.hf_tokenizer_files import tokenizer_record
 from titanlite.checkpoint.seed_args import model_args_from_seed
 from titanlite.config import JobConfig, config_to_toml, dump_config
 from titanlite.eval import evaluate, get_task
@@ -235,7 +236,10 @@ class Trainer(TrainerData):
         info = {
             "model": {"name": c.model.name, "flavor": c.model.flavor, "args": dataclasses.asdict(self.model_args)},
             "extensions": list(c.job.extensions),  # what converters import to know the family
-            "tokenizer": {"path": c.model.tokenizer_path, **{k: getattr(tok, k, None) for k in ("bos_id", "eos_id")}},
+            "tokenizer": {
+                **tokenizer_record(c.model.tokenizer_path),
+                **{k: getattr(tok, k, None) for k in ("bos_id", "eos_id")},
+            },
         }
         states = {"model": self.model, "optimizer": self.optimizer, "lr_scheduler": self.lr_scheduler}
         states.update(dataloader=self.train_loader, train_state=self.state, guard=self.guard)
