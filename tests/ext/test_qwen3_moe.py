@@ -157,3 +157,32 @@ def test_a_moved_bias_or_foreign_routing_is_refused_at_export(tmp_path):
     for kw in ({"moe_score_func": "sigmoid"}, {"moe_num_shared_experts": 1}, {"moe_route_scale": 2.0}):
         with pytest.raises(ValueError, match="Qwen3MoeForCausalLM cannot express model.moe_"):
             Qwen3MoEHFAdapter(tiny_args(**kw)).hf_config(dtype=torch.float32)
+
+
+def hf_config_folder(folder: Path, **changes) -> Path:
+    """An HF Qwen3-MoE folder's config.json (tiny_args exported) with ``changes`` applied (None: key removed)."""
+    config = Qwen3MoEHFAdapter(tiny_args()).hf_config(dtype=torch.float32)
+    config.update(changes)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    return folder
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("num_experts", 4.7), ("num_experts", 4.0), ("num_experts", True), ("num_experts", 0), ("num_experts", "4")]
+    + [("num_experts_per_tok", 2.5), ("moe_intermediate_size", 32.9), ("decoder_sparse_step", 1.5)],
+)
+def test_moe_sizes_in_config_json_must_be_integers(key, value, tmp_path):
+    """``num_experts: 4.7`` was read as 4 experts (int() truncates); every MoE size must be an integer >= 1, as
+    the dense sizes are. The same check serves a seed folder (model_args_from_seed) and hf-to-dcp."""
+    from titanlite.checkpoint.hf_import import hf_seed
+
+    folder = hf_config_folder(tmp_path / "hf", **{key: value})
+    with pytest.raises(ValueError) as e:
+        hf_seed(folder)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(str(folder / "config.json")), msg
+    assert f"{key} = {value!r} must be an integer in [1, " in msg, msg
+    spec, args = hf_seed(hf_config_folder(tmp_path / "ok"))  # the untouched export reads back as its args
+    assert spec.name == "qwen3_moe" and args == tiny_args()

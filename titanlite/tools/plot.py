@@ -12,12 +12,13 @@ titanlite itself does not depend on (``pip install matplotlib``).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
 import sys
 from pathlib import Path
+
+from titanlite.argtypes import OneLineParser, number
 
 PANELS = (  # (title, key, log scale)
     ("loss", "loss", False),
@@ -77,10 +78,11 @@ def ema(ys: list[float], alpha: float) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="titanlite plot", description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog="titanlite plot", description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", help="dump folders (or metrics.jsonl files)")
     ap.add_argument("-o", "--output", default="metrics.png", help="output image (PNG, SVG or PDF by extension)")
-    ap.add_argument("--smooth", type=float, default=0.0, help="EMA smoothing of the training loss, 0 <= s < 1")
+    smooth = number(at_least=0, below=1)
+    ap.add_argument("--smooth", type=smooth, default=0.0, help="EMA smoothing of the training loss, 0 <= s < 1")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         import matplotlib

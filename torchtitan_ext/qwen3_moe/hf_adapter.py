@@ -34,6 +34,13 @@ _EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj
 _STACKED = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _ROUTER = ("feed_forward.router.gate.weight", "mlp.gate.weight")
 _BIAS = "feed_forward.router.expert_bias"
+# upper bounds of the MoE sizes in config.json, far above any published model's (see HF_SIZE_LIMITS)
+_MOE_LIMITS = {
+    "num_experts": 1 << 14,
+    "num_experts_per_tok": 1 << 14,
+    "moe_intermediate_size": 1 << 22,
+    "decoder_sparse_step": 1 << 12,
+}
 
 
 class Qwen3MoEHFAdapter(Qwen3HFAdapter):
@@ -133,14 +140,25 @@ class Qwen3MoEHFAdapter(Qwen3HFAdapter):
         dense = super().args_from_hf_config(config)  # the Qwen3 checks and fields
         return Qwen3MoEArgs(
             **dataclasses.asdict(dense),
-            decoder_sparse_step=int(config.get("decoder_sparse_step", 1)),
+            decoder_sparse_step=_hf_int(config, "decoder_sparse_step", 1),
             mlp_only_layers=list(config.get("mlp_only_layers") or []),
-            moe_num_experts=int(config["num_experts"]),
-            moe_top_k=int(config["num_experts_per_tok"]),
-            moe_hidden_dim=int(config["moe_intermediate_size"]),
+            moe_num_experts=_hf_int(config, "num_experts"),
+            moe_top_k=_hf_int(config, "num_experts_per_tok"),
+            moe_hidden_dim=_hf_int(config, "moe_intermediate_size"),
             moe_norm_topk_prob=bool(config.get("norm_topk_prob", False)),
             moe_aux_loss_coef=float(config.get("router_aux_loss_coef", 0.0)),
         )
+
+
+def _hf_int(config: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    """``config[key]`` (``default`` when absent), which must be an integer in ``[1, _MOE_LIMITS[key]]``: a float
+    such as 4.7 is refused, not truncated."""
+    value = config.get(key, default)
+    if value is None:
+        raise ValueError(f"Qwen3-MoE config.json lacks an integer {key!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _MOE_LIMITS[key]:
+        raise ValueError(f"config.json {key} = {value!r} must be an integer in [1, {_MOE_LIMITS[key]:,}]")
+    return value
 
 
 def _is_moe(args: Qwen3MoEArgs, name: str) -> bool:
