@@ -186,3 +186,45 @@ def test_moe_sizes_in_config_json_must_be_integers(key, value, tmp_path):
     assert f"{key} = {value!r} must be an integer in [1, " in msg, msg
     spec, args = hf_seed(hf_config_folder(tmp_path / "ok"))  # the untouched export reads back as its args
     assert spec.name == "qwen3_moe" and args == tiny_args()
+
+
+def test_a_folder_saved_by_transformers_converts_and_gives_its_logits(tmp_path, transformers):
+    """transformers 5's ``save_pretrained`` writes ``num_local_experts`` and no ``num_experts`` (it was refused:
+    "KeyError: 'num_experts'"). A random Qwen3MoeForCausalLM saved by transformers converts with hf-to-dcp, and
+    titanlite's model on the converted weights gives transformers' logits; the experts are that folder's own
+    tensors, bit for bit. Both names with different values are refused."""
+    config = transformers.Qwen3MoeConfig(
+        **{k: v for k, v in Qwen3MoEHFAdapter(tiny_args()).hf_config(dtype=torch.float32).items() if k != "dtype"}
+    )
+    torch.manual_seed(0)
+    hf = transformers.Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name or "mlp.gate." in name:  # not the all-ones / near-uniform init
+                p.copy_(torch.randn_like(p) * 0.5 + ("norm" in name))
+    hf.save_pretrained(tmp_path / "hf")
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    if "num_local_experts" not in written:  # a transformers 4.x install: write what 5.x writes
+        written["num_local_experts"] = written.pop("num_experts")
+        (tmp_path / "hf" / "config.json").write_text(json.dumps(written))
+    assert "num_experts" not in written and written["num_local_experts"] == 4
+    hf_to_dcp(tmp_path / "hf", tmp_path / "dcp")
+    args = Qwen3MoEArgs(**layout.read_info(tmp_path / "dcp")["model"]["args"])
+    assert args == tiny_args(max_seq_len=args.max_seq_len, moe_aux_loss_coef=args.moe_aux_loss_coef)
+    model = Qwen3MoEModel(args)
+    model.load_state_dict(read_dcp(tmp_path / "dcp", model))
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    for j in range(4):  # block 1 is sparse: expert j's projections are slice j of the stacked tensors
+        for w, proj in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj")):
+            stacked = model.state_dict()[f"layers.1.feed_forward.experts.{w}"]
+            assert torch.equal(stacked[j], saved[f"model.layers.1.mlp.experts.{j}.{proj}.weight"])
+    with torch.no_grad():
+        diff = (hf(tokens()).logits - model.eval()(tokens())).abs().max().item()
+    assert diff < ATOL
+    written["num_experts"] = 8
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(written))
+    with pytest.raises(ValueError, match="num_experts = 8 but num_local_experts = 4"):
+        hf_to_dcp(tmp_path / "hf", tmp_path / "dcp2")
+    assert not (tmp_path / "dcp2").exists()

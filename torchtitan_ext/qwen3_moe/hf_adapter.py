@@ -15,7 +15,8 @@ Expert ``j`` of a stacked tensor is its ``j``-th slice, so export unstacks and i
 The aux-loss-free bias has no counterpart in ``Qwen3MoeForCausalLM`` (its routing is the plain top-k): a
 model whose bias moved would route differently there, so its export is refused. Routing that
 ``Qwen3MoeForCausalLM`` cannot express (sigmoid scores, a route scale, group-limited routing, shared
-experts) is refused the same way.
+experts) is refused the same way. ``config.json`` gets ``num_experts`` (transformers 5 reads it as its alias of
+``num_local_experts``); reading, either name is taken (a transformers 5 ``save_pretrained`` writes the latter).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ _BIAS = "feed_forward.router.expert_bias"
 # upper bounds of the MoE sizes in config.json, far above any published model's (see HF_SIZE_LIMITS)
 _MOE_LIMITS = {
     "num_experts": 1 << 14,
+    "num_local_experts": 1 << 14,
     "num_experts_per_tok": 1 << 14,
     "moe_intermediate_size": 1 << 22,
     "decoder_sparse_step": 1 << 12,
@@ -142,7 +144,7 @@ class Qwen3MoEHFAdapter(Qwen3HFAdapter):
             **dataclasses.asdict(dense),
             decoder_sparse_step=_hf_int(config, "decoder_sparse_step", 1),
             mlp_only_layers=list(config.get("mlp_only_layers") or []),
-            moe_num_experts=_hf_int(config, "num_experts"),
+            moe_num_experts=_num_experts(config),
             moe_top_k=_hf_int(config, "num_experts_per_tok"),
             moe_hidden_dim=_hf_int(config, "moe_intermediate_size"),
             moe_norm_topk_prob=bool(config.get("norm_topk_prob", False)),
@@ -159,6 +161,21 @@ def _hf_int(config: Mapping[str, Any], key: str, default: int | None = None) -> 
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _MOE_LIMITS[key]:
         raise ValueError(f"config.json {key} = {value!r} must be an integer in [1, {_MOE_LIMITS[key]:,}]")
     return value
+
+
+def _num_experts(config: Mapping[str, Any]) -> int:
+    """The routed experts: ``num_experts`` (transformers 4.x writes it) or ``num_local_experts`` (transformers 5,
+    which keeps ``num_experts`` as an alias of it); two values that differ are refused."""
+    keys = [key for key in ("num_experts", "num_local_experts") if config.get(key) is not None]
+    spellings = {key: _hf_int(config, key) for key in keys}
+    if not spellings:
+        raise ValueError("Qwen3-MoE config.json lacks an integer 'num_experts' (or 'num_local_experts')")
+    if len(set(spellings.values())) > 1:
+        raise ValueError(
+            f"config.json num_experts = {spellings['num_experts']} but num_local_experts = "
+            f"{spellings['num_local_experts']} (transformers 5's name for it)"
+        )
+    return next(iter(spellings.values()))
 
 
 def _is_moe(args: Qwen3MoEArgs, name: str) -> bool:
