@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -228,3 +229,73 @@ def test_a_folder_saved_by_transformers_converts_and_gives_its_logits(tmp_path, 
     with pytest.raises(ValueError, match="num_experts = 8 but num_local_experts = 4"):
         hf_to_dcp(tmp_path / "hf", tmp_path / "dcp2")
     assert not (tmp_path / "dcp2").exists()
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> Path:
+    """tiny_args' model exported to an HF folder: 4 blocks, block 0 dense (mlp_only_layers = [0]), 4 experts."""
+    root = tmp_path_factory.mktemp("exported")
+    return dcp_to_hf(save_step_folder(moe_model(tiny_args()), root / "step-3"), root / "hf")
+
+
+def with_extra_expert(folder: Path) -> None:
+    """Add expert 4 of block 1 (a copy of expert 0) to the folder's weights."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        tensors[f"model.layers.1.mlp.experts.4.{proj}.weight"] = tensors[
+            f"model.layers.1.mlp.experts.0.{proj}.weight"
+        ].clone()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    "change, cause",
+    [
+        (
+            {"num_experts": 2},
+            "model.layers.1.mlp.experts.2.down_proj.weight is expert 2, but config.json has "
+            "num_experts = 2 (experts 0 to 1)",
+        ),
+        (
+            "extra expert",
+            "model.layers.1.mlp.experts.4.down_proj.weight is expert 4, but config.json has "
+            "num_experts = 4 (experts 0 to 3)",
+        ),
+        (
+            {"mlp_only_layers": [0, 2]},
+            "model.layers.2.mlp.experts.0.down_proj.weight is a MoE tensor, but "
+            "config.json makes block 2 a dense MLP (mlp_only_layers = [0, 2], decoder_sparse_step = 1)",
+        ),
+        (
+            {"mlp_only_layers": []},
+            "model.layers.0.mlp.down_proj.weight is a dense MLP tensor, but config.json makes "
+            "block 0 a MoE block (mlp_only_layers = [], decoder_sparse_step = 1)",
+        ),
+        (
+            {"decoder_sparse_step": 2},
+            "model.layers.2.mlp.experts.0.down_proj.weight is a MoE tensor, but config.json makes block 2 a dense MLP "
+            "(mlp_only_layers = [0], decoder_sparse_step = 2)",
+        ),
+        (
+            {"num_hidden_layers": 3},
+            "model.layers.3.input_layernorm.weight does not belong to a model with 3 "
+            "layers (config.json num_hidden_layers)",
+        ),
+    ],
+)
+def test_a_tensor_config_json_has_no_place_for_is_refused_naming_the_cause(change, cause, exported, tmp_path):
+    """The message said "does not belong to a model with 4 layers" for an expert index past num_experts or a MoE
+    tensor in a block config.json makes dense: it names the real cause now; nothing is written."""
+    folder = tmp_path / "hf"
+    shutil.copytree(exported, folder)
+    if change == "extra expert":
+        with_extra_expert(folder)
+    else:
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError) as e:
+        hf_to_dcp(folder, tmp_path / "out")
+    assert str(e.value) == f"{folder}: tensor {cause}"
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists() and not list(tmp_path.glob("out.partial-*"))

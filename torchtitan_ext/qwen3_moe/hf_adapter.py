@@ -57,6 +57,22 @@ class Qwen3MoEHFAdapter(Qwen3HFAdapter):
             return f"layers.{m.group(1)}.feed_forward.experts.{proj}"
         return super().from_hf_name(hf_name)
 
+    def unexpected_tensor(self, hf_name: str) -> str:
+        """An expert index past ``num_experts``; a MoE tensor in a block ``config.json`` makes dense, or a dense
+        MLP tensor in one it makes sparse (``mlp_only_layers``, ``decoder_sparse_step``); else Qwen3's reason."""
+        a, block = self.args, re.match(r"^model\.layers\.(\d+)\.mlp\.", hf_name)
+        if block is None or int(block.group(1)) >= a.n_layers:
+            return super().unexpected_tensor(hf_name)
+        i, expert = int(block.group(1)), _EXPERT_RE.match(hf_name)
+        placement = f"mlp_only_layers = {list(a.mlp_only_layers)}, decoder_sparse_step = {a.decoder_sparse_step}"
+        if not a.is_moe_layer(i) and (expert or hf_name.endswith(".mlp.gate.weight")):
+            return f"is a MoE tensor, but config.json makes block {i} a dense MLP ({placement})"
+        if expert and int(expert.group(2)) >= (n := a.moe_num_experts):
+            return f"is expert {expert.group(2)}, but config.json has num_experts = {n} (experts 0 to {n - 1})"
+        if a.is_moe_layer(i) and not expert:
+            return f"is a dense MLP tensor, but config.json makes block {i} a MoE block ({placement})"
+        return super().unexpected_tensor(hf_name)
+
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         a = self.args
         e, h, d = a.moe_num_experts, a.moe_hidden_dim, a.dim
