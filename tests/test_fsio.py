@@ -118,6 +118,45 @@ def test_atomic_dir_refuses_a_non_empty_output(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out"] and (tmp_path / "out" / "keep").read_text() == "mine"
 
 
+def test_atomic_dir_writes_through_a_link_to_an_empty_folder(tmp_path):
+    """A link to an empty folder stands for that folder: the partial folder is made beside the target and renamed
+    onto it, so the link shows the result (the rename used to fail with ENOTDIR after the whole write, leaving the
+    partial folder behind)."""
+    (tmp_path / "real").mkdir()
+    link = tmp_path / "links" / "out"
+    link.parent.mkdir()
+    link.symlink_to(tmp_path / "real")
+    with fsio.atomic_dir(link) as partial:
+        assert partial.parent == tmp_path and partial.name.startswith("real.partial-")
+        (partial / "w.bin").write_bytes(b"w")
+    assert link.is_symlink() and (link / "w.bin").read_bytes() == b"w"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["links", "real"] and os.listdir(link.parent) == ["out"]
+
+
+@pytest.mark.parametrize("target", ["missing", "loop"])
+def test_atomic_dir_refuses_a_link_to_nothing_and_writes_nothing(target, tmp_path):
+    link = tmp_path / "out"
+    link.symlink_to(tmp_path / target)
+    if target == "loop":
+        (tmp_path / "loop").symlink_to(link)
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(ValueError) as e, fsio.atomic_dir(link):
+        pytest.fail("the block must not run")
+    assert str(e.value).startswith(f"output {link} is a symbolic link to {tmp_path / target}, which does not exist")
+    assert sorted(os.listdir(tmp_path)) == before and link.is_symlink()
+
+
+def test_atomic_dir_a_failing_rename_removes_the_partial_folder(tmp_path):
+    """Something written into the (empty) output folder while the partial one fills: the rename fails, the partial
+    folder is removed and the other writer's file is left alone."""
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(OSError), fsio.atomic_dir(out) as partial:
+        (partial / "w.bin").write_bytes(b"w")
+        (out / "theirs").write_text("theirs")
+    assert os.listdir(tmp_path) == ["out"] and os.listdir(out) == ["theirs"]
+
+
 @pytest.mark.parametrize(
     "value, want",
     [

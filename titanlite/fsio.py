@@ -79,28 +79,43 @@ def atomic_write(
 
 @contextlib.contextmanager
 def atomic_dir(out_dir: PathLike) -> Iterator[Path]:
-    """Yields ``<out_dir>.partial-<token>`` to fill; renamed to ``out_dir`` when the block ends. On any error the
-    partial folder is removed with the parent folders this call created (the file system is left as found).
-    ``out_dir`` must not exist or be an empty folder (ValueError, nothing touched)."""
-    out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ValueError(f"output {out_dir} already exists and is not empty (nothing was overwritten)")
+    """Yields ``<out_dir>.partial-<token>`` to fill; renamed to ``out_dir`` when the block ends. On any error,
+    the rename included, the partial folder is removed with the parent folders this call created (the file system
+    is left as found). ``out_dir`` must not exist or be an empty folder; a symbolic link to an empty folder stands
+    for that folder (the partial folder is made beside it and renamed onto it, so the link shows the result); a
+    link to nothing is refused. A refusal is a ValueError, with nothing touched."""
+    out_dir = _output_folder(Path(out_dir))
     created = [p for p in reversed(out_dir.parents) if not p.exists()]
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     partial = out_dir.with_name(f"{out_dir.name}.partial-{secrets.token_hex(4)}")
     partial.mkdir()
     try:
         yield partial
+        os.rename(partial, out_dir)  # replaces an empty folder in one step (POSIX rename)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         for folder in reversed(created):
             with contextlib.suppress(OSError):  # only while empty: something else may have appeared
                 folder.rmdir()
         raise
-    if out_dir.is_dir():  # empty (checked at start)
-        out_dir.rmdir()
-    os.rename(partial, out_dir)
     fsync_dir(out_dir.parent)
+
+
+def _output_folder(out_dir: Path) -> Path:
+    """The folder :func:`atomic_dir` publishes to for ``out_dir`` (the target of a link); ValueError unless it is
+    absent or an empty folder."""
+    given = out_dir
+    if out_dir.is_symlink():
+        if not out_dir.exists():  # a dangling link, or a loop of links
+            raise ValueError(
+                f"output {out_dir} is a symbolic link to {os.readlink(out_dir)}, which does not exist: create that "
+                "folder or remove the link (nothing was written)"
+            )
+        out_dir = out_dir.resolve()
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        link = f" (a link to {out_dir})" if out_dir != given else ""
+        raise ValueError(f"output {given}{link} already exists and is not empty (nothing was overwritten)")
+    return out_dir
 
 
 __all__ = ["append_line", "atomic_dir", "atomic_write", "fsync_dir", "one_line"]

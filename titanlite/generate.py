@@ -51,6 +51,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from titanlite.argtypes import number
 from titanlite.checkpoint.load_model import load_model
 from titanlite.data.chat import chat_prompt_ids, special_id
 from titanlite.dtypes import DTYPES
@@ -150,6 +151,7 @@ def check_request(
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     if getattr(model, "tok_embeddings", True) is None or getattr(model, "output", True) is None:
         raise ValueError("generate needs a whole model, not a pipeline stage")
+    check_prompt_types(prompts)
     args = getattr(model, "args", None)
     vocab, max_len = getattr(args, "vocab_size", None), getattr(args, "max_seq_len", None)
     for i, prompt in enumerate(prompts):
@@ -184,6 +186,19 @@ def _warn_past_trained_length(
             trained_seq_len,
             trained_seq_len,
         )
+
+
+def check_prompt_types(prompts: object) -> None:
+    """TypeError naming the argument unless ``prompts`` is a list (or tuple) of lists of int token ids: a tensor of
+    prompts, or float ids, would fail deep in the model."""
+    if not isinstance(prompts, (list, tuple)):
+        hint = " (a tensor of prompts: pass prompts.tolist())" if isinstance(prompts, torch.Tensor) else ""
+        raise TypeError(f"generate: prompts must be a list of token-id lists, got {type(prompts).__name__}{hint}")
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, list):
+            raise TypeError(f"generate: prompts[{i}] must be a list of int token ids, got {type(prompt).__name__}")
+        if bad := [t for t in prompt if not isinstance(t, int) or isinstance(t, bool)]:
+            raise TypeError(f"generate: prompts[{i}] holds {bad[0]!r} ({type(bad[0]).__name__}); token ids are ints")
 
 
 def no_cache_reason(model: nn.Module) -> str:
@@ -399,7 +414,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="0: off (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="1: off (default)")
-    p.add_argument("--seed", type=int, default=0, help="the sampling generator's seed")
+    seed = number(int, at_least=-(2**63), at_most=2**64 - 1)  # what torch.Generator.manual_seed takes
+    p.add_argument("--seed", type=seed, default=0, help="the sampling generator's seed")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt and line")
     p.add_argument("--tokenizer", help="tokenizer path, or bytes for the built-in byte-level tokenizer")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")

@@ -651,3 +651,25 @@ def test_non_finite_args_in_checkpoint_json_and_huge_hf_sizes_are_refused(tmp_pa
     config.update(vocab_size=512, num_hidden_layers=10**12)
     with pytest.raises(ValueError, match=r"num_hidden_layers = 1000000000000 must be an integer in \[1, 4,096\]"):
         Llama3HFAdapter.args_from_hf_config(config)
+
+
+def test_convert_into_a_symlinked_output(tmp_path, capsys):
+    """dcp-to-hf into a link to an empty folder writes the export there (it used to write it all, then fail with
+    "[Errno 20] Not a directory" and leave the partial folder); into a dangling link: one line, nothing written.
+    The export through the link equals the one into a plain folder, byte for byte."""
+    step = save_step_folder(titanlite_model(tiny_args()), tmp_path / "step-7")
+    (tmp_path / "target").mkdir()
+    (tmp_path / "to_target").symlink_to(tmp_path / "target")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    proc = in_process(capsys, "dcp-to-hf", str(step), str(tmp_path / "to_target"))
+    assert proc.returncode == 0, proc.stderr
+    assert in_process(capsys, "dcp-to-hf", str(step), str(tmp_path / "plain")).returncode == 0
+    names = sorted(p.name for p in (tmp_path / "plain").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "to_target").iterdir()) and "model.safetensors" in names
+    for name in names:
+        assert (tmp_path / "to_target" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes(), name
+    assert (tmp_path / "to_target").is_symlink()
+    before = sorted(os.listdir(tmp_path))
+    line = one_line_error(in_process(capsys, "dcp-to-hf", str(step), str(tmp_path / "dangling")))
+    assert line.startswith(f"error: output {tmp_path / 'dangling'} is a symbolic link to {tmp_path / 'nowhere'}")
+    assert sorted(os.listdir(tmp_path)) == before and not list(tmp_path.glob("*.partial-*"))

@@ -306,9 +306,76 @@ def test_items_longer_than_max_seq_len_are_truncated_from_the_left_and_counted(l
     assert full["hellaswag"]["items"][2]["loglik"] != out["hellaswag"]["items"][2]["loglik"]
 
 
-def test_a_continuation_longer_than_max_seq_len_is_refused(loaded, data_dir):
-    with pytest.raises(ValueError, match="do not fit max_seq_len 4 with any context"):
-        evaluate(loaded.model, loaded.tokenizer, ["hellaswag"], data_dir, limit=1, max_seq_len=4)
+class LongChoices(MultipleChoiceTask):
+    name = "test_long_choices"
+    files = ("long_choices.jsonl",)
+
+    def item(self, row):
+        return Item(row["q"], tuple(row["choices"]), row["answer"])
+
+
+LONG_ITEMS = [
+    {"q": "Question: pick one.", "choices": [" a choice far longer than the window", " no"], "answer": 1},
+    {"q": "Q", "choices": [" yes", " no"], "answer": 0},  # fits: scored whole
+]
+
+
+def left_truncated_loglik(model, context: list[int], cont: list[int], max_len: int) -> float:
+    """lm-eval's window written out: of context + choice, the last ``max_len + 1`` tokens; one plain forward over
+    all but the last; the log-probability of each choice token in the window (the window's first token is only
+    read), summed in float64."""
+    ids = (context + cont)[-(max_len + 1) :]
+    scored = min(len(cont), len(ids) - 1)
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([ids[:-1]]))[0].double(), dim=-1)
+    return sum(logprobs[p, ids[p + 1]].item() for p in range(len(ids) - 1 - scored, len(ids) - 1))
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_a_choice_longer_than_max_seq_len_is_cut_from_the_left(tmp_path, compile):
+    """A choice of 35 tokens with max_seq_len 8 stopped the whole run with a message naming no task. It is cut as
+    lm-eval cuts every request: the last 9 tokens of context + choice, 8 of them scored; the model's log-likelihood
+    of that window, computed directly, is what evaluate reports (cached and plain batches, eager and compiled)."""
+    from tests.checkpoint.test_hf_conversion import tiny_args, titanlite_model
+    from titanlite.tokenizer import build_byte_tokenizer
+
+    if LongChoices.name not in task_names():
+        register_task(LongChoices)
+    write(tmp_path / "long_choices.jsonl", "".join(json.dumps(row) + "\n" for row in LONG_ITEMS))
+    model, tok, max_len = titanlite_model(tiny_args()), build_byte_tokenizer(), 8
+    out = evaluate(model, tok, [LongChoices.name], tmp_path, max_seq_len=max_len, batch_size=3, compile=compile)
+    result = out[LongChoices.name]
+    assert result["num_truncated"] == 1 and result["num_items"] == 2
+    for row, record in zip(LONG_ITEMS, result["items"]):
+        context = tok.encode(row["q"], bos=True)
+        conts = [tok.encode(choice) for choice in row["choices"]]
+        want = [left_truncated_loglik(model, context, cont, max_len) for cont in conts]
+        assert max(abs(a - b) for a, b in zip(record["loglik"], want)) <= 1e-5, (record["loglik"], want)
+        assert record["num_tokens"] == [min(len(c), max_len) for c in conts]
+    assert len(tok.encode(LONG_ITEMS[0]["choices"][0])) > max_len and result["items"][0]["num_tokens"][0] == max_len
+
+
+def test_a_choice_with_no_token_names_its_task(tmp_path):
+    """The one error left in building requests names the task, the item and the choice."""
+    from tests.checkpoint.test_hf_conversion import tiny_args, titanlite_model
+    from titanlite.tokenizer import build_byte_tokenizer
+
+    class DropsNo:  # a tokenizer that encodes " no" to nothing
+        def __init__(self):
+            self.inner = build_byte_tokenizer()
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def encode(self, text, bos=False):
+            return [] if text == " no" else self.inner.encode(text, bos=bos)
+
+    if LongChoices.name not in task_names():
+        register_task(LongChoices)
+    write(tmp_path / "long_choices.jsonl", "".join(json.dumps(row) + "\n" for row in LONG_ITEMS))
+    with pytest.raises(ValueError) as e:
+        evaluate(titanlite_model(tiny_args()), DropsNo(), [LongChoices.name], tmp_path, max_seq_len=8)
+    assert str(e.value) == "test_long_choices: item 0 choice 1 (' no') encodes to no token to score"
 
 
 # ----------------------------------------------------------------------------- data files

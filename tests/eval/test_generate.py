@@ -669,3 +669,38 @@ def test_the_module_exits_2_on_bad_input(tmp_path):
         timeout=60,
     )
     assert proc.returncode == 2 and proc.stderr == f"error: {tmp_path / 'nope'}: no such folder\n", proc.stderr
+
+
+@pytest.mark.parametrize("seed", [str(10**23), str(2**64), str(-(2**63) - 1), "1e23"])
+def test_a_seed_outside_torchs_range_is_refused_as_parsed(seed, tmp_path, capsys):
+    """``--seed 100000000000000000000000`` passed the parser, loaded the model, then failed in manual_seed with
+    "Overflow when unpacking long long": now the parser refuses it, before the (missing) checkpoint is read. The
+    range is the one torch's generator takes: both ends are accepted there, one past them refused."""
+    assert main(["--checkpoint", str(tmp_path / "missing"), "--prompt", "x", "--seed", seed]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"argument --seed: expected an integer >= {-(2**63)} and <= {2**64 - 1}" in err
+    for end in (-(2**63), 2**64 - 1):
+        torch.Generator().manual_seed(end)
+    for beyond in (-(2**63) - 1, 2**64):
+        with pytest.raises((ValueError, RuntimeError, OverflowError)):
+            torch.Generator().manual_seed(beyond)
+
+
+def test_generate_names_prompts_of_the_wrong_type():
+    """A tensor of prompts failed in ``not prompt`` (an ambiguous truth value), float ids deep in the model: a
+    TypeError naming the argument instead."""
+    model = random_model("llama3")
+    kw = dict(max_new_tokens=3)
+    with pytest.raises(TypeError, match=r"prompts must be a list of token-id lists, got Tensor \(a tensor of prompts"):
+        generate(model, torch.tensor([[1, 2, 3]]), **kw)
+    with pytest.raises(TypeError, match=r"prompts\[1\] holds 0\.0 \(float\); token ids are ints"):
+        generate(model, [[1, 2], [1, 0.0]], **kw)
+    with pytest.raises(TypeError, match=r"prompts\[0\] holds 2\.0 \(float\)"):
+        generate(model, [[1.0 + 1, 3]], **kw)
+    with pytest.raises(TypeError, match=r"prompts\[0\] must be a list of int token ids, got Tensor"):
+        generate(model, [torch.tensor([1, 2])], **kw)
+    with pytest.raises(TypeError, match=r"prompts\[0\] holds True \(bool\)"):
+        generate(model, [[True, 2]], **kw)
+    with pytest.raises(TypeError, match=r"prompts\[0\] must be a list of int token ids, got tuple"):
+        generate(model, [(5, 6, 7)], **kw)
+    assert generate(model, ([5, 6, 7],), **kw) == generate(model, [[5, 6, 7]], **kw)  # a tuple of prompts is fine

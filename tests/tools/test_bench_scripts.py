@@ -104,3 +104,58 @@ def test_unreadable_input_is_one_line_error(name, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         script(name).main([str(tmp_path / "missing.json")])
     assert str(e.value).startswith("error: cannot read")
+
+
+OTHER_JSON = ["[1, 2]", '"s"', "null", '{"a": 1}']
+
+
+@pytest.mark.parametrize(
+    "line",
+    [*OTHER_JSON, '{"row": "x"}', '{"row": "x", "tokens_per_s_per_device": "fast"}', '{"row": 3, "error": "e"}']
+    + ['{"row": "opt", "merged_s": 0.1, "params": 1}'],  # an optimizer row without its other timings
+)
+def test_bench_table_names_a_line_that_is_no_row(line, tmp_path, capsys):
+    """Other JSON ended in a traceback (AttributeError, KeyError, TypeError): one line naming the line instead."""
+    path = tmp_path / "r.jsonl"
+    good = {"row": "1B", "tokens_per_s_per_device": 1000.0}
+    path.write_text(json.dumps(good) + "\n\n" + line + "\n")
+    with pytest.raises(SystemExit) as e:
+        script("table").main([str(path)])
+    msg = str(e.value)
+    assert msg.startswith(f"error: cannot read {path}: line 3 is no row of bench train, hf-baseline or optimizer")
+    assert "\n" not in msg and not capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text", [*OTHER_JSON, '{"traceEvents": {"ph": "X"}}', '{"traceEvents": [1]}'])
+def test_trace_summary_refuses_other_json(text, tmp_path, capsys):
+    path = tmp_path / "trace.json"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as e:
+        script("trace_summary").main([str(path)])
+    assert str(e.value) == (
+        f"error: cannot read the trace {path}: not a Chrome trace (expected a JSON list of event objects or an "
+        "object with traceEvents)"
+    )
+    path.write_text(json.dumps({"traceEvents": [{"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0}]}))
+    with pytest.raises(SystemExit, match="event 0 is a complete event"):
+        script("trace_summary").main([str(path)])
+    assert not capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag, value", [("--checksum-gb", "nan"), ("--checksum-gb", "-1"), ("--checksum-files", "0")])
+def test_bench_checkpoint_refuses_checksum_sizes_out_of_range(flag, value, capsys):
+    """``--checksum-gb nan`` was true enough to start writing and failed in int(nan): refused as parsed."""
+    with pytest.raises(SystemExit) as e:
+        script("checkpoint").main([flag, value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: titanlite bench checkpoint: argument {flag}: expected a") and repr(value) in err
+
+
+def test_bench_eval_names_a_missing_checkpoint(tmp_path, capsys):
+    missing = tmp_path / "nope"
+    argv = ["--checkpoint", str(missing), "--skip-big", "--tasks", "arc_easy", "--device", "cpu"]
+    with pytest.raises(SystemExit) as e:
+        script("eval").main(argv)
+    assert str(e.value) == f"error: --checkpoint {missing}: {missing}: no such folder"
+    assert not capsys.readouterr().out

@@ -111,3 +111,36 @@ def test_plot_without_matplotlib_says_how_to_get_it(tmp_path):
         cwd=REPO,
     )
     assert missing.returncode == 2
+
+
+def test_lines_that_hold_no_record_are_skipped_as_the_trainer_skips_them(tmp_path):
+    """``[1, 2]``, ``"s"``, ``null``, a record without an integer step: skipped by the reader the trainer's rewind
+    and the watcher use (they were a traceback here); the image is byte for byte the one of the clean file."""
+    pytest.importorskip("matplotlib")
+    clean, noisy = tmp_path / "a" / "run", tmp_path / "b" / "run"  # the same label: the folder's name
+    _fake_run(clean, 1.0)
+    _fake_run(noisy, 1.0)
+    lines = (noisy / "metrics.jsonl").read_text().split("\n")
+    junk = ["[1, 2]", '"s"', "null", '{"loss": 9.0}', '{"step": true, "loss": 9.0}', '{"step": "3", "loss": 9.0}']
+    for i, line in enumerate(junk):
+        lines.insert(3 * i + 1, line)
+    (noisy / "metrics.jsonl").write_text("\n".join(lines))
+    images = []
+    for run in (clean, noisy):
+        out = run.parent / "curves.png"
+        r = subprocess.run([*PLOT, str(run), "-o", str(out)], capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert r.returncode == 0, r.stderr
+        images.append(out.read_bytes())
+    assert images[0] == images[1]
+
+
+@pytest.mark.parametrize("name", ["x.txt", "curves.PNGX"])
+def test_an_output_type_matplotlib_cannot_write_is_one_line_listing_the_types(name, tmp_path):
+    pytest.importorskip("matplotlib")
+    _fake_run(tmp_path / "run", 1.0)
+    out = tmp_path / name
+    r = subprocess.run([*PLOT, str(tmp_path / "run"), "-o", str(out)], capture_output=True, text=True, timeout=120)
+    ext = out.suffix.lower()
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith(f"error: -o {out}: matplotlib writes no '{ext}' image (supported extensions: ")
+    assert all(f".{kind}" in r.stderr for kind in ("png", "svg", "pdf")) and not out.exists()

@@ -26,7 +26,6 @@ whatever ``titanlite.train`` picks (CUDA when visible).
 
 from __future__ import annotations
 
-import argparse
 import logging
 import statistics
 import sys
@@ -35,6 +34,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from titanlite.argtypes import OneLineParser, number
 from titanlite.bench.common import seconds, write_json
 
 MODES = ("disabled", "async", "async_with_pinned_mem")
@@ -167,14 +167,16 @@ def run(
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="titanlite bench checkpoint", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="titanlite bench checkpoint", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--interval", type=int, default=10, help="long enough for a write to finish before the next save")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--folder", default=None, help="where the checkpoints go (default: a temporary folder)")
     p.add_argument("--json", default=None, help="also write the results here")
-    p.add_argument("--checksum-gb", type=float, default=0, help="only time the checksums of this many GB of files")
-    p.add_argument("--checksum-files", type=int, default=1, help="split into this many files (one per rank)")
+    gb = number(at_least=0)
+    p.add_argument("--checksum-gb", type=gb, default=0, help="only time the checksums of this many GB of files")
+    files = number(int, at_least=1)
+    p.add_argument("--checksum-files", type=files, default=1, help="split into this many files (one per rank)")
     a, rest = p.parse_known_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if a.checksum_gb:

@@ -45,6 +45,7 @@ from titanlite.checkpoint.load_model import load_model
 from titanlite.dtypes import DTYPES
 from titanlite.eval import evaluate, get_task, task_names
 from titanlite.eval.scoring import build_requests
+from titanlite.fsio import one_line
 from titanlite.models import build_model
 from titanlite.tokenizer import build_byte_tokenizer
 
@@ -57,7 +58,10 @@ class Runner:
     def __init__(self, which: str, a: argparse.Namespace):
         self.device, self.data_dir = torch.device(a.device), Path(a.data_dir)
         if which == "debug" and a.checkpoint:
-            loaded = load_model(a.checkpoint, device=self.device, dtype=DTYPES[a.dtype])
+            try:
+                loaded = load_model(a.checkpoint, device=self.device, dtype=DTYPES[a.dtype])
+            except (ValueError, OSError) as e:  # load_model's one-line errors: a missing or wrong folder
+                raise SystemExit(f"error: --checkpoint {a.checkpoint}: {one_line(e)}") from None
             self.model, self.tokenizer = loaded.model, loaded.tokenizer
         else:
             flavor, extra = ("debugmodel", {}) if which == "debug" else (a.big_flavor, {"max_seq_len": 2048})

@@ -12,15 +12,24 @@ mode when the file has one. A row that failed or timed out is a line ``{"row": .
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
+
+from titanlite.argtypes import OneLineParser
+from titanlite.fsio import one_line
 
 HEADER = (
     "| run | tokens/s | MFU (bf16 peak) | peak memory | fwd+bwd / optimizer / other | optimizer / floor "
     "| vs transformers |\n|---|---:|---:|---:|---|---:|---:|"
 )
+
+WAYS = ("clip_then_step", "merged", "step_only")  # the ways a bench optimizer row times
+ROW_KEYS = {  # the number keys each kind of row needs (besides "row"): a failed row, bench optimizer, bench train
+    "error": (),
+    "merged_s": ("params", "floor_s", *(f"{w}_{k}" for w in WAYS for k in ("s", "floor_ratio"))),
+    "tokens_per_s_per_device": ("tokens_per_s_per_device",),
+}
 
 
 def mfu_bf16(r: dict) -> float | None:
@@ -62,9 +71,7 @@ OPTIMIZER_HEADER = (
 
 def optimizer_line(r: dict) -> str:
     """A ``bench optimizer`` row: each way's milliseconds and its ratio to the floor."""
-    cells = [
-        f"{1e3 * r[f'{k}_s']:.1f} ms ({r[f'{k}_floor_ratio']:.2f}x)" for k in ("clip_then_step", "merged", "step_only")
-    ]
+    cells = [f"{1e3 * r[f'{k}_s']:.1f} ms ({r[f'{k}_floor_ratio']:.2f}x)" for k in WAYS]
     return f"| {r['row']} | {r['params'] / 1e6:,.0f} M | {1e3 * r['floor_s']:.1f} ms | {' | '.join(cells)} |"
 
 
@@ -79,14 +86,40 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def is_row(record: object) -> bool:
+    """Whether a JSON line is a row this table shows: an object with a ``"row"`` name and the numbers its kind
+    needs (:data:`ROW_KEYS`)."""
+    if not isinstance(record, dict) or not isinstance(record.get("row"), str):
+        return False
+    kind = next((k for k in ROW_KEYS if k in record), None)
+    number = (int, float)
+    return kind is not None and all(
+        isinstance(record.get(k), number) and not isinstance(record[k], bool) for k in ROW_KEYS[kind]
+    )
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The JSON lines of ``path`` (blank lines skipped); ValueError naming the first line that is no row."""
+    records = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            records.append(json.loads(line))
+            if not is_row(records[-1]):
+                raise ValueError(
+                    f"line {number} is no row of bench train, hf-baseline or optimizer (expected a JSON object with "
+                    f'a "row" name and numbers for {" or ".join(map(repr, ROW_KEYS))})'
+                )
+    return records
+
+
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="titanlite bench table", description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="titanlite bench table", description=__doc__.split("\n")[0])
     p.add_argument("results", type=Path)
     args = p.parse_args(argv)
     try:
-        records = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()]
+        records = read_rows(args.results)
     except (OSError, ValueError) as e:
-        sys.exit(f"error: cannot read {args.results}: {e}")
+        sys.exit(f"error: cannot read {args.results}: {one_line(e)}")
     print(table(records))
 
 

@@ -22,6 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from titanlite.bench.common import busy_seconds
+from titanlite.fsio import one_line
 
 KINDS = [  # (kind, pattern on the kernel name): the first match wins
     ("matmul, float8", r"e4m3|e5m2|f8f8|fp8|_f8_"),
@@ -36,10 +37,18 @@ KINDS = [  # (kind, pattern on the kernel name): the first match wins
 
 
 def load(path: Path) -> list[dict]:
+    """The events of a Chrome trace (a JSON list of events, or an object with ``traceEvents``); ValueError for
+    other JSON, or for a complete event (``"ph": "X"``) without a numeric ``ts`` and ``dur``."""
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
         data = json.load(f)
-    return data["traceEvents"] if isinstance(data, dict) else data
+    events = data.get("traceEvents") if isinstance(data, dict) else data
+    if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
+        raise ValueError("not a Chrome trace (expected a JSON list of event objects or an object with traceEvents)")
+    for i, e in enumerate(events):
+        if e.get("ph") == "X" and not all(type(e.get(k)) in (int, float) for k in ("ts", "dur")):
+            raise ValueError(f"event {i} is a complete event (ph X) without numbers ts and dur")
+    return events
 
 
 def kind_of(name: str) -> str:
@@ -79,7 +88,7 @@ def summarize(events: list[dict], top: int = 15) -> str:
             if ends and e["ts"] < ends[-1]:
                 continue
             ends.append(e["ts"] + e["dur"])
-            by_name[e["name"]] += e["dur"]
+            by_name[str(e.get("name", ""))] += e["dur"]
         lines += ["no GPU kernels (a CPU trace): top-level operators by time", "", "| operator | ms |", "|---|---:|"]
         for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
             lines.append(f"| `{name}` | {us / 1e3:.2f} |")
@@ -93,8 +102,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     try:
         events = load(args.trace)
-    except (OSError, ValueError) as e:
-        sys.exit(f"error: cannot read the trace {args.trace}: {e}")
+    except (OSError, ValueError, EOFError) as e:  # EOFError: a truncated .gz
+        sys.exit(f"error: cannot read the trace {args.trace}: {one_line(e)}")
     print(summarize(events, args.top))
 
 

@@ -92,8 +92,9 @@ def _checked_tensors(path: Path, adapter: Any) -> dict[str, tuple[Path, torch.dt
         if native is None:
             continue
         if hf_name not in hf_layout:
-            layers = getattr(adapter.args, "n_layers", "?")
-            raise ValueError(f"{path}: tensor {hf_name} does not belong to a model with {layers} layers (config.json)")
+            explain = getattr(adapter, "unexpected_tensor", None)  # HFDecoderAdapter's; a duck-typed one may lack it
+            reason = explain(hf_name) if explain else "is not a tensor of the model config.json describes"
+            raise ValueError(f"{path}: tensor {hf_name} {reason}")
         if not (path / file).is_file():
             raise ValueError(f"{path}: {file} (holding {hf_name}) is missing")
         with _safe_open(path / file) as f:

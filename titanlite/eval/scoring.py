@@ -26,9 +26,12 @@ greedy checks of all its requests are gathered and summed there, and their resul
 copy, read only after the next batch has been queued. ``compile=True`` runs the forward pass through
 ``torch.compile`` with dynamic shapes (one graph for every padded length; not for a sharded model).
 
-Requests longer than ``max_seq_len + 1`` tokens (the model reads all but the last token) lose
-tokens from the left of their context, as lm-evaluation-harness does; their number is logged and
-reported per task as ``num_truncated`` (items with at least one truncated choice).
+Requests longer than ``max_seq_len + 1`` tokens (the model reads all but the last) are cut from the left as
+lm-evaluation-harness's ``_loglikelihood_tokens`` cuts them: of context + choice, the last ``max_seq_len + 1``
+tokens stay, and the choice's tokens among them are scored, each from the tokens before it in that window. A choice
+of more than ``max_seq_len`` tokens (where lm-eval stops on an assertion) keeps the tokens the window holds: all
+but its first one scored, ``max_seq_len`` of them (its ``num_tokens``). Truncated items are logged and reported
+per task as ``num_truncated`` (items with at least one truncated choice).
 """
 
 from __future__ import annotations
@@ -114,7 +117,7 @@ def evaluate(
         )
     chosen = [get_task(name) for name in tasks]
     loaded = [task.items(data_dir)[:limit] for task in chosen]
-    requests = build_requests(loaded, tokenizer, max_seq_len)
+    requests = build_requests(loaded, tokenizer, max_seq_len, [task.name for task in chosen])
     device = torch.device(device) if device is not None else _model_device(model)
     scorer = _Scorer(model, device, autocast_dtype, max_seq_len, compile)
     was_training = model.training
@@ -127,14 +130,21 @@ def evaluate(
     return _results(chosen, loaded, requests, scores, max_seq_len)
 
 
-def build_requests(loaded: Sequence[Sequence[Item]], tokenizer: Any, max_seq_len: int) -> list[Request]:
-    """One request per (task, item, choice), in that order, each fitting ``max_seq_len`` input tokens."""
+def build_requests(
+    loaded: Sequence[Sequence[Item]], tokenizer: Any, max_seq_len: int, task_names: Sequence[str] = ()
+) -> list[Request]:
+    """One request per (task, item, choice), in that order, each fitting ``max_seq_len`` input tokens
+    (:func:`_fit`). ``task_names``: the tasks' names, for messages. A choice that encodes to no token is a
+    one-line ValueError naming its task, item and choice."""
     requests = []
     for t, items in enumerate(loaded):
         for i, item in enumerate(items):
             context = tokenizer.encode(item.context, bos=_context_prefix(tokenizer, item.context))
             for c, choice in enumerate(item.choices):
                 cont = tokenizer.encode(choice)
+                if not cont:
+                    task = task_names[t] if t < len(task_names) else f"task {t}"
+                    raise ValueError(f"{task}: item {i} choice {c} ({choice!r:.40}) encodes to no token to score")
                 requests.append(_fit(Request(t, i, c, context + cont, len(cont), False), max_seq_len))
     return requests
 
@@ -147,16 +157,13 @@ def _context_prefix(tokenizer: Any, context: str) -> bool:
 
 
 def _fit(request: Request, max_seq_len: int) -> Request:
-    """``request`` with its context cut from the left so that its input (all tokens but the last) has at
-    most ``max_seq_len`` tokens; at least one context token stays, to predict the first choice token."""
+    """``request`` cut from the left as lm-evaluation-harness cuts it (the module docstring): its last
+    ``max_seq_len + 1`` tokens, of which the choice's are scored (at most ``max_seq_len``: a window's first token
+    is read, never predicted)."""
     if len(request.tokens) <= max_seq_len + 1:
         return request
-    if request.num_cont > max_seq_len:
-        raise ValueError(
-            f"item {request.item} choice {request.choice}: its {request.num_cont} tokens do not fit "
-            f"max_seq_len {max_seq_len} with any context"
-        )
-    return dataclasses.replace(request, tokens=request.tokens[-(max_seq_len + 1) :], truncated=True)
+    window = request.tokens[-(max_seq_len + 1) :]
+    return dataclasses.replace(request, tokens=window, num_cont=min(request.num_cont, max_seq_len), truncated=True)
 
 
 def score_requests(

@@ -29,7 +29,6 @@ and to TensorBoard (an event file of its own in the run's folder) when the run w
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import time
@@ -44,6 +43,7 @@ from titanlite.checkpoint.load_model import load_model
 from titanlite.eval.hook import eval_record, scores_line
 from titanlite.extensions import load_extensions
 from titanlite.fsio import one_line
+from titanlite.metrics_records import parse_record
 from titanlite.trainer.metrics_log import strict_json_line
 
 logger = logging.getLogger("titanlite")
@@ -83,10 +83,9 @@ def watched_steps(metrics_file: Path) -> set[int]:
     steps = set()
     with contextlib.suppress(FileNotFoundError), open(metrics_file, "rb") as f:
         for line in f:
-            with contextlib.suppress(ValueError):
-                record = json.loads(line)
-                if isinstance(record, dict) and record.get("eval_source") == SOURCE:
-                    steps.add(record["step"])
+            record = parse_record(line)
+            if record is not None and record.get("eval_source") == SOURCE:
+                steps.add(record["step"])
     return steps
 
 

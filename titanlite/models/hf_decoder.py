@@ -95,6 +95,12 @@ class HFDecoderAdapter:
             return f"layers.{m.group(1)}.{block[m.group(2)]}"
         raise KeyError(f"unexpected tensor {hf_name!r} for a {self.architecture}")
 
+    def unexpected_tensor(self, hf_name: str) -> str:
+        """Why the model of ``config.json`` has no tensor ``hf_name`` (a name :meth:`from_hf_name` reads), as the
+        end of an import error: for a decoder, a block beyond ``num_hidden_layers``. Families with tensors that only
+        some blocks have (MoE) name their own causes."""
+        return f"does not belong to a model with {self.args.n_layers} layers (config.json num_hidden_layers)"
+
     # ---- tensors: the native and HF layouts (``name``: the native name) are the same unless overridden
     def tensor_to_hf(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         return tensor

@@ -19,6 +19,7 @@ import sys
 
 import torch
 
+from titanlite.argtypes import OneLineParser, number
 from titanlite.config import ConfigError
 from titanlite.models import get_model_spec, load_config, make_model_args
 from titanlite.models.flops import ModelShape, param_count
@@ -39,7 +40,7 @@ from titanlite.trainer.peaks import gpu_memory_bytes, matmul_dtype, peak_flops_f
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="titanlite estimate",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -47,11 +48,13 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "...) is a titanlite config override.",
     )
     p.add_argument("--gpu", required=True, help="GPU model, e.g. H100, 'H100 PCIe', H200, A100, L40S, B200, MI300X")
-    p.add_argument("--num-gpus", type=int, required=True, help="number of GPUs")
-    p.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilization (default 0.4)")
-    p.add_argument("--price-per-gpu-hour", type=float, default=None, help="price of one GPU-hour (any currency)")
+    p.add_argument("--num-gpus", type=number(int, at_least=1), required=True, help="number of GPUs")
+    mfu = number(above=0, at_most=1)
+    p.add_argument("--mfu", type=mfu, default=0.4, help="assumed model FLOPs utilization, 0 < u <= 1 (default 0.4)")
+    price = number(at_least=0)
+    p.add_argument("--price-per-gpu-hour", type=price, default=None, help="price of one GPU-hour (any currency)")
     target = p.add_mutually_exclusive_group(required=True)
-    target.add_argument("--tokens", type=float, help="training tokens, e.g. 20e9")
+    target.add_argument("--tokens", type=number(above=0), help="training tokens, e.g. 20e9")
     target.add_argument(
         "--chinchilla",
         action="store_true",

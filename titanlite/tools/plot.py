@@ -12,12 +12,13 @@ titanlite itself does not depend on (``pip install matplotlib``).
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import json
 import math
 import sys
+from collections.abc import Collection
 from pathlib import Path
+
+from titanlite.argtypes import OneLineParser, number
+from titanlite.metrics_records import read_records
 
 PANELS = (  # (title, key, log scale)
     ("loss", "loss", False),
@@ -28,13 +29,27 @@ PANELS = (  # (title, key, log scale)
 )
 
 
-def read_metrics(path: Path) -> list[dict]:
-    """The records of a ``metrics.jsonl`` (a torn last line, or any line that is no JSON, is ignored)."""
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        with contextlib.suppress(ValueError):
-            records.append(json.loads(line))
-    return records
+def read_runs(args: list[str]) -> list[tuple[str, list[dict]]]:
+    """``(label, records)`` of each run folder or ``metrics.jsonl`` path (labelled by its folder's name); the
+    lines that hold no record (torn by a crash, not JSON, no object with a step) are skipped, as the trainer and
+    the watcher skip them. FileNotFoundError naming a path with no ``metrics.jsonl``."""
+    runs = []
+    for arg in args:
+        path = Path(arg) / "metrics.jsonl" if Path(arg).is_dir() else Path(arg)
+        if not path.is_file():
+            raise FileNotFoundError(f"no metrics.jsonl at {path}")
+        runs.append((path.parent.name or str(path.parent), read_records(path)))
+    return runs
+
+
+def unsupported_output(output: str, supported: Collection[str]) -> str | None:
+    """Why ``output`` cannot be written: its extension names no image type of ``supported`` (matplotlib's, without
+    the dot); None when it can (no extension: matplotlib's default type)."""
+    ext = Path(output).suffix.lower().removeprefix(".")
+    if not ext or ext in supported:
+        return None
+    kinds = ", ".join(f".{e}" for e in sorted(supported))
+    return f"-o {output}: matplotlib writes no '.{ext}' image (supported extensions: {kinds})"
 
 
 def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -77,10 +92,11 @@ def ema(ys: list[float], alpha: float) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="titanlite plot", description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog="titanlite plot", description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", help="dump folders (or metrics.jsonl files)")
     ap.add_argument("-o", "--output", default="metrics.png", help="output image (PNG, SVG or PDF by extension)")
-    ap.add_argument("--smooth", type=float, default=0.0, help="EMA smoothing of the training loss, 0 <= s < 1")
+    smooth = number(at_least=0, below=1)
+    ap.add_argument("--smooth", type=smooth, default=0.0, help="EMA smoothing of the training loss, 0 <= s < 1")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         import matplotlib
@@ -94,14 +110,16 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    runs = []
-    for arg in args.runs:
-        path = Path(arg) / "metrics.jsonl" if Path(arg).is_dir() else Path(arg)
-        if not path.is_file():
-            print(f"error: no metrics.jsonl at {path}", file=sys.stderr)
-            return 2
-        label = path.parent.name or str(path.parent)
-        runs.append((label, read_metrics(path)))
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    if reason := unsupported_output(args.output, FigureCanvasAgg.get_supported_filetypes()):
+        print(f"error: {reason}", file=sys.stderr)
+        return 2
+    try:
+        runs = read_runs(args.runs)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     base, extra = base_panels(runs), extra_panels(runs)
     n = len(base) + len(extra)
     if n == 0:

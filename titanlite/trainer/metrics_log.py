@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from titanlite.fsio import atomic_write
+from titanlite.metrics_records import parse_record
 from titanlite.trainer.wandb_logger import WandbLogger, import_wandb
 
 logger = logging.getLogger(__name__)
@@ -159,15 +160,11 @@ def rewind_metrics_log(path: str | os.PathLike, step: int) -> int:
     kept, bad, dropped, prefix, prefix_end = [], [], 0, True, 0
     with open(path, "rb") as f:
         for number, line in enumerate(f, 1):
-            try:
-                record = json.loads(line) if line.endswith(b"\n") else None
-            except ValueError:
-                record = None
-            rec_step = record.get("step") if isinstance(record, dict) else None
-            if not isinstance(rec_step, int) or isinstance(rec_step, bool):
+            record = parse_record(line) if line.endswith(b"\n") else None
+            if record is None:
                 bad.append((number, line))
                 prefix = False
-            elif rec_step <= step:
+            elif record["step"] <= step:
                 kept.append(line)
                 prefix_end += len(line) if prefix else 0
             else:

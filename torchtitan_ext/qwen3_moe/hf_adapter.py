@@ -15,7 +15,8 @@ Expert ``j`` of a stacked tensor is its ``j``-th slice, so export unstacks and i
 The aux-loss-free bias has no counterpart in ``Qwen3MoeForCausalLM`` (its routing is the plain top-k): a
 model whose bias moved would route differently there, so its export is refused. Routing that
 ``Qwen3MoeForCausalLM`` cannot express (sigmoid scores, a route scale, group-limited routing, shared
-experts) is refused the same way.
+experts) is refused the same way. ``config.json`` gets ``num_experts`` (transformers 5 reads it as its alias of
+``num_local_experts``); reading, either name is taken (a transformers 5 ``save_pretrained`` writes the latter).
 """
 
 from __future__ import annotations
@@ -34,6 +35,14 @@ _EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj
 _STACKED = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _ROUTER = ("feed_forward.router.gate.weight", "mlp.gate.weight")
 _BIAS = "feed_forward.router.expert_bias"
+# upper bounds of the MoE sizes in config.json, far above any published model's (see HF_SIZE_LIMITS)
+_MOE_LIMITS = {
+    "num_experts": 1 << 14,
+    "num_local_experts": 1 << 14,
+    "num_experts_per_tok": 1 << 14,
+    "moe_intermediate_size": 1 << 22,
+    "decoder_sparse_step": 1 << 12,
+}
 
 
 class Qwen3MoEHFAdapter(Qwen3HFAdapter):
@@ -47,6 +56,22 @@ class Qwen3MoEHFAdapter(Qwen3HFAdapter):
             proj = {v: k for k, v in _STACKED.items()}[m.group(3)]
             return f"layers.{m.group(1)}.feed_forward.experts.{proj}"
         return super().from_hf_name(hf_name)
+
+    def unexpected_tensor(self, hf_name: str) -> str:
+        """An expert index past ``num_experts``; a MoE tensor in a block ``config.json`` makes dense, or a dense
+        MLP tensor in one it makes sparse (``mlp_only_layers``, ``decoder_sparse_step``); else Qwen3's reason."""
+        a, block = self.args, re.match(r"^model\.layers\.(\d+)\.mlp\.", hf_name)
+        if block is None or int(block.group(1)) >= a.n_layers:
+            return super().unexpected_tensor(hf_name)
+        i, expert = int(block.group(1)), _EXPERT_RE.match(hf_name)
+        placement = f"mlp_only_layers = {list(a.mlp_only_layers)}, decoder_sparse_step = {a.decoder_sparse_step}"
+        if not a.is_moe_layer(i) and (expert or hf_name.endswith(".mlp.gate.weight")):
+            return f"is a MoE tensor, but config.json makes block {i} a dense MLP ({placement})"
+        if expert and int(expert.group(2)) >= (n := a.moe_num_experts):
+            return f"is expert {expert.group(2)}, but config.json has num_experts = {n} (experts 0 to {n - 1})"
+        if a.is_moe_layer(i) and not expert:
+            return f"is a dense MLP tensor, but config.json makes block {i} a MoE block ({placement})"
+        return super().unexpected_tensor(hf_name)
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         a = self.args
@@ -133,14 +158,40 @@ class Qwen3MoEHFAdapter(Qwen3HFAdapter):
         dense = super().args_from_hf_config(config)  # the Qwen3 checks and fields
         return Qwen3MoEArgs(
             **dataclasses.asdict(dense),
-            decoder_sparse_step=int(config.get("decoder_sparse_step", 1)),
+            decoder_sparse_step=_hf_int(config, "decoder_sparse_step", 1),
             mlp_only_layers=list(config.get("mlp_only_layers") or []),
-            moe_num_experts=int(config["num_experts"]),
-            moe_top_k=int(config["num_experts_per_tok"]),
-            moe_hidden_dim=int(config["moe_intermediate_size"]),
+            moe_num_experts=_num_experts(config),
+            moe_top_k=_hf_int(config, "num_experts_per_tok"),
+            moe_hidden_dim=_hf_int(config, "moe_intermediate_size"),
             moe_norm_topk_prob=bool(config.get("norm_topk_prob", False)),
             moe_aux_loss_coef=float(config.get("router_aux_loss_coef", 0.0)),
         )
+
+
+def _hf_int(config: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    """``config[key]`` (``default`` when absent), which must be an integer in ``[1, _MOE_LIMITS[key]]``: a float
+    such as 4.7 is refused, not truncated."""
+    value = config.get(key, default)
+    if value is None:
+        raise ValueError(f"Qwen3-MoE config.json lacks an integer {key!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _MOE_LIMITS[key]:
+        raise ValueError(f"config.json {key} = {value!r} must be an integer in [1, {_MOE_LIMITS[key]:,}]")
+    return value
+
+
+def _num_experts(config: Mapping[str, Any]) -> int:
+    """The routed experts: ``num_experts`` (transformers 4.x writes it) or ``num_local_experts`` (transformers 5,
+    which keeps ``num_experts`` as an alias of it); two values that differ are refused."""
+    keys = [key for key in ("num_experts", "num_local_experts") if config.get(key) is not None]
+    spellings = {key: _hf_int(config, key) for key in keys}
+    if not spellings:
+        raise ValueError("Qwen3-MoE config.json lacks an integer 'num_experts' (or 'num_local_experts')")
+    if len(set(spellings.values())) > 1:
+        raise ValueError(
+            f"config.json num_experts = {spellings['num_experts']} but num_local_experts = "
+            f"{spellings['num_local_experts']} (transformers 5's name for it)"
+        )
+    return next(iter(spellings.values()))
 
 
 def _is_moe(args: Qwen3MoEArgs, name: str) -> bool:
