@@ -12,10 +12,10 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
 import torchtitan_ext.qwen3_moe  # noqa: F401  (registers "qwen3_moe")
-from tests.checkpoint.test_hf_conversion import save_step_folder, tiny_args, titanlite_model
-from tests.ext.test_qwen3_moe import moe_model
-from tests.ext.test_qwen3_moe import save_step_folder as save_moe_step_folder
-from tests.ext.test_qwen3_moe import tiny_args as moe_args
+from tests.helpers.llama import save_step_folder, tiny_args, titanlite_model
+from tests.helpers.qwen3_moe import moe_model
+from tests.helpers.qwen3_moe import save_step_folder as save_moe_step_folder
+from tests.helpers.qwen3_moe import tiny_args as moe_args
 from tests.helpers.shared_data import shared_file
 from titanlite.checkpoint import layout
 from titanlite.checkpoint.hf_export import dcp_to_hf

@@ -336,7 +336,7 @@ def test_a_choice_longer_than_max_seq_len_is_cut_from_the_left(tmp_path, compile
     """A choice of 35 tokens with max_seq_len 8 stopped the whole run with a message naming no task. It is cut as
     lm-eval cuts every request: the last 9 tokens of context + choice, 8 of them scored; the model's log-likelihood
     of that window, computed directly, is what evaluate reports (cached and plain batches, eager and compiled)."""
-    from tests.checkpoint.test_hf_conversion import tiny_args, titanlite_model
+    from tests.helpers.llama import tiny_args, titanlite_model
     from titanlite.tokenizer import build_byte_tokenizer
 
     if LongChoices.name not in task_names():
@@ -357,7 +357,7 @@ def test_a_choice_longer_than_max_seq_len_is_cut_from_the_left(tmp_path, compile
 
 def test_a_choice_with_no_token_names_its_task(tmp_path):
     """The one error left in building requests names the task, the item and the choice."""
-    from tests.checkpoint.test_hf_conversion import tiny_args, titanlite_model
+    from tests.helpers.llama import tiny_args, titanlite_model
     from titanlite.tokenizer import build_byte_tokenizer
 
     class DropsNo:  # a tokenizer that encodes " no" to nothing
