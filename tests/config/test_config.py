@@ -704,19 +704,19 @@ def test_llama3_overrides(tmp_path):
 
 
 def test_without_model_schema_model_keys_are_errors(tmp_path):
-    """titanlite.config.load_config knows no model families: [model] name/flavor are taken as given, and an
+    """titanlite.config.parse_config knows no model families: [model] name/flavor are taken as given, and an
     args field is a one-line error pointing at titanlite.models.load_config."""
-    cfg = titanlite.config.load_config(["--model.name", "not_registered", "--model.flavor", "huge"])
+    cfg = titanlite.config.parse_config(["--model.name", "not_registered", "--model.flavor", "huge"])
     assert (cfg.model.name, cfg.model.flavor, cfg.model.overrides) == ("not_registered", "huge", {})
-    msg = error_of(["--model.n_layers", "4"], loader=titanlite.config.load_config)
+    msg = error_of(["--model.n_layers", "4"], loader=titanlite.config.parse_config)
     assert "unknown key 'model.n_layers' on the command line" in msg and "titanlite.models.load_config" in msg
     path = write(tmp_path, "[model]\nn_layers = 4\n")
-    msg = error_of(["--config", path], loader=titanlite.config.load_config)
+    msg = error_of(["--config", path], loader=titanlite.config.parse_config)
     assert f"unknown key 'model.n_layers' in config file {path}" in msg and "model_schema" in msg
-    msg = error_of(["--model.flavr", "x"], loader=titanlite.config.load_config)
+    msg = error_of(["--model.flavr", "x"], loader=titanlite.config.parse_config)
     assert "did you mean 'model.flavor'?" in msg  # a typo of a [model] key still gets its suggestion
     # a schema passed by hand is the same hook titanlite.models.load_config uses
-    cfg = titanlite.config.load_config(["--model.dim", "5"], model_schema=lambda cfg: TinyArgs)
+    cfg = titanlite.config.parse_config(["--model.dim", "5"], model_schema=lambda cfg: TinyArgs)
     assert cfg.model.overrides == {"dim": 5}
 
 

@@ -55,7 +55,7 @@ def read_run_config(dump_folder: Path, extensions: Sequence[str] = ()):
     """The run's ``config.toml`` as a :class:`~titanlite.config.JobConfig`. Its ``[job] extensions`` are never
     imported (a module file in the watched folder, or the folder the watcher runs in, would run): the family must
     be registered already, by core or by one of ``extensions`` (the watcher's own ``--extensions``)."""
-    from titanlite.config import ConfigError, load_config
+    from titanlite.config import ConfigError, parse_config
     from titanlite.models import model_names
     from titanlite.models.registry import registered_schema
 
@@ -72,7 +72,7 @@ def read_run_config(dump_folder: Path, extensions: Sequence[str] = ()):
             )
         return registered_schema(cfg)
 
-    cfg = load_config(["--config", str(path)], schema)
+    cfg = parse_config(["--config", str(path)], schema)
     if not cfg.checkpoint.enable:
         raise ValueError(f"{path}: checkpoint.enable is false, so the run saves no checkpoints to evaluate")
     return cfg

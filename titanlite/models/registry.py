@@ -336,7 +336,7 @@ def registered_schema(cfg: JobConfig) -> type:
 
 
 def load_config(argv: Sequence[str] = (), **kwargs: Any) -> JobConfig:
-    """:func:`titanlite.config.load_config` with :func:`model_schema`: ``[job] extensions`` are imported,
+    """:func:`titanlite.config.parse_config` with :func:`model_schema`: ``[job] extensions`` are imported,
     ``[model] name``/``flavor`` checked against the registry and the family's args fields accepted as
     ``[model]`` keys / ``--model.<field>`` options (``kwargs``: ``tables``, ``tables_source``)."""
-    return titanlite.config.load_config(argv, model_schema, **kwargs)
+    return titanlite.config.parse_config(argv, model_schema, **kwargs)
