@@ -10,6 +10,7 @@ import textwrap
 from dataclasses import dataclass
 
 import pytest
+from torch import nn
 
 import titanlite.config
 from titanlite.config import (
@@ -43,11 +44,22 @@ class TinyArgs:
     attn_mask_type: str = "causal"
     stages: list[int] = dataclasses.field(default_factory=lambda: [1, 2])
     bounded: int = opt(3, "a field with checks", min=1, max=8)
+    vocab_size: int = 32
+    max_seq_len: int = 64
 
 
-class _TinyModel:  # never built in these tests
-    def __init__(self, args):
-        self.args = args
+class _TinyModel(nn.Module):  # never built in these tests; it declares what a family's model has
+    args: TinyArgs
+    tok_embeddings: nn.Embedding | None
+    layers: nn.ModuleDict
+    norm: nn.Module | None
+    output: nn.Linear | None
+
+    def forward(self, tokens, document_ids=None, return_hidden=False):
+        raise NotImplementedError
+
+    def init_weights(self, buffer_device=None):
+        raise NotImplementedError
 
 
 register_model(
@@ -747,14 +759,20 @@ def test_extension_family_keys_through_titanlite_models(tmp_path, monkeypatch):
         textwrap.dedent("""
         from dataclasses import dataclass
         from titanlite.models import ModelSpec, register_model
+        from titanlite.models.llama3.model import Transformer
 
         @dataclass
         class ExtArgs:
             width: int = 4
             gate: str = "silu"
             scales: list[float] | None = None
+            vocab_size: int = 32
+            n_layers: int = 1
+            max_seq_len: int = 16
+            tie_word_embeddings: bool = False
 
-        register_model(ModelSpec(name="cfgtest_ext", args_cls=ExtArgs, flavors={"tiny": ExtArgs()}, model_cls=object))
+        spec = ModelSpec(name="cfgtest_ext", args_cls=ExtArgs, flavors={"tiny": ExtArgs()}, model_cls=Transformer)
+        register_model(spec)  # the model is never built here
     """)
     )
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -168,7 +168,7 @@ def watch(
                         logger.warning("%s cannot be evaluated: %s", f.path, one_line(err))
                     continue
                 kw = dict(limit=limit, batch_size=batch_size, compile=compile)
-                kw.update(max_seq_len=max_seq_len or getattr(loaded.args, "max_seq_len", None))
+                kw.update(max_seq_len=max_seq_len or loaded.args.max_seq_len)
                 kw.update(device=torch.device(device), autocast_dtype=autocast)
                 results = evaluate_fn(loaded.model, loaded.tokenizer, tasks, data_dir, **kw)
                 record = {**eval_record(f.step, results), "eval_source": SOURCE}
