@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.checkpoint_runs import TINY, run_trainer
-from titanlite.config import ConfigError, load_config
+from titanlite.config import ConfigError, parse_config
 from titanlite.data import prepare as prep
 from titanlite.data.recipe import load_source, mixture_entries
 from titanlite.data.sources import iter_documents
@@ -47,13 +47,13 @@ def test_non_utf8_config_names_the_file_and_line(tmp_path):
     toml = tmp_path / "c.toml"
     toml.write_bytes(b'[job]\ndescription = "caf\xe9"\n')
     with pytest.raises(ConfigError, match=rf"^config file {re.escape(str(toml))}:2: not valid UTF-8 \(byte 19 of"):
-        load_config(["--config", str(toml)])
+        parse_config(["--config", str(toml)])
 
 
 def test_a_toml_file_with_a_byte_order_mark_is_read(tmp_path):
     toml = tmp_path / "c.toml"
     toml.write_bytes(b"\xef\xbb\xbf[training]\nsteps = 7\n")  # what Notepad writes
-    assert load_config(["--config", str(toml)]).training.steps == 7
+    assert parse_config(["--config", str(toml)]).training.steps == 7
 
 
 # ---------------------------------------------------------------- dataset = "chat" on a shard folder
@@ -76,7 +76,7 @@ def test_a_leading_tilde_is_the_home_folder(tmp_path, monkeypatch):
         '[job]\ndump_folder = "~/runs/a"\n[model]\ntokenizer_path = "~/tok.model"\n'
         '[training]\nmixture = [{path = "~/corpus.txt", weight = 1.0}]\n[checkpoint]\ninitial_load_path = "~/seed"\n'
     )
-    cfg = load_config(["--config", str(toml), "--eval.data_dir=~/eval"])
+    cfg = parse_config(["--config", str(toml), "--eval.data_dir=~/eval"])
     assert cfg.job.dump_folder == str(tmp_path / "runs" / "a")
     assert cfg.model.tokenizer_path == str(tmp_path / "tok.model")
     assert cfg.checkpoint.initial_load_path == str(tmp_path / "seed") and cfg.eval.data_dir == str(tmp_path / "eval")

@@ -68,14 +68,14 @@ def test_eval_task_files_in_the_loop(tmp_path):
 
 
 def test_config_toml_file_and_command_line_literal(tmp_path):
-    from titanlite.config import ConfigError, load_config
+    from titanlite.config import ConfigError, parse_config
 
     toml = tmp_path / "c.toml"
     toml.write_text("[training]\nmixture = " + DEEP_ARRAY + "\n")
     with pytest.raises(ConfigError, match=f"config file {toml}: {WHY}"):
-        load_config(["--config", str(toml)])
+        parse_config(["--config", str(toml)])
     with pytest.raises(ConfigError, match=f"'training.mixture'.*{WHY}"):
-        load_config(["--training.mixture", DEEP_ARRAY])
+        parse_config(["--training.mixture", DEEP_ARRAY])
 
 
 @pytest.fixture(scope="module")

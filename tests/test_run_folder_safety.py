@@ -77,9 +77,9 @@ def test_watcher_names_the_extension_a_family_needs_instead_of_importing_it(tmp_
 HOLDER = """
 import sys, time, torch
 from titanlite.checkpoint import CheckpointManager
-from titanlite.config import load_config
+from titanlite.config import parse_config
 argv = ["--checkpoint.enable", "--checkpoint.interval", "10", "--checkpoint.keep_latest_k", "0"]
-section = load_config(argv).checkpoint
+section = parse_config(argv).checkpoint
 manager = CheckpointManager(section, sys.argv[1], {"model": torch.nn.Linear(2, 2)})
 manager.save(10)
 manager.save(20)

@@ -149,6 +149,7 @@ def check_request(
     check_window(window)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    # any module may be handed to generate, not only a registered family's: each member is checked if it has it
     if getattr(model, "tok_embeddings", True) is None or getattr(model, "output", True) is None:
         raise ValueError("generate needs a whole model, not a pipeline stage")
     check_prompt_types(prompts)

@@ -3,15 +3,14 @@
 Summing per micro-batch and dividing once by the number of tokens in the whole optimizer step (all
 micro-batches, all data-parallel ranks) makes gradient accumulation and data parallelism give
 exactly the gradient of one big batch: no mean-of-means when micro-batches differ in size
-(:mod:`titanlite.trainer.step`). Registered as the ``[training] loss`` named ``cross_entropy``.
+(:mod:`titanlite.trainer.step`). The built-in ``[training] loss`` named ``cross_entropy``
+(:data:`titanlite.components.BUILTINS`).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from titanlite.components import register
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -33,6 +32,3 @@ def cross_entropy_sum_and_grad(logits: torch.Tensor, labels: torch.Tensor) -> tu
     grad.scatter_add_(1, targets, torch.full(targets.shape, -1.0, dtype=grad.dtype, device=grad.device))
     grad.masked_fill_(~valid[:, None], 0.0)
     return loss, grad.to(logits.dtype).view(logits.shape)
-
-
-register("loss", "cross_entropy", cross_entropy_sum)

@@ -24,10 +24,11 @@ the gradients, with masked labels, under FSDP, TP with and without loss parallel
 stage). Calls run under the autocast of the model's forward (the output matmul in the compute dtype, as
 unchunked); the loss function itself runs with autocast off, as after an unchunked forward.
 
-**The family's side** (:func:`supports_hidden_states`): ``forward(tokens, ..., return_hidden=False)``, where
-``return_hidden=True`` returns the final norm's output ``[batch, seq, dim]``, and the output layer as
-``model.output``, a bias-free ``nn.Linear`` (its weight may be tied to the embedding). Llama 3 and Qwen3 have
-both; a family without them trains unchunked.
+**The family's side** (part of every family's contract, :class:`titanlite.models.protocol.ModelFamily`):
+``forward(tokens, ..., return_hidden=False)``, where ``return_hidden=True`` returns the final norm's output
+``[batch, seq, dim]``, and the output layer as ``model.output``, a bias-free ``nn.Linear`` (its weight may be tied
+to the embedding). A model handed to :class:`~titanlite.trainer.step.TrainStep` directly, outside the registry,
+is checked when the loss is built (:meth:`ChunkedLoss.check`).
 
 **Parallelism.** Tensor parallel: the hidden states (sequence-sharded DTensor) are gathered, as the output
 layer's own input is, then cut; the vocabulary-sharded weight gives vocabulary-sharded logits, which the loss
@@ -44,7 +45,6 @@ microbatch in flight on the last stage (GPipe: all of them), instead of their lo
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -100,15 +100,6 @@ def closed_form_of(loss_fn: LossFn | ClosedFormLoss) -> Callable | None:
     return next((grad for name, grad in LOSS_GRADIENTS.items() if components.get("loss", name) is loss_fn), None)
 
 
-def supports_hidden_states(model_cls: type) -> bool:
-    """Whether ``model_cls.forward`` takes ``return_hidden`` (the family side of :class:`ChunkedLoss`)."""
-    forward = getattr(model_cls, "forward", None)
-    try:
-        return forward is not None and "return_hidden" in inspect.signature(forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def _autocast_off(t: torch.Tensor):
     """Autocast off on ``t``'s device while the loss function runs (as after an unchunked forward)."""
     device = t.device.type
@@ -161,6 +152,8 @@ class ChunkedLoss:
     @staticmethod
     def check(model: nn.Module) -> None:
         """A one-line ``ValueError`` unless ``model.output`` is a bias-free linear layer computing ``F.linear``."""
+        # any module may reach here (TrainStep takes models outside the registry), and a float8 conversion swaps the
+        # output layer of a family's model: checked on the module, not on the family
         head = getattr(model, "output", None)
         if not isinstance(head, nn.Linear) or head.bias is not None or type(head).forward is not nn.Linear.forward:
             raise ValueError(

@@ -22,7 +22,7 @@ from titanlite.models import model_schema
 from titanlite.parallel.distributed import main_then_exit, world_from_env
 from titanlite.trainer.guard import TrainingDivergedError
 from titanlite.trainer.metrics_log import DiskFullError
-from titanlite.trainer.trainer import ResumeError, Trainer  # noqa: F401  (registers the default trainer)
+from titanlite.trainer.trainer import ResumeError, Trainer  # noqa: F401  (titanlite.train.Trainer: the default)
 
 logger = logging.getLogger("titanlite")
 

@@ -10,6 +10,7 @@ import textwrap
 from dataclasses import dataclass
 
 import pytest
+from torch import nn
 
 import titanlite.config
 from titanlite.config import (
@@ -43,11 +44,22 @@ class TinyArgs:
     attn_mask_type: str = "causal"
     stages: list[int] = dataclasses.field(default_factory=lambda: [1, 2])
     bounded: int = opt(3, "a field with checks", min=1, max=8)
+    vocab_size: int = 32
+    max_seq_len: int = 64
 
 
-class _TinyModel:  # never built in these tests
-    def __init__(self, args):
-        self.args = args
+class _TinyModel(nn.Module):  # never built in these tests; it declares what a family's model has
+    args: TinyArgs
+    tok_embeddings: nn.Embedding | None
+    layers: nn.ModuleDict
+    norm: nn.Module | None
+    output: nn.Linear | None
+
+    def forward(self, tokens, document_ids=None, return_hidden=False):
+        raise NotImplementedError
+
+    def init_weights(self, buffer_device=None):
+        raise NotImplementedError
 
 
 register_model(
@@ -704,19 +716,19 @@ def test_llama3_overrides(tmp_path):
 
 
 def test_without_model_schema_model_keys_are_errors(tmp_path):
-    """titanlite.config.load_config knows no model families: [model] name/flavor are taken as given, and an
+    """titanlite.config.parse_config knows no model families: [model] name/flavor are taken as given, and an
     args field is a one-line error pointing at titanlite.models.load_config."""
-    cfg = titanlite.config.load_config(["--model.name", "not_registered", "--model.flavor", "huge"])
+    cfg = titanlite.config.parse_config(["--model.name", "not_registered", "--model.flavor", "huge"])
     assert (cfg.model.name, cfg.model.flavor, cfg.model.overrides) == ("not_registered", "huge", {})
-    msg = error_of(["--model.n_layers", "4"], loader=titanlite.config.load_config)
+    msg = error_of(["--model.n_layers", "4"], loader=titanlite.config.parse_config)
     assert "unknown key 'model.n_layers' on the command line" in msg and "titanlite.models.load_config" in msg
     path = write(tmp_path, "[model]\nn_layers = 4\n")
-    msg = error_of(["--config", path], loader=titanlite.config.load_config)
+    msg = error_of(["--config", path], loader=titanlite.config.parse_config)
     assert f"unknown key 'model.n_layers' in config file {path}" in msg and "model_schema" in msg
-    msg = error_of(["--model.flavr", "x"], loader=titanlite.config.load_config)
+    msg = error_of(["--model.flavr", "x"], loader=titanlite.config.parse_config)
     assert "did you mean 'model.flavor'?" in msg  # a typo of a [model] key still gets its suggestion
     # a schema passed by hand is the same hook titanlite.models.load_config uses
-    cfg = titanlite.config.load_config(["--model.dim", "5"], model_schema=lambda cfg: TinyArgs)
+    cfg = titanlite.config.parse_config(["--model.dim", "5"], model_schema=lambda cfg: TinyArgs)
     assert cfg.model.overrides == {"dim": 5}
 
 
@@ -747,14 +759,20 @@ def test_extension_family_keys_through_titanlite_models(tmp_path, monkeypatch):
         textwrap.dedent("""
         from dataclasses import dataclass
         from titanlite.models import ModelSpec, register_model
+        from titanlite.models.llama3.model import Transformer
 
         @dataclass
         class ExtArgs:
             width: int = 4
             gate: str = "silu"
             scales: list[float] | None = None
+            vocab_size: int = 32
+            n_layers: int = 1
+            max_seq_len: int = 16
+            tie_word_embeddings: bool = False
 
-        register_model(ModelSpec(name="cfgtest_ext", args_cls=ExtArgs, flavors={"tiny": ExtArgs()}, model_cls=object))
+        spec = ModelSpec(name="cfgtest_ext", args_cls=ExtArgs, flavors={"tiny": ExtArgs()}, model_cls=Transformer)
+        register_model(spec)  # the model is never built here
     """)
     )
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.shared_data import shared_file
-from titanlite.config import load_config
+from titanlite.config import parse_config
 from titanlite.eval import get_task
 from titanlite.eval.tasks import Item
 
@@ -97,7 +97,7 @@ def test_metrics_carry_lm_evals_names_and_standard_errors():
 def test_an_unknown_task_name_lists_the_known_ones():
     with pytest.raises(ValueError, match=r"unknown eval task 'lambada' \(known: .*lambada_openai"):
         get_task("lambada")
-    cfg = load_config(["--eval.enable", "--eval.data_dir", "x"])
+    cfg = parse_config(["--eval.enable", "--eval.data_dir", "x"])
     assert cfg.eval.tasks == ["hellaswag", "arc_easy", "arc_challenge", "piqa", "lambada_openai"]
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.tiny import TINY_MODEL
-from titanlite.config import load_config
+from titanlite.config import parse_config
 from titanlite.models import make_model_args
 from titanlite.models.llama3.parallelize import check_llama_parallelism
 from titanlite.parallel.parallel_dims import ParallelDims
@@ -96,7 +96,7 @@ def test_model_that_tp_cannot_split(overrides, tp, message):
 def test_sequence_length_must_split_under_tp():
     from titanlite.plan.dry_run import dry_run
 
-    cfg = load_config(["--training.seq_len", "33", "--parallelism.tensor_parallel_degree", "2"])
+    cfg = parse_config(["--training.seq_len", "33", "--parallelism.tensor_parallel_degree", "2"])
     with pytest.raises(ValueError, match=r"must divide training.seq_len \(sequence parallelism\) \(33\)"):
         dry_run(cfg, world_size=2, out=lambda line: None)
 

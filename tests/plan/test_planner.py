@@ -290,7 +290,7 @@ def test_activation_formula_is_what_autograd_keeps(family, dtype):
 RSS_SCRIPT = textwrap.dedent("""
     import ctypes, json, os, resource, sys
     import torch
-    from titanlite.config import load_config
+    from titanlite.config import parse_config
     from titanlite.loss import cross_entropy_sum
     from titanlite.models import build_model
     from titanlite.optim import build_optimizer
@@ -305,7 +305,7 @@ RSS_SCRIPT = textwrap.dedent("""
     model = build_model("llama3", "debugmodel", device="cpu")
     model.init_weights()
     ActivationCheckpoint(mode).apply(model)
-    optimizer = build_optimizer(model, load_config([]).optimizer)  # AdamW, foreach on CPU
+    optimizer = build_optimizer(model, parse_config([]).optimizer)  # AdamW, foreach on CPU
     x, y = torch.randint(0, 512, (batch, seq)), torch.randint(0, 512, (batch, seq))
 
     def step():
@@ -646,7 +646,7 @@ def pipeline_rss_worker(args: dict) -> dict:
     import ctypes
     import resource
 
-    from titanlite.config import load_config
+    from titanlite.config import parse_config
     from titanlite.loss import cross_entropy_sum
     from titanlite.models import get_model_spec
     from titanlite.optim import build_optimizer
@@ -668,7 +668,7 @@ def pipeline_rss_worker(args: dict) -> dict:
         str(args["batch"]),
     ]
     par += ["--parallelism.pipeline_parallel_degree", "2"]
-    cfg = load_config([*par, "--parallelism.pipeline_parallel_microbatch_size", str(args["microbatch"])])
+    cfg = parse_config([*par, "--parallelism.pipeline_parallel_microbatch_size", str(args["microbatch"])])
     spec = get_model_spec("llama3")
     torch.manual_seed(0)
     model_args = spec.flavors["debugmodel"]

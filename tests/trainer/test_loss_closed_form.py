@@ -20,7 +20,7 @@ from titanlite.models import get_model_spec, load_config
 from titanlite.models.registry import model_args_for
 from titanlite.output_loss import LOSS_GRADIENTS, ChunkedLoss, output_loss
 from titanlite.parallel import ParallelDims
-from titanlite.trainer.assemble import config_loss, loss_chunks_for
+from titanlite.trainer.assemble import config_loss
 
 VOCAB = 512
 RTOL = 1e-6
@@ -49,7 +49,7 @@ def trainer_loss(config: str) -> tuple[torch.nn.Module, ChunkedLoss]:
     torch.manual_seed(0)
     model = spec.model_cls(model_args_for(cfg.model, VOCAB))
     model.init_weights()
-    loss = output_loss(config_loss(cfg, dims), loss_chunks_for(cfg, spec), loss_parallel=dims.loss_parallel_enabled)
+    loss = output_loss(config_loss(cfg, dims), cfg.training.loss_chunks, loss_parallel=dims.loss_parallel_enabled)
     assert isinstance(loss, ChunkedLoss) and loss.chunks > 1, "the shipped config computes the loss in chunks"
     return model, loss
 

@@ -11,7 +11,7 @@ import math
 import pytest
 
 from tests.helpers.tiny import TINY_MODEL
-from titanlite.config import load_config
+from titanlite.config import parse_config
 from titanlite.eval.watch import append_record
 from titanlite.trainer.metrics_log import MetricsLogger, rewind_metrics_log
 
@@ -47,7 +47,7 @@ def test_rewind_keeps_every_valid_record_around_an_unreadable_line(tmp_path, cap
 
 def test_the_run_logger_appends_to_the_rewritten_log(tmp_path):
     """A rewind that is no plain cut rewrites the file: the run's logger, which holds it open, must follow."""
-    section = load_config([]).metrics
+    section = parse_config([]).metrics
     path = tmp_path / "metrics.jsonl"
     path.write_bytes(rec(1) + b"not json\n" + rec(2) + rec(3))
     log = MetricsLogger(section, tmp_path)
@@ -62,7 +62,7 @@ def test_the_run_logger_appends_to_the_rewritten_log(tmp_path):
 
 
 def test_non_finite_values_are_null_plus_a_flag(tmp_path):
-    section = load_config([]).metrics
+    section = parse_config([]).metrics
     log = MetricsLogger(section, tmp_path)
     log.log({"step": 1, "loss": math.nan, "grad_norm": math.inf, "samples": [{"score": -math.inf}], "lr": 1e-3})
     log.close()

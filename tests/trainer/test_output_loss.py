@@ -24,7 +24,7 @@ from tests.helpers.dist import backends, cache_token_stores, run_workers
 from tests.helpers.parity import make_config
 from titanlite.loss import cross_entropy_sum
 from titanlite.models import build_model
-from titanlite.output_loss import ChunkedLoss, LogitsLoss, chunk_sizes, supports_hidden_states
+from titanlite.output_loss import ChunkedLoss, LogitsLoss, chunk_sizes
 from titanlite.trainer import Trainer
 
 LOSS_RTOL = 1e-6
@@ -78,7 +78,6 @@ def assert_matches(name: str, got: tuple, ref: tuple) -> tuple[float, float]:
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
 def test_chunked_loss_equals_the_loss_of_the_logits(family):
     model = tiny(family)
-    assert supports_hidden_states(type(model))
     assert (model.output.weight is model.tok_embeddings.weight) == (family == "qwen3")  # Qwen3's is tied
     tokens, labels = batch()
     ref = loss_and_grads(model, LogitsLoss(cross_entropy_sum), tokens, labels, 62)
@@ -167,24 +166,13 @@ def test_the_benchmark_table_compares_with_the_first_setting():
     assert text.splitlines()[3].startswith("| 8 | 2.00 | 0.40 |")
 
 
-def test_models_without_the_interface():
-    class Logits(torch.nn.Module):  # forward without return_hidden
-        def forward(self, tokens):
-            return tokens
+def test_output_layers_the_chunked_loss_cannot_use():
+    """Every family returns hidden states (titanlite.models.protocol); its output layer is checked on the module."""
 
     class Scaled(torch.nn.Linear):  # e.g. a float8 output layer: its forward is not F.linear
         def forward(self, x):
             return 2 * super().forward(x)
 
-    assert not supports_hidden_states(Logits)
-    from types import SimpleNamespace
-
-    cfg = SimpleNamespace(training=SimpleNamespace(loss_chunks=8))  # the Trainer then computes from the logits
-    for model_cls, chunks in [(Logits, 0), (type(tiny()), 8)]:
-        assert (
-            Trainer.loss_chunks.func(SimpleNamespace(cfg=cfg, spec=SimpleNamespace(model_cls=model_cls, name="x")))
-            == chunks
-        )
     model = tiny()
     ChunkedLoss.check(model)
     for head in (torch.nn.Linear(64, VOCAB), Scaled(64, VOCAB, bias=False)):  # refused, naming the key

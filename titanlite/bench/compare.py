@@ -63,8 +63,7 @@ def compare_config(rest: list[str]) -> tuple[list[str], Path]:
         pp = parse_args_or_exit(rest + COMPARE_LAYOUTS["pp2"], prog=prog, model_schema=model_schema)
         ParallelDims.from_config(pp.parallelism, 2)
         model_args = make_model_args(cfg.model.name, cfg.model.flavor, **cfg.model.overrides)
-        if (n_layers := getattr(model_args, "n_layers", None)) is not None:  # the split and schedule suit the model
-            PipelinePlan.from_config(pp.parallelism, n_layers, t.local_batch_size)
+        PipelinePlan.from_config(pp.parallelism, model_args.n_layers, t.local_batch_size)  # the split suits the model
     except (ValueError, KeyError) as e:
         exit_with_error(e)
     return ["--training.global_batch_size", str(global_batch)], Path(cfg.job.dump_folder)

@@ -128,7 +128,7 @@ def dcp_to_hf(
         for file in files:  # safetensors writes 0600; give the weights the permissions of their siblings
             shutil.copymode(partial / "config.json", partial / file)
         if tokenizer is not None:
-            write_tokenizer_files(partial, tokenizer_path, tokenizer, getattr(args, "max_seq_len", None))
+            write_tokenizer_files(partial, tokenizer_path, tokenizer, args.max_seq_len)
     return out_dir
 
 
@@ -136,7 +136,7 @@ def tensor_sources(step_dir: Path, stored: Mapping, expected: dict, args: Any, k
     """``{native name: (DCP key, its metadata)}`` for each tensor of ``expected`` (native name -> shape) in the DCP
     metadata ``stored`` (a tied output without a key of its own: the embedding's); one missing or of another shape
     is a one-line ValueError: the folder is not ``model`` with ``whose`` args."""
-    tied, sources = bool(getattr(args, "tie_word_embeddings", False)), {}
+    tied, sources = bool(args.tie_word_embeddings), {}
     for name, shape in expected.items():
         src = key_of(name)
         if name == "output.weight" and tied and src not in stored:
@@ -178,7 +178,7 @@ def _recorded_tokenizer(spec, path: str, bos: int | None, args: Any, step_dir: P
     except (ValueError, OSError) as e:
         raise ValueError(f"{what} cannot be read ({one_line(e)})") from None
     where = str(step_dir / layout.INFO_FILE)
-    check_tokenizer(tokenizer, bos_id=bos, vocab_size=getattr(args, "vocab_size", None), what=what, where=where)
+    check_tokenizer(tokenizer, bos_id=bos, vocab_size=args.vocab_size, what=what, where=where)
     return tokenizer
 
 

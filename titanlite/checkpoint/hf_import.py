@@ -144,7 +144,7 @@ def load_hf_weights(path: str | os.PathLike, model: nn.Module, *, process_group:
     spec, args = hf_seed(path)
     adapter, own = spec.hf_adapter(args), get_model_state_dict(model)  # own: this rank's tensors (shards)
     files, parts = _tensor_files(path), _parts_by_native(adapter, adapter.hf_layout())
-    tied = bool(getattr(args, "tie_word_embeddings", False)) and not set(parts["output.weight"]) & set(files)
+    tied = bool(args.tie_word_embeddings) and not set(parts["output.weight"]) & set(files)
     direct, rows, whole = ({}, {}), {}, {}  # direct[1]: a tied output, which reads the embedding's HF name again
     for name, tensor in own.items():
         names = parts["tok_embeddings.weight"] if tied and name == "output.weight" else parts[name]

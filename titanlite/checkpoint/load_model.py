@@ -95,7 +95,7 @@ def load_model(
     else:
         raise ValueError(f"{path} is neither a titanlite checkpoint step folder nor a Hugging Face model folder")
     what = "the tokenizer given" if tokenizer_path is not None else f"the tokenizer of {path}"
-    check_tokenizer(tokenizer, bos_id=bos_id, vocab_size=getattr(args, "vocab_size", None), what=what, where=str(where))
+    check_tokenizer(tokenizer, bos_id=bos_id, vocab_size=args.vocab_size, what=what, where=str(where))
     model = _build(spec, args, state, device, dtype, path)
     eos_ids = tuple(dict.fromkeys((*eos_ids, tokenizer.eos_id)))
     trained = trained_seq_len(path) if is_step_folder(path) else None
@@ -158,7 +158,7 @@ def _build(spec, args, state: dict[str, torch.Tensor], device, dtype: torch.dtyp
     model.to_empty(device=device)
     with torch.random.fork_rng(devices=[]):
         model.init_weights()
-    if bool(getattr(args, "tie_word_embeddings", False)):
+    if args.tie_word_embeddings:
         state.pop("output.weight", None)  # tied: loaded through the embedding
     params = dict(model.named_parameters())
     if missing := [n for n in params if n not in state]:

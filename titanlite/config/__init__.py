@@ -1,5 +1,5 @@
-"""Job configuration: section dataclasses and the strict TOML + command-line loader (imports nothing from
-titanlite; ``titanlite.models.load_config`` adds the model registry)."""
+"""Job configuration: section dataclasses and the strict TOML + command-line parser, ``parse_config`` (imports
+nothing from titanlite; ``titanlite.models.load_config`` adds the model registry)."""
 
 from titanlite.config.parser import (
     ModelSchema,
@@ -9,8 +9,8 @@ from titanlite.config.parser import (
     dump_config,
     exit_with_error,
     format_help,
-    load_config,
     parse_args_or_exit,
+    parse_config,
     read_toml,
     toml_value,
     validate,
@@ -27,8 +27,8 @@ __all__ = [
     "dump_config",
     "exit_with_error",
     "format_help",
-    "load_config",
     "parse_args_or_exit",
+    "parse_config",
     "read_toml",
     "toml_value",
     "validate",

@@ -333,7 +333,7 @@ def _load(argv: list[str], docs: list[tuple[Any, str]], args_cls: type | None, s
     return cfg
 
 
-def load_config(
+def parse_config(
     argv: Sequence[str] = (),
     model_schema: ModelSchema | None = None,
     *,
@@ -344,7 +344,7 @@ def load_config(
     the extra ``[model]`` keys are fields of the args dataclass that ``model_schema(cfg)`` returns once all of them
     are applied (the whole is then loaded again, strictly); without it they are errors. ConfigError (one line)."""
     if isinstance(argv, str):
-        raise TypeError("load_config expects a list of arguments, not a string")
+        raise TypeError("parse_config expects a list of arguments, not a string")
     docs = [(tables, f"in {tables_source}")] if tables is not None else []
     cfg = _load(list(argv), docs, None, strict=model_schema is None)
     if model_schema is not None:
@@ -411,7 +411,7 @@ def format_help(prog: str = _DEFAULT_PROG, model_schema: ModelSchema | None = No
 def parse_args_or_exit(
     argv: Sequence[str] | None = None, prog: str = _DEFAULT_PROG, model_schema: ModelSchema | None = None
 ) -> JobConfig:
-    """``load_config`` for entry points: ``--help`` prints the help (exit 0), a ConfigError ``error: ...`` (exit 2)."""
+    """``parse_config`` for entry points: ``--help`` prints the help (exit 0), a ConfigError ``error: ...`` (exit 2)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if "-h" in args or "--help" in args:
         print(format_help(prog, model_schema), end="", flush=True)
@@ -420,7 +420,7 @@ def parse_args_or_exit(
         print(list_configs(), flush=True)
         raise SystemExit(0)
     try:
-        return load_config(args, model_schema)
+        return parse_config(args, model_schema)
     except ConfigError as e:
         exit_with_error(e)
 

@@ -257,7 +257,7 @@ class _Scorer:
         self, model: nn.Module, device: torch.device, autocast_dtype: torch.dtype | None, max_len: int, compile: bool
     ):
         self.model, self.device, self.autocast_dtype, self.max_len = model, device, autocast_dtype, max_len
-        args = getattr(model, "args", None)
+        args = getattr(model, "args", None)  # any module can be scored; attn_mask_type is optional for a family too
         self.document_ids = getattr(args, "attn_mask_type", "causal") == "block_causal"
         self.cached = supports_cache(model)
         if compile and any(isinstance(p, DTensor) for p in model.parameters()):

@@ -55,7 +55,7 @@ def read_run_config(dump_folder: Path, extensions: Sequence[str] = ()):
     """The run's ``config.toml`` as a :class:`~titanlite.config.JobConfig`. Its ``[job] extensions`` are never
     imported (a module file in the watched folder, or the folder the watcher runs in, would run): the family must
     be registered already, by core or by one of ``extensions`` (the watcher's own ``--extensions``)."""
-    from titanlite.config import ConfigError, load_config
+    from titanlite.config import ConfigError, parse_config
     from titanlite.models import model_names
     from titanlite.models.registry import registered_schema
 
@@ -72,7 +72,7 @@ def read_run_config(dump_folder: Path, extensions: Sequence[str] = ()):
             )
         return registered_schema(cfg)
 
-    cfg = load_config(["--config", str(path)], schema)
+    cfg = parse_config(["--config", str(path)], schema)
     if not cfg.checkpoint.enable:
         raise ValueError(f"{path}: checkpoint.enable is false, so the run saves no checkpoints to evaluate")
     return cfg
@@ -167,7 +167,7 @@ def watch(
                         logger.warning("%s cannot be evaluated: %s", f.path, one_line(err))
                     continue
                 kw = dict(limit=limit, batch_size=batch_size, compile=compile)
-                kw.update(max_seq_len=max_seq_len or getattr(loaded.args, "max_seq_len", None))
+                kw.update(max_seq_len=max_seq_len or loaded.args.max_seq_len)
                 kw.update(device=torch.device(device), autocast_dtype=autocast)
                 results = evaluate_fn(loaded.model, loaded.tokenizer, tasks, data_dir, **kw)
                 record = {**eval_record(f.step, results), "eval_source": SOURCE}

@@ -1,5 +1,6 @@
-"""Model families and their registry; importing it registers the built-in family (llama3, llama3_moe), and
-``load_config`` is the config loader that knows the families."""
+"""Model families and their registry (core's families, llama3 and llama3_moe, are found by name on their first
+lookup); ``load_config`` is the config loader that knows the families, and :mod:`titanlite.models.protocol` the
+contract every family keeps."""
 
 from titanlite.models.registry import (
     ModelSpec,
@@ -22,6 +23,3 @@ __all__ = [
     "model_schema",
     "register_model",
 ]
-
-import titanlite.models.llama3  # noqa: E402, F401  (registers itself)
-import titanlite.models.llama3_moe  # noqa: E402, F401  (registers itself)

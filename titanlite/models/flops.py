@@ -71,7 +71,8 @@ class ModelShape:
     def from_args(cls, args: Any, num_params: int = 0) -> ModelShape:
         kv = getattr(args, "kv_heads", None) or getattr(args, "n_kv_heads", None) or args.n_heads
         sizes = (args.dim, args.n_layers, args.n_heads, kv, args.ffn_hidden_dim, args.vocab_size)
-        tied, head_dim, qk_norm = (getattr(args, k, None) for k in ("tie_word_embeddings", "head_dim", "qk_norm"))
+        head_dim, qk_norm = (getattr(args, k, None) for k in ("head_dim", "qk_norm"))  # a family's own fields
+        tied = args.tie_word_embeddings
         return cls(*sizes, bool(tied), int(head_dim or 0), bool(qk_norm), num_params, MoEShape.from_args(args))
 
     @property

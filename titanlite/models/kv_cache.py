@@ -49,8 +49,9 @@ from titanlite import _torch_compat
 
 
 def supports_cache(model: nn.Module) -> bool:
-    """Whether ``model.forward`` declares a ``cache`` parameter (the protocol above); ``**kwargs`` alone
-    does not count: such a forward would take a cache and silently ignore it."""
+    """Whether ``model.forward`` declares a ``cache`` parameter (the protocol above, optional in a family's
+    contract, :mod:`titanlite.models.protocol`); ``**kwargs`` alone does not count: such a forward would take a
+    cache and silently ignore it."""
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):

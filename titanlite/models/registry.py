@@ -1,8 +1,10 @@
 """Model-family registry.
 
-A family (llama3 in core, others from ``torchtitan_ext``) registers one :class:`ModelSpec`. Core
-code looks families up by name and never imports a family module directly, so a new family plugs
-in without touching core.
+A family registers one :class:`ModelSpec`; core's own (llama3, llama3_moe) are declared here
+(:data:`BUILTIN_FAMILIES`) and imported on their first lookup, others (``torchtitan_ext``, a user's extension)
+call :func:`register_model` when imported. Core code looks families up by name and never imports a family
+module directly, so a new family plugs in without touching core. Every family is checked against the contract
+of :mod:`titanlite.models.protocol` when it registers.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import torch
 from torch import nn
 
 import titanlite.config
+from titanlite.components import resolve
 from titanlite.config import ConfigError, JobConfig, did_you_mean
 from titanlite.extensions import load_extensions
 from titanlite.fsio import one_line
 from titanlite.models.flops import palm_flops_per_token
+from titanlite.models.protocol import contract_breach
 
 # Args that say how a run computes, not what trained weights mean: the rotary table's length, the
 # attention kernel and mask, the initialization. A seed checkpoint's values of these are not taken.
@@ -37,8 +41,9 @@ class ModelSpec:
 
     - ``args_cls``: dataclass of architecture hyper-parameters (``dim``, ``n_layers``, ``vocab_size`` ...).
     - ``flavors``: preset name -> args instance.
-    - ``model_cls``: ``model_cls(args)`` builds the module; it must provide ``init_weights()``
-      and ``forward(tokens) -> logits [batch, seq, vocab]``.
+    - ``model_cls``: ``model_cls(args)`` builds the module, a :class:`titanlite.models.protocol.ModelFamily`
+      (``forward(tokens, document_ids=None, return_hidden=False) -> logits [batch, seq, vocab]``,
+      ``init_weights(buffer_device=None)``, ``layers``, the ends ...); ``args_cls`` has the fields of its ``args``.
     - ``parallelize_fn``: ``parallelize_fn(model, parallel_dims, policies) -> model`` (on meta; see
       :mod:`titanlite.parallel.policies`); None: the family trains on one process only.
     - ``pipeline_fn``: ``pipeline_fn(model, plan, stage_ids) -> [stage module, ...]``: the meta model cut
@@ -72,24 +77,36 @@ class ModelSpec:
     active_params: Callable[[Any], int] | None = None
 
 
+# core's families: name -> "module:attribute" of its ModelSpec, registered on the first lookup
+BUILTIN_FAMILIES: dict[str, str] = {
+    "llama3": "titanlite.models.llama3:LLAMA3_SPEC",
+    "llama3_moe": "titanlite.models.llama3_moe:LLAMA3_MOE_SPEC",
+}
 _REGISTRY: dict[str, ModelSpec] = {}
 
 
 def register_model(spec: ModelSpec) -> ModelSpec:
-    """Register a family; registering the same name twice is an error."""
-    if spec.name in _REGISTRY and _REGISTRY[spec.name] is not spec:
+    """Register a family; registering the same name twice is an error, and so is a family that breaks the
+    contract of :mod:`titanlite.models.protocol` (one line naming the family and the member it lacks)."""
+    if (why := contract_breach(spec.model_cls, spec.args_cls)) is not None:
+        raise ValueError(f"model family {spec.name!r} cannot register: {why}")
+    builtin = BUILTIN_FAMILIES.get(spec.name)
+    taken = spec.name in _REGISTRY and _REGISTRY[spec.name] is not spec
+    if taken or builtin is not None and resolve(builtin) is not spec:
         raise ValueError(f"model family {spec.name!r} is already registered")
     _REGISTRY[spec.name] = spec
     return spec
 
 
 def model_names() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted({*BUILTIN_FAMILIES, *_REGISTRY})
 
 
 def get_model_spec(name: str) -> ModelSpec:
+    if name not in _REGISTRY and name in BUILTIN_FAMILIES:
+        register_model(resolve(BUILTIN_FAMILIES[name]))
     if name not in _REGISTRY:
-        raise KeyError(f"unknown model family {name!r}; registered: {', '.join(sorted(_REGISTRY))}")
+        raise KeyError(f"unknown model family {name!r}; registered: {', '.join(model_names())}")
     return _REGISTRY[name]
 
 
@@ -173,9 +190,9 @@ def model_args_for(section: Any, vocab_size: int) -> Any:
 
 def check_seq_len(args: Any, seq_len: int) -> None:
     """Refuse ``training.seq_len`` above the model's ``max_seq_len`` (its rotary table) now, with the
-    two keys named, instead of at the first forward pass; args without ``max_seq_len`` pass."""
-    max_len = getattr(args, "max_seq_len", None)
-    if max_len is not None and seq_len > max_len:
+    two keys named, instead of at the first forward pass."""
+    max_len = args.max_seq_len
+    if seq_len > max_len:
         raise ValueError(
             f"training.seq_len={seq_len} is longer than the model's max_seq_len={max_len} (model.max_seq_len, "
             "the length of its rotary table): lower training.seq_len or raise model.max_seq_len"
@@ -324,7 +341,7 @@ def registered_schema(cfg: JobConfig) -> type:
         raise ConfigError(
             f"unknown model family '{name}' (model.name); registered: {', '.join(names)}{did_you_mean(name, names)}"
         )
-    spec = _REGISTRY[name]
+    spec = get_model_spec(name)
     if flavor not in spec.flavors:
         raise ConfigError(
             f"unknown flavor '{flavor}' (model.flavor) for model '{name}'; available: {', '.join(spec.flavors)}"
@@ -334,7 +351,7 @@ def registered_schema(cfg: JobConfig) -> type:
 
 
 def load_config(argv: Sequence[str] = (), **kwargs: Any) -> JobConfig:
-    """:func:`titanlite.config.load_config` with :func:`model_schema`: ``[job] extensions`` are imported,
+    """:func:`titanlite.config.parse_config` with :func:`model_schema`: ``[job] extensions`` are imported,
     ``[model] name``/``flavor`` checked against the registry and the family's args fields accepted as
     ``[model]`` keys / ``--model.<field>`` options (``kwargs``: ``tables``, ``tables_source``)."""
-    return titanlite.config.load_config(argv, model_schema, **kwargs)
+    return titanlite.config.parse_config(argv, model_schema, **kwargs)

@@ -59,7 +59,7 @@ class CompilePolicy:
         blocks."""
         if not self.model:
             return 0
-        ends = [m for name in END_MODULES if (m := getattr(model, name, None)) is not None]
+        ends = [m for name in END_MODULES if (m := getattr(model, name)) is not None]  # None on some pipeline stages
         for module in [*model.layers.values(), *ends]:
             on_dtensors = any(isinstance(p, DTensor) for p in module.parameters())  # TP applied
             if on_dtensors and isinstance(module, nn.Embedding):

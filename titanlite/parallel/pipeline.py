@@ -268,7 +268,7 @@ class ModelParts(nn.Module):
                 else:
                     self.add_module(name, child)
         self.stage_ids, self.stages = list(stage_ids), list(stages)  # a plain list: not submodules
-        self.args = getattr(stages[0], "args", None)
+        self.args = stages[0].args
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("a pipelined model runs through its schedule (titanlite.parallel.pipeline.Pipeline)")

@@ -78,7 +78,7 @@ def parallelize_decoder(
             use_local_output=not loss_parallel,
         ),
     }
-    parallelize_module(model, tp_mesh, {k: v for k, v in ends.items() if getattr(model, k, None) is not None})
+    parallelize_module(model, tp_mesh, {k: v for k, v in ends.items() if getattr(model, k) is not None})
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan(block))
     if model.args.tie_word_embeddings and model.output is not None:

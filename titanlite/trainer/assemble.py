@@ -10,27 +10,22 @@ losses bit for bit.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-import titanlite.loss  # noqa: F401  (registers the built-in loss)
-import titanlite.optim  # noqa: F401  (registers the built-in optimizers and LR schedules)
 from titanlite import components
 from titanlite.dtypes import DTYPES
 from titanlite.models import get_model_spec
 from titanlite.models.registry import model_args_for
-from titanlite.output_loss import output_loss, registered_loss, supports_hidden_states
+from titanlite.output_loss import output_loss, registered_loss
 from titanlite.parallel.build import build_parallel_model
 from titanlite.parallel.compile import CompilePolicy
 from titanlite.parallel.pipeline import Pipeline
 from titanlite.parallel.policies import Policies
 from titanlite.trainer.step import TrainStep, grad_accum_steps
-
-logger = logging.getLogger(__name__)
 
 
 def config_policies(cfg: Any) -> Policies:
@@ -52,18 +47,6 @@ def config_loss(cfg: Any, parallel_dims: Any) -> Callable[[torch.Tensor, torch.T
     gradient, compiled alike, where it has one (:func:`titanlite.output_loss.registered_loss`)."""
     policy = CompilePolicy.from_config(cfg.compile)
     return registered_loss(cfg.training.loss, lambda fn: policy.compile_loss(fn, parallel_dims.tp_enabled))
-
-
-def loss_chunks_for(cfg: Any, spec: Any) -> int:
-    """``[training] loss_chunks``, or 0 for a family whose model cannot return hidden states (with a warning)."""
-    chunks = cfg.training.loss_chunks
-    if chunks and not supports_hidden_states(spec.model_cls):
-        logger.warning(
-            f"training.loss_chunks = {chunks}: model family {spec.name!r} cannot return hidden states "
-            "(forward(..., return_hidden=True), see titanlite.output_loss): the loss is computed from its logits"
-        )
-        return 0
-    return chunks
 
 
 def config_train_step(
@@ -117,7 +100,7 @@ def build_training(cfg: Any, parallel_dims: Any, device: torch.device, vocab_siz
     t = cfg.training
     accum = grad_accum_steps(t.global_batch_size, t.local_batch_size, parallel_dims.dp_degree)
     loss = output_loss(
-        config_loss(cfg, parallel_dims), loss_chunks_for(cfg, spec), loss_parallel=parallel_dims.loss_parallel_enabled
+        config_loss(cfg, parallel_dims), cfg.training.loss_chunks, loss_parallel=parallel_dims.loss_parallel_enabled
     )
     step = config_train_step(cfg, model, optimizer, scheduler, parallel_dims, grad_accum_steps=accum, loss_fn=loss)
     return TrainingParts(args, model, optimizer, scheduler, step)

@@ -223,6 +223,10 @@ class MetricsHook(Hook):
         self.window = (time.perf_counter(), 0, 0, 0.0)  # start, steps, tokens, data wait
         self.side_start = 0.0  # the loop's side_seconds when the window started
 
+    def set_flops_per_token(self, flops: int) -> None:
+        """The training FLOPs per token MFU counts from the next record on (they grow with a stage's seq_len)."""
+        self.flops_per_token = flops
+
     def is_log_step(self, step: int, total: int) -> bool:
         return step == 1 or step % self.section.log_freq == 0 or step == total
 

@@ -49,7 +49,7 @@ class PreemptionHandler:
         self.signals, self.exit_fn, self.clock = tuple(signals), exit_fn, clock
         self.requested, self.signal_name = False, ""  # the first signal's name once requested
         self.signum: int | None = None  # the first signal's number once requested
-        self.unsaved_stop = False  # set by PreemptionHook: stopped with no resumable checkpoint of that step
+        self.unsaved_stop = False  # stopped with no resumable checkpoint of that step (record_stop)
         self._requested_at = 0.0
         self._previous: dict[int, object] = {}
 
@@ -83,6 +83,10 @@ class PreemptionHandler:
             REPEAT_WINDOW_S,
         )
 
+    def record_stop(self, saved: bool) -> None:
+        """The loop stopped on the request; ``saved``: a resumable checkpoint of the stopped step is on disk."""
+        self.unsaved_stop = not saved
+
     def exit_status(self) -> int:
         """0, or 128 + the signal's number when the loop stopped on a request with nothing resumable saved for
         the stopped step (SIGTERM's number when the request came from another rank): a job that was stopped
@@ -114,7 +118,7 @@ class PreemptionHook(Hook):
     """Stop after a step on which a stop was requested (``result.stop_requested``, agreed across ranks by the
     step's reduction, read by the guard): a full checkpoint of that step unless one was just saved, then
     ``state.stop``. Whether a resumable checkpoint of that step exists afterwards goes to
-    ``handler.unsaved_stop`` (the exit status)."""
+    the handler (:meth:`PreemptionHandler.record_stop`, the exit status)."""
 
     def __init__(self, handler: PreemptionHandler, checkpointer=None):
         self.handler, self.checkpointer = handler, checkpointer
@@ -124,7 +128,7 @@ class PreemptionHook(Hook):
             return
         step = state.step
         saved, what = self._save(step)
-        self.handler.unsaved_stop = not saved
+        self.handler.record_stop(saved)
         if not saved:
             what += f"; the command exits with status {self.handler.exit_status()} (128 + the signal number)"
         on = self.handler.signal_name or "a signal on another rank"

@@ -1,5 +1,6 @@
 """``[training] seq_len_schedule`` in the loop: a hook that puts the loader, the gradient accumulation and the
-FLOPs per token (MFU) on the stage of the next step (:mod:`titanlite.plan.run_plan` plans the stages)."""
+FLOPs per token (MFU) on the stage of the next step (:mod:`titanlite.plan.run_plan` plans the stages), each
+through the method of the object that owns it."""
 
 from __future__ import annotations
 
@@ -24,9 +25,9 @@ class StageHook(Hook):
     def enter(self, step: int) -> None:
         i = self.plan.stage_index(step)
         stage = self.plan.stages[i]
-        self.train_step.grad_accum_steps = stage.grad_accum_steps
+        self.train_step.set_grad_accum_steps(stage.grad_accum_steps)
         if self.metrics is not None:
-            self.metrics.flops_per_token = self.stage_flops[i]
+            self.metrics.set_flops_per_token(self.stage_flops[i])
         if self.loader.stage != i:
             self.loader.set_stage(i)
             logger.info(

@@ -198,6 +198,12 @@ class TrainStep:
             (loss / tokens).backward()
         return to_local_value(loss.detach())
 
+    def set_grad_accum_steps(self, steps: int) -> None:
+        """Accumulate ``steps`` micro-batches per step from the next call on (a ``seq_len_schedule`` stage)."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"grad_accum_steps must be an integer >= 1, got {steps!r}")
+        self.grad_accum_steps = steps
+
     def dp_sum(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` summed over the data-parallel ranks, and the pipeline stages (where only the last holds the loss)."""
         group = getattr(self.parallel_dims, "loss_group", getattr(self.parallel_dims, "dp_group", None))

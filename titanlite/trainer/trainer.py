@@ -31,11 +31,9 @@ from titanlite.config import JobConfig, config_to_toml, dump_config
 from titanlite.eval import evaluate, get_task
 from titanlite.eval.hook import EvalHook
 from titanlite.hooks import Hook, LoopState, call_hooks, run_steps
-from titanlite.loss import cross_entropy_sum  # noqa: F401  (registers the built-in loss)
 from titanlite.models import get_model_spec
 from titanlite.models.flops import ModelShape, num_params
 from titanlite.models.registry import active_params, check_seq_len, model_args_for, model_counts
-from titanlite.optim import build_optimizer  # noqa: F401  (registers the built-in optimizers and schedules)
 from titanlite.output_loss import output_loss
 from titanlite.parallel.distributed import (
     CollectiveTimeoutHook,
@@ -53,7 +51,7 @@ from titanlite.plan.planner import RunSetup, check_absurd_size
 from titanlite.plan.run_plan import RunPlan, plan_steps
 from titanlite.run_lock import RunLock
 from titanlite.tokenizer import token_byte_lengths
-from titanlite.trainer.assemble import build_config_model, config_loss, config_train_step, loss_chunks_for
+from titanlite.trainer.assemble import build_config_model, config_loss, config_train_step
 from titanlite.trainer.guard import GuardHook, StepGuard
 from titanlite.trainer.metrics import MetricsHook
 from titanlite.trainer.metrics_log import MetricsLogger
@@ -202,8 +200,8 @@ class Trainer(TrainerData):
 
     @functools.cached_property
     def loss_chunks(self) -> int:
-        """``[training] loss_chunks``, or 0 (with a warning) for a family whose model cannot return hidden states."""
-        return loss_chunks_for(self.cfg, self.spec)
+        """``[training] loss_chunks`` (every family returns hidden states: :mod:`titanlite.models.protocol`)."""
+        return self.cfg.training.loss_chunks
 
     def build_run_plan(self) -> RunPlan:
         """``[training] steps | tokens`` and ``seq_len_schedule`` as stages (:mod:`titanlite.plan.run_plan`); under a
@@ -377,8 +375,7 @@ class Trainer(TrainerData):
         blocks run eagerly (the items' lengths vary: no recompilation per length)."""
         e, dims = self.cfg.eval, self.parallel_dims
         kw = dict(limit=None if e.limit == -1 else e.limit, batch_size=e.batch_size, device=self.device)
-        max_len = getattr(self.model_args, "max_seq_len", self.cfg.training.seq_len)  # else: the trained length
-        kw.update(max_seq_len=max_len, autocast_dtype=self.train_step.autocast_dtype)
+        kw.update(max_seq_len=self.model_args.max_seq_len, autocast_dtype=self.train_step.autocast_dtype)
         kw.update(dp_rank=self.dp_rank, dp_world=dims.dp_degree, dp_group=dims.dp_group)
         with float8_disabled(self.model), torch.compiler.set_stance("force_eager"):
             return evaluate(self.model, self.tokenizer, e.tasks, e.data_dir, **kw)
@@ -410,6 +407,3 @@ class Trainer(TrainerData):
                 f"{list(plan.stage_sizes)} blocks, {plan.n_microbatches} microbatches per local batch "
                 f"(expected bubble {100 * plan.bubble_fraction():.0f}%); this rank runs stages {self.model.stage_ids}"
             )
-
-
-components.register("trainer", "default", Trainer)

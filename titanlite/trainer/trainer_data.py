@@ -24,6 +24,7 @@ class TrainerData:
     @property
     def block_causal(self) -> bool:
         """Block-causal attention: documents packed in a window do not attend to one another."""
+        # optional in the family contract (titanlite.models.protocol): a family without it masks causally only
         return getattr(self.model_args, "attn_mask_type", "causal") != "causal"
 
     @property

@@ -181,6 +181,12 @@ class Transformer(nn.Module):
     or another rotary table subclasses it (``block_cls``, :meth:`_precompute_rope`)."""
 
     block_cls: type[TransformerBlock] = TransformerBlock
+    # the members of titanlite.models.protocol.ModelFamily (the ends are None on some pipeline stages)
+    args: Llama3ModelArgs
+    tok_embeddings: nn.Embedding | None
+    layers: nn.ModuleDict
+    norm: nn.RMSNorm | None
+    output: nn.Linear | None
 
     def __init__(self, args: Llama3ModelArgs):
         super().__init__()
