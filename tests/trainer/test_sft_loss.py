@@ -17,6 +17,7 @@ from dist_utils import REPO, run_workers
 from titanlite.data.chat import encode_conversations
 from titanlite.models.llama3 import Llama3ModelArgs
 from titanlite.tokenizer import build_byte_tokenizer
+from titanlite.trainer.runtime import Runtime
 from titanlite.trainer.step import TrainStep
 from titanlite.trainer.validation import validation_loss
 
@@ -45,7 +46,7 @@ def model_and_step(dims=None, **kw):
     torch.manual_seed(0)
     model = build_parallel_model(get_model_spec("llama3"), Llama3ModelArgs(**ARGS), dims, device="cpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return model, TrainStep(model, optimizer, max_norm=0.0, parallel_dims=dims, **kw)
+    return model, TrainStep(model, optimizer, runtime=Runtime(torch.device("cpu"), dims), max_norm=0.0, **kw)
 
 
 def pipelined_step(dims):
@@ -59,7 +60,8 @@ def pipelined_step(dims):
     model = build_parallel_model(get_model_spec("llama3"), Llama3ModelArgs(**ARGS), dims, device="cpu", pipeline=plan)
     pipe = Pipeline(model, plan, dims.pp_group, torch.device("cpu"), cross_entropy_sum)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return model, TrainStep(model, optimizer, max_norm=0.0, parallel_dims=dims, pipeline=pipe, count_unmasked=True)
+    runtime = Runtime(torch.device("cpu"), dims, pipeline=pipe)
+    return model, TrainStep(model, optimizer, runtime=runtime, max_norm=0.0, count_unmasked=True)
 
 
 def grads_of(step: TrainStep, batches: list[dict]):
