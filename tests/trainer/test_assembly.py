@@ -122,3 +122,28 @@ def test_the_trainer_and_build_training_assemble_the_same_parts(tmp_path):
             assert res["same_weights"], (rank, name)
             assert res["library_step"] == res["trainer_step"], (rank, name)
             assert res["library_first"] == res["trainer_first"], (rank, name)
+
+
+def test_eval_step_is_the_train_steps_forward_without_gradients():
+    """``TrainStep.eval_step`` runs the model to the loss as the train step does (the same sum, bit for bit), without
+    gradients; plain: ``cross_entropy_sum`` of the model's logits; chunked: that sum within fp32 summation order."""
+    from titanlite.loss import cross_entropy_sum
+    from titanlite.models.llama3 import Llama3ModelArgs, Transformer
+    from titanlite.output_loss import output_loss
+    from titanlite.trainer.runtime import Runtime
+    from titanlite.trainer.step import TrainStep
+
+    torch.manual_seed(0)
+    model = Transformer(Llama3ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=32))
+    model.init_weights()
+    tokens = torch.randint(0, 256, (2, 33))
+    batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+    with torch.no_grad():
+        reference = cross_entropy_sum(model(batch["input_ids"]), batch["labels"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    plain = TrainStep(model, optimizer)
+    assert torch.equal(plain.eval_step(batch), reference)
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(plain.forward_backward(batch, 64), reference)  # the train path: the same sum
+    chunked = TrainStep(model, optimizer, runtime=Runtime(torch.device("cpu"), loss=output_loss(cross_entropy_sum, 4)))
+    assert chunked.eval_step(batch).item() == pytest.approx(reference.item(), rel=1e-6)

@@ -10,6 +10,8 @@ References, independent of the code under test:
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from dist_utils import REPO, run_workers
@@ -52,15 +54,16 @@ def model_and_step(dims=None, **kw):
 def pipelined_step(dims):
     from titanlite.loss import cross_entropy_sum
     from titanlite.models import get_model_spec
+    from titanlite.output_loss import LogitsLoss
     from titanlite.parallel import build_parallel_model
     from titanlite.parallel.pipeline import Pipeline, PipelinePlan
 
     plan = PipelinePlan(degree=dims.pp, schedule="1F1B", n_microbatches=2, stage_sizes=(1, 1))
     torch.manual_seed(0)
     model = build_parallel_model(get_model_spec("llama3"), Llama3ModelArgs(**ARGS), dims, device="cpu", pipeline=plan)
-    pipe = Pipeline(model, plan, dims.pp_group, torch.device("cpu"), cross_entropy_sum)
+    runtime = Runtime(torch.device("cpu"), dims, loss=LogitsLoss(cross_entropy_sum))
+    runtime = dataclasses.replace(runtime, pipeline=Pipeline(model, plan, runtime))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    runtime = Runtime(torch.device("cpu"), dims, pipeline=pipe)
     return model, TrainStep(model, optimizer, runtime=runtime, max_norm=0.0, count_unmasked=True)
 
 

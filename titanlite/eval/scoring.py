@@ -38,7 +38,7 @@ import logging
 import math
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -49,7 +49,9 @@ from titanlite import _torch_compat
 from titanlite.eval.packing import PAD_MULTIPLE, Group, cached_batch, canonical_batches, group_requests, plain_batch
 from titanlite.eval.tasks import Item, Task, get_task
 from titanlite.models.kv_cache import KVCache, supports_cache
-from titanlite.trainer.runtime import Runtime
+
+if TYPE_CHECKING:  # imported when called: titanlite.trainer imports this package
+    from titanlite.trainer.runtime import Runtime
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +113,8 @@ def evaluate(
     chosen = [get_task(name) for name in tasks]
     loaded = [task.items(data_dir)[:limit] for task in chosen]
     requests = build_requests(loaded, tokenizer, max_seq_len)
+    from titanlite.trainer.runtime import Runtime
+
     scorer = _Scorer(model, runtime or Runtime.of(model), max_seq_len, compile)
     was_training = model.training
     model.eval()

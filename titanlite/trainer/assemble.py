@@ -182,9 +182,7 @@ def build_training(
     )
     runtime = dataclasses.replace(runtime, loss=loss)
     if pipeline_plan is not None:  # the stages and the schedule that runs them
-        pipeline = Pipeline(
-            model, pipeline_plan, parallel_dims.pp_group, runtime.device, runtime.loss, runtime.compute_dtype
-        )
+        pipeline = Pipeline(model, pipeline_plan, runtime)
         runtime = dataclasses.replace(runtime, pipeline=pipeline)
     step = builder.build_train_step(
         model,

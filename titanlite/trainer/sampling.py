@@ -73,7 +73,6 @@ class SamplingHook(Hook):
         s, model = self.section, self.model
         generator = torch.Generator(device=self.device).manual_seed(s.seed)
         autocast = self.runtime.autocast(model)
-        kw = dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, eos_ids=self.stop_ids)
         was_training = model.training
         model.eval()
         try:
@@ -86,7 +85,10 @@ class SamplingHook(Hook):
                     device=self.device,
                     use_cache=self.use_cache,
                     compile=self.compile,
-                    **kw,
+                    temperature=s.temperature,
+                    top_k=s.top_k,
+                    top_p=s.top_p,
+                    eos_ids=self.stop_ids,
                 )
         finally:
             model.train(was_training)

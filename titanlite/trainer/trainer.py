@@ -90,7 +90,9 @@ def set_seed(seed: int, deterministic: bool = False) -> None:
 
 
 class Trainer(TrainerData, TrainingBuilder):
-    """Builds every piece from a :class:`JobConfig` (each from its own section) and runs the loop.
+    """Builds every piece from a :class:`JobConfig` (each from its own section) and runs the loop. The training
+    parts come from :func:`~titanlite.trainer.assemble.build_training`, this trainer as their builder (its
+    :class:`~titanlite.trainer.assemble.TrainingBuilder` methods), as a foreign loop gets them.
 
     A subclass that defines a method of an earlier version (:data:`REMOVED_METHODS`, e.g. ``loss_fn``) is refused
     when it is defined, naming what to override instead: it would otherwise be silently bypassed."""
@@ -211,9 +213,11 @@ class Trainer(TrainerData, TrainingBuilder):
         states = {"model": self.model, "optimizer": self.optimizer, "lr_scheduler": self.lr_scheduler}
         states.update(dataloader=self.train_loader, train_state=self.state, guard=self.guard)
         folder = Path(c.job.dump_folder) / c.checkpoint.folder
-        kw = dict(dp_rank=self.dp_rank, device=self.device, info=info, config_toml=config_to_toml(c))
-        kw.update(final_step=self.total_steps)
-        return CheckpointManager(c.checkpoint, folder, states, **kw)
+        toml = config_to_toml(c)
+        return CheckpointManager(
+            c.checkpoint, folder, states, dp_rank=self.dp_rank, device=self.device, info=info, config_toml=toml,
+            final_step=self.total_steps,
+        )  # fmt: skip
 
     def build_hooks(self) -> list[Hook]:
         """The loop's hooks, in calling order (see :mod:`titanlite.hooks`)."""
