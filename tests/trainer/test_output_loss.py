@@ -27,6 +27,7 @@ from titanlite.loss import cross_entropy_sum
 from titanlite.models import build_model
 from titanlite.output_loss import ChunkedLoss, LogitsLoss, chunk_sizes, supports_hidden_states
 from titanlite.trainer import Trainer
+from titanlite.trainer.assemble import loss_chunks_for
 
 LOSS_RTOL = 1e-6
 GRAD_RTOL = 1e-5
@@ -182,10 +183,7 @@ def test_models_without_the_interface():
 
     cfg = SimpleNamespace(training=SimpleNamespace(loss_chunks=8))  # the Trainer then computes from the logits
     for model_cls, chunks in [(Logits, 0), (type(tiny()), 8)]:
-        assert (
-            Trainer.loss_chunks.func(SimpleNamespace(cfg=cfg, spec=SimpleNamespace(model_cls=model_cls, name="x")))
-            == chunks
-        )
+        assert loss_chunks_for(cfg, SimpleNamespace(model_cls=model_cls, name="x")) == chunks  # build_training's
     model = tiny()
     ChunkedLoss.check(model)
     for head in (torch.nn.Linear(64, VOCAB), Scaled(64, VOCAB, bias=False)):  # refused, naming the key
