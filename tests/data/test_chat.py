@@ -217,6 +217,7 @@ def test_generate_chat_feeds_the_rendering_and_stops_at_eot(tmp_path, capsys):
 
 def test_sampling_hook_chat_prompts(tmp_path):
     from titanlite.checkpoint.load_model import load_model
+    from titanlite.trainer.runtime import Runtime
     from titanlite.trainer.sampling import SamplingHook
 
     tok = build_byte_tokenizer()
@@ -233,10 +234,10 @@ def test_sampling_hook_chat_prompts(tmp_path):
         top_p: float = 1.0
         seed: int = 0
 
-    hook = SamplingHook(Section(chat=True), model, tok, device=torch.device("cpu"))
+    hook = SamplingHook(Section(chat=True), model, tok, Runtime(torch.device("cpu")))
     assert hook.prompt_ids == [chat_prompt_ids(tok, "Reverse: cat")]
     assert hook.sample() == [{"prompt": "Reverse: cat", "completion": ""}]  # stopped at <|eot_id|>, dropped
-    plain = SamplingHook(Section(chat=False), model, tok, device=torch.device("cpu"))
+    plain = SamplingHook(Section(chat=False), model, tok, Runtime(torch.device("cpu")))
     assert plain.prompt_ids == [tok.encode("Reverse: cat", bos=True)]
     assert plain.sample() == [{"prompt": "Reverse: cat", "completion": "<|eot_id|>" * 4}]
 
@@ -382,6 +383,7 @@ def test_killed_chat_prepare_reruns_to_identical_files(tmp_path):
 
 
 def test_sampling_chat_with_a_tokenizer_without_chat_tokens_names_the_key():
+    from titanlite.trainer.runtime import Runtime
     from titanlite.trainer.sampling import SamplingHook
 
     enc = tiktoken.Encoding(
@@ -394,4 +396,4 @@ def test_sampling_chat_with_a_tokenizer_without_chat_tokens_names_the_key():
     with pytest.raises(
         ValueError, match=r"^sampling.chat: tokenizer 'plain' has no special token <\|start_header_id\|>"
     ):
-        SamplingHook(section, None, Tokenizer(enc, name="plain"), device=torch.device("cpu"))
+        SamplingHook(section, None, Tokenizer(enc, name="plain"), Runtime(torch.device("cpu")))

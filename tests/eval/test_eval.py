@@ -31,6 +31,7 @@ from tests.helpers.shared_data import shared_file
 from titanlite.checkpoint.load_model import load_model
 from titanlite.eval import ClozeTask, Item, MultipleChoiceTask, evaluate, get_task, register_task, task_names
 from titanlite.eval.cli import main
+from titanlite.trainer.runtime import Runtime
 
 REPO = Path(__file__).resolve().parents[2]
 TASKS = ["hellaswag", "hellaswag_llmc", "arc_easy", "arc_challenge", "piqa", "lambada_openai"]
@@ -147,7 +148,13 @@ def test_the_model_mode_is_restored_and_a_briefly_trained_model_beats_nothing_by
 
 def test_bf16_autocast_is_applied_and_stays_close(loaded, results, data_dir):
     out = evaluate(
-        loaded.model, loaded.tokenizer, ["arc_easy"], data_dir, limit=3, batch_size=4, autocast_dtype=torch.bfloat16
+        loaded.model,
+        loaded.tokenizer,
+        ["arc_easy"],
+        data_dir,
+        limit=3,
+        batch_size=4,
+        runtime=Runtime(torch.device("cpu"), compute_dtype=torch.bfloat16),
     )
     got = [ll for r in out["arc_easy"]["items"] for ll in r["loglik"]]
     want = [ll for r in results["arc_easy"]["items"] for ll in r["loglik"]]
@@ -175,7 +182,8 @@ def dist_worker(args: dict) -> dict:
     init_distributed(world, timeout_seconds=120)
     rank = dist.get_rank()
     plain = load_model(args["checkpoint"])
-    common = dict(limit=DIST_LIMIT, batch_size=4, dp_rank=rank, dp_world=2)
+    replicas = ParallelDims(dp_replicate=2, dp_shard=1, world_size=2)  # no mesh: the items' share by rank only
+    common = dict(limit=DIST_LIMIT, batch_size=4, runtime=Runtime(torch.device("cpu"), replicas))
     out = {"plain": evaluate(plain.model, plain.tokenizer, DIST_TASKS, args["data_dir"], **common)}
     dims = ParallelDims(dp_shard=2, world_size=2)
     dims.build_mesh("cpu")

@@ -477,13 +477,14 @@ def test_the_sampling_hook_checks_the_family_at_start(caplog):
     """[sampling] with a family without the cache: a warning when the hook is built, samples that work."""
     from titanlite.config.sections import Sampling
     from titanlite.tokenizer import build_byte_tokenizer
+    from titanlite.trainer.runtime import Runtime
     from titanlite.trainer.sampling import SamplingHook
 
     tok = build_byte_tokenizer()
     section = Sampling(enable=True, prompts=["ab"], max_new_tokens=5, compile=True)
     model = NoCacheLM(vocab=tok.vocab_size, dim=8).eval()
     with caplog.at_level("WARNING"):
-        hook = SamplingHook(section, model, tok, device=torch.device("cpu"))
+        hook = SamplingHook(section, model, tok, Runtime(torch.device("cpu")))
     assert not hook.use_cache and not hook.compile
     assert "forward takes no cache argument" in caplog.text and "sampling.compile = true ignored" in caplog.text
     ids = generate(model, hook.prompt_ids, max_new_tokens=5, use_cache=False)

@@ -51,8 +51,8 @@ def make_config(dump: str, dp: int, extra: list[str]):
 class RecordingTrainer(Trainer):
     """Keeps the input batches of the first optimizer step."""
 
-    def build_train_step(self):
-        step = super().build_train_step()
+    def build_train_step(self, *args, **options):
+        step = super().build_train_step(*args, **options)
         inner, self.first_step_inputs = step.forward_backward, []
 
         def forward_backward(batch, tokens):

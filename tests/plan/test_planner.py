@@ -650,12 +650,14 @@ def pipeline_rss_worker(args: dict) -> dict:
     from titanlite.loss import cross_entropy_sum
     from titanlite.models import get_model_spec
     from titanlite.optim import build_optimizer
+    from titanlite.output_loss import LogitsLoss
     from titanlite.parallel.activation_checkpoint import ActivationCheckpoint
     from titanlite.parallel.build import build_parallel_model
     from titanlite.parallel.distributed import init_distributed, world_from_env
     from titanlite.parallel.parallel_dims import ParallelDims
     from titanlite.parallel.pipeline import Pipeline, PipelinePlan
     from titanlite.parallel.policies import Policies
+    from titanlite.trainer.runtime import Runtime
 
     world = world_from_env()
     init_distributed(world, timeout_seconds=120)
@@ -676,7 +678,7 @@ def pipeline_rss_worker(args: dict) -> dict:
     policies = Policies(activation_checkpoint=ActivationCheckpoint(args["ac"]))
     parts = build_parallel_model(spec, model_args, dims, policies, pipeline=plan)
     optimizer = build_optimizer(parts, cfg.optimizer)  # AdamW, foreach on CPU
-    pipe = Pipeline(parts, plan, dims.pp_group, torch.device("cpu"), cross_entropy_sum)
+    pipe = Pipeline(parts, plan, Runtime(torch.device("cpu"), dims, loss=LogitsLoss(cross_entropy_sum)))
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, model_args.vocab_size, (args["batch"], args["seq"]), generator=g)
     y = torch.randint(0, model_args.vocab_size, (args["batch"], args["seq"]), generator=g)

@@ -40,8 +40,8 @@ class Recording(Trainer):
         self.snapshots, self.batches = [], []
         super().__init__(cfg)
 
-    def build_train_step(self):
-        step = super().build_train_step()
+    def build_train_step(self, *args, **options):
+        step = super().build_train_step(*args, **options)
         inner = step.forward_backward
 
         def forward_backward(batch, tokens):

@@ -13,6 +13,7 @@ by the incoming one, or a TP gradient not reduced is off by far more.
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 
 import pytest
@@ -211,7 +212,9 @@ def chunks_worker(args: dict) -> dict:
             micro = {"input_ids": tokens[rows], "labels": labels[rows]}
             results = []
             for n in [0, *CHUNKS]:
-                step.loss = output_loss(cross_entropy_sum, n, loss_parallel=lp)
+                step.runtime = dataclasses.replace(
+                    step.runtime, loss=output_loss(cross_entropy_sum, n, loss_parallel=lp)
+                )
                 if step.pipeline is not None:
                     step.pipeline.output_loss, step.pipeline.loss_fn = step.loss, step.pipeline.bind(step.loss)
                 trainer.optimizer.zero_grad(set_to_none=True)

@@ -10,6 +10,8 @@ References, independent of the code under test:
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -17,6 +19,7 @@ from tests.helpers.dist import REPO, run_workers
 from titanlite.data.chat import encode_conversations
 from titanlite.models.llama3 import Llama3ModelArgs
 from titanlite.tokenizer import build_byte_tokenizer
+from titanlite.trainer.runtime import Runtime
 from titanlite.trainer.step import TrainStep
 from titanlite.trainer.validation import validation_loss
 
@@ -45,21 +48,23 @@ def model_and_step(dims=None, **kw):
     torch.manual_seed(0)
     model = build_parallel_model(get_model_spec("llama3"), Llama3ModelArgs(**ARGS), dims, device="cpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return model, TrainStep(model, optimizer, max_norm=0.0, parallel_dims=dims, **kw)
+    return model, TrainStep(model, optimizer, runtime=Runtime(torch.device("cpu"), dims), max_norm=0.0, **kw)
 
 
 def pipelined_step(dims):
     from titanlite.loss import cross_entropy_sum
     from titanlite.models import get_model_spec
+    from titanlite.output_loss import LogitsLoss
     from titanlite.parallel import build_parallel_model
     from titanlite.parallel.pipeline import Pipeline, PipelinePlan
 
     plan = PipelinePlan(degree=dims.pp, schedule="1F1B", n_microbatches=2, stage_sizes=(1, 1))
     torch.manual_seed(0)
     model = build_parallel_model(get_model_spec("llama3"), Llama3ModelArgs(**ARGS), dims, device="cpu", pipeline=plan)
-    pipe = Pipeline(model, plan, dims.pp_group, torch.device("cpu"), cross_entropy_sum)
+    runtime = Runtime(torch.device("cpu"), dims, loss=LogitsLoss(cross_entropy_sum))
+    runtime = dataclasses.replace(runtime, pipeline=Pipeline(model, plan, runtime))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return model, TrainStep(model, optimizer, max_norm=0.0, parallel_dims=dims, pipeline=pipe, count_unmasked=True)
+    return model, TrainStep(model, optimizer, runtime=runtime, max_norm=0.0, count_unmasked=True)
 
 
 def grads_of(step: TrainStep, batches: list[dict]):

@@ -103,15 +103,15 @@ class BenchTrainer(Trainer):
 
         return timed_fn
 
-    def build_train_step(self) -> TimedTrainStep:
-        step = super().build_train_step()
+    def build_train_step(self, model, *args, **options) -> TimedTrainStep:
+        step = super().build_train_step(model, *args, **options)
         step.__class__ = TimedTrainStep  # the same object, with the timed methods
         step.timer, step.losses = StepTimer(self.device, *self.timer_args), []
         if step.pipeline is not None:
             self.stage_activity = activity = StageActivity(self.device)
-            for stage, module in zip(self.model.stage_ids, self.model.stages):
+            for stage, module in zip(model.stage_ids, model.stages):
                 activity.attach(stage, module)
-            if (last := self.pipeline_plan.num_stages - 1) in self.model.stage_ids:
+            if (last := self.pipeline_plan.num_stages - 1) in model.stage_ids:
                 step.pipeline.loss_fn = activity.wrap_loss(step.pipeline.loss_fn, last)
         return step
 

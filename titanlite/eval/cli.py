@@ -115,10 +115,20 @@ def run_watch(a: argparse.Namespace) -> int:
         torch.set_num_threads(a.threads)
     logging.getLogger("titanlite").setLevel(logging.INFO)
     tasks = [t.strip() for t in a.tasks.split(",") if t.strip()] if a.tasks else None
-    kw = dict(tasks=tasks, data_dir=a.data_dir, limit=a.limit, batch_size=a.batch_size, device=a.device)
-    kw.update(compile=a.compile, max_seq_len=a.max_seq_len)
-    kw.update(tokenizer_path=a.tokenizer, extensions=a.extensions)
-    watch(a.watch, poll_seconds=a.poll_seconds, once=a.once, **kw)
+    watch(
+        a.watch,
+        tasks=tasks,
+        data_dir=a.data_dir,
+        limit=a.limit,
+        batch_size=a.batch_size,
+        device=a.device,
+        compile=a.compile,
+        max_seq_len=a.max_seq_len,
+        tokenizer_path=a.tokenizer,
+        extensions=a.extensions,
+        poll_seconds=a.poll_seconds,
+        once=a.once,
+    )
     return 0
 
 

@@ -42,17 +42,20 @@ import logging
 import math
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titanlite import _torch_compat, dtypes
+from titanlite import _torch_compat
 from titanlite.eval.packing import PAD_MULTIPLE, Group, cached_batch, canonical_batches, group_requests, plain_batch
 from titanlite.eval.tasks import Item, Task, get_task
 from titanlite.models.kv_cache import KVCache, supports_cache
+
+if TYPE_CHECKING:  # imported when called: titanlite.trainer imports this package
+    from titanlite.trainer.runtime import Runtime
 
 logger = logging.getLogger(__name__)
 
@@ -81,11 +84,7 @@ def evaluate(
     limit: int | None = None,
     batch_size: int = 16,
     max_seq_len: int | None = None,
-    device: str | torch.device | None = None,
-    dp_rank: int = 0,
-    dp_world: int = 1,
-    dp_group: dist.ProcessGroup | None = None,
-    autocast_dtype: torch.dtype | None = None,
+    runtime: Runtime | None = None,
     compile: bool = False,
 ) -> dict[str, dict]:
     """Score ``tasks`` (registered names) on the first ``limit`` items of each (all when None).
@@ -97,15 +96,15 @@ def evaluate(
     loglik / num_tokens}``; for LAMBADA there is one choice, ``label`` is 1 and ``pred`` is 1 when
     greedy decoding reproduces the target. ``max_seq_len`` (the longest input the model takes) defaults
     to the model's ``args.max_seq_len``; a model without one needs it given. ``batch_size``: requests
-    per batch (at most that many sequences per forward pass). ``device`` defaults to the model's.
-    ``compile``: see the module docstring. Collective when ``dp_world > 1`` or the model is sharded:
-    every rank calls it with the same arguments but its own ``dp_rank``."""
+    per batch (at most that many sequences per forward pass). ``runtime``
+    (:class:`~titanlite.trainer.runtime.Runtime`): the device, the compute dtype (autocast) and the data-parallel
+    ranks that share the items (its parallel dims; default: one process on the model's device, no autocast).
+    ``compile``: see the module docstring. Collective when there are several data-parallel ranks or the model is
+    sharded: every rank calls it with the same arguments."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be at least 0, got {limit}")
-    if not 0 <= dp_rank < dp_world:
-        raise ValueError(f"dp_rank {dp_rank} is not in range for dp_world {dp_world}")
     if repeated := sorted({name for name in tasks if list(tasks).count(name) > 1}):
         raise ValueError(f"eval task {repeated[0]!r} is given more than once")
     if max_seq_len is None:
@@ -118,13 +117,14 @@ def evaluate(
     chosen = [get_task(name) for name in tasks]
     loaded = [task.items(data_dir)[:limit] for task in chosen]
     requests = build_requests(loaded, tokenizer, max_seq_len, [task.name for task in chosen])
-    device = torch.device(device) if device is not None else _model_device(model)
-    scorer = _Scorer(model, device, autocast_dtype, max_seq_len, compile)
+    from titanlite.trainer.runtime import Runtime
+
+    scorer = _Scorer(model, runtime or Runtime.of(model), max_seq_len, compile)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            scores = score_requests(scorer, requests, batch_size, dp_rank, dp_world, dp_group)
+            scores = score_requests(scorer, requests, batch_size)
     finally:
         model.train(was_training)
     return _results(chosen, loaded, requests, scores, max_seq_len)
@@ -166,19 +166,13 @@ def _fit(request: Request, max_seq_len: int) -> Request:
     return dataclasses.replace(request, tokens=window, num_cont=min(request.num_cont, max_seq_len), truncated=True)
 
 
-def score_requests(
-    scorer: _Scorer,
-    requests: Sequence[Request],
-    batch_size: int,
-    dp_rank: int = 0,
-    dp_world: int = 1,
-    dp_group: dist.ProcessGroup | None = None,
-) -> dict[int, tuple[float, bool]]:
+def score_requests(scorer: _Scorer, requests: Sequence[Request], batch_size: int) -> dict[int, tuple[float, bool]]:
     """``{request index: (summed log-prob of its continuation, every continuation token greedy)}`` for
-    every request, on every rank; this rank computes batches ``dp_rank, dp_rank + dp_world, ...`` of each
-    kind (single requests: one forward pass each; shared contexts: two), so that every rank runs the
-    same forward passes. Each batch's results are read after the next batch is queued (the device never
-    waits for the host)."""
+    every request, on every rank; data-parallel rank ``r`` of ``n`` (the scorer's runtime) computes batches
+    ``r, r + n, ...`` of each kind (single requests: one forward pass each; shared contexts: two), so that every
+    rank runs the same forward passes. Each batch's results are read after the next batch is queued (the device
+    never waits for the host)."""
+    dp_rank, dp_world, dp_group = scorer.runtime.dp_rank, scorer.runtime.dp_degree, scorer.runtime.dp_group
     groups = group_requests(requests, share_context=scorer.cached)
     batches = canonical_batches(groups, batch_size)
     local: dict[int, tuple[float, bool]] = {}
@@ -253,10 +247,8 @@ class _Scorer:
     through a KV cache, contexts once (:func:`~titanlite.eval.packing.cached_batch`), when the model
     speaks the cache protocol, else one plain row per request (:func:`~titanlite.eval.packing.plain_batch`)."""
 
-    def __init__(
-        self, model: nn.Module, device: torch.device, autocast_dtype: torch.dtype | None, max_len: int, compile: bool
-    ):
-        self.model, self.device, self.autocast_dtype, self.max_len = model, device, autocast_dtype, max_len
+    def __init__(self, model: nn.Module, runtime: Runtime, max_len: int, compile: bool):
+        self.model, self.runtime, self.device, self.max_len = model, runtime, runtime.device, max_len
         args = getattr(model, "args", None)  # any module can be scored; attn_mask_type is optional for a family too
         self.document_ids = getattr(args, "attn_mask_type", "causal") == "block_causal"
         self.cached = supports_cache(model)
@@ -270,7 +262,7 @@ class _Scorer:
         """Whole (not vocabulary-sharded) logits ``[B, S, V]``, in the forward's dtype (the first batch's
         first pass eagerly: it allocates the cache buffers whose layout the others reuse)."""
         forward = _forward if cache is not None and not self.layout else self.forward
-        with dtypes.autocast(self.device.type, self.autocast_dtype):
+        with self.runtime.autocast(self.model):
             logits = forward(self.model, tokens, cache, self.document_ids)
         return logits.full_tensor() if isinstance(logits, DTensor) else logits
 
@@ -299,13 +291,6 @@ class _Scorer:
         result[0].index_add_(0, owners, logprobs.double())
         result[1].index_add_(0, owners, missed.double())
         return _Pending(result, host.requests)
-
-
-def _model_device(model: nn.Module) -> torch.device:
-    param = next(model.parameters(), None)
-    if param is None:
-        return torch.device("cpu")
-    return param.to_local().device if isinstance(param, DTensor) else param.device
 
 
 def _results(

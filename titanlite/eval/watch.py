@@ -45,6 +45,7 @@ from titanlite.extensions import load_extensions
 from titanlite.fsio import one_line
 from titanlite.metrics_records import parse_record
 from titanlite.trainer.metrics_log import strict_json_line
+from titanlite.trainer.runtime import Runtime
 
 logger = logging.getLogger("titanlite")
 
@@ -166,10 +167,17 @@ def watch(
                     else:
                         logger.warning("%s cannot be evaluated: %s", f.path, one_line(err))
                     continue
-                kw = dict(limit=limit, batch_size=batch_size, compile=compile)
-                kw.update(max_seq_len=max_seq_len or loaded.args.max_seq_len)
-                kw.update(device=torch.device(device), autocast_dtype=autocast)
-                results = evaluate_fn(loaded.model, loaded.tokenizer, tasks, data_dir, **kw)
+                results = evaluate_fn(
+                    loaded.model,
+                    loaded.tokenizer,
+                    tasks,
+                    data_dir,
+                    limit=limit,
+                    batch_size=batch_size,
+                    compile=compile,
+                    max_seq_len=max_seq_len or loaded.args.max_seq_len,
+                    runtime=Runtime(torch.device(device), compute_dtype=autocast),
+                )
                 record = {**eval_record(f.step, results), "eval_source": SOURCE}
                 append_record(metrics_file, record)
                 if writer is not None:

@@ -59,9 +59,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from titanlite import _torch_compat
-from titanlite.dtypes import autocast
 from titanlite.output_loss import as_output_loss
-from titanlite.parallel.fsdp import is_fsdp
 from titanlite.parallel.pipeline_schedules import (
     MULTI_STAGE_SCHEDULES,
     V_SCHEDULES,
@@ -314,21 +312,15 @@ class Pipeline:
     microbatch's forward and backward, at each switch), except for the V schedules, whose evaluation mode
     fails in torch 2.13: they get a second schedule with a forward-only order (see ``_schedule``)."""
 
-    def __init__(
-        self,
-        parts: ModelParts,
-        plan: PipelinePlan,
-        group: Any,
-        device: torch.device,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | Any,
-        autocast_dtype: torch.dtype | None = None,
-    ):
-        """``loss_fn``: a token-sum ``loss_fn(logits, labels)``, or a :class:`~titanlite.output_loss.ChunkedLoss`."""
-        self.parts, self.plan, self.group, self.device = parts, plan, group, device
-        self.autocast_dtype = autocast_dtype if autocast_dtype not in (None, torch.float32) else None
+    def __init__(self, parts: ModelParts, plan: PipelinePlan, runtime: Any):
+        """``runtime`` (a :class:`~titanlite.trainer.runtime.Runtime`, its pipeline unset): the device, the pipeline
+        group (its parallel dims'), the output loss (``loss``: from the logits, or a chunked one) and the autocast of
+        each stage (``autocast(module)``)."""
+        self.parts, self.plan, self.runtime = parts, plan, runtime
+        self.group, self.device = runtime.pp_group, runtime.device
         self.has_first, self.has_last = 0 in parts.stage_ids, plan.num_stages - 1 in parts.stage_ids
         self.last_stage = parts.stages[parts.stage_ids.index(plan.num_stages - 1)] if self.has_last else None
-        self.output_loss = as_output_loss(loss_fn)
+        self.output_loss = as_output_loss(runtime.loss)
         if self.last_stage is not None:  # it returns what the output loss takes: logits, or hidden states
             self.output_loss.check(self.last_stage)
             self.last_stage.forward = functools.partial(_forward_for, self.last_stage.forward, self)
@@ -340,10 +332,9 @@ class Pipeline:
     def bind(self, output_loss: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """``(last stage's output, labels) -> loss`` of ``output_loss`` (a chunked one applies the stage's output
         layer, under the stage's autocast)."""
-        dtype = None if self.last_stage is None or is_fsdp(self.last_stage) else self.autocast_dtype
 
         def loss(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            with autocast(self.device.type, dtype):
+            with self.runtime.autocast(self.last_stage):
                 return output_loss(self.last_stage, outputs, labels)
 
         return loss
@@ -368,10 +359,8 @@ class Pipeline:
     def _stages(self) -> list[tuple[int, nn.Module]]:
         """(stage index, the module its PipelineStage runs): the stage itself, or, for autocast (stages without
         FSDP, whose mixed precision policy casts instead), a wrapper running only its forward under autocast."""
-        if self.autocast_dtype is None:
-            return list(zip(self.parts.stage_ids, self.parts.stages))
         return [
-            (i, m if is_fsdp(m) else _Autocast(m, self.autocast_dtype))
+            (i, m if self.runtime.autocast_dtype(m) is None else _Autocast(m, self.runtime))
             for i, m in zip(self.parts.stage_ids, self.parts.stages)
         ]
 
@@ -426,12 +415,12 @@ class _Stage(PipelineStage):
 
 
 class _Autocast(nn.Module):
-    """A stage whose forward runs under ``torch.autocast`` (the schedule also runs the backward, which must not)."""
+    """A stage whose forward runs under its runtime's autocast (the schedule also runs the backward, which must not)."""
 
-    def __init__(self, stage: nn.Module, dtype: torch.dtype):
+    def __init__(self, stage: nn.Module, runtime: Any):
         super().__init__()
-        self.stage, self.dtype, self.device_type = stage, dtype, next(stage.parameters()).device.type
+        self.stage, self.runtime = stage, runtime
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(self.device_type, dtype=self.dtype):
+        with self.runtime.autocast(self.stage):
             return self.stage(*args, **kwargs)

@@ -15,12 +15,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from titanlite import dtypes
 from titanlite.data.chat import chat_prompt_ids, special_id
 from titanlite.generate import check_request, compile_refusal, generate, no_cache_reason, sequence_multiple
 from titanlite.hooks import Hook, LoopState
 from titanlite.models.kv_cache import supports_cache
 from titanlite.parallel.float8 import float8_disabled
+from titanlite.trainer.runtime import Runtime
 
 logger = logging.getLogger("titanlite")
 
@@ -31,12 +31,12 @@ class SamplingHook(Hook):
         section: Any,
         model: nn.Module,
         tokenizer: Any,
-        *,
-        device: torch.device,
-        autocast_dtype: torch.dtype | None = None,
+        runtime: Runtime | None = None,
     ):
-        self.section, self.model, self.tokenizer, self.device = section, model, tokenizer, device
-        self.autocast_dtype = autocast_dtype
+        """``runtime``: where and in which dtype the model runs (default: one process on the model's device)."""
+        self.section, self.model, self.tokenizer = section, model, tokenizer
+        self.runtime = runtime or Runtime.of(model)
+        self.device = self.runtime.device
         self.chat = getattr(section, "chat", False)
         if self.chat:  # each prompt is a user turn; a reply ends at <|eot_id|>
             try:
@@ -72,8 +72,7 @@ class SamplingHook(Hook):
         """Each prompt and its completion (without the EOS, or with ``chat`` the <|eot_id|>, that ended it)."""
         s, model = self.section, self.model
         generator = torch.Generator(device=self.device).manual_seed(s.seed)
-        autocast = dtypes.autocast(self.device.type, self.autocast_dtype)
-        kw = dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, eos_ids=self.stop_ids)
+        autocast = self.runtime.autocast(model)
         was_training = model.training
         model.eval()
         try:
@@ -86,7 +85,10 @@ class SamplingHook(Hook):
                     device=self.device,
                     use_cache=self.use_cache,
                     compile=self.compile,
-                    **kw,
+                    temperature=s.temperature,
+                    top_k=s.top_k,
+                    top_p=s.top_p,
+                    eos_ids=self.stop_ids,
                 )
         finally:
             model.train(was_training)

@@ -35,14 +35,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titanlite import dtypes
-from titanlite.loss import cross_entropy_sum
 from titanlite.models.moe import MoEStep
-from titanlite.output_loss import ChunkedLoss, LogitsLoss, as_output_loss
+from titanlite.output_loss import ChunkedLoss, LogitsLoss
 from titanlite.parallel.distributed import all_reduce_sum
-from titanlite.parallel.fsdp import is_fsdp, sum_gradients
+from titanlite.parallel.fsdp import sum_gradients
 from titanlite.parallel.grad_clip import WorldLayout, clip_coefficient, clip_grad_norm_, grad_square_sum, scale_grads_
-from titanlite.parallel.tensor_parallel import loss_parallel_context, to_local_value
+from titanlite.trainer.runtime import Runtime, eval_loss, forward_loss
 
 logger = logging.getLogger(__name__)
 
@@ -110,11 +108,11 @@ class StepResult:
 class TrainStep:
     """Gradient accumulation, loss, clipping and the optimizer update (see the module docstring).
 
-    - ``parallel_dims`` (a :class:`~titanlite.parallel.parallel_dims.ParallelDims`, or None for one
-      process): the loss is summed over its data-parallel ranks, and computed from
-      vocabulary-sharded logits when loss parallelism is on;
-    - ``autocast_dtype``: run forward under autocast (bf16 from fp32 weights) when the model is not
-      FSDP-wrapped; FSDP's mixed-precision policy casts instead;
+    - ``runtime`` (a :class:`~titanlite.trainer.runtime.Runtime`; default: one process on the model's device,
+      the built-in cross-entropy): the device, the parallel dims (the loss is summed over the data-parallel ranks,
+      and computed from vocabulary-sharded logits when loss parallelism is on), the compute dtype (the forward runs
+      under autocast when the model is not FSDP-wrapped; FSDP's mixed-precision policy casts instead), the output
+      loss and the pipeline;
     - ``max_norm``: clip the total gradient norm (exact over FSDP shards and TP ranks); 0 disables;
     - ``count_unmasked``: divide by the labels that carry loss (``!= -100``, e.g. chat data's assistant
       tokens) over the whole step instead of every label (:meth:`loss_token_count`); the count is
@@ -130,29 +128,20 @@ class TrainStep:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         lr_scheduler: Any = None,
+        runtime: Runtime | None = None,
         *,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | LogitsLoss | ChunkedLoss = cross_entropy_sum,
         grad_accum_steps: int = 1,
         max_norm: float = 1.0,
-        parallel_dims: Any = None,
-        autocast_dtype: torch.dtype | None = None,
-        device: torch.device | None = None,
-        pipeline: Any = None,
         count_unmasked: bool = False,
         stop_requested: Callable[[], bool] | None = None,
     ):
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
-        self.loss = as_output_loss(loss_fn)  # model outputs -> token-sum loss (its logits, or chunked)
-        if pipeline is None:  # a pipeline checks its last stage
+        self.runtime = runtime or Runtime.of(model)
+        if self.pipeline is None:  # a pipeline checks its last stage
             self.loss.check(model)
-        self.grad_accum_steps, self.max_norm, self.parallel_dims = grad_accum_steps, max_norm, parallel_dims
-        self.device = device or next(model.parameters()).device
-        self.pipeline = pipeline
+        self.grad_accum_steps, self.max_norm = grad_accum_steps, max_norm
         self.count_unmasked = count_unmasked
-        self.pp_group = getattr(parallel_dims, "pp_group", None)
-        self.moe = MoEStep.find(model, getattr(parallel_dims, "loss_group", None))  # None: a dense model
-        use_autocast = autocast_dtype not in (None, torch.float32) and not is_fsdp(model)
-        self.autocast_dtype = autocast_dtype if use_autocast else None
+        self.moe = MoEStep.find(model, getattr(self.parallel_dims, "loss_group", None))  # None: a dense model
         self.stop_requested = stop_requested
         self.world = self._world_layout()
         self.fold_clip = getattr(optimizer, "_step_supports_amp_scaling", False)  # a fused kernel takes grad_scale
@@ -167,6 +156,32 @@ class TrainStep:
                 "ranks; set to sum them (each rank's gradient is its share of the global token mean)"
             )
 
+    @property
+    def loss(self) -> LogitsLoss | ChunkedLoss:
+        """Model outputs -> token-sum loss (from its logits, or chunked through the output layer)."""
+        return self.runtime.loss
+
+    @property
+    def device(self) -> torch.device:
+        return self.runtime.device
+
+    @property
+    def parallel_dims(self) -> Any:
+        return self.runtime.parallel_dims
+
+    @property
+    def pipeline(self) -> Any:
+        return self.runtime.pipeline
+
+    @property
+    def pp_group(self) -> Any:
+        return self.runtime.pp_group
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The forward's autocast dtype (None: none, e.g. fp32 or an FSDP model)."""
+        return self.runtime.autocast_dtype(self.model)
+
     def _world_layout(self) -> WorldLayout | None:
         """How to count replicas in the step's reduction; None when processes run without a known mesh (a
         foreign loop's own process group): the norm and the loss are then reduced the mesh-agnostic way."""
@@ -179,24 +194,20 @@ class TrainStep:
 
     @property
     def dp_degree(self) -> int:
-        return 1 if self.parallel_dims is None else self.parallel_dims.dp_degree
+        return self.runtime.dp_degree
 
     def autocast(self):
-        return dtypes.autocast(self.device.type, self.autocast_dtype)
+        return self.runtime.autocast(self.model)
 
     def forward_backward(self, batch: dict[str, torch.Tensor], tokens: int) -> torch.Tensor:
         """One micro-batch: backward of its token-sum loss / ``tokens``; returns the detached sum."""
-        inputs, labels, extra = batch_to_device(batch, self.device)
-        loss_parallel = getattr(self.parallel_dims, "loss_parallel_enabled", False)
-        if self.pipeline is not None:  # the schedule runs forward and backward of every stage (autocast included)
-            with loss_parallel_context(loss_parallel):
-                return self.pipeline.step(inputs, labels, extra, tokens)
-        with loss_parallel_context(loss_parallel):  # vocab-sharded logits under TP
-            with self.autocast():  # the output layer too when chunked; the loss function runs without autocast
-                outputs = self.model(inputs, **extra, **self.loss.model_kwargs)
-                loss = self.loss(self.model, outputs, labels)
-            (loss / tokens).backward()
-        return to_local_value(loss.detach())
+        return forward_loss(self.model, self.runtime, batch_to_device(batch, self.device), self.loss, divisor=tokens)
+
+    @torch.no_grad()
+    def eval_step(self, batch: dict[str, torch.Tensor], loss_fn: Callable | None = None) -> torch.Tensor:
+        """One batch's token-sum ``loss_fn(logits, labels)`` (default: the training loss's function), forward only
+        and chunked as the training loss (:func:`~titanlite.trainer.runtime.eval_loss`)."""
+        return eval_loss(self.model, self.runtime, batch_to_device(batch, self.device), loss_fn)
 
     def set_grad_accum_steps(self, steps: int) -> None:
         """Accumulate ``steps`` micro-batches per step from the next call on (a ``seq_len_schedule`` stage)."""

@@ -16,14 +16,11 @@ import functools
 import logging
 import os
 import random
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
-from titanlite import components
 from titanlite.checkpoint import CheckpointHook, CheckpointManager, layout
 from titanlite.checkpoint.hf_tokenizer_files import tokenizer_record
 from titanlite.checkpoint.seed_args import model_args_from_seed
@@ -34,7 +31,6 @@ from titanlite.hooks import Hook, LoopState, call_hooks, run_steps
 from titanlite.models import get_model_spec
 from titanlite.models.flops import ModelShape, num_params
 from titanlite.models.registry import active_params, check_seq_len, model_args_for, model_counts
-from titanlite.output_loss import output_loss
 from titanlite.parallel.distributed import (
     CollectiveTimeoutHook,
     WorldInfo,
@@ -43,15 +39,21 @@ from titanlite.parallel.distributed import (
     world_from_env,
 )
 from titanlite.parallel.float8 import float8_disabled, float8_modules
-from titanlite.parallel.float8_fsdp import register_float8_scale_precompute
 from titanlite.parallel.fsdp import quiet_view_warning
 from titanlite.parallel.parallel_dims import ParallelDims
 from titanlite.parallel.pipeline import PipelinePlan
 from titanlite.plan.planner import RunSetup, check_absurd_size
-from titanlite.plan.run_plan import RunPlan, plan_steps
+from titanlite.plan.run_plan import RunPlan
 from titanlite.run_lock import RunLock
 from titanlite.tokenizer import token_byte_lengths
-from titanlite.trainer.assemble import build_config_model, config_loss, config_train_step
+from titanlite.trainer.assemble import (
+    RunFacts,
+    TrainingBuilder,
+    build_training,
+    config_grad_accum_steps,
+    config_pipeline_plan,
+    config_run_plan,
+)
 from titanlite.trainer.guard import GuardHook, StepGuard
 from titanlite.trainer.metrics import MetricsHook
 from titanlite.trainer.metrics_log import MetricsLogger
@@ -60,7 +62,6 @@ from titanlite.trainer.preemption import PreemptionHandler, PreemptionHook
 from titanlite.trainer.profiling import ProfilerHook
 from titanlite.trainer.sampling import SamplingHook
 from titanlite.trainer.stages import StageHook
-from titanlite.trainer.step import TrainStep, grad_accum_steps
 from titanlite.trainer.trainer_data import TrainerData
 from titanlite.trainer.validation import ValidationHook, combine_validation, validation_loss
 from titanlite.trainer.wandb_logger import import_wandb
@@ -85,8 +86,10 @@ def set_seed(seed: int, deterministic: bool = False) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-class Trainer(TrainerData):
-    """Builds every piece from a :class:`JobConfig` (each from its own section) and runs the loop."""
+class Trainer(TrainerData, TrainingBuilder):
+    """Builds every piece from a :class:`JobConfig` (each from its own section) and runs the loop. The training
+    parts come from :func:`~titanlite.trainer.assemble.build_training`, this trainer as their builder (its
+    :class:`~titanlite.trainer.assemble.TrainingBuilder` methods), as a foreign loop gets them."""
 
     def __init__(self, cfg: JobConfig, world: WorldInfo | None = None):
         t = cfg.training
@@ -99,7 +102,7 @@ class Trainer(TrainerData):
         layout.refuse_inside_step_folder(cfg.job.dump_folder, f"job.dump_folder={cfg.job.dump_folder}")
         self.run_lock = RunLock(cfg.job.dump_folder)  # rank 0 holds it: one run per dump folder
         run_on_rank0(lambda: self.run_lock.acquire() and None)
-        self.grad_accum_steps = grad_accum_steps(t.global_batch_size, t.local_batch_size, self.parallel_dims.dp_degree)
+        self.grad_accum_steps = config_grad_accum_steps(cfg, self.parallel_dims)
         self.global_batch = t.local_batch_size * self.parallel_dims.dp_degree * self.grad_accum_steps
         self.run_plan = self.build_run_plan()  # the token budget and the seq_len stages, checked before building
         self.total_steps = self.run_plan.total_steps
@@ -120,15 +123,17 @@ class Trainer(TrainerData):
         check_seq_len(self.model_args, max(t.seq_len, self.run_plan.max_seq_len))
         self.pipeline_plan = self.build_pipeline_plan()
         self.check_absurd_size()
-        self.model = self.build_model()
+        self.count_unmasked = any(data.chat for data, _ in self.train_sources)  # masks or packing padding
+        stop = lambda: self.preemption.requested  # noqa: E731 - agreed in the step's reduction (the guard reads it)
+        facts = RunFacts(self.model_args, self.run_plan, self.pipeline_plan, self.count_unmasked, stop)
+        parts = build_training(cfg, self.parallel_dims, self.device, facts=facts, builder=self)
+        self.model, self.optimizer, self.lr_scheduler = parts.model, parts.optimizer, parts.lr_scheduler
+        self.train_step, self.runtime = parts.train_step, parts.runtime
         n_params, self.flops_per_token = model_counts(self.spec, self.model_args, t.seq_len)
         self.stage_flops = [model_counts(self.spec, self.model_args, s.seq_len)[1] for s in self.run_plan.stages]
         self.n_params = n_params if self.pipeline_plan else num_params(self.model)  # a stage holds a part
-        self.optimizer = self.build_optimizer()
-        self.lr_scheduler = self.build_lr_scheduler()
         self.train_loader = self.build_train_loader()
         self.val_loaders = self.build_val_loaders() if cfg.validation.enable else {}
-        self.train_step = self.build_train_step()
         self.state = LoopState(total_steps=self.total_steps)
         self.preemption = PreemptionHandler()
         self.guard = StepGuard(cfg.guard, self.device)
@@ -155,10 +160,7 @@ class Trainer(TrainerData):
 
     def build_pipeline_plan(self) -> PipelinePlan | None:
         """``[parallelism] pipeline_parallel_*``: the stages and the microbatches, or None without pipelining."""
-        if not self.parallel_dims.pp_enabled:
-            return None
-        c = self.cfg
-        return PipelinePlan.from_config(c.parallelism, self.model_args.n_layers, c.training.local_batch_size)
+        return config_pipeline_plan(self.cfg, self.parallel_dims, self.model_args)
 
     def check_absurd_size(self) -> None:
         """Refuse, before anything is allocated, a run whose modelled memory per device is far beyond the device's
@@ -178,54 +180,11 @@ class Trainer(TrainerData):
     def build_tokenizer(self):
         return self.spec.tokenizer_builder(self.cfg.model.tokenizer_path)
 
-    def build_model(self) -> nn.Module:
-        """Meta build, the family's parallelize plan, materialize and initialize
-        (:func:`~titanlite.parallel.build.build_parallel_model`)."""
-        return build_config_model(
-            self.cfg, self.spec, self.model_args, self.parallel_dims, self.device, pipeline=self.pipeline_plan
-        )
-
-    def build_optimizer(self) -> torch.optim.Optimizer:
-        optimizer = components.get("optimizer", self.cfg.optimizer.name)(self.model, self.cfg.optimizer)
-        register_float8_scale_precompute(optimizer, self.model)  # float8 all-gather: all scales in one all-reduce
-        return optimizer
-
-    def build_lr_scheduler(self) -> Any:
-        build = components.get("lr_scheduler", self.cfg.lr_scheduler.name)
-        return build(self.optimizer, self.cfg.lr_scheduler, self.total_steps)
-
-    def build_loss(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """The ``[training] loss`` (a token sum), compiled with ``[compile] components = ["loss"]``."""
-        return config_loss(self.cfg, self.parallel_dims)
-
-    @functools.cached_property
-    def loss_chunks(self) -> int:
-        """``[training] loss_chunks`` (every family returns hidden states: :mod:`titanlite.models.protocol`)."""
-        return self.cfg.training.loss_chunks
-
     def build_run_plan(self) -> RunPlan:
         """``[training] steps | tokens`` and ``seq_len_schedule`` as stages (:mod:`titanlite.plan.run_plan`); under a
-        token budget the warm-up is checked here, once the steps are known."""
-        c, t, dims = self.cfg, self.cfg.training, self.parallel_dims
-        kw = dict(seq_len=t.seq_len, local_batch_size=t.local_batch_size, grad_accum_steps=self.grad_accum_steps)
-        kw.update(resumed=self.resume_point() if t.tokens > 0 else None)
-        plan = plan_steps(steps=t.steps, tokens=t.tokens, dp_degree=dims.dp_degree, schedule=t.seq_len_schedule, **kw)
-        if c.lr_scheduler.warmup_steps > plan.total_steps:
-            raise ValueError(
-                f"lr_scheduler.warmup_steps ({c.lr_scheduler.warmup_steps}) must be <= the run's {plan.total_steps} "
-                f"steps (training.tokens = {t.tokens:,})"
-            )
-        return plan  # the checks of the schedule that need no plan: JobConfig.validate
-
-    def build_train_step(self) -> TrainStep:
-        kw = dict(grad_accum_steps=self.grad_accum_steps, loss_fn=self.build_loss(), device=self.device)
-        kw["count_unmasked"] = any(data.chat for data, _ in self.train_sources)  # masks or packing padding
-        kw["loss_fn"] = output_loss(
-            kw["loss_fn"], self.loss_chunks, loss_parallel=self.parallel_dims.loss_parallel_enabled
-        )
-        kw["pipeline_plan"] = self.pipeline_plan  # the stages and the schedule that runs them
-        kw["stop_requested"] = lambda: self.preemption.requested  # agreed in the step's reduction (the guard reads it)
-        return config_train_step(self.cfg, self.model, self.optimizer, self.lr_scheduler, self.parallel_dims, **kw)
+        token budget from where the run resumes, and the warm-up is checked here, once the steps are known."""
+        resumed = self.resume_point() if self.cfg.training.tokens > 0 else None
+        return config_run_plan(self.cfg, self.parallel_dims, resumed)
 
     def build_checkpointer(self) -> CheckpointManager:
         """``[checkpoint]``: what is saved, and what :meth:`resume` will load (user errors such as a
@@ -242,16 +201,17 @@ class Trainer(TrainerData):
         states = {"model": self.model, "optimizer": self.optimizer, "lr_scheduler": self.lr_scheduler}
         states.update(dataloader=self.train_loader, train_state=self.state, guard=self.guard)
         folder = Path(c.job.dump_folder) / c.checkpoint.folder
-        kw = dict(dp_rank=self.dp_rank, device=self.device, info=info, config_toml=config_to_toml(c))
-        kw.update(final_step=self.total_steps)
-        return CheckpointManager(c.checkpoint, folder, states, **kw)
+        toml = config_to_toml(c)
+        return CheckpointManager(
+            c.checkpoint, folder, states, dp_rank=self.dp_rank, device=self.device, info=info, config_toml=toml,
+            final_step=self.total_steps,
+        )  # fmt: skip
 
     def build_hooks(self) -> list[Hook]:
         """The loop's hooks, in calling order (see :mod:`titanlite.hooks`)."""
         c, rank, main = self.cfg, self.world.rank, self.world.is_main
         float8 = any(True for _ in float8_modules(self.model))  # enabled but every linear skipped: no fp8 peak
-        kw = dict(device=self.device, autocast_dtype=self.train_step.autocast_dtype)  # first: it checks its prompts
-        sampling = SamplingHook(c.sampling, self.model, self.tokenizer, **kw) if c.sampling.enable else None
+        sampling = SamplingHook(c.sampling, self.model, self.tokenizer, self.runtime) if c.sampling.enable else None
         log = MetricsLogger(c.metrics, c.job.dump_folder, rank, run_config=dataclasses.asdict(c))
         metrics = MetricsHook(
             c.metrics,
@@ -359,12 +319,10 @@ class Trainer(TrainerData):
         sequences each), so the validation set, and the loss, do not depend on the parallel layout."""
         steps = self.cfg.validation.steps
         batches = None if steps == -1 else steps * self.grad_accum_steps
-        kw = dict(parallel_dims=self.parallel_dims, device=self.device, autocast_dtype=self.train_step.autocast_dtype)
-        kw.update(pipeline=self.train_step.pipeline, token_bytes=self.token_bytes, loss_chunks=self.loss_chunks)
-        results = {
-            name: (w, validation_loss(self.model, loader, max_batches=batches, **kw))
-            for name, (w, loader) in self.val_loaders.items()
-        }
+        loss = functools.partial(
+            validation_loss, runtime=self.runtime, max_batches=batches, token_bytes=self.token_bytes
+        )
+        results = {name: (w, loss(self.model, loader)) for name, (w, loader) in self.val_loaders.items()}
         if not self.cfg.validation.mixture:
             return next(iter(results.values()))[1]
         return combine_validation(results)
@@ -373,12 +331,11 @@ class Trainer(TrainerData):
         """``[eval]``: each task's scores (:func:`titanlite.eval.evaluate`); every rank takes part, each
         data-parallel rank scoring its share of the items, float8 linears in high precision, compiled
         blocks run eagerly (the items' lengths vary: no recompilation per length)."""
-        e, dims = self.cfg.eval, self.parallel_dims
-        kw = dict(limit=None if e.limit == -1 else e.limit, batch_size=e.batch_size, device=self.device)
-        kw.update(max_seq_len=self.model_args.max_seq_len, autocast_dtype=self.train_step.autocast_dtype)
-        kw.update(dp_rank=self.dp_rank, dp_world=dims.dp_degree, dp_group=dims.dp_group)
+        e = self.cfg.eval
+        max_len = self.model_args.max_seq_len
+        kw = dict(limit=None if e.limit == -1 else e.limit, batch_size=e.batch_size, max_seq_len=max_len)
         with float8_disabled(self.model), torch.compiler.set_stance("force_eager"):
-            return evaluate(self.model, self.tokenizer, e.tasks, e.data_dir, **kw)
+            return evaluate(self.model, self.tokenizer, e.tasks, e.data_dir, runtime=self.runtime, **kw)
 
     @functools.cached_property
     def token_bytes(self) -> torch.Tensor | None:

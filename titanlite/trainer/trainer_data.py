@@ -32,6 +32,17 @@ class TrainerData:
         """The EOS id that separates documents for block-causal attention (None for causal attention)."""
         return self.tokenizer.eos_id if self.block_causal else None
 
+    def window_options(self) -> dict:
+        """How every loader cuts and shares windows: the loss mask, document ends, padding and this rank's share."""
+        t, dims = self.cfg.training, self.parallel_dims
+        return dict(
+            loss_mask=t.loss_mask,
+            eos_id=self.eos_id_for_documents,
+            pad_id=self.tokenizer.eos_id,
+            dp_rank=self.dp_rank,
+            dp_world=dims.dp_degree,
+        )
+
     def build_train_loader(self):
         """The training batches; with a ``seq_len_schedule``, a :class:`StagedLoader` over the stages."""
         if not self.cfg.training.seq_len_schedule:
@@ -42,25 +53,28 @@ class TrainerData:
     def build_train_dataloader(self, stage: int | None = None):
         """The training batches: one source's windows, or a weighted mixture of ``[training] mixture``; at
         ``stage``'s seq_len and local batch (its data order seeded from the seed and the stage)."""
-        t, dims = self.cfg.training, self.parallel_dims
+        t = self.cfg.training
         seq_len, batch, seed = t.seq_len, t.local_batch_size, t.seed
         if stage is not None:
             s = self.run_plan.stages[stage]
             seq_len, batch, seed = s.seq_len, s.local_batch_size, t.seed + 1_000 * stage
         sources = self.train_sources
-        kw = dict(loss_mask=t.loss_mask, eos_id=self.eos_id_for_documents, seed=seed, dp_rank=self.dp_rank)
-        kw["pad_id"] = self.tokenizer.eos_id
-        kw.update(dp_world=dims.dp_degree, batch_size=batch, on_exhausted=t.mixture_on_exhausted)
-        weights = [w for _, w in sources]
-        dataset = training_dataset([s for s, _ in sources], weights, seq_len, mixture=bool(t.mixture), **kw)
+        dataset = training_dataset(
+            [s for s, _ in sources],
+            [w for _, w in sources],
+            seq_len,
+            mixture=bool(t.mixture),
+            on_exhausted=t.mixture_on_exhausted,
+            seed=seed,
+            batch_size=batch,
+            **self.window_options(),
+        )
         return build_dataloader(None, dataset=dataset, batch_size=batch)
 
     def build_val_loaders(self) -> dict[str, tuple[float, Any]]:
         """``[validation]``: a finite, unshuffled loader per source (name -> (weight, loader))."""
-        c, t, dims = self.cfg, self.cfg.training, self.parallel_dims
-        kw = dict(loss_mask=t.loss_mask, eos_id=self.eos_id_for_documents, dp_rank=self.dp_rank)
-        kw["pad_id"] = self.tokenizer.eos_id
-        kw.update(dp_world=dims.dp_degree, batch_size=t.local_batch_size, shuffle=False, infinite=False)
+        c, t = self.cfg, self.cfg.training
+        kw = dict(batch_size=t.local_batch_size, shuffle=False, infinite=False, **self.window_options())
         loaders = {}
         for data, weight in load_sources(c.training, c.validation, "val", self.tokenizer, self.block_causal):
             name = f"val/{data.name}" if self.cfg.validation.mixture else "val"

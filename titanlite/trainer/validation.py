@@ -22,13 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from titanlite import dtypes
 from titanlite.hooks import Hook, LoopState
 from titanlite.loss import cross_entropy_sum
-from titanlite.output_loss import output_loss
 from titanlite.parallel.distributed import all_reduce_sum
 from titanlite.parallel.float8 import float8_disabled
-from titanlite.parallel.tensor_parallel import loss_parallel_context, to_local_value
+from titanlite.parallel.tensor_parallel import to_local_value
+from titanlite.trainer.runtime import Runtime, eval_loss
 from titanlite.trainer.step import batch_to_device
 
 logger = logging.getLogger("titanlite")
@@ -38,55 +37,51 @@ logger = logging.getLogger("titanlite")
 def validation_loss(
     model: nn.Module,
     batches: Iterable[dict],
+    runtime: Runtime | None = None,
     *,
     max_batches: int | None = None,
-    parallel_dims: Any = None,
-    device: torch.device | None = None,
-    autocast_dtype: torch.dtype | None = None,
-    pipeline: Any = None,
     token_bytes: torch.Tensor | None = None,
-    loss_chunks: int = 0,
 ) -> dict[str, float]:
-    """``{"val_loss", "val_perplexity"}`` over ``max_batches`` batches (None: all) of ``batches``; with
-    ``pipeline`` (a :class:`~titanlite.parallel.pipeline.Pipeline`) through its schedule's evaluation mode
-    (chunked as its training loss); with ``token_bytes`` (the bytes of text each token id stands for, see
-    :func:`titanlite.tokenizer.token_byte_lengths`) also ``val_bpb``; ``loss_chunks``: the output layer and the
-    loss in that many pieces of tokens (:class:`~titanlite.output_loss.ChunkedLoss`), 0 from the logits."""
-    device = device or next(model.parameters()).device
-    dp_group = None if parallel_dims is None else parallel_dims.dp_group
-    loss_parallel = getattr(parallel_dims, "loss_parallel_enabled", False)
-    autocast = dtypes.autocast(device.type, autocast_dtype)
+    """``{"val_loss", "val_perplexity"}`` over ``max_batches`` batches (None: all) of ``batches``, run as the train
+    step runs the model (``runtime``, a :class:`~titanlite.trainer.runtime.Runtime`: its device, parallel dims,
+    autocast, pipeline schedule in its evaluation mode, and chunking of the output loss; default: one process on
+    the model's device, from the logits); with ``token_bytes`` (the bytes of text each token id stands for, see
+    :func:`titanlite.tokenizer.token_byte_lengths`) also ``val_bpb``."""
+    runtime = runtime or Runtime.of(model)
+    device = runtime.device
     model.eval()
     loss_sums = torch.zeros(2, device=device)  # nats over all tokens, and over the tokens that stand for text
     tokens = torch.zeros((), device=device)
     text_bytes = torch.zeros((), device=device, dtype=torch.int64)
     token_bytes = None if token_bytes is None else token_bytes.to(device)
     sums = functools.partial(loss_sums_of, token_bytes=token_bytes)
-    output_sums = output_loss(sums, loss_chunks, loss_parallel=loss_parallel)
     # islice stops without pulling one batch too many: every layout consumes the same windows
     for batch in batches if max_batches is None else itertools.islice(batches, max_batches):
         inputs, labels, extra = batch_to_device(batch, device)
-        with loss_parallel_context(loss_parallel), float8_disabled(model):
-            if pipeline is not None:  # the sums exist on the last stage only (0 elsewhere): shared below
-                loss_sums += pipeline.evaluate(inputs, labels, extra, sums)
-            else:
-                with autocast:
-                    outputs = model(inputs, **extra, **output_sums.model_kwargs)
-                    loss_sums += output_sums(model, outputs, labels)
+        with float8_disabled(model):  # under a pipeline the sums exist on the last stage only (0 elsewhere)
+            loss_sums += eval_loss(model, runtime, (inputs, labels, extra), sums)
         tokens += (labels != -100).sum()  # masked labels (chat data's non-assistant tokens) carry no loss
         if token_bytes is not None:
             text_bytes += bytes_of(token_bytes, labels).sum()
     model.train()
-    if pipeline is not None and parallel_dims.pp_group is not None:
-        loss_sums = all_reduce_sum(loss_sums, parallel_dims.pp_group)
-    if dp_group is not None:
+    return validation_result(runtime, loss_sums, tokens, text_bytes if token_bytes is not None else None)
+
+
+def validation_result(
+    runtime: Runtime, loss_sums: torch.Tensor, tokens: torch.Tensor, text_bytes: torch.Tensor | None
+) -> dict[str, float]:
+    """This rank's sums shared over the pipeline stages and the data-parallel ranks, as ``validation_loss``'s
+    figures (``text_bytes`` None: no bits per byte)."""
+    if runtime.pipeline is not None and runtime.pp_group is not None:
+        loss_sums = all_reduce_sum(loss_sums, runtime.pp_group)
+    if (dp_group := runtime.dp_group) is not None:
         loss_sums, tokens = all_reduce_sum(loss_sums, dp_group), all_reduce_sum(tokens, dp_group)
-        text_bytes = all_reduce_sum(text_bytes, dp_group)
+        text_bytes = None if text_bytes is None else all_reduce_sum(text_bytes, dp_group)
     if tokens.item() == 0:  # every label masked: no loss (0 / 0) and no bits per byte
         return {"val_tokens": 0}
     val_loss = (loss_sums[0] / tokens).item()
     out = {"val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 80.0))}
-    if token_bytes is not None and text_bytes.item() > 0:  # no text scored (only specials): no bits per byte
+    if text_bytes is not None and text_bytes.item() > 0:  # no text scored (only specials): no bits per byte
         out["val_bpb"] = loss_sums[1].item() / math.log(2) / text_bytes.item()
     return out
 

@@ -134,11 +134,11 @@ class CompatTrainer(Trainer):
                 lambda: choose_source(c.torchtitan_folder, c.load_step, c.initial_load_path, c.initial_load_model_only)
             )
 
-    def build_optimizer(self) -> torch.optim.Optimizer:
-        return build_torchtitan_optimizer(self.model, self.cfg)
+    def build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        return build_torchtitan_optimizer(model, self.cfg)
 
-    def build_lr_scheduler(self):
-        return build_torchtitan_lr_scheduler(self.optimizer, self.cfg, self.compat.lr_total_steps)
+    def build_lr_scheduler(self, optimizer: torch.optim.Optimizer, total_steps: int):
+        return build_torchtitan_lr_scheduler(optimizer, self.cfg, self.compat.lr_total_steps)
 
     def resume(self) -> int | None:
         """titanlite's own checkpoint when there is one, else the torchtitan checkpoint chosen at start."""
