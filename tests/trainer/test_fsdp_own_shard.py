@@ -31,6 +31,7 @@ def own_fully_shard_worker(args: dict) -> tuple[float, float]:
     from torch.distributed.fsdp import fully_shard
 
     from titanlite.parallel import ParallelDims
+    from titanlite.trainer.runtime import Runtime
 
     dist.init_process_group("gloo")
     dims = ParallelDims(world_size=2)
@@ -39,7 +40,8 @@ def own_fully_shard_worker(args: dict) -> tuple[float, float]:
     for block in model.layers.values():
         fully_shard(block, mesh=dims.fsdp_mesh)
     fully_shard(model, mesh=dims.fsdp_mesh)  # torch's default: the mean over the ranks
-    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), max_norm=0.0, parallel_dims=dims)
+    runtime = Runtime(torch.device("cpu"), parallel_dims=dims)
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), runtime=runtime, max_norm=0.0)
     rank = dims.dp_rank(dist.get_rank())
     mine = {k: v[rank * BATCH : (rank + 1) * BATCH] for k, v in whole_batch().items()}
     result = step(iter([mine]))
