@@ -1,4 +1,4 @@
-"""titanlite.fsio: atomic file and folder writes, fsync_dir, one_line.
+"""titanlite.utils.fsio: atomic file and folder writes, fsync_dir, one_line.
 
 The references are the file system itself (what a path holds after a write that fails midway) and the
 plain ``str.split`` definition of whitespace."""
@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from titanlite import fsio
+from titanlite.utils import fsio
 
 
 class Boom(Exception):

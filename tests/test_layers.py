@@ -1,25 +1,26 @@
-"""titanlite's import layers: ``config`` imports nothing from titanlite (but ``nesting``, the JSON/TOML parsing guard,
-and ``fsio``, leaves that import nothing from titanlite), no module imports one of a
-higher layer, and there are no import cycles. Imports inside functions count too (they are read
-from the source, as ``../shared/tools/import_graph.py --all`` reads them).
+"""titanlite's import layers: ``config`` imports nothing from titanlite (but ``utils.nesting``, the JSON/TOML parsing
+guard, and ``utils.fsio``, leaves that import nothing from titanlite), no module imports one of a higher layer, and
+there are no import cycles. Imports inside functions count too (they are read from the source, as
+``../shared/tools/import_graph.py --all`` reads them).
 
 Layers, lowest first (a module may import its own layer or lower ones):
 
-0. leaves: ``config``, ``components``, ``hooks``, ``dtypes``, ``extensions``, ``tokenizer`` (with ``hf_tokenizer``,
-   ``hf_regex``), ``run_lock``, ``nesting``,
-   ``fsio`` (atomic writes, ``one_line``), ``_torch_compat`` (every private torch API titanlite uses),
-   ``token_sampling`` (greedy / temperature / top-k / top-p draws, torch only); ``fsio`` and
-   ``_torch_compat`` import nothing from titanlite
-1. ``parallel``: policies, mesh, FSDP/TP/AC/compile/float8, pipeline schedules and their arithmetic,
-   ``build_parallel_model``; and ``loss``, ``output_loss``
+0. leaves: ``config``, ``components`` (built-ins named as strings, resolved on first lookup), ``errors``,
+   ``extensions``, ``utils`` (``fsio``, ``nesting``, ``dtypes``, ``run_lock``, ``argtypes``, ``metrics_records``,
+   ``torch_compat``: every private torch API titanlite uses), ``tokenizer`` (with ``tokenizer.hf``,
+   ``tokenizer.hf_regex``), ``generate.sampling`` (greedy / temperature / top-k / top-p draws, torch only)
+1. ``parallel``: policies, mesh, FSDP/TP/AC/compile/float8, the pipeline split and stages, schedules and their
+   arithmetic, ``build_parallel_model``
 2. ``models``: the registry, the families (a family's parallelize plan is built from ``parallel``) and
    ``models.flops`` (parameter and FLOP counts)
 3. ``data`` (``data.chat``: the chat template, used by ``generate`` and ``sampling``),
    ``checkpoint`` (with ``checkpoint.safe_load``, which imports torch only), ``optim``
 4. ``plan``'s estimates: ``plan.planner`` (with ``planner_moe``) and ``plan.run_plan``, above ``models`` and
    ``parallel`` whose counts and pipeline arithmetic they use
-5. ``trainer`` (the loop and its hooks: step, metrics, guard, preemption, profiling, validation, sampling, stages),
-   ``generate``, ``eval`` (downstream benchmarks); their command lines load models through ``checkpoint``
+5. ``trainer``: everything that runs the model to a loss (the loop protocol ``hooks``, ``loss``, ``output_loss``,
+   ``runtime``, ``step``, the ``pipeline_runner``) and every hook (checkpoint, collective timeout, eval, metrics,
+   guard, preemption, profiling, validation, sampling, stages); ``generate``; ``eval`` (downstream benchmarks,
+   scored through the trainer's ``runtime``)
 6. the command lines on top: ``train``, ``plan.dry_run``, ``eval.watch`` / ``eval.cli`` (the checkpoint
    watcher writes the trainer's metrics log)
 7. the ``titanlite`` command: ``cli`` (with ``__main__``), ``tools`` (estimate, plot), ``bench``
@@ -36,19 +37,13 @@ LAYERS = [
         "titanlite",
         "titanlite.config",
         "titanlite.components",
-        "titanlite.hooks",
-        "titanlite.dtypes",
+        "titanlite.errors",
         "titanlite.extensions",
+        "titanlite.utils",
         "titanlite.tokenizer",
-        "titanlite.hf_tokenizer",
-        "titanlite.hf_regex",
-        "titanlite.run_lock",
-        "titanlite.nesting",
-        "titanlite.fsio",
-        "titanlite._torch_compat",
-        "titanlite.token_sampling",
+        "titanlite.generate.sampling",
     ),
-    ("titanlite.parallel", "titanlite.loss", "titanlite.output_loss"),
+    ("titanlite.parallel",),
     ("titanlite.models",),
     (
         "titanlite.data",
@@ -68,7 +63,7 @@ LAYERS = [
     ),
     ("titanlite.cli", "titanlite.__main__", "titanlite.tools", "titanlite.bench"),
 ]
-LEAVES = ("titanlite.nesting", "titanlite.fsio", "titanlite._torch_compat")
+LEAVES = ("titanlite.utils.nesting", "titanlite.utils.fsio", "titanlite.utils.torch_compat")
 
 
 def modules() -> dict[str, Path]:
@@ -124,7 +119,7 @@ def test_config_imports_nothing_from_titanlite():
         m: sorted(t)
         for m, t in edges.items()
         if m.startswith("titanlite.config")
-        and any(not x.startswith("titanlite.config") for x in t - {"titanlite.nesting", "titanlite.fsio"})
+        and any(not x.startswith("titanlite.config") for x in t - {"titanlite.utils.nesting", "titanlite.utils.fsio"})
     }
     assert not bad, bad
 
@@ -193,4 +188,13 @@ def test_nothing_below_imports_plan_or_trainer():
         for t in targets
         if t.startswith(("titanlite.plan", "titanlite.trainer", "titanlite.train"))
     ]
+    assert not bad, "\n".join(bad)
+
+
+def test_only_the_trainer_imports_the_loop():
+    """The loop (``trainer.hooks``: Hook, LoopState, run_steps) and the hooks are the trainer's: ``checkpoint``,
+    ``parallel`` and ``eval`` provide what a hook calls, never a hook."""
+    loop = ("titanlite.trainer.hooks", "titanlite.trainer.trainer", "titanlite.trainer.eval_hook")
+    owners = ("titanlite.checkpoint", "titanlite.parallel", "titanlite.eval")
+    bad = [f"{m} imports {t}" for m, targets in graph().items() if m.startswith(owners) for t in targets if t in loop]
     assert not bad, "\n".join(bad)

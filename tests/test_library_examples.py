@@ -267,7 +267,7 @@ def test_a_registered_trainer_is_chosen_from_the_stock_command_line(tmp_path):
         from pathlib import Path
 
         from titanlite.components import register
-        from titanlite.hooks import Hook
+        from titanlite.trainer.hooks import Hook
         from titanlite.train import Trainer
 
 

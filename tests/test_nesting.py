@@ -1,6 +1,6 @@
 """Deeply nested JSON and TOML: each reader that parses a user's file refuses one nested 100,000 levels deep in
 one line naming the file (a RecursionError traceback before, in nine places), through one shared guard
-(:mod:`titanlite.nesting`), and keeps reading what is nested as deep as real files are."""
+(:mod:`titanlite.utils.nesting`), and keeps reading what is nested as deep as real files are."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from titanlite.nesting import MAX_DEPTH, JSONNestingError, loads_json, loads_toml, too_deep
+from titanlite.utils.nesting import MAX_DEPTH, JSONNestingError, loads_json, loads_toml, too_deep
 
 DEEP = 100_000
 WHY = f"nested more than {MAX_DEPTH} levels deep"

@@ -162,7 +162,7 @@ def lock_state(folder: Path) -> str:
 def test_one_process_can_lock_a_folder_twice_and_holds_it_until_the_last_release(tmp_path):
     """A checkpoint folder that is the dump folder (or a trainer built again in a notebook): the same process locks
     it twice; releasing one must not release the other's lock (closing any descriptor of the file would)."""
-    from titanlite.run_lock import RunLock
+    from titanlite.utils.run_lock import RunLock
 
     first = RunLock(tmp_path, "job.dump_folder").acquire()
     second = RunLock(tmp_path / ".." / tmp_path.name, "checkpoint.folder").acquire()

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from titanlite import _torch_compat as tc
+from titanlite.utils import torch_compat as tc
 
 
 def params(fn) -> list[str]:

@@ -28,7 +28,7 @@ _KEYS = dict(trainer="job.trainer", loss="training.loss", optimizer="optimizer.n
 # kind -> name -> "module:attribute" of each built-in component
 BUILTINS: dict[str, dict[str, str]] = {
     "trainer": {"default": "titanlite.trainer.trainer:Trainer"},
-    "loss": {"cross_entropy": "titanlite.loss:cross_entropy_sum"},
+    "loss": {"cross_entropy": "titanlite.trainer.loss:cross_entropy_sum"},
     "optimizer": {
         "AdamW": "titanlite.optim.optimizer:build_optimizer",
         "Adam": "titanlite.optim.optimizer:build_optimizer",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterable
 
-from titanlite.fsio import one_line
+from titanlite.utils.fsio import one_line
 
 
 def load_extensions(names: Iterable[str]) -> list[str]:

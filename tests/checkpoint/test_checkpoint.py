@@ -28,10 +28,10 @@ from tests.helpers.checkpoint_runs import STEPS, TINY, metrics, run_trainer, ste
 from tests.helpers.dist import cache_token_stores
 from titanlite.checkpoint import layout
 from titanlite.models import load_config
-from titanlite.run_lock import LOCK_FILE as LOCK
 from titanlite.train import main
 from titanlite.trainer import Trainer
 from titanlite.trainer.metrics_log import rewind_metrics_log
+from titanlite.utils.run_lock import LOCK_FILE as LOCK
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -57,7 +57,7 @@ DRIVER = textwrap.dedent("""
     import titanlite.data.recipe as recipe
     import titanlite.train as train
     from titanlite.models import load_config
-    from titanlite.hooks import Hook
+    from titanlite.trainer.hooks import Hook
     from titanlite.train import Trainer
 
     tokens = torch.load(os.environ["TOKENS_FILE"], weights_only=True)

@@ -68,7 +68,7 @@ DRIVER = textwrap.dedent("""
     import titanlite.trainer.metrics as metrics
     import titanlite.data.recipe as recipe
     import titanlite.train as train
-    from titanlite.hooks import Hook
+    from titanlite.trainer.hooks import Hook
     from titanlite.models import load_config
     from titanlite.train import Trainer
 

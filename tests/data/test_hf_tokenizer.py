@@ -14,8 +14,8 @@ import pytest
 
 from tests.helpers.hf_tokenizers import NFC_TEXT, SPECIAL_TEXT, convert, corpora
 from tests.helpers.shared_data import shared_file
-from titanlite.hf_tokenizer import byte_level_alphabet, tokenizer_files
 from titanlite.tokenizer import build_tokenizer, tokenizer_fingerprint
+from titanlite.tokenizer.hf import byte_level_alphabet, tokenizer_files
 
 tokenizers = pytest.importorskip("tokenizers", reason="HF tokenizers (test extra, via transformers) not installed")
 converter = pytest.importorskip("transformers.convert_slow_tokenizer", reason="transformers not installed")

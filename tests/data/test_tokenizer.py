@@ -165,6 +165,7 @@ def test_layering_tokenizer_imports_no_titanlite_module():
     repo = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, check=True).stdout
     want = str(
-        ["titanlite", "titanlite.hf_regex", "titanlite.hf_tokenizer", "titanlite.nesting"] + ["titanlite.tokenizer"]
+        ["titanlite", "titanlite.tokenizer.hf_regex", "titanlite.tokenizer.hf", "titanlite.utils.nesting"]
+        + ["titanlite.tokenizer"]
     )
     assert out.splitlines() == [want, "[]"]

@@ -136,8 +136,8 @@ def test_registries_hold_their_built_ins_in_a_fresh_interpreter():
     code = """
 import sys
 from titanlite import components
-assert "titanlite.loss" not in sys.modules and "titanlite.optim" not in sys.modules  # nothing registered by import
-from titanlite.loss import cross_entropy_sum
+assert "titanlite.trainer.loss" not in sys.modules and "titanlite.optim" not in sys.modules  # nothing imported
+from titanlite.trainer.loss import cross_entropy_sum
 assert components.get("loss", "cross_entropy") is cross_entropy_sum
 for kind, table in components.BUILTINS.items():
     for name in table:
@@ -154,7 +154,7 @@ print("ok")
 
 def test_a_component_under_a_built_in_name_is_refused():
     from titanlite import components
-    from titanlite.loss import cross_entropy_sum
+    from titanlite.trainer.loss import cross_entropy_sum
 
     assert components.register("loss", "cross_entropy", cross_entropy_sum) is cross_entropy_sum  # the same: idempotent
     with pytest.raises(ValueError, match="a loss named 'cross_entropy' is already registered"):

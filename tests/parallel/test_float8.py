@@ -221,8 +221,8 @@ def test_float8_model_meets_cuda_scaled_mm_layout_rules_on_meta():
     backward there exercise the layouts a GPU would see, without one. A micro-batch whose token
     count is not a multiple of 16 breaks the weight-gradient matmul, which the config refuses."""
     from titanlite.config import ConfigError
-    from titanlite.loss import cross_entropy_sum
     from titanlite.models import build_model, load_config
+    from titanlite.trainer.loss import cross_entropy_sum
 
     model = build_model("llama3", "debugmodel", device="meta").to(torch.bfloat16)  # as FSDP's bf16 params
     report = convert_to_float8(model)
@@ -263,9 +263,9 @@ def test_compiled_float8_blocks_match_eager(one_thread):
     value across a float8 rounding boundary (measured: loss 1e-7, gradients 6e-6)."""
     import copy
 
-    from titanlite.loss import cross_entropy_sum
     from titanlite.models import build_model
     from titanlite.parallel.compile import CompilePolicy
+    from titanlite.trainer.loss import cross_entropy_sum
 
     torch.manual_seed(0)
     eager = build_model("llama3", "debugmodel", device="cpu", n_layers=2)
@@ -288,8 +288,8 @@ def test_compiled_float8_blocks_match_eager(one_thread):
 def test_rowwise_float8_model_meets_cuda_scaled_mm_rules_on_meta():
     """Rowwise on the meta device, which checks ``_scaled_mm``'s rowwise rules as CUDA does (scales of shape
     [M, 1] and [1, N], operands divisible by 16): forward and both backward matmuls of the debug model."""
-    from titanlite.loss import cross_entropy_sum
     from titanlite.models import build_model
+    from titanlite.trainer.loss import cross_entropy_sum
 
     model = build_model("llama3", "debugmodel", device="meta").to(torch.bfloat16)
     assert len(convert_to_float8(model, recipe="rowwise").converted) == 7 * model.args.n_layers

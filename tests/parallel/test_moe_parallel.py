@@ -17,7 +17,7 @@ the EP 2 checkpoint on one process.
 PP 2 x EP 2 is compared with a sequence-level aux loss: a batch-level one counts each forward pass, and
 under PP that is a pipeline microbatch. This comparison found that torch's pipeline shape inference (a
 real forward of one microbatch at the first step) was counted in the expert loads, which changed the
-first bias update: ``titanlite.parallel.pipeline._Stage`` now turns the statistics off for it.
+first bias update: ``titanlite.trainer.pipeline_runner._Stage`` now turns the statistics off for it.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import torch
 
 from tests.helpers.dist import cache_token_stores, run_workers
 from tests.helpers.parity import RTOL, STEPS, TINY, RecordingTrainer, check, check_data
-from titanlite.hooks import Hook
 from titanlite.models import load_config
+from titanlite.trainer.hooks import Hook
 
 BALANCE = [
     "--model.moe_num_experts",

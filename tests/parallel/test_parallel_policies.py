@@ -6,13 +6,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from titanlite.loss import cross_entropy_sum
 from titanlite.models import build_model
 from titanlite.parallel.activation_checkpoint import ActivationCheckpoint
 from titanlite.parallel.compile import CompilePolicy
 from titanlite.parallel.fsdp import FSDPPolicy
 from titanlite.parallel.grad_clip import clip_grad_norm_
 from titanlite.parallel.weight_init import resolve_weight_init
+from titanlite.trainer.loss import cross_entropy_sum
 
 TINY = dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=512, max_seq_len=64)
 

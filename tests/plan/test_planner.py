@@ -109,7 +109,7 @@ def test_1b_on_8_h100_for_20b_tokens_by_hand():
 
 def test_chunked_loss_holds_one_piece_of_the_logits():
     """With loss_chunks the logits of one piece of the tokens are alive at a time, plus the output weight's fp32
-    gradient of each microbatch in flight (titanlite.output_loss); the rest of the model is unchanged."""
+    gradient of each microbatch in flight (titanlite.trainer.output_loss); the rest of the model is unchanged."""
     s, tokens, vocab = shape("1B"), 8 * 2048, 128256
     base = memory_breakdown(s, RunSetup(num_gpus=8, local_batch_size=8, seq_len=2048))
     chunked = memory_breakdown(s, RunSetup(num_gpus=8, local_batch_size=8, seq_len=2048, loss_chunks=8))
@@ -291,7 +291,7 @@ RSS_SCRIPT = textwrap.dedent("""
     import ctypes, json, os, resource, sys
     import torch
     from titanlite.config import parse_config
-    from titanlite.loss import cross_entropy_sum
+    from titanlite.trainer.loss import cross_entropy_sum
     from titanlite.models import build_model
     from titanlite.optim import build_optimizer
     from titanlite.parallel.activation_checkpoint import ActivationCheckpoint
@@ -647,16 +647,17 @@ def pipeline_rss_worker(args: dict) -> dict:
     import resource
 
     from titanlite.config import parse_config
-    from titanlite.loss import cross_entropy_sum
     from titanlite.models import get_model_spec
     from titanlite.optim import build_optimizer
-    from titanlite.output_loss import LogitsLoss
     from titanlite.parallel.activation_checkpoint import ActivationCheckpoint
     from titanlite.parallel.build import build_parallel_model
     from titanlite.parallel.distributed import init_distributed, world_from_env
     from titanlite.parallel.parallel_dims import ParallelDims
-    from titanlite.parallel.pipeline import Pipeline, PipelinePlan
+    from titanlite.parallel.pipeline import PipelinePlan
     from titanlite.parallel.policies import Policies
+    from titanlite.trainer.loss import cross_entropy_sum
+    from titanlite.trainer.output_loss import LogitsLoss
+    from titanlite.trainer.pipeline_runner import Pipeline
     from titanlite.trainer.runtime import Runtime
 
     world = world_from_env()

@@ -1,4 +1,4 @@
-"""Flag values out of range are refused as they are parsed (titanlite.argtypes), one ``error:`` line naming the
+"""Flag values out of range are refused as they are parsed (titanlite.utils.argtypes), one ``error:`` line naming the
 flag and the range, exit status 2, before any work and with nothing written.
 
 - ``estimate``: a negative, NaN or infinite price; NaN or infinite tokens (inf overflowed int()); MFU outside
@@ -15,7 +15,7 @@ import json
 import pytest
 
 from titanlite import cli
-from titanlite.argtypes import number
+from titanlite.utils.argtypes import number
 
 ESTIMATE = ["estimate", "--model.flavor", "debugmodel", "--gpu", "H100", "--num-gpus", "8"]
 

@@ -127,9 +127,9 @@ def test_the_trainer_and_build_training_assemble_the_same_parts(tmp_path):
 def test_eval_step_is_the_train_steps_forward_without_gradients():
     """``TrainStep.eval_step`` runs the model to the loss as the train step does (the same sum, bit for bit), without
     gradients; plain: ``cross_entropy_sum`` of the model's logits; chunked: that sum within fp32 summation order."""
-    from titanlite.loss import cross_entropy_sum
     from titanlite.models.llama3 import Llama3ModelArgs, Transformer
-    from titanlite.output_loss import output_loss
+    from titanlite.trainer.loss import cross_entropy_sum
+    from titanlite.trainer.output_loss import output_loss
     from titanlite.trainer.runtime import Runtime
     from titanlite.trainer.step import TrainStep
 

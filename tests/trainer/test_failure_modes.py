@@ -35,7 +35,7 @@ def test_second_run_in_a_live_runs_folder_refuses_and_names_the_holder(tmp_path,
     partial = dump / "checkpoint" / "step-5.partial-1a2b3c4d"  # the live run's save in progress
     partial.mkdir(parents=True)
     (partial / "__0_0.distcp").write_bytes(b"x" * 100)
-    hold = "import sys, time\nfrom titanlite.run_lock import RunLock\nlock = RunLock(sys.argv[1]).acquire()\n"
+    hold = "import sys, time\nfrom titanlite.utils.run_lock import RunLock\nlock = RunLock(sys.argv[1]).acquire()\n"
     hold += "print('locked', flush=True)\ntime.sleep(60)"
     holder = subprocess.Popen([sys.executable, "-c", hold, str(dump)], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:

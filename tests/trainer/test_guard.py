@@ -13,10 +13,10 @@ import torch
 
 from tests.helpers.tiny import TINY_MODEL
 from titanlite.config.sections import Guard
-from titanlite.hooks import Hook
 from titanlite.models import load_config
 from titanlite.trainer import Trainer
 from titanlite.trainer.guard import SpikeDetector, StepGuard, TrainingDivergedError
+from titanlite.trainer.hooks import Hook
 
 TINY = [
     *TINY_MODEL,

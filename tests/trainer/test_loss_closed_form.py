@@ -1,7 +1,7 @@
 """Which gradient the chunked loss's pieces take, built from a config as the trainer builds it
-(:func:`titanlite.trainer.assemble.config_loss`, :func:`titanlite.output_loss.output_loss`): the built-in
-cross-entropy's closed form (:data:`titanlite.output_loss.LOSS_GRADIENTS`), compiled where ``[compile]`` compiles the
-loss, as in the shipped GPU configs.
+(:func:`titanlite.trainer.assemble.config_loss`, :func:`titanlite.trainer.output_loss.output_loss`): the
+built-in cross-entropy's closed form (:data:`titanlite.trainer.output_loss.LOSS_GRADIENTS`), compiled where
+``[compile]`` compiles the loss, as in the shipped GPU configs.
 
 Which branch runs is seen by a spy wrapped around the registered closed form (it records whether dynamo was tracing
 it), not by a flag of the loss. Reference: the same pieces differentiated by autograd (the loss wrapped in a lambda,
@@ -15,12 +15,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from titanlite.loss import cross_entropy_sum
 from titanlite.models import get_model_spec, load_config
 from titanlite.models.registry import model_args_for
-from titanlite.output_loss import LOSS_GRADIENTS, ChunkedLoss, output_loss
 from titanlite.parallel import ParallelDims
 from titanlite.trainer.assemble import config_loss
+from titanlite.trainer.loss import cross_entropy_sum
+from titanlite.trainer.output_loss import LOSS_GRADIENTS, ChunkedLoss, output_loss
 
 VOCAB = 512
 RTOL = 1e-6

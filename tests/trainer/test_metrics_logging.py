@@ -14,11 +14,11 @@ from torch import nn
 import titanlite.trainer.metrics as metrics
 import titanlite.trainer.metrics_log as metrics_log
 from tests.helpers.tiny import TINY_MODEL
-from titanlite import fsio
 from titanlite.checkpoint import layout
 from titanlite.models import load_config
 from titanlite.trainer import Trainer
 from titanlite.trainer.metrics import RunProgress, UpdateRatio, format_duration, format_summary
+from titanlite.utils import fsio
 
 TINY = [
     *TINY_MODEL,
@@ -295,7 +295,7 @@ def test_summary_write_on_a_full_disk_keeps_the_old_file(tmp_path, monkeypatch):
             self.f.write(b"".join(chunks)[:5])
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(fsio, "open", HalfThenFull, raising=False)  # titanlite.fsio's writes go through open()
+    monkeypatch.setattr(fsio, "open", HalfThenFull, raising=False)  # titanlite.utils.fsio's writes go through open()
     with pytest.raises(metrics_log.DiskFullError, match=re.escape(f"could not write {path}; it was left as it was")):
         metrics_log.write_file_whole(path, '{"steps": 8}\n')
     monkeypatch.undo()
@@ -308,7 +308,7 @@ def test_an_implausible_cpu_mfu_remeasures_the_peak_then_says_so(tmp_path, monke
     """MFU above 100% on CPU (a peak measured while the CPU was busy): the peak is measured again and the higher
     one used; still above 100%, one warning and MFU unknown from then on (111-163% were logged silently)."""
     from titanlite.config.sections import Metrics
-    from titanlite.hooks import LoopState
+    from titanlite.trainer.hooks import LoopState
     from titanlite.trainer.metrics import MetricsHook
     from titanlite.trainer.metrics_log import MetricsLogger
     from titanlite.trainer.step import StepResult

@@ -1,4 +1,4 @@
-"""The chunked output layer + loss (``[training] loss_chunks``, :mod:`titanlite.output_loss`) against the loss
+"""The chunked output layer + loss (``[training] loss_chunks``, :mod:`titanlite.trainer.output_loss`) against the loss
 computed from the model's full logits.
 
 Reference: the same model's ``forward`` (its logits) and the registered loss on them, then autograd, i.e. what
@@ -23,10 +23,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import torchtitan_ext.qwen3  # noqa: F401  (registers the family)
 from tests.helpers.dist import backends, cache_token_stores, run_workers
 from tests.helpers.parity import make_config
-from titanlite.loss import cross_entropy_sum
 from titanlite.models import build_model
-from titanlite.output_loss import ChunkedLoss, LogitsLoss, chunk_sizes
 from titanlite.trainer import Trainer
+from titanlite.trainer.loss import cross_entropy_sum
+from titanlite.trainer.output_loss import ChunkedLoss, LogitsLoss, chunk_sizes
 
 LOSS_RTOL = 1e-6
 GRAD_RTOL = 1e-5
@@ -136,7 +136,7 @@ def test_no_full_logits_exist_in_forward_or_backward():
 def test_the_cross_entropy_gradient_in_closed_form_is_autograds(dtype):
     """cross_entropy_sum_and_grad (used for the pieces of the built-in loss) against autograd through
     cross_entropy_sum, with masked labels; the gradient in the logits' dtype, as autograd returns it."""
-    from titanlite.loss import cross_entropy_sum_and_grad
+    from titanlite.trainer.loss import cross_entropy_sum_and_grad
 
     g = torch.Generator().manual_seed(0)
     logits = (3 * torch.randn(2, 5, VOCAB, generator=g)).to(dtype).requires_grad_()
@@ -199,7 +199,7 @@ CONFIGS = {  # name -> (data-parallel degree, options); each builds a Trainer on
 
 def chunks_worker(args: dict) -> dict:
     """Per configuration: this rank's loss sum and full gradients for 0 (the logits) and 1..8 chunks."""
-    from titanlite.output_loss import output_loss
+    from titanlite.trainer.output_loss import output_loss
 
     cache_token_stores()
     out = {}

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.tiny import TINY_MODEL
-from titanlite.run_lock import LOCK_FILE
 from titanlite.trainer.preemption import REPEAT_WINDOW_S, PreemptionHandler
+from titanlite.utils.run_lock import LOCK_FILE
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 40
@@ -123,9 +123,9 @@ def test_stop_request_without_checkpointing_returns_cleanly(tmp_path, caplog):
     """In-process: a stop request after step 2 ends train() normally (no checkpoint to write)."""
     import logging
 
-    from titanlite.hooks import Hook
     from titanlite.models import load_config
     from titanlite.trainer import Trainer
+    from titanlite.trainer.hooks import Hook
 
     class StopAfter2(Trainer):
         def build_hooks(self):
@@ -200,9 +200,9 @@ def test_failed_checkpoint_on_stop_exits_128_plus_signal(tmp_path, caplog):
     import errno
     import logging
 
-    from titanlite.hooks import Hook
     from titanlite.train import main
     from titanlite.trainer import Trainer
+    from titanlite.trainer.hooks import Hook
 
     class StopAt3SaveFails(Trainer):
         def build_hooks(self):

@@ -52,11 +52,12 @@ def model_and_step(dims=None, **kw):
 
 
 def pipelined_step(dims):
-    from titanlite.loss import cross_entropy_sum
     from titanlite.models import get_model_spec
-    from titanlite.output_loss import LogitsLoss
     from titanlite.parallel import build_parallel_model
-    from titanlite.parallel.pipeline import Pipeline, PipelinePlan
+    from titanlite.parallel.pipeline import PipelinePlan
+    from titanlite.trainer.loss import cross_entropy_sum
+    from titanlite.trainer.output_loss import LogitsLoss
+    from titanlite.trainer.pipeline_runner import Pipeline
 
     plan = PipelinePlan(degree=dims.pp, schedule="1F1B", n_microbatches=2, stage_sizes=(1, 1))
     torch.manual_seed(0)
@@ -184,7 +185,7 @@ def test_a_step_with_no_trainable_token_is_skipped_without_an_update(caplog):
 def test_validation_without_a_scored_token_says_so(caplog):
     """No loss of 0 / 0 = NaN, no bits per byte of 0: ``{"val_tokens": 0}``, and the hook's log line says it."""
     from titanlite.config.sections import Validation
-    from titanlite.hooks import LoopState
+    from titanlite.trainer.hooks import LoopState
     from titanlite.trainer.validation import ValidationHook, combine_validation
 
     batch = chat_batch(2)

@@ -34,8 +34,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from titanlite.argtypes import OneLineParser, number
 from titanlite.bench.common import seconds, write_json
+from titanlite.utils.argtypes import OneLineParser, number
 
 MODES = ("disabled", "async", "async_with_pinned_mem")
 DEFAULT_MODEL = "--model.dim 512 --model.n_layers 8 --model.n_heads 8 --model.n_kv_heads 8".split()

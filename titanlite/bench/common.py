@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from titanlite.dtypes import DTYPES
+from titanlite.utils.dtypes import DTYPES
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout
 
@@ -209,7 +209,7 @@ class StepTimer:
 
 def write_json(path: str | os.PathLike, obj, indent: int | None = 1) -> None:
     """``obj`` as JSON to ``path`` (parent folders made; written whole or not at all)."""
-    from titanlite.fsio import atomic_write
+    from titanlite.utils.fsio import atomic_write
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, json.dumps(obj, indent=indent) + "\n", fsync=False)

@@ -38,9 +38,9 @@ from titanlite.bench.common import (
     sync,
     write_json,
 )
-from titanlite.dtypes import DTYPES
 from titanlite.generate import generate
 from titanlite.models import build_model
+from titanlite.utils.dtypes import DTYPES
 
 MODES = ("eager", "compiled", "recompute")
 

@@ -24,9 +24,9 @@ import sys
 import torch
 
 from titanlite.bench import common
-from titanlite.dtypes import DTYPES
 from titanlite.models.registry import model_counts
 from titanlite.trainer.peaks import peak_flops
+from titanlite.utils.dtypes import DTYPES
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -35,7 +35,6 @@ import torch.distributed as dist
 
 from titanlite.bench.common import REPO, emit, mean_seconds
 from titanlite.config import parse_args_or_exit
-from titanlite.dtypes import DTYPES
 from titanlite.models import model_schema
 from titanlite.models.llama3.model import FeedForward
 from titanlite.models.moe import MoE
@@ -43,6 +42,7 @@ from titanlite.models.moe.expert_parallel import AllToAll, regroup_index
 from titanlite.models.moe.router import expert_counts
 from titanlite.models.registry import model_args_for
 from titanlite.parallel.distributed import init_distributed, main_then_exit, world_from_env
+from titanlite.utils.dtypes import DTYPES
 
 SPARSE = "train_configs/debug_moe.toml"
 

@@ -19,8 +19,8 @@ import torch
 
 from titanlite.checkpoint.hf_export import dcp_to_hf
 from titanlite.checkpoint.hf_import import hf_to_dcp
-from titanlite.dtypes import DTYPES, dtype_name
-from titanlite.fsio import one_line
+from titanlite.utils.dtypes import DTYPES, dtype_name
+from titanlite.utils.fsio import one_line
 
 
 class _Printer:

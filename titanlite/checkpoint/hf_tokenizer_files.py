@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from titanlite.checkpoint import layout
-from titanlite.hf_tokenizer import byte_level_alphabet, resolve_tokenizer_file, tokenizer_files
+from titanlite.tokenizer.hf import byte_level_alphabet, resolve_tokenizer_file, tokenizer_files
 
 logger = logging.getLogger("titanlite.checkpoint")
 BUILT_IN = ("", "bytes")  # tokenizer paths naming the built-in byte tokenizer: no file to record or check

@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from titanlite.checkpoint.safe_load import read_metadata  # allowlisted: a crafted .metadata cannot run code
-from titanlite.fsio import atomic_write, fsync_dir
-from titanlite.nesting import loads_json
+from titanlite.utils.fsio import atomic_write, fsync_dir
+from titanlite.utils.nesting import loads_json
 
 logger = logging.getLogger(__name__)
 

@@ -33,9 +33,9 @@ from titanlite.config import ConfigError
 from titanlite.config.sections import Training
 from titanlite.config.toml_io import read_toml
 from titanlite.extensions import load_extensions
-from titanlite.fsio import one_line
-from titanlite.hf_tokenizer import tokenizer_files
 from titanlite.models.registry import state_shapes
+from titanlite.tokenizer.hf import tokenizer_files
+from titanlite.utils.fsio import one_line
 
 
 @dataclasses.dataclass

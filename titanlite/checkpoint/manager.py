@@ -23,7 +23,7 @@ storage layer, at the cost of a little more time blocked per save while ``async_
 Every save goes to ``step-N.partial-<token>``, renamed to ``step-N`` by rank 0 once DCP has written its
 ``.metadata`` (:mod:`~titanlite.checkpoint.layout`). What to load is decided in the constructor by
 :class:`~titanlite.checkpoint.resume.ResumePlanner`; :meth:`load` does it (a candidate unreadable on any rank falls
-back on all). An enabled manager holds ``<folder>/.titanlite.lock`` (:class:`~titanlite.run_lock.RunLock`) until
+back on all). An enabled manager holds ``<folder>/.titanlite.lock`` (:class:`~titanlite.utils.run_lock.RunLock`) until
 :meth:`close`. A save that fails for lack of space raises :class:`CheckpointWriteError` (one line).
 """
 
@@ -49,16 +49,15 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from titanlite import _torch_compat
 from titanlite.checkpoint import hf_import, layout, safe_load
 from titanlite.checkpoint.resume import LoadPlan, ResumePlanner, changed_settings
 from titanlite.checkpoint.safe_load import one_line
 from titanlite.checkpoint.state import CheckpointStates
-from titanlite.dtypes import DTYPES, dtype_name
-from titanlite.fsio import atomic_write
-from titanlite.hooks import Hook
 from titanlite.parallel.distributed import run_on_rank0
-from titanlite.run_lock import RunLock
+from titanlite.utils import torch_compat
+from titanlite.utils.dtypes import DTYPES, dtype_name
+from titanlite.utils.fsio import atomic_write
+from titanlite.utils.run_lock import RunLock
 
 logger = logging.getLogger("titanlite.checkpoint")
 
@@ -146,7 +145,7 @@ class CheckpointManager:
     def load(self) -> int | None:
         """Carry out the plan; returns the step resumed from (None when nothing was resumed)."""
         for k, v in self.states.per_rank.items():
-            if isinstance(v[0], StatefulDataLoader) and _torch_compat.loader_is_iterating(v[0]):
+            if isinstance(v[0], StatefulDataLoader) and torch_compat.loader_is_iterating(v[0]):
                 raise RuntimeError(
                     f"CheckpointManager.load(): the data loader {k!r} is already being iterated, so "
                     "its saved position would not reach that iterator; load before iter(loader)"
@@ -313,7 +312,7 @@ class CheckpointManager:
             use_non_blocking_copy=cuda,
         )
         stager = DefaultStager(options)
-        executor = _torch_compat.staging_executor(stager)
+        executor = torch_compat.staging_executor(stager)
         if cuda and executor is not None:
             # A new thread starts on CUDA device 0; leaving the staging stream's context there would make a
             # CUDA context on GPU 0 for every rank, so the staging thread is put on this rank's device first.
@@ -428,20 +427,3 @@ class CheckpointManager:
 
     def _on_rank0(self, fn):
         return run_on_rank0(fn) if self.distributed else fn()
-
-
-class CheckpointHook(Hook):
-    """The manager in the training loop: wait for staging before each update, save at step ends
-    (``last`` at the final step), wait for the last write when training ends."""
-
-    def __init__(self, manager: CheckpointManager):
-        self.manager = manager
-
-    def before_update(self, state, result) -> None:
-        self.manager.wait_for_staging()  # an async save must have copied the weights first
-
-    def on_step_end(self, state, result) -> None:
-        self.manager.save(state.step, last=state.last_step)
-
-    def on_train_end(self, state) -> None:
-        self.manager.close()

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from titanlite.checkpoint import hf_import, layout
-from titanlite.fsio import fsync_dir
-from titanlite.nesting import loads_toml
+from titanlite.utils.fsio import fsync_dir
+from titanlite.utils.nesting import loads_toml
 
 logger = logging.getLogger("titanlite.checkpoint")
 

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from titanlite import _torch_compat, fsio
+from titanlite.utils import fsio, torch_compat
 
 METADATA_FILE = ".metadata"
 _DCP_MODULES = ("torch.distributed.checkpoint.", "torch.distributed._shard.")  # older torch kept records here
@@ -150,7 +150,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         except Exception as e:
             raise ValueError(f"checkpoint item {fqn} is unreadable ({one_line(e)})") from None
         if self.flatten_state_dict:
-            _torch_compat.set_element(self.original_state_dict, self.mappings[fqn], obj)
+            torch_compat.set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj
 

@@ -14,7 +14,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from titanlite.config.sections import ConfigError
-from titanlite.nesting import loads_toml
+from titanlite.utils.nesting import loads_toml
 
 
 def decode_utf8(data: bytes, path: Any, line: int | None = None, *, bom: bool = False) -> str:

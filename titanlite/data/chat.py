@@ -28,7 +28,7 @@ import torch
 
 from titanlite.config.toml_io import decode_utf8
 from titanlite.data.sources import list_files
-from titanlite.nesting import loads_json
+from titanlite.utils.nesting import loads_json
 
 ROLES = ("system", "user", "assistant", "tool", "ipython")
 SPECIAL_TOKENS = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from titanlite.data.shard_file import CHECKSUM_PREFIX, VERSION, PathLike, ShardReader, dtype_name
-from titanlite.fsio import atomic_write
 from titanlite.tokenizer import Tokenizer, tokenizer_fingerprint
+from titanlite.utils.fsio import atomic_write
 
 logger = logging.getLogger(__name__)
 

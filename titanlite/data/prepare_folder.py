@@ -25,7 +25,7 @@ import numpy as np
 
 from titanlite.data.manifest import MANIFEST, SPLITS, read_manifest, write_json_atomic
 from titanlite.data.shard_file import ShardReader, write_shard_flat
-from titanlite.fsio import append_line
+from titanlite.utils.fsio import append_line
 
 STATE = "prepare_state.json"
 JOURNAL = "prepare_journal.jsonl"  # one line per shard written, appended before its rename

@@ -29,7 +29,7 @@ from titanlite.data.loader import load_token_store
 from titanlite.data.mixture import MixtureWindows
 from titanlite.data.shards import MANIFEST, is_chat_folder
 from titanlite.data.windows import TokenWindows
-from titanlite.nesting import loads_json
+from titanlite.utils.nesting import loads_json
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from titanlite.fsio import atomic_write
+from titanlite.utils.fsio import atomic_write
 
 MAGIC = b"TLSHARD\0"
 VERSION = 1

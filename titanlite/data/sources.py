@@ -34,7 +34,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from titanlite.config.toml_io import decode_utf8
-from titanlite.nesting import loads_json
+from titanlite.utils.nesting import loads_json
 
 PathLike = str | os.PathLike
 

@@ -49,10 +49,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titanlite import _torch_compat
 from titanlite.eval.packing import PAD_MULTIPLE, Group, cached_batch, canonical_batches, group_requests, plain_batch
 from titanlite.eval.tasks import Item, Task, get_task
 from titanlite.models.kv_cache import KVCache, supports_cache
+from titanlite.utils import torch_compat
 
 if TYPE_CHECKING:  # imported when called: titanlite.trainer imports this package
     from titanlite.trainer.runtime import Runtime
@@ -211,7 +211,7 @@ def compiled_forward() -> Callable[..., torch.Tensor]:
     are not "duck-typed" (a batch of 2 rows would otherwise be tied to the model's 2 key/value heads, and
     specialized to it) nor specialized at 1, where this torch has those switches."""
     compiled = torch.compile(_forward, dynamic=True)
-    config = _torch_compat.fx_config()
+    config = torch_compat.fx_config()
     switches = {k: v for k, v in (("use_duck_shape", False), ("backed_size_oblivious", True)) if hasattr(config, k)}
 
     @functools.wraps(_forward)

@@ -6,7 +6,7 @@ training process never waits for it and does not know it exists. It reads the ru
 polls the checkpoint folder. Each published step folder it has not scored yet is loaded
 (:func:`titanlite.checkpoint.load_model.load_model`), scored (:func:`titanlite.eval.evaluate`) and
 its scores are appended to the run's ``metrics.jsonl`` under the checkpoint's step, with the keys the
-in-loop ``[eval]`` writes (:func:`titanlite.eval.hook.eval_record`) plus ``"eval_source": "watcher"``,
+in-loop ``[eval]`` writes (:func:`titanlite.eval.records.eval_record`) plus ``"eval_source": "watcher"``,
 and to TensorBoard (an event file of its own in the run's folder) when the run writes TensorBoard.
 
 - **Sharing the log with the run.** Each record is one ``write`` of one whole line to a file opened
@@ -40,12 +40,12 @@ import torch
 
 from titanlite.checkpoint import layout
 from titanlite.checkpoint.load_model import load_model
-from titanlite.eval.hook import eval_record, scores_line
+from titanlite.eval.records import eval_record, scores_line
 from titanlite.extensions import load_extensions
-from titanlite.fsio import one_line
-from titanlite.metrics_records import parse_record
 from titanlite.trainer.metrics_log import strict_json_line
 from titanlite.trainer.runtime import Runtime
+from titanlite.utils.fsio import one_line
+from titanlite.utils.metrics_records import parse_record
 
 logger = logging.getLogger("titanlite")
 

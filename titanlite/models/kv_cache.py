@@ -45,7 +45,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from titanlite import _torch_compat
+from titanlite.utils import torch_compat
 
 
 def supports_cache(model: nn.Module) -> bool:
@@ -170,4 +170,4 @@ class LayerKV:
 
 def _mark_static(*tensors: torch.Tensor) -> None:
     for t in tensors:
-        _torch_compat.mark_static_address(t)
+        torch_compat.mark_static_address(t)

@@ -15,7 +15,7 @@
 - ``"loss"``: the loss function is compiled (the cross-entropy's log-softmax, gather and sum fuse
   and the fp32 upcast of the logits is not materialized); not fullgraph, so a registered loss that
   breaks still runs. With ``[training] loss_chunks`` it is the loss of each piece
-  (:mod:`titanlite.output_loss`), called with the same shapes every time.
+  (:mod:`titanlite.trainer.output_loss`), called with the same shapes every time.
 
 With tensor parallelism the graphs contain collectives that name their process group, and in this
 torch version the AOTAutograd on-disk cache does not key on those names: a graph cached by an

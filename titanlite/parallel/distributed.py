@@ -20,9 +20,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from titanlite import _torch_compat
-from titanlite.fsio import one_line
-from titanlite.hooks import Hook
+from titanlite.utils import torch_compat
+from titanlite.utils.fsio import one_line
 
 
 @dataclass(frozen=True)
@@ -74,7 +73,7 @@ def set_collective_timeout(timeout_seconds: float, groups: Iterable[dist.Process
         return
     dist.barrier()
     for group in {id(group): group for group in [None, *groups]}.values():  # each group once, in order
-        _torch_compat.set_pg_timeout(timeout_seconds, group)
+        torch_compat.set_pg_timeout(timeout_seconds, group)
 
 
 def run_on_rank0(fn):
@@ -108,19 +107,6 @@ def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
         t = t.clone()
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
-
-
-class CollectiveTimeoutHook(Hook):
-    """``[comm]`` in the loop: once the first step (start-up and compilation included) is done, every
-    collective of ``groups`` gets the shorter ``timeout_seconds``."""
-
-    def __init__(self, timeout_seconds: float, groups: Iterable[dist.ProcessGroup | None] = ()):
-        self.timeout_seconds, self.groups, self.pending = timeout_seconds, list(groups), True
-
-    def on_step_end(self, state, result) -> None:
-        if self.pending:
-            set_collective_timeout(self.timeout_seconds, self.groups)
-            self.pending = False
 
 
 def exit_skipping_finalization(code: int = 0) -> NoReturn:

@@ -7,7 +7,7 @@
 - ``fsdp_reshard_after_forward``: ``default`` frees every group's gathered parameters after its
   forward except the last group's (backward needs it at once); ``always``/``never`` apply to all.
 - Gradient reduction is a SUM, not FSDP2's default mean: our loss is already a token *sum* divided
-  by the global token count of the optimizer step (see ``titanlite.loss``), so each rank's gradient
+  by the global token count of the optimizer step (see ``titanlite.trainer.loss``), so each rank's gradient
   is its share of the global-mean gradient and the shares must be added. ``gradient_divide_factor
   = 1`` with ``force_sum_reduction_for_comms`` makes FSDP use plain ``ReduceOp.SUM`` for the
   reduce-scatter (and the HSDP all-reduce) with no pre/post division: exact on NCCL, and also on

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from titanlite import _torch_compat
+from titanlite.utils import torch_compat
 
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grads_with_norm_'s
 
@@ -145,7 +145,7 @@ def grad_square_sum(parameters: Iterable[torch.Tensor], world: WorldLayout) -> t
             owned.append(grad)
     if not owned:
         return None
-    groups = _torch_compat.group_by_device_and_dtype(owned)
+    groups = torch_compat.group_by_device_and_dtype(owned)
     sums = [torch.stack(torch._foreach_norm(ts, 2.0)).float().square().sum() for ts in groups]
     return sums[0] if len(sums) == 1 else torch.stack([s.to(sums[0].device) for s in sums]).sum()
 
@@ -158,5 +158,5 @@ def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
 def scale_grads_(parameters: Iterable[torch.Tensor], coefficient: torch.Tensor) -> None:
     """Multiply every (local) gradient by the device scalar ``coefficient``: one multi-tensor op per device/dtype."""
     grads = [g.to_local() if isinstance(g, DTensor) else g for p in parameters if (g := p.grad) is not None]
-    for ts in _torch_compat.group_by_device_and_dtype(grads):
+    for ts in torch_compat.group_by_device_and_dtype(grads):
         torch._foreach_mul_(ts, coefficient.to(ts[0].device))

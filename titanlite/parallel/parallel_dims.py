@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from titanlite import _torch_compat
+from titanlite.utils import torch_compat
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 _KEYS = {
@@ -157,16 +157,16 @@ class ParallelDims:
         shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
         dp = mesh["dp_replicate", "dp_shard"]
-        self._dp_mesh = _torch_compat.flatten_mesh(dp, "dp")  # kept: slicing it back is deprecated
+        self._dp_mesh = torch_compat.flatten_mesh(dp, "dp")  # kept: slicing it back is deprecated
         if self.pp > 1:  # the training loss (on the last stage only) is summed over stages and DP ranks at once
-            self._pp_dp_mesh = _torch_compat.flatten_mesh(mesh["pp", "dp_replicate", "dp_shard"], "pp_dp")
+            self._pp_dp_mesh = torch_compat.flatten_mesh(mesh["pp", "dp_replicate", "dp_shard"], "pp_dp")
         if self.dp_shard > 1 and self.tp > 1:
             # FSDP x TP gradients are sharded over both; with this flattened view DTensor reduces
             # their norms (gradient clipping) in one all-reduce instead of one per dimension
-            _torch_compat.flatten_mesh(mesh["dp_shard", "tp"], "dp_shard_tp")
+            torch_compat.flatten_mesh(mesh["dp_shard", "tp"], "dp_shard_tp")
         if self.ep > 1:  # dp_shard seen as (dp_shard_mod_ep, ep): same ranks, same root mesh
             sizes, names = (self.dp_shard // self.ep, self.ep), ("dp_shard_mod_ep", "ep")
-            self._expert_mesh = _torch_compat.unflatten_mesh(mesh, "dp_shard", sizes, names)
+            self._expert_mesh = torch_compat.unflatten_mesh(mesh, "dp_shard", sizes, names)
         self.mesh = mesh
         return mesh
 

@@ -13,11 +13,11 @@ import dataclasses
 import torch
 from torch import nn
 
-from titanlite.dtypes import DTYPES
 from titanlite.parallel.activation_checkpoint import ActivationCheckpoint
 from titanlite.parallel.compile import CompilePolicy
 from titanlite.parallel.float8 import Float8Policy
 from titanlite.parallel.fsdp import FSDPPolicy
+from titanlite.utils.dtypes import DTYPES
 
 
 @dataclasses.dataclass

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from titanlite import _torch_compat
+from titanlite.utils import torch_compat
 
 GB = 1e9
 
@@ -60,7 +60,7 @@ def _local_numel_fn(global_mesh_names: tuple[str, ...]) -> Callable:
     """``fn(param, global_coord) -> local numel`` for a (DTensor or plain) parameter."""
     from torch.distributed.tensor import DTensor
 
-    local_shape = _torch_compat.local_shape_fn()
+    local_shape = torch_compat.local_shape_fn()
 
     cache: dict = {}
 
@@ -123,7 +123,7 @@ def dry_run(cfg, world_size: int | None = None, out: Callable[[str], None] = pri
     if world_size > 1:
         if dist.is_available() and dist.is_initialized():
             raise RuntimeError("dry run: a process group already exists in this process; run the dry run on its own")
-        dist.init_process_group("fake", rank=0, world_size=world_size, store=_torch_compat.fake_store())
+        dist.init_process_group("fake", rank=0, world_size=world_size, store=torch_compat.fake_store())
     try:
         dims.build_mesh("cpu")
         dims.check_tp_divides(**{"training.seq_len (sequence parallelism)": t.seq_len})

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from titanlite.dtypes import DTYPES
 from titanlite.models.flops import ModelShape, block_matmul_params, block_params, param_count
 from titanlite.parallel.pipeline_schedules import (
     MULTI_STAGE_SCHEDULES,
@@ -17,6 +16,7 @@ from titanlite.parallel.pipeline_schedules import (
     pipeline_rank_stages,
     split_evenly,
 )
+from titanlite.utils.dtypes import DTYPES
 
 
 @dataclasses.dataclass(frozen=True)

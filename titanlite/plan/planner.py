@@ -10,11 +10,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from titanlite.dtypes import DTYPES
 from titanlite.models.flops import ModelShape, active_param_count, flops_per_token, param_count
 from titanlite.parallel.pipeline_schedules import pipeline_bubble_fraction
 from titanlite.plan.memory import RunSetup, memory_breakdown, stage_shares
 from titanlite.plan.planner_moe import all_to_all_bytes
+from titanlite.utils.dtypes import DTYPES
 
 RESERVE_BYTES = 2.0e9  # CUDA context, NCCL buffers, cuBLAS workspaces
 FRAGMENTATION = 0.05  # share of the GPU memory assumed lost to the caching allocator's fragmentation

@@ -19,7 +19,6 @@ import sys
 
 import torch
 
-from titanlite.argtypes import OneLineParser, number
 from titanlite.config import ConfigError
 from titanlite.models import get_model_spec, load_config, make_model_args
 from titanlite.models.flops import ModelShape, param_count
@@ -37,6 +36,7 @@ from titanlite.plan.planner_moe import all_to_all_seconds
 from titanlite.plan.run_plan import plan_steps
 from titanlite.trainer.metrics import format_duration
 from titanlite.trainer.peaks import gpu_memory_bytes, matmul_dtype, peak_flops_for_name
+from titanlite.utils.argtypes import OneLineParser, number
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

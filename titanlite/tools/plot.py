@@ -17,8 +17,8 @@ import sys
 from collections.abc import Collection
 from pathlib import Path
 
-from titanlite.argtypes import OneLineParser, number
-from titanlite.metrics_records import read_records
+from titanlite.utils.argtypes import OneLineParser, number
+from titanlite.utils.metrics_records import read_records
 
 PANELS = (  # (title, key, log scale)
     ("loss", "loss", False),

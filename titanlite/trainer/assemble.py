@@ -18,18 +18,19 @@ import torch
 from torch import nn
 
 from titanlite import components
-from titanlite.dtypes import DTYPES
 from titanlite.models import get_model_spec
 from titanlite.models.registry import model_args_for
-from titanlite.output_loss import output_loss, registered_loss
 from titanlite.parallel.build import build_parallel_model
 from titanlite.parallel.compile import CompilePolicy
 from titanlite.parallel.float8_fsdp import register_float8_scale_precompute
-from titanlite.parallel.pipeline import Pipeline, PipelinePlan
+from titanlite.parallel.pipeline import PipelinePlan
 from titanlite.parallel.policies import Policies
 from titanlite.plan.run_plan import RunPlan, plan_steps
+from titanlite.trainer.output_loss import output_loss, registered_loss
+from titanlite.trainer.pipeline_runner import Pipeline
 from titanlite.trainer.runtime import Runtime
 from titanlite.trainer.step import TrainStep, grad_accum_steps
+from titanlite.utils.dtypes import DTYPES
 
 
 def config_policies(cfg: Any) -> Policies:
@@ -40,7 +41,7 @@ def config_policies(cfg: Any) -> Policies:
 
 def config_loss(cfg: Any, parallel_dims: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The ``[training] loss`` (a token sum), compiled with ``[compile] components = ["loss"]``, with its closed-form
-    gradient, compiled alike, where it has one (:func:`titanlite.output_loss.registered_loss`)."""
+    gradient, compiled alike, where it has one (:func:`titanlite.trainer.output_loss.registered_loss`)."""
     policy = CompilePolicy.from_config(cfg.compile)
     return registered_loss(cfg.training.loss, lambda fn: policy.compile_loss(fn, parallel_dims.tp_enabled))
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from titanlite.hooks import Hook
+from titanlite.trainer.hooks import Hook
 
 logger = logging.getLogger("titanlite.trainer.guard")
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titanlite.hooks import Hook, LoopState
+from titanlite.trainer.hooks import Hook, LoopState
 from titanlite.trainer.metrics_log import MetricsLogger, finite_json, write_file_whole
 from titanlite.trainer.peaks import memory_stats, peak_flops, reprobe_cpu_matmul_peak
 

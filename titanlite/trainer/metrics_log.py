@@ -11,9 +11,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from titanlite.fsio import atomic_write
-from titanlite.metrics_records import parse_record
 from titanlite.trainer.wandb_logger import WandbLogger, import_wandb
+from titanlite.utils.fsio import atomic_write
+from titanlite.utils.metrics_records import parse_record
 
 logger = logging.getLogger(__name__)
 

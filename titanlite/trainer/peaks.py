@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from titanlite.dtypes import DTYPES
+from titanlite.utils.dtypes import DTYPES
 
 # Dense peak TFLOP/s per GPU by matmul dtype, from the vendors' datasheets (NVIDIA's 2:4 sparsity
 # figures are halved here). "float32" is the plain FP32 rate, "tfloat32" the TF32 tensor-core rate.

@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from titanlite.hooks import Hook
+from titanlite.trainer.hooks import Hook
 
 logger = logging.getLogger("titanlite.trainer.preemption")
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from titanlite import _torch_compat
-from titanlite.hooks import Hook
+from titanlite.trainer.hooks import Hook
+from titanlite.utils import torch_compat
 
 logger = logging.getLogger("titanlite.trainer.profiling")
 
@@ -51,7 +51,7 @@ class Profiler:
             freq = cfg.profile_freq
             logger.info("profiling: traces of steps %d..N every %d steps to %s", freq, freq, self.trace_dir)
         if cfg.enable_memory_snapshot and device.type == "cuda":
-            _torch_compat.record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
+            torch_compat.record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
             self._snapshots_on = True
             logger.info("profiling: CUDA memory snapshots every %d steps to %s", cfg.profile_freq, self.snapshot_dir)
         elif cfg.enable_memory_snapshot:
@@ -88,7 +88,7 @@ class Profiler:
             self._prof.stop()
             self._prof = None
         if self._snapshots_on:
-            _torch_compat.record_memory_history(enabled=None)
+            torch_compat.record_memory_history(enabled=None)
             self._snapshots_on = False
 
 

@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titanlite import dtypes
-from titanlite.loss import cross_entropy_sum
-from titanlite.output_loss import ChunkedLoss, LogitsLoss
 from titanlite.parallel.fsdp import is_fsdp
 from titanlite.parallel.tensor_parallel import loss_parallel_context, to_local_value
+from titanlite.trainer.loss import cross_entropy_sum
+from titanlite.trainer.output_loss import ChunkedLoss, LogitsLoss
+from titanlite.utils import dtypes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,9 +34,9 @@ class Runtime:
     - ``device``: where batches go;
     - ``parallel_dims``: a :class:`~titanlite.parallel.parallel_dims.ParallelDims`, or None for one process;
     - ``compute_dtype``: the autocast dtype (``[training] mixed_precision_param``); None or fp32: no autocast;
-    - ``loss``: model outputs -> token-sum loss (:class:`~titanlite.output_loss.LogitsLoss` or
-      :class:`~titanlite.output_loss.ChunkedLoss`);
-    - ``pipeline``: the :class:`~titanlite.parallel.pipeline.Pipeline` running this rank's stages, or None.
+    - ``loss``: model outputs -> token-sum loss (:class:`~titanlite.trainer.output_loss.LogitsLoss` or
+      :class:`~titanlite.trainer.output_loss.ChunkedLoss`);
+    - ``pipeline``: the :class:`~titanlite.trainer.pipeline_runner.Pipeline` running this rank's stages, or None.
     """
 
     device: torch.device

@@ -17,9 +17,9 @@ from torch import nn
 
 from titanlite.data.chat import chat_prompt_ids, special_id
 from titanlite.generate import check_request, compile_refusal, generate, no_cache_reason, sequence_multiple
-from titanlite.hooks import Hook, LoopState
 from titanlite.models.kv_cache import supports_cache
 from titanlite.parallel.float8 import float8_disabled
+from titanlite.trainer.hooks import Hook, LoopState
 from titanlite.trainer.runtime import Runtime
 
 logger = logging.getLogger("titanlite")

@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from titanlite.hooks import Hook, LoopState
 from titanlite.plan.run_plan import RunPlan
+from titanlite.trainer.hooks import Hook, LoopState
 
 logger = logging.getLogger(__name__)
 

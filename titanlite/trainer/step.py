@@ -36,10 +36,10 @@ import torch.distributed as dist
 from torch import nn
 
 from titanlite.models.moe import MoEStep
-from titanlite.output_loss import ChunkedLoss, LogitsLoss
 from titanlite.parallel.distributed import all_reduce_sum
 from titanlite.parallel.fsdp import sum_gradients
 from titanlite.parallel.grad_clip import WorldLayout, clip_coefficient, clip_grad_norm_, grad_square_sum, scale_grads_
+from titanlite.trainer.output_loss import ChunkedLoss, LogitsLoss
 from titanlite.trainer.runtime import Runtime, eval_loss, forward_loss
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 :class:`Trainer` builds every piece from its own config section and runs the loop: one
 :class:`~titanlite.trainer.step.TrainStep` call per optimizer step, and hooks
-(:mod:`titanlite.hooks`) for metrics, the guard, the profiler, validation, checkpoints, preemption
+(:mod:`titanlite.trainer.hooks`) for metrics, the guard, the profiler, validation, checkpoints, preemption
 and collective timeouts. To swap a piece, override its ``build_*`` method in a subclass, register it
 (``titanlite.components.register("trainer", "mine", MyTrainer)`` in an extension module) and name
 it in ``[job] trainer``; losses, optimizers and LR schedules are chosen by name the same way.
@@ -21,30 +21,21 @@ from typing import Any
 
 import torch
 
-from titanlite.checkpoint import CheckpointHook, CheckpointManager, layout
+from titanlite.checkpoint import CheckpointManager, layout
 from titanlite.checkpoint.hf_tokenizer_files import tokenizer_record
 from titanlite.checkpoint.seed_args import model_args_from_seed
 from titanlite.config import JobConfig, config_to_toml, dump_config
 from titanlite.eval import evaluate, get_task
-from titanlite.eval.hook import EvalHook
-from titanlite.hooks import Hook, LoopState, call_hooks, run_steps
 from titanlite.models import get_model_spec
 from titanlite.models.flops import ModelShape, num_params
 from titanlite.models.registry import active_params, check_seq_len, model_args_for, model_counts
-from titanlite.parallel.distributed import (
-    CollectiveTimeoutHook,
-    WorldInfo,
-    init_distributed,
-    run_on_rank0,
-    world_from_env,
-)
+from titanlite.parallel.distributed import WorldInfo, init_distributed, run_on_rank0, world_from_env
 from titanlite.parallel.float8 import float8_disabled, float8_modules
 from titanlite.parallel.fsdp import quiet_view_warning
 from titanlite.parallel.parallel_dims import ParallelDims
 from titanlite.parallel.pipeline import PipelinePlan
 from titanlite.plan.planner import RunSetup, check_absurd_size
 from titanlite.plan.run_plan import RunPlan
-from titanlite.run_lock import RunLock
 from titanlite.tokenizer import token_byte_lengths
 from titanlite.trainer.assemble import (
     RunFacts,
@@ -54,7 +45,11 @@ from titanlite.trainer.assemble import (
     config_pipeline_plan,
     config_run_plan,
 )
+from titanlite.trainer.checkpoint_hook import CheckpointHook
+from titanlite.trainer.collective_timeout import CollectiveTimeoutHook
+from titanlite.trainer.eval_hook import EvalHook
 from titanlite.trainer.guard import GuardHook, StepGuard
+from titanlite.trainer.hooks import Hook, LoopState, call_hooks, run_steps
 from titanlite.trainer.metrics import MetricsHook
 from titanlite.trainer.metrics_log import MetricsLogger
 from titanlite.trainer.peaks import device_memory_bytes, matmul_dtype
@@ -65,6 +60,7 @@ from titanlite.trainer.stages import StageHook
 from titanlite.trainer.trainer_data import TrainerData
 from titanlite.trainer.validation import ValidationHook, combine_validation, validation_loss
 from titanlite.trainer.wandb_logger import import_wandb
+from titanlite.utils.run_lock import RunLock
 
 logger = logging.getLogger("titanlite")
 
@@ -208,7 +204,7 @@ class Trainer(TrainerData, TrainingBuilder):
         )  # fmt: skip
 
     def build_hooks(self) -> list[Hook]:
-        """The loop's hooks, in calling order (see :mod:`titanlite.hooks`)."""
+        """The loop's hooks, in calling order (see :mod:`titanlite.trainer.hooks`)."""
         c, rank, main = self.cfg, self.world.rank, self.world.is_main
         float8 = any(True for _ in float8_modules(self.model))  # enabled but every linear skipped: no fp8 peak
         sampling = SamplingHook(c.sampling, self.model, self.tokenizer, self.runtime) if c.sampling.enable else None

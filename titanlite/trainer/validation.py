@@ -22,11 +22,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from titanlite.hooks import Hook, LoopState
-from titanlite.loss import cross_entropy_sum
 from titanlite.parallel.distributed import all_reduce_sum
 from titanlite.parallel.float8 import float8_disabled
 from titanlite.parallel.tensor_parallel import to_local_value
+from titanlite.trainer.hooks import Hook, LoopState
+from titanlite.trainer.loss import cross_entropy_sum
 from titanlite.trainer.runtime import Runtime, eval_loss
 from titanlite.trainer.step import batch_to_device
 

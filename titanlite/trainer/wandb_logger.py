@@ -13,7 +13,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from titanlite.fsio import atomic_write
+from titanlite.utils.fsio import atomic_write
 
 RUN_ID_FILE = "wandb_run_id"
 

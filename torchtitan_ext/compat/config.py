@@ -805,7 +805,7 @@ def _tokenizer(model: dict[str, Any], warn: _Warner | None = None) -> str:
     """The tokenizer for titanlite from torchtitan's tokenizer_path / hf_assets_path: a tiktoken file, a
     tokenizer.json, or an HF folder holding ``original/tokenizer.model``, ``tokenizer.model`` or
     ``tokenizer.json``. With ``warn`` (a translation only), one not found here is kept as written, warned."""
-    from titanlite.hf_tokenizer import resolve_tokenizer_file
+    from titanlite.tokenizer.hf import resolve_tokenizer_file
 
     for key in ("tokenizer_path", "hf_assets_path"):
         path = model.get(key)

@@ -37,11 +37,11 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from titanlite import _torch_compat
 from titanlite.config import ConfigError, JobConfig, exit_with_error
 from titanlite.train import main as train_main
 from titanlite.train import setup_logging
 from titanlite.trainer import Trainer
+from titanlite.utils import torch_compat
 from torchtitan_ext.compat.checkpoint import broadcast_from_rank0, choose_source, load_torchtitan_checkpoint
 from torchtitan_ext.compat.config import CompatError, CompatSettings, load_translated, parse_cli, translate
 
@@ -102,7 +102,7 @@ def set_scheduler_position(scheduler: LambdaLR, step: int) -> None:
     lrs = [base * fn(step) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
     for group, lr in zip(scheduler.optimizer.param_groups, lrs):
         group["lr"] = lr
-    _torch_compat.set_scheduler_counters(scheduler, step + 1, lrs)
+    torch_compat.set_scheduler_counters(scheduler, step + 1, lrs)
 
 
 def build_torchtitan_optimizer(model: torch.nn.Module, cfg: JobConfig) -> torch.optim.Optimizer:

@@ -38,7 +38,7 @@ The steps run in this order, and the order matters:
 5. **FSDP2** (``data_parallel_shard_degree`` / ``_replicate_degree``): ``fully_shard`` bottom-up,
    one group per block, ``tok_embeddings`` alone, ``output`` alone (the last group, not resharded
    after forward by default since backward needs it first; alone so that the chunked loss can run as
-   its forward, see ``titanlite.output_loss``), then the root with the final norm. A tied
+   its forward, see ``titanlite.trainer.output_loss``), then the root with the final norm. A tied
    embedding/output is one tensor, so then embedding, norm and output form the root's group. HSDP
    when the replicate degree is above 1. Gradients are *summed* over data-parallel ranks
    (see ``titanlite.parallel.fsdp``). Last, because it wraps everything above.

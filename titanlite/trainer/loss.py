@@ -23,7 +23,7 @@ def cross_entropy_sum_and_grad(logits: torch.Tensor, labels: torch.Tensor) -> tu
     autograd: the fp32 log-softmax, then its exponential in place as the softmax, minus one at each target and
     zero at masked labels (-100), returned in the logits' dtype (as autograd's would be). Two passes over the
     logits where autograd's forward and backward make four, at the same values (the same log-softmax kernel).
-    The chunked output loss uses it (:mod:`titanlite.output_loss`)."""
+    The chunked output loss uses it (:mod:`titanlite.trainer.output_loss`)."""
     log_probs = torch.log_softmax(logits.flatten(0, -2).float(), dim=-1)
     flat = labels.flatten()
     valid, targets = flat != -100, flat.clamp(min=0)[:, None]

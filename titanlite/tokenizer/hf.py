@@ -13,9 +13,8 @@ tiktoken cannot represent exactly (Unigram/WordPiece models, a lowercasing norma
 space, missing byte tokens, ...) is refused with a one-line ``ValueError`` naming the file: never
 an approximation.
 
-This module imports only :mod:`titanlite.hf_regex` and the JSON nesting guard :mod:`titanlite.nesting` (leaves);
-:mod:`titanlite.tokenizer` builds the encoding from
-:class:`HFTokenizerSpec`.
+This module imports only :mod:`titanlite.tokenizer.hf_regex` and the JSON nesting guard
+:mod:`titanlite.utils.nesting` (leaves); :mod:`titanlite.tokenizer` builds the encoding from :class:`HFTokenizerSpec`.
 """
 
 from __future__ import annotations
@@ -25,8 +24,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from titanlite.hf_regex import oniguruma_to_tiktoken
-from titanlite.nesting import load_json
+from titanlite.tokenizer.hf_regex import oniguruma_to_tiktoken
+from titanlite.utils.nesting import load_json
 
 # GPT-2's pre-tokenization regex: what a bare ByteLevel(use_regex=true) pre-tokenizer splits with.
 GPT2_PAT_STR = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"

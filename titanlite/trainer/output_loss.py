@@ -37,7 +37,7 @@ the chunked computation runs as that group's forward (``register_fsdp_forward_me
 its gradient reduce-scattered as soon as backward has passed it; when its weight belongs to the root group (a
 tied embedding), that group is all-gathered (``unshard``) and reduced at the end of backward as usual. Pipeline
 parallel: the last stage returns hidden states and the pipeline's loss applies the output layer
-(:class:`titanlite.parallel.pipeline.Pipeline`). Memory: each micro-batch holds its weight gradient (fp32,
+(:class:`titanlite.trainer.pipeline_runner.Pipeline`). Memory: each micro-batch holds its weight gradient (fp32,
 ``[vocab, dim]`` over the TP ranks) from its loss to its backward, so a pipeline schedule holds one per
 microbatch in flight on the last stage (GPipe: all of them), instead of their logits.
 """
@@ -56,7 +56,7 @@ from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Replicate
 
 from titanlite import components
-from titanlite.loss import cross_entropy_sum_and_grad
+from titanlite.trainer.loss import cross_entropy_sum_and_grad
 
 logger = logging.getLogger(__name__)
 

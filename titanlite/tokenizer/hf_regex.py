@@ -1,6 +1,6 @@
 """Hugging Face pre-tokenizer regexes (Oniguruma, Ruby syntax) rewritten for tiktoken's engine (fancy-regex).
 
-:func:`oniguruma_to_tiktoken` is used by :mod:`titanlite.hf_tokenizer` on a tokenizer.json's Split regex.
+:func:`oniguruma_to_tiktoken` is used by :mod:`titanlite.tokenizer.hf` on a tokenizer.json's Split regex.
 This module imports nothing from titanlite.
 """
 

@@ -1,4 +1,4 @@
-"""Downstream scores in the training loop (``[eval]``), and the metrics record they make.
+"""The metrics record of downstream scores, and their log line.
 
 The in-loop evaluation and the watcher (:mod:`titanlite.eval.watch`) write the same keys,
 ``eval/<task>/<metric>`` (``eval/hellaswag/acc_norm``, ``eval/lambada_openai/perplexity`` ...), under the
@@ -8,13 +8,7 @@ which of the two computed a point.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
 from typing import Any
-
-from titanlite.hooks import Hook, LoopState
-
-logger = logging.getLogger("titanlite")
 
 
 def eval_record(step: int, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -39,17 +33,3 @@ def scores_line(results: dict[str, dict[str, Any]]) -> str:
         ]
         parts.append(f"{task} {' '.join(values)}")
     return " | ".join(parts)
-
-
-class EvalHook(Hook):
-    """``[eval]``: ``evaluate()`` (every rank takes part) every ``freq`` steps and at the last step."""
-
-    def __init__(self, section: Any, evaluate: Callable[[], dict[str, dict[str, Any]]]):
-        self.freq, self.evaluate = section.freq, evaluate
-
-    def on_step_end(self, state: LoopState, result: Any) -> None:
-        if state.step % self.freq == 0 or state.last_step:
-            with state.side_work():
-                results = self.evaluate()
-            state.log(eval_record(state.step, results))
-            logger.info("step %d | eval | %s", state.step, scores_line(results))

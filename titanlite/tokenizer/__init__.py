@@ -10,11 +10,11 @@ vocabulary (so the real Llama 3 file gives BOS 128000 / EOS 128001, cl100k gives
 and Llama 3's pre-tokenization regex is used. A bad file raises a one-line ``ValueError`` naming
 the file and, where there is one, the line.
 
-It also loads Hugging Face byte-level BPE ``tokenizer.json`` files (see :mod:`titanlite.hf_tokenizer`):
+It also loads Hugging Face byte-level BPE ``tokenizer.json`` files (see :mod:`titanlite.tokenizer.hf`):
 the file's own vocabulary, regex and added tokens, BOS/EOS from ``tokenizer_config.json``. A path may
 also be an HF model folder (its ``tokenizer.json``, else ``original/tokenizer.model``).
 
-This module imports only :mod:`titanlite.hf_tokenizer` (and its :mod:`titanlite.hf_regex`, leaves too):
+This module imports only :mod:`titanlite.tokenizer.hf` (and its :mod:`titanlite.tokenizer.hf_regex`, leaves too):
 model families register :func:`build_tokenizer` as their ``tokenizer_builder``, and model code must not
 depend on ``titanlite.data``.
 """
@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
-from titanlite.hf_tokenizer import (
+from titanlite.tokenizer.hf import (
     byte_level_bytes,
     check_every_byte,
     is_hf_tokenizer_file,

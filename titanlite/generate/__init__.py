@@ -2,7 +2,7 @@
 every rank of a sharded model (what it does for a user: docs/evaluation.md, "Generation").
 
 Library: :func:`generate` continues a batch of token-id prompts and returns each one's completion ids;
-:func:`titanlite.token_sampling.sample_next` picks next tokens from logits (temperature, top-k, top-p). The
+:func:`titanlite.generate.sampling.sample_next` picks next tokens from logits (temperature, top-k, top-p). The
 training loop's in-loop samples, the evaluation watcher and the command line below all call these.
 
 - ``use_cache=False`` runs the plain training forward over each whole prefix at every step (prompts of one length
@@ -13,7 +13,7 @@ training loop's in-loop samples, the evaluation watcher and the command line bel
 - No host read per token: finished rows keep running with the batch until the host's next read of the stop
   state (every ``STOP_CHECK_EVERY`` tokens); their extra tokens are dropped, so the result is the same as
   stopping at once.
-- Sampling draws only from the ``generator`` it is given (:mod:`titanlite.token_sampling`). Give a generator on
+- Sampling draws only from the ``generator`` it is given (:mod:`titanlite.generate.sampling`). Give a generator on
   the model's device: another one costs a copy per token.
 - Distributed (FSDP and/or tensor parallel): every rank of ``sync_group`` runs every forward (they hold shards);
   the group's first rank picks the next tokens and broadcasts them (one broadcast per step), so all ranks
@@ -51,13 +51,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titanlite.argtypes import number
 from titanlite.checkpoint.load_model import load_model
 from titanlite.data.chat import chat_prompt_ids, special_id
-from titanlite.dtypes import DTYPES
-from titanlite.fsio import one_line
+from titanlite.generate.sampling import check_sampling, sample_next
 from titanlite.models.kv_cache import KVCache, supports_cache
-from titanlite.token_sampling import check_sampling, sample_next
+from titanlite.utils.argtypes import number
+from titanlite.utils.dtypes import DTYPES
+from titanlite.utils.fsio import one_line
 
 logger = logging.getLogger(__name__)
 
@@ -513,7 +513,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print(("\n" if i else "") + r["prompt"] + r["completion"])
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

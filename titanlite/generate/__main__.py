@@ -1,0 +1,5 @@
+"""``python -m titanlite.generate``."""
+
+from titanlite.generate import main
+
+raise SystemExit(main())
