@@ -1,5 +1,5 @@
 """titanlite's import layers: ``config`` imports nothing from titanlite (but ``nesting``, the JSON/TOML parsing guard,
-and ``fsio``, leaves that import nothing from titanlite), no module imports one of a
+``fsio`` and ``errors``, leaves that import nothing from titanlite), no module imports one of a
 higher layer, and there are no import cycles. Imports inside functions count too (they are read
 from the source, as ``../shared/tools/import_graph.py --all`` reads them).
 
@@ -7,8 +7,9 @@ Layers, lowest first (a module may import its own layer or lower ones):
 
 0. leaves: ``config``, ``components``, ``hooks``, ``dtypes``, ``extensions``, ``tokenizer`` (with ``hf_tokenizer``,
    ``hf_regex``), ``run_lock``, ``nesting``, ``_moved`` (where moved modules went),
-   ``fsio`` (atomic writes, ``one_line``), ``_torch_compat`` (every private torch API titanlite uses),
-   ``token_sampling`` (greedy / temperature / top-k / top-p draws, torch only); ``fsio`` and
+   ``fsio`` (atomic writes, ``one_line``), ``errors`` (``UserError`` and its kinds),
+   ``_torch_compat`` (every private torch API titanlite uses),
+   ``token_sampling`` (greedy / temperature / top-k / top-p draws, torch only); ``fsio``, ``errors`` and
    ``_torch_compat`` import nothing from titanlite
 1. ``parallel``: policies, mesh, FSDP/TP/AC/compile/float8, pipeline schedules and their arithmetic,
    ``build_parallel_model``; and ``loss``, ``output_loss``
@@ -46,6 +47,7 @@ LAYERS = [
         "titanlite.run_lock",
         "titanlite.nesting",
         "titanlite.fsio",
+        "titanlite.errors",
         "titanlite._torch_compat",
         "titanlite.token_sampling",
     ),
@@ -69,7 +71,7 @@ LAYERS = [
     ),
     ("titanlite.cli", "titanlite.__main__", "titanlite.tools", "titanlite.bench"),
 ]
-LEAVES = ("titanlite.nesting", "titanlite.fsio", "titanlite._torch_compat")
+LEAVES = ("titanlite.nesting", "titanlite.fsio", "titanlite.errors", "titanlite._torch_compat")
 
 
 def modules() -> dict[str, Path]:
@@ -125,7 +127,10 @@ def test_config_imports_nothing_from_titanlite():
         m: sorted(t)
         for m, t in edges.items()
         if m.startswith("titanlite.config")
-        and any(not x.startswith("titanlite.config") for x in t - {"titanlite.nesting", "titanlite.fsio"})
+        and any(
+            not x.startswith("titanlite.config")
+            for x in t - {"titanlite.nesting", "titanlite.fsio", "titanlite.errors"}
+        )
     }
     assert not bad, bad
 

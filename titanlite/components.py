@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from titanlite.config import did_you_mean
+from titanlite.errors import ConfigError
 
 KINDS = ("trainer", "loss", "optimizer", "lr_scheduler")
 _KEYS = dict(trainer="job.trainer", loss="training.loss", optimizer="optimizer.name", lr_scheduler="lr_scheduler.name")
@@ -41,5 +42,5 @@ def get(kind: str, name: str) -> Any:
     table = _REGISTRY[kind]
     if name not in table:
         hint = did_you_mean(name, list(table))
-        raise ValueError(f"{_KEYS[kind]}={name!r} is not a registered {kind} (registered: {', '.join(table)}){hint}")
+        raise ConfigError(f"{_KEYS[kind]}={name!r} is not a registered {kind} (registered: {', '.join(table)}){hint}")
     return table[name]

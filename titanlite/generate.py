@@ -48,6 +48,7 @@ from titanlite._moved import moved_names
 from titanlite.checkpoint.load_model import load_model
 from titanlite.data.chat import chat_prompt_ids, special_id
 from titanlite.dtypes import DTYPES
+from titanlite.errors import UsageError, UserError
 from titanlite.fsio import one_line
 from titanlite.models.kv_cache import KVCache, supports_cache
 from titanlite.token_sampling import check_sampling, sample_next
@@ -299,13 +300,9 @@ class _RecomputedSteps:
 # ----------------------------------------------------------------------------- command line
 
 
-class _UsageError(ValueError):
-    pass
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line instead of the usage text
-        raise _UsageError(message)
+        raise UsageError(message)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -339,22 +336,22 @@ def _read_prompts(a: argparse.Namespace) -> list[str]:
             with open(a.prompt_file, encoding="utf-8") as f:
                 prompts += [line for line in f.read().splitlines() if line]
         except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"--prompt-file {a.prompt_file}: cannot be read ({type(e).__name__}: {e})") from None
+            raise UsageError(f"--prompt-file {a.prompt_file}: cannot be read ({type(e).__name__}: {e})") from None
     if not prompts:
-        raise ValueError("no prompt: pass --prompt TEXT or --prompt-file FILE")
+        raise UsageError("no prompt: pass --prompt TEXT or --prompt-file FILE")
     return prompts
 
 
 def _check_numbers(a: argparse.Namespace) -> None:
     for flag, value in (("--max-new-tokens", a.max_new_tokens), ("--top-k", a.top_k)):
         if value < 0:
-            raise ValueError(f"{flag} must be >= 0, got {value}")
+            raise UsageError(f"{flag} must be >= 0, got {value}")
     if not a.temperature >= 0:
-        raise ValueError(f"--temperature must be >= 0 (0: greedy), got {a.temperature}")
+        raise UsageError(f"--temperature must be >= 0 (0: greedy), got {a.temperature}")
     if not 0 < a.top_p <= 1:
-        raise ValueError(f"--top-p must be in (0, 1], got {a.top_p}")
+        raise UsageError(f"--top-p must be in (0, 1], got {a.top_p}")
     if a.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: CUDA is not available")
+        raise UsageError("--device cuda: CUDA is not available")
 
 
 def _run(a: argparse.Namespace) -> list[dict]:
@@ -395,9 +392,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         a = _parser().parse_args(argv)
         records = _run(a)
-    except (ValueError, OSError) as e:
+    except UserError as e:
         print(f"error: {one_line(e)}", file=sys.stderr)
-        return 2
+        return e.exit_code
     for i, r in enumerate(records):
         if a.json:
             print(json.dumps(r))

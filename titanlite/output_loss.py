@@ -52,6 +52,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Replicate
 
+from titanlite.errors import ConfigError
 from titanlite.loss import cross_entropy_sum, cross_entropy_sum_and_grad
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -121,7 +122,7 @@ class ChunkedLoss:
         """A one-line ``ValueError`` unless ``model.output`` is a bias-free linear layer computing ``F.linear``."""
         head = getattr(model, "output", None)
         if not isinstance(head, nn.Linear) or head.bias is not None or type(head).forward is not nn.Linear.forward:
-            raise ValueError(
+            raise ConfigError(
                 f"training.loss_chunks: the chunked loss needs {type(model).__name__}.output to be a bias-free "
                 f"nn.Linear computing F.linear (got {type(head).__name__}; a float8 output layer is not one): "
                 "set training.loss_chunks = 0 to compute the loss from the model's logits"

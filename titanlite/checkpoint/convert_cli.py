@@ -19,6 +19,7 @@ import torch
 
 from titanlite.checkpoint.hf import dcp_to_hf, hf_to_dcp
 from titanlite.dtypes import DTYPES, dtype_name
+from titanlite.errors import UsageError, UserError
 from titanlite.fsio import one_line
 
 
@@ -42,7 +43,7 @@ def parse_size(text: str) -> int:
     power = "KMGT".find(t[-1:]) + 1  # 0 without a unit letter
     size = float(t[:-1] if power else t) * base**power
     if not 1 <= size < math.inf:  # 1e400 is inf (int() of it overflowed), NaN fails too
-        raise ValueError(f"{text!r} is not a size of at least one byte")
+        raise UsageError(f"{text!r} is not a size of at least one byte")
     return int(size)
 
 
@@ -56,8 +57,8 @@ def _run(fn, a: argparse.Namespace, src: str, out: str, note: str = "", **kwargs
     extensions = [m.strip() for m in a.extensions.split(",") if m.strip()]
     try:
         fn(src, out, progress=_Printer(a.quiet), extensions=extensions, **kwargs)
-    except (ValueError, KeyError, OSError) as e:  # OSError: an unwritable output folder, a full disk ...
-        return _error(e.args[0] if isinstance(e, KeyError) and e.args else e)
+    except UserError as e:
+        return _error(e)
     print(f"wrote {out}{note}")
     return 0
 
@@ -98,11 +99,11 @@ def main_dcp_to_hf(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         max_bytes = parse_size(a.max_shard_size)
-    except ValueError as e:
+    except UsageError as e:
         return _error(f"--max-shard-size: cannot read {a.max_shard_size!r} ({e})")
     try:
         model_args = dict(parse_model_arg(text) for text in a.model_arg)
-    except ValueError as e:
+    except UsageError as e:
         return _error(e)
     kwargs = dict(dtype=DTYPES.get(a.dtype), max_shard_bytes=max_bytes, model_args=model_args)
     return _run(dcp_to_hf, a, a.dcp_step_dir, a.hf_out_dir, **kwargs)
@@ -113,7 +114,7 @@ def parse_model_arg(text: str) -> tuple[str, Any]:
     else as a string."""
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
-        raise ValueError(f"--model-arg {text!r}: expected KEY=VALUE")
+        raise UsageError(f"--model-arg {text!r}: expected KEY=VALUE")
     try:
         return key.strip(), json.loads(value)
     except json.JSONDecodeError:

@@ -57,6 +57,7 @@ from titanlite.checkpoint.resume import LoadPlan, ResumePlanner
 from titanlite.checkpoint.safe_load import one_line
 from titanlite.checkpoint.state import CheckpointStates
 from titanlite.dtypes import DTYPES, dtype_name
+from titanlite.errors import CheckpointError, UserError
 from titanlite.fsio import atomic_write
 from titanlite.hooks import Hook
 from titanlite.parallel.distributed import run_on_rank0
@@ -70,7 +71,7 @@ CHECKPOINT_PG_TIMEOUT_S = 3600
 __getattr__ = moved_names(__name__)
 
 
-class CheckpointWriteError(OSError):
+class CheckpointWriteError(UserError, OSError):
     """A save failed because the disk (or quota) is full; the message is one line for the user."""
 
 
@@ -221,7 +222,7 @@ class CheckpointManager:
             tokens, what = info.get("tokens_seen") or 0, ", ".join(state)
             self._warn(f"checkpoint: RESUMED from {path}: step {info['step']}, {tokens:,} tokens seen; {what} restored")
             return info["step"]
-        raise ValueError(
+        raise CheckpointError(
             f"no checkpoint in {self.folder} could be loaded ({'; '.join(failures)}); "
             "the model may be partly overwritten, so training does not start"
         )

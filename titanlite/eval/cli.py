@@ -27,6 +27,7 @@ from titanlite.checkpoint import layout
 from titanlite.checkpoint.load_model import load_model
 from titanlite.data.shards import write_json_atomic
 from titanlite.dtypes import DTYPES
+from titanlite.errors import UsageError, UserError
 from titanlite.eval.scoring import evaluate
 from titanlite.eval.tasks import get_task, task_names
 from titanlite.eval.watch import watch
@@ -34,10 +35,6 @@ from titanlite.extensions import load_extensions
 from titanlite.fsio import one_line
 
 DATA_ENV = "TITANLITE_EVAL_DATA"
-
-
-class UsageError(Exception):
-    """Bad command-line input: reported as one ``error:`` line, exit status 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -88,9 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_watch(a)
         tasks, data_dir = check_args(a)
         results = evaluate_checkpoint(a.checkpoint, a, tasks, data_dir)
-    except (UsageError, ValueError, OSError) as e:
+    except UserError as e:
         print(f"error: {one_line(e)}", file=sys.stderr)
-        return 2
+        return e.exit_code
     for name in tasks:
         print(summary_line(name, results[name]))
     if a.output:

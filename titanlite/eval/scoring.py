@@ -46,6 +46,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titanlite import _torch_compat, dtypes
+from titanlite.errors import UsageError
 from titanlite.eval.packing import PAD_MULTIPLE, Group, cached_batch, canonical_batches, group_requests, plain_batch
 from titanlite.eval.tasks import Item, Task, get_task
 from titanlite.models.kv_cache import KVCache, supports_cache
@@ -103,11 +104,11 @@ def evaluate(
     if not 0 <= dp_rank < dp_world:
         raise ValueError(f"dp_rank {dp_rank} is not in range for dp_world {dp_world}")
     if repeated := sorted({name for name in tasks if list(tasks).count(name) > 1}):
-        raise ValueError(f"eval task {repeated[0]!r} is given more than once")
+        raise UsageError(f"eval task {repeated[0]!r} is given more than once")
     if max_seq_len is None:
         max_seq_len = getattr(getattr(model, "args", None), "max_seq_len", None)
     if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len < 1:
-        raise ValueError(
+        raise UsageError(
             f"evaluate: the longest input {type(model).__name__} takes is unknown (it has no args.max_seq_len): "
             "pass max_seq_len=N (longer requests are cut from the left)"
         )
@@ -144,7 +145,7 @@ def _fit(request: Request, max_seq_len: int) -> Request:
     if len(request.tokens) <= max_seq_len + 1:
         return request
     if request.num_cont > max_seq_len:
-        raise ValueError(
+        raise UsageError(
             f"item {request.item} choice {request.choice}: its {request.num_cont} tokens do not fit "
             f"max_seq_len {max_seq_len} with any context"
         )

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from fractions import Fraction
 
 from titanlite._moved import moved_names
+from titanlite.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +67,7 @@ class RunPlan:
 
 
 def _fail(msg: str) -> None:
-    raise ValueError(msg)
+    raise ConfigError(msg)
 
 
 def stage_batch(i: int, spec: dict, seq_len: int, local_batch_size: int, dp: int, accum: int) -> tuple[int, int, int]:

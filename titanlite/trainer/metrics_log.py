@@ -11,13 +11,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+from titanlite.errors import UserError
 from titanlite.fsio import atomic_write
 from titanlite.trainer.wandb_logger import WandbLogger, import_wandb
 
 logger = logging.getLogger(__name__)
 
 
-class DiskFullError(OSError):
+class DiskFullError(UserError, OSError):
     """No space left (ENOSPC, or EDQUOT: over quota) while writing one of a run's files. One line naming the
     file; ``python -m titanlite.train`` prints it as ``error: ...`` and exits 2, like other user errors."""
 

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from titanlite import dtypes
+from titanlite.errors import ConfigError
 from titanlite.loss import cross_entropy_sum
 from titanlite.models.moe import MoEStep
 from titanlite.output_loss import ChunkedLoss, LogitsLoss, as_output_loss
@@ -55,7 +56,7 @@ def grad_accum_steps(global_batch_size: int, local_batch_size: int, dp_degree: i
     if global_batch_size == -1:
         return 1
     if global_batch_size % per_pass:
-        raise ValueError(
+        raise ConfigError(
             f"training.global_batch_size={global_batch_size} must be a multiple of local_batch_size "
             f"({local_batch_size}) x data-parallel degree ({dp_degree}) = {per_pass}"
         )

@@ -28,6 +28,7 @@ from titanlite._moved import REMOVED_METHODS
 from titanlite.checkpoint import CheckpointHook, CheckpointManager, layout
 from titanlite.checkpoint.seed_args import model_args_from_seed
 from titanlite.config import JobConfig, config_to_toml, dump_config
+from titanlite.errors import CheckpointError, ConfigError
 from titanlite.eval import evaluate, get_task
 from titanlite.eval.hook import EvalHook
 from titanlite.hooks import Hook, LoopState, call_hooks, run_steps
@@ -70,7 +71,7 @@ from titanlite.trainer.wandb_logger import import_wandb
 logger = logging.getLogger("titanlite")
 
 
-class ResumeError(ValueError):
+class ResumeError(CheckpointError):
     """The checkpoint cannot resume this run (e.g. the data or its windowing changed): one line at the
     command line, raised before anything (metrics, checkpoints) is touched."""
 
@@ -130,7 +131,7 @@ class Trainer(TrainerData):
             except ValueError as e:
                 if source[1] != layout.RESUMED:
                     raise
-                raise ValueError(f"{e}; or start a new run in another --job.dump_folder") from None
+                raise ConfigError(f"{e}; or start a new run in another --job.dump_folder") from None
         check_seq_len(self.model_args, max(t.seq_len, self.run_plan.max_seq_len))
         self.pipeline_plan = self.build_pipeline_plan()
         self.check_absurd_size()
@@ -225,7 +226,7 @@ class Trainer(TrainerData):
         kw.update(resumed=self.resume_point() if t.tokens > 0 else None)
         plan = plan_steps(steps=t.steps, tokens=t.tokens, dp_degree=dims.dp_degree, schedule=t.seq_len_schedule, **kw)
         if c.lr_scheduler.warmup_steps > plan.total_steps:
-            raise ValueError(
+            raise ConfigError(
                 f"lr_scheduler.warmup_steps ({c.lr_scheduler.warmup_steps}) must be <= the run's {plan.total_steps} "
                 f"steps (training.tokens = {t.tokens:,})"
             )
@@ -359,7 +360,7 @@ class Trainer(TrainerData):
         the newest checkpoint's ``checkpoint.json``: a fallback to an older one, after the batch changed, is not)."""
         budget, state = self.cfg.training.tokens, self.state
         if budget > 0 and state.tokens_seen != (expected := self.run_plan.tokens_through(state.step)):
-            raise ValueError(
+            raise ConfigError(
                 f"training.tokens = {budget:,}: the checkpoint resumed at step {state.step:,} has seen "
                 f"{state.tokens_seen:,} tokens, but the run was planned for {expected:,} by then (the batch changed "
                 "and an older checkpoint was loaded): resume with the batch it was trained with"
