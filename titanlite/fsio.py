@@ -1,4 +1,4 @@
-"""Small file-system and message helpers shared across titanlite (a leaf: imports nothing from titanlite).
+"""Small file-system and message helpers shared across titanlite (a leaf: imports only titanlite.errors).
 
 - :func:`atomic_write`: a file that holds the old content or the new one, never a part of the new one.
 - :func:`atomic_dir`: a folder built under a temporary name and renamed into place when complete.
@@ -10,11 +10,14 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import shutil
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+
+from titanlite.errors import UsageError, UserError
 
 PathLike = str | os.PathLike
 
@@ -81,21 +84,27 @@ def atomic_write(
 def atomic_dir(out_dir: PathLike) -> Iterator[Path]:
     """Yields ``<out_dir>.partial-<token>`` to fill; renamed to ``out_dir`` when the block ends. On any error the
     partial folder is removed with the parent folders this call created (the file system is left as found).
-    ``out_dir`` must not exist or be an empty folder (ValueError, nothing touched)."""
+    ``out_dir`` must not exist or be an empty folder (a UsageError, a ValueError too; nothing touched). A folder
+    that cannot be created, or a full disk, is a one-line UserError too."""
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ValueError(f"output {out_dir} already exists and is not empty (nothing was overwritten)")
+        raise UsageError(f"output {out_dir} already exists and is not empty (nothing was overwritten)")
     created = [p for p in reversed(out_dir.parents) if not p.exists()]
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     partial = out_dir.with_name(f"{out_dir.name}.partial-{secrets.token_hex(4)}")
-    partial.mkdir()
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        partial.mkdir()
+    except OSError as e:  # a read-only or foreign folder on the way
+        raise UsageError(f"output {out_dir}: cannot create it ({e.strerror or e})") from None
     try:
         yield partial
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(partial, ignore_errors=True)
         for folder in reversed(created):
             with contextlib.suppress(OSError):  # only while empty: something else may have appeared
                 folder.rmdir()
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):  # the user's disk, not a bug
+            raise UserError(f"disk full: could not write {out_dir} (nothing was written)") from e
         raise
     if out_dir.is_dir():  # empty (checked at start)
         out_dir.rmdir()

@@ -122,22 +122,23 @@ def generate(
 
 
 def check_request(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, multiple: int) -> None:
-    """One-line ``ValueError`` for a request the model cannot run (before any forward). ``multiple``: see
-    :func:`sequence_multiple`; a forward may carry up to ``multiple - 1`` filler tokens after the real ones."""
+    """One-line :class:`~titanlite.errors.UsageError` (a ValueError) for a request the model cannot run (before any
+    forward). ``multiple``: see :func:`sequence_multiple`; a forward may carry up to ``multiple - 1`` filler tokens
+    after the real ones."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        raise UsageError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     if getattr(model, "tok_embeddings", True) is None or getattr(model, "output", True) is None:
         raise ValueError("generate needs a whole model, not a pipeline stage")
     args = getattr(model, "args", None)
     vocab, max_len = getattr(args, "vocab_size", None), getattr(args, "max_seq_len", None)
     for i, prompt in enumerate(prompts):
         if not prompt:
-            raise ValueError(f"prompt {i} is empty: a prompt needs at least one token (e.g. BOS)")
+            raise UsageError(f"prompt {i} is empty: a prompt needs at least one token (e.g. BOS)")
         if vocab is not None and not all(0 <= t < vocab for t in prompt):
-            raise ValueError(f"prompt {i} has a token id outside the model's vocabulary [0, {vocab})")
+            raise UsageError(f"prompt {i} has a token id outside the model's vocabulary [0, {vocab})")
         if max_len is not None and len(prompt) + max_new_tokens + multiple - 1 > max_len:
             filler = f" + {multiple - 1} filler (tensor parallel)" if multiple > 1 else ""
-            raise ValueError(
+            raise UsageError(
                 f"prompt {i}: {len(prompt)} tokens + max_new_tokens {max_new_tokens}{filler} exceed the model's "
                 f"max_seq_len {max_len}"
             )

@@ -33,8 +33,8 @@ def oniguruma_to_tiktoken(path: str, regex: str) -> str:
     last: int | None = None  # where the atom a quantifier would apply to starts in ``out``
     i, n = 0, len(regex)
 
-    def refuse(construct: str, why: str) -> ValueError:
-        return ValueError(f"{path}: pre-tokenizer regex construct {construct!r} at {i}: {why}")
+    def refuse(construct: str, why: str) -> TokenizerError:
+        return TokenizerError(f"{path}: pre-tokenizer regex construct {construct!r} at {i}: {why}")
 
     while i < n:
         c = regex[i]

@@ -156,7 +156,7 @@ def _foreign_folder(keys: Mapping[str, Any], step_dir: Path) -> Any:
             return ep.load()(keys, step_dir)
         except ValueError as e:
             errors.append(e)
-    raise errors[0] if errors else ValueError(f"{step_dir} has no {layout.INFO_FILE}: not a titanlite step folder")
+    raise errors[0] if errors else CheckpointError(f"{step_dir} has no {layout.INFO_FILE}: not a titanlite step folder")
 
 
 def _recorded_tokenizer(spec, path: str, bos: int | None, args: Any, step_dir: Path) -> Any:

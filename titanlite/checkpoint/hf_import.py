@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from titanlite.checkpoint import layout, safe_load
 from titanlite.checkpoint.hf_tokenizer_files import check_tokenizer, folder_tokenizer_path
 from titanlite.dtypes import dtype_name
-from titanlite.errors import CheckpointError, NotFoundError
+from titanlite.errors import CheckpointError, NotFoundError, UserError
 from titanlite.extensions import load_extensions
 from titanlite.fsio import atomic_dir, one_line
 from titanlite.models import get_model_spec, model_names
@@ -302,7 +302,7 @@ def hf_to_dcp(
         except CheckpointException as e:  # a BaseException: a read error while writing, one line
             error = e.failures[min(e.failures)][0]
             raise (
-                error if isinstance(error, ValueError) else ValueError(f"{out_dir}: {safe_load.one_line(error)}")
+                error if isinstance(error, UserError) else CheckpointError(f"{out_dir}: {safe_load.one_line(error)}")
             ) from None
         info = dict(step=0, tokens_seen=0, model_only=True, dtype=dtype_name(*dtypes) if len(dtypes) == 1 else None)
         info["model"] = {"name": spec.name, "flavor": matching_flavor(spec, args), "args": dataclasses.asdict(args)}

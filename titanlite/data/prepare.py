@@ -241,7 +241,10 @@ def prepare(
     out = Path(output).expanduser()
     if out.exists() and not out.is_dir():
         raise UsageError(f"{out}: output exists and is not a folder")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a read-only or foreign folder on the way: the user's --output
+        raise UsageError(f"--output {out}: cannot create it ({e.strerror or e})") from None
 
     sizes = [f.stat().st_size for f in files]
     settings = {

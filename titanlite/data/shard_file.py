@@ -134,8 +134,8 @@ class ShardReader:
     def __init__(self, path: PathLike):
         self.path = Path(path)
 
-        def fail(what: str) -> ValueError:
-            return ValueError(f"{self.path}: {what}")
+        def fail(what: str) -> DataError:
+            return DataError(f"{self.path}: {what}")
 
         try:
             with open(self.path, "rb") as f:

@@ -28,7 +28,7 @@ from titanlite._moved import REMOVED_METHODS
 from titanlite.checkpoint import CheckpointHook, CheckpointManager, layout
 from titanlite.checkpoint.seed_args import model_args_from_seed
 from titanlite.config import JobConfig, config_to_toml, dump_config
-from titanlite.errors import CheckpointError, ConfigError
+from titanlite.errors import CheckpointError, ConfigError, UserError
 from titanlite.eval import evaluate, get_task
 from titanlite.eval.hook import EvalHook
 from titanlite.hooks import Hook, LoopState, call_hooks, run_steps
@@ -128,7 +128,7 @@ class Trainer(TrainerData):
         if source := layout.model_args_source(cfg.checkpoint, cfg.job.dump_folder):  # RoPE, norm eps ... unless set
             try:
                 self.model_args = model_args_from_seed(self.spec, self.model_args, cfg.model.overrides, *source)
-            except ValueError as e:
+            except UserError as e:
                 if source[1] != layout.RESUMED:
                     raise
                 raise ConfigError(f"{e}; or start a new run in another --job.dump_folder") from None
@@ -336,7 +336,7 @@ class Trainer(TrainerData):
             self.resume()
             self.check_budget_progress()
             state.data_iter = iter(self.train_loader)  # the data position is checked here
-        except (ValueError, FileNotFoundError) as e:
+        except UserError as e:  # bad input found while resuming: any other exception is a bug, with its traceback
             raise ResumeError(str(e)) from e
         self.checkpointer.commit_resume()  # a good resume: an abandoned newer lineage is moved aside now
         if self.world.is_main:  # the config this run trains with (not written by a run that failed to resume)
