@@ -37,11 +37,14 @@ class _Printer:
 
 
 def parse_size(text: str) -> int:
-    """``"5GB"``, ``"500MB"``, ``"2GiB"`` or a number of bytes; ValueError unless a finite size of at least a byte."""
+    """``"5GB"``, ``"500MB"``, ``"2GiB"`` or a number of bytes; UsageError unless a finite size of at least a byte."""
     t = text.strip().upper().replace(" ", "").removesuffix("B")
     base, t = (1024, t[:-1]) if t.endswith("I") else (1000, t)
     power = "KMGT".find(t[-1:]) + 1  # 0 without a unit letter
-    size = float(t[:-1] if power else t) * base**power
+    try:
+        size = float(t[:-1] if power else t) * base**power
+    except ValueError:  # not a number
+        size = math.nan
     if not 1 <= size < math.inf:  # 1e400 is inf (int() of it overflowed), NaN fails too
         raise UsageError(f"{text!r} is not a size of at least one byte")
     return int(size)
