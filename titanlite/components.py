@@ -22,6 +22,7 @@ import importlib
 from typing import Any
 
 from titanlite.config import did_you_mean
+from titanlite.errors import ConfigError
 
 KINDS = ("trainer", "loss", "optimizer", "lr_scheduler")
 _KEYS = dict(trainer="job.trainer", loss="training.loss", optimizer="optimizer.name", lr_scheduler="lr_scheduler.name")
@@ -68,4 +69,4 @@ def get(kind: str, name: str) -> Any:
         return resolve(BUILTINS[kind][name])
     known = names(kind)
     hint = did_you_mean(name, known)
-    raise ValueError(f"{_KEYS[kind]}={name!r} is not a registered {kind} (registered: {', '.join(known)}){hint}")
+    raise ConfigError(f"{_KEYS[kind]}={name!r} is not a registered {kind} (registered: {', '.join(known)}){hint}")

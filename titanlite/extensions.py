@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterable
 
+from titanlite.errors import ConfigError
 from titanlite.utils.fsio import one_line
 
 
@@ -23,8 +24,8 @@ def load_extensions(names: Iterable[str]) -> list[str]:
             importlib.import_module(name)
         except Exception as e:  # ImportError, or an error raised while registering
             msg = one_line(e)
-            raise ValueError(f"job.extensions: cannot import {name!r} ({type(e).__name__}: {msg})") from e
+            raise ConfigError(f"job.extensions: cannot import {name!r} ({type(e).__name__}: {msg})") from e
         except SystemExit as e:  # a module that exits while imported: the run would end with no word of why
-            raise ValueError(f"job.extensions: importing {name!r} called sys.exit({e.code!r})") from None
+            raise ConfigError(f"job.extensions: importing {name!r} called sys.exit({e.code!r})") from None
         loaded.append(name)
     return loaded

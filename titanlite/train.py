@@ -1,8 +1,8 @@
 """The training job: ``python -m titanlite.train --config FILE`` or ``torchrun ... -m titanlite.train``.
 
 :func:`main` reads the config and runs the dry run (:mod:`titanlite.plan.dry_run`) or the trainer ``[job] trainer``
-names (:class:`titanlite.trainer.Trainer` by default, :mod:`titanlite.trainer`), turning user errors into one line
-and an exit status.
+names (:class:`titanlite.trainer.Trainer` by default, :mod:`titanlite.trainer`), turning user errors
+(:class:`titanlite.errors.UserError`) into one line and their exit status; any other exception keeps its traceback.
 """
 
 from __future__ import annotations
@@ -14,13 +14,10 @@ from collections.abc import Callable
 import torch
 
 from titanlite import components
-from titanlite.checkpoint import CheckpointWriteError
 from titanlite.config import exit_with_error, parse_args_or_exit
-from titanlite.data.mixture import DataExhausted
-from titanlite.data.shards import ShardIntegrityError
+from titanlite.errors import UserError
 from titanlite.models import model_schema
 from titanlite.parallel.distributed import main_then_exit, world_from_env
-from titanlite.trainer.guard import TrainingDivergedError
 from titanlite.trainer.metrics_log import DiskFullError
 from titanlite.trainer.trainer import ResumeError, Trainer  # noqa: F401  (titanlite.train.Trainer: the default)
 
@@ -35,9 +32,10 @@ def setup_logging(rank: int) -> None:
 def main(argv: list[str] | None = None, trainer_cls: type | None = None, load_config: Callable | None = None) -> None:
     """The command line: ``load_config(argv)`` (default: titanlite's TOML + ``--section.key``
     overrides), then the dry run, or ``trainer_cls`` (default: the one ``[job] trainer`` names)
-    built and trained. Errors in the config or while building, and a full disk, are one line and exit status 2;
-    a stop on SIGTERM/SIGINT with nothing resumable saved exits 128 + the signal number
-    (:mod:`titanlite.trainer.preemption`)."""
+    built and trained. A :class:`~titanlite.errors.UserError` (bad config, data, tokenizer or checkpoint; a full
+    disk) is one line and its exit status (2); a run stopped as its config asked (diverged, data exhausted) logs why
+    and exits 1; a stop on SIGTERM/SIGINT with nothing resumable saved exits 128 + the signal number
+    (:mod:`titanlite.trainer.preemption`). Anything else is a bug and keeps its traceback."""
     argv = sys.argv[1:] if argv is None else argv
     cfg = load_config(argv) if load_config is not None else parse_args_or_exit(argv, model_schema=model_schema)
     if cfg.job.dry_run:  # check the layout at its stated scale with a fake process group, then exit
@@ -45,7 +43,7 @@ def main(argv: list[str] | None = None, trainer_cls: type | None = None, load_co
 
         try:
             dry_run(cfg)
-        except (ValueError, KeyError) as e:
+        except UserError as e:
             exit_with_error(e)
         return
     world = world_from_env()
@@ -57,19 +55,20 @@ def main(argv: list[str] | None = None, trainer_cls: type | None = None, load_co
     try:
         cls = trainer_cls or components.get("trainer", cfg.job.trainer)
         trainer = cls(cfg, world)  # takes the dump folder's lock first
-    except (ValueError, KeyError, FileNotFoundError) as e:
+    except UserError as e:
         exit_with_error(e, every_rank=True)
     try:
         with trainer.preemption:  # SIGTERM/SIGINT: finish the step, checkpoint, exit (titanlite.trainer.preemption)
             trainer.train()
         code = trainer.preemption.exit_status()  # 128 + signal number when stopped with nothing to resume from
-    except (TrainingDivergedError, DataExhausted) as e:  # [guard] policy = raise, or too many skips; a
-        logger.error("training stopped: %s", e)  # mixture source ran out with mixture_on_exhausted = "stop"
-        code = 1
-    except DiskFullError as e:  # the metrics log (rank 0); an asynchronous save may be failing behind it
-        exit_with_error(f"{e}; {trainer.checkpointer.intact()}" if trainer.checkpointer.enabled else e, every_rank=True)
-    except (ResumeError, CheckpointWriteError, ShardIntegrityError) as e:  # nothing lost
-        exit_with_error(e, every_rank=True)
+    except UserError as e:
+        if e.exit_code == 1:  # stopped as the config asks: [guard] policy = raise, or too many skips; a mixture
+            logger.error("training stopped: %s", e)  # source ran out with mixture_on_exhausted = "stop"
+            code = 1
+        else:  # a resume that does not fit, a full disk, a damaged shard: nothing lost. A full metrics log (rank 0)
+            # may have an asynchronous save failing behind it: say which checkpoints are intact
+            intact = isinstance(e, DiskFullError) and trainer.checkpointer.enabled
+            exit_with_error(f"{e}; {trainer.checkpointer.intact()}" if intact else e, e.exit_code, every_rank=True)
     if torch.distributed.is_initialized():  # no rank may tear its connections down while another still uses
         torch.distributed.barrier()  # them (the process exit itself: main_then_exit, below)
         torch.distributed.destroy_process_group()

@@ -12,6 +12,7 @@ from pathlib import Path
 from titanlite.bench.common import REPO, alternating, run_bench_train
 from titanlite.bench.moe import SPARSE, layer_bench
 from titanlite.config import exit_with_error, parse_args_or_exit
+from titanlite.errors import UserError
 from titanlite.models import make_model_args, model_schema
 from titanlite.parallel.parallel_dims import ParallelDims
 from titanlite.parallel.pipeline import PipelinePlan
@@ -57,14 +58,14 @@ def compare_config(rest: list[str]) -> tuple[list[str], Path]:
     global_batch = t.global_batch_size if t.global_batch_size != -1 else 2 * t.local_batch_size
     try:
         grad_accum_steps(global_batch, t.local_batch_size, 2)
-    except ValueError as e:
-        exit_with_error(f"{e} (--compare-pp runs FSDP over 2 data-parallel ranks)")
+    except UserError as e:
+        exit_with_error(f"{e} (--compare-pp runs FSDP over 2 data-parallel ranks)", e.exit_code)
     try:
         pp = parse_args_or_exit(rest + COMPARE_LAYOUTS["pp2"], prog=prog, model_schema=model_schema)
         ParallelDims.from_config(pp.parallelism, 2)
         model_args = make_model_args(cfg.model.name, cfg.model.flavor, **cfg.model.overrides)
         PipelinePlan.from_config(pp.parallelism, model_args.n_layers, t.local_batch_size)  # the split suits the model
-    except (ValueError, KeyError) as e:
+    except UserError as e:
         exit_with_error(e)
     return ["--training.global_batch_size", str(global_batch)], Path(cfg.job.dump_folder)
 

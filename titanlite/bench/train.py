@@ -37,6 +37,7 @@ import sys
 from titanlite.bench.bubble import StageActivity, pipeline_report
 from titanlite.bench.common import StepTimer, device_name, emit, peak_memory_gib
 from titanlite.config import exit_with_error, parse_args_or_exit
+from titanlite.errors import UserError
 from titanlite.models import model_schema
 from titanlite.optim.bandwidth import measure_copy_bandwidth, optimizer_floor
 from titanlite.parallel.distributed import main_then_exit, world_from_env
@@ -179,7 +180,7 @@ def main(argv=None) -> dict:
     setup_logging(world.rank)
     try:
         trainer = BenchTrainer(cfg, (args.warmup, not args.no_split))
-    except (ValueError, KeyError, FileNotFoundError) as e:
+    except UserError as e:
         exit_with_error(e, every_rank=True)
     trainer.train()
     elapsed = trainer.train_step.timer.elapsed()

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from titanlite.errors import CheckpointError
+
 JSON_KEY = "json"
 _TAG = "__titanlite__"
 
@@ -55,7 +57,7 @@ def decode(entries: dict[str, torch.Tensor]) -> Any:
     try:
         tree = json.loads(bytes(entries[JSON_KEY].cpu().numpy()).decode("utf-8"))
     except (KeyError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"unreadable checkpoint state ({type(e).__name__}: {e})") from None
+        raise CheckpointError(f"unreadable checkpoint state ({type(e).__name__}: {e})") from None
 
     def build(v: Any) -> Any:
         if isinstance(v, list):

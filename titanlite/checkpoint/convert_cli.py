@@ -19,6 +19,7 @@ import torch
 
 from titanlite.checkpoint.hf_export import dcp_to_hf
 from titanlite.checkpoint.hf_import import hf_to_dcp
+from titanlite.errors import UsageError, UserError
 from titanlite.utils.dtypes import DTYPES, dtype_name
 from titanlite.utils.fsio import one_line
 
@@ -37,13 +38,16 @@ class _Printer:
 
 
 def parse_size(text: str) -> int:
-    """``"5GB"``, ``"500MB"``, ``"2GiB"`` or a number of bytes; ValueError unless a finite size of at least a byte."""
+    """``"5GB"``, ``"500MB"``, ``"2GiB"`` or a number of bytes; UsageError unless a finite size of at least a byte."""
     t = text.strip().upper().replace(" ", "").removesuffix("B")
     base, t = (1024, t[:-1]) if t.endswith("I") else (1000, t)
     power = "KMGT".find(t[-1:]) + 1  # 0 without a unit letter
-    size = float(t[:-1] if power else t) * base**power
+    try:
+        size = float(t[:-1] if power else t) * base**power
+    except ValueError:  # not a number
+        size = math.nan
     if not 1 <= size < math.inf:  # 1e400 is inf (int() of it overflowed), NaN fails too
-        raise ValueError(f"{text!r} is not a size of at least one byte")
+        raise UsageError(f"{text!r} is not a size of at least one byte")
     return int(size)
 
 
@@ -57,8 +61,8 @@ def _run(fn, a: argparse.Namespace, src: str, out: str, note: str = "", **kwargs
     extensions = [m.strip() for m in a.extensions.split(",") if m.strip()]
     try:
         fn(src, out, progress=_Printer(a.quiet), extensions=extensions, **kwargs)
-    except (ValueError, KeyError, OSError) as e:  # OSError: an unwritable output folder, a full disk ...
-        return _error(e.args[0] if isinstance(e, KeyError) and e.args else e)
+    except UserError as e:
+        return _error(e)
     print(f"wrote {out}{note}")
     return 0
 
@@ -104,11 +108,11 @@ def main_dcp_to_hf(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         max_bytes = parse_size(a.max_shard_size)
-    except ValueError as e:
+    except UsageError as e:
         return _error(f"--max-shard-size: cannot read {a.max_shard_size!r} ({e})")
     try:
         model_args = dict(parse_model_arg(text) for text in a.model_arg)
-    except ValueError as e:
+    except UsageError as e:
         return _error(e)
     kwargs = dict(dtype=DTYPES.get(a.dtype), max_shard_bytes=max_bytes, model_args=model_args)
     kwargs.update(no_tokenizer=a.no_tokenizer)
@@ -120,7 +124,7 @@ def parse_model_arg(text: str) -> tuple[str, Any]:
     else as a string."""
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
-        raise ValueError(f"--model-arg {text!r}: expected KEY=VALUE")
+        raise UsageError(f"--model-arg {text!r}: expected KEY=VALUE")
     try:
         return key.strip(), json.loads(value)
     except json.JSONDecodeError:

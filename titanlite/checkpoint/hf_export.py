@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 from titanlite.checkpoint import layout, safe_load
 from titanlite.checkpoint.hf_import import INDEX_FILE, SINGLE_FILE, Progress, no_progress
 from titanlite.checkpoint.hf_tokenizer_files import check_tokenizer, verified_tokenizer_path, write_tokenizer_files
+from titanlite.errors import CheckpointError, NotFoundError
 from titanlite.extensions import load_extensions
 from titanlite.models import get_model_spec, model_names
 from titanlite.models.registry import check_model_args
@@ -70,24 +71,24 @@ def dcp_to_hf(
     step_dir, out_dir = Path(step_dir), Path(out_dir)
     given = load_extensions(extensions)
     if not step_dir.is_dir():
-        raise FileNotFoundError(f"{step_dir}: no such folder")
+        raise NotFoundError(f"{step_dir}: no such folder")
     metadata = safe_load.read_metadata(step_dir)
     torchtitan = not (step_dir / layout.INFO_FILE).exists()
     if torchtitan:
         info, key_of = {}, (folder := _foreign_folder(metadata.state_dict_metadata, step_dir)).key
     else:
         if model_args:
-            raise ValueError(f"{step_dir / layout.INFO_FILE} records the model args: model args are not taken too")
+            raise CheckpointError(f"{step_dir / layout.INFO_FILE} records the model args: model args are not taken too")
         info, key_of = _read_info(step_dir), "model.{}".format
     if problem := layout.problem_with(step_dir, require_info=not torchtitan, verify=True):
-        raise ValueError(f"{step_dir} is damaged: {problem}")  # sizes, and the checksums recorded at save
+        raise CheckpointError(f"{step_dir} is damaged: {problem}")  # sizes, and the checksums recorded at save
     if torchtitan:
         spec, args = folder.model(model_args or {})
         whose = "the model args taken for this torchtitan checkpoint"
     else:
         spec, args = model_from_info(info, step_dir, given)
         if spec.hf_adapter is None:
-            raise ValueError(f"model family {spec.name!r} has no Hugging Face adapter: it does not convert")
+            raise CheckpointError(f"model family {spec.name!r} has no Hugging Face adapter: it does not convert")
         whose = "the args in checkpoint.json"
     adapter = spec.hf_adapter(args)
     stored = metadata.state_dict_metadata
@@ -143,9 +144,9 @@ def tensor_sources(step_dir: Path, stored: Mapping, expected: dict, args: Any, k
             src = key_of("tok_embeddings.weight")
         md = stored.get(src)
         if md is None or not hasattr(md, "size"):
-            raise ValueError(f"{step_dir} has no tensor {src} (it is not {model} with {whose})")
+            raise CheckpointError(f"{step_dir} has no tensor {src} (it is not {model} with {whose})")
         if tuple(md.size) != shape:
-            raise ValueError(f"{step_dir}: {src} has shape {list(md.size)}, {whose} give {list(shape)}")
+            raise CheckpointError(f"{step_dir}: {src} has shape {list(md.size)}, {whose} give {list(shape)}")
         sources[name] = (src, md)
     return sources
 
@@ -159,7 +160,7 @@ def _foreign_folder(keys: Mapping[str, Any], step_dir: Path) -> Any:
             return ep.load()(keys, step_dir)
         except ValueError as e:
             errors.append(e)
-    raise errors[0] if errors else ValueError(f"{step_dir} has no {layout.INFO_FILE}: not a titanlite step folder")
+    raise errors[0] if errors else CheckpointError(f"{step_dir} has no {layout.INFO_FILE}: not a titanlite step folder")
 
 
 def _recorded_tokenizer(spec, path: str, bos: int | None, args: Any, step_dir: Path) -> Any:
@@ -176,7 +177,7 @@ def _recorded_tokenizer(spec, path: str, bos: int | None, args: Any, step_dir: P
     try:
         tokenizer = spec.tokenizer_builder(path)
     except (ValueError, OSError) as e:
-        raise ValueError(f"{what} cannot be read ({one_line(e)})") from None
+        raise CheckpointError(f"{what} cannot be read ({one_line(e)})") from None
     where = str(step_dir / layout.INFO_FILE)
     check_tokenizer(tokenizer, bos_id=bos, vocab_size=args.vocab_size, what=what, where=where)
     return tokenizer
@@ -189,7 +190,7 @@ def _read_info(step_dir: Path) -> dict[str, Any]:
     except layout.InfoIntegrityError:  # says what to do itself
         raise
     except ValueError as e:
-        raise ValueError(f"{e}: cannot tell the model args (not a titanlite checkpoint step folder?)") from None
+        raise CheckpointError(f"{e}: cannot tell the model args (not a titanlite checkpoint step folder?)") from None
 
 
 def _load_tensor(step_dir: Path, metadata, reader, key: str, md) -> torch.Tensor:
@@ -202,7 +203,7 @@ def _load_tensor(step_dir: Path, metadata, reader, key: str, md) -> torch.Tensor
         files = sorted({i.relative_path for idx, i in metadata.storage_data.items() if idx.fqn == key})
         where = ", ".join(str(step_dir / f) for f in files) or str(step_dir)
         why = str(e).removeprefix(f"{step_dir}: ")
-        raise ValueError(f"{where}: cannot read {key} ({why})") from None
+        raise CheckpointError(f"{where}: cannot read {key} ({why})") from None
     return tensor
 
 
@@ -212,7 +213,7 @@ def _token_ids(info: dict[str, Any], where: Path) -> tuple[int | None, int | Non
     ids = tuple(tok.get(k) if isinstance(tok, dict) else None for k in ("bos_id", "eos_id"))
     for key, v in zip(("bos_id", "eos_id"), ids):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
-            raise ValueError(f"{where / layout.INFO_FILE}: tokenizer.{key} must be an integer, got {v!r}")
+            raise CheckpointError(f"{where / layout.INFO_FILE}: tokenizer.{key} must be an integer, got {v!r}")
     return ids
 
 
@@ -224,27 +225,29 @@ def model_from_info(info: dict[str, Any], where: Path, extensions: Sequence[str]
     model = info.get("model")
     name = model.get("name") if isinstance(model, dict) else None
     if not isinstance(name, str):
-        raise ValueError(f"{file} names no model family (model.name)")
+        raise CheckpointError(f"{file} names no model family (model.name)")
     if name not in model_names():
         recorded = info.get("extensions") or []
         if not isinstance(recorded, list) or not all(isinstance(m, str) for m in recorded):
-            raise ValueError(f"{file}: extensions must be a list of module names, got {recorded!r}")
+            raise CheckpointError(f"{file}: extensions must be a list of module names, got {recorded!r}")
         if missing := [m for m in recorded if m not in extensions]:
-            raise ValueError(
+            raise CheckpointError(
                 f"{where}: model family {name!r} is registered by extension {', '.join(missing)} (recorded in "
                 f"{layout.INFO_FILE}, never imported from there): pass --extensions {','.join(missing)}"
             )
-        raise ValueError(f"{where}: unknown model family {name!r} in {layout.INFO_FILE}")
+        raise CheckpointError(f"{where}: unknown model family {name!r} in {layout.INFO_FILE}")
     spec = get_model_spec(name)
     args = model.get("args") or {}
     if not isinstance(args, dict):
-        raise ValueError(f"{file}: model.args must be a table of model args, got {args!r}")
+        raise CheckpointError(f"{file}: model.args must be a table of model args, got {args!r}")
     if unknown := sorted(set(args) - set(getattr(spec.args_cls, "__dataclass_fields__", {}))):
-        raise ValueError(f"{where}: {layout.INFO_FILE} has model args unknown to this titanlite: {', '.join(unknown)}")
+        raise CheckpointError(
+            f"{where}: {layout.INFO_FILE} has model args unknown to this titanlite: {', '.join(unknown)}"
+        )
     try:
         return spec, check_model_args(spec.args_cls(**args))
     except (TypeError, ValueError, ArithmeticError) as e:
-        raise ValueError(f"{file}: invalid model args ({one_line(e)})") from None
+        raise CheckpointError(f"{file}: invalid model args ({one_line(e)})") from None
 
 
 def _plan_shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from titanlite.checkpoint import layout, safe_load
 from titanlite.checkpoint.hf_tokenizer_files import check_tokenizer, folder_tokenizer_path, tokenizer_record
+from titanlite.errors import CheckpointError, NotFoundError, UserError
 from titanlite.extensions import load_extensions
 from titanlite.models import get_model_spec, model_names
 from titanlite.models.registry import check_model_args, matching_flavor
@@ -67,16 +68,16 @@ class _LazySavePlanner(DefaultSavePlanner):
 def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
-        raise FileNotFoundError(f"{hf_dir}: no such folder")
+        raise NotFoundError(f"{hf_dir}: no such folder")
     file = hf_dir / "config.json"
     if not file.is_file():
-        raise ValueError(f"{hf_dir} is not a Hugging Face model folder (no config.json)")
+        raise CheckpointError(f"{hf_dir} is not a Hugging Face model folder (no config.json)")
     try:
         config = loads_json(file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:  # JSONDecodeError, UnicodeDecodeError (random bytes)
-        raise ValueError(f"{file} is unreadable: {one_line(e)}") from None
+        raise CheckpointError(f"{file} is unreadable: {one_line(e)}") from None
     if not isinstance(config, dict):
-        raise ValueError(f"{file} is not a JSON object")
+        raise CheckpointError(f"{file} is not a JSON object")
     return config
 
 
@@ -88,25 +89,25 @@ def _checked_tensors(path: Path, adapter: Any) -> dict[str, tuple[Path, torch.dt
         try:
             native = adapter.from_hf_name(hf_name)
         except KeyError as e:
-            raise ValueError(f"{path}: {e.args[0]}") from None
+            raise CheckpointError(f"{path}: {e.args[0]}") from None
         if native is None:
             continue
         if hf_name not in hf_layout:
             explain = getattr(adapter, "unexpected_tensor", None)  # HFDecoderAdapter's; a duck-typed one may lack it
             reason = explain(hf_name) if explain else "is not a tensor of the model config.json describes"
-            raise ValueError(f"{path}: tensor {hf_name} {reason}")
+            raise CheckpointError(f"{path}: tensor {hf_name} {reason}")
         if not (path / file).is_file():
-            raise ValueError(f"{path}: {file} (holding {hf_name}) is missing")
+            raise CheckpointError(f"{path}: {file} (holding {hf_name}) is missing")
         with _safe_open(path / file) as f:
             if hf_name not in f.keys():
-                raise ValueError(f"{path / file} has no tensor {hf_name} ({INDEX_FILE} says it does)")
+                raise CheckpointError(f"{path / file} has no tensor {hf_name} ({INDEX_FILE} says it does)")
             header = f.get_slice(hf_name)
             shape, want = tuple(header.get_shape()), hf_layout[hf_name][1]
             if shape != want:
-                raise ValueError(f"{path}: {hf_name} has shape {list(shape)} but config.json implies {list(want)}")
+                raise CheckpointError(f"{path}: {hf_name} has shape {list(shape)} but config.json implies {list(want)}")
             dtype = header[:0].dtype  # an empty slice names the torch dtype, reads no data
             if not dtype.is_floating_point:
-                raise ValueError(
+                raise CheckpointError(
                     f"{path / file}: tensor {hf_name} has dtype {dtype_name(dtype)}; expected floating-point weights "
                     "(float32, bfloat16, float16, ...)"
                 )
@@ -162,7 +163,7 @@ def load_hf_weights(path: str | os.PathLike, model: nn.Module, *, process_group:
             with layout.quiet_single_process():
                 dcp.load(group, storage_reader=HuggingFaceStorageReader(str(path)), **kw)
         except CheckpointException as e:  # a BaseException; a file changed or damaged past its header
-            raise ValueError(f"{path}: cannot read its weights ({safe_load.one_line(e)})") from None
+            raise CheckpointError(f"{path}: cannot read its weights ({safe_load.one_line(e)})") from None
         refuse_non_finite(group, path, process_group)
     for name, (hf_name, order) in rows.items():
         local, (row, col) = _local_part(own[name])
@@ -208,14 +209,14 @@ def _read_tensor(file: Path, hf_name: str, index: tuple[slice, ...] | None = Non
         with _safe_open(file) as f:
             tensor = f.get_tensor(hf_name) if index is None else f.get_slice(hf_name)[index]
     except Exception as e:
-        raise ValueError(f"{file}: cannot read {hf_name} ({safe_load.one_line(e)})") from None
+        raise CheckpointError(f"{file}: cannot read {hf_name} ({safe_load.one_line(e)})") from None
     if index is None:  # a part of a tensor (rows of this rank) is checked where the ranks agree on it
         refuse_non_finite({hf_name: tensor}, file)
     return tensor
 
 
 def refuse_non_finite(tensors: dict[str, torch.Tensor], where: Any, group: Any = None) -> None:
-    """A one-line ValueError naming the first of ``tensors`` (read from ``where``) holding a NaN or an infinity
+    """A one-line CheckpointError naming the first of ``tensors`` (read from ``where``) holding a NaN or an infinity
     (one reduction per tensor; a DTensor: this rank's part, the verdict agreed over ``group`` when distributed)."""
     bad = next(
         (n for n, t in tensors.items() if t.is_floating_point() and not torch.isfinite(_local_part(t)[0]).all()), None
@@ -225,7 +226,7 @@ def refuse_non_finite(tensors: dict[str, torch.Tensor], where: Any, group: Any =
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         bad = bad or ("a tensor on another rank" if flag.item() else None)
     if bad is not None:
-        raise ValueError(f"{where}: {bad} holds NaN or infinite values; expected finite weights")
+        raise CheckpointError(f"{where}: {bad} holds NaN or infinite values; expected finite weights")
 
 
 def _parts_by_native(adapter: Any, hf_layout: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, list[str]]:
@@ -247,13 +248,13 @@ def model_for_hf(config: dict[str, Any], file: Path):
     try:
         spec = _family_for_hf(config)  # its ValueError says what the model is and what converts
     except (TypeError, AttributeError) as e:
-        raise ValueError(f"{file} has an unusable value ({type(e).__name__}: {one_line(e)})") from None
+        raise CheckpointError(f"{file} has an unusable value ({type(e).__name__}: {one_line(e)})") from None
     try:
         return spec, check_model_args(spec.hf_adapter.args_from_hf_config(config))
     except ValueError as e:
-        raise ValueError(f"{file}: {one_line(e)}") from None
+        raise CheckpointError(f"{file}: {one_line(e)}") from None
     except (TypeError, KeyError, AttributeError, ArithmeticError) as e:
-        raise ValueError(f"{file} has an unusable value ({type(e).__name__}: {one_line(e)})") from None
+        raise CheckpointError(f"{file} has an unusable value ({type(e).__name__}: {one_line(e)})") from None
 
 
 def _family_for_hf(config: dict[str, Any]):
@@ -269,8 +270,8 @@ def _family_for_hf(config: dict[str, Any]):
     # installed extensions declare the architectures they convert (entry points: metadata, not imported)
     hint = [ep.value for ep in entry_points(group="titanlite.hf_architectures") if ep.name in archs]
     if hint:
-        raise ValueError(f"{model} is converted by the extension {hint[0]}: pass --extensions {hint[0]}")
-    raise ValueError(f"unsupported Hugging Face model ({model}); titanlite converts: {known}")
+        raise CheckpointError(f"{model} is converted by the extension {hint[0]}: pass --extensions {hint[0]}")
+    raise CheckpointError(f"unsupported Hugging Face model ({model}); titanlite converts: {known}")
 
 
 def hf_to_dcp(
@@ -297,7 +298,7 @@ def hf_to_dcp(
         found[output] = found[embedding]  # a tied model stores both names
     if missing := [n for n in hf_layout if n not in found]:
         more = f" and {len(missing) - 1} more tensor(s)" if len(missing) > 1 else ""
-        raise ValueError(f"{hf_dir} lacks {missing[0]}{more}")
+        raise CheckpointError(f"{hf_dir} lacks {missing[0]}{more}")
     parts_of = _parts_by_native(adapter, hf_layout)
     metas = {
         n: torch.empty(expected[n], dtype=_stored_dtype([found[p][2] for p in parts]), device="meta")
@@ -325,7 +326,7 @@ def hf_to_dcp(
         except CheckpointException as e:  # a BaseException: a read error while writing, one line
             error = e.failures[min(e.failures)][0]
             raise (
-                error if isinstance(error, ValueError) else ValueError(f"{out_dir}: {safe_load.one_line(error)}")
+                error if isinstance(error, UserError) else CheckpointError(f"{out_dir}: {safe_load.one_line(error)}")
             ) from None
         info = dict(step=0, tokens_seen=0, model_only=True, dtype=dtype_name(*dtypes) if len(dtypes) == 1 else None)
         info["model"] = {"name": spec.name, "flavor": matching_flavor(spec, args), "args": dataclasses.asdict(args)}
@@ -366,15 +367,15 @@ def _tensor_files(folder: Path) -> dict[str, str]:
         try:
             weight_map = loads_json(index.read_text(encoding="utf-8")).get("weight_map")
         except (OSError, ValueError, AttributeError) as e:
-            raise ValueError(f"{index} is unreadable ({safe_load.one_line(e)})") from None
+            raise CheckpointError(f"{index} is unreadable ({safe_load.one_line(e)})") from None
         if not isinstance(weight_map, dict):
-            raise ValueError(f"{index} has no weight_map")
+            raise CheckpointError(f"{index} has no weight_map")
         for name, file in weight_map.items():
             if not isinstance(file, str) or Path(file).name != file:  # a plain file name in this folder
-                raise ValueError(f"{index}: weight_map[{name!r}] must be a file name in {folder}, got {file!r}")
+                raise CheckpointError(f"{index}: weight_map[{name!r}] must be a file name in {folder}, got {file!r}")
         return weight_map
     if not (folder / SINGLE_FILE).is_file():
-        raise ValueError(f"{folder} has no {SINGLE_FILE} or {INDEX_FILE} (only safetensors weights are supported)")
+        raise CheckpointError(f"{folder} has no {SINGLE_FILE} or {INDEX_FILE} (only safetensors weights are supported)")
     with _safe_open(folder / SINGLE_FILE) as f:
         return dict.fromkeys(f.keys(), SINGLE_FILE)
 
@@ -384,7 +385,7 @@ def _safe_open(file: Path):
     try:
         return safe_open(file, framework="pt")
     except Exception as e:  # SafetensorError (header too large, file not fully covered ...), OSError
-        raise ValueError(f"{file} is not a readable safetensors file ({safe_load.one_line(e)})") from None
+        raise CheckpointError(f"{file} is not a readable safetensors file ({safe_load.one_line(e)})") from None
 
 
 def first_token_id(v: Any) -> Any:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from titanlite.checkpoint import layout
+from titanlite.errors import TokenizerError
 from titanlite.tokenizer.hf import byte_level_alphabet, resolve_tokenizer_file, tokenizer_files
 
 logger = logging.getLogger("titanlite.checkpoint")
@@ -168,12 +169,12 @@ def check_tokenizer(tokenizer: Any, *, bos_id: Any, vocab_size: int | None, what
     vocabulary, or its own BOS token (not an EOS standing in for one, as for Qwen) is not the
     ``bos_id`` that ``where`` records (None: not recorded)."""
     if vocab_size is not None and tokenizer.vocab_size > vocab_size:
-        raise ValueError(
+        raise TokenizerError(
             f"{what} has {tokenizer.vocab_size} tokens but {where} gives the model a vocabulary of {vocab_size}: "
             "not this model's tokenizer"
         )
     if isinstance(bos_id, int) and tokenizer.bos_id != tokenizer.eos_id and tokenizer.bos_id != bos_id:
-        raise ValueError(
+        raise TokenizerError(
             f"{what} has BOS id {tokenizer.bos_id} but {where} records {bos_id}: not this model's tokenizer"
         )
 

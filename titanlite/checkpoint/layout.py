@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from titanlite.checkpoint.safe_load import read_metadata  # allowlisted: a crafted .metadata cannot run code
+from titanlite.errors import CheckpointError
 from titanlite.utils.fsio import atomic_write, fsync_dir
 from titanlite.utils.nesting import loads_json
 
@@ -87,7 +88,7 @@ def write_json(file: str | os.PathLike, data: dict[str, Any], sort_keys: bool = 
     atomic_write(file, json.dumps(data, indent=2, sort_keys=sort_keys) + "\n", hidden_tmp=True)
 
 
-class InfoIntegrityError(ValueError):
+class InfoIntegrityError(CheckpointError):
     """``checkpoint.json`` is titanlite's but cannot be trusted: edited or damaged after the save (its checksum
     fails). One line."""
 
@@ -119,16 +120,16 @@ def read_info(path: str | os.PathLike) -> dict[str, Any]:
     try:
         info = loads_json(file.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ValueError(f"{path} has no {INFO_FILE}") from None
+        raise CheckpointError(f"{path} has no {INFO_FILE}") from None
     except UnicodeDecodeError as e:
-        raise ValueError(f"{file} is unreadable: not UTF-8 text (byte {e.start})") from None
+        raise CheckpointError(f"{file} is unreadable: not UTF-8 text (byte {e.start})") from None
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{file} is unreadable: {e}") from None
+        raise CheckpointError(f"{file} is unreadable: {e}") from None
     if not isinstance(info, dict) or info.get("format") != FORMAT:
-        raise ValueError(f"{file} is not a titanlite checkpoint description")
+        raise CheckpointError(f"{file} is not a titanlite checkpoint description")
     version = info.get("version")
     if version != FORMAT_VERSION:
-        raise ValueError(f"{file} has format version {version!r}; this titanlite reads version {FORMAT_VERSION}")
+        raise CheckpointError(f"{file} has format version {version!r}; this titanlite reads version {FORMAT_VERSION}")
     if info.get(DIGEST_KEY) != info_digest(info):
         what = "has no" if DIGEST_KEY not in info else "fails its"
         raise InfoIntegrityError(
@@ -154,7 +155,7 @@ def refuse_inside_step_folder(path: str | os.PathLike, what: str) -> None:
     ``what`` names the setting (``job.dump_folder=...``, ``--output ...``)."""
     if (step := enclosing_step_folder(path)) is not None:
         where = "is" if step == Path(path).expanduser().resolve() else "lies inside"
-        raise ValueError(
+        raise CheckpointError(
             f"{what} {where} the checkpoint step folder {step}: writing there would change or replace that "
             "checkpoint's files; choose a path outside it"
         )

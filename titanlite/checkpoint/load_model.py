@@ -32,6 +32,7 @@ from titanlite.checkpoint.hf_tokenizer_files import check_tokenizer, verified_to
 from titanlite.config import ConfigError
 from titanlite.config.sections import Training
 from titanlite.config.toml_io import read_toml
+from titanlite.errors import CheckpointError, NotFoundError
 from titanlite.extensions import load_extensions
 from titanlite.models.registry import state_shapes
 from titanlite.tokenizer.hf import tokenizer_files
@@ -71,7 +72,7 @@ def load_model(
     path = Path(path)
     given = load_extensions(extensions)
     if not path.is_dir():
-        raise FileNotFoundError(f"{path}: no such folder")
+        raise NotFoundError(f"{path}: no such folder")
     if is_step_folder(path):
         spec, args, state, info = _from_step_folder(path, given)
         step, recorded = info.get("step"), (info.get("tokenizer") or {}).get("path", "")
@@ -86,14 +87,14 @@ def load_model(
         spec, args = hf_import.model_for_hf(config, path / "config.json")
         state, step = hf_import.hf_state_dict(path, spec.hf_adapter(args)), None
         if tokenizer_path is None and not tokenizer_files(str(path)):
-            raise ValueError(
+            raise CheckpointError(
                 f"{path} has no tokenizer files: pass a tokenizer path (bytes for the built-in byte-level tokenizer)"
             )
         tokenizer = _tokenizer(spec, tokenizer_path, str(path), f"the tokenizer files in {path}")
         bos_id, where = hf_import.first_token_id(config.get("bos_token_id")), path / "config.json"
         eos_ids = _ints(config.get("eos_token_id"))
     else:
-        raise ValueError(f"{path} is neither a titanlite checkpoint step folder nor a Hugging Face model folder")
+        raise CheckpointError(f"{path} is neither a titanlite checkpoint step folder nor a Hugging Face model folder")
     what = "the tokenizer given" if tokenizer_path is not None else f"the tokenizer of {path}"
     check_tokenizer(tokenizer, bos_id=bos_id, vocab_size=args.vocab_size, what=what, where=str(where))
     model = _build(spec, args, state, device, dtype, path)
@@ -125,18 +126,18 @@ def _tokenizer(spec, override: str | None, recorded: str, what: str):
     source = recorded if override is None else override
     builder = spec.tokenizer_builder
     if builder is None:
-        raise ValueError(f"model family {spec.name!r} registers no tokenizer")
+        raise CheckpointError(f"model family {spec.name!r} registers no tokenizer")
     try:
         return builder("" if source == "bytes" else source)
     except (ValueError, OSError) as e:  # a moved or damaged tokenizer file
         where = "the tokenizer path given" if override is not None else what
-        raise ValueError(f"{where} cannot be read ({one_line(e)}): pass a tokenizer path") from None
+        raise CheckpointError(f"{where} cannot be read ({one_line(e)}): pass a tokenizer path") from None
 
 
 def _from_step_folder(path: Path, extensions: list[str]) -> tuple[Any, Any, dict[str, torch.Tensor], dict]:
     info = hf_export._read_info(path)
     if problem := layout.problem_with(path, verify=True):  # sizes and the checksums recorded at save
-        raise ValueError(f"{path} is damaged: {problem}")
+        raise CheckpointError(f"{path} is damaged: {problem}")
     spec, args = hf_export.model_from_info(info, path, extensions)
     stored = safe_load.read_metadata(path).state_dict_metadata
     # the family's names and shapes (a family without an HF adapter: its model's, built on the meta device)
@@ -162,7 +163,9 @@ def _build(spec, args, state: dict[str, torch.Tensor], device, dtype: torch.dtyp
         state.pop("output.weight", None)  # tied: loaded through the embedding
     params = dict(model.named_parameters())
     if missing := [n for n in params if n not in state]:
-        raise ValueError(f"{where} lacks {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+        raise CheckpointError(
+            f"{where} lacks {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+        )
     targets = {**dict(model.named_buffers()), **params}  # persistent buffers too (a MoE router's bias)
     with torch.no_grad():
         for name, tensor in state.items():

@@ -53,6 +53,7 @@ from titanlite.checkpoint import hf_import, layout, safe_load
 from titanlite.checkpoint.resume import LoadPlan, ResumePlanner, changed_settings
 from titanlite.checkpoint.safe_load import one_line
 from titanlite.checkpoint.state import CheckpointStates
+from titanlite.errors import CheckpointError, UserError
 from titanlite.parallel.distributed import run_on_rank0
 from titanlite.utils import torch_compat
 from titanlite.utils.dtypes import DTYPES, dtype_name
@@ -66,7 +67,7 @@ _READ_ERRORS = (CheckpointException, OSError, EOFError, RuntimeError, ValueError
 CHECKPOINT_PG_TIMEOUT_S = 3600
 
 
-class CheckpointWriteError(OSError):
+class CheckpointWriteError(UserError, OSError):
     """A save failed because the disk (or quota) is full; the message is one line for the user."""
 
 
@@ -219,7 +220,7 @@ class CheckpointManager:
             for line in self._on_rank0(lambda p=path: changed_settings(p, self.info, self.config_toml)):
                 self._warn(line)
             return info["step"]
-        raise ValueError(
+        raise CheckpointError(
             f"no checkpoint in {self.folder} could be loaded ({'; '.join(failures)}); "
             "the model may be partly overwritten, so training does not start"
         )

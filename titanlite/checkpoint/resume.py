@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from titanlite.checkpoint import hf_import, layout
+from titanlite.errors import CheckpointError, NotFoundError
 from titanlite.utils.fsio import fsync_dir
 from titanlite.utils.nesting import loads_toml
 
@@ -128,16 +129,16 @@ class ResumePlanner:
             match = [f for f in folders if f.step == want]
             if not match:
                 have = ", ".join(str(f.step) for f in folders) or "none"
-                raise ValueError(
+                raise CheckpointError(
                     f"checkpoint.load_step={want}: no checkpoint {layout.step_dir_name(want)} in "
                     f"{self.folder} (complete checkpoints: {have})"
                 )
             path = match[0].path
             problem = layout.problem_with(path, verify=True)
             if problem:
-                raise ValueError(f"checkpoint.load_step={want}: {path} is damaged: {problem}")
+                raise CheckpointError(f"checkpoint.load_step={want}: {path} is damaged: {problem}")
             if layout.read_info(path).get("model_only"):
-                raise ValueError(
+                raise CheckpointError(
                     f"checkpoint.load_step={want}: {path} holds model weights only (an export), not "
                     "a training state; load it with checkpoint.initial_load_path in a fresh folder"
                 )
@@ -164,7 +165,7 @@ class ResumePlanner:
             paths.append(str(f.path))
         if not paths:
             if damaged:
-                raise ValueError(
+                raise CheckpointError(
                     f"no usable checkpoint in {self.folder} ({'; '.join(damaged)}); move the folder "
                     "away to start from scratch"
                 )
@@ -176,31 +177,33 @@ class ResumePlanner:
         path = Path(self.cfg.initial_load_path)
         what = f"checkpoint.initial_load_path={path}"
         if not path.is_dir():
-            raise FileNotFoundError(f"{what}: no such folder")
+            raise NotFoundError(f"{what}: no such folder")
         if not (path / layout.INFO_FILE).is_file() and (path / "config.json").is_file():
             return self.plan_initial_hf(path, what)
         problem = layout.problem_with(path, require_info=False, verify=True)
         if problem:
-            raise ValueError(f"{what}: {problem}")
+            raise CheckpointError(f"{what}: {problem}")
         model_only = bool(self.cfg.initial_load_model_only)
         if not model_only:
             keys = layout.read_metadata(path).state_dict_metadata
             if not any(k.startswith("optimizer.") for k in keys):
-                raise ValueError(f"{what} holds no optimizer state; set checkpoint.initial_load_model_only = true")
+                raise CheckpointError(f"{what} holds no optimizer state; set checkpoint.initial_load_model_only = true")
         self.check_model(path, what)
         return LoadPlan("initial", [str(path)], model_only=model_only)
 
     def plan_initial_hf(self, path: Path, what: str) -> LoadPlan:
         """An HF model folder as the initial weights (model only): its tensors must have this model's shapes."""
         if not self.cfg.initial_load_model_only:
-            raise ValueError(f"{what} is a Hugging Face folder (weights only): set checkpoint.initial_load_model_only")
+            raise CheckpointError(
+                f"{what} is a Hugging Face folder (weights only): set checkpoint.initial_load_model_only"
+            )
         spec, args = hf_import.hf_seed(path)
         expected = spec.hf_adapter(args).expected_shapes()
         for name, shape in self.shapes.items():
             if name not in expected:
-                raise ValueError(f"{what}: the folder's {spec.name} model has no tensor {name}")
+                raise CheckpointError(f"{what}: the folder's {spec.name} model has no tensor {name}")
             if tuple(expected[name]) != shape:
-                raise ValueError(
+                raise CheckpointError(
                     f"{what}: {name} has shape {list(expected[name])} in the folder but {list(shape)} in this "
                     "model (the model config differs from config.json)"
                 )
@@ -214,11 +217,11 @@ class ResumePlanner:
         for name, shape in self.shapes.items():
             md = stored.get(f"{self.model_key}.{name}")
             if md is None or not hasattr(md, "size"):
-                raise ValueError(
+                raise CheckpointError(
                     f"{what}: {path} has no tensor {self.model_key}.{name}; it was saved from a different model{hint}"
                 )
             if tuple(md.size) != shape:
-                raise ValueError(
+                raise CheckpointError(
                     f"{what}: {path} has {self.model_key}.{name} of shape {list(md.size)} but this "
                     f"model's is {list(shape)} (the model config differs from the checkpoint's){hint}"
                 )

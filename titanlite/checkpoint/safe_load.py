@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from titanlite.errors import CheckpointError
 from titanlite.utils import fsio, torch_compat
 
 METADATA_FILE = ".metadata"
@@ -47,7 +48,7 @@ _TORCH_NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("col
 _PATH_CLASSES = {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"}
 
 
-class UnsafeCheckpointError(ValueError):
+class UnsafeCheckpointError(CheckpointError):
     """A checkpoint file holds a pickle that would do more than rebuild plain data (refused unread)."""
 
 
@@ -105,15 +106,15 @@ class SafeFileSystemReader(FileSystemReader):
             with open(file, "rb") as f:
                 metadata = _MetadataUnpickler(f).load()
         except FileNotFoundError:
-            raise ValueError(f"{self.path} is not a DCP checkpoint folder (no {METADATA_FILE})") from None
+            raise CheckpointError(f"{self.path} is not a DCP checkpoint folder (no {METADATA_FILE})") from None
         except pickle.UnpicklingError as e:
             if str(e).startswith("refused"):
                 raise UnsafeCheckpointError(f"{file}: {e}; it was not written by DCP") from None
-            raise ValueError(f"{file} is unreadable ({one_line(e)})") from None
+            raise CheckpointError(f"{file} is unreadable ({one_line(e)})") from None
         except Exception as e:  # truncated or random bytes: EOFError, UnicodeDecodeError, ...
-            raise ValueError(f"{file} is unreadable ({one_line(e)})") from None
+            raise CheckpointError(f"{file} is unreadable ({one_line(e)})") from None
         if not isinstance(metadata, Metadata):
-            raise ValueError(f"{file} is not DCP metadata (it holds a {type(metadata).__name__})")
+            raise CheckpointError(f"{file} is not DCP metadata (it holds a {type(metadata).__name__})")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id  # as FileSystemReader does
@@ -146,9 +147,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 raise UnsafeCheckpointError(
                     f"checkpoint item {fqn} is not plain data, refused to unpickle it{why}"
                 ) from None
-            raise ValueError(f"checkpoint item {fqn} is unreadable ({one_line(e)})") from None
+            raise CheckpointError(f"checkpoint item {fqn} is unreadable ({one_line(e)})") from None
         except Exception as e:
-            raise ValueError(f"checkpoint item {fqn} is unreadable ({one_line(e)})") from None
+            raise CheckpointError(f"checkpoint item {fqn} is unreadable ({one_line(e)})") from None
         if self.flatten_state_dict:
             torch_compat.set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
@@ -172,8 +173,8 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, **kwargs: Any) -> 
         if isinstance(error, UnsafeCheckpointError):
             raise UnsafeCheckpointError(f"{path}: {error}") from None
         if type(error) is ValueError:  # raised here, already one line
-            raise ValueError(f"{path}: {error}") from None
-        raise ValueError(f"{path}: {one_line(error)}") from None
+            raise CheckpointError(f"{path}: {error}") from None
+        raise CheckpointError(f"{path}: {one_line(error)}") from None
 
 
 __all__ = ["SafeFileSystemReader", "SafeLoadPlanner", "UnsafeCheckpointError", "load", "one_line", "read_metadata"]

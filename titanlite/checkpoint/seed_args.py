@@ -13,6 +13,7 @@ import torch
 
 from titanlite.checkpoint import layout
 from titanlite.checkpoint.hf_import import hf_seed
+from titanlite.errors import CheckpointError
 from titanlite.models.registry import adopt_seed_args, state_shapes
 from titanlite.utils.fsio import one_line
 
@@ -40,7 +41,7 @@ def model_args_from_seed(
     else:
         name, seed_args = _recorded_args(seed, what)
     if name != spec.name:
-        raise ValueError(f"{what} holds a {name!r} model but this config trains {spec.name!r} (model.name)")
+        raise CheckpointError(f"{what} holds a {name!r} model but this config trains {spec.name!r} (model.name)")
 
     def same_shapes(a: Any, b: Any) -> bool:
         return state_shapes(spec, a) == state_shapes(spec, b)
@@ -92,8 +93,8 @@ def _recorded_args(seed: Path, what: str) -> tuple[Any, dict]:
     try:
         info = layout.read_info(seed)
     except ValueError as e:  # also UnicodeDecodeError: bytes that are not text
-        raise ValueError(f"{what}: {seed / layout.INFO_FILE} is unreadable ({one_line(e)})") from None
+        raise CheckpointError(f"{what}: {seed / layout.INFO_FILE} is unreadable ({one_line(e)})") from None
     model = info.get("model")
     if not isinstance(model, dict) or not isinstance(model.get("args"), dict):
-        raise ValueError(f"{what}: {seed / layout.INFO_FILE} records no model args")
+        raise CheckpointError(f"{what}: {seed / layout.INFO_FILE} records no model args")
     return model.get("name"), model["args"]

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite.checkpoint import codec
+from titanlite.errors import CheckpointError
 
 logger = logging.getLogger("titanlite.checkpoint")
 
@@ -134,7 +135,7 @@ class CheckpointStates:
         def stored(prefix: str) -> dict[str, torch.Tensor]:  # placeholders of the entries under prefix
             found = {k[len(prefix) :]: v for k, v in entries.items() if k.startswith(prefix)}
             if pickled := [prefix + k for k, v in found.items() if v is None]:
-                raise ValueError(
+                raise CheckpointError(
                     f"{path} stores {pickled[0]} as a pickle (an older titanlite or another tool wrote it); "
                     "titanlite never unpickles checkpoint data, so it cannot resume from this folder"
                 )
@@ -148,7 +149,7 @@ class CheckpointStates:
         for k in self.shared:
             state[k] = stored(f"{k}.")
             if not state[k]:
-                raise ValueError(f"{path} has no saved state {k!r}")
+                raise CheckpointError(f"{path} has no saved state {k!r}")
         for k, (_, own) in self.per_rank.items():
             fallback = "dp_rank_0" if own.startswith("dp_rank_") else None
             for key in (own, fallback):

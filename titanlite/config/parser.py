@@ -425,10 +425,12 @@ def parse_args_or_exit(
         exit_with_error(e)
 
 
-def exit_with_error(error: object, code: int = 2, every_rank: bool = False) -> NoReturn:
-    """Print ``error: <one line>`` on stderr and exit with ``code``: under torchrun only local rank 0 of each node
-    (every rank parses the same command line), or with ``every_rank`` each rank, prefixed ``rank N:``."""
-    msg = one_line(error.args[0] if isinstance(error, KeyError) and error.args else error)
+def exit_with_error(error: object, code: int | None = None, every_rank: bool = False) -> NoReturn:
+    """Print ``error: <one line>`` on stderr and exit with ``code`` (default: a UserError's ``exit_code``, else 2):
+    under torchrun only local rank 0 of each node (every rank parses the same command line), or with ``every_rank``
+    each rank, prefixed ``rank N:``."""
+    code = getattr(error, "exit_code", 2) if code is None else code
+    msg = one_line(error)
     rank, world = os.environ.get("RANK"), int(os.environ.get("WORLD_SIZE", "1") or 1)
     if every_rank:
         sys.stderr.write(f"error: {f'rank {rank}: ' if rank is not None and world > 1 else ''}{msg}\n")

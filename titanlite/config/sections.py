@@ -8,18 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from titanlite.errors import ConfigError
+
 DATASETS = ("embedded", "shards", "text", "chat")
 MIXTURE_KEYS = {"path": str, "weight": (int, float), "name": str, "dataset": str}
 STAGE_KEYS = {"seq_len": int, "fraction": (int, float), "steps": int, "global_batch_size": int}
 # torch.distributed.pipelining schedules by their torchtitan names (titanlite.parallel.pipeline)
 PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-
-
-class ConfigError(ValueError):
-    """A problem with the configuration (file, command line or values); the message is one line."""
-
-    def __init__(self, msg: object) -> None:
-        super().__init__(" ".join(str(msg).splitlines()))
 
 
 def opt(default: Any, help: str, **checks: Any) -> Any:

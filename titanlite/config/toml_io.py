@@ -14,19 +14,20 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from titanlite.config.sections import ConfigError
+from titanlite.errors import DataError
 from titanlite.utils.nesting import loads_toml
 
 
 def decode_utf8(data: bytes, path: Any, line: int | None = None, *, bom: bool = False) -> str:
     """``data`` (a whole file, or its line ``line``) as text, with a leading byte-order mark dropped when ``bom``
-    (editors on Windows write one). ValueError naming the file and the line (``path:LINE: not valid UTF-8 (byte N
+    (editors on Windows write one). DataError naming the file and the line (``path:LINE: not valid UTF-8 (byte N
     of the line)``) for bytes that are not UTF-8."""
     try:
         return data.decode("utf-8-sig" if bom else "utf-8")
     except UnicodeDecodeError as e:
         start = 0 if line is not None else data.rfind(b"\n", 0, e.start) + 1
         line = line if line is not None else data.count(b"\n", 0, e.start) + 1
-        raise ValueError(f"{path}:{line}: not valid UTF-8 (byte {e.start - start + 1} of the line)") from None
+        raise DataError(f"{path}:{line}: not valid UTF-8 (byte {e.start - start + 1} of the line)") from None
 
 
 def read_toml(path: str) -> dict[str, Any]:

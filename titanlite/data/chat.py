@@ -28,6 +28,7 @@ import torch
 
 from titanlite.config.toml_io import decode_utf8
 from titanlite.data.sources import list_files
+from titanlite.errors import DataError
 from titanlite.utils.nesting import loads_json
 
 ROLES = ("system", "user", "assistant", "tool", "ipython")
@@ -40,7 +41,7 @@ def special_id(tokenizer: Any, token: str) -> int:
         return tokenizer.encoding.encode_single_token(token)
     except KeyError:
         name = getattr(tokenizer, "path", "") or getattr(tokenizer, "name", "tokenizer")
-        raise ValueError(
+        raise DataError(
             f"tokenizer {name!r} has no special token {token} (needed by the Llama 3 chat template)"
         ) from None
 
@@ -49,14 +50,14 @@ def check_messages(messages: Any, where: str = "conversation") -> None:
     """A one-line ``ValueError("<where>: ...")`` unless ``messages`` is a non-empty list of
     ``{"role": <known role>, "content": <str>}``."""
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+        raise DataError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise ValueError(f"{where}: messages[{i}] must be an object with 'role' and 'content'")
+            raise DataError(f"{where}: messages[{i}] must be an object with 'role' and 'content'")
         if m.get("role") not in ROLES:
-            raise ValueError(f"{where}: messages[{i}] has role {m.get('role')!r}, expected one of {', '.join(ROLES)}")
+            raise DataError(f"{where}: messages[{i}] has role {m.get('role')!r}, expected one of {', '.join(ROLES)}")
         if not isinstance(m.get("content"), str):
-            raise ValueError(f"{where}: messages[{i}] ('{m['role']}') needs a string 'content'")
+            raise DataError(f"{where}: messages[{i}] ('{m['role']}') needs a string 'content'")
 
 
 def render_conversation(
@@ -96,9 +97,9 @@ def iter_conversations(path: str | os.PathLike) -> Iterator[tuple[str, list[dict
                 try:
                     record = loads_json(line)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{where}: not JSON ({e.msg})") from None
+                    raise DataError(f"{where}: not JSON ({e.msg})") from None
                 if not isinstance(record, dict) or "messages" not in record:
-                    raise ValueError(f"{where}: expected an object with a 'messages' list")
+                    raise DataError(f"{where}: expected an object with a 'messages' list")
                 check_messages(record["messages"], where)
                 yield where, record["messages"]
 
@@ -115,7 +116,7 @@ def encode_conversations(tokenizer: Any, path: str | os.PathLike) -> tuple[torch
         mask += m + [0]
         offsets.append(len(ids))
     if len(offsets) == 1:
-        raise ValueError(f'{path}: no conversations found (expected JSONL lines {{"messages": [...]}})')
+        raise DataError(f'{path}: no conversations found (expected JSONL lines {{"messages": [...]}})')
     return (
         torch.tensor(ids, dtype=torch.int64),
         torch.tensor(mask, dtype=torch.uint8),
@@ -141,4 +142,4 @@ def load_chat_data(kind: str, path: str | os.PathLike, split: str, tokenizer: An
 
         store = ShardedTokens(path, split, tokenizer)  # refuses shards made with another tokenizer
         return store, store.masks(), store.doc_offsets()
-    raise ValueError(f"dataset kind {kind!r} has no loss masks: expected 'chat' or prepared chat 'shards'")
+    raise DataError(f"dataset kind {kind!r} has no loss masks: expected 'chat' or prepared chat 'shards'")

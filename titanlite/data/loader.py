@@ -13,6 +13,7 @@ from titanlite.data.encode import encode_documents
 from titanlite.data.shards import ShardedTokens
 from titanlite.data.sources import iter_documents
 from titanlite.data.windows import CHANGE_OF_KIND, TokenWindows
+from titanlite.errors import DataError
 from titanlite.tokenizer import Tokenizer
 
 
@@ -34,9 +35,9 @@ def load_token_store(dataset: str, path: str, split: str, tokenizer: Tokenizer) 
     if dataset == "text":
         docs = list(iter_documents(path))
         if not docs:
-            raise ValueError(f"no documents found in {path}")
+            raise DataError(f"no documents found in {path}")
         return torch.from_numpy(encode_documents(tokenizer, docs)[0])
-    raise ValueError(f"unknown dataset kind {dataset!r}; expected embedded, shards or text")
+    raise DataError(f"unknown dataset kind {dataset!r}; expected embedded, shards or text")
 
 
 class ResumableDataLoader(StatefulDataLoader):
@@ -45,7 +46,7 @@ class ResumableDataLoader(StatefulDataLoader):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if isinstance(state_dict, dict) and {"stage", "loader"} <= set(state_dict):
-            raise ValueError(
+            raise DataError(
                 "cannot resume the training data: the checkpoint was saved with training.seq_len_schedule (in stage "
                 f"{int(state_dict['stage']) + 1}) and this run has none; {CHANGE_OF_KIND}"
             )

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from titanlite.data.shard_file import CHECKSUM_PREFIX, VERSION, PathLike, ShardReader, dtype_name
+from titanlite.errors import DataError
 from titanlite.tokenizer import Tokenizer, tokenizer_fingerprint
 from titanlite.utils.fsio import atomic_write
 
@@ -36,7 +37,7 @@ TOKEN_DTYPES = ("uint16", "uint32")  # what a manifest's token "dtype" may be; u
 CHAT_CONTENT = "chat"  # the manifest's "content" for chat data (token shards + loss-mask shards)
 
 
-class ShardIntegrityError(ValueError):
+class ShardIntegrityError(DataError):
     """A shard whose bytes do not match its manifest (changed after preparation, or ids outside the
     vocabulary); raised while reading, so a launcher can tell it from other errors."""
 
@@ -81,31 +82,31 @@ def read_manifest(folder: PathLike) -> dict:
     folder = Path(folder)
     path = folder / MANIFEST
     if not folder.is_dir():
-        raise ValueError(f"{folder}: shard folder not found")
+        raise DataError(f"{folder}: shard folder not found")
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ValueError(
+        raise DataError(
             f"{path}: not found (prepare the folder with titanlite prepare; an interrupted run writes no manifest)"
         ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
+        raise DataError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-        raise ValueError(f"{path}: not a titanlite shard manifest (format != {MANIFEST_FORMAT!r})")
+        raise DataError(f"{path}: not a titanlite shard manifest (format != {MANIFEST_FORMAT!r})")
     if manifest.get("version") != VERSION:
-        raise ValueError(f"{path}: unsupported manifest version {manifest.get('version')!r}")
+        raise DataError(f"{path}: unsupported manifest version {manifest.get('version')!r}")
     for key in ("dtype", "tokenizer", "shards"):
         if key not in manifest:
-            raise ValueError(f"{path}: missing {key!r}")
+            raise DataError(f"{path}: missing {key!r}")
     if manifest["dtype"] not in TOKEN_DTYPES:
-        raise ValueError(f"{path}: bad dtype {manifest['dtype']!r}")
+        raise DataError(f"{path}: bad dtype {manifest['dtype']!r}")
     for i, sh in enumerate(manifest["shards"]):
         if not isinstance(sh, dict) or not set(_ENTRY_KEYS) <= set(sh):
-            raise ValueError(f"{path}: shard entry {i} needs name, split, tokens and docs")
+            raise DataError(f"{path}: shard entry {i} needs name, split, tokens and docs")
         if "max_id" in sh and (not isinstance(sh["max_id"], int) or isinstance(sh["max_id"], bool)):
-            raise ValueError(f"{path}: shard entry {i} ({sh['name']}): max_id must be an integer, got {sh['max_id']!r}")
+            raise DataError(f"{path}: shard entry {i} ({sh['name']}): max_id must be an integer, got {sh['max_id']!r}")
         if "checksum" in sh and not (isinstance(sh["checksum"], str) and _CHECKSUM_RE.fullmatch(sh["checksum"])):
-            raise ValueError(
+            raise DataError(
                 f"{path}: shard entry {i} ({sh['name']}): checksum must look like '{CHECKSUM_PREFIX}<8 hex digits>', "
                 f"got {sh['checksum']!r}"
             )
@@ -116,9 +117,9 @@ def read_manifest(folder: PathLike) -> dict:
             and isinstance(mask.get("checksum"), str)
             and _CHECKSUM_RE.fullmatch(mask["checksum"])
         ):
-            raise ValueError(f"{path}: shard entry {i} ({sh['name']}): mask must be {{name, checksum}}, got {mask!r}")
+            raise DataError(f"{path}: shard entry {i} ({sh['name']}): mask must be {{name, checksum}}, got {mask!r}")
         if manifest.get("content") == CHAT_CONTENT and mask is None:
-            raise ValueError(f"{path}: shard entry {i} ({sh['name']}): chat data needs a 'mask' entry")
+            raise DataError(f"{path}: shard entry {i} ({sh['name']}): chat data needs a 'mask' entry")
     return manifest
 
 
@@ -164,7 +165,7 @@ def check_tokenizer(manifest: dict, manifest_path: PathLike, tokenizer: Tokenize
     fp = recorded.get("fingerprint")
     same = fp == ours["fingerprint"] if fp else int(recorded.get("vocab_size", -1)) == ours["vocab_size"]
     if not same:
-        raise ValueError(
+        raise DataError(
             f"{manifest_path}: shards were tokenized with {describe_tokenizer(recorded)}, but the model's "
             f"tokenizer (model.tokenizer_path) is {describe_tokenizer(ours)}; use the tokenizer the shards were "
             f"prepared with, or prepare them again with this one"
@@ -184,15 +185,15 @@ def open_shard(manifest_path: Path, manifest: dict, entry: dict) -> ShardReader:
     ``max_id`` against the vocabulary (reads the header only); one-line ValueError naming the file."""
     reader = ShardReader(manifest_path.parent / entry["name"])
     if reader.num_tokens != int(entry["tokens"]) or reader.num_docs != int(entry["docs"]):
-        raise ValueError(
+        raise DataError(
             f"{reader.path}: header says {reader.num_tokens} tokens / {reader.num_docs} docs, "
             f"{manifest_path} says {entry['tokens']} / {entry['docs']}"
         )
     if reader.dtype.name != manifest["dtype"]:
-        raise ValueError(f"{reader.path}: dtype {reader.dtype.name} differs from {manifest_path} ({manifest['dtype']})")
+        raise DataError(f"{reader.path}: dtype {reader.dtype.name} differs from {manifest_path} ({manifest['dtype']})")
     vocab = int(manifest["tokenizer"]["vocab_size"])
     if entry.get("max_id", -1) >= vocab:
-        raise ValueError(
+        raise DataError(
             f"{reader.path}: {manifest_path} records token id {entry['max_id']}, outside the vocabulary of "
             f"{vocab} tokens (ids 0..{vocab - 1})"
         )

@@ -31,14 +31,18 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from titanlite.data.windows import CHANGE_OF_KIND, TokenWindows, check_repartition
+from titanlite.errors import DataError, UserError
 
 logger = logging.getLogger(__name__)
 
 BLOCK = 4096  # source draws per generator seed
 
 
-class DataExhausted(RuntimeError):
-    """A mixture source ran out with ``training.mixture_on_exhausted = "stop"``."""
+class DataExhausted(UserError, RuntimeError):
+    """A mixture source ran out with ``training.mixture_on_exhausted = "stop"``: the run stopped as its config
+    asked (exit status 1)."""
+
+    exit_code = 1
 
 
 class MixtureWindows(IterableDataset):
@@ -57,13 +61,13 @@ class MixtureWindows(IterableDataset):
         on_exhausted: str = "wrap",
     ):
         if not (len(sources) == len(weights) == len(names)) or not sources:
-            raise ValueError("a mixture needs one weight and one name per source, and at least one source")
+            raise DataError("a mixture needs one weight and one name per source, and at least one source")
         if on_exhausted not in ("wrap", "stop"):
-            raise ValueError(f"on_exhausted must be 'wrap' or 'stop', got {on_exhausted!r}")
+            raise DataError(f"on_exhausted must be 'wrap' or 'stop', got {on_exhausted!r}")
         self.sources, self.names = list(sources), list(names)
         self.weights = [float(w) for w in weights]
         if bad := [(n, w) for n, w in zip(names, self.weights) if not 0 < w < math.inf]:
-            raise ValueError(f"mixture source {bad[0][0]!r} has weight {bad[0][1]}: weights must be finite and > 0")
+            raise DataError(f"mixture source {bad[0][0]!r} has weight {bad[0][1]}: weights must be finite and > 0")
         self.seed, self.dp_rank, self.dp_world, self.batch_size = seed, dp_rank, dp_world, batch_size
         self.on_exhausted = on_exhausted
         shares = self.weights
@@ -143,24 +147,24 @@ class MixtureWindows(IterableDataset):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "setup" not in state:  # a single source's TokenWindows state
-            raise ValueError(
+            raise DataError(
                 f"cannot resume the mixture: the checkpoint was saved without training.mixture (one source) and "
                 f"this run has one; {CHANGE_OF_KIND}"
             )
         saved, now = state["setup"], self.setup()
         if saved["names"] != now["names"]:
-            raise ValueError(
+            raise DataError(
                 f"cannot resume the mixture: checkpoint has sources {saved['names']}, this run has {now['names']}"
             )
         for key in ("seq_len", "seed"):
             if saved[key] != now[key]:
-                raise ValueError(
+                raise DataError(
                     f"cannot resume the mixture: checkpoint has {key}={saved[key]}, this run has {now[key]}"
                 )
         for key, what in (("weights", "weight"), ("num_windows", "number of windows")):
             for name, old, new in zip(now["names"], saved[key], now[key]):
                 if old != new:
-                    raise ValueError(
+                    raise DataError(
                         f"cannot resume the mixture: source {name!r} {what} changed from {old} to {new}"
                         + (" (its data changed)" if key == "num_windows" else "")
                     )

@@ -58,6 +58,7 @@ from titanlite.data.manifest import (
 from titanlite.data.prepare_folder import SplitWriter, resume
 from titanlite.data.shard_file import dtype_for_vocab
 from titanlite.data.sources import FORMATS, TXT_SPLITS, iter_file_documents, list_files
+from titanlite.errors import DataError, UsageError, UserError
 from titanlite.tokenizer import build_tokenizer
 from titanlite.utils.fsio import one_line
 
@@ -100,7 +101,7 @@ def _check_settings(inputs: list, val_fraction: float, workers: int, shard_token
         (txt not in TXT_SPLITS, f"unknown --txt-split {txt!r} (choose from {', '.join(TXT_SPLITS)})"),
     ):
         if bad:
-            raise ValueError(msg)
+            raise DataError(msg)
 
 
 def _check_output_outside_inputs(inputs: list[Path], output: Path) -> None:
@@ -236,7 +237,7 @@ def prepare(
     Three steps: resume (:func:`~titanlite.data.prepare_folder.resume`: what an earlier run left), encoding
     (:func:`_add_texts` through the worker pool, or :func:`_add_conversations`, into one
     :class:`~titanlite.data.prepare_folder.SplitWriter` per split), manifest.
-    Raises one-line ``ValueError`` (bad input/settings) or ``ImportError`` (missing optional package).
+    Raises a one-line :class:`~titanlite.errors.UserError`: bad input or settings, a missing optional package.
     """
     inputs = [inputs] if isinstance(inputs, (str, os.PathLike)) else inputs
     _check_settings(inputs, val_fraction, workers, shard_tokens, file_format, txt_split)
@@ -245,7 +246,7 @@ def prepare(
     _check_output_outside_inputs(inputs, Path(output).expanduser())
     files = list_files(inputs)
     if not files:
-        raise ValueError(f"no input files (.txt/.md/.jsonl/.json/.parquet) found in {', '.join(map(str, inputs))}")
+        raise DataError(f"no input files (.txt/.md/.jsonl/.json/.parquet) found in {', '.join(map(str, inputs))}")
     tok_path = "" if tokenizer in ("", "bytes") else str(Path(tokenizer).expanduser().resolve())
     tok = build_tokenizer(tok_path)
     dtype = dtype_for_vocab(tok.vocab_size)
@@ -253,8 +254,11 @@ def prepare(
 
     out = Path(output).expanduser()
     if out.exists() and not out.is_dir():
-        raise ValueError(f"{out}: output exists and is not a folder")
-    out.mkdir(parents=True, exist_ok=True)
+        raise UsageError(f"{out}: output exists and is not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a read-only or foreign folder on the way: the user's --output
+        raise UsageError(f"--output {out}: cannot create it ({e.strerror or e})") from None
 
     sizes = [f.stat().st_size for f in files]
     settings = {
@@ -280,7 +284,7 @@ def prepare(
         tasks = _Tasks(encoder, writers, progress, max_pending=2 * workers + 1)
         _add_texts([] if chat else files, sizes, tasks, skip, val_fraction, text_field, file_format, txt_split)
     if any(skip.values()):
-        raise ValueError(
+        raise DataError(
             f"{out}: existing shards hold more documents than the inputs "
             f"({', '.join(f'{s}: {n} extra' for s, n in skip.items() if n)}); use --overwrite"
         )
@@ -423,8 +427,8 @@ def _error(e: object) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Exit status: 0 done, 1 damaged shards found by --verify or an OS error, 2 bad input or
-    settings (one ``prepare_data: error:`` line each), 130 interrupted."""
+    """Exit status: 0 done, 1 damaged shards found by --verify, 2 bad input or settings (one
+    ``prepare_data: error:`` line each), 130 interrupted; any other exception keeps its traceback."""
     parser = build_parser()
     kwargs = vars(parser.parse_args(argv))  # the option names are prepare()'s keyword arguments
     log = None if kwargs.pop("quiet") else sys.stderr
@@ -442,12 +446,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _error(e)
             return 1 if errors else 0
         prepare(kwargs.pop("input"), kwargs.pop("output"), kwargs.pop("tokenizer"), log=log, **kwargs)
-    except (ValueError, ImportError) as e:
+    except UserError as e:  # bad input or settings, a missing optional package
         _error(e)
-        return 2
-    except OSError as e:
-        _error(e)
-        return 1
+        return e.exit_code
     except KeyboardInterrupt:
         print(
             "prepare_data: interrupted; finished shards are kept, re-run the same command to continue", file=sys.stderr

@@ -25,6 +25,7 @@ import numpy as np
 
 from titanlite.data.manifest import MANIFEST, SPLITS, read_manifest, write_json_atomic
 from titanlite.data.shard_file import ShardReader, write_shard_flat
+from titanlite.errors import DataError
 from titanlite.utils.fsio import append_line
 
 STATE = "prepare_state.json"
@@ -98,7 +99,7 @@ def _known_shards(out: Path) -> dict[str, dict]:
         try:
             known = {e["name"]: e for e in read_manifest(out)["shards"]}
         except ValueError as e:
-            raise ValueError(f"{e}; it is needed to tell which files in {out} prepare_data wrote") from None
+            raise DataError(f"{e}; it is needed to tell which files in {out} prepare_data wrote") from None
     journal = _read_journal(out)
     for listing, entries in ((MANIFEST, known), (JOURNAL, journal)):
         for name, entry in entries.items():
@@ -109,7 +110,7 @@ def _known_shards(out: Path) -> dict[str, dict]:
                 bad, want = mask, mask_name(name)
             else:
                 continue
-            raise ValueError(
+            raise DataError(
                 f"{out / listing}: entry {bad!r} is not a shard file of this folder ({want}); prepare_data "
                 f"deletes and rewrites only its own shard files: remove that entry, or choose another --output"
             )
@@ -121,7 +122,7 @@ def _refuse_strays(out: Path, known: dict[str, dict]) -> None:
     strays = sorted(p.name for p in out.iterdir() if _SHARD_NAME.fullmatch(p.name) and p.name not in known)
     if strays:
         more = f" (and {len(strays) - 1} more)" if len(strays) > 1 else ""
-        raise ValueError(
+        raise DataError(
             f"{out / strays[0]}{more}: named like a shard but listed in neither {MANIFEST} nor {JOURNAL}, so "
             f"prepare_data did not write it; move it out of {out} or choose another --output"
         )
@@ -158,7 +159,7 @@ def _our_files(out: Path, known: dict[str, dict]) -> list[Path]:
     for path in sorted(out / n for n in names if os.path.lexists(out / n)):
         if not stat.S_ISREG(path.lstat().st_mode):
             kind = "a symbolic link" if path.is_symlink() else "not a plain file"
-            raise ValueError(
+            raise DataError(
                 f"{path} is {kind}, where prepare_data keeps one of its own files; it never deletes or writes "
                 "through it: move it out of the folder, or choose another --output"
             )
@@ -189,7 +190,7 @@ def resume(out: Path, state: dict, overwrite: bool, say: Callable[[str], None]) 
     if old_files and old_state != state:
         if not overwrite:
             why = _why_not_resumable(state, old_state)
-            raise ValueError(f"{out}: {why}; use --overwrite to start over or choose another --output")
+            raise DataError(f"{out}: {why}; use --overwrite to start over or choose another --output")
         say(f"--overwrite: deleting the {len(old_files)} files prepare_data wrote in {out}")
         for p in old_files:
             p.unlink()

@@ -29,6 +29,7 @@ from titanlite.data.loader import load_token_store
 from titanlite.data.mixture import MixtureWindows
 from titanlite.data.shards import MANIFEST, is_chat_folder
 from titanlite.data.windows import TokenWindows
+from titanlite.errors import DataError
 from titanlite.utils.nesting import loads_json
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ def load_source(name: str, dataset: str, path: str, split: str, tokenizer: Any) 
     """One source's stores for ``split`` (a shard folder's own split; any other kind's path is the split)."""
     kind = source_kind(dataset, path)
     if kind == "chat" and (Path(path) / MANIFEST).is_file():
-        raise ValueError(
+        raise DataError(
             f"{path} is a shard folder (prepare_data), not raw chat JSONL: use dataset = 'shards' (a folder prepared "
             "with --format chat brings its loss masks) or 'auto'"
         )
@@ -135,7 +136,7 @@ def source_windows(
 def _with_loss_labels(windows: TokenWindows, what: str) -> TokenWindows:
     """``windows``, unless a loss mask leaves none of them a token to train on: a one-line error naming ``what``."""
     if not windows.has_loss_labels():
-        raise ValueError(
+        raise DataError(
             f"{what} has no token to train on with training.loss_mask = 'assistant': no assistant token falls in a "
             f"window of seq_len + 1 = {windows.seq_len + 1} tokens (conversations without an assistant turn, empty "
             "assistant turns, or turns cut off by the truncation of long conversations)"
@@ -198,7 +199,7 @@ def load_sources(
             raise type(e)(f"{key} (source '{entry['name']}'): {e}") from e
         out.append((data, float(entry["weight"])))
     if split == "train" and training.loss_mask == "assistant" and not any(d.chat for d, _ in out):
-        raise ValueError(
+        raise DataError(
             "training.loss_mask = 'assistant' needs chat data, but no training source is chat data "
             "(dataset = 'chat' for JSONL conversations, or shards prepared with --format chat)"
         )

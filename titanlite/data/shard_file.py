@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from titanlite.errors import DataError
 from titanlite.utils.fsio import atomic_write
 
 MAGIC = b"TLSHARD\0"
@@ -57,7 +58,7 @@ def _dtype_code(dtype: Any) -> int:
     dt = np.dtype(dtype)
     if dt.kind == "u" and dt.itemsize in _DTYPES:
         return dt.itemsize
-    raise ValueError(f"unsupported shard dtype {dtype!r} (use uint16 or uint32, or uint8 for masks)")
+    raise DataError(f"unsupported shard dtype {dtype!r} (use uint16 or uint32, or uint8 for masks)")
 
 
 def dtype_name(dtype: Any) -> str:
@@ -88,15 +89,15 @@ def write_shard_flat(
     tokens = np.asarray(tokens)
     lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
     if tokens.ndim != 1:
-        raise ValueError(f"{path}: tokens must be 1-D")
+        raise DataError(f"{path}: tokens must be 1-D")
     if (lengths < 0).any() or int(lengths.sum()) != tokens.size:
-        raise ValueError(f"{path}: document lengths sum to {int(lengths.sum())}, but there are {tokens.size} tokens")
+        raise DataError(f"{path}: document lengths sum to {int(lengths.sum())}, but there are {tokens.size} tokens")
     if tokens.size:
         if tokens.dtype.kind not in "iu":
-            raise ValueError(f"{path}: tokens must be integers, got {tokens.dtype}")
+            raise DataError(f"{path}: tokens must be integers, got {tokens.dtype}")
         lo, hi = int(tokens.min()), int(tokens.max())
         if lo < 0 or hi >= 1 << (8 * code):
-            raise ValueError(f"{path}: token ids {lo}..{hi} do not fit {_DTYPES[code].name}")
+            raise DataError(f"{path}: token ids {lo}..{hi} do not fit {_DTYPES[code].name}")
     offsets = np.zeros(lengths.size + 1, dtype="<u8")
     np.cumsum(lengths, out=offsets[1:])
     head = HEADER.pack(MAGIC, VERSION, code, tokens.size, lengths.size)
@@ -133,8 +134,8 @@ class ShardReader:
     def __init__(self, path: PathLike):
         self.path = Path(path)
 
-        def fail(what: str) -> ValueError:
-            return ValueError(f"{self.path}: {what}")
+        def fail(what: str) -> DataError:
+            return DataError(f"{self.path}: {what}")
 
         try:
             with open(self.path, "rb") as f:

@@ -77,6 +77,7 @@ from titanlite.data.shard_file import (  # noqa: F401
     write_shard,
     write_shard_flat,
 )
+from titanlite.errors import DataError
 from titanlite.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -114,12 +115,12 @@ class ShardedTokens:
         self.entries = entries = [sh for sh in manifest["shards"] if sh["split"] == split]
         if stream == "mask":  # the loss-mask shards, checked like token shards (see the module docstring)
             if manifest.get("content") != CHAT_CONTENT:
-                raise ValueError(f"{mpath}: has no loss-mask stream (not chat data: prepare it with --format chat)")
+                raise DataError(f"{mpath}: has no loss-mask stream (not chat data: prepare it with --format chat)")
             self.entries = entries = [mask_entry(sh) for sh in entries]
             self.dtype, manifest = "uint8", {**manifest, "dtype": "uint8"}
         if not entries:
             splits = sorted({sh["split"] for sh in manifest["shards"]})
-            raise ValueError(
+            raise DataError(
                 f"{mpath}: split {split!r} has no shards (splits present: {', '.join(splits) or 'none'}"
                 f"{VAL_HINT if split == 'val' else ''})"
             )
@@ -129,7 +130,7 @@ class ShardedTokens:
         self._verified = [False] * len(self.shards)  # per shard: checked in this process (verify_shard)
         self._len = self.shard_starts[-1]
         if self._len == 0:
-            raise ValueError(f"{mpath}: split {split!r} has no tokens")
+            raise DataError(f"{mpath}: split {split!r} has no tokens")
         self.num_docs = sum(r.num_docs for r in self.shards)
         unchecked = sum("checksum" not in sh for sh in entries)
         if unchecked:

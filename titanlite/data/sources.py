@@ -20,7 +20,7 @@
 
 Files must be UTF-8 (``.gz`` files are decompressed on the fly). Empty documents (``""``) are
 skipped. Errors are one-line ``ValueError``\\ s naming the file (and line where there is one); a
-missing ``pyarrow`` is an ``ImportError`` naming the package.
+missing ``pyarrow`` is a :class:`~titanlite.errors.MissingPackageError` naming the package.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from titanlite.config.toml_io import decode_utf8
+from titanlite.errors import DataError, MissingPackageError
 from titanlite.utils.nesting import loads_json
 
 PathLike = str | os.PathLike
@@ -66,7 +67,7 @@ def list_files(paths: PathLike | Sequence[PathLike]) -> list[Path]:
         elif p.is_file():
             out.append(p)
         else:
-            raise ValueError(f"{p}: {'not a regular file or folder' if p.exists() else 'input not found'}")
+            raise DataError(f"{p}: {'not a regular file or folder' if p.exists() else 'input not found'}")
     return out
 
 
@@ -95,13 +96,13 @@ def _record_text(obj, where: str, text_field: str) -> str:
     if isinstance(obj, str):
         return obj
     if not isinstance(obj, dict):
-        raise ValueError(f"{where}: expected a JSON object with a {text_field!r} field, got {type(obj).__name__}")
+        raise DataError(f"{where}: expected a JSON object with a {text_field!r} field, got {type(obj).__name__}")
     if text_field not in obj:
         keys = ", ".join(list(obj)[:8]) or "none"
-        raise ValueError(f"{where}: no {text_field!r} field (keys: {keys}); choose the field with --text-field")
+        raise DataError(f"{where}: no {text_field!r} field (keys: {keys}); choose the field with --text-field")
     value = obj[text_field]
     if not isinstance(value, str):
-        raise ValueError(f"{where}: field {text_field!r} is {type(value).__name__}, not a string")
+        raise DataError(f"{where}: field {text_field!r} is {type(value).__name__}, not a string")
     return value
 
 
@@ -114,7 +115,7 @@ def _jsonl_docs(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
             try:
                 obj = loads_json(decode_utf8(line, path, lineno))
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
             text = _record_text(obj, f"{path}:{lineno}", text_field)
             if text:
                 yield text, raw.tell()
@@ -132,7 +133,7 @@ def _json_docs(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
     try:
         records = loads_json(decode_utf8(data, path))
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON ({e.msg} at line {e.lineno} column {e.colno} of the array)") from None
+        raise DataError(f"{path}: invalid JSON ({e.msg} at line {e.lineno} column {e.colno} of the array)") from None
     size = path.stat().st_size
     for i, obj in enumerate(records):
         text = _record_text(obj, f"{path}: record {i}", text_field)
@@ -144,15 +145,17 @@ def _parquet_docs(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ImportError(f"{path}: reading Parquet files needs the 'pyarrow' package (pip install pyarrow)") from None
+        raise MissingPackageError(
+            f"{path}: reading Parquet files needs the 'pyarrow' package (pip install pyarrow)"
+        ) from None
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises its own error types
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ValueError(f"{path}: not a readable Parquet file ({why})") from None
+        raise DataError(f"{path}: not a readable Parquet file ({why})") from None
     names = pf.schema_arrow.names
     if text_field not in names:
-        raise ValueError(
+        raise DataError(
             f"{path}: no {text_field!r} column (columns: {', '.join(names[:8])}); choose the column with --text-field"
         )
     size = path.stat().st_size
@@ -162,7 +165,7 @@ def _parquet_docs(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
         done = size * (g + 1) // groups
         for value in column.to_pylist():
             if value is not None and not isinstance(value, str):
-                raise ValueError(f"{path}: column {text_field!r} holds {type(value).__name__}, not strings")
+                raise DataError(f"{path}: column {text_field!r} holds {type(value).__name__}, not strings")
             if value:
                 yield value, done
 
@@ -173,9 +176,9 @@ def iter_file_documents(
     """Documents of ONE file as ``(text, bytes of the file consumed so far)`` (for progress/ETA)."""
     path = Path(path)
     if file_format not in FORMATS:
-        raise ValueError(f"unknown file format {file_format!r} (choose from {', '.join(FORMATS)})")
+        raise DataError(f"unknown file format {file_format!r} (choose from {', '.join(FORMATS)})")
     if txt_split not in TXT_SPLITS:
-        raise ValueError(f"unknown txt_split {txt_split!r} (choose from {', '.join(TXT_SPLITS)})")
+        raise DataError(f"unknown txt_split {txt_split!r} (choose from {', '.join(TXT_SPLITS)})")
     fmt = file_format if file_format != "auto" else (file_format_of(path) or "text")
     try:
         if fmt == "text":
@@ -183,13 +186,13 @@ def iter_file_documents(
         else:
             yield from {"jsonl": _jsonl_docs, "json": _json_docs, "parquet": _parquet_docs}[fmt](path, text_field)
     except (gzip.BadGzipFile, EOFError, zlib.error) as e:
-        raise ValueError(f"{path}: corrupt gzip data ({e})") from None
+        raise DataError(f"{path}: corrupt gzip data ({e})") from None
     except FileNotFoundError:
-        raise ValueError(f"{path}: input not found") from None
+        raise DataError(f"{path}: input not found") from None
     except IsADirectoryError:
-        raise ValueError(f"{path}: is a folder") from None
+        raise DataError(f"{path}: is a folder") from None
     except PermissionError:
-        raise ValueError(f"{path}: permission denied") from None
+        raise DataError(f"{path}: permission denied") from None
 
 
 def iter_documents(

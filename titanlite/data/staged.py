@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from titanlite.data.windows import CHANGE_OF_KIND
+from titanlite.errors import DataError
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +51,13 @@ class StagedLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not (isinstance(state, dict) and {"stage", "loader"} <= set(state)):
-            raise ValueError(
+            raise DataError(
                 "cannot resume the training data: the checkpoint was saved without training.seq_len_schedule and "
                 f"this run has one; {CHANGE_OF_KIND}"
             )
         stage = int(state["stage"])
         if self.num_stages is not None and not 0 <= stage < self.num_stages:
-            raise ValueError(
+            raise DataError(
                 f"cannot resume the training data: the checkpoint is in stage {stage + 1} of its "
                 f"training.seq_len_schedule, this run's has {self.num_stages} stage(s); {CHANGE_OF_KIND}"
             )

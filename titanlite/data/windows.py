@@ -42,6 +42,8 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from titanlite.errors import DataError
+
 logger = logging.getLogger(__name__)
 
 # The end of the one-line error when a resume finds the data pipeline changed in kind (a mixture or a seq_len
@@ -93,9 +95,9 @@ def check_repartition(what: str, old_world: int, new_world: int, sample: int, ba
     inside DataLoader workers (each would re-partition alone) and in the middle of a batch."""
     change = f"{what} from {old_world} to {new_world}"
     if get_worker_info() is not None:
-        raise ValueError(f"cannot re-partition {change} ranks with DataLoader workers; resume with num_workers=0")
+        raise DataError(f"cannot re-partition {change} ranks with DataLoader workers; resume with num_workers=0")
     if sample % batch_size:
-        raise ValueError(f"cannot re-partition {change} ranks in the middle of a batch")
+        raise DataError(f"cannot re-partition {change} ranks in the middle of a batch")
 
 
 class TokenWindows(IterableDataset):
@@ -125,7 +127,7 @@ class TokenWindows(IterableDataset):
         self.packed = None  # (starts, lengths) of whole-document windows
         if doc_offsets is not None:
             if self.pad_id is None:
-                raise ValueError(f"{name} data: packing documents needs a pad_id (or eos_id) for the padding")
+                raise DataError(f"{name} data: packing documents needs a pad_id (or eos_id) for the padding")
             self.doc_offsets = np.asarray(doc_offsets, dtype=np.int64)
             starts, lengths, self.num_truncated = pack_documents(self.doc_offsets, seq_len + 1)
             self.packed = (starts, lengths)
@@ -138,7 +140,7 @@ class TokenWindows(IterableDataset):
                 )
         self.num_windows = len(store) // (seq_len + 1) if self.packed is None else len(self.packed[0])
         if self.num_windows < dp_world:
-            raise ValueError(
+            raise DataError(
                 f"{name} data has {len(store)} tokens: fewer than one window of seq_len+1={seq_len + 1} "
                 f"tokens per data-parallel rank ({dp_world} ranks)"
             )
@@ -220,13 +222,13 @@ class TokenWindows(IterableDataset):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "setup" in state:  # a MixtureWindows state
             names = ", ".join(map(str, (state.get("setup") or {}).get("names") or []))
-            raise ValueError(
+            raise DataError(
                 f"cannot resume {self.name} data: the checkpoint was saved with training.mixture (sources {names}) "
                 f"and this run has none; {CHANGE_OF_KIND}"
             )
         for key in ("seq_len", "seed", "num_windows"):  # the cause before its consequence
             if state[key] != getattr(self, key):
-                raise ValueError(
+                raise DataError(
                     f"cannot resume {self.name} data: checkpoint has {key}={state[key]}, this run has "
                     f"{getattr(self, key)} (the data or its windowing changed)"
                 )

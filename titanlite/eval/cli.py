@@ -29,6 +29,7 @@ import torch
 from titanlite.checkpoint import layout
 from titanlite.checkpoint.load_model import load_model
 from titanlite.data.shards import write_json_atomic
+from titanlite.errors import UsageError, UserError
 from titanlite.eval.scoring import evaluate
 from titanlite.eval.tasks import get_task, task_names
 from titanlite.eval.watch import watch
@@ -40,10 +41,6 @@ from titanlite.utils.run_lock import LOCK_FILE
 DATA_ENV = "TITANLITE_EVAL_DATA"
 METRICS_FILE = "metrics.jsonl"
 RUN_FILES = (METRICS_FILE, "summary.json", layout.CONFIG_FILE, layout.INFO_FILE, LOCK_FILE)  # a run's own files
-
-
-class UsageError(Exception):
-    """Bad command-line input: reported as one ``error:`` line, exit status 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -94,9 +91,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_watch(a)
         tasks, data_dir = check_args(a)
         results = evaluate_checkpoint(a.checkpoint, a, tasks, data_dir)
-    except (UsageError, ValueError, OSError) as e:
+    except UserError as e:
         print(f"error: {one_line(e)}", file=sys.stderr)
-        return 2
+        return e.exit_code
     for name in tasks:
         print(summary_line(name, results[name]))
     if a.output:

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from titanlite.errors import UsageError
 from titanlite.eval.packing import PAD_MULTIPLE, Group, cached_batch, canonical_batches, group_requests, plain_batch
 from titanlite.eval.tasks import Item, Task, get_task
 from titanlite.models.kv_cache import KVCache, supports_cache
@@ -106,11 +107,11 @@ def evaluate(
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be at least 0, got {limit}")
     if repeated := sorted({name for name in tasks if list(tasks).count(name) > 1}):
-        raise ValueError(f"eval task {repeated[0]!r} is given more than once")
+        raise UsageError(f"eval task {repeated[0]!r} is given more than once")
     if max_seq_len is None:
         max_seq_len = getattr(getattr(model, "args", None), "max_seq_len", None)
     if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len < 1:
-        raise ValueError(
+        raise UsageError(
             f"evaluate: the longest input {type(model).__name__} takes is unknown (it has no args.max_seq_len): "
             "pass max_seq_len=N (longer requests are cut from the left)"
         )

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from titanlite.config import did_you_mean
+from titanlite.errors import ConfigError, DataError
 from titanlite.utils.fsio import one_line
 from titanlite.utils.nesting import loads_json
 
@@ -92,7 +93,7 @@ class Task:
         """``data_dir / rel``; a one-line ValueError when it is not a file."""
         path = Path(data_dir) / rel
         if not path.is_file():
-            raise ValueError(
+            raise DataError(
                 f"{path}: no such file (the {self.name} task reads {', '.join(self.files)} under the data folder)"
             )
         return path
@@ -172,7 +173,7 @@ def divide(loglik: float, length: int) -> float:
 
 def mean(values: Sequence[float], task: str) -> float:
     if not values:
-        raise ValueError(f"{task}: no items were scored")
+        raise DataError(f"{task}: no items were scored")
     return sum(values) / len(values)
 
 
@@ -197,15 +198,15 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
             try:
                 row = loads_json(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not a JSON object ({e.msg})") from None
+                raise DataError(f"{path}:{lineno}: not a JSON object ({e.msg})") from None
             if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
             yield lineno, row
 
 
 def require_items(path: Path, items: list[Item]) -> list[Item]:
     if not items:
-        raise ValueError(f"{path}: no items (the file holds no JSON lines)")
+        raise DataError(f"{path}: no items (the file holds no JSON lines)")
     return items
 
 
@@ -214,19 +215,19 @@ def parse_row(path: Path, lineno: int, make: Callable[..., Item], *args: Any, mi
     try:
         item = make(*args)
         if not isinstance(item.context, str) or not all(isinstance(c, str) and c for c in item.choices):
-            raise ValueError("the context and choices must be strings, and no choice empty")
+            raise DataError("the context and choices must be strings, and no choice empty")
         if len(item.choices) < min_choices:
-            raise ValueError(f"{len(item.choices)} choice(s); a multiple-choice item needs at least {min_choices}")
+            raise DataError(f"{len(item.choices)} choice(s); a multiple-choice item needs at least {min_choices}")
         if not is_int(item.label) or not 0 <= item.label < len(item.choices):
-            raise ValueError(f"label {item.label!r} does not index its {len(item.choices)} choices")
+            raise DataError(f"label {item.label!r} does not index its {len(item.choices)} choices")
         lengths = item.lengths()
         if len(lengths) != len(item.choices) or not all(is_int(n) and n >= 0 for n in lengths):
-            raise ValueError("norm_lengths must be one length >= 0 per choice")
+            raise DataError("norm_lengths must be one length >= 0 per choice")
         return item
     except KeyError as e:
-        raise ValueError(f"{path}:{lineno}: missing field {e.args[0]!r}") from None
+        raise DataError(f"{path}:{lineno}: missing field {e.args[0]!r}") from None
     except (TypeError, ValueError, IndexError, AttributeError) as e:
-        raise ValueError(f"{path}:{lineno}: {one_line(e)}") from None
+        raise DataError(f"{path}:{lineno}: {one_line(e)}") from None
 
 
 def is_int(value: Any) -> bool:
@@ -237,7 +238,7 @@ def text_field(row: dict, key: str) -> str:
     """``row[key]``, which must be a string (a ValueError naming the field otherwise)."""
     value = row[key]
     if not isinstance(value, str):
-        raise ValueError(f"field {key!r} must be a string, got {type(value).__name__} {value!r:.40}")
+        raise DataError(f"field {key!r} must be a string, got {type(value).__name__} {value!r:.40}")
     return value
 
 
@@ -248,7 +249,7 @@ def int_field(row: dict, key: str) -> int:
     if isinstance(value, str) and value.isascii() and value.isdigit():
         return int(value)
     if not is_int(value):
-        raise ValueError(f"field {key!r} must be an integer, got {type(value).__name__} {value!r:.40}")
+        raise DataError(f"field {key!r} must be an integer, got {type(value).__name__} {value!r:.40}")
     return value
 
 
@@ -256,7 +257,7 @@ def text_list_field(row: dict, key: str) -> list[str]:
     """``row[key]``, which must be a list of strings."""
     value = row[key]
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ValueError(f"field {key!r} must be a list of strings, got {type(value).__name__} {value!r:.40}")
+        raise DataError(f"field {key!r} must be a list of strings, got {type(value).__name__} {value!r:.40}")
     return value
 
 
@@ -284,7 +285,7 @@ def task_names() -> list[str]:
 def get_task(name: str) -> Task:
     """A new instance of the task registered as ``name``; a one-line ValueError listing the known ones otherwise."""
     if name not in _TASKS:
-        raise ValueError(f"unknown eval task {name!r} (known: {', '.join(_TASKS)}){did_you_mean(name, list(_TASKS))}")
+        raise ConfigError(f"unknown eval task {name!r} (known: {', '.join(_TASKS)}){did_you_mean(name, list(_TASKS))}")
     return _TASKS[name]()
 
 
@@ -301,7 +302,7 @@ def hellaswag_clean(text: str) -> str:
 def hellaswag_label(row: dict, endings: list[str]) -> int:
     label = int_field(row, "label")
     if not 0 <= label < len(endings):
-        raise ValueError(f"field 'label' is {label}, which does not index the {len(endings)} endings")
+        raise DataError(f"field 'label' is {label}, which does not index the {len(endings)} endings")
     return label
 
 
@@ -343,16 +344,16 @@ def arc_item(row: dict) -> Item:
     labels (letters A-E or digits 1-5; items have 3 to 5 choices, each label once)."""
     question = row["question"]
     if not isinstance(question, dict):
-        raise ValueError(f"field 'question' must be an object with 'stem' and 'choices', got {type(question).__name__}")
+        raise DataError(f"field 'question' must be an object with 'stem' and 'choices', got {type(question).__name__}")
     raw = question["choices"]
     if not isinstance(raw, list) or len(raw) < 2 or not all(isinstance(c, dict) for c in raw):
-        raise ValueError("field 'question.choices' must be a list of at least 2 {text, label} objects")
+        raise DataError("field 'question.choices' must be a list of at least 2 {text, label} objects")
     labels = [str(c["label"]) for c in raw]
     if len(set(labels)) != len(labels):
-        raise ValueError(f"field 'question.choices' repeats a label: {labels}")
+        raise DataError(f"field 'question.choices' repeats a label: {labels}")
     key = str(row["answerKey"])
     if key not in labels:
-        raise ValueError(f"answerKey {key!r} is none of the choice labels {labels}")
+        raise DataError(f"answerKey {key!r} is none of the choice labels {labels}")
     texts = [text_field(c, "text") for c in raw]
     return Item(f"Question: {text_field(question, 'stem')}\nAnswer:", tuple(" " + t for t in texts), labels.index(key))
 
@@ -387,14 +388,14 @@ class PIQA(MultipleChoiceTask):
         items = []
         for lineno, row in read_jsonl(questions):
             if len(items) >= len(labels):
-                raise ValueError(f"{labels_path}: {len(labels)} labels, but {questions} has more questions")
+                raise DataError(f"{labels_path}: {len(labels)} labels, but {questions} has more questions")
             label_line = len(items) + 1
             text = labels[label_line - 1].strip()
             if text not in ("0", "1"):
-                raise ValueError(f"{labels_path}:{label_line}: expected a label 0 or 1, got {text!r}")
+                raise DataError(f"{labels_path}:{label_line}: expected a label 0 or 1, got {text!r}")
             items.append(self.parse_row(questions, lineno, row, int(text)))
         if len(items) != len(labels):
-            raise ValueError(f"{labels_path}: {len(labels)} labels for the {len(items)} questions of {questions}")
+            raise DataError(f"{labels_path}: {len(labels)} labels for the {len(items)} questions of {questions}")
         return require_items(questions, items)
 
     def item(self, row: dict, label: int) -> Item:
@@ -415,5 +416,5 @@ class LambadaOpenAI(ClozeTask):
         text = text_field(row, "text")
         words = text.split(" ")
         if len(words) < 2 or not words[-1]:
-            raise ValueError("field 'text' must be a passage of several words, the last one not empty")
+            raise DataError("field 'text' must be a passage of several words, the last one not empty")
         return Item(" ".join(words[:-1]), (" " + words[-1],), 0)

@@ -40,6 +40,7 @@ import torch
 
 from titanlite.checkpoint import layout
 from titanlite.checkpoint.load_model import load_model
+from titanlite.errors import ConfigError, NotFoundError
 from titanlite.eval.records import eval_record, scores_line
 from titanlite.extensions import load_extensions
 from titanlite.trainer.metrics_log import strict_json_line
@@ -62,7 +63,7 @@ def read_run_config(dump_folder: Path, extensions: Sequence[str] = ()):
 
     path = dump_folder / "config.toml"
     if not path.is_file():
-        raise ValueError(f"{dump_folder} has no config.toml (a titanlite run writes it when it starts)")
+        raise ConfigError(f"{dump_folder} has no config.toml (a titanlite run writes it when it starts)")
 
     def schema(cfg):
         missing = [m for m in cfg.job.extensions if m not in extensions]
@@ -75,7 +76,7 @@ def read_run_config(dump_folder: Path, extensions: Sequence[str] = ()):
 
     cfg = parse_config(["--config", str(path)], schema)
     if not cfg.checkpoint.enable:
-        raise ValueError(f"{path}: checkpoint.enable is false, so the run saves no checkpoints to evaluate")
+        raise ConfigError(f"{path}: checkpoint.enable is false, so the run saves no checkpoints to evaluate")
     return cfg
 
 
@@ -122,7 +123,7 @@ def watch(
     :func:`titanlite.eval.evaluate` unless given (tests)."""
     dump = Path(dump_folder)
     if not dump.is_dir():
-        raise FileNotFoundError(f"{dump}: no such folder")
+        raise NotFoundError(f"{dump}: no such folder")
     layout.refuse_inside_step_folder(dump, f"--watch {dump} (the run's dump folder, where scores are logged)")
     load_extensions(extensions)  # the caller's own modules only (see read_run_config)
     cfg = read_run_config(dump, extensions)
@@ -130,7 +131,7 @@ def watch(
     tasks = list(tasks or e.tasks)
     data_dir = data_dir or e.data_dir or os.environ.get("TITANLITE_EVAL_DATA", "")
     if not data_dir:
-        raise ValueError("no evaluation data folder: pass --data-dir, or set eval.data_dir in the run's config")
+        raise ConfigError("no evaluation data folder: pass --data-dir, or set eval.data_dir in the run's config")
     limit = limit if limit is not None else (None if e.limit == -1 else e.limit)
     batch_size = batch_size or e.batch_size
     # bf16 runs: bf16 autocast on the saved weights (an FSDP run computes with bf16 weights instead: close, not equal)

@@ -53,6 +53,7 @@ from torch.distributed.tensor import DTensor
 
 from titanlite.checkpoint.load_model import load_model
 from titanlite.data.chat import chat_prompt_ids, special_id
+from titanlite.errors import UsageError, UserError
 from titanlite.generate.sampling import check_sampling, sample_next
 from titanlite.models.kv_cache import KVCache, supports_cache
 from titanlite.utils.argtypes import number
@@ -133,22 +134,23 @@ def generate(
 
 
 def check_window(context_window: int | None) -> None:
-    """One-line ``ValueError`` unless ``context_window`` is None (no window) or an integer >= 1."""
+    """One-line :class:`~titanlite.errors.UsageError` (a ValueError) unless ``context_window`` is None (no window)
+    or an integer >= 1."""
     if context_window is not None and (
         isinstance(context_window, bool) or not isinstance(context_window, int) or context_window < 1
     ):
-        raise ValueError(f"context_window must be an integer >= 1 (or None: no window), got {context_window!r}")
+        raise UsageError(f"context_window must be an integer >= 1 (or None: no window), got {context_window!r}")
 
 
 def check_request(
     model: nn.Module, prompts: list[list[int]], max_new_tokens: int, multiple: int, window: int | None = None
 ) -> None:
-    """One-line ``ValueError`` for a request the model cannot run (before any forward). ``multiple``: see
-    :func:`sequence_multiple`; a forward may carry up to ``multiple - 1`` filler tokens after the real ones.
-    ``window``: the context window, which bounds the longest forward."""
+    """One-line :class:`~titanlite.errors.UsageError` (a ValueError) for a request the model cannot run (before any
+    forward). ``multiple``: see :func:`sequence_multiple`; a forward may carry up to ``multiple - 1`` filler tokens
+    after the real ones. ``window``: the context window, which bounds the longest forward."""
     check_window(window)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        raise UsageError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     # any module may be handed to generate, not only a registered family's: each member is checked if it has it
     if getattr(model, "tok_embeddings", True) is None or getattr(model, "output", True) is None:
         raise ValueError("generate needs a whole model, not a pipeline stage")
@@ -157,9 +159,9 @@ def check_request(
     vocab, max_len = getattr(args, "vocab_size", None), getattr(args, "max_seq_len", None)
     for i, prompt in enumerate(prompts):
         if not prompt:
-            raise ValueError(f"prompt {i} is empty: a prompt needs at least one token (e.g. BOS)")
+            raise UsageError(f"prompt {i} is empty: a prompt needs at least one token (e.g. BOS)")
         if vocab is not None and not all(0 <= t < vocab for t in prompt):
-            raise ValueError(f"prompt {i} has a token id outside the model's vocabulary [0, {vocab})")
+            raise UsageError(f"prompt {i} has a token id outside the model's vocabulary [0, {vocab})")
         longest = len(prompt) + max_new_tokens if window is None else min(window, len(prompt) + max_new_tokens)
         if max_len is not None and longest + multiple - 1 > max_len:
             filler = f" + {multiple - 1} filler (tensor parallel)" if multiple > 1 else ""
@@ -397,13 +399,9 @@ class _RecomputedSteps:
 # ----------------------------------------------------------------------------- command line
 
 
-class _UsageError(ValueError):
-    pass
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line instead of the usage text
-        raise _UsageError(message)
+        raise UsageError(message)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -444,24 +442,24 @@ def _read_prompts(a: argparse.Namespace) -> list[str]:
             with open(a.prompt_file, encoding="utf-8") as f:
                 prompts += [line for line in f.read().splitlines() if line]
         except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"--prompt-file {a.prompt_file}: cannot be read ({type(e).__name__}: {e})") from None
+            raise UsageError(f"--prompt-file {a.prompt_file}: cannot be read ({type(e).__name__}: {e})") from None
     if not prompts:
-        raise ValueError("no prompt: pass --prompt TEXT or --prompt-file FILE")
+        raise UsageError("no prompt: pass --prompt TEXT or --prompt-file FILE")
     return prompts
 
 
 def _check_numbers(a: argparse.Namespace) -> None:
     for flag, value in (("--max-new-tokens", a.max_new_tokens), ("--top-k", a.top_k)):
         if value < 0:
-            raise ValueError(f"{flag} must be >= 0, got {value}")
+            raise UsageError(f"{flag} must be >= 0, got {value}")
     if a.context_window is not None and a.context_window < 1:
-        raise ValueError(f"--context-window must be >= 1, got {a.context_window}")
+        raise UsageError(f"--context-window must be >= 1, got {a.context_window}")
     if not a.temperature >= 0:
-        raise ValueError(f"--temperature must be >= 0 (0: greedy), got {a.temperature}")
+        raise UsageError(f"--temperature must be >= 0 (0: greedy), got {a.temperature}")
     if not 0 < a.top_p <= 1:
-        raise ValueError(f"--top-p must be in (0, 1], got {a.top_p}")
+        raise UsageError(f"--top-p must be in (0, 1], got {a.top_p}")
     if a.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: CUDA is not available")
+        raise UsageError("--device cuda: CUDA is not available")
 
 
 def _run(a: argparse.Namespace) -> list[dict]:
@@ -504,9 +502,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         a = _parser().parse_args(argv)
         records = _run(a)
-    except (ValueError, OSError) as e:
+    except UserError as e:
         print(f"error: {one_line(e)}", file=sys.stderr)
-        return 2
+        return e.exit_code
     for i, r in enumerate(records):
         if a.json:
             print(json.dumps(r))

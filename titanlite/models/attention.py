@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from titanlite.errors import ConfigError
+
 AttentionMask = None | torch.Tensor | BlockMask
 
 
@@ -31,7 +33,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
         return "flex" if device.type == "cuda" else "sdpa"
     if backend not in ("sdpa", "flex"):
-        raise ValueError(f"attention backend must be auto, sdpa or flex, got {backend!r}")
+        raise ConfigError(f"attention backend must be auto, sdpa or flex, got {backend!r}")
     return backend
 
 

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from titanlite.errors import CheckpointError
+
 _NATIVE_BLOCK_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_BLOCK_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # HF keys that carry no weights (older exports store the rotary inverse frequencies)
@@ -200,21 +202,23 @@ class HFDecoderAdapter:
         and no attention bias."""
         archs = config.get("architectures") or []
         if config.get("model_type") != cls.model_type and cls.architecture not in archs:
-            raise ValueError(
+            raise CheckpointError(
                 f"not a {cls.family} config (model_type={config.get('model_type')!r}, "
                 f"architectures={archs}); expected {cls.architecture}"
             )
         for key in _REQUIRED_INTS:
             if not isinstance(config.get(key), int) or isinstance(config[key], bool):
-                raise ValueError(f"{cls.family} config.json lacks an integer {key!r}")
+                raise CheckpointError(f"{cls.family} config.json lacks an integer {key!r}")
         for key, limit in HF_SIZE_LIMITS.items():
             value = config.get(key)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit):
-                raise ValueError(f"config.json {key} = {value!r} must be an integer in [1, {limit:,}]")
+                raise CheckpointError(f"config.json {key} = {value!r} must be an integer in [1, {limit:,}]")
         if config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {config['hidden_act']!r} (titanlite's {cls.family} uses silu)")
+            raise CheckpointError(
+                f"unsupported hidden_act {config['hidden_act']!r} (titanlite's {cls.family} uses silu)"
+            )
         if config.get("attention_bias"):
-            raise ValueError(f"unsupported attention_bias=true (titanlite's {cls.family} has no biases)")
+            raise CheckpointError(f"unsupported attention_bias=true (titanlite's {cls.family} has no biases)")
 
     @staticmethod
     def rope_from_hf(config: Mapping[str, Any]) -> tuple[float, str, Mapping[str, Any]]:

@@ -24,6 +24,7 @@ from torch import nn
 import titanlite.config
 from titanlite.components import resolve
 from titanlite.config import ConfigError, JobConfig, did_you_mean
+from titanlite.errors import UnknownNameError
 from titanlite.extensions import load_extensions
 from titanlite.models.flops import palm_flops_per_token
 from titanlite.models.protocol import contract_breach
@@ -106,7 +107,7 @@ def get_model_spec(name: str) -> ModelSpec:
     if name not in _REGISTRY and name in BUILTIN_FAMILIES:
         register_model(resolve(BUILTIN_FAMILIES[name]))
     if name not in _REGISTRY:
-        raise KeyError(f"unknown model family {name!r}; registered: {', '.join(model_names())}")
+        raise UnknownNameError(f"unknown model family {name!r}; registered: {', '.join(model_names())}")
     return _REGISTRY[name]
 
 
@@ -137,7 +138,7 @@ def check_arg_types(args_cls: type, values: Mapping[str, Any]) -> None:
             continue
         ok = isinstance(v, bool) if tp is bool else isinstance(v, tp if tp is not float else (int, float))
         if not ok or tp is not bool and isinstance(v, bool):
-            raise ValueError(f"model arg {key} = {v!r} must be {_KINDS[tp]}{' or null' * optional}")
+            raise ConfigError(f"model arg {key} = {v!r} must be {_KINDS[tp]}{' or null' * optional}")
 
 
 def check_model_args(args: Any) -> Any:
@@ -149,9 +150,9 @@ def check_model_args(args: Any) -> Any:
     for f in dataclasses.fields(args):
         v = getattr(args, f.name)
         if isinstance(v, float) and not math.isfinite(v):
-            raise ValueError(f"{type(args).__name__}.{f.name} = {v} must be a finite number")
+            raise ConfigError(f"{type(args).__name__}.{f.name} = {v} must be a finite number")
         if isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_ARG_INT:
-            raise ValueError(
+            raise ConfigError(
                 f"{type(args).__name__}.{f.name} = {v:,} is beyond any model's size (at most {MAX_ARG_INT:,})"
             )
     return args
@@ -161,11 +162,11 @@ def make_model_args(name: str, flavor: str, **overrides: Any) -> Any:
     """The flavor's args with ``overrides`` applied (each must be a field of the args class)."""
     spec = get_model_spec(name)
     if flavor not in spec.flavors:
-        raise KeyError(f"unknown flavor {flavor!r} for model {name!r}; available: {', '.join(spec.flavors)}")
+        raise UnknownNameError(f"unknown flavor {flavor!r} for model {name!r}; available: {', '.join(spec.flavors)}")
     fields = {f.name for f in dataclasses.fields(spec.args_cls)}
     unknown = sorted(set(overrides) - fields)
     if unknown:
-        raise KeyError(f"unknown model args for {name!r}: {', '.join(unknown)}")
+        raise UnknownNameError(f"unknown model args for {name!r}: {', '.join(unknown)}")
     return check_model_args(dataclasses.replace(spec.flavors[flavor], **overrides))
 
 
@@ -176,14 +177,14 @@ def model_args_for(section: Any, vocab_size: int) -> Any:
     if "vocab_size" not in overrides:
         overrides["vocab_size"] = vocab_size
     elif overrides["vocab_size"] < vocab_size:
-        raise ValueError(
+        raise ConfigError(
             f"model.vocab_size={overrides['vocab_size']} is smaller than the tokenizer's vocabulary ({vocab_size})"
         )
     try:
         return make_model_args(section.name, section.flavor, **overrides)
     except ValueError as e:
         given = ", ".join(f"model.{k}={v}" for k, v in section.overrides.items())
-        raise ValueError(
+        raise ConfigError(
             f"invalid [model] {section.name}/{section.flavor}{' with ' + given if given else ''}: {e}"
         ) from None
 
@@ -193,7 +194,7 @@ def check_seq_len(args: Any, seq_len: int) -> None:
     two keys named, instead of at the first forward pass."""
     max_len = args.max_seq_len
     if seq_len > max_len:
-        raise ValueError(
+        raise ConfigError(
             f"training.seq_len={seq_len} is longer than the model's max_seq_len={max_len} (model.max_seq_len, "
             "the length of its rotary table): lower training.seq_len or raise model.max_seq_len"
         )
@@ -234,14 +235,14 @@ def adopt_seed_args(
     """
     fields = {f.name for f in dataclasses.fields(args)}
     if unknown := sorted(set(seed_args) - fields):
-        raise ValueError(f"{seed} has model args unknown to this titanlite: {', '.join(unknown)}")
+        raise ConfigError(f"{seed} has model args unknown to this titanlite: {', '.join(unknown)}")
     differ = {k: v for k, v in seed_args.items() if k not in run_args and getattr(args, k) != v}
     if conflicts := [k for k in differ if k in explicit]:
         try:
             seed_full = check_model_args(dataclasses.replace(args, **differ))
             kept = dataclasses.replace(seed_full, **{k: getattr(args, k) for k in conflicts})
         except (TypeError, ValueError) as e:
-            raise ValueError(f"{seed} has invalid model args ({one_line(e)})") from None
+            raise ConfigError(f"{seed} has invalid model args ({one_line(e)})") from None
         if same_model is None or not same_model(kept, seed_full):
             _conflict_error(args, differ, conflicts[0], seed_full, same_shapes, seed)
         differ = {k: v for k, v in differ.items() if k not in explicit}  # the config's values mean the same
@@ -250,7 +251,7 @@ def adopt_seed_args(
     try:
         adopted = check_model_args(dataclasses.replace(args, **differ))
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{seed} has invalid model args ({one_line(e)})") from None
+        raise ConfigError(f"{seed} has invalid model args ({one_line(e)})") from None
     return adopted, differ
 
 
@@ -266,9 +267,9 @@ def _conflict_error(args: Any, differ: dict, key: str, seed_full: Any, same_shap
 
     shape_keys = [k for k in differ if sets_shape(k)]
     if key not in shape_keys:
-        raise ValueError(f"{what}: drop model.{key} to train with the checkpoint's value")
+        raise ConfigError(f"{what}: drop model.{key} to train with the checkpoint's value")
     values = ", ".join(f"model.{k}={_toml(differ[k])}" for k in shape_keys)
-    raise ValueError(f"{what}, which gives other tensor shapes: set {values} (the checkpoint's)")
+    raise ConfigError(f"{what}, which gives other tensor shapes: set {values} (the checkpoint's)")
 
 
 def _toml(v: Any) -> str:

@@ -9,6 +9,8 @@ import math
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
+from titanlite.errors import ConfigError
+
 
 def lr_factor(
     step: int,
@@ -41,7 +43,7 @@ def lr_factor(
     elif decay_type == "sqrt":
         shape = 1.0 - math.sqrt(progress)
     else:
-        raise ValueError(f"unknown decay_type {decay_type!r}; expected linear, cosine or sqrt")
+        raise ConfigError(f"unknown decay_type {decay_type!r}; expected linear, cosine or sqrt")
     return min_lr_factor + (1.0 - min_lr_factor) * shape
 
 

@@ -31,6 +31,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
+from titanlite.errors import ConfigError
+
 aten = torch.ops.aten
 MODES = ("none", "full", "selective")
 
@@ -68,7 +70,7 @@ class ActivationCheckpoint:
 
     def __init__(self, mode: str = "none", selective_ac_option: str = "op"):
         if mode not in MODES:
-            raise ValueError(f"activation_checkpoint.mode={mode!r} must be one of {', '.join(MODES)}")
+            raise ConfigError(f"activation_checkpoint.mode={mode!r} must be one of {', '.join(MODES)}")
         self.mode = mode
         self.every = None  # checkpoint every N-th block (selective, integer option)
         self.per_op = False
@@ -79,7 +81,7 @@ class ActivationCheckpoint:
             elif option.isdigit() and int(option) >= 1:
                 self.every = int(option)
             else:
-                raise ValueError(
+                raise ConfigError(
                     f"activation_checkpoint.selective_ac_option={selective_ac_option!r} must be "
                     "'op' or a positive integer N (checkpoint every N-th block)"
                 )

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from titanlite.errors import ConfigError
 from titanlite.parallel.parallel_dims import ParallelDims
 from titanlite.parallel.pipeline import ModelParts, PipelinePlan
 from titanlite.parallel.policies import Policies
@@ -41,13 +42,13 @@ logger = logging.getLogger(__name__)
 def check_parallelizable(spec: Any, dims: ParallelDims) -> None:
     """A family without a parallelize function trains on one process only; without a pipelining one, unpipelined."""
     if spec.parallelize_fn is None and (dims.dp_degree > 1 or dims.tp > 1 or dims.pp > 1):
-        raise ValueError(
+        raise ConfigError(
             f"model family {spec.name!r} has no parallelize function, so it trains on one process only "
             f"(asked: data-parallel degree {dims.dp_degree}, tensor-parallel degree {dims.tp}, "
             f"pipeline-parallel degree {dims.pp})"
         )
     if dims.pp > 1 and getattr(spec, "pipeline_fn", None) is None:
-        raise ValueError(
+        raise ConfigError(
             f"model family {spec.name!r} has no pipelining function (ModelSpec.pipeline_fn), so "
             f"parallelism.pipeline_parallel_degree must be 1 (asked: {dims.pp})"
         )

@@ -38,6 +38,8 @@ import torch._functorch.config
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from titanlite.errors import ConfigError
+
 # Modules of a decoder besides its blocks that "model" compiles, by attribute name (absent or None: skipped)
 END_MODULES = ("tok_embeddings", "norm")
 
@@ -46,7 +48,7 @@ class CompilePolicy:
     def __init__(self, enable: bool = False, components: Sequence[str] = ("model", "loss")):
         unknown = sorted(set(components) - {"model", "loss"})
         if unknown:
-            raise ValueError(f"compile.components: unknown component(s) {', '.join(unknown)}; use model, loss")
+            raise ConfigError(f"compile.components: unknown component(s) {', '.join(unknown)}; use model, loss")
         self.model = enable and "model" in components
         self.loss = enable and "loss" in components
 

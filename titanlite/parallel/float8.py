@@ -66,6 +66,8 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
 
+from titanlite.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 E4M3 = torch.float8_e4m3fn
@@ -224,7 +226,7 @@ class Float8Linear(nn.Linear):
     def from_linear(cls, linear: nn.Linear, recipe: str = "tensorwise") -> Float8Linear:
         """A Float8Linear sharing ``linear``'s parameter objects (works on the meta device)."""
         if recipe not in RECIPES:
-            raise ValueError(f"float8 recipe {recipe!r}: expected one of {', '.join(RECIPES)}")
+            raise ConfigError(f"float8 recipe {recipe!r}: expected one of {', '.join(RECIPES)}")
         new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
         new.weight = linear.weight
         new.bias = linear.bias
@@ -330,24 +332,24 @@ class Float8Policy:
         if not self.enable:
             return None
         if tp_degree > 1 and self.enable_fsdp_float8_all_gather:
-            raise ValueError(
+            raise ConfigError(
                 f"quantize.linear.float8.enable_fsdp_float8_all_gather is not supported with tensor_parallel_degree="
                 f"{tp_degree}: the gathered weight would be a tensor-parallel DTensor, whose _scaled_mm takes plain "
                 "float8 operands; disable one of them"
             )
         if tp_degree > 1 and self.recipe_name != "tensorwise":
-            raise ValueError(
+            raise ConfigError(
                 f"quantize.linear.float8.recipe_name = {self.recipe_name!r} is not supported with "
                 f"tensor_parallel_degree={tp_degree}: per-row scales of sharded operands make DTensor move float8 "
                 "tensors between ranks, which titanlite does not test (gloo cannot); use 'tensorwise' with TP"
             )
         if tp_degree > 1 and not dtensor_supports_scaled_mm():
-            raise ValueError(
+            raise ConfigError(
                 f"quantize.linear.float8 with tensor_parallel_degree={tp_degree} needs DTensor "
                 f"support for torch._scaled_mm, which torch {torch.__version__} lacks; disable one of them"
             )
         if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
-            raise ValueError(
+            raise ConfigError(
                 f"quantize.linear.float8 needs a GPU with float8 tensor cores (SM 8.9+: Ada, Hopper or later); "
                 f"{torch.cuda.get_device_name()} has SM {'.'.join(map(str, torch.cuda.get_device_capability()))}"
             )

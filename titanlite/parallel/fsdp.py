@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
+from titanlite.errors import ConfigError
 from titanlite.parallel.float8_fsdp import wrap_float8_weights
 
 RESHARD_CHOICES = ("default", "always", "never")
@@ -43,7 +44,7 @@ class FSDPPolicy:
         float8_all_gather: bool = False,
     ):
         if reshard_after_forward not in RESHARD_CHOICES:
-            raise ValueError(
+            raise ConfigError(
                 f"parallelism.fsdp_reshard_after_forward={reshard_after_forward!r} must be one of "
                 f"{', '.join(RESHARD_CHOICES)}"
             )

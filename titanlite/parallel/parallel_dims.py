@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from titanlite.errors import ConfigError
 from titanlite.utils import torch_compat
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -62,17 +63,17 @@ class ParallelDims:
         for name in MESH_DIMS:
             value = getattr(self, name)
             if value < 1 and not (name == "dp_shard" and value == -1):
-                raise ValueError(
+                raise ConfigError(
                     f"{_KEYS[name]}={value} must be >= 1"
                     + (" (or -1 for the rest of the world)" if name == "dp_shard" else "")
                 )
         if self.world_size < 1:
-            raise ValueError(f"WORLD_SIZE={self.world_size} must be >= 1")
+            raise ConfigError(f"WORLD_SIZE={self.world_size} must be >= 1")
         if self.dp_shard == -1:
             other = self.pp * self.dp_replicate * self.tp
             if self.world_size % other:
                 pp = f"{_KEYS['pp']} ({self.pp}) x " if self.pp > 1 else ""
-                raise ValueError(
+                raise ConfigError(
                     f"{pp}{_KEYS['dp_replicate']} ({self.dp_replicate}) x {_KEYS['tp']} ({self.tp}) = {other} "
                     f"does not divide the number of processes (WORLD_SIZE={self.world_size})"
                 )
@@ -80,13 +81,13 @@ class ParallelDims:
         product = self.pp * self.dp_replicate * self.dp_shard * self.tp
         if product != self.world_size:
             pp = f"pipeline_parallel_degree ({self.pp}) x " if self.pp > 1 else ""
-            raise ValueError(
+            raise ConfigError(
                 f"parallelism degrees must multiply to the number of processes: {pp}data_parallel_replicate_degree "
                 f"({self.dp_replicate}) x data_parallel_shard_degree ({self.dp_shard}) x tensor_parallel_degree "
                 f"({self.tp}) = {product}, but WORLD_SIZE={self.world_size}"
             )
         if self.ep < 1 or self.dp_shard % self.ep:
-            raise ValueError(
+            raise ConfigError(
                 f"{_KEYS['ep']}={self.ep} must divide {_KEYS['dp_shard']} ({self.dp_shard}): the experts are "
                 "sharded over a part of the data-parallel shard dimension"
             )
@@ -142,7 +143,7 @@ class ParallelDims:
             return
         for name, size in sizes.items():
             if size % self.tp:
-                raise ValueError(f"{_KEYS['tp']}={self.tp} must divide {name} ({size})")
+                raise ConfigError(f"{_KEYS['tp']}={self.tp} must divide {name} ({size})")
 
     # ---- mesh
     def build_mesh(self, device_type: str) -> DeviceMesh | None:

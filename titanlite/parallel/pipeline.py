@@ -42,6 +42,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
+from titanlite.errors import ConfigError
 from titanlite.parallel.pipeline_schedules import (
     MULTI_STAGE_SCHEDULES,
     V_SCHEDULES,
@@ -73,13 +74,13 @@ def _sizes_from_split_points(points: Sequence[str], n_layers: int) -> list[int]:
     for p in points:
         m = re.fullmatch(r"layers\.(\d+)", p)
         if m is None or not 0 < int(m.group(1)) < n_layers:
-            raise ValueError(
+            raise ConfigError(
                 f"{_KEY}_split_points: {p!r} must name a block that starts a stage, 'layers.<i>' with 0 < i < "
                 f"{n_layers} (model.n_layers)"
             )
         starts.append(int(m.group(1)))
     if starts != sorted(set(starts)):
-        raise ValueError(f"{_KEY}_split_points {list(points)} must be strictly increasing")
+        raise ConfigError(f"{_KEY}_split_points {list(points)} must be strictly increasing")
     bounds = [0, *starts, n_layers]
     return [b - a for a, b in zip(bounds, bounds[1:])]
 
@@ -98,18 +99,18 @@ class PipelinePlan:
         """From ``[parallelism]``; ``ValueError`` (one line) for a split or schedule that cannot work."""
         pp, name = section.pipeline_parallel_degree, section.pipeline_parallel_schedule
         if name not in SCHEDULES:
-            raise ValueError(f"{_KEY}_schedule={name!r} must be one of {', '.join(SCHEDULES)}")
+            raise ConfigError(f"{_KEY}_schedule={name!r} must be one of {', '.join(SCHEDULES)}")
         per_rank = 2 if is_multi_stage(name) else 1
         if section.pipeline_parallel_split_points:
             sizes = _sizes_from_split_points(section.pipeline_parallel_split_points, n_layers)
             source = f"{_KEY}_split_points ({len(sizes)} stages)"
         elif (lps := section.pipeline_parallel_layers_per_stage) > 0:
             if n_layers % lps:
-                raise ValueError(f"{_KEY}_layers_per_stage={lps} does not divide model.n_layers ({n_layers})")
+                raise ConfigError(f"{_KEY}_layers_per_stage={lps} does not divide model.n_layers ({n_layers})")
             sizes, source = [lps] * (n_layers // lps), f"{_KEY}_layers_per_stage={lps} ({n_layers // lps} stages)"
         else:
             if n_layers < pp * per_rank:
-                raise ValueError(
+                raise ConfigError(
                     f"model.n_layers ({n_layers}) cannot be split into {pp * per_rank} pipeline stages "
                     f"({_KEY}_degree={pp} x {per_rank} per rank for {name})"
                 )
@@ -131,24 +132,24 @@ class PipelinePlan:
         pp, s, name, m = self.degree, self.num_stages, self.schedule, self.n_microbatches
         what = source or f"{s} stages"
         if any(n < 1 for n in self.stage_sizes):
-            raise ValueError(f"{what}: every pipeline stage needs at least one block")
+            raise ConfigError(f"{what}: every pipeline stage needs at least one block")
         if not is_multi_stage(name) and s != pp:
-            raise ValueError(
+            raise ConfigError(
                 f"{_KEY}_schedule={name} runs one stage per rank, so it needs {pp} stages ({_KEY}_degree), "
                 f"but {what}; use Interleaved1F1B or InterleavedZeroBubble for several stages per rank"
             )
         if is_multi_stage(name) and (s % pp or s < 2 * pp):
-            raise ValueError(
+            raise ConfigError(
                 f"{_KEY}_schedule={name} needs virtual stages: a multiple of {_KEY}_degree ({pp}) and at least 2 per "
                 f"rank ({2 * pp}), but {what}"
             )
         if name in V_SCHEDULES and s != 2 * pp:
-            raise ValueError(f"{_KEY}_schedule={name} needs exactly 2 stages per rank ({2 * pp}), but {what}")
+            raise ConfigError(f"{_KEY}_schedule={name} needs exactly 2 stages per rank ({2 * pp}), but {what}")
         mb = "microbatches (training.local_batch_size / parallelism.pipeline_parallel_microbatch_size)"
         if name in ("1F1B", "DualPipeV") and m < s:
-            raise ValueError(f"{_KEY}_schedule={name} needs at least as many {mb} as stages ({s}), got {m}")
+            raise ConfigError(f"{_KEY}_schedule={name} needs at least as many {mb} as stages ({s}), got {m}")
         if name in ("Interleaved1F1B", "InterleavedZeroBubble") and m % max(1, m // pp):
-            raise ValueError(
+            raise ConfigError(
                 f"{_KEY}_schedule={name} needs a number of {mb} divisible by its rounds (max(1, {m} // {pp})), got {m}"
             )
 
@@ -216,7 +217,7 @@ def check_ties(model: nn.Module, stage_of: dict[str, int]) -> None:
     for names in owners.values():
         stages = {stage_of.get(_top_module(n)) for n in names}
         if len(stages) > 1:
-            raise ValueError(
+            raise ConfigError(
                 f"{' and '.join(names)} are one tied parameter but fall in different pipeline stages "
                 f"({', '.join(str(s) for s in sorted(stages, key=str))}); pipeline stages do not synchronize shared "
                 "weights (torchtitan refuses this too): set model.tie_word_embeddings = false or "

@@ -4,6 +4,8 @@ run planner."""
 
 from __future__ import annotations
 
+from titanlite.errors import ConfigError
+
 # torch.distributed.pipelining schedules by their torchtitan names (as [parallelism] pipeline_parallel_schedule)
 PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -14,14 +16,14 @@ ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 def check_pipeline(schedule: str, local_batch_size: int, microbatch_size: int, stage_sizes: tuple[int, ...]) -> None:
     """The planner's own checks of a pipeline setup (the trainer's full ones are ``PipelinePlan.check``)."""
     if schedule not in PIPELINE_SCHEDULES:
-        raise ValueError(f"pipeline schedule {schedule!r} must be one of {', '.join(PIPELINE_SCHEDULES)}")
+        raise ConfigError(f"pipeline schedule {schedule!r} must be one of {', '.join(PIPELINE_SCHEDULES)}")
     if microbatch_size < 1 or local_batch_size % microbatch_size:
-        raise ValueError(
+        raise ConfigError(
             f"local_batch_size ({local_batch_size}) must be a multiple of the pipeline microbatch size "
             f"({microbatch_size})"
         )
     if any(n < 1 for n in stage_sizes):
-        raise ValueError(f"every pipeline stage needs at least one block, got {list(stage_sizes)}")
+        raise ConfigError(f"every pipeline stage needs at least one block, got {list(stage_sizes)}")
 
 
 def pipeline_bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
@@ -42,7 +44,7 @@ def pipeline_bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float
     tests/plan/test_planner.py replays torch's own action orders in the unit model and finds these values.
     """
     if schedule not in PIPELINE_SCHEDULES:
-        raise ValueError(f"pipeline schedule {schedule!r} must be one of {', '.join(PIPELINE_SCHEDULES)}")
+        raise ConfigError(f"pipeline schedule {schedule!r} must be one of {', '.join(PIPELINE_SCHEDULES)}")
     if p <= 1:
         return 0.0
     if schedule in ZERO_BUBBLE_SCHEDULES:
@@ -95,4 +97,4 @@ def microbatches_in_flight(schedule: str, p: int, m: int, v: int, rank: int) -> 
         return min(2 * p, m + rank + 1, 2 * m)
     if schedule == "DualPipeV":
         return min(2 * p + 1, 2 * m)
-    raise ValueError(f"pipeline schedule {schedule!r} must be one of {', '.join(PIPELINE_SCHEDULES)}")
+    raise ConfigError(f"pipeline schedule {schedule!r} must be one of {', '.join(PIPELINE_SCHEDULES)}")

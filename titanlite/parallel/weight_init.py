@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from titanlite.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 MODES = ("auto", "sharded", "rank0")
@@ -30,7 +32,7 @@ MODES = ("auto", "sharded", "rank0")
 def resolve_weight_init(mode: str, sharded: bool, device_type: str) -> str:
     """``"local"`` (plain init, unsharded model), ``"sharded"`` or ``"rank0"``."""
     if mode not in MODES:
-        raise ValueError(f"parallelism.weight_init={mode!r} must be one of {', '.join(MODES)}")
+        raise ConfigError(f"parallelism.weight_init={mode!r} must be one of {', '.join(MODES)}")
     if not sharded:
         return "local"
     if mode == "auto":

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from titanlite.errors import ConfigError
 from titanlite.utils import torch_compat
 
 GB = 1e9
@@ -38,7 +39,7 @@ def resolve_world_size(cfg) -> tuple[int, str]:
     if par.data_parallel_shard_degree > 0:
         n = par.data_parallel_replicate_degree * par.data_parallel_shard_degree * par.tensor_parallel_degree
         return n, "the product of the parallel degrees"
-    raise ValueError(
+    raise ConfigError(
         "dry run: the world size is not stated; pass --job.dry_run_world_size N (or set [job] world_size, "
         "or an explicit parallelism.data_parallel_shard_degree)"
     )

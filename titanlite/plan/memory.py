@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from titanlite.errors import ConfigError
 from titanlite.models.flops import ModelShape, block_matmul_params, block_params, param_count
 from titanlite.parallel.pipeline_schedules import (
     MULTI_STAGE_SCHEDULES,
@@ -72,25 +73,25 @@ class RunSetup:
 
     def __post_init__(self) -> None:
         if self.num_gpus < 1 or self.num_gpus % (self.tp * self.dp_replicate * self.pp):
-            raise ValueError(
+            raise ConfigError(
                 f"{self.num_gpus} GPUs are not divisible by tensor_parallel_degree ({self.tp}) x "
                 f"data_parallel_replicate_degree ({self.dp_replicate}) x pipeline_parallel_degree ({self.pp})"
             )
         if self.pp > 1:
             check_pipeline(self.pp_schedule, self.local_batch_size, self.pp_microbatch_size, self.pp_stage_sizes)
         if self.global_batch_size != -1 and self.global_batch_size % (self.local_batch_size * self.dp_degree):
-            raise ValueError(
+            raise ConfigError(
                 f"global_batch_size {self.global_batch_size} is not a multiple of local_batch_size "
                 f"({self.local_batch_size}) x data-parallel degree ({self.dp_degree})"
             )
         if self.ep < 1 or self.dp_shard % self.ep:
-            raise ValueError(
+            raise ConfigError(
                 f"expert_parallel_degree ({self.ep}) must divide the data-parallel shard degree ({self.dp_shard})"
             )
         if self.ac_mode not in ("none", "full", "selective"):
-            raise ValueError(f"unknown activation checkpointing mode {self.ac_mode!r}")
+            raise ConfigError(f"unknown activation checkpointing mode {self.ac_mode!r}")
         if self.compute_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"compute dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
+            raise ConfigError(f"compute dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
 
     @property
     def dp_degree(self) -> int:
@@ -217,9 +218,9 @@ def stage_shares(s: ModelShape, setup: RunSetup) -> list[StageShare]:
     """Each pipeline rank's share of the model and of the schedule (one share, everything, without pipelining)."""
     sizes = setup.stage_sizes(s.n_layers)
     if sum(sizes) != s.n_layers:
-        raise ValueError(f"pipeline stage sizes {list(sizes)} do not add up to n_layers ({s.n_layers})")
+        raise ConfigError(f"pipeline stage sizes {list(sizes)} do not add up to n_layers ({s.n_layers})")
     if len(sizes) % setup.pp:
-        raise ValueError(f"{len(sizes)} pipeline stages are not a multiple of pipeline_parallel_degree ({setup.pp})")
+        raise ConfigError(f"{len(sizes)} pipeline stages are not a multiple of pipeline_parallel_degree ({setup.pp})")
     p, m, v = setup.pp, setup.n_microbatches, len(sizes) // setup.pp
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     shares = []

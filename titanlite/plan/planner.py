@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from titanlite.errors import ConfigError
 from titanlite.models.flops import ModelShape, active_param_count, flops_per_token, param_count
 from titanlite.parallel.pipeline_schedules import pipeline_bubble_fraction
 from titanlite.plan.memory import RunSetup, memory_breakdown, stage_shares
@@ -50,7 +51,7 @@ def check_absurd_size(s: ModelShape, setup: RunSetup, device_bytes: float, devic
     if mem["total"] <= ABSURD_FACTOR * device_bytes:
         return
     weights = mem["parameters"] + mem["gradients"] + mem["optimizer"]
-    raise ValueError(
+    raise ConfigError(
         f"this run needs about {mem['total'] / 1e9:,.4g} GB per {device} device (planner estimate: parameters, "
         f"gradients and optimizer {weights / 1e9:,.4g} GB, activations {mem['activations'] / 1e9:,.4g} GB, logits "
         f"{mem['logits'] / 1e9:,.4g} GB), more than {ABSURD_FACTOR:g} x its {device_bytes / 1e9:,.1f} GB: check the "
@@ -98,9 +99,9 @@ def estimate_run(
     bubble (:func:`pipeline_bubble_fraction`), so the wall time is the compute time / (1 - bubble) and the
     run's overall MFU is ``mfu x (1 - bubble)``. The memory is the worst pipeline rank's."""
     if tokens <= 0:
-        raise ValueError(f"token target must be positive, got {tokens}")
+        raise ConfigError(f"token target must be positive, got {tokens}")
     if not 0 < mfu <= 1:
-        raise ValueError(f"MFU must be in (0, 1], got {mfu}")
+        raise ConfigError(f"MFU must be in (0, 1], got {mfu}")
     fpt = flops_per_token_ or flops_per_token(s, setup.seq_len)
     steps = math.ceil(tokens / setup.tokens_per_step)
     trained = steps * setup.tokens_per_step

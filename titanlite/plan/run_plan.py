@@ -19,6 +19,8 @@ import math
 from collections.abc import Sequence
 from fractions import Fraction
 
+from titanlite.errors import ConfigError
+
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
@@ -64,7 +66,7 @@ class RunPlan:
 
 
 def _fail(msg: str) -> None:
-    raise ValueError(msg)
+    raise ConfigError(msg)
 
 
 def stage_batch(i: int, spec: dict, seq_len: int, local_batch_size: int, dp: int, accum: int) -> tuple[int, int, int]:

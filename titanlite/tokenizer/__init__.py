@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
+from titanlite.errors import TokenizerError
 from titanlite.tokenizer.hf import (
     byte_level_bytes,
     check_every_byte,
@@ -183,11 +184,11 @@ def load_tiktoken_ranks(path: str) -> dict[bytes, int]:
         with open(path, "rb") as f:
             data = f.read()  # for the line count below and the error messages
     except FileNotFoundError:
-        raise ValueError(f"{path}: tokenizer file not found") from None
+        raise TokenizerError(f"{path}: tokenizer file not found") from None
     except IsADirectoryError:
-        raise ValueError(f"{path}: tokenizer path is a directory, expected a tiktoken BPE file") from None
+        raise TokenizerError(f"{path}: tokenizer path is a directory, expected a tiktoken BPE file") from None
     except OSError as e:
-        raise ValueError(f"{path}: cannot read tokenizer file: {e.strerror or e}") from None
+        raise TokenizerError(f"{path}: cannot read tokenizer file: {e.strerror or e}") from None
     # tiktoken 0.14's read_file_cached opens a path without "://" itself (nothing is downloaded), but
     # it also copies the file into $TIKTOKEN_CACHE_DIR (default <tmp>/data-gym-cache) under a key made
     # from the path alone, and without expected_hash it later returns that copy unchecked, even after
@@ -204,11 +205,11 @@ def load_tiktoken_ranks(path: str) -> dict[bytes, int]:
         if saved is not None:
             os.environ["TIKTOKEN_CACHE_DIR"] = saved
     if ranks == {}:
-        raise ValueError(f"{path}: empty tokenizer file (no '<base64 token> <rank>' lines)")
+        raise TokenizerError(f"{path}: empty tokenizer file (no '<base64 token> <rank>' lines)")
     # One entry per line (two fields each: no token repeated), ranks 0, 1, 2, ... in line order.
     in_order = ranks is not None and list(ranks.values()) == list(range(len(ranks)))
     if not in_order or len(data.split()) != 2 * len(ranks) or b"" in ranks or data.translate(None, _FILE_BYTES):
-        raise ValueError(_first_bad_line(path, data))
+        raise TokenizerError(_first_bad_line(path, data))
     check_every_byte(path, ranks, "a byte-level BPE file needs one for every byte")
     return ranks
 
@@ -291,7 +292,7 @@ def build_hf_tokenizer(path: str, file: str) -> Tokenizer:
             encoding = tiktoken.Encoding(name, **kwargs)
         encoding.encode_ordinary("a 1")  # the regex compiles lazily in some tiktoken versions
     except ValueError as e:
-        raise ValueError(f"{file}: tiktoken cannot use its pre-tokenizer regex: {str(e).splitlines()[0]}") from None
+        raise TokenizerError(f"{file}: tiktoken cannot use its pre-tokenizer regex: {str(e).splitlines()[0]}") from None
     bos, has_bos = spec.bos_token or spec.eos_token, spec.bos_token is not None
     return Tokenizer(encoding, name=name, path=path, bos=bos, eos=spec.eos_token, has_bos=has_bos)
 

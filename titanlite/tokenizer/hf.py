@@ -24,6 +24,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from titanlite.errors import TokenizerError
 from titanlite.tokenizer.hf_regex import oniguruma_to_tiktoken
 from titanlite.utils.nesting import load_json
 
@@ -80,7 +81,7 @@ def resolve_tokenizer_file(path: str) -> str:
     for name in ("tokenizer.json", os.path.join("original", "tokenizer.model")):
         if os.path.isfile(os.path.join(path, name)):
             return os.path.join(path, name)
-    raise ValueError(
+    raise TokenizerError(
         f"{path}: tokenizer path is a folder without tokenizer.json or original/tokenizer.model "
         "(expected a tiktoken file, a tokenizer.json or an HF model folder)"
     )
@@ -100,13 +101,13 @@ def _read_json(path: str) -> dict:
         with open(path, encoding="utf-8") as f:
             data = load_json(f)
     except FileNotFoundError:
-        raise ValueError(f"{path}: tokenizer file not found") from None
+        raise TokenizerError(f"{path}: tokenizer file not found") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: cannot read tokenizer file: {e}") from None
+        raise TokenizerError(f"{path}: cannot read tokenizer file: {e}") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+        raise TokenizerError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+        raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
 
 
@@ -116,19 +117,19 @@ def load_hf_tokenizer(path: str) -> HFTokenizerSpec:
     model = data.get("model")
     if not isinstance(model, dict) or model.get("type", "BPE" if "merges" in (model or {}) else None) != "BPE":
         kind = model.get("type") if isinstance(model, dict) else model
-        raise ValueError(f"{path}: model type {kind!r} cannot be represented by tiktoken (only byte-level BPE)")
+        raise TokenizerError(f"{path}: model type {kind!r} cannot be represented by tiktoken (only byte-level BPE)")
     normalizer = _normalizer(path, data.get("normalizer"))
     pat_str = _pattern(path, data.get("pre_tokenizer"))
     _check_bpe_options(path, model)
     specials, matched = _added_tokens(path, data.get("added_tokens") or [])
     vocab = model.get("vocab")
     if not isinstance(vocab, dict) or not vocab:
-        raise ValueError(f"{path}: model.vocab must be a non-empty object of token -> id")
+        raise TokenizerError(f"{path}: model.vocab must be a non-empty object of token -> id")
     _refuse_renumbered_added_tokens(path, specials, vocab)
     # A special token trained into the vocabulary (same text, same id) is only a special token.
     ranks = _ranks(path, {t: i for t, i in vocab.items() if specials.get(t) != i})
     if clash := sorted(set(ranks.values()) & set(specials.values())):
-        raise ValueError(f"{path}: id {clash[0]} is both a vocab token and an added token with other text")
+        raise TokenizerError(f"{path}: id {clash[0]} is both a vocab token and an added token with other text")
     _check_merges(path, model, ranks)
     bos, eos = _bos_eos(path, specials)
     return HFTokenizerSpec(ranks, pat_str, specials, bos, eos, normalizer, matched)
@@ -144,7 +145,7 @@ def _normalizer(path: str, spec) -> str | None:
         return None
     if len(kinds) == 1 and kinds[0] in _NORMALIZERS:
         return kinds[0]
-    raise ValueError(f"{path}: normalizer {'+'.join(map(str, kinds))} cannot be represented by tiktoken")
+    raise TokenizerError(f"{path}: normalizer {'+'.join(map(str, kinds))} cannot be represented by tiktoken")
 
 
 def _pattern(path: str, spec) -> str:
@@ -155,22 +156,26 @@ def _pattern(path: str, spec) -> str:
     byte_level = steps[-1] if kinds and kinds[-1] == "ByteLevel" else None
     if byte_level is None or len(steps) > 2 or (len(steps) == 2 and kinds[0] != "Split"):
         shown = "+".join(map(str, kinds))
-        raise ValueError(
+        raise TokenizerError(
             f"{path}: pre-tokenizer {shown} is not byte-level ([Split +] ByteLevel); tiktoken cannot run it"
         )
     if byte_level.get("add_prefix_space"):
-        raise ValueError(f"{path}: ByteLevel add_prefix_space=true cannot be represented by tiktoken")
+        raise TokenizerError(f"{path}: ByteLevel add_prefix_space=true cannot be represented by tiktoken")
     if len(steps) == 1:
         if not byte_level.get("use_regex", True):
-            raise ValueError(f"{path}: ByteLevel without a regex leaves text unsplit; tiktoken cannot do that")
+            raise TokenizerError(f"{path}: ByteLevel without a regex leaves text unsplit; tiktoken cannot do that")
         return GPT2_PAT_STR
     split = steps[0]
     if byte_level.get("use_regex", True):
-        raise ValueError(f"{path}: a Split followed by ByteLevel(use_regex=true) splits twice; tiktoken splits once")
+        raise TokenizerError(
+            f"{path}: a Split followed by ByteLevel(use_regex=true) splits twice; tiktoken splits once"
+        )
     pattern = split.get("pattern")
     regex = pattern.get("Regex") if isinstance(pattern, dict) else None
     if not isinstance(regex, str) or split.get("behavior") != "Isolated" or split.get("invert"):
-        raise ValueError(f"{path}: only a Split with a Regex pattern, behavior Isolated and invert=false is supported")
+        raise TokenizerError(
+            f"{path}: only a Split with a Regex pattern, behavior Isolated and invert=false is supported"
+        )
     regex = oniguruma_to_tiktoken(path, regex)
     # HF keeps the text between matches as pieces of their own; tiktoken would drop it. The second branch
     # takes such a gap: characters where the regex does not match, up to where it matches again.
@@ -187,7 +192,7 @@ def _check_bpe_options(path: str, model: dict) -> None:
     }
     for key, off in neutral.items():
         if model.get(key) not in off:
-            raise ValueError(f"{path}: BPE {key}={model.get(key)!r} cannot be represented by tiktoken")
+            raise TokenizerError(f"{path}: BPE {key}={model.get(key)!r} cannot be represented by tiktoken")
 
 
 MAX_ID = 2**31 - 1  # tiktoken's ranks are 32-bit, and no vocabulary comes near (an id of 1e15 overflowed)
@@ -203,17 +208,17 @@ def _ranks(path: str, vocab: dict) -> dict[bytes, int]:
     ranks: dict[bytes, int] = {}
     for token, i in vocab.items():
         if not _is_id(i):
-            raise ValueError(f"{path}: vocab id of {token!r} must be an integer in [0, {MAX_ID:,}], got {i!r}")
+            raise TokenizerError(f"{path}: vocab id of {token!r} must be an integer in [0, {MAX_ID:,}], got {i!r}")
         try:
             ranks[bytes(decode[c] for c in token)] = i
         except KeyError:
             bad = next(c for c in token if c not in decode)
-            raise ValueError(
+            raise TokenizerError(
                 f"{path}: vocab token {token!r} (id {i}) has {bad!r}, which is not in the byte-level alphabet; "
                 "not a byte-level BPE vocabulary"
             ) from None
     if len(set(ranks.values())) != len(ranks):
-        raise ValueError(f"{path}: vocab gives the same id to two tokens")
+        raise TokenizerError(f"{path}: vocab gives the same id to two tokens")
     check_every_byte(path, ranks, "HF would drop such bytes, tiktoken cannot")
     return ranks
 
@@ -222,7 +227,7 @@ def check_every_byte(path: str, ranks: dict[bytes, int], why: str) -> None:
     """ValueError (one line) unless every byte that UTF-8 text can hold has a single-byte token."""
     if missing := [b for b in _UTF8_BYTES if bytes([b]) not in ranks]:
         shown = ", ".join(f"0x{b:02x}" for b in missing[:8]) + (", ..." if len(missing) > 8 else "")
-        raise ValueError(f"{path}: no single-byte token for {len(missing)} byte value(s) ({shown}); {why}")
+        raise TokenizerError(f"{path}: no single-byte token for {len(missing)} byte value(s) ({shown}); {why}")
 
 
 def _added_tokens(path: str, added) -> tuple[dict[str, int], dict[str, bool]]:
@@ -230,21 +235,21 @@ def _added_tokens(path: str, added) -> tuple[dict[str, int], dict[str, bool]]:
     HF matches in ordinary text, with their ``normalized`` flag. Special tokens are never matched in
     documents: titanlite's choice (HF's ``encode_special_tokens=True``)."""
     if not isinstance(added, list) or not all(isinstance(e, dict) for e in added):
-        raise ValueError(f"{path}: added_tokens must be a list of objects")
+        raise TokenizerError(f"{path}: added_tokens must be a list of objects")
     out: dict[str, int] = {}
     matched: dict[str, bool] = {}
     for entry in added:
         content, i = entry.get("content"), entry.get("id")
         if not isinstance(content, str) or not _is_id(i) or content in out or i in out.values():
-            raise ValueError(
+            raise TokenizerError(
                 f"{path}: added token {entry!r} needs a unique 'content' string and an integer 'id' in [0, {MAX_ID:,}]"
             )
         if any(entry.get(k) for k in ("lstrip", "rstrip", "single_word")):
-            raise ValueError(f"{path}: added token {content!r} has lstrip/rstrip/single_word, which tiktoken lacks")
+            raise TokenizerError(f"{path}: added token {content!r} has lstrip/rstrip/single_word, which tiktoken lacks")
         out[content] = i
         if not entry.get("special", False):
             if not content:
-                raise ValueError(f"{path}: added token id {i} is empty; HF cannot match it in text")
+                raise TokenizerError(f"{path}: added token id {i} is empty; HF cannot match it in text")
             matched[content] = bool(entry.get("normalized", True))
     return out, matched
 
@@ -266,7 +271,7 @@ def _merge_pairs(path: str, merges) -> list[tuple[str, str]]:
     for n, m in enumerate(merges or []):
         pair = tuple(m.split(" ")) if isinstance(m, str) else tuple(m) if isinstance(m, list) else ()
         if len(pair) != 2 or not all(isinstance(p, str) and p for p in pair):
-            raise ValueError(f"{path}: merge {n} is {m!r}, expected 'left right' or [left, right]")
+            raise TokenizerError(f"{path}: merge {n} is {m!r}, expected 'left right' or [left, right]")
         pairs.append(pair)
     return pairs
 
@@ -294,12 +299,12 @@ def _check_merges(path: str, model: dict, ranks: dict[bytes, int]) -> None:
         try:
             lb, rb = bytes(decode[c] for c in left), bytes(decode[c] for c in right)
         except KeyError:
-            raise ValueError(f"{path}: merge {n} ({left} {right}) is not byte-level text") from None
+            raise TokenizerError(f"{path}: merge {n} ({left} {right}) is not byte-level text") from None
         rank = ranks.get(lb + rb)
         if lb not in ranks or rb not in ranks or rank is None:
-            raise ValueError(f"{path}: merge {n} ({left} {right}) uses or makes a token not in the vocab")
+            raise TokenizerError(f"{path}: merge {n} ({left} {right}) uses or makes a token not in the vocab")
         if rank < last:
-            raise ValueError(
+            raise TokenizerError(
                 f"{path}: merge {n} ({left} {right}) makes id {rank} after a merge made id {last}; tiktoken merges "
                 "in id order, so its ids would differ from HF's"
             )
@@ -308,7 +313,7 @@ def _check_merges(path: str, model: dict, ranks: dict[bytes, int]) -> None:
     if not model.get("ignore_merges"):
         for token, i in ranks.items():
             if len(token) > 1 and token not in made:
-                raise ValueError(
+                raise TokenizerError(
                     f"{path}: vocab token id {i} is made by no merge and ignore_merges is false: HF never outputs "
                     "it, tiktoken would"
                 )
@@ -326,14 +331,16 @@ def _bos_eos(path: str, specials: dict[str, int]) -> tuple[str | None, str | Non
         bos, eos = _config_token(config.get("bos_token")), _config_token(config.get("eos_token"))
         for key, tok in (("bos_token", bos), ("eos_token", eos)):
             if tok is not None and tok not in specials:
-                raise ValueError(f"{config_path}: {key} {tok!r} is not an added token of {path}")
+                raise TokenizerError(f"{config_path}: {key} {tok!r} is not an added token of {path}")
         if eos is not None:
             return bos, eos
     if "<|end_of_text|>" in specials:
         return ("<|begin_of_text|>" if "<|begin_of_text|>" in specials else None), "<|end_of_text|>"
     if "<|endoftext|>" in specials:
         return None, "<|endoftext|>"
-    raise ValueError(f"{path}: no EOS token: tokenizer_config.json has no eos_token and no known end token is added")
+    raise TokenizerError(
+        f"{path}: no EOS token: tokenizer_config.json has no eos_token and no known end token is added"
+    )
 
 
 def tokenizer_files(path: str) -> dict[str, str]:

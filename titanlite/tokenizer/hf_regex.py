@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 import string
 
+from titanlite.errors import TokenizerError
+
 
 def oniguruma_to_tiktoken(path: str, regex: str) -> str:
     """A Split regex as HF's engine (Oniguruma, Ruby syntax) reads it, rewritten for tiktoken's (fancy-regex).
@@ -31,8 +33,8 @@ def oniguruma_to_tiktoken(path: str, regex: str) -> str:
     last: int | None = None  # where the atom a quantifier would apply to starts in ``out``
     i, n = 0, len(regex)
 
-    def refuse(construct: str, why: str) -> ValueError:
-        return ValueError(f"{path}: pre-tokenizer regex construct {construct!r} at {i}: {why}")
+    def refuse(construct: str, why: str) -> TokenizerError:
+        return TokenizerError(f"{path}: pre-tokenizer regex construct {construct!r} at {i}: {why}")
 
     while i < n:
         c = regex[i]
@@ -139,7 +141,7 @@ def _class_end(path: str, regex: str, i: int) -> int:
         j += 1
         if depth == 0:
             return j
-    raise ValueError(f"{path}: pre-tokenizer regex has an unclosed character class at {i}")
+    raise TokenizerError(f"{path}: pre-tokenizer regex has an unclosed character class at {i}")
 
 
 def _group_head(regex: str, i: int) -> tuple[str, int]:

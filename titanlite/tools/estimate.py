@@ -20,6 +20,7 @@ import sys
 import torch
 
 from titanlite.config import ConfigError
+from titanlite.errors import UserError
 from titanlite.models import get_model_spec, load_config, make_model_args
 from titanlite.models.flops import ModelShape, param_count
 from titanlite.models.registry import model_counts
@@ -76,7 +77,7 @@ def build(args: argparse.Namespace, rest: list[str]):
         stage_sizes = PipelinePlan.from_config(par, model_args.n_layers, t.local_batch_size).stage_sizes
     setup = RunSetup.from_config(cfg, args.num_gpus, stage_sizes)
     if par.data_parallel_shard_degree not in (-1, setup.dp_shard):
-        raise ValueError(
+        raise ConfigError(
             f"parallelism.data_parallel_shard_degree={par.data_parallel_shard_degree} does not fit "
             f"{args.num_gpus} GPUs with tp={setup.tp}, pp={setup.pp} and replicate={setup.dp_replicate} "
             f"(it would be {setup.dp_shard}; -1 derives it)"
@@ -213,9 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parse(sys.argv[1:] if argv is None else argv)
     try:
         cfg, shape, setup, plan = build(args, rest)
-    except (ConfigError, ValueError, KeyError) as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
     if args.json:
         out = {k: v for k, v in vars(plan).items()}
         out["num_gpus"], out["gpu"] = setup.num_gpus, args.gpu
@@ -225,9 +226,9 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.training.seq_len_schedule:
             try:
                 print(stages_report(stage_plans(args, cfg, shape, setup, plan)))
-            except (ConfigError, ValueError) as e:
+            except UserError as e:
                 print(f"error: {e}", file=sys.stderr)
-                return 2
+                return e.exit_code
     return 0
 
 

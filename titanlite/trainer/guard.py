@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from titanlite.errors import ConfigError, UserError
 from titanlite.trainer.hooks import Hook
 
 logger = logging.getLogger("titanlite.trainer.guard")
@@ -28,8 +29,11 @@ logger = logging.getLogger("titanlite.trainer.guard")
 POLICIES = ("raise", "skip_step", "rollback")
 
 
-class TrainingDivergedError(RuntimeError):
-    """A bad step under ``policy = raise``, or more bad steps than the policy tolerates."""
+class TrainingDivergedError(UserError, RuntimeError):
+    """A bad step under ``policy = raise``, or more bad steps than the policy tolerates: the run stopped as its
+    config asked (exit status 1)."""
+
+    exit_code = 1
 
 
 class SpikeDetector:
@@ -157,7 +161,7 @@ def make_policy(cfg) -> Any:
         return SkipStepPolicy(cfg.max_consecutive_skips)
     if cfg.policy == "rollback":
         return RollbackPolicy(cfg.max_rollbacks)
-    raise ValueError(f"guard.policy={cfg.policy!r} must be one of {', '.join(POLICIES)}")
+    raise ConfigError(f"guard.policy={cfg.policy!r} must be one of {', '.join(POLICIES)}")
 
 
 # ----------------------------------------------------------------------------- the guard

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from titanlite.errors import UserError
 from titanlite.trainer.wandb_logger import WandbLogger, import_wandb
 from titanlite.utils.fsio import atomic_write
 from titanlite.utils.metrics_records import parse_record
@@ -18,7 +19,7 @@ from titanlite.utils.metrics_records import parse_record
 logger = logging.getLogger(__name__)
 
 
-class DiskFullError(OSError):
+class DiskFullError(UserError, OSError):
     """No space left (ENOSPC, or EDQUOT: over quota) while writing one of a run's files. One line naming the
     file; ``python -m titanlite.train`` prints it as ``error: ...`` and exits 2, like other user errors."""
 

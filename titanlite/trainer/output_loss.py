@@ -56,6 +56,7 @@ from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Replicate
 
 from titanlite import components
+from titanlite.errors import ConfigError
 from titanlite.trainer.loss import cross_entropy_sum_and_grad
 
 logger = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ class ChunkedLoss:
         # output layer of a family's model: checked on the module, not on the family
         head = getattr(model, "output", None)
         if not isinstance(head, nn.Linear) or head.bias is not None or type(head).forward is not nn.Linear.forward:
-            raise ValueError(
+            raise ConfigError(
                 f"training.loss_chunks: the chunked loss needs {type(model).__name__}.output to be a bias-free "
                 f"nn.Linear computing F.linear (got {type(head).__name__}; a float8 output layer is not one): "
                 "set training.loss_chunks = 0 to compute the loss from the model's logits"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from titanlite.errors import ConfigError
 from titanlite.trainer.hooks import Hook
 from titanlite.utils import torch_compat
 
@@ -31,7 +32,7 @@ class Profiler:
         if cfg.enable_profiling:
             wait = cfg.profile_freq - cfg.profiler_warmup - cfg.profiler_active
             if wait < 0:
-                raise ValueError(
+                raise ConfigError(
                     f"[profiling] profiler_warmup ({cfg.profiler_warmup}) + profiler_active "
                     f"({cfg.profiler_active}) must be <= profile_freq ({cfg.profile_freq})"
                 )

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from titanlite.data.chat import chat_prompt_ids, special_id
+from titanlite.errors import ConfigError
 from titanlite.generate import check_request, compile_refusal, generate, no_cache_reason, sequence_multiple
 from titanlite.models.kv_cache import supports_cache
 from titanlite.parallel.float8 import float8_disabled
@@ -43,14 +44,14 @@ class SamplingHook(Hook):
                 self.prompt_ids = [chat_prompt_ids(tokenizer, p) for p in section.prompts]
                 self.stop_ids = (tokenizer.eos_id, special_id(tokenizer, "<|eot_id|>"))
             except ValueError as e:
-                raise ValueError(f"sampling.chat: {e}") from None
+                raise ConfigError(f"sampling.chat: {e}") from None
         else:
             self.prompt_ids = [tokenizer.encode(p, bos=True) for p in section.prompts]
             self.stop_ids = (tokenizer.eos_id,)
         try:  # now, not at the first sample after freq steps of training
             check_request(model, self.prompt_ids, section.max_new_tokens, sequence_multiple(model))
         except ValueError as e:
-            raise ValueError(f"sampling.prompts / sampling.max_new_tokens: {e}") from None
+            raise ConfigError(f"sampling.prompts / sampling.max_new_tokens: {e}") from None
         self.use_cache = supports_cache(model)  # a family without the cache protocol: samples recompute
         if not self.use_cache:
             logger.warning("sampling: %s", no_cache_reason(model))

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from titanlite.errors import ConfigError
 from titanlite.models.moe import MoEStep
 from titanlite.parallel.distributed import all_reduce_sum
 from titanlite.parallel.fsdp import sum_gradients
@@ -53,7 +54,7 @@ def grad_accum_steps(global_batch_size: int, local_batch_size: int, dp_degree: i
     if global_batch_size == -1:
         return 1
     if global_batch_size % per_pass:
-        raise ValueError(
+        raise ConfigError(
             f"training.global_batch_size={global_batch_size} must be a multiple of local_batch_size "
             f"({local_batch_size}) x data-parallel degree ({dp_degree}) = {per_pass}"
         )

@@ -25,6 +25,7 @@ from titanlite.checkpoint import CheckpointManager, layout
 from titanlite.checkpoint.hf_tokenizer_files import tokenizer_record
 from titanlite.checkpoint.seed_args import model_args_from_seed
 from titanlite.config import JobConfig, config_to_toml, dump_config
+from titanlite.errors import CheckpointError, ConfigError, UserError
 from titanlite.eval import evaluate, get_task
 from titanlite.models import get_model_spec
 from titanlite.models.flops import ModelShape, num_params
@@ -65,7 +66,7 @@ from titanlite.utils.run_lock import RunLock
 logger = logging.getLogger("titanlite")
 
 
-class ResumeError(ValueError):
+class ResumeError(CheckpointError):
     """The checkpoint cannot resume this run (e.g. the data or its windowing changed): one line at the
     command line, raised before anything (metrics, checkpoints) is touched."""
 
@@ -112,10 +113,10 @@ class Trainer(TrainerData, TrainingBuilder):
         if source := layout.model_args_source(cfg.checkpoint, cfg.job.dump_folder):  # RoPE, norm eps ... unless set
             try:
                 self.model_args = model_args_from_seed(self.spec, self.model_args, cfg.model.overrides, *source)
-            except ValueError as e:
+            except UserError as e:
                 if source[1] != layout.RESUMED:
                     raise
-                raise ValueError(f"{e}; or start a new run in another --job.dump_folder") from None
+                raise ConfigError(f"{e}; or start a new run in another --job.dump_folder") from None
         check_seq_len(self.model_args, max(t.seq_len, self.run_plan.max_seq_len))
         self.pipeline_plan = self.build_pipeline_plan()
         self.check_absurd_size()
@@ -280,7 +281,7 @@ class Trainer(TrainerData, TrainingBuilder):
             self.resume()
             self.check_budget_progress()
             state.data_iter = iter(self.train_loader)  # the data position is checked here
-        except (ValueError, FileNotFoundError) as e:
+        except UserError as e:  # bad input found while resuming: any other exception is a bug, with its traceback
             raise ResumeError(str(e)) from e
         self.checkpointer.commit_resume()  # a good resume: an abandoned newer lineage is moved aside now
         if self.world.is_main:  # the config this run trains with (not written by a run that failed to resume)
@@ -304,7 +305,7 @@ class Trainer(TrainerData, TrainingBuilder):
         the newest checkpoint's ``checkpoint.json``: a fallback to an older one, after the batch changed, is not)."""
         budget, state = self.cfg.training.tokens, self.state
         if budget > 0 and state.tokens_seen != (expected := self.run_plan.tokens_through(state.step)):
-            raise ValueError(
+            raise ConfigError(
                 f"training.tokens = {budget:,}: the checkpoint resumed at step {state.step:,} has seen "
                 f"{state.tokens_seen:,} tokens, but the run was planned for {expected:,} by then (the batch changed "
                 "and an older checkpoint was loaded): resume with the batch it was trained with"

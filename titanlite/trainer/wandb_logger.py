@@ -13,17 +13,18 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+from titanlite.errors import MissingPackageError
 from titanlite.utils.fsio import atomic_write
 
 RUN_ID_FILE = "wandb_run_id"
 
 
 def import_wandb() -> Any:
-    """The ``wandb`` module; a one-line ValueError naming the extra when it is not installed."""
+    """The ``wandb`` module; a one-line MissingPackageError naming the extra when it is not installed."""
     try:
         import wandb
     except ImportError:
-        raise ValueError(
+        raise MissingPackageError(
             "metrics.enable_wandb = true needs the wandb package, an optional extra: pip install 'titanlite[wandb]'"
         ) from None
     return wandb

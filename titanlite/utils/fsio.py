@@ -1,4 +1,4 @@
-"""Small file-system and message helpers shared across titanlite (a leaf: imports nothing from titanlite).
+"""Small file-system and message helpers shared across titanlite (a leaf: imports only titanlite.errors).
 
 - :func:`atomic_write`: a file that holds the old content or the new one, never a part of the new one.
 - :func:`atomic_dir`: a folder built under a temporary name and renamed into place when complete.
@@ -10,11 +10,14 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import shutil
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+
+from titanlite.errors import UsageError, UserError
 
 PathLike = str | os.PathLike
 
@@ -83,38 +86,44 @@ def atomic_dir(out_dir: PathLike) -> Iterator[Path]:
     the rename included, the partial folder is removed with the parent folders this call created (the file system
     is left as found). ``out_dir`` must not exist or be an empty folder; a symbolic link to an empty folder stands
     for that folder (the partial folder is made beside it and renamed onto it, so the link shows the result); a
-    link to nothing is refused. A refusal is a ValueError, with nothing touched."""
+    link to nothing is refused. A refusal is a UsageError (a ValueError too), with nothing touched; a
+    folder that cannot be created, or a full disk, is a one-line UserError too."""
     out_dir = _output_folder(Path(out_dir))
     created = [p for p in reversed(out_dir.parents) if not p.exists()]
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     partial = out_dir.with_name(f"{out_dir.name}.partial-{secrets.token_hex(4)}")
-    partial.mkdir()
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        partial.mkdir()
+    except OSError as e:  # a read-only or foreign folder on the way
+        raise UsageError(f"output {out_dir}: cannot create it ({e.strerror or e})") from None
     try:
         yield partial
         os.rename(partial, out_dir)  # replaces an empty folder in one step (POSIX rename)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(partial, ignore_errors=True)
         for folder in reversed(created):
             with contextlib.suppress(OSError):  # only while empty: something else may have appeared
                 folder.rmdir()
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):  # the user's disk, not a bug
+            raise UserError(f"disk full: could not write {out_dir} (nothing was written)") from e
         raise
     fsync_dir(out_dir.parent)
 
 
 def _output_folder(out_dir: Path) -> Path:
-    """The folder :func:`atomic_dir` publishes to for ``out_dir`` (the target of a link); ValueError unless it is
+    """The folder :func:`atomic_dir` publishes to for ``out_dir`` (the target of a link); UsageError unless it is
     absent or an empty folder."""
     given = out_dir
     if out_dir.is_symlink():
         if not out_dir.exists():  # a dangling link, or a loop of links
-            raise ValueError(
+            raise UsageError(
                 f"output {out_dir} is a symbolic link to {os.readlink(out_dir)}, which does not exist: create that "
                 "folder or remove the link (nothing was written)"
             )
         out_dir = out_dir.resolve()
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         link = f" (a link to {out_dir})" if out_dir != given else ""
-        raise ValueError(f"output {given}{link} already exists and is not empty (nothing was overwritten)")
+        raise UsageError(f"output {given}{link} already exists and is not empty (nothing was overwritten)")
     return out_dir
 
 

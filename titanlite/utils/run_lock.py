@@ -28,6 +28,8 @@ import sys
 import weakref
 from pathlib import Path
 
+from titanlite.errors import ConfigError
+
 logger = logging.getLogger("titanlite")
 
 LOCK_FILE = ".titanlite.lock"
@@ -68,9 +70,9 @@ class RunLock:
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError):
-            raise ValueError(f"{self.what}={self.folder}: it, or a folder above it, is a file") from None
+            raise ConfigError(f"{self.what}={self.folder}: it, or a folder above it, is a file") from None
         except OSError as e:
-            raise ValueError(f"{self.what}={self.folder}: cannot create it ({e.strerror})") from None
+            raise ConfigError(f"{self.what}={self.folder}: cannot create it ({e.strerror})") from None
         try:
             st = os.stat(self.path)  # never open a file this process holds: closing that would release it
             key = (st.st_dev, st.st_ino)
@@ -86,7 +88,7 @@ class RunLock:
         except (BlockingIOError, PermissionError):  # EAGAIN or EACCES: another process holds it
             holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "unknown process"
             os.close(fd)
-            raise ValueError(
+            raise ConfigError(
                 f"{self.what}={self.folder} is in use by another run ({holder[:300]}); wait for it to end or "
                 f"choose another {self.what}"
             ) from None

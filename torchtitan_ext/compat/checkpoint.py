@@ -64,6 +64,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titanlite.checkpoint import layout, safe_load
 from titanlite.checkpoint.layout import list_step_folders
+from titanlite.errors import CheckpointError
 from torchtitan_ext.compat.format import torchtitan_name, torchtitan_version
 
 logger = logging.getLogger("torchtitan_ext.compat")
@@ -96,7 +97,7 @@ def describe(path: str | os.PathLike) -> dict[str, Any]:
     elif "model.tok_embeddings.weight" in keys:
         prefix = "model."
     else:
-        raise ValueError(
+        raise CheckpointError(
             f"{path}: no tok_embeddings.weight (or model.tok_embeddings.weight): not a torchtitan "
             "checkpoint of a Llama 3 model"
         )
@@ -120,7 +121,7 @@ def split_fused_qkv(fused: torch.Tensor, n_heads: int, n_kv_heads: int) -> tuple
     rows, tail = fused.shape[0], tuple(fused.shape[1:])
     head_dim, rest = divmod(rows, n_kv_heads * (per_kv + 2))
     if rest or n_heads % n_kv_heads:
-        raise ValueError(f"a fused qkv tensor of {rows} rows does not fit {n_heads} heads / {n_kv_heads} kv heads")
+        raise CheckpointError(f"a fused qkv tensor of {rows} rows does not fit {n_heads} heads / {n_kv_heads} kv heads")
     grouped = fused.reshape(n_kv_heads, per_kv + 2, head_dim, *tail)
     q = grouped[:, :per_kv].reshape(-1, *tail)
     k = grouped[:, per_kv].reshape(-1, *tail)
@@ -133,7 +134,7 @@ def _placeholder(md) -> Any:
         return torch.zeros(tuple(md.size), dtype=md.properties.dtype)
     if isinstance(md, BytesStorageMetadata):
         return 0  # an int (or any object): DCP unpickles the stored value in its place
-    raise ValueError(f"unexpected DCP metadata {type(md).__name__}")
+    raise CheckpointError(f"unexpected DCP metadata {type(md).__name__}")
 
 
 def _check_model(path: str, keys, model_sd: dict[str, Any], prefix: str, version: str) -> dict[str, str]:
@@ -144,11 +145,11 @@ def _check_model(path: str, keys, model_sd: dict[str, Any], prefix: str, version
         key = prefix + torchtitan_name(name, version)
         md = keys.get(key)
         if md is None:
-            raise ValueError(
+            raise CheckpointError(
                 f"{path} has no {key}: it was saved from another model (read as a torchtitan {version} checkpoint)"
             )
         if tuple(md.size) != tuple(tensor.shape):
-            raise ValueError(
+            raise CheckpointError(
                 f"{path}: {name} is {list(md.size)} in the checkpoint but {list(tensor.shape)} in this "
                 "model (another flavor, or another tokenizer vocabulary)"
             )
@@ -233,7 +234,7 @@ def _optimizer_targets(
         is_fused = fused_qkv and torchtitan_name(name, version, fused=True) != torchtitan_name(name, version)
         key = f"optimizer.state.{torchtitan_name(name, version, fused=is_fused)}.{moment}"
         if key not in keys:
-            raise ValueError(f"{path} lacks {key} (saved with another optimizer or model)")
+            raise CheckpointError(f"{path} lacks {key} (saved with another optimizer or model)")
         if is_fused:
             fused.setdefault(key, []).append(k)
         else:
@@ -245,7 +246,7 @@ def _head_counts(model: torch.nn.Module) -> tuple[int, int]:
     """``(n_heads, n_kv_heads)`` of a titanlite Llama 3 model (``model.args``)."""
     args = getattr(model, "args", None)
     if args is None or not hasattr(args, "kv_heads"):
-        raise ValueError("splitting torchtitan 0.3.0's fused qkv optimizer state needs a titanlite Llama 3 model")
+        raise CheckpointError("splitting torchtitan 0.3.0's fused qkv optimizer state needs a titanlite Llama 3 model")
     return args.n_heads, args.kv_heads
 
 
@@ -294,7 +295,7 @@ def _as_int(v: Any, what: str) -> int:
             v = torch.load(v, weights_only=True)  # plain data only: a pickle that runs code is refused
         return int(v.item() if isinstance(v, torch.Tensor) else v)
     except (pickle.UnpicklingError, TypeError, ValueError, RuntimeError, EOFError) as e:
-        raise ValueError(f"{what} is not an integer ({safe_load.one_line(e)})") from None
+        raise CheckpointError(f"{what} is not an integer ({safe_load.one_line(e)})") from None
 
 
 def choose_source(
@@ -307,7 +308,7 @@ def choose_source(
         if load_step != -1:
             match = [p for s, p in found if s == load_step]
             if not match:
-                raise ValueError(
+                raise CheckpointError(
                     f"checkpoint.load_step={load_step}: no torchtitan checkpoint step-{load_step} in "
                     f"{torchtitan_folder} (have: {', '.join(str(s) for s, _ in found)})"
                 )
@@ -316,14 +317,14 @@ def choose_source(
             step, path = found[-1]
         problem = _problem_with(path)
         if problem:
-            raise ValueError(f"torchtitan checkpoint {path} is damaged: {problem}")
+            raise CheckpointError(f"torchtitan checkpoint {path} is damaged: {problem}")
         return {"path": str(path), "model_only": step == 0, "why": "torchtitan checkpoint folder"}
     if initial_load_path:
         if not is_torchtitan_checkpoint(initial_load_path):
-            raise ValueError(f"checkpoint.initial_load_path={initial_load_path}: not a DCP checkpoint folder")
+            raise CheckpointError(f"checkpoint.initial_load_path={initial_load_path}: not a DCP checkpoint folder")
         problem = _problem_with(initial_load_path)
         if problem:
-            raise ValueError(f"checkpoint.initial_load_path={initial_load_path}: {problem}")
+            raise CheckpointError(f"checkpoint.initial_load_path={initial_load_path}: {problem}")
         return {"path": initial_load_path, "model_only": initial_model_only, "why": "checkpoint.initial_load_path"}
     return None
 
@@ -347,5 +348,5 @@ def broadcast_from_rank0(fn):
     dist.broadcast_object_list(box, src=0)
     kind, value = box[0]
     if kind == "error":
-        raise ValueError(value)
+        raise CheckpointError(value)
     return value

@@ -37,13 +37,14 @@ from pathlib import Path
 from typing import Any
 
 from titanlite.config import ConfigError, read_toml, sections, toml_value
+from titanlite.errors import UserError
 
 logger = logging.getLogger("torchtitan_ext.compat")
 
 TITANLITE_SUBFOLDER = "titanlite"  # titanlite's own checkpoints go to <checkpoint.folder>/titanlite
 
 
-class CompatError(ValueError):
+class CompatError(UserError, ValueError):
     """A torchtitan setting titanlite cannot honor without changing the result (one-line message)."""
 
 

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from titanlite.errors import CheckpointError
 from titanlite.models import get_model_spec
 from titanlite.models.registry import check_arg_types, check_model_args
 from titanlite.utils.fsio import one_line
@@ -40,7 +41,7 @@ def torchtitan_version(keys: Mapping[str, Any], where: Path | str) -> str:
         return "0.3" if any(k.startswith("layers.") and TORCHTITAN_QKV in k for k in keys) else "0.2"
     if "model.tok_embeddings.weight" in keys:
         return "old"
-    raise ValueError(
+    raise CheckpointError(
         f"{where}: no checkpoint.json and no tok_embeddings.weight: neither a titanlite checkpoint "
         "nor a torchtitan checkpoint of a Llama 3 model"
     )
@@ -71,20 +72,20 @@ def torchtitan_model_args(
     spec = get_model_spec("llama3")
     fields = set(spec.args_cls.__dataclass_fields__)
     if unknown := sorted(set(given) - fields):
-        raise ValueError(f"unknown llama3 model args: {', '.join(unknown)} (known: {', '.join(sorted(fields))})")
+        raise CheckpointError(f"unknown llama3 model args: {', '.join(unknown)} (known: {', '.join(sorted(fields))})")
     check_arg_types(spec.args_cls, given)  # before any arithmetic with them (n_heads=abc: one line, not a TypeError)
 
     def shape(name: str) -> list[int]:
         md = keys.get(prefix + torchtitan_name(name, version))
         if md is None or not hasattr(md, "size"):
-            raise ValueError(f"{where} has no tensor {prefix + torchtitan_name(name, version)}")
+            raise CheckpointError(f"{where} has no tensor {prefix + torchtitan_name(name, version)}")
         return list(md.size)
 
     vocab, dim = shape("tok_embeddings.weight")
     layers = {k[len(prefix) :].split(".")[1] for k in keys if k.startswith(prefix + "layers.")}
     n_heads = given.get("n_heads", TORCHTITAN_LLAMA3_HEADS.get(dim))
     if n_heads is None:
-        raise ValueError(
+        raise CheckpointError(
             f"{where} has no checkpoint.json, and its model dim {dim} is no torchtitan llama3 flavor's: "
             "give the model arg n_heads (--model-arg n_heads=N)"
         )
@@ -103,7 +104,7 @@ def torchtitan_model_args(
                 args = spec.args_cls(**{**base, "multiple_of": hidden, "ffn_dim_multiplier": hidden / raw})
         check_model_args(args)
     except (TypeError, ValueError, ArithmeticError) as e:
-        raise ValueError(f"{where}: invalid model args {base} ({one_line(e)})") from None
+        raise CheckpointError(f"{where}: invalid model args {base} ({one_line(e)})") from None
     logger.info("%s: torchtitan %s checkpoint, exported with llama3 model args %s", where, version, args)
     return args
 

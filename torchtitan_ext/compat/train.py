@@ -38,12 +38,13 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from titanlite.config import ConfigError, JobConfig, exit_with_error
+from titanlite.errors import UserError
 from titanlite.train import main as train_main
 from titanlite.train import setup_logging
 from titanlite.trainer import Trainer
 from titanlite.utils import torch_compat
 from torchtitan_ext.compat.checkpoint import broadcast_from_rank0, choose_source, load_torchtitan_checkpoint
-from torchtitan_ext.compat.config import CompatError, CompatSettings, load_translated, parse_cli, translate
+from torchtitan_ext.compat.config import CompatSettings, load_translated, parse_cli, translate
 
 logger = logging.getLogger("torchtitan_ext.compat")
 
@@ -75,7 +76,7 @@ def torchtitan_lr_factor(
     elif decay_type == "cosine":
         shape = 0.5 * (1.0 + math.cos(math.pi * progress))
     else:
-        raise ValueError(f"unknown decay_type {decay_type!r}")
+        raise ConfigError(f"unknown decay_type {decay_type!r}")
     return min_lr_factor + (1 - min_lr_factor) * shape
 
 
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
         path, _ = parse_cli(argv)
         translation = translate(path, argv, translate_only=translate_only)
         cfg = load_translated(translation)
-    except (CompatError, ConfigError) as e:
+    except UserError as e:
         exit_with_error(e)
     if translate_only:
         sys.stdout.write(translation.toml())

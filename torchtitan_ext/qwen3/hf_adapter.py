@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from titanlite.errors import CheckpointError
 from titanlite.models.hf_decoder import DECODER_BLOCK, HFDecoderAdapter
 from torchtitan_ext.qwen3.args import Qwen3ModelArgs
 
@@ -50,7 +51,9 @@ class Qwen3HFAdapter(HFDecoderAdapter):
     def extra_hf_config(self) -> dict[str, Any]:
         a = self.args
         if not a.qk_norm:
-            raise ValueError("Qwen3ForCausalLM always applies QK-norm; a model with qk_norm=false has no HF equivalent")
+            raise CheckpointError(
+                "Qwen3ForCausalLM always applies QK-norm; a model with qk_norm=false has no HF equivalent"
+            )
         return {
             "rope_theta": a.rope_theta,  # transformers 4.x
             "rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta},  # transformers 5
@@ -65,10 +68,10 @@ class Qwen3HFAdapter(HFDecoderAdapter):
         """Model args of an HF Qwen3 ``config.json``; ValueError for what this model cannot express."""
         cls.check_hf_config(config)
         if config.get("use_sliding_window"):
-            raise ValueError("unsupported use_sliding_window=true (this Qwen3 attends to the whole window)")
+            raise CheckpointError("unsupported use_sliding_window=true (this Qwen3 attends to the whole window)")
         theta, rope_type, _ = cls.rope_from_hf(config)
         if rope_type != "default":
-            raise ValueError(f"unsupported rope_type {rope_type!r} (this Qwen3 supports plain RoPE only)")
+            raise CheckpointError(f"unsupported rope_type {rope_type!r} (this Qwen3 supports plain RoPE only)")
         n_heads = config["num_attention_heads"]
         return Qwen3ModelArgs(
             dim=config["hidden_size"],

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from titanlite.errors import ConfigError
 from titanlite.models.moe import MoEArgs
 from torchtitan_ext.qwen3.args import Qwen3ModelArgs
 
@@ -32,9 +33,9 @@ class Qwen3MoEArgs(Qwen3ModelArgs, MoEArgs):
     def validate(self) -> None:
         super().validate()
         if not isinstance(self.decoder_sparse_step, int) or self.decoder_sparse_step < 1:
-            raise ValueError(f"model.decoder_sparse_step must be a positive integer, got {self.decoder_sparse_step!r}")
+            raise ConfigError(f"model.decoder_sparse_step must be a positive integer, got {self.decoder_sparse_step!r}")
         if bad := [i for i in self.mlp_only_layers if not 0 <= i < self.n_layers]:
-            raise ValueError(f"model.mlp_only_layers names blocks outside 0..{self.n_layers - 1}: {bad}")
+            raise ConfigError(f"model.mlp_only_layers names blocks outside 0..{self.n_layers - 1}: {bad}")
         self.moe_config()  # checks the moe_* fields
 
     def is_moe_layer(self, layer_id: int) -> bool:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from titanlite.errors import CheckpointError
 from torchtitan_ext.qwen3.hf_adapter import Qwen3HFAdapter
 from torchtitan_ext.qwen3_moe.args import Qwen3MoEArgs
 
@@ -113,7 +114,7 @@ class Qwen3MoEHFAdapter(Qwen3HFAdapter):
     def to_hf_tensors(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         if name.endswith(_BIAS):
             if tensor.abs().sum() != 0:
-                raise ValueError(
+                raise CheckpointError(
                     f"{name} is not zero (aux-loss-free balancing moved it): Qwen3MoeForCausalLM routes without a "
                     "bias, so the export would route differently; train with model.moe_bias_update_rate = 0 to export"
                 )
@@ -139,7 +140,7 @@ class Qwen3MoEHFAdapter(Qwen3HFAdapter):
             "moe_num_shared_experts": cfg.num_shared_experts > 0,
         }
         if bad := [k for k, v in unsupported.items() if v]:
-            raise ValueError(f"Qwen3MoeForCausalLM cannot express model.{bad[0]}={getattr(a, bad[0])!r}")
+            raise CheckpointError(f"Qwen3MoeForCausalLM cannot express model.{bad[0]}={getattr(a, bad[0])!r}")
         return {
             **super().extra_hf_config(),
             "moe_intermediate_size": a.moe_hidden_dim,

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from titanlite.errors import ConfigError
+
 # Attention-mask kinds the model understands. Add a name here (and handle it in
 # ``Attention.attention``) to support a new one, e.g. "block_causal" for document masking.
 ATTN_MASK_TYPES: tuple[str, ...] = ("causal", "block_causal")
@@ -49,9 +51,9 @@ class Llama3ModelArgs(DecoderArgs):
     def validate(self) -> None:
         check_decoder_args(self, ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"))
         if self.dim % self.n_heads != 0:
-            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+            raise ConfigError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if self.ffn_dim_multiplier is not None and self.ffn_dim_multiplier <= 0:
-            raise ValueError(f"ffn_dim_multiplier must be positive or None, got {self.ffn_dim_multiplier}")
+            raise ConfigError(f"ffn_dim_multiplier must be positive or None, got {self.ffn_dim_multiplier}")
 
     @property
     def head_dim(self) -> int:
@@ -73,34 +75,34 @@ def check_decoder_args(args: Any, positive: tuple[str, ...]) -> None:
     for name in positive:
         value = getattr(args, name)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{type(args).__name__}.{name} must be a positive integer, got {value!r}")
+            raise ConfigError(f"{type(args).__name__}.{name} must be a positive integer, got {value!r}")
     if args.n_kv_heads is not None and (not isinstance(args.n_kv_heads, int) or args.n_kv_heads <= 0):
-        raise ValueError(
+        raise ConfigError(
             f"{type(args).__name__}.n_kv_heads must be a positive integer or None, got {args.n_kv_heads!r}"
         )
     if args.head_dim % 2:
-        raise ValueError(f"head_dim ({args.head_dim}) must be even for rotary embeddings")
+        raise ConfigError(f"head_dim ({args.head_dim}) must be even for rotary embeddings")
     if args.n_heads % args.kv_heads:
-        raise ValueError(f"n_heads ({args.n_heads}) must be divisible by n_kv_heads ({args.kv_heads})")
+        raise ConfigError(f"n_heads ({args.n_heads}) must be divisible by n_kv_heads ({args.kv_heads})")
     if args.norm_eps <= 0:
-        raise ValueError(f"norm_eps must be positive, got {args.norm_eps}")
+        raise ConfigError(f"norm_eps must be positive, got {args.norm_eps}")
     if args.rope_theta <= 0:
-        raise ValueError(f"rope_theta must be positive, got {args.rope_theta}")
+        raise ConfigError(f"rope_theta must be positive, got {args.rope_theta}")
     scaling = getattr(args, "rope_scaling_factor", 0.0)
     if scaling < 0:
-        raise ValueError(f"rope_scaling_factor must be >= 0 (0 = off), got {scaling}")
+        raise ConfigError(f"rope_scaling_factor must be >= 0 (0 = off), got {scaling}")
     if scaling > 0:
         if not 0 < args.rope_low_freq_factor < args.rope_high_freq_factor:
-            raise ValueError(
+            raise ConfigError(
                 "RoPE scaling needs 0 < rope_low_freq_factor < rope_high_freq_factor, got "
                 f"{args.rope_low_freq_factor} and {args.rope_high_freq_factor}"
             )
         if args.rope_original_max_position <= 0:
-            raise ValueError(f"rope_original_max_position must be positive, got {args.rope_original_max_position}")
+            raise ConfigError(f"rope_original_max_position must be positive, got {args.rope_original_max_position}")
     if args.attn_backend not in ATTN_BACKENDS:
-        raise ValueError(f"attn_backend must be one of {ATTN_BACKENDS}, got {args.attn_backend!r}")
+        raise ConfigError(f"attn_backend must be one of {ATTN_BACKENDS}, got {args.attn_backend!r}")
     if args.attn_mask_type not in ATTN_MASK_TYPES:
-        raise ValueError(f"attn_mask_type must be one of {ATTN_MASK_TYPES}, got {args.attn_mask_type!r}")
+        raise ConfigError(f"attn_mask_type must be one of {ATTN_MASK_TYPES}, got {args.attn_mask_type!r}")
 
 
 # Llama 3.1 RoPE scaling (the factor differs by size) and its 128K context

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from titanlite.errors import CheckpointError
 from titanlite.models.hf_decoder import HFDecoderAdapter
 from titanlite.models.llama3.args import LLAMA3_FLAVORS, Llama3ModelArgs
 
@@ -73,11 +74,11 @@ class Llama3HFAdapter(HFDecoderAdapter):
         """Model args equivalent to an HF Llama ``config.json``; ValueError when it is not one."""
         cls.check_hf_config(config)
         if config.get("mlp_bias"):
-            raise ValueError("unsupported mlp_bias=true (titanlite's Llama has no biases)")
+            raise CheckpointError("unsupported mlp_bias=true (titanlite's Llama has no biases)")
         dim, n_heads = config["hidden_size"], config["num_attention_heads"]
         head_dim = config.get("head_dim")
         if head_dim is not None and n_heads * head_dim != dim:
-            raise ValueError(
+            raise CheckpointError(
                 f"unsupported head_dim={head_dim}: titanlite needs head_dim = hidden_size / "
                 f"num_attention_heads = {dim // n_heads if n_heads else '?'}"
             )
@@ -103,7 +104,7 @@ def _rope_from_hf(config: Mapping[str, Any]) -> tuple[float, dict[str, Any]]:
     if rope_type == "default":
         return theta, {}
     if rope_type != "llama3":
-        raise ValueError(f"unsupported rope_type {rope_type!r} (titanlite supports default and llama3)")
+        raise CheckpointError(f"unsupported rope_type {rope_type!r} (titanlite supports default and llama3)")
     return theta, dict(
         rope_scaling_factor=float(rope["factor"]),
         rope_low_freq_factor=float(rope["low_freq_factor"]),
@@ -123,5 +124,5 @@ def _with_ffn_hidden_dim(base: dict[str, Any], hidden: int) -> Llama3ModelArgs:
     multiplier = None if raw <= hidden else hidden / raw
     args = Llama3ModelArgs(**base, multiple_of=hidden, ffn_dim_multiplier=multiplier)
     if args.ffn_hidden_dim != hidden:
-        raise ValueError(f"cannot express intermediate_size={hidden} with hidden_size={base['dim']}")
+        raise CheckpointError(f"cannot express intermediate_size={hidden} with hidden_size={base['dim']}")
     return args

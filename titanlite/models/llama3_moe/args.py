@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from titanlite.errors import ConfigError
 from titanlite.models.llama3.args import DecoderArgs, check_decoder_args
 from titanlite.models.moe.args import MoEArgs
 
@@ -55,9 +56,9 @@ class Llama3MoEArgs(MoEArgs, DecoderArgs):
     def validate(self) -> None:
         check_decoder_args(self, ("dim", "n_layers", "n_heads", "vocab_size", "ffn_hidden_dim", "max_seq_len"))
         if self.attn_head_dim < 0 or (not self.attn_head_dim and self.dim % self.n_heads):
-            raise ValueError(f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})")
+            raise ConfigError(f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})")
         if not 0 <= self.n_dense_layers <= self.n_layers:
-            raise ValueError(f"model.n_dense_layers ({self.n_dense_layers}) must be in [0, n_layers={self.n_layers}]")
+            raise ConfigError(f"model.n_dense_layers ({self.n_dense_layers}) must be in [0, n_layers={self.n_layers}]")
         self.moe_config()  # checks the moe_* fields
 
     @property

@@ -14,6 +14,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from titanlite.errors import ConfigError
+
 SCORE_FUNCS = ("softmax", "sigmoid")
 AUX_LOSS_LEVELS = ("batch", "seq")
 MOE_RUN_ARGS = ("moe_aux_loss_coef", "moe_aux_loss_level", "moe_z_loss_coef", "moe_bias_update_rate", "moe_grouped_mm")
@@ -54,35 +56,35 @@ class MoEConfig:
         for name in ("num_experts", "top_k", "hidden_dim", "n_groups", "topk_groups"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{key}{name} must be a positive integer, got {value!r}")
+                raise ConfigError(f"{key}{name} must be a positive integer, got {value!r}")
         if not isinstance(self.num_shared_experts, int) or self.num_shared_experts < 0:
-            raise ValueError(f"{key}num_shared_experts must be >= 0, got {self.num_shared_experts!r}")
+            raise ConfigError(f"{key}num_shared_experts must be >= 0, got {self.num_shared_experts!r}")
         if self.top_k > self.num_experts:
-            raise ValueError(
+            raise ConfigError(
                 f"{key}top_k ({self.top_k}) must be <= {key}num_experts ({self.num_experts}): "
                 "a token cannot go to more experts than there are"
             )
         if self.score_func not in SCORE_FUNCS:
-            raise ValueError(f"{key}score_func must be one of {', '.join(SCORE_FUNCS)}, got {self.score_func!r}")
+            raise ConfigError(f"{key}score_func must be one of {', '.join(SCORE_FUNCS)}, got {self.score_func!r}")
         if self.aux_loss_level not in AUX_LOSS_LEVELS:
-            raise ValueError(
+            raise ConfigError(
                 f"{key}aux_loss_level must be one of {', '.join(AUX_LOSS_LEVELS)}, got {self.aux_loss_level!r}"
             )
         if self.num_experts % self.n_groups:
-            raise ValueError(f"{key}n_groups ({self.n_groups}) must divide {key}num_experts ({self.num_experts})")
+            raise ConfigError(f"{key}n_groups ({self.n_groups}) must divide {key}num_experts ({self.num_experts})")
         if self.topk_groups > self.n_groups:
-            raise ValueError(f"{key}topk_groups ({self.topk_groups}) must be <= {key}n_groups ({self.n_groups})")
+            raise ConfigError(f"{key}topk_groups ({self.topk_groups}) must be <= {key}n_groups ({self.n_groups})")
         if self.topk_groups * (self.num_experts // self.n_groups) < self.top_k:
-            raise ValueError(
+            raise ConfigError(
                 f"{key}topk_groups ({self.topk_groups}) groups of {self.num_experts // self.n_groups} experts hold "
                 f"fewer than {key}top_k ({self.top_k}) experts"
             )
         for name in ("route_scale", "aux_loss_coef", "z_loss_coef", "bias_update_rate"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"{key}{name} must be a finite number >= 0, got {value!r}")
+                raise ConfigError(f"{key}{name} must be a finite number >= 0, got {value!r}")
         if self.route_scale == 0:
-            raise ValueError(f"{key}route_scale must be > 0")
+            raise ConfigError(f"{key}route_scale must be > 0")
 
     @property
     def shared_hidden_dim(self) -> int:

@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
+from titanlite.errors import ConfigError
 from titanlite.models.llama3.parallelize import apply_fsdp
 from titanlite.models.moe.expert_parallel import shard_experts
 from titanlite.models.moe.layer import MoE
@@ -59,12 +60,12 @@ def check_moe_parallelism(model: nn.Module, parallel_dims) -> None:
     e = getattr(model.args, "moe_num_experts", 0)
     if e:
         if parallel_dims.ep > 1 and e % parallel_dims.ep:
-            raise ValueError(
+            raise ConfigError(
                 f"model.moe_num_experts ({e}) must be divisible by parallelism.expert_parallel_degree "
                 f"({parallel_dims.ep}): each expert-parallel rank holds the same number of experts"
             )
     if parallel_dims.ep > 1 and not getattr(model.args, "n_moe_layers", 0):  # a pipeline stage may hold none
-        raise ValueError("parallelism.expert_parallel_degree > 1 needs a mixture-of-experts model")
+        raise ConfigError("parallelism.expert_parallel_degree > 1 needs a mixture-of-experts model")
 
 
 def parallelize_moe_decoder(
