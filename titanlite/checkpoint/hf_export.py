@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 from titanlite.checkpoint import layout, safe_load
 from titanlite.checkpoint.hf_import import INDEX_FILE, SINGLE_FILE, Progress, no_progress
 from titanlite.checkpoint.hf_tokenizer_files import check_tokenizer, verified_tokenizer_path, write_tokenizer_files
-from titanlite.errors import CheckpointError, NotFoundError
+from titanlite.errors import CheckpointError, NotFoundError, TokenizerError
 from titanlite.extensions import load_extensions
 from titanlite.models import get_model_spec, model_names
 from titanlite.models.registry import check_model_args
@@ -169,7 +169,7 @@ def _recorded_tokenizer(spec, path: str, bos: int | None, args: Any, step_dir: P
     if spec.tokenizer_builder is None:
         return None
     if path not in ("", "bytes") and not tokenizer_files(path):
-        raise ValueError(
+        raise TokenizerError(
             f"{step_dir / layout.INFO_FILE}: the tokenizer it was trained with, {path}, is not found; restore it "
             "there, or pass --no-tokenizer (no_tokenizer=True) to export without tokenizer files"
         )

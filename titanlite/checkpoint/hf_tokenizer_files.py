@@ -210,12 +210,12 @@ def verified_tokenizer_path(recorded: dict[str, Any], info_file: Path) -> str:
     try:
         got = tokenizer_sha256(path)
     except (OSError, ValueError):
-        raise ValueError(
+        raise TokenizerError(
             f"{info_file}: the tokenizer it was trained with, {path}, is not found; restore it there or pass the "
             "tokenizer file (eval/generate: --tokenizer)"
         ) from None
     if got != want:
-        raise ValueError(
+        raise TokenizerError(
             f"{info_file}: tokenizer {path} has sha256 {got[:16]}..., not the {want[:16]}... recorded at training: "
             "the file changed; restore the one it was trained with or pass it (eval/generate: --tokenizer)"
         )

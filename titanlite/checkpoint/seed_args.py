@@ -66,7 +66,7 @@ def _check_vocab(new_args: Any, args: Any, what: str) -> None:
     the config sets one): token ids past its last row would index nothing."""
     seed_vocab, wanted = getattr(new_args, "vocab_size", None), getattr(args, "vocab_size", None)
     if seed_vocab is not None and wanted is not None and seed_vocab < wanted:
-        raise ValueError(
+        raise CheckpointError(
             f"{what} has vocab_size={seed_vocab}, smaller than the tokenizer's vocabulary ({wanted}, "
             "model.tokenizer_path): train it with the tokenizer it was trained with"
         )

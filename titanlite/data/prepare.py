@@ -112,7 +112,7 @@ def _check_output_outside_inputs(inputs: list[Path], output: Path) -> None:
         folder = given.resolve()
         if folder.is_dir() and out.is_relative_to(folder):
             where = "is" if out == folder else "is inside"
-            raise ValueError(
+            raise UsageError(
                 f"--output {output} {where} --input {given}: the prepared files would be read as input on a "
                 "re-run; choose an --output outside the input folders"
             )

@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titanlite.errors import UsageError
+from titanlite.errors import CheckpointError, DataError, UsageError
 from titanlite.eval.packing import PAD_MULTIPLE, Group, cached_batch, canonical_batches, group_requests, plain_batch
 from titanlite.eval.tasks import Item, Task, get_task
 from titanlite.models.kv_cache import KVCache, supports_cache
@@ -145,7 +145,7 @@ def build_requests(
                 cont = tokenizer.encode(choice)
                 if not cont:
                     task = task_names[t] if t < len(task_names) else f"task {t}"
-                    raise ValueError(f"{task}: item {i} choice {c} ({choice!r:.40}) encodes to no token to score")
+                    raise DataError(f"{task}: item {i} choice {c} ({choice!r:.40}) encodes to no token to score")
                 requests.append(_fit(Request(t, i, c, context + cont, len(cont), False), max_seq_len))
     return requests
 
@@ -313,7 +313,7 @@ def _results(
             truncated += any(requests[k].truncated for k in ks)
             loglik, greedy = [scores[k][0] for k in ks], [scores[k][1] for k in ks]
             if not all(math.isfinite(x) for x in loglik):
-                raise ValueError(
+                raise CheckpointError(
                     f"{task.name}: item {i} has a non-finite log-likelihood ({loglik}); expected finite scores: "
                     "the model's outputs are not finite (check its weights)"
                 )

@@ -259,7 +259,7 @@ def _refuse_renumbered_added_tokens(path: str, specials: dict[str, int], vocab: 
     text as the vocabulary id and drops the added one, which tiktoken's special tokens cannot express: refused."""
     for content, i in specials.items():
         if _is_id(other := vocab.get(content)) and other != i:
-            raise ValueError(
+            raise TokenizerError(
                 f"{path}: added token {content!r} has id {i} but is also vocabulary token id {other}, which HF "
                 f"tokenizers encodes it as instead; expected each added token's id to be its vocabulary id "
                 f"(set it to {other}) or its text to be absent from model.vocab"

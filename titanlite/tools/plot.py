@@ -17,6 +17,7 @@ import sys
 from collections.abc import Collection
 from pathlib import Path
 
+from titanlite.errors import NotFoundError
 from titanlite.utils.argtypes import OneLineParser, number
 from titanlite.utils.metrics_records import read_records
 
@@ -37,7 +38,7 @@ def read_runs(args: list[str]) -> list[tuple[str, list[dict]]]:
     for arg in args:
         path = Path(arg) / "metrics.jsonl" if Path(arg).is_dir() else Path(arg)
         if not path.is_file():
-            raise FileNotFoundError(f"no metrics.jsonl at {path}")
+            raise NotFoundError(f"no metrics.jsonl at {path}")
         runs.append((path.parent.name or str(path.parent), read_records(path)))
     return runs
 

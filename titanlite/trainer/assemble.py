@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from titanlite import components
+from titanlite.errors import ConfigError
 from titanlite.models import get_model_spec
 from titanlite.models.registry import model_args_for
 from titanlite.parallel.build import build_parallel_model
@@ -63,7 +64,7 @@ def config_run_plan(cfg: Any, parallel_dims: Any, resumed: tuple[int, int] | Non
         resumed=resumed, **batch,
     )  # fmt: skip
     if c.lr_scheduler.warmup_steps > plan.total_steps:
-        raise ValueError(
+        raise ConfigError(
             f"lr_scheduler.warmup_steps ({c.lr_scheduler.warmup_steps}) must be <= the run's {plan.total_steps} "
             f"steps (training.tokens = {t.tokens:,})"
         )

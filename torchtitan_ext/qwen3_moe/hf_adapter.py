@@ -174,9 +174,9 @@ def _hf_int(config: Mapping[str, Any], key: str, default: int | None = None) -> 
     such as 4.7 is refused, not truncated."""
     value = config.get(key, default)
     if value is None:
-        raise ValueError(f"Qwen3-MoE config.json lacks an integer {key!r}")
+        raise CheckpointError(f"Qwen3-MoE config.json lacks an integer {key!r}")
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _MOE_LIMITS[key]:
-        raise ValueError(f"config.json {key} = {value!r} must be an integer in [1, {_MOE_LIMITS[key]:,}]")
+        raise CheckpointError(f"config.json {key} = {value!r} must be an integer in [1, {_MOE_LIMITS[key]:,}]")
     return value
 
 
@@ -186,9 +186,9 @@ def _num_experts(config: Mapping[str, Any]) -> int:
     keys = [key for key in ("num_experts", "num_local_experts") if config.get(key) is not None]
     spellings = {key: _hf_int(config, key) for key in keys}
     if not spellings:
-        raise ValueError("Qwen3-MoE config.json lacks an integer 'num_experts' (or 'num_local_experts')")
+        raise CheckpointError("Qwen3-MoE config.json lacks an integer 'num_experts' (or 'num_local_experts')")
     if len(set(spellings.values())) > 1:
-        raise ValueError(
+        raise CheckpointError(
             f"config.json num_experts = {spellings['num_experts']} but num_local_experts = "
             f"{spellings['num_local_experts']} (transformers 5's name for it)"
         )
