@@ -10,23 +10,10 @@
 
 Everything after the bench options is the usual config (file + ``--section.key`` overrides), so any parallelism /
 float8 / compile / AC combination is benchmarked through the real Trainer, in its own loop (``training.steps`` =
-warm-up + timed steps; validation off). Reported (rank 0 prints; the data-parallel ranks do identical work; the
-fields are described in docs/benchmarks.md):
-
-- ``tokens_per_s_per_device`` (and global) of the timed steps; ``mfu`` against the peak of the dtype the matmuls
-  run in (:mod:`titanlite.trainer.peaks`: the datasheet on CUDA, none for an unknown GPU, this machine's measured
-  matmul rate on CPU), with float8 also ``mfu_vs_bf16_peak``; ``peak_memory_gib`` (CUDA allocated, or peak RSS);
-- ``time_split_s`` per step: data, forward+backward, optimizer, checkpoint and other. Each region ends with a
-  device synchronize on CUDA so that time lands where it is spent, which also stops the CPU from queueing the next
-  region early: throughput with the split off (``--no-split``) can be slightly higher;
-- ``optimizer`` (``--bandwidth``, default on): the optimizer step against its memory-bandwidth floor
-  (:func:`titanlite.optim.bandwidth.optimizer_floor`, the copy bandwidth measured after the timed steps);
-  ``update_ratio_cost``: seconds per log step of ``[metrics] log_update_ratio``;
-- ``pipeline`` (``pipeline_parallel_degree > 1``): per stage the measured bubble next to the planner's prediction
-  (:mod:`titanlite.bench.bubble`).
-
-``--compare-pp`` and ``--compare-moe`` run this benchmark side by side in fresh processes
-(:mod:`titanlite.bench.compare`).
+warm-up + timed steps; validation off). Rank 0 prints the fields described in docs/benchmarks.md. Each region of
+``time_split_s`` ends with a device synchronize on CUDA so that time lands where it is spent, which also stops
+the CPU from queueing the next region early: throughput with the split off (``--no-split``) can be slightly higher.
+``--compare-pp`` and ``--compare-moe`` run side by side in fresh processes (:mod:`titanlite.bench.compare`).
 """
 
 from __future__ import annotations

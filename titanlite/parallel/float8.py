@@ -1,13 +1,8 @@
 """Float8 training for ``nn.Linear``: a native ``Float8Linear`` built on ``torch._scaled_mm``.
 
-Why float8, and why this small
-------------------------------
-On H100-class GPUs a float8 matmul runs at twice the bf16 rate. Training stays stable if every
-matmul input is *scaled* into the narrow float8 range just before the matmul and the result is
-scaled back, keeping the master weights, the optimizer and everything outside the matmuls in high
-precision. torchao implements this with tensor subclasses, delayed scaling, float8 all-gather and
-many recipes; we need one recipe, so this module is one ``autograd.Function`` (~40 lines) and a
-module swap, with no dependency beyond PyTorch.
+On H100-class GPUs a float8 matmul runs at twice the bf16 rate; scaling each matmul input into the
+float8 range just before the matmul keeps training stable while everything else stays in high precision.
+One recipe needs one ``autograd.Function`` and a module swap, with no dependency beyond PyTorch.
 
 The recipe ("dynamic tensorwise" scaling, the default)
 ------------------------------------------------------
@@ -38,20 +33,9 @@ left in high precision, and the number of tokens per micro-batch (``local_batch_
 the inner dimension of the weight-gradient matmul) must be a multiple of 16 too: the config loader
 refuses it otherwise.
 
-Composition
------------
-- FSDP2: parameters are all-gathered in their (bf16/fp32) param dtype and cast to float8 inside the
-  matmul, so FSDP needs to know nothing about float8; or, with ``enable_fsdp_float8_all_gather``, each
-  shard is cast before the all-gather and the matmul receives a :class:`Float8GatheredWeight`
-  (:mod:`titanlite.parallel.float8_fsdp`).
-- Tensor parallel: ``x``, ``W`` and ``dy`` are DTensors; ``amax`` then reduces over the shards, so
-  the scales are the global ones, as in one process, and ``_scaled_mm`` runs on the shards. This
-  needs DTensor to have a sharding rule for ``_scaled_mm``: :func:`dtensor_supports_scaled_mm`
-  checks it, and parallelize refuses float8 + TP when it is missing rather than silently running
-  in high precision.
-- ``torch.compile``: the function traces into the block graph (amax, scale and cast fuse).
-- Evaluation: ``with float8_disabled(model):`` runs the same modules as plain ``F.linear`` (high
-  precision), e.g. for validation.
+How it composes with FSDP2 (plain or float8 all-gather, :mod:`titanlite.parallel.float8_fsdp`), tensor
+parallelism (DTensor shards, global scales; refused when :func:`dtensor_supports_scaled_mm` is false),
+``torch.compile`` and evaluation (``float8_disabled``): docs/configuration.md.
 """
 
 from __future__ import annotations
