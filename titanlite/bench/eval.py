@@ -9,14 +9,9 @@ side by side.
 Two models, each timed on every task and batch size after one untimed warm-up call per mode (which compiles, for
 ``compiled``): ``debug``, the Llama 3 debug model (``--checkpoint``'s weights, else random ones: the weights do not
 change the cost) on the first ``--limit`` items of every task, and ``big``, llama3 flavor ``--big-flavor`` with
-random weights on the first ``--big-limit`` items of ``--big-task``. Modes (docs/benchmarks.md, "Downstream
-evaluation scoring"): ``eager``, ``compiled`` and, given a ``reference`` (:mod:`titanlite.bench.common`),
-``baseline`` (its ``evaluate``), alternating within each of ``--repeats`` rounds; the median is reported. Text goes
-through the byte-level tokenizer. ``tokens/s`` counts the requests' real input tokens (context + choice, less its
-last token), whatever the scorer runs. MFU counts the FLOPs this titanlite's scorer actually runs (a shared context
-once, padding not counted; :func:`forward_flops_per_token`) over the peak (CUDA: the datasheet; CPU: this machine's
-matmul rate, measured again after each row's timings); a reference's scorer may run other FLOPs per request token,
-so its MFU is not shown. One JSON object per measurement on stdout (and ``--jsonl``), then a Markdown table.
+random weights on the first ``--big-limit`` items of ``--big-task``. The modes, the tokens counted and the MFU:
+docs/benchmarks.md, "Downstream evaluation scoring". One JSON object per measurement on stdout (and ``--jsonl``),
+then a Markdown table.
 """
 
 from __future__ import annotations

@@ -6,16 +6,8 @@ and the fraction of the bandwidth floor.
         [--device cpu|cuda] [--dtype float32|bfloat16] [--json FILE] [--jsonl FILE]
 
 For each Llama 3 flavor (random weights, seeded) and batch size, :func:`titanlite.generate.generate` runs greedily
-on random prompts of ``--prompt-len`` tokens in each mode (``eager``: the static KV cache; ``compiled``;
-``recompute``: no cache; ``baseline``: a ``reference``'s eager cache, see :mod:`titanlite.bench.common`;
-docs/benchmarks.md, "Generation"). Each is warmed up, then timed for 1 new token (the prefill) and for
-``--new-tokens`` N, the modes alternating within each of ``--repeats`` rounds (the median is reported); every row
-runs to N (no EOS):
-
-    decode tokens/s = batch * (N - 1) / (t(N) - t(1)),   floor tokens/s = batch * bandwidth / bytes per step
-
-where a step reads every weight (the input embedding: only the rows it looks up) and the keys and values cached so
-far (``prompt + N / 2`` on average), at the device's copy bandwidth measured in the run.
+in each mode, every row to ``--new-tokens`` (no EOS); the modes, the decode rate and its bandwidth floor are
+defined in docs/benchmarks.md, "Generation".
 """
 
 from __future__ import annotations

@@ -13,8 +13,7 @@ training loop's in-loop samples, the evaluation watcher and the command line bel
 - No host read per token: finished rows keep running with the batch until the host's next read of the stop
   state (every ``STOP_CHECK_EVERY`` tokens); their extra tokens are dropped, so the result is the same as
   stopping at once.
-- Sampling draws only from the ``generator`` it is given (:mod:`titanlite.generate.sampling`). Give a generator on
-  the model's device: another one costs a copy per token.
+- Sampling draws only from the ``generator`` given; one on the model's device saves a copy per token.
 - Distributed (FSDP and/or tensor parallel): every rank of ``sync_group`` runs every forward (they hold shards);
   the group's first rank picks the next tokens and broadcasts them (one broadcast per step), so all ranks
   continue and stop together. Under tensor parallelism every forward is padded on the right with filler up to a
@@ -22,13 +21,8 @@ training loop's in-loop samples, the evaluation watcher and the command line bel
   keeps the real tokens blind to it.
 - Eager steps run under ``torch.no_grad`` and ``torch.compiler.set_stance("force_eager")``: per-block compiled
   models run eagerly, instead of recompiling for every new sequence length.
-- ``context_window=N`` slides the context as nanoGPT's ``sample.py`` does: each next token is predicted from the
-  last ``N`` tokens only (the prompt is cut to its last ``N`` first). The KV cache serves the steps until a row's
-  context passes ``N``; from then on every step runs the window afresh (its positions start at 0 again, and the
-  keys of the dropped tokens must not count), as a plain forward of the last ``N`` tokens.
-- ``trained_seq_len`` (:class:`~titanlite.checkpoint.load_model.LoadedModel` has it): a model sees no longer
-  context in training, and its samples past it degrade. A request whose context would pass it (without a window
-  at most that long) logs one warning.
+- ``context_window=N`` (a sliding window, as nanoGPT's ``sample.py``) and ``trained_seq_len`` (one warning past
+  the trained context): docs/evaluation.md, "Past the trained context".
 
 Command line: ``python -m titanlite.generate --help`` (one ``error: ...`` line on stderr and exit status 2 for
 bad input); ``--checkpoint`` is a titanlite checkpoint step folder or a Hugging Face folder
