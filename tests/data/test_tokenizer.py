@@ -165,7 +165,13 @@ def test_layering_tokenizer_imports_no_titanlite_module():
     repo = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, check=True).stdout
     want = str(
-        ["titanlite", "titanlite.tokenizer.hf_regex", "titanlite.tokenizer.hf", "titanlite.utils.nesting"]
-        + ["titanlite.tokenizer"]
+        [
+            "titanlite",
+            "titanlite.errors",
+            "titanlite.tokenizer",
+            "titanlite.tokenizer.hf",
+            "titanlite.tokenizer.hf_regex",
+        ]
+        + ["titanlite.utils", "titanlite.utils.nesting"]
     )
     assert out.splitlines() == [want, "[]"]

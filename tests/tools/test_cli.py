@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import runpy
 import shutil
 import subprocess
 import sys
@@ -74,23 +73,6 @@ def test_each_command_shows_its_own_help(argv, capsys):
     out = capsys.readouterr().out
     own = {name: f"python -m titanlite.{name}" for name in ("train", "generate", "eval")}  # their -m names
     assert out.startswith(f"usage: {own.get(argv[0], 'titanlite ' + ' '.join(argv))}"), out[:200]
-
-
-@pytest.mark.parametrize(
-    "shim, usage",
-    [
-        ("prepare_data", "titanlite prepare"),
-        ("convert_dcp_to_hf", "titanlite convert dcp-to-hf"),
-        ("convert_hf_to_dcp", "titanlite convert hf-to-dcp"),
-        ("estimate", "titanlite estimate"),
-        ("plot_metrics", "titanlite plot"),
-    ],
-)
-def test_old_script_shims_run_the_commands(shim, usage, capsys, monkeypatch):
-    monkeypatch.setattr(sys, "argv", [f"scripts/{shim}.py", "--help"])
-    with pytest.raises(SystemExit) as e:
-        runpy.run_path(str(REPO / "scripts" / f"{shim}.py"), run_name="__main__")
-    assert e.value.code == 0 and capsys.readouterr().out.startswith(f"usage: {usage}")
 
 
 # ----------------------------------------------------------------------------- installed

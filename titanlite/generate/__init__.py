@@ -164,7 +164,7 @@ def check_request(
                 if window is not None and longest == window
                 else (f"{len(prompt)} tokens + max_new_tokens {max_new_tokens}")
             )
-            raise ValueError(f"prompt {i}: {what}{filler} exceed the model's max_seq_len {max_len}")
+            raise UsageError(f"prompt {i}: {what}{filler} exceed the model's max_seq_len {max_len}")
 
 
 def _warn_past_trained_length(
