@@ -199,17 +199,14 @@ def score_requests(scorer: _Scorer, requests: Sequence[Request], batch_size: int
     return {k: v for part in gathered for k, v in part.items()}
 
 
-def _forward(model: nn.Module, tokens: torch.Tensor, cache: KVCache | None, document_ids: bool) -> torch.Tensor:
-    """The model's logits ``[B, S, V]``: through ``cache``, or plainly (causal) without one."""
-    if cache is not None:
-        return model(tokens, cache=cache)
-    return model(tokens, **({"document_ids": torch.zeros_like(tokens)} if document_ids else {}))
+def _forward(model: nn.Module, tokens: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    return model(tokens, **kwargs)
 
 
 @functools.cache
 def compiled_forward() -> Callable[..., torch.Tensor]:
-    """:func:`_forward` under ``torch.compile`` with dynamic shapes: one graph for every batch shape. Sizes
-    are not "duck-typed" (a batch of 2 rows would otherwise be tied to the model's 2 key/value heads, and
+    """``model(tokens, **kwargs)`` under ``torch.compile`` with dynamic shapes: one graph for every batch shape.
+    Sizes are not "duck-typed" (a batch of 2 rows would otherwise be tied to the model's 2 key/value heads, and
     specialized to it) nor specialized at 1, where this torch has those switches."""
     compiled = torch.compile(_forward, dynamic=True)
     config = torch_compat.fx_config()
@@ -260,12 +257,19 @@ class _Scorer:
         self.layout: dict = {}  # the cache buffers' shapes and dtypes, known after the first batch
 
     def logits(self, tokens: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
-        """Whole (not vocabulary-sharded) logits ``[B, S, V]``, in the forward's dtype (the first batch's
-        first pass eagerly: it allocates the cache buffers whose layout the others reuse)."""
-        forward = _forward if cache is not None and not self.layout else self.forward
-        with self.runtime.autocast(self.model):
-            logits = forward(self.model, tokens, cache, self.document_ids)
-        return logits.full_tensor() if isinstance(logits, DTensor) else logits
+        """Whole (not vocabulary-sharded) logits ``[B, S, V]``, in the forward's dtype: through ``cache``, or
+        plainly (causal) without one (the first batch's first pass eagerly: it allocates the cache buffers whose
+        layout the others reuse)."""
+        from titanlite.trainer.runtime import forward_logits  # see the TYPE_CHECKING import
+
+        eager = cache is not None and not self.layout
+        kwargs = {"cache": cache} if cache is not None else self.plain_kwargs(tokens)
+        forward = functools.partial(_forward if eager else self.forward, self.model)
+        return forward_logits(self.model, self.runtime, tokens, forward, **kwargs)
+
+    def plain_kwargs(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A plain causal row's forward arguments: one document per row for a block-causal model."""
+        return {"document_ids": torch.zeros_like(tokens)} if self.document_ids else {}
 
     def launch(self, groups: Sequence[Group]) -> _Pending:
         """Queue one batch: its forward passes and the gather of its requests' summed log-probs."""

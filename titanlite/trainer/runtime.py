@@ -7,7 +7,8 @@ handed to whatever runs the model: the train step, validation, in-loop evaluatio
 
 :func:`forward_loss` is the one place that runs the model to a loss: it applies loss parallelism, autocast (not
 on an FSDP model, whose mixed-precision policy casts instead), the chunked or logits loss and the pipeline
-schedule, for the train step (with a backward) and for evaluation (without).
+schedule, for the train step (with a backward) and for evaluation (without). :func:`forward_logits` is its
+loss-free sibling for benchmark scoring, under the same autocast.
 """
 
 from __future__ import annotations
@@ -115,6 +116,15 @@ def forward_loss(
             (value / divisor).backward()
             value = value.detach()
     return to_local_value(value)
+
+
+def forward_logits(model: nn.Module, runtime: Runtime, inputs: torch.Tensor, forward=None, **kwargs) -> torch.Tensor:
+    """``model``'s whole logits ``[B, S, V]`` for ``inputs`` (``kwargs``: extra forward arguments, e.g. a KV cache),
+    under the runtime's autocast, gathered when tensor parallelism leaves them sharded over the vocabulary.
+    ``forward(inputs, **kwargs)`` replaces ``model(...)``: a compiled call of it."""
+    with runtime.autocast(model):
+        logits = (forward or model)(inputs, **kwargs)
+    return to_local_value(logits)
 
 
 def eval_loss(
