@@ -1,6 +1,6 @@
 """Errors at the command lines: bad input (a :class:`titanlite.errors.UserError`) is one ``error:`` line and its
-exit code, with no traceback; any other exception is a bug and keeps its traceback. Each command runs in a fresh
-interpreter, as a user runs it.
+exit code, with no traceback; any other exception is a bug and keeps its traceback. Each command runs in a process
+of its own (:func:`tests.helpers.launch.run_python`), as a user runs it.
 
 The bug is a ``KeyError`` raised while the model is built: the training job meets it through a model family an
 extension module (``[job] extensions``) registers; the other commands through a wrapper script that replaces the
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.launch import run_python
 from tests.helpers.tiny import TINY_MODEL
 from titanlite.errors import CheckpointError, ConfigError, DataError, UsageError, UserError
 from titanlite.trainer.guard import TrainingDivergedError
@@ -44,9 +45,7 @@ def run(args: list[str], tmp_path: Path, timeout: float = 240) -> subprocess.Com
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path)]), "OMP_NUM_THREADS": "1"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    return subprocess.run(
-        [sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    return run_python([sys.executable, *args], cwd=tmp_path, env=env, timeout=timeout)
 
 
 def assert_traceback(proc: subprocess.CompletedProcess, exc: str = "KeyError") -> None:

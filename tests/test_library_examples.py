@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from tests.helpers.dist import run_workers
+from tests.helpers.launch import run_python
 from tests.helpers.library_blocks import BUILD, CKPT, FAMILY, LOOP, LOSS, SPEC
 
 REPO = Path(__file__).resolve().parents[1]
@@ -188,7 +189,7 @@ def test_own_family_trains_with_the_stock_launcher_and_is_planned_exactly(tmp_pa
     torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=RTOL, atol=0)
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]))
-    out = subprocess.run(
+    out = run_python(
         [
             sys.executable,
             "-m",
@@ -212,8 +213,6 @@ def test_own_family_trains_with_the_stock_launcher_and_is_planned_exactly(tmp_pa
         ],
         cwd=REPO,
         env=env,
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     assert out.returncode == 0, out.stderr
@@ -305,14 +304,7 @@ def test_a_registered_trainer_is_chosen_from_the_stock_command_line(tmp_path):
     ]
     cmd = [sys.executable, "-m", "titanlite.train", *args, "--job.extensions", "my_trainer", "--job.trainer", "mine"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]), OMP_NUM_THREADS="1")
-    out = subprocess.run(
-        [*cmd, "--job.dump_folder", str(tmp_path / "run")],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = run_python([*cmd, "--job.dump_folder", str(tmp_path / "run")], cwd=REPO, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert (tmp_path / "run" / "marker").read_text() == "2"
 

@@ -14,7 +14,6 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -26,6 +25,7 @@ from torch.distributed.checkpoint import load as dcp_load
 import titanlite.data.recipe as recipe
 from tests.helpers.checkpoint_runs import STEPS, TINY, metrics, run_trainer, steps_in
 from tests.helpers.dist import cache_token_stores
+from tests.helpers.launch import run_python
 from titanlite.checkpoint import layout
 from titanlite.models import load_config
 from titanlite.train import main
@@ -100,13 +100,8 @@ def run_killed(dump: Path, env: dict, *extra: str) -> None:
         tokenizer = get_model_spec(cfg.model.name).tokenizer_builder(cfg.model.tokenizer_path)
         torch.save(recipe.load_token_store("embedded", "", "train", tokenizer), tokens_file)
     cmd = [sys.executable, "-c", DRIVER, *TINY, "--job.dump_folder", str(dump), *extra]
-    proc = subprocess.run(
-        cmd,
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENS_FILE": str(tokens_file), **env},
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc = run_python(
+        cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENS_FILE": str(tokens_file), **env}, timeout=120
     )
     assert proc.returncode == -signal.SIGKILL, proc.stdout[-3000:] + proc.stderr[-3000:]
 

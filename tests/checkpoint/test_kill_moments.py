@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 import titanlite.data.recipe as recipe
 from tests.helpers.checkpoint_runs import TINY
 from tests.helpers.dist import cache_token_stores
+from tests.helpers.launch import run_python
 from titanlite.checkpoint import layout
 from titanlite.models import load_config
 from titanlite.trainer import Trainer
@@ -184,12 +184,10 @@ def reference(tmp_path_factory):
 def test_sigkill_at_any_moment_resumes_bitwise(moment, reference, tmp_path, caplog):
     root, expected = reference
     dump = tmp_path / "run"
-    proc = subprocess.run(
+    proc = run_python(
         [sys.executable, "-c", DRIVER, *TINY, *RUN, "--job.dump_folder", str(dump)],
         cwd=REPO,
         env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENS_FILE": str(root / "tokens.pt"), "KILL": moment},
-        capture_output=True,
-        text=True,
         timeout=180,
     )
     assert proc.returncode == -signal.SIGKILL, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -21,13 +21,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.launch import run_python
 from titanlite.checkpoint import layout
 from titanlite.checkpoint.seed_args import model_args_from_seed
 from titanlite.models import get_model_spec, load_config
@@ -152,11 +152,9 @@ def test_seq_len_is_checked_against_max_seq_len():
 def test_seq_len_above_max_seq_len_fails_when_the_trainer_is_built(family, tmp_path):
     extra = ["--job.extensions", "torchtitan_ext.qwen3", "--model.name", "qwen3"] if family == "qwen3" else []
     argv = ["--training.seq_len", "96", "--model.max_seq_len", "64", "--job.dump_folder", str(tmp_path), *extra]
-    proc = subprocess.run(
+    proc = run_python(
         [sys.executable, "-m", "titanlite.train", *argv],
         cwd=REPO,
-        capture_output=True,
-        text=True,
         timeout=120,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
 import sys
 import textwrap
 from dataclasses import dataclass
@@ -13,6 +12,7 @@ import pytest
 from torch import nn
 
 import titanlite.config
+from tests.helpers.launch import run_python
 from titanlite.config import (
     ConfigError,
     JobConfig,
@@ -627,9 +627,7 @@ def test_parse_args_or_exit_error(capsys):
 
 def test_parse_args_or_exit_subprocess():
     code = "import sys; from titanlite.config import parse_args_or_exit; parse_args_or_exit(sys.argv[1:])"
-    proc = subprocess.run(
-        [sys.executable, "-c", code, "--training.lrr", "1"], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
+    proc = run_python([sys.executable, "-c", code, "--training.lrr", "1"], cwd=REPO, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0
     assert proc.stderr.startswith("error: unknown key 'training.lrr'")

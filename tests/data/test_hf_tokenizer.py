@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import pickle
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.hf_tokenizers import NFC_TEXT, SPECIAL_TEXT, convert, corpora
+from tests.helpers.launch import run_python
 from tests.helpers.shared_data import shared_file
 from titanlite.tokenizer import build_tokenizer, tokenizer_fingerprint
 from titanlite.tokenizer.hf import byte_level_alphabet, tokenizer_files
@@ -248,11 +248,9 @@ def test_prepare_data_then_qwen3_trains_and_exports_the_tokenizer(tmp_path, qwen
     (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": None, "eos_token": "<|im_end|>"}))
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(shared_file("text/tinyshakespeare.txt").read_text(encoding="utf-8")[:40_000])
-    out = subprocess.run(
+    out = run_python(
         [sys.executable, "-m", "titanlite", "prepare", "--input", str(corpus), "--tokenizer", str(folder)]
         + ["--output", str(tmp_path / "shards"), "--workers", "1", "--txt-split", "paragraphs"],
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     assert out.returncode == 0, out.stderr

@@ -4,7 +4,6 @@ determinism across worker counts, restart behaviour and one-line errors."""
 import io
 import json
 import shutil
-import subprocess
 import sys
 import zlib
 from pathlib import Path
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers.launch import run_python
 from tests.helpers.shared_data import shared_file
 from titanlite.data import prepare as prep
 from titanlite.data.prepare_folder import JOURNAL, STATE
@@ -236,7 +236,7 @@ def test_main_bad_inputs_one_line(tmp_path, capsys):
 
 
 def test_cli_subprocess_error_no_traceback(tmp_path):
-    r = subprocess.run(
+    r = run_python(
         [
             sys.executable,
             "-m",
@@ -248,8 +248,6 @@ def test_cli_subprocess_error_no_traceback(tmp_path):
             str(tmp_path / "o"),
         ],
         cwd=REPO,
-        capture_output=True,
-        text=True,
         timeout=60,
     )
     assert r.returncode == 2

@@ -2,12 +2,12 @@
 
 import base64
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.launch import run_python
 from tests.helpers.shared_data import shared_file
 from tests.helpers.tiny import TINY_MODEL
 from titanlite.config import parse_args_or_exit
@@ -179,7 +179,7 @@ def test_dataset_path_with_embedded_is_refused(section, capsys):
 def test_dataset_path_with_embedded_refused_by_the_launcher(tmp_path):
     cmd = [sys.executable, "-m", "titanlite.train", "--config", "train_configs/debug_model.toml"]
     cmd += ["--training.dataset_path", str(tmp_path), "--job.dump_folder", str(tmp_path / "run")]
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    r = run_python(cmd, cwd=REPO, timeout=120)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
     assert "training.dataset_path" in r.stderr and "training.dataset = 'embedded'" in r.stderr
     assert not (tmp_path / "run").exists()  # refused before anything was written

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from tests.helpers.dist import run_workers
+from tests.helpers.launch import run_python
 from tests.helpers.shared_data import shared_file
 from titanlite.checkpoint.load_model import load_model
 from titanlite.eval import ClozeTask, Item, MultipleChoiceTask, evaluate, get_task, register_task, task_names
@@ -59,7 +60,7 @@ def checkpoint(tmp_path_factory) -> Path:
     cmd += ["--training.local_batch_size", "8", "--training.global_batch_size", "8", "--lr_scheduler.warmup_steps", "2"]
     cmd += ["--validation.enable", "false", "--metrics.enable_tensorboard", "false"]
     cmd += ["--checkpoint.enable", "--checkpoint.interval", str(TRAIN_STEPS)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    proc = run_python(cmd, cwd=REPO, env=env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return dump / "checkpoint" / f"step-{TRAIN_STEPS}"
 
@@ -531,7 +532,7 @@ def test_a_task_of_ones_own_is_one_small_class(loaded, tmp_path):
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "titanlite.eval", *args]
-    return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+    return run_python(cmd, cwd=REPO, env=env(), timeout=timeout)
 
 
 def test_cli_writes_the_results_as_json(checkpoint, data_dir, tmp_path, loaded):

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 
 import pytest
 
 from tests.helpers.dist import REPO, cache_token_stores, run_workers
+from tests.helpers.launch import run_python
 from tests.helpers.shared_data import shared_file
 from tests.helpers.tiny import TINY_MODEL
 from titanlite.eval import cli as eval_cli
@@ -140,7 +140,7 @@ def test_fsdp_and_tp_runs_log_the_single_process_samples_and_scores(tmp_path, ev
 def test_bad_sampling_and_eval_settings_stop_the_run_at_start(tmp_path, eval_data, extra, message):
     extra = [str(eval_data) if a == "DATA" else a for a in extra]
     cmd = [sys.executable, "-m", "titanlite.train", *args_for(tmp_path / "run", *extra)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
+    r = run_python(cmd, timeout=120, cwd=REPO)
     assert r.returncode == 2, r.stderr
     error = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(error) == 1 and message in error[0], r.stderr

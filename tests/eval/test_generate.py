@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -32,6 +31,7 @@ import torch
 
 from tests.helpers.dist import REPO, run_workers
 from tests.helpers.families import NoCacheLM
+from tests.helpers.launch import run_python
 from tests.helpers.llama import tiny_args as llama_args
 from tests.helpers.llama import titanlite_model
 from tests.helpers.qwen3 import qwen3_model
@@ -103,7 +103,7 @@ def trained(tmp_path_factory):
         *("--training.global_batch_size", "4", "--lr_scheduler.warmup_steps", "2", "--validation.enable", "false"),
         *("--metrics.enable_tensorboard", "false", *TINY_MODEL),
     ]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
+    proc = run_python(cmd, cwd=REPO, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     step = root / "run" / "checkpoint" / "step-4"
     return step, dcp_to_hf(step, root / "hf")
@@ -662,11 +662,9 @@ def test_cli_errors_are_one_line_with_exit_status_2(trained, tmp_path, capsys, a
 
 
 def test_the_module_exits_2_on_bad_input(tmp_path):
-    proc = subprocess.run(
+    proc = run_python(
         [sys.executable, "-m", "titanlite.generate", "--checkpoint", str(tmp_path / "nope"), "--prompt", "x"],
         cwd=REPO,
-        capture_output=True,
-        text=True,
         timeout=60,
     )
     assert proc.returncode == 2 and proc.stderr == f"error: {tmp_path / 'nope'}: no such folder\n", proc.stderr

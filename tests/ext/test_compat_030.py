@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 from tests.helpers.compat import FLAT, TINY, compat_trainer, take_steps, torchtitan_toml, write_torchtitan_checkpoint
 from tests.helpers.dist import run_workers
+from tests.helpers.launch import run_python
 from tests.helpers.peaks import skip_peak_measurement
 from titanlite.checkpoint import safe_load
 from titanlite.checkpoint.hf_export import dcp_to_hf
@@ -307,11 +308,9 @@ def test_torchtitan_checkpoint_exports_to_hf_with_its_logits(version, tmp_path):
 
 
 def run_convert(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return run_python(
         [sys.executable, "-m", "titanlite", "convert", "dcp-to-hf", "-q", *args],
         cwd=REPO,
-        capture_output=True,
-        text=True,
         timeout=120,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )

@@ -97,7 +97,7 @@ _PRELOAD = [
 ]
 
 
-def _fork_server() -> multiprocessing.context.BaseContext:
+def fork_server() -> multiprocessing.context.BaseContext:
     """This process's fork server, started on first use with one intra-op thread (as the ranks run) and
     the repository importable."""
     ctx, server = multiprocessing.get_context("forkserver"), multiprocessing.forkserver._forkserver
@@ -119,7 +119,7 @@ class _ForkedRank:
     """A rank forked from the fork server, with the part of ``subprocess.Popen``'s interface used here."""
 
     def __init__(self, env: dict, log: Path, argv: list[str], threads: int):
-        self.process = _fork_server().Process(target=_forked_main, args=(env, str(log), argv, threads))
+        self.process = fork_server().Process(target=_forked_main, args=(env, str(log), argv, threads))
         self.process.start()
         self.pid = self.process.pid
 

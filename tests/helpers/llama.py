@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+from tests.helpers.launch import run_python
 from titanlite.checkpoint import layout
 from titanlite.models.llama3 import Llama3ModelArgs, Transformer
 
@@ -66,11 +67,9 @@ def tokens(vocab: int = 512) -> torch.Tensor:
 
 
 def run_cli(script: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return run_python(
         [sys.executable, "-m", "titanlite", "convert", script, *args],
         cwd=REPO,
-        capture_output=True,
-        text=True,
         timeout=120,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )

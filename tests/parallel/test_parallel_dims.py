@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.launch import run_python
 from tests.helpers.tiny import TINY_MODEL
 from titanlite.config import parse_config
 from titanlite.models import make_model_args
@@ -102,7 +103,7 @@ def test_sequence_length_must_split_under_tp():
 
 
 def test_cli_product_mismatch_is_one_line_error(tmp_path):
-    out = subprocess.run(
+    out = run_python(
         [
             sys.executable,
             "-m",
@@ -113,8 +114,6 @@ def test_cli_product_mismatch_is_one_line_error(tmp_path):
             "--parallelism.data_parallel_shard_degree",
             "2",
         ],
-        capture_output=True,
-        text=True,
         timeout=120,
         cwd=REPO,
     )

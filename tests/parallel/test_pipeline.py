@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from tests.helpers.dist import REPO, backends, cache_token_stores, run_workers
+from tests.helpers.launch import run_python
 from tests.helpers.parity import RTOL, STEPS, RecordingTrainer, check, check_data, make_config
 from titanlite.models import load_config as parse_args
 from titanlite.parallel.pipeline import PipelinePlan
@@ -268,10 +269,8 @@ def test_config_errors_are_one_line_and_stop_the_run(tmp_path):
         "--parallelism.pipeline_parallel_degree",
         "2",
     ]
-    r = subprocess.run(
+    r = run_python(
         [sys.executable, "-m", "titanlite.train", *base, "--parallelism.pipeline_parallel_microbatch_size", "3"],
-        capture_output=True,
-        text=True,
         timeout=60,
         cwd=REPO,
     )
@@ -363,10 +362,8 @@ def test_pipelined_checkpoints_reshard_and_resume_exactly(tmp_path, reference):
     held = {k: v for rank in full for k, v in rank["weights"].items()}
     assert set(held) == set(seed)
     out = tmp_path / "hf"
-    r = subprocess.run(
+    r = run_python(
         [sys.executable, "-m", "titanlite", "convert", "dcp-to-hf", str(tmp_path / "pp/checkpoint/step-10"), str(out)],
-        capture_output=True,
-        text=True,
         timeout=120,
         cwd=REPO,
     )

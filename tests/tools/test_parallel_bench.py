@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -14,13 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.launch import run_python
 from tests.helpers.tiny import TINY_MODEL
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_bench_prints_json_with_throughput_mfu_memory_and_split(tmp_path):
-    out = subprocess.run(
+    out = run_python(
         [
             sys.executable,
             "-m",
@@ -41,8 +41,6 @@ def test_bench_prints_json_with_throughput_mfu_memory_and_split(tmp_path):
             "--job.dump_folder",
             str(tmp_path),
         ],
-        capture_output=True,
-        text=True,
         timeout=180,
         cwd=REPO,
     )
@@ -69,7 +67,7 @@ def test_bench_prints_json_with_throughput_mfu_memory_and_split(tmp_path):
 
 
 def test_bench_bad_parallelism_is_one_line_error(tmp_path):
-    out = subprocess.run(
+    out = run_python(
         [
             sys.executable,
             "-m",
@@ -81,8 +79,6 @@ def test_bench_bad_parallelism_is_one_line_error(tmp_path):
             "--job.dump_folder",
             str(tmp_path),
         ],
-        capture_output=True,
-        text=True,
         timeout=120,
         cwd=REPO,
     )

@@ -1,11 +1,12 @@
 """titanlite plot (titanlite.tools.plot): overlaid runs to a PNG; a clear message without matplotlib."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.launch import run_python
 
 REPO = Path(__file__).resolve().parents[2]
 PLOT = [sys.executable, "-m", "titanlite", "plot"]  # the `titanlite plot` command
@@ -41,7 +42,7 @@ def test_plot_writes_a_png(tmp_path):
     _fake_run(tmp_path / "run_a", 1.0)
     _fake_run(tmp_path / "run_b", 1.1)
     out = tmp_path / "plots" / "curves.png"
-    r = subprocess.run(
+    r = run_python(
         [
             *PLOT,
             str(tmp_path / "run_a"),
@@ -51,8 +52,6 @@ def test_plot_writes_a_png(tmp_path):
             "--smooth",
             "0.5",
         ],
-        capture_output=True,
-        text=True,
         timeout=120,
         cwd=REPO,
     )
@@ -74,7 +73,7 @@ def test_plot_draws_only_the_panels_a_run_logged(tmp_path):
     records = [{"step": s, "loss": 5.0 - 0.1 * s, "lr": 1e-3, "mfu": None} for s in range(1, 6)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     out = tmp_path / "curves.png"
-    r = subprocess.run([*PLOT, str(run), "-o", str(out)], capture_output=True, text=True, timeout=120)
+    r = run_python([*PLOT, str(run), "-o", str(out)], timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().endswith("(1 run(s); panels: loss, learning rate)"), r.stdout
     from PIL import Image
@@ -82,7 +81,7 @@ def test_plot_draws_only_the_panels_a_run_logged(tmp_path):
     height = Image.open(out).size[1]
     assert height == round(110 * 2.6 * 2)  # two panels of 2.6 inches at 110 dpi
     (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "mfu": None}) + "\n")
-    empty = subprocess.run([*PLOT, str(run), "-o", str(tmp_path / "e.png")], capture_output=True, text=True)
+    empty = run_python([*PLOT, str(run), "-o", str(tmp_path / "e.png")])
     assert empty.returncode == 2 and "no metric to plot" in empty.stderr and not (tmp_path / "e.png").exists()
 
 
@@ -91,10 +90,8 @@ def test_plot_without_matplotlib_says_how_to_get_it(tmp_path):
     blocker = tmp_path / "no_mpl"
     (blocker / "matplotlib").mkdir(parents=True)
     (blocker / "matplotlib" / "__init__.py").write_text("raise ImportError('matplotlib is not installed')\n")
-    r = subprocess.run(
+    r = run_python(
         [*PLOT, str(tmp_path / "run"), "-o", str(tmp_path / "x.png")],
-        capture_output=True,
-        text=True,
         timeout=60,
         env={"PYTHONPATH": str(blocker), "PATH": ""},
         cwd=REPO,
@@ -102,13 +99,8 @@ def test_plot_without_matplotlib_says_how_to_get_it(tmp_path):
     assert r.returncode == 2
     assert "needs matplotlib" in r.stderr and "pip install matplotlib" in r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "x.png").exists()
-    missing = subprocess.run(
-        [*PLOT, str(tmp_path / "nope")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={"PYTHONPATH": str(blocker), "PATH": ""},
-        cwd=REPO,
+    missing = run_python(
+        [*PLOT, str(tmp_path / "nope")], timeout=60, env={"PYTHONPATH": str(blocker), "PATH": ""}, cwd=REPO
     )
     assert missing.returncode == 2
 
@@ -128,7 +120,7 @@ def test_lines_that_hold_no_record_are_skipped_as_the_trainer_skips_them(tmp_pat
     images = []
     for run in (clean, noisy):
         out = run.parent / "curves.png"
-        r = subprocess.run([*PLOT, str(run), "-o", str(out)], capture_output=True, text=True, timeout=120, cwd=REPO)
+        r = run_python([*PLOT, str(run), "-o", str(out)], timeout=120, cwd=REPO)
         assert r.returncode == 0, r.stderr
         images.append(out.read_bytes())
     assert images[0] == images[1]
@@ -139,7 +131,7 @@ def test_an_output_type_matplotlib_cannot_write_is_one_line_listing_the_types(na
     pytest.importorskip("matplotlib")
     _fake_run(tmp_path / "run", 1.0)
     out = tmp_path / name
-    r = subprocess.run([*PLOT, str(tmp_path / "run"), "-o", str(out)], capture_output=True, text=True, timeout=120)
+    r = run_python([*PLOT, str(tmp_path / "run"), "-o", str(out)], timeout=120)
     ext = out.suffix.lower()
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.startswith(f"error: -o {out}: matplotlib writes no '{ext}' image (supported extensions: ")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.launch import run_python
 from tests.helpers.tiny import TINY_MODEL
 from titanlite.trainer.preemption import REPEAT_WINDOW_S, PreemptionHandler
 from titanlite.utils.run_lock import LOCK_FILE
@@ -106,9 +107,7 @@ def test_sigterm_checkpoints_exits_0_and_resume_is_exact(tmp_path):
     assert [p.name for p in ckpt.iterdir() if p.name != LOCK_FILE] == [f"step-{stopped}"]  # complete, no partial folder
     assert (ckpt / f"step-{stopped}" / ".metadata").exists()
 
-    resumed = subprocess.run(
-        _cmd(run_dir, "--checkpoint.enable", "true"), cwd=REPO, env=env, capture_output=True, text=True, timeout=180
-    )
+    resumed = run_python(_cmd(run_dir, "--checkpoint.enable", "true"), cwd=REPO, env=env, timeout=180)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"RESUMED from {ckpt / f'step-{stopped}'}" in resumed.stdout + resumed.stderr
     ref_out, _ = ref.communicate(timeout=180)

@@ -2,12 +2,12 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
+from tests.helpers.launch import run_python
 from tests.helpers.tiny import TINY_MODEL
 from titanlite.models import load_config
 from titanlite.trainer import Trainer
@@ -122,9 +122,7 @@ def test_lr_follows_schedule(tmp_path):
 
 
 def run_cli(*args, cwd=None):
-    return subprocess.run(
-        [sys.executable, "-m", "titanlite.train", *args], capture_output=True, text=True, timeout=120, cwd=cwd
-    )
+    return run_python([sys.executable, "-m", "titanlite.train", *args], timeout=120, cwd=cwd)
 
 
 def test_cli_help_lists_sections_and_keys():
