@@ -1,13 +1,9 @@
-"""Hugging Face model folder -> titanlite. :func:`read_hf_config`, :func:`hf_seed`: the family and model args of
-its ``config.json`` (the family's HF adapter, found by ``architectures`` / ``model_type``); :func:`hf_state_dict`:
-its weights under titanlite's names; :func:`load_hf_weights`: them loaded into a (sharded) model, each rank
-reading only what its shards need; :func:`hf_to_dcp`: a model-only step folder
-(loadable under any layout), planned from the safetensors headers (meta tensors), each tensor pulled from its
-file while DCP writes it. Reading through ``HuggingFaceStorageReader`` instead gives bitwise the same step
-folder but holds the whole model in memory; this path holds one tensor (``titanlite bench hf-storage``; figures
-in docs/benchmarks.md, "Hugging Face conversion"). Outputs go to
-``<out>.partial-<token>``, renamed at the end; wrong inputs (a truncated ``.safetensors``, a wrong
-``config.json`` ...) are a one-line ``ValueError`` / ``FileNotFoundError`` naming the file, nothing written.
+"""Hugging Face model folder -> titanlite: :func:`read_hf_config` / :func:`hf_seed` (the family and model args of
+its ``config.json``), :func:`hf_state_dict` (its weights under titanlite's names), :func:`load_hf_weights` (into a
+sharded model, each rank reading what its shards need) and :func:`hf_to_dcp` (a model-only step folder, planned
+from the safetensors headers and streamed one tensor at a time; ``HuggingFaceStorageReader`` would hold the whole
+model: docs/benchmarks.md, "Hugging Face conversion"). Outputs are written to ``<out>.partial-<token>`` and
+renamed; wrong inputs are one line naming the file, nothing written.
 """
 
 from __future__ import annotations
@@ -133,14 +129,11 @@ def hf_state_dict(path: Path, adapter: Any, only: Collection[str] | None = None)
 
 
 def load_hf_weights(path: str | os.PathLike, model: nn.Module, *, process_group: Any = None) -> None:
-    """Load the weights of the HF folder ``path`` into ``model`` (FSDP/TP DTensors, a pipeline stage's part ...;
-    collective under ``torch.distributed``), each rank reading only what its own slices need. What the adapter only
-    renames goes through DCP's ``HuggingFaceStorageReader`` into the model's own shards. What it only reorders by
-    rows (Llama's q/k rows, within each head) is read by rows from the safetensors file (:func:`_row_order`): the
-    HF rows this rank's rows come from, which is one more head at most when a shard boundary cuts a head (DCP's
-    reader cannot do it: it fills a shard from the same rows of the stored tensor). What it assembles from several
-    HF tensors (stacked experts) or makes from nothing is read whole, converted and sharded by
-    ``set_model_state_dict``. A tied output missing from the folder is read from the embedding."""
+    """Load the weights of the HF folder ``path`` into ``model`` (sharded or a pipeline stage's part; collective),
+    each rank reading only what its slices need: renamed tensors through DCP's ``HuggingFaceStorageReader``, tensors
+    reordered by rows (Llama's q/k) by rows from the safetensors file (:func:`_row_order`; DCP's reader fills a
+    shard from the same stored rows), assembled or made ones (stacked experts) whole, then sharded. A tied output
+    missing from the folder is read from the embedding."""
     path = Path(path)
     spec, args = hf_seed(path)
     adapter, own = spec.hf_adapter(args), get_model_state_dict(model)  # own: this rank's tensors (shards)

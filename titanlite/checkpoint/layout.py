@@ -3,18 +3,13 @@
 ::
 
     <dump_folder>/<checkpoint.folder>/
-        step-100/                  complete: renamed into place after every rank finished writing
-            .metadata              DCP index of every tensor / object and where its bytes are
-            __0_0.distcp ...       one data file per rank
-            checkpoint.json        step, tokens seen, model family and resolved args, model-only flag,
-                                   size and CRC-32 of every DCP file (verified before a load)
-            config.toml            the resolved job config of the run that saved it
-        step-200.partial-1a2b3c/   a save in progress (or killed mid-way): never loaded, removed at start
+        step-100/                  complete: .metadata (DCP's index), __0_0.distcp ... (a data file per rank),
+                                   checkpoint.json (step, model family and args, file sizes and CRC-32s),
+                                   config.toml (the run's resolved config)
+        step-200.partial-1a2b3c/   a save in progress (or killed): never loaded, removed at start
 
-Atomicity is write-then-rename: a save writes into ``step-N.partial-<token>`` and rank 0 renames it
-to ``step-N`` only after DCP's ``.metadata`` (written by the coordinator once every rank's data is
-on disk) exists. ``rename`` is atomic on POSIX file systems, so a ``step-N`` folder is either
-absent or complete; a crash at any moment leaves at worst a ``.partial`` folder.
+A save writes into ``step-N.partial-<token>``, which rank 0 renames to ``step-N`` once DCP's ``.metadata`` exists
+(written after every rank's data): ``rename`` is atomic, so a ``step-N`` folder is absent or complete.
 """
 
 from __future__ import annotations

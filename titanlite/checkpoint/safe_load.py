@@ -1,23 +1,12 @@
 """Reading DCP checkpoint folders without running code that a checkpoint file carries.
 
-A DCP folder holds pickles in two places, and torch unpickles both without restriction:
-
-- ``.metadata``: ``FileSystemReader.read_metadata`` calls ``pickle.load`` on it;
-- every non-tensor (``BYTE_IO``) item: ``DefaultLoadPlanner.load_bytes`` calls
-  ``torch.load(value, weights_only=False)`` on it.
-
-A pickle can call any importable function while it is read (``__reduce__``), so a checkpoint
-downloaded from elsewhere, or a folder someone else can write to, could run arbitrary code in the
-training job or a converter the moment it is opened. Tensors themselves are safe: DCP reads them
-with ``weights_only=True``. This module closes the other two doors:
-
-- :class:`SafeFileSystemReader` reads ``.metadata`` with an unpickler that only rebuilds DCP's own
-  metadata records (dataclasses and enums of ``torch.distributed.checkpoint``), ``torch.Size``,
-  dtypes, layouts and paths; anything else is refused;
-- :class:`SafeLoadPlanner` reads ``BYTE_IO`` items with ``torch.load(..., weights_only=True)``
-  (plain data: numbers, strings, bytes, byte buffers, lists, dicts, tensors);
-- :func:`load` is ``dcp.load`` with both, turning DCP's multi-line ``CheckpointException`` into a
-  one-line ``ValueError``; :func:`read_metadata` reads a folder's metadata the same way.
+torch unpickles two things of a DCP folder without restriction: ``.metadata`` (``FileSystemReader.read_metadata``)
+and every non-tensor ``BYTE_IO`` item (``DefaultLoadPlanner.load_bytes``, ``weights_only=False``); a pickle can
+call any importable function while read. Tensors are safe (``weights_only=True``). Here
+:class:`SafeFileSystemReader` rebuilds only DCP's own metadata records (and ``torch.Size``, dtypes, layouts,
+paths), :class:`SafeLoadPlanner` reads ``BYTE_IO`` items with ``weights_only=True``, and :func:`load` /
+:func:`read_metadata` use both, with DCP's multi-line ``CheckpointException`` as one line
+(docs/checkpoints.md, "Trusting checkpoints").
 """
 
 from __future__ import annotations
@@ -128,14 +117,9 @@ def read_metadata(path: str | os.PathLike) -> Metadata:
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """``DefaultLoadPlanner`` reading non-tensor items with ``weights_only=True``.
-
-    The parent's ``load_bytes`` unpickles them with ``weights_only=False``, which executes whatever
-    the pickle asks for; here a pickle naming anything but plain data raises
-    :class:`UnsafeCheckpointError` (naming the item) before any of it runs. ``io.BytesIO`` counts
-    as plain data (a buffer of bytes, rebuilt without running anything): torchtitan's older
-    ``TrainState`` saved its loss histories that way.
-    """
+    """``DefaultLoadPlanner`` reading non-tensor items with ``weights_only=True``: a pickle naming anything but
+    plain data raises :class:`UnsafeCheckpointError` (naming the item) before any of it runs. ``io.BytesIO`` counts
+    as plain data (torchtitan's older ``TrainState`` saved its loss histories that way)."""
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
