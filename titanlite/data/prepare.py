@@ -1,4 +1,4 @@
-"""Tokenize raw text into binary token shards for ``[training] dataset = "shards"`` (``titanlite prepare``).
+"""Tokenize raw text into binary token shards for ``[training] dataset = "shards"``.
 
 Every document (a file of :mod:`titanlite.data.sources`) becomes ``BOS + tokens + EOS``. Its split comes from a
 hash of its text (``blake2b(text) / 2**64 < val_fraction``), so it depends on neither the worker count nor the
