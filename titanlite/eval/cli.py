@@ -16,7 +16,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
@@ -28,6 +28,7 @@ from titanlite.eval.scoring import evaluate
 from titanlite.eval.tasks import get_task, task_names
 from titanlite.eval.watch import watch
 from titanlite.extensions import load_extensions
+from titanlite.utils.argtypes import UsageErrorParser
 from titanlite.utils.dtypes import DTYPES
 from titanlite.utils.fsio import one_line
 from titanlite.utils.run_lock import LOCK_FILE
@@ -37,15 +38,8 @@ METRICS_FILE = "metrics.jsonl"
 RUN_FILES = (METRICS_FILE, "summary.json", layout.CONFIG_FILE, layout.INFO_FILE, LOCK_FILE)  # a run's own files
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse with its errors as one line (no usage block), so every user error looks the same."""
-
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = UsageErrorParser(
         prog="python -m titanlite.eval",
         description="Score a checkpoint on downstream benchmarks by log-likelihood (see titanlite.eval).",
     )

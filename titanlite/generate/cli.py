@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from typing import NoReturn
 
 import torch
 
 from titanlite.errors import UsageError
-from titanlite.utils.argtypes import number
+from titanlite.utils.argtypes import UsageErrorParser, number
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -21,13 +20,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, l
     return a, prompts
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line instead of the usage text
-        raise UsageError(message)
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m titanlite.generate", description="Continue prompts with a trained model.")
+    p = UsageErrorParser(prog="python -m titanlite.generate", description="Continue prompts with a trained model.")
     p.add_argument("--checkpoint", required=True, help="a titanlite checkpoint step folder or a Hugging Face folder")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
     p.add_argument("--prompt-file", help="a UTF-8 file with one prompt per line (empty lines skipped)")
