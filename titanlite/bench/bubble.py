@@ -1,11 +1,6 @@
 """The pipeline bubble of ``bench train``, measured: when this rank's stages compute, and per stage the measured
-bubble next to the planner's prediction (``PipelinePlan.bubble_fraction()``).
-
-Compute time comes from hooks (:class:`StageActivity`), not from a profiler. ``bubble_measured`` is the fraction of
-the timed steps' wall time in which the stage's pp rank computed none of its stages (so optimizer, data and logging
-time count as idle); ``bubble_measured_in_schedule`` the same fraction of the time spent inside the schedule's runs
-(the quantity the planner predicts; needs the time split; the last rank's schedule returns before the first rank's
-last backward ends, so its drain shows in ``bubble_measured`` only).
+bubble next to the planner's prediction (``PipelinePlan.bubble_fraction()``); the two fractions
+(``bubble_measured``, ``bubble_measured_in_schedule``) are defined in docs/benchmarks.md, "Pipeline parallelism".
 """
 
 from __future__ import annotations
