@@ -1,12 +1,10 @@
 """DCP step folder -> Hugging Face model folder (:func:`dcp_to_hf`), with bounded memory (docs/checkpoints.md).
 
-One tensor at a time is loaded (DCP reads only its byte ranges), converted by the family's HF adapter and added
-to the current safetensors shard, written as soon as it is full: peak memory is about one shard. A torchtitan
-Llama 3 step folder is read too, by the format ``torchtitan_ext`` installs. DCP's ``HuggingFaceStorageWriter``
-would write the same tensors but serializes each file in memory (slower, higher peak: docs/benchmarks.md,
-"Hugging Face conversion"), names a single file ``model-00001-of-00001.safetensors`` and adds its metadata to
-every header. Output goes to ``<out>.partial-<token>``, renamed at the end; wrong inputs are one line naming the
-file, nothing written; DCP folders are read through :mod:`titanlite.checkpoint.safe_load`.
+One tensor at a time is loaded (DCP reads only its byte ranges), converted by the family's HF adapter and added to
+the current safetensors shard, written once full: peak memory is about one shard. A torchtitan Llama 3 step folder
+is read too (``torchtitan_ext``'s format). Not DCP's ``HuggingFaceStorageWriter``: it serializes each file in
+memory (slower, higher peak: docs/benchmarks.md, "Hugging Face conversion") and names a lone file
+``model-00001-of-00001.safetensors``. Output goes to ``<out>.partial-<token>``, renamed at the end.
 """
 
 from __future__ import annotations

@@ -2,11 +2,9 @@
 (docs/checkpoints.md): :func:`write_tokenizer_files` copies a tokenizer.json, or writes one from a tiktoken file's
 or the byte tokenizer's ranks (:func:`tokenizer_json`), with a ``tokenizer_config.json`` (:func:`tokenizer_config`).
 
-The written tokenizer.json is a byte-level BPE in GPT-2's byte alphabet: Llama 3's regex in a ``Split`` before
-``ByteLevel``, ``ignore_merges`` (a piece that is a whole token is taken at once, as tiktoken does), and the merges
-of every way to split a token in two, ordered by the rank of the token they make (HF merges the lowest rank first,
-tiktoken's rule). Where several merges make one token the shorter left part goes first; HF and tiktoken could then
-differ where two overlap (``a`` ``aa`` ``a``), which real vocabularies make rare (the tests compare the ids).
+The written file is a byte-level BPE with ``ignore_merges`` (a piece that is a whole token is taken at once, as
+tiktoken does) and the merges of every way to split a token in two, ordered by the rank of the token they make
+(HF merges the lowest first, tiktoken's rule; where several make one token, the shorter left part first).
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
-"""Reading DCP checkpoint folders without running code that a checkpoint file carries.
+"""Reading DCP checkpoint folders without running code that a checkpoint file carries (docs/checkpoints.md,
+"Trusting checkpoints").
 
-torch unpickles two things of a DCP folder without restriction: ``.metadata`` (``FileSystemReader.read_metadata``)
-and every non-tensor ``BYTE_IO`` item (``DefaultLoadPlanner.load_bytes``, ``weights_only=False``); a pickle can
-call any importable function while read. Tensors are safe (``weights_only=True``). Here
-:class:`SafeFileSystemReader` rebuilds only DCP's own metadata records (and ``torch.Size``, dtypes, layouts,
-paths), :class:`SafeLoadPlanner` reads ``BYTE_IO`` items with ``weights_only=True``, and :func:`load` /
-:func:`read_metadata` use both, with DCP's multi-line ``CheckpointException`` as one line
-(docs/checkpoints.md, "Trusting checkpoints").
+torch unpickles ``.metadata`` and every non-tensor ``BYTE_IO`` item without restriction, and a pickle can call any
+importable function. :class:`SafeFileSystemReader` rebuilds only DCP's own metadata records (and ``torch.Size``,
+dtypes, layouts, paths); :class:`SafeLoadPlanner` reads ``BYTE_IO`` items with ``weights_only=True``, as DCP reads
+tensors; :func:`load` / :func:`read_metadata` use both, with DCP's multi-line exception as one line.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """What a scoring batch runs: requests grouped by shared context, groups cut into batches, and each batch's padded
 tensors built once and sent to the device in one copy.
 
-With a model that speaks the cache protocol, the requests of one item that share their context form one group
-(when that runs at most ``1 / MIN_SAVING`` of their tokens), scored in two forwards per batch (:func:`cached_batch`):
-the contexts, left-padded to end in the same slot, fill a KV cache whose rows are then copied once per choice
-(:meth:`~titanlite.models.kv_cache.KVCache.select`) and each choice runs on top of its context. Every token is
-still predicted from exactly what precedes it in its own request, while a shared context is computed once
-(docs/benchmarks.md, "Downstream evaluation scoring"). Otherwise a group is one request, a right-padded row of a
-plain causal forward (:func:`plain_batch`). A batch holds groups of one kind; truncated requests form their own.
+With the cache protocol, an item's requests that share their context form one group when that saves enough
+(``MIN_SAVING``): :func:`cached_batch` fills a KV cache with the left-padded contexts, copies its rows once per
+choice (:meth:`~titanlite.models.kv_cache.KVCache.select`) and runs each choice on top, so every token is still
+predicted from exactly what precedes it in its own request. Otherwise a group is one request, a right-padded row
+of a plain causal forward (:func:`plain_batch`). A batch holds groups of one kind; truncated requests form their own.
 """
 
 from __future__ import annotations

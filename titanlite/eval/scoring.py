@@ -1,17 +1,13 @@
 """Log-likelihood scoring of benchmark tasks, batched and spread over data-parallel ranks (what it computes, and how
-a request longer than ``max_seq_len + 1`` is cut as lm-evaluation-harness cuts it: docs/evaluation.md,
-"Downstream evaluation").
+a request longer than ``max_seq_len + 1`` is cut: docs/evaluation.md, "Downstream evaluation").
 
-Every (context, choice) pair is one *request*: the context's tokens with BOS first, then the choice's, encoded
-separately; its score is the sum of the choice tokens' log-probabilities (``loglik``), plus whether each was the
-argmax (``greedy``, LAMBADA's accuracy). Groups and batches (:mod:`titanlite.eval.packing`) come in an order that
-does not depend on the number of ranks, and the batches of each kind go round-robin to the ranks, so every request
-is computed in the same batch, bitwise the same, on any number of ranks. A sharded model (FSDP, TP) needs every
-rank in every forward, so a rank with fewer batches of a kind runs dummy ones; tensor-parallel ranks of one
-data-parallel rank pass the same ``dp_rank``. The results are gathered to every rank over ``dp_group``.
-
-A batch goes to the device in one copy and its results come back in one, read only after the next batch is queued.
-``compile=True``: dynamic shapes, one graph for every padded length (not for a sharded model).
+A *request* is one (context, choice) pair: its score is the summed log-probability of the choice's tokens after the
+context's (``loglik``), and whether each was the argmax (``greedy``). Batches (:mod:`titanlite.eval.packing`) come in
+an order that does not depend on the number of ranks and go round-robin to the ranks, so a request's result is
+bitwise the same on any number of ranks; a rank with fewer batches of a kind runs dummy ones (a sharded model needs
+every rank in every forward), and the results are gathered to every rank of ``dp_group``. A batch goes to the
+device in one copy and its results come back in one, read after the next batch is queued. ``compile=True``: dynamic
+shapes, one graph for every padded length.
 """
 
 from __future__ import annotations

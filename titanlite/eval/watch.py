@@ -1,14 +1,11 @@
 """Evaluate a run's checkpoints as they land, beside the run: ``python -m titanlite.eval --watch DUMP_FOLDER``
-(what it does for a user: docs/evaluation.md, "Evaluating beside the run").
+(docs/evaluation.md, "Evaluating beside the run").
 
-A separate process the run never waits for: it reads the run's ``config.toml`` (checkpoint folder, ``[eval]``
-tasks, precision), polls the checkpoint folder, and appends each new step's scores to ``metrics.jsonl`` with the
-in-loop keys (:func:`titanlite.eval.records.eval_record`) plus ``"eval_source": "watcher"``, each record one
-``write`` of one whole line to a file opened for appending (the kernel appends it after the run's lines). The
-watcher's records there are its memory: each pass skips the steps that have one, so a restarted watcher goes on
-and a run that rewinds its log (:func:`titanlite.trainer.metrics_log.rewind_metrics_log`) gets those steps scored
-again. It imports only its own ``extensions``, never the ``[job] extensions`` the watched file names (importing
-runs code).
+The run's ``config.toml`` gives the checkpoint folder, tasks and precision; each new step's scores are appended
+to ``metrics.jsonl`` as the in-loop keys plus ``"eval_source": "watcher"``, one ``write`` of one whole line in
+append mode (the kernel appends it after the run's lines). Those records are the watcher's memory: a restarted
+watcher skips the steps they cover, and a run that rewinds its log gets those steps scored again. It imports only
+its own ``extensions``, never those the watched file names (importing runs code).
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """Text generation from a titanlite decoder: greedy or sampled, with a KV cache, on one process or on every rank of
-a sharded model. What it does for a user (``use_cache``, ``compile``, ``context_window``, ``trained_seq_len``):
-docs/evaluation.md, "Generation"; the command line's arguments: :mod:`titanlite.generate.cli`.
+a sharded model (docs/evaluation.md, "Generation"; the command line's arguments: :mod:`titanlite.generate.cli`).
 
-How it runs: no host read per token (finished rows run on with the batch until the host reads the stop state,
-every ``STOP_CHECK_EVERY`` tokens; their extra tokens are dropped). On a sharded model every rank of ``sync_group``
-runs every forward and the group's first rank broadcasts the next tokens; under tensor parallelism each forward is
-right-padded with filler to a multiple of the TP degree (causal attention keeps the real tokens blind to it). Eager
-steps run under ``force_eager``: per-block compiled models do not recompile for every sequence length.
+No host read per token: finished rows run on with the batch until the host reads the stop state every
+``STOP_CHECK_EVERY`` tokens. On a sharded model every rank of ``sync_group`` runs every forward and the first rank
+broadcasts the next tokens; under tensor parallelism each forward is right-padded with filler to a multiple of the
+TP degree. Eager steps run under ``force_eager``: per-block compiled models do not recompile per sequence length.
 """
 
 from __future__ import annotations
