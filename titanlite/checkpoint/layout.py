@@ -84,8 +84,7 @@ def write_json(file: str | os.PathLike, data: dict[str, Any], sort_keys: bool = 
 
 
 class InfoIntegrityError(CheckpointError):
-    """``checkpoint.json`` is titanlite's but cannot be trusted: edited or damaged after the save (its checksum
-    fails). One line."""
+    """``checkpoint.json`` is titanlite's but fails its checksum: edited or damaged after the save."""
 
 
 def info_digest(info: dict[str, Any]) -> str:
@@ -167,12 +166,9 @@ def stored_entries(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], 
 
 
 def problem_with(path: str | os.PathLike, require_info: bool = True, verify: bool = False) -> str | None:
-    """None when the folder looks complete, else a one-line description of what is wrong.
-
-    ``require_info=False`` accepts a folder without ``checkpoint.json`` (DCP folders written by other tools);
-    one that has it (or titanlite's ``config.toml`` beside the DCP files) must have a readable, intact one. A
-    data file must be at least as long as the last byte range the metadata reads from it. ``verify``
-    also checks every file against the checksums ``checkpoint.json`` recorded at save (reads it all).
+    """None when the folder looks complete (every data file at least as long as the metadata reads), else one line
+    saying what is wrong. ``require_info=False`` accepts a folder another tool wrote, without ``checkpoint.json``
+    (or titanlite's ``config.toml``); ``verify`` also checks every file against the recorded checksums (reads all).
     """
     info: dict[str, Any] = {}
     try:
@@ -220,10 +216,9 @@ def _crc32s(files: list[Path], threads: int) -> list[str]:
 
 
 def file_checksums(path: str | os.PathLike, threads: int = 4) -> dict[str, dict[str, Any]]:
-    """``{file name: {"bytes": size, "crc32": hex}}`` of the DCP files in a step folder (``.metadata``
-    and the data files), hashed in ``threads`` threads. CRC-32 detects accidental damage (a torn or
-    overwritten block) as well as a cryptographic hash would and is several times faster than SHA-256
-    (docs/benchmarks.md, "Checksums"); checkpoints are trusted input anyway (README, "Trusting checkpoints")."""
+    """``{file name: {"bytes": size, "crc32": hex}}`` of a step folder's DCP files, hashed in ``threads`` threads.
+    CRC-32 catches accidental damage as a cryptographic hash would, several times faster (docs/benchmarks.md,
+    "Checksums"); checkpoints are trusted input anyway (docs/checkpoints.md, "Trusting checkpoints")."""
     files = _dcp_files(path)
     return {p.name: {"bytes": p.stat().st_size, "crc32": crc} for p, crc in zip(files, _crc32s(files, threads))}
 

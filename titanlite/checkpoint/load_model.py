@@ -31,10 +31,9 @@ from titanlite.utils.fsio import one_line
 
 @dataclasses.dataclass
 class LoadedModel:
-    """The model (eval mode, on ``device``), its tokenizer, the family's spec and args, the training
-    ``step`` (None for an HF folder), the token ids that end a generation, where it came from, and
-    ``trained_seq_len``: the longest sequence it was trained on (``training.seq_len`` or the longest
-    ``seq_len_schedule`` stage of the step folder's ``config.toml``; None for an HF folder or without one)."""
+    """The model (eval mode), its tokenizer, spec and args, the training ``step``, the ids that end a generation,
+    where it came from, and ``trained_seq_len`` (the step folder's ``training.seq_len``, or the longest stage of its
+    ``seq_len_schedule``); ``step`` and ``trained_seq_len`` are None for an HF folder."""
 
     model: nn.Module
     tokenizer: Any

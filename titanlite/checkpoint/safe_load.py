@@ -140,9 +140,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 def load(state_dict: dict[str, Any], path: str | os.PathLike, **kwargs: Any) -> None:
     """``dcp.load(state_dict)`` from the folder ``path`` with :class:`SafeFileSystemReader` and
-    :class:`SafeLoadPlanner` (``kwargs``: ``process_group``, ``no_dist``, or a ``storage_reader``
-    of that class to reuse). A failure on any rank is a one-line ``ValueError`` naming ``path``
-    (:class:`UnsafeCheckpointError` for a refused pickle) instead of DCP's multi-line exception."""
+    :class:`SafeLoadPlanner` (``kwargs``: ``process_group``, ``no_dist``, or a ``storage_reader`` of that class);
+    a failure on any rank is one line naming ``path`` (:class:`UnsafeCheckpointError` for a refused pickle)."""
     kwargs.setdefault("storage_reader", SafeFileSystemReader(str(path)))
     if not isinstance(kwargs["storage_reader"], SafeFileSystemReader):
         raise TypeError("safe_load.load needs a SafeFileSystemReader")

@@ -97,12 +97,9 @@ def watch(
     once: bool = False,
     evaluate_fn: Callable[..., dict[str, dict[str, Any]]] | None = None,
 ) -> list[int]:
-    """Score the run's checkpoints as they appear (see the module docstring); returns the steps scored.
-
-    ``tasks``, ``data_dir``, ``limit``, ``batch_size``: the run's ``[eval]`` values unless given
-    (``data_dir`` also from ``$TITANLITE_EVAL_DATA``). ``compile``, ``max_seq_len``: passed to
-    :func:`titanlite.eval.evaluate` (the latter defaults to the checkpoint's model args). ``evaluate_fn``:
-    :func:`titanlite.eval.evaluate` unless given (tests)."""
+    """Score the run's checkpoints as they appear; returns the steps scored. ``tasks``, ``data_dir``, ``limit``,
+    ``batch_size``: the run's ``[eval]`` values unless given (``data_dir`` also from ``$TITANLITE_EVAL_DATA``);
+    ``compile``, ``max_seq_len``: passed to ``evaluate_fn`` (:func:`titanlite.eval.evaluate` unless given)."""
     dump = Path(dump_folder)
     if not dump.is_dir():
         raise NotFoundError(f"{dump}: no such folder")
