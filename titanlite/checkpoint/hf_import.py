@@ -112,10 +112,9 @@ def _checked_tensors(path: Path, adapter: Any) -> dict[str, tuple[Path, torch.dt
 
 
 def hf_state_dict(path: Path, adapter: Any, only: Collection[str] | None = None) -> dict[str, torch.Tensor]:
-    """The full weights of the HF folder ``path`` under titanlite's names (``adapter``: the family's
-    HF adapter for the folder's args); a tensor of a shape ``config.json`` does not imply is an error.
-    Native tensors made of several HF tensors (stacked experts) are assembled once all their parts are read.
-    ``only``: the HF tensors to read (every tensor's name and shape is checked, from the headers)."""
+    """The full weights of the HF folder ``path`` under titanlite's names, each name and shape checked against
+    ``config.json`` (through ``adapter``) from the headers; stacked experts are assembled from their parts.
+    ``only``: the HF tensors to read."""
     parts = {
         hf_name: _read_tensor(file, hf_name)
         for hf_name, (file, _) in _checked_tensors(path, adapter).items()
@@ -274,11 +273,8 @@ def hf_to_dcp(
     progress: Progress = no_progress,
     extensions: Sequence[str] = (),
 ) -> Path:
-    """A model-only titanlite DCP step folder with the weights of an HF model folder.
-
-    ``extensions``: modules to import first when the family comes from one (as ``[job]
-    extensions``); they are recorded in ``checkpoint.json`` so that :func:`dcp_to_hf` finds them.
-    """
+    """A model-only titanlite DCP step folder with the weights of an HF model folder. ``extensions``: modules to
+    import first (as ``[job] extensions``), recorded in ``checkpoint.json`` for :func:`dcp_to_hf`."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     extensions = load_extensions(extensions)
     config = read_hf_config(hf_dir)
@@ -336,10 +332,9 @@ def _stored_dtype(dtypes: list[torch.dtype]) -> torch.dtype:
 
 
 def _folder_tokenizer(spec, hf_dir: Path, bos: Any, args: Any) -> str:
-    """The path ``checkpoint.json`` records for the HF folder's tokenizer ("" when it has none), so that
-    evaluating or generating with the converted checkpoint uses it. A tokenizer whose BOS or size is not
-    the model's is refused; one titanlite cannot read is recorded with a warning (loading it names the
-    problem, instead of silently using the byte tokenizer)."""
+    """The path ``checkpoint.json`` records for the HF folder's tokenizer ("" when it has none). One whose BOS or
+    size is not the model's is refused; one titanlite cannot read is recorded with a warning (loading it then names
+    the problem, instead of silently using the byte tokenizer)."""
     path = folder_tokenizer_path(hf_dir)
     if not path or spec.tokenizer_builder is None:
         return path

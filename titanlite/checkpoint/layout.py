@@ -278,10 +278,9 @@ RESUMED = "the run's checkpoint"  # what recorded_checkpoint calls a checkpoint 
 def recorded_checkpoint(
     section: Any, dump_folder: str | os.PathLike, usable: Callable[[dict], bool]
 ) -> tuple[Path, str, dict] | None:
-    """``(folder, what, checkpoint.json)`` of the checkpoint a run (``[checkpoint]`` ``section``) will start from,
-    read before anything is built: the newest step folder of the run (``load_step``'s when set) whose
-    ``checkpoint.json`` is readable and ``usable`` (``what`` = :data:`RESUMED`); else ``initial_load_path``'s
-    (``what`` = "checkpoint.initial_load_path"); else None."""
+    """``(folder, what, checkpoint.json)`` of the checkpoint a run will start from, read before anything is built:
+    the run's newest (or ``load_step``'s) step folder with a readable, ``usable`` ``checkpoint.json`` (``what`` =
+    :data:`RESUMED`), else ``initial_load_path``'s, else None."""
     c = section
     if c.enable:
         folders = list_step_folders(Path(dump_folder) / c.folder)

@@ -154,10 +154,9 @@ class CheckpointManager:
         return step
 
     def commit_resume(self) -> None:
-        """Once the resume is known to be good (the caller has also checked the data position, e.g. by
-        ``iter(loader)``), move the newer step folders of the abandoned lineage aside (see
-        :meth:`ResumePlanner.set_aside_newer`). Collective; also done by the first :meth:`save`. A resume that fails
-        before this leaves the folder as it was."""
+        """Once the resume is known to be good (the caller has checked the data position too, e.g. by ``iter(loader)``),
+        move the abandoned lineage's newer step folders aside (:meth:`ResumePlanner.set_aside_newer`). Collective; also
+        done by the first :meth:`save`, so a resume that fails before leaves the folder as it was."""
         step, self._resumed_step = self._resumed_step, None
         if step is not None:
             self._on_rank0(lambda: self.resume.set_aside_newer(step))

@@ -76,10 +76,8 @@ def write_shard_flat(
     fsync: bool = True,
     before_rename: Callable[[dict], None] | None = None,
 ) -> dict:
-    """Write one shard from concatenated ``tokens`` and per-document ``lengths`` (atomic rename).
-
-    Returns its manifest entry: name, tokens, docs, ``max_id`` (-1 when empty) and the file's
-    ``checksum``; ``before_rename(entry)`` is called once the data is on disk, before the rename."""
+    """Write one shard from concatenated ``tokens`` and per-document ``lengths``; returns its manifest entry
+    (``max_id`` -1 when empty). ``before_rename(entry)`` runs once the data is on disk, before the rename."""
     path, code = Path(path), _dtype_code(dtype)
     tokens = np.asarray(tokens)
     lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
