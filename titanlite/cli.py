@@ -1,13 +1,8 @@
 """``titanlite``: one command for every tool of the package (also ``python -m titanlite``).
 
-    titanlite train --config train_configs/debug_model.toml [--section.key value ...]
-    titanlite convert dcp-to-hf outputs/debug_model/checkpoint/step-10 hf_out
-    titanlite bench train --config train_configs/debug_model.toml --steps 5
-
-Each command runs one module's ``main(argv)`` with the remaining arguments, so its flags, output and exit
-status are that module's (``titanlite <command> --help`` shows them); the modules are imported only when
-their command runs. ``titanlite train`` is ``python -m titanlite.train``; under torchrun keep
-``torchrun -m titanlite.train``.
+Each command runs one module's ``main(argv)`` with the remaining arguments, so its flags, output and exit status
+are that module's (``titanlite <command> --help``); a module is imported only when its command runs. Under
+torchrun keep ``torchrun -m titanlite.train``.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """Named building blocks a config can choose: trainer classes, losses, optimizers, LR schedules.
 
-``[job] trainer``, ``[training] loss``, ``[optimizer] name`` and ``[lr_scheduler] name`` hold names
-looked up here when the trainer is built, so an extension module (``[job] extensions``) swaps a
-piece by registering it, with no copy of ``titanlite.train.main``::
-
-    from titanlite.components import register
-
-    register("loss", "z_loss", my_z_loss)   # then [training] loss = "z_loss"
-
-Signatures: ``trainer``: a :class:`titanlite.trainer.Trainer` subclass; ``loss``: ``fn(logits, labels)
--> token-sum loss``; ``optimizer``: ``fn(model, optimizer_section) -> Optimizer``;
-``lr_scheduler``: ``fn(optimizer, lr_scheduler_section, total_steps) -> scheduler``.
-The built-ins are declared here (:data:`BUILTINS`, each as ``module:attribute``) and imported on their first
-lookup, so ``get`` finds them whatever the caller imported before; this module sits below the modules that define
-them, which is why it names them instead of importing them.
+``[job] trainer``, ``[training] loss``, ``[optimizer] name`` and ``[lr_scheduler] name`` are names looked up here
+when the trainer is built, so an extension swaps a piece by registering it (docs/library.md, "Swapping one piece
+of the stock job"). Signatures: ``trainer``: a :class:`titanlite.trainer.Trainer` subclass; ``loss``:
+``fn(logits, labels) -> token-sum loss``; ``optimizer``: ``fn(model, optimizer_section)``; ``lr_scheduler``:
+``fn(optimizer, lr_scheduler_section, total_steps)``. The built-ins are named (:data:`BUILTINS`,
+``module:attribute``) and imported on first lookup: this module sits below the modules that define them.
 """
 
 from __future__ import annotations

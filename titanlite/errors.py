@@ -1,18 +1,11 @@
 """The errors a user can fix: bad input, reported by every command line as one ``error: ...`` line.
 
-Every command line (``titanlite <command>``, ``python -m titanlite.train``, ``python -m titanlite.generate``,
-``python -m titanlite.eval``) catches :class:`UserError` only: it prints ``error: <message>`` on stderr (prefixed
-``rank N:`` where each rank of a distributed job reports its own) and exits with the error's :attr:`exit_code`. Any
-other exception is a bug and keeps its traceback. Exit codes:
-
-- 2: bad input (the config, a command-line flag, data, a tokenizer, a checkpoint) or a full disk; nothing
-  was written or deleted, as with argparse's usage errors;
-- 1: the run stopped as its config asked (:class:`titanlite.trainer.guard.TrainingDivergedError` under
-  ``[guard] policy = "raise"``, :class:`titanlite.data.mixture.DataExhausted`);
-- 128 + N: stopped by signal N with nothing resumable saved (:mod:`titanlite.trainer.preemption`).
-
-The kinds below also derive from ``ValueError`` so that code catching ``ValueError`` around a parse or a check keeps
-working. A message is one line: the raiser names the file, key or flag and what was expected.
+Every command line catches :class:`UserError` only: it prints ``error: <message>`` on stderr (``rank N:`` first
+where each rank reports its own) and exits with :attr:`~UserError.exit_code`; any other exception is a bug and keeps
+its traceback. Exit codes: 2, bad input or a full disk, nothing written or deleted (as argparse's usage errors); 1,
+the run stopped as its config asked (``TrainingDivergedError``, ``DataExhausted``); 128 + N, stopped by signal N
+with nothing resumable saved (:mod:`titanlite.trainer.preemption`). The kinds also derive from ``ValueError``, so
+code catching ``ValueError`` around a parse or a check keeps working.
 """
 
 from __future__ import annotations

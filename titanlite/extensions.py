@@ -1,10 +1,6 @@
-"""Extensions: Python modules a run imports before its config is checked (``[job] extensions``).
-
-An extension plugs into titanlite through public hooks only, typically by calling
-``titanlite.models.register_model`` or ``titanlite.components.register`` when imported; core never
-imports one by name. :func:`titanlite.models.load_config` imports the ``[job] extensions`` (through
-:func:`load_extensions`) once the file and the command line have set them, before it checks
-``[model]``, so a script that loads a config that way sees the families they register.
+"""Extensions: Python modules a run imports before its config is checked (``[job] extensions``). They plug in
+through public hooks only (``titanlite.models.register_model``, ``titanlite.components.register``) when imported;
+:func:`titanlite.models.load_config` imports them before it checks ``[model]`` (docs/extensions.md).
 """
 
 from __future__ import annotations

@@ -1,9 +1,4 @@
-"""The training job: ``python -m titanlite.train --config FILE`` or ``torchrun ... -m titanlite.train``.
-
-:func:`main` reads the config and runs the dry run (:mod:`titanlite.plan.dry_run`) or the trainer ``[job] trainer``
-names (:class:`titanlite.trainer.Trainer` by default, :mod:`titanlite.trainer`), turning user errors
-(:class:`titanlite.errors.UserError`) into one line and their exit status; any other exception keeps its traceback.
-"""
+"""The training job: ``python -m titanlite.train --config FILE`` or ``torchrun ... -m titanlite.train``."""
 
 from __future__ import annotations
 
@@ -30,12 +25,9 @@ def setup_logging(rank: int) -> None:
 
 
 def main(argv: list[str] | None = None, trainer_cls: type | None = None, load_config: Callable | None = None) -> None:
-    """The command line: ``load_config(argv)`` (default: titanlite's TOML + ``--section.key``
-    overrides), then the dry run, or ``trainer_cls`` (default: the one ``[job] trainer`` names)
-    built and trained. A :class:`~titanlite.errors.UserError` (bad config, data, tokenizer or checkpoint; a full
-    disk) is one line and its exit status (2); a run stopped as its config asked (diverged, data exhausted) logs why
-    and exits 1; a stop on SIGTERM/SIGINT with nothing resumable saved exits 128 + the signal number
-    (:mod:`titanlite.trainer.preemption`). Anything else is a bug and keeps its traceback."""
+    """The command line: ``load_config(argv)``, then the dry run, or ``trainer_cls`` (default: the one ``[job]
+    trainer`` names) built and trained. A :class:`~titanlite.errors.UserError` is one line and its exit status (the
+    codes: :mod:`titanlite.errors`); anything else is a bug and keeps its traceback."""
     argv = sys.argv[1:] if argv is None else argv
     cfg = load_config(argv) if load_config is not None else parse_args_or_exit(argv, model_schema=model_schema)
     if cfg.job.dry_run:  # check the layout at its stated scale with a fake process group, then exit

@@ -1,11 +1,6 @@
 """The pipeline bubble of ``bench train``, measured: when this rank's stages compute, and per stage the measured
-bubble next to the planner's prediction (``PipelinePlan.bubble_fraction()``).
-
-Compute time comes from hooks (:class:`StageActivity`), not from a profiler. ``bubble_measured`` is the fraction of
-the timed steps' wall time in which the stage's pp rank computed none of its stages (so optimizer, data and logging
-time count as idle); ``bubble_measured_in_schedule`` the same fraction of the time spent inside the schedule's runs
-(the quantity the planner predicts; needs the time split; the last rank's schedule returns before the first rank's
-last backward ends, so its drain shows in ``bubble_measured`` only).
+bubble next to the planner's prediction (``PipelinePlan.bubble_fraction()``); the two fractions
+(``bubble_measured``, ``bubble_measured_in_schedule``) are defined in docs/benchmarks.md, "Pipeline parallelism".
 """
 
 from __future__ import annotations
@@ -29,23 +24,15 @@ def _tensors(output) -> list[torch.Tensor]:
 
 
 class StageActivity:
-    """When this rank's pipeline stages compute: ``(stage, kind, begin, end)`` intervals of ``time.perf_counter``.
+    """When this rank's pipeline stages compute: ``(stage, kind, begin, end)`` intervals of ``time.perf_counter``;
+    the rest of the step is the rank's bubble. Hooks rather than ``torch.profiler``, which would slow the CPU steps
+    it measures more; the hooks' own graph walks are recorded as busy (``hooks``), so they do not inflate it.
 
-    The stage modules are all a rank computes in a pipeline step, so the rest of the step is its bubble.
-    Hooks rather than ``torch.profiler``: they cost a graph walk per forward and a Python call per
-    autograd node, where profiling every op would slow the CPU steps it measures more. The walks are
-    recorded too (``hooks``): counted as busy, so the bench's own overhead does not inflate the bubble.
-
-    - ``forward``: a forward pre-hook and a forward hook on each stage module;
-    - ``loss`` (last stage): the schedule's loss function, wrapped (:meth:`wrap_loss`);
-    - ``backward``: after each forward, a pre-hook on every autograd node of the stage's graph (the walk
-      stops at the stage's inputs, which the schedule detaches); the first node of a backward pass to run
-      opens the interval and the autograd engine's end-of-pass callback closes it. Node hooks rather than
-      gradient hooks on the outputs because the zero-bubble schedules' weight-gradient passes start
-      inside the graph (one pass per parameter group), where no output hook would see them start.
-
-    On CUDA every boundary synchronizes the device so that intervals are the kernels' time (at some
-    cost to overlap); on CPU autograd runs in the calling thread and nothing is synchronized.
+    ``forward``: hooks on each stage module; ``loss``: the schedule's loss function, wrapped (:meth:`wrap_loss`);
+    ``backward``: a pre-hook on every autograd node of the stage's graph, the first to run opening the interval
+    and the engine's end-of-pass callback closing it (node hooks, because the zero-bubble schedules'
+    weight-gradient passes start inside the graph, where no output hook sees them). On CUDA every boundary
+    synchronizes the device, so intervals are the kernels' time.
     """
 
     def __init__(self, device: torch.device):

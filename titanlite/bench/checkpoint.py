@@ -1,27 +1,12 @@
 """How long does a checkpoint save block the training loop? disabled vs async vs async_with_pinned_mem.
 
-    titanlite bench checkpoint [--steps 40] [--interval 10] [--modes disabled,async,...] \\
-        [--json FILE] [--config FILE] [--section.key value ...]
-    titanlite bench train --checkpoint-modes disabled,async,async_with_pinned_mem [same options]
-
-Trains the same model once per ``[checkpoint] async_mode`` (fresh dump folder each time), saving
-full checkpoints (model + AdamW state + the rest) every ``--interval`` steps (long enough for one
-write to finish before the next save, as in real runs), and reports per save:
-
-- ``blocked``: time the loop spent in ``CheckpointManager.save`` plus ``wait_for_staging`` (the
-  wait before the next optimizer step); for ``disabled`` that is the whole save;
-- ``write``: the background write (async modes) or the inline save;
-- ``checksum``: the part of ``write`` spent computing the files' CRC-32 (rank 0, on the writer thread
-  for async saves), and ``verify``: checking the newest checkpoint before a load.
-
-``--checksum-gb N`` measures only the checksums, on N GB of data files written to ``--folder``
-(e.g. 15 for a 1B-parameter model's fp32 weights and AdamW moments), split in ``--checksum-files``
-files (one per rank), right after writing them (page cache warm, as after a save).
-
-The first save of each mode is reported separately (pinned buffers are allocated then). The ratio
-``blocked / disabled blocked`` is the figure of merit (target: <= 0.1). The model is the usual
-config (file + overrides; without any, a 28M-parameter Llama: dim 512, 8 layers); the device is
-whatever ``titanlite.train`` picks (CUDA when visible).
+Trains the same model once per ``[checkpoint] async_mode`` (a fresh dump folder each), saving full checkpoints
+every ``--interval`` steps (long enough for one write to finish before the next save), and reports per save
+``blocked`` (time in ``CheckpointManager.save`` plus ``wait_for_staging``: the figure of merit, against
+``disabled``'s), ``write`` (the background or inline save), ``checksum`` (its CRC-32 part) and ``verify``
+(checking the newest checkpoint before a load); the first save of each mode apart (pinned buffers are allocated
+then). ``--checksum-gb N`` measures only the checksums, on N GB of freshly written data files. The model is the
+usual config (without one, a 28M-parameter Llama); figures: docs/benchmarks.md, "Checkpoint saves".
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """What the benchmarks share: the common flags, device sync and name, timing loops, the training step's timer and
 time split, results out (a JSON line, JSON lines, a JSON file) and ``bench train`` runs in fresh processes.
 
-``bench generate`` and ``bench eval`` also time a ``reference``, when their ``main`` is given one: a worker that
-runs the same requests elsewhere (:func:`serve`, behind their hidden ``--serve`` flag) and forms the ``baseline``
-mode. The checkout's benchmarks/revision.py (development only, not in the package) makes it another git revision of
-titanlite, running these modules; so only the standard library and torch are imported here at module level, since
-that older titanlite may lack the newer modules.
+``bench generate`` and ``bench eval`` also time a ``reference`` worker running the same requests elsewhere
+(:func:`serve`, their hidden ``--serve`` flag): the ``baseline`` mode, another git revision of titanlite under the
+checkout's benchmarks/revision.py. That older titanlite may lack newer modules, so only the standard library and
+torch are imported here at module level.
 """
 
 from __future__ import annotations

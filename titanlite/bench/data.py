@@ -1,23 +1,14 @@
 """Data pipeline throughput, printed as one JSON object on stdout.
 
-* ``tokenize``: ``prepare_data`` tokens/s per worker process (end to end: read, hash for the split,
-  tokenize, write shards) vs tiktoken's own ``encode_ordinary_batch`` on the same documents (1
-  thread, and its default 8 threads). Tokenizer: cl100k from the shared test data when present
-  (``$TITANLITE_SHARED_DATA`` or ``<repo>/../shared/data``), else the built-in byte tokenizer; text:
-  the shared C4 sample + tinyshakespeare, else Python standard-library sources.
-* ``read``: tokens/s reading random ``seq_len+1`` windows (batches of ``--batch`` windows) through
-  :class:`ShardedTokens`, both one ``store[a:b]`` per window + ``torch.stack`` (what the windowed
-  loader does) and ``store.gather``; on the shards prepared above and on synthetic uint32 shards
-  of ``--synthetic-tokens`` tokens.
-* ``integrity``: what the shard checks cost. CRC-32 throughput in memory and of
-  ``ShardReader.checksum()`` on a ``--checksum-mb`` shard file (page cache warm: it was just
-  written, so this is the CPU cost; from disk, the disk's read speed is the bound); the start-up
-  check of a folder of ``--startup-shards`` small shards (manifest, headers, recorded max ids,
-  tokenizer fingerprint); and both extrapolated to 1 TB of uint32 shards of 100M tokens (the
-  default ``--shard-tokens``): the start-up cost per shard times 2,500 shards, and the lazy
-  checksum cost (every byte hashed once per reading process) at the measured throughput.
-
-Default run: well under a minute on 2 CPU cores (``--integrity-only``: a few seconds).
+* ``tokenize``: ``prepare_data`` tokens/s per worker process, end to end, vs tiktoken's ``encode_ordinary_batch``
+  (1 and 8 threads) on the same documents (cl100k and the shared corpora when present, else the byte tokenizer
+  on standard-library sources).
+* ``read``: tokens/s reading random ``seq_len+1`` windows through :class:`ShardedTokens`, one ``store[a:b]`` per
+  window + ``torch.stack`` (the windowed loader's way) and ``store.gather``; on the shards above and on synthetic
+  uint32 shards.
+* ``integrity``: CRC-32 throughput in memory and of ``ShardReader.checksum()`` (page cache warm: the CPU cost),
+  the start-up check of ``--startup-shards`` small shards, and both extrapolated to 1 TB of uint32 shards of 100M
+  tokens.
 """
 
 from __future__ import annotations

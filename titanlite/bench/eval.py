@@ -1,17 +1,11 @@
 """Downstream-eval scoring throughput of ``titanlite.eval.evaluate``: tokens/s and MFU, eager and compiled,
 side by side.
 
-    titanlite bench eval [--data-dir D] [--checkpoint STEP_DIR] [--tasks hellaswag,...] [--limit 100]
-        [--batch-sizes 1,16] [--modes eager,compiled] [--repeats 2]
-        [--big-flavor 1B] [--big-task arc_easy] [--big-limit 24] [--skip-big]
-        [--device cpu|cuda] [--dtype float32|bfloat16] [--json FILE] [--jsonl FILE]
-
-Two models, each timed on every task and batch size after one untimed warm-up call per mode (which compiles, for
-``compiled``): ``debug``, the Llama 3 debug model (``--checkpoint``'s weights, else random ones: the weights do not
-change the cost) on the first ``--limit`` items of every task, and ``big``, llama3 flavor ``--big-flavor`` with
-random weights on the first ``--big-limit`` items of ``--big-task``. The modes, the tokens counted and the MFU:
-docs/benchmarks.md, "Downstream evaluation scoring". One JSON object per measurement on stdout (and ``--jsonl``),
-then a Markdown table.
+Two models, each timed on every task and batch size after one untimed warm-up call per mode: ``debug`` (the Llama 3
+debug model, ``--checkpoint``'s weights or random ones, on the first ``--limit`` items of every task) and ``big``
+(llama3 ``--big-flavor``, random weights, the first ``--big-limit`` items of ``--big-task``). The modes, the tokens
+counted and the MFU: docs/benchmarks.md, "Downstream evaluation scoring". One JSON object per measurement, then a
+Markdown table.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Decode speed, side by side in one run: eager and compiled KV-cache decoding and recomputing the prefix;
 and the fraction of the bandwidth floor.
 
-    titanlite bench generate [--flavors debugmodel,1B] [--batch-sizes 1,8] [--prompt-len 128]
-        [--new-tokens 32] [--modes eager,compiled,recompute] [--repeats 3]
-        [--device cpu|cuda] [--dtype float32|bfloat16] [--json FILE] [--jsonl FILE]
-
 For each Llama 3 flavor (random weights, seeded) and batch size, :func:`titanlite.generate.generate` runs greedily
-in each mode, every row to ``--new-tokens`` (no EOS); the modes, the decode rate and its bandwidth floor are
-defined in docs/benchmarks.md, "Generation".
+in each mode, every row to ``--new-tokens``; the modes, the decode rate and its floor: docs/benchmarks.md,
+"Generation".
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """The plain ``transformers`` baseline of the training benchmark: ``LlamaForCausalLM`` at a titanlite flavor's shape.
 
-    titanlite bench hf-baseline --flavor 1B --vocab-size 128256 --batch 4 --seq-len 2048 [--compile] \
-        [--n-layers 4] [--warmup 5] [--steps 20] [--json-out FILE]
-
-What a transformers user would write, so that ``bench train``'s figures have a reference measured side by side:
-the model built from the same shape (the HF config comes from titanlite's own converter for the flavor, with
-``--n-layers`` / ``--vocab-size`` applied), fp32 weights, ``torch.autocast`` in bf16 (``--dtype``), SDPA attention,
-``model(input_ids, labels=input_ids).loss`` (transformers shifts the labels), gradient clipping at 1.0 with
-``torch.nn.utils.clip_grad_norm_``, ``torch.optim.AdamW(fused=True)`` (foreach off CUDA); ``--compile`` wraps the
-whole model in ``torch.compile``. Random tokens (the speed does not depend on them).
-
-One JSON line, with the keys ``bench train`` uses for the same quantities: ``tokens_per_s_per_device``,
-``step_time_s``, ``mfu`` (titanlite's FLOPs per token of the same shape over the device's dense bf16 peak),
-``peak_memory_gib`` and ``time_split_frac`` (forward+backward / optimizer / other, each region ending with a
-device sync). ``transformers`` is a test extra of titanlite, never a run-time dependency.
+What a transformers user would write, measured beside ``bench train``: the HF config from titanlite's converter for
+the flavor (``--n-layers`` / ``--vocab-size`` applied), fp32 weights under bf16 autocast, SDPA,
+``model(input_ids, labels=input_ids).loss``, ``clip_grad_norm_`` at 1.0, ``AdamW(fused=True)`` (foreach off CUDA);
+``--compile`` wraps the whole model. One JSON line with ``bench train``'s keys for the same quantities (MFU from
+titanlite's FLOPs per token of the shape). ``transformers`` is a test extra, never a run-time dependency.
 """
 
 from __future__ import annotations

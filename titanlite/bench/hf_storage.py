@@ -2,27 +2,13 @@
 """titanlite's HF conversion paths against torch.distributed.checkpoint's ``HuggingFaceStorageReader`` /
 ``HuggingFaceStorageWriter``: bitwise equality of the results, time and peak RSS, side by side in one run.
 
-    titanlite bench hf-storage [--sizes tiny,100m] [--folder /tmp/bench_hf_storage]
-
-For each model (``tiny``: 2 layers, dim 64, tied embeddings, fp32 stored, exported as bf16; ``100m``: a
-126M-parameter Llama 3, untied, bf16 stored and exported, cut into 3 safetensors shards with an index) it
-writes a model-only titanlite step folder, then runs each variant in a fresh process (so its peak RSS is its
-own; the figure is the peak RSS during the variant minus the RSS just before it, Linux only):
-
-- ``export``: DCP step folder -> HF safetensors. titanlite: :func:`~titanlite.checkpoint.hf_export.dcp_to_hf`. DCP:
-  ``dcp.save`` with ``HuggingFaceStorageWriter`` (the same shard plan as ``fqn_to_index_mapping``), each tensor
-  read from the step folder and converted by the adapter only when the writer asks for it (a lazy planner:
-  DCP's best case).
-- ``import``: HF folder -> DCP step folder. titanlite: :func:`~titanlite.checkpoint.hf_import.hf_to_dcp` (each tensor
-  pulled from the safetensors file while DCP writes it). DCP: ``dcp.load`` with ``HuggingFaceStorageReader``
-  into the full state, the adapter, then ``dcp.save``.
-- ``load``: the weights of an HF folder into a model (``[checkpoint] initial_load_path``). Labelled titanlite:
-  every tensor read whole (``hf_state_dict``), then ``set_model_state_dict``; labelled DCP:
-  :func:`~titanlite.checkpoint.hf_import.load_hf_weights` (renamed-only tensors through
-  ``HuggingFaceStorageReader`` into the model's own tensors, the q/k projections read whole and reordered).
-
-Each pair's tensors are compared bitwise (and the export against the step folder's tensors through the
-adapter). The figures depend on the machine; it may be shared, so read the ratios.
+For each model (``tiny``: 2 layers, tied, fp32 stored; ``100m``: a 126M-parameter Llama 3 in bf16, 3 safetensors
+shards) it writes a model-only step folder, then runs each variant in a fresh process (peak RSS during it minus
+just before, Linux only): ``export`` (:func:`~titanlite.checkpoint.hf_export.dcp_to_hf` vs ``dcp.save`` with
+``HuggingFaceStorageWriter`` fed lazily, DCP's best case), ``import`` (:func:`~titanlite.checkpoint.hf_import.hf_to_dcp`
+vs ``dcp.load`` with ``HuggingFaceStorageReader``, the adapter, then ``dcp.save``) and ``load`` (every tensor read
+whole then ``set_model_state_dict``, vs :func:`~titanlite.checkpoint.hf_import.load_hf_weights`). Each pair's
+tensors are compared bitwise. The machine may be shared: read the ratios (docs/benchmarks.md).
 """
 
 from __future__ import annotations

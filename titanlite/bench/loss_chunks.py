@@ -1,16 +1,9 @@
 """The chunked output layer + loss side by side: peak memory and step time for several ``[training] loss_chunks``.
 
-    titanlite bench loss-chunks [--chunks 0,2,4,8,16] [--repeats 2] [--warmup 1] [--steps 3] \
-        [--json-out FILE] [config and --section.key overrides]
-
-Each setting is one ``bench train`` run in its own process (peak RSS is per process on CPU; on CUDA the
-peak allocated memory), through the real Trainer; the settings alternate order between repeats (a shared
-machine's speed drifts), and the table gives the median over repeats and the ratio to ``loss_chunks = 0``.
-Besides the timed steps' wall time it reports the CPU time (user + system) of the whole run, start-up and
-warm-up included: on a CPU shared with other jobs, wall time mostly measures the others' load.
-The config defaults to the debug model at Llama 3's vocabulary, checkpoints off::
-
-    --config train_configs/debug_model.toml --model.vocab_size 128256 --checkpoint.enable false
+Each setting is one ``bench train`` run in its own process (peak RSS on CPU, peak allocated memory on CUDA),
+alternating order between repeats (a shared machine's speed drifts); the table gives the median and the ratio to
+``loss_chunks = 0``, with the whole run's CPU time beside the wall time (which on a shared CPU mostly measures the
+others' load). Defaults: the debug model at Llama 3's vocabulary, checkpoints off.
 """
 
 from __future__ import annotations

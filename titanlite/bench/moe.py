@@ -1,27 +1,12 @@
 """MoE benchmark: the debug MoE against the dense debug model of the same active size, and the MoE layer's time split.
 
-    titanlite bench train --compare-moe [--warmup 3] [--steps 10] [--compare-repeats 2] [--section.key value ...]
-    titanlite bench moe [--steps 10] [--json-out FILE] [--section.key value ...]     # the layer split alone
-    torchrun --nproc-per-node 2 -m titanlite.bench.moe --parallelism.expert_parallel_degree 2   # with all-to-all
-
-``--compare-moe`` (through ``bench train``, :mod:`titanlite.bench.compare`): ``bench train`` of the dense debug
-model (a 768-wide SwiGLU per block) and of ``train_configs/debug_moe.toml`` (8 experts of 256, top-2, one shared
-expert: the same FFN FLOPs per token) at the same batch, side by side; then the MoE layer's own split, measured here.
-
-The layer split times one MoE layer of the config (its sizes, ``local_batch_size x seq_len`` tokens) piece
-by piece, forward and backward each, ``--steps`` times after a warm-up, on this rank:
-
-- ``router``: the gate, scores, top-k and weights;
-- ``permutation``: sorting the (token, slot) pairs by expert, gathering the tokens, and the way back
-  (unsorting the outputs and the weighted sum over the k slots);
-- ``grouped_gemm``: the routed experts' three grouped GEMMs and SwiGLU (``loop``: the per-expert loop on the
-  same tokens, for comparison);
-- ``all_to_all``: under ``torchrun`` with ``expert_parallel_degree > 1``, the token exchange to the experts'
-  ranks and back (both directions' forward and backward, the counts' exchange included);
-- ``shared_experts``; ``layer``: the whole layer, whose remainder over the parts is ``other`` (loss terms,
-  statistics, reshapes).
-
-Timings on a shared machine drift: the comparison is only meaningful side by side, as here.
+``bench train --compare-moe`` runs the dense debug model and ``train_configs/debug_moe.toml`` (the same FFN FLOPs
+per token) side by side (:mod:`titanlite.bench.compare`), then this layer split: one MoE layer of the config timed
+piece by piece, forward and backward, on this rank: ``router``, ``permutation`` (sorting by expert, gathering, and
+back), ``grouped_gemm`` (with ``loop``, the per-expert loop, for comparison), ``all_to_all`` (under ``torchrun``
+with ``expert_parallel_degree > 1``), ``shared_experts``, and ``layer`` whose remainder is ``other``. Under
+``torchrun --nproc-per-node 2 -m titanlite.bench.moe --parallelism.expert_parallel_degree 2`` it includes the
+token exchange. Timings drift on a shared machine: compare side by side only.
 """
 
 from __future__ import annotations

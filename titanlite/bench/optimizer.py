@@ -1,21 +1,10 @@
 """The optimizer step alone, against its memory-bandwidth floor: an unfused clip next to titanlite's merged one.
 
-    titanlite bench optimizer [--flavor 1B] [--n-layers 0] [--vocab-size 128256] \
-        [--implementation auto|fused|foreach] [--steps 20] [--json-out FILE]
-
-A titanlite model of the flavor's shape (fp32, on the GPU when there is one) gets random gradients and the
-``[optimizer]`` AdamW (weight-decay groups, the kernel of ``--implementation``); three ways to take a step are
-timed side by side, in rotation (each step ends with a device sync; the median over ``--steps`` rounds):
-
-- ``clip_then_step``: the clip as its own pass, ``titanlite.parallel.grad_clip.clip_grad_norm_`` (a
-  multi-tensor norm, then a multi-tensor multiply of every gradient), then ``optimizer.step()``;
-- ``merged``: the training step's way, :func:`~titanlite.parallel.grad_clip.grad_square_sum` and the clip factor
-  inside the fused kernel (``grad_scale``), or one multi-tensor multiply for the foreach kernel;
-- ``step_only``: ``optimizer.step()`` with no clipping (what the floor describes).
-
-``max_norm`` is set just under the gradients' norm, so the clip acts every step without shrinking them away.
-The floor is ``titanlite.optim.bandwidth``'s: 28 bytes per fp32 parameter over the measured copy bandwidth.
-One JSON line: each way's seconds and ratio to the floor.
+A titanlite model of the flavor's shape gets random gradients and the ``[optimizer]`` AdamW; three ways to step are
+timed in rotation (median over ``--steps`` rounds): ``clip_then_step`` (``clip_grad_norm_`` as its own pass, then
+the step), ``merged`` (the training step's way: the clip factor inside the fused kernel, or one multi-tensor
+multiply for foreach) and ``step_only``. ``max_norm`` sits just under the gradients' norm, so the clip acts every
+step. The floor is ``titanlite.optim.bandwidth``'s (28 bytes per fp32 parameter over the measured copy bandwidth).
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """The training benchmark's table (docs/benchmarks.md's format) from JSON lines of ``bench train`` and
-``bench hf-baseline``, each with a ``"row"`` name added (``scripts/gpu_check.sh`` writes them).
-
-    titanlite bench table results.jsonl > table.md
-
-Columns: tokens/s (per device), MFU against the dense bf16 peak (float8 runs too, as usually quoted), peak memory,
-the step split forward+backward / optimizer / other, the optimizer step against its memory-bandwidth floor
-(``bench.py --bandwidth``), and tokens/s against the ``transformers`` row of the same shape, batch and compile
-mode when the file has one. A row that failed or timed out is a line ``{"row": ..., "error": ...}``. Rows of
-``bench optimizer`` (the optimizer step alone) get a table of their own after it.
+``bench hf-baseline``, each with a ``"row"`` name added (``scripts/gpu_check.sh`` writes them): ``titanlite bench
+table results.jsonl > table.md``. Columns: tokens/s, MFU, peak memory, the step split, the optimizer step against
+its bandwidth floor, and tokens/s against the ``transformers`` row of the same shape; a failed row is
+``{"row": ..., "error": ...}``; ``bench optimizer`` rows get a table of their own.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Where a profiled step's time goes: a summary of a ``torch.profiler`` Chrome trace (``[profiling]`` writes them).
 
-    titanlite bench trace-summary outputs/run/profile_traces/iteration_10/rank0.pt.trace.json[.gz] [--top 15]
-
-For a GPU trace: the step's wall time (``ProfilerStep#N``), the time the GPU ran kernels (with overlap counted
-once), and that time by kind of kernel, read from the kernel names: float8 matmuls (names that mention e4m3/e5m2
-or f8), other matmuls (cuBLAS/CUTLASS GEMMs), attention, the optimizer's multi-tensor kernels, kernels that
-torch.compile generated (``triton_*``: fused element-wise, reductions, the float8 casts), collectives, copies and
-the rest; then the longest kernels by total time. A CPU trace has no kernels: its top-level operators are listed
-instead. Markdown on stdout.
+For a GPU trace: the step's wall time, the time the GPU ran kernels (overlap counted once), that time by kind of
+kernel from the names (float8 and other matmuls, attention, the optimizer's multi-tensor kernels, ``triton_*``
+from torch.compile, collectives, copies, the rest) and the longest kernels; for a CPU trace the top-level
+operators. Markdown on stdout.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """Training throughput benchmark: a config for N steps after warm-up, one JSON line of results.
 
-    titanlite bench train --config train_configs/debug_model.toml [--warmup 3] [--steps 10] \
-        [--json-out FILE] [--section.key value ...]
-    titanlite bench train --checkpoint-modes disabled,async,async_with_pinned_mem [--steps 40] [config ...]
-    torchrun --nproc-per-node 8 -m titanlite.bench.train --config ... --parallelism.data_parallel_shard_degree 8
-    torchrun --nproc-per-node 2 -m titanlite.bench.train --config ... --parallelism.pipeline_parallel_degree 2
-    titanlite bench train --compare-pp [--compare-repeats 2] --config ...   # PP 2 vs FSDP 2, side by side
-    titanlite bench train --compare-moe [--compare-repeats 2] [overrides]  # debug MoE vs dense (bench moe)
-
-Everything after the bench options is the usual config (file + ``--section.key`` overrides), so any parallelism /
-float8 / compile / AC combination is benchmarked through the real Trainer, in its own loop (``training.steps`` =
-warm-up + timed steps; validation off). Rank 0 prints the fields described in docs/benchmarks.md. Each region of
-``time_split_s`` ends with a device synchronize on CUDA so that time lands where it is spent, which also stops
-the CPU from queueing the next region early: throughput with the split off (``--no-split``) can be slightly higher.
-``--compare-pp`` and ``--compare-moe`` run side by side in fresh processes (:mod:`titanlite.bench.compare`).
+Everything after the bench options is the usual config (file + ``--section.key`` overrides, ``torchrun`` for
+several processes), so any parallelism / float8 / compile / AC combination runs through the real Trainer
+(``training.steps`` = warm-up + timed steps; validation off); rank 0 prints the fields of docs/benchmarks.md. Each
+region of ``time_split_s`` ends with a device synchronize on CUDA, so time lands where it is spent (``--no-split``
+may be slightly faster). ``--compare-pp`` (PP 2 vs FSDP 2), ``--compare-moe`` and ``--checkpoint-modes`` run side
+by side in fresh processes (:mod:`titanlite.bench.compare`).
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""Non-tensor checkpoint state as tensors and JSON, so loading a checkpoint never unpickles anything.
-
-DCP stores every non-tensor value of a state dict with ``torch.save`` and reads it back with
-``torch.load(weights_only=False)``: a crafted checkpoint folder would run arbitrary code on resume.
-:func:`encode` turns a state dict (an LR scheduler's, a data loader's, the RNG's, the guard's, an
-optimizer's ``param_groups``) into plain tensors: the structure as UTF-8 JSON in a ``uint8`` tensor
-(``"json"``) and each tensor found inside it as its own entry (``"tensor_<i>"``), which DCP writes
-as raw bytes. :func:`decode` rebuilds the value. JSON keeps what a state dict needs exactly: floats
-round-trip (shortest repr), ``inf``/``nan`` are written as ``Infinity``/``NaN``, and tuples and
-dicts with non-string keys are tagged so they come back as tuples and with their key types.
-Anything else (bytes, arbitrary objects) is refused at save with the path to the value.
+"""Non-tensor checkpoint state as tensors and JSON, so loading a checkpoint never unpickles anything (DCP would
+``torch.load(weights_only=False)`` what ``torch.save`` stored). :func:`encode` turns a state dict into the structure
+as UTF-8 JSON in a ``uint8`` tensor (``"json"``) plus each tensor found inside it (``"tensor_<i>"``);
+:func:`decode` rebuilds it. Floats round-trip, ``inf``/``nan`` are ``Infinity``/``NaN``, tuples and non-string
+keys are tagged; anything else (bytes, arbitrary objects) is refused at save with the path to the value.
 """
 
 from __future__ import annotations

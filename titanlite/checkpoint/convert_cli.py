@@ -1,9 +1,5 @@
-"""Command lines of the DCP <-> Hugging Face converters (``titanlite convert dcp-to-hf | hf-to-dcp``).
-
-Wrong inputs (also damaged or crafted ones) print one ``error: ...`` line on stderr, naming the
-file, and exit with status 2; nothing that existed before is modified (outputs are written to a
-new folder and renamed into place at the end).
-"""
+"""Command lines of the DCP <-> Hugging Face converters (``titanlite convert dcp-to-hf | hf-to-dcp``): wrong
+inputs are one ``error: ...`` line naming the file and exit status 2, and nothing that existed is modified."""
 
 from __future__ import annotations
 

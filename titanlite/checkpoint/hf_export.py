@@ -1,23 +1,10 @@
-"""DCP step folder -> Hugging Face model folder (:func:`dcp_to_hf`), with bounded memory.
+"""DCP step folder -> Hugging Face model folder (:func:`dcp_to_hf`), with bounded memory (docs/checkpoints.md).
 
-It reads the model args from the step folder's ``checkpoint.json``, then loads one tensor at a time (DCP
-reads only that tensor's byte ranges, from however many ranks' files it was sharded over), converts it with
-the family's HF adapter (names, q/k row order) and collects it into the current safetensors shard, which
-``safetensors.torch.save_file`` writes as soon as it is full. Peak memory is about one shard
-(``max_shard_bytes``, or one larger tensor). A torchtitan step folder of a Llama 3 model (v0.2 or 0.3.0
-names, no ``checkpoint.json``) is read too, by the format ``torchtitan_ext`` installs (entry points).
-
-DCP's ``HuggingFaceStorageWriter`` is not used: fed the same tensors lazily it writes bitwise the same
-tensors, but it serializes each file in memory, so it peaks higher and takes longer (``titanlite bench
-hf-storage``; figures in docs/benchmarks.md, "Hugging Face conversion"); it also names a single
-file ``model-00001-of-00001.safetensors`` (with an index) where transformers' own is ``model.safetensors``, and
-adds DCP's sharding metadata to every header.
-
-The output goes to ``<out>.partial-<token>``, renamed at the end. Wrong or damaged inputs (a garbled
-``.metadata``, a truncated ``.distcp``, a wrong ``checkpoint.json``) are a one-line ``ValueError`` /
-``FileNotFoundError`` naming the file, and nothing is written. DCP folders are read through
-:mod:`titanlite.checkpoint.safe_load` (no pickle in them runs code), and the extension modules a
-``checkpoint.json`` records are not imported unless the caller names them too (``extensions``).
+One tensor at a time is loaded (DCP reads only its byte ranges), converted by the family's HF adapter and added to
+the current safetensors shard, written once full: peak memory is about one shard. A torchtitan Llama 3 step folder
+is read too (``torchtitan_ext``'s format). Not DCP's ``HuggingFaceStorageWriter``: it serializes each file in
+memory (slower, higher peak: docs/benchmarks.md, "Hugging Face conversion") and names a lone file
+``model-00001-of-00001.safetensors``. Output goes to ``<out>.partial-<token>``, renamed at the end.
 """
 
 from __future__ import annotations
@@ -58,16 +45,11 @@ def dcp_to_hf(
     model_args: Mapping[str, Any] | None = None,
     no_tokenizer: bool = False,
 ) -> Path:
-    """Write ``model.safetensors`` (+ index), ``config.json``, ``generation_config.json`` and the tokenizer
-    files of the tokenizer ``checkpoint.json`` records (:mod:`titanlite.checkpoint.hf_tokenizer_files`: also
-    for a tiktoken file or the byte tokenizer), found by its recorded absolute path and SHA-256: a file that is
-    gone or changed is a one-line error, unless ``no_tokenizer`` asks for an export without tokenizer files.
-
-    ``extensions`` (modules that register the model family) are imported first; those ``checkpoint.json``
-    records are never imported on its word alone (a checkpoint is data): a family that needs one is an error
-    naming the module to pass. A torchtitan folder records no model args: they come from its shapes, torchtitan's
-    llama3 defaults and ``model_args``, which win; a titanlite folder records them, so ``model_args`` is refused.
-    """
+    """Write ``model.safetensors`` (+ index), ``config.json``, ``generation_config.json`` and the files of the
+    tokenizer ``checkpoint.json`` records (by path and SHA-256: gone or changed is an error, unless
+    ``no_tokenizer``). ``extensions`` are imported first; a family needing one the checkpoint names but the caller
+    does not is an error naming it. ``model_args``: only for a torchtitan folder (its args come from its shapes and
+    torchtitan's llama3 defaults otherwise); a titanlite folder records them."""
     step_dir, out_dir = Path(step_dir), Path(out_dir)
     given = load_extensions(extensions)
     if not step_dir.is_dir():

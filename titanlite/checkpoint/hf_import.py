@@ -1,13 +1,9 @@
-"""Hugging Face model folder -> titanlite. :func:`read_hf_config`, :func:`hf_seed`: the family and model args of
-its ``config.json`` (the family's HF adapter, found by ``architectures`` / ``model_type``); :func:`hf_state_dict`:
-its weights under titanlite's names; :func:`load_hf_weights`: them loaded into a (sharded) model, each rank
-reading only what its shards need; :func:`hf_to_dcp`: a model-only step folder
-(loadable under any layout), planned from the safetensors headers (meta tensors), each tensor pulled from its
-file while DCP writes it. Reading through ``HuggingFaceStorageReader`` instead gives bitwise the same step
-folder but holds the whole model in memory; this path holds one tensor (``titanlite bench hf-storage``; figures
-in docs/benchmarks.md, "Hugging Face conversion"). Outputs go to
-``<out>.partial-<token>``, renamed at the end; wrong inputs (a truncated ``.safetensors``, a wrong
-``config.json`` ...) are a one-line ``ValueError`` / ``FileNotFoundError`` naming the file, nothing written.
+"""Hugging Face model folder -> titanlite: :func:`read_hf_config` / :func:`hf_seed` (the family and model args of
+its ``config.json``), :func:`hf_state_dict` (its weights under titanlite's names), :func:`load_hf_weights` (into a
+sharded model, each rank reading what its shards need) and :func:`hf_to_dcp` (a model-only step folder, planned
+from the safetensors headers and streamed one tensor at a time; ``HuggingFaceStorageReader`` would hold the whole
+model: docs/benchmarks.md, "Hugging Face conversion"). Outputs are written to ``<out>.partial-<token>`` and
+renamed; wrong inputs are one line naming the file, nothing written.
 """
 
 from __future__ import annotations
@@ -116,10 +112,9 @@ def _checked_tensors(path: Path, adapter: Any) -> dict[str, tuple[Path, torch.dt
 
 
 def hf_state_dict(path: Path, adapter: Any, only: Collection[str] | None = None) -> dict[str, torch.Tensor]:
-    """The full weights of the HF folder ``path`` under titanlite's names (``adapter``: the family's
-    HF adapter for the folder's args); a tensor of a shape ``config.json`` does not imply is an error.
-    Native tensors made of several HF tensors (stacked experts) are assembled once all their parts are read.
-    ``only``: the HF tensors to read (every tensor's name and shape is checked, from the headers)."""
+    """The full weights of the HF folder ``path`` under titanlite's names, each name and shape checked against
+    ``config.json`` (through ``adapter``) from the headers; stacked experts are assembled from their parts.
+    ``only``: the HF tensors to read."""
     parts = {
         hf_name: _read_tensor(file, hf_name)
         for hf_name, (file, _) in _checked_tensors(path, adapter).items()
@@ -133,14 +128,11 @@ def hf_state_dict(path: Path, adapter: Any, only: Collection[str] | None = None)
 
 
 def load_hf_weights(path: str | os.PathLike, model: nn.Module, *, process_group: Any = None) -> None:
-    """Load the weights of the HF folder ``path`` into ``model`` (FSDP/TP DTensors, a pipeline stage's part ...;
-    collective under ``torch.distributed``), each rank reading only what its own slices need. What the adapter only
-    renames goes through DCP's ``HuggingFaceStorageReader`` into the model's own shards. What it only reorders by
-    rows (Llama's q/k rows, within each head) is read by rows from the safetensors file (:func:`_row_order`): the
-    HF rows this rank's rows come from, which is one more head at most when a shard boundary cuts a head (DCP's
-    reader cannot do it: it fills a shard from the same rows of the stored tensor). What it assembles from several
-    HF tensors (stacked experts) or makes from nothing is read whole, converted and sharded by
-    ``set_model_state_dict``. A tied output missing from the folder is read from the embedding."""
+    """Load the weights of the HF folder ``path`` into ``model`` (sharded or a pipeline stage's part; collective),
+    each rank reading only what its slices need: renamed tensors through DCP's ``HuggingFaceStorageReader``, tensors
+    reordered by rows (Llama's q/k) by rows from the safetensors file (:func:`_row_order`; DCP's reader fills a
+    shard from the same stored rows), assembled or made ones (stacked experts) whole, then sharded. A tied output
+    missing from the folder is read from the embedding."""
     path = Path(path)
     spec, args = hf_seed(path)
     adapter, own = spec.hf_adapter(args), get_model_state_dict(model)  # own: this rank's tensors (shards)
@@ -281,11 +273,8 @@ def hf_to_dcp(
     progress: Progress = no_progress,
     extensions: Sequence[str] = (),
 ) -> Path:
-    """A model-only titanlite DCP step folder with the weights of an HF model folder.
-
-    ``extensions``: modules to import first when the family comes from one (as ``[job]
-    extensions``); they are recorded in ``checkpoint.json`` so that :func:`dcp_to_hf` finds them.
-    """
+    """A model-only titanlite DCP step folder with the weights of an HF model folder. ``extensions``: modules to
+    import first (as ``[job] extensions``), recorded in ``checkpoint.json`` for :func:`dcp_to_hf`."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     extensions = load_extensions(extensions)
     config = read_hf_config(hf_dir)
@@ -343,10 +332,9 @@ def _stored_dtype(dtypes: list[torch.dtype]) -> torch.dtype:
 
 
 def _folder_tokenizer(spec, hf_dir: Path, bos: Any, args: Any) -> str:
-    """The path ``checkpoint.json`` records for the HF folder's tokenizer ("" when it has none), so that
-    evaluating or generating with the converted checkpoint uses it. A tokenizer whose BOS or size is not
-    the model's is refused; one titanlite cannot read is recorded with a warning (loading it names the
-    problem, instead of silently using the byte tokenizer)."""
+    """The path ``checkpoint.json`` records for the HF folder's tokenizer ("" when it has none). One whose BOS or
+    size is not the model's is refused; one titanlite cannot read is recorded with a warning (loading it then names
+    the problem, instead of silently using the byte tokenizer)."""
     path = folder_tokenizer_path(hf_dir)
     if not path or spec.tokenizer_builder is None:
         return path

@@ -1,18 +1,10 @@
-"""The tokenizer files of a Hugging Face export, so the folder loads whole in ``transformers``, lm-eval or vLLM.
+"""The tokenizer files of a Hugging Face export, so the folder loads whole in ``transformers``, lm-eval or vLLM
+(docs/checkpoints.md): :func:`write_tokenizer_files` copies a tokenizer.json, or writes one from a tiktoken file's
+or the byte tokenizer's ranks (:func:`tokenizer_json`), with a ``tokenizer_config.json`` (:func:`tokenizer_config`).
 
-:func:`write_tokenizer_files` copies a tokenizer.json (with its ``tokenizer_config.json``); for a tiktoken file
-(also copied to ``original/tokenizer.model``, as Meta's repositories carry it) or the built-in byte tokenizer it
-writes a ``tokenizer.json`` from the ranks (:func:`tokenizer_json`) and a ``tokenizer_config.json``
-(:func:`tokenizer_config`; docs/checkpoints.md).
-
-The written tokenizer.json is a byte-level BPE as ``tokenizers`` reads it: the vocabulary in GPT-2's
-byte-to-character alphabet, Llama 3's pre-tokenizer regex in a ``Split`` before ``ByteLevel``,
-``ignore_merges`` (a piece that is a whole token is taken at once, as tiktoken does), the merges of
-every way to split a token into two tokens, ordered by the rank of the token they make (so HF merges
-the pair of lowest rank first, tiktoken's rule), the special tokens as added tokens, and a post-processor
-putting BOS first, as Llama 3's does. Where several merges make one token, one order has to be chosen
-(shorter left part first); HF and tiktoken could then differ on a piece where two of them overlap
-(``a`` ``aa`` ``a``), which real vocabularies make rare: the tests compare the ids on the shared corpora.
+The written file is a byte-level BPE with ``ignore_merges`` (a piece that is a whole token is taken at once, as
+tiktoken does) and the merges of every way to split a token in two, ordered by the rank of the token they make
+(HF merges the lowest first, tiktoken's rule; where several make one token, the shorter left part first).
 """
 
 from __future__ import annotations

@@ -3,18 +3,13 @@
 ::
 
     <dump_folder>/<checkpoint.folder>/
-        step-100/                  complete: renamed into place after every rank finished writing
-            .metadata              DCP index of every tensor / object and where its bytes are
-            __0_0.distcp ...       one data file per rank
-            checkpoint.json        step, tokens seen, model family and resolved args, model-only flag,
-                                   size and CRC-32 of every DCP file (verified before a load)
-            config.toml            the resolved job config of the run that saved it
-        step-200.partial-1a2b3c/   a save in progress (or killed mid-way): never loaded, removed at start
+        step-100/                  complete: .metadata (DCP's index), __0_0.distcp ... (a data file per rank),
+                                   checkpoint.json (step, model family and args, file sizes and CRC-32s),
+                                   config.toml (the run's resolved config)
+        step-200.partial-1a2b3c/   a save in progress (or killed): never loaded, removed at start
 
-Atomicity is write-then-rename: a save writes into ``step-N.partial-<token>`` and rank 0 renames it
-to ``step-N`` only after DCP's ``.metadata`` (written by the coordinator once every rank's data is
-on disk) exists. ``rename`` is atomic on POSIX file systems, so a ``step-N`` folder is either
-absent or complete; a crash at any moment leaves at worst a ``.partial`` folder.
+A save writes into ``step-N.partial-<token>``, which rank 0 renames to ``step-N`` once DCP's ``.metadata`` exists
+(written after every rank's data): ``rename`` is atomic, so a ``step-N`` folder is absent or complete.
 """
 
 from __future__ import annotations
@@ -89,8 +84,7 @@ def write_json(file: str | os.PathLike, data: dict[str, Any], sort_keys: bool = 
 
 
 class InfoIntegrityError(CheckpointError):
-    """``checkpoint.json`` is titanlite's but cannot be trusted: edited or damaged after the save (its checksum
-    fails). One line."""
+    """``checkpoint.json`` is titanlite's but fails its checksum: edited or damaged after the save."""
 
 
 def info_digest(info: dict[str, Any]) -> str:
@@ -172,12 +166,9 @@ def stored_entries(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], 
 
 
 def problem_with(path: str | os.PathLike, require_info: bool = True, verify: bool = False) -> str | None:
-    """None when the folder looks complete, else a one-line description of what is wrong.
-
-    ``require_info=False`` accepts a folder without ``checkpoint.json`` (DCP folders written by other tools);
-    one that has it (or titanlite's ``config.toml`` beside the DCP files) must have a readable, intact one. A
-    data file must be at least as long as the last byte range the metadata reads from it. ``verify``
-    also checks every file against the checksums ``checkpoint.json`` recorded at save (reads it all).
+    """None when the folder looks complete (every data file at least as long as the metadata reads), else one line
+    saying what is wrong. ``require_info=False`` accepts a folder another tool wrote, without ``checkpoint.json``
+    (or titanlite's ``config.toml``); ``verify`` also checks every file against the recorded checksums (reads all).
     """
     info: dict[str, Any] = {}
     try:
@@ -225,10 +216,9 @@ def _crc32s(files: list[Path], threads: int) -> list[str]:
 
 
 def file_checksums(path: str | os.PathLike, threads: int = 4) -> dict[str, dict[str, Any]]:
-    """``{file name: {"bytes": size, "crc32": hex}}`` of the DCP files in a step folder (``.metadata``
-    and the data files), hashed in ``threads`` threads. CRC-32 detects accidental damage (a torn or
-    overwritten block) as well as a cryptographic hash would and is several times faster than SHA-256
-    (docs/benchmarks.md, "Checksums"); checkpoints are trusted input anyway (README, "Trusting checkpoints")."""
+    """``{file name: {"bytes": size, "crc32": hex}}`` of a step folder's DCP files, hashed in ``threads`` threads.
+    CRC-32 catches accidental damage as a cryptographic hash would, several times faster (docs/benchmarks.md,
+    "Checksums"); checkpoints are trusted input anyway (docs/checkpoints.md, "Trusting checkpoints")."""
     files = _dcp_files(path)
     return {p.name: {"bytes": p.stat().st_size, "crc32": crc} for p, crc in zip(files, _crc32s(files, threads))}
 
@@ -288,10 +278,9 @@ RESUMED = "the run's checkpoint"  # what recorded_checkpoint calls a checkpoint 
 def recorded_checkpoint(
     section: Any, dump_folder: str | os.PathLike, usable: Callable[[dict], bool]
 ) -> tuple[Path, str, dict] | None:
-    """``(folder, what, checkpoint.json)`` of the checkpoint a run (``[checkpoint]`` ``section``) will start from,
-    read before anything is built: the newest step folder of the run (``load_step``'s when set) whose
-    ``checkpoint.json`` is readable and ``usable`` (``what`` = :data:`RESUMED`); else ``initial_load_path``'s
-    (``what`` = "checkpoint.initial_load_path"); else None."""
+    """``(folder, what, checkpoint.json)`` of the checkpoint a run will start from, read before anything is built:
+    the run's newest (or ``load_step``'s) step folder with a readable, ``usable`` ``checkpoint.json`` (``what`` =
+    :data:`RESUMED`), else ``initial_load_path``'s, else None."""
     c = section
     if c.enable:
         folders = list_step_folders(Path(dump_folder) / c.folder)

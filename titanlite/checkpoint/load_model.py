@@ -1,20 +1,10 @@
-"""A trained model for inference (generation, evaluation): from a titanlite step folder or a Hugging Face folder.
-
-:func:`load_model` builds the family's model on one device with the full weights and its tokenizer.
-It serves ``titanlite.generate``, ``titanlite.eval`` and the evaluation watcher. During training the
-loop evaluates its own (possibly sharded) model instead and never calls this.
-
-- **A titanlite step folder** (``checkpoint.json`` beside the DCP files): the family and its args
-  come from ``checkpoint.json``, the weights from DCP (any layout it was saved from, resumable or
-  model-only, any stored dtype). The tokenizer is the one ``checkpoint.json`` records.
-- **A Hugging Face folder** (``config.json`` + safetensors): the family is the one whose adapter
-  converts that architecture, the weights go through the adapter (names, q/k row order). The
-  tokenizer is read from the folder's tokenizer files (an export carries them, also for the byte tokenizer).
-
-``tokenizer_path`` overrides either (``"bytes"``: the built-in byte-level tokenizer); a tokenizer that is not the
-model's is refused (:func:`~titanlite.checkpoint.hf_tokenizer_files.check_tokenizer`). Every error is a one-line
-``ValueError`` or ``FileNotFoundError`` naming the file. As for the converters, the extension modules a
-``checkpoint.json`` records are never imported on its word alone.
+"""A trained model for inference (generation, evaluation): :func:`load_model` builds the family's model on one
+device with the full weights and its tokenizer, from a titanlite step folder (family, args and tokenizer from
+``checkpoint.json``, weights from DCP in any layout or dtype) or a Hugging Face folder (the family whose adapter
+converts its architecture; the tokenizer from its files). The training loop evaluates its own sharded model
+instead. ``tokenizer_path`` overrides the tokenizer (``"bytes"``: the built-in one); one that is not the model's is
+refused. Errors are one line naming the file; extension modules a checkpoint records are never imported on its
+word alone (docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -41,10 +31,9 @@ from titanlite.utils.fsio import one_line
 
 @dataclasses.dataclass
 class LoadedModel:
-    """The model (eval mode, on ``device``), its tokenizer, the family's spec and args, the training
-    ``step`` (None for an HF folder), the token ids that end a generation, where it came from, and
-    ``trained_seq_len``: the longest sequence it was trained on (``training.seq_len`` or the longest
-    ``seq_len_schedule`` stage of the step folder's ``config.toml``; None for an HF folder or without one)."""
+    """The model (eval mode), its tokenizer, spec and args, the training ``step``, the ids that end a generation,
+    where it came from, and ``trained_seq_len`` (the step folder's ``training.seq_len``, or the longest stage of its
+    ``seq_len_schedule``); ``step`` and ``trained_seq_len`` are None for an HF folder."""
 
     model: nn.Module
     tokenizer: Any

@@ -1,30 +1,18 @@
-"""CheckpointManager: periodic (optionally asynchronous) DCP saves of any Stateful objects, exact resume.
+"""CheckpointManager: periodic (optionally asynchronous) DCP saves of any Stateful objects, exact resume
+(docs/checkpoints.md).
 
-``CheckpointManager(section, folder, states={...})`` takes the ``[checkpoint]`` section, the folder of ``step-N``
-sub-folders and the objects to save by name (docs/checkpoints.md). The one ``nn.Module`` and the optimizers go
-through :mod:`~titanlite.checkpoint.state` (sharded, keyed by parameter name; DCP re-partitions them to whatever
-layout loads them); a ``StatefulDataLoader`` is saved per data-parallel rank (``<name>.dp_rank_<r>``; a rank whose
-entry is missing because the degree changed takes ``dp_rank_0``'s position, which the loader re-partitions exactly
-or refuses), any other ``Stateful`` once, and every rank's RNG states when the states hold an optimizer (``rng``
-decides otherwise: a manager of weights only never touches the process's random state). Non-tensor states are
-JSON in tensors (:mod:`~titanlite.checkpoint.codec`) whose sizes are read from the metadata at load, so a state
-whose shape changes between save and load (a data loader's) still loads, and nothing but DCP's ``.metadata`` is
-ever unpickled.
+``CheckpointManager(section, folder, states={...})`` saves the objects by name (:mod:`~titanlite.checkpoint.state`
+sorts them: the model and optimizers sharded and keyed by parameter name, so DCP re-partitions them to any layout;
+a ``StatefulDataLoader`` per data-parallel rank, ``<name>.dp_rank_<r>``, a rank missing after a degree change taking
+``dp_rank_0``'s position; every rank's RNG states when an optimizer is saved, unless ``rng`` says otherwise).
+Non-tensor states are JSON in tensors (:mod:`~titanlite.checkpoint.codec`) sized from the metadata at load, so a
+state whose shape changed still loads and nothing but DCP's ``.metadata`` is ever unpickled.
 
-Asynchronous saves use ``dcp.async_save`` with a ``DefaultStager`` that copies the state on its own thread while
-the next step's forward and backward run (they do not modify it); the loop waits for the copy, if at all, in
-:meth:`wait_for_staging` before the optimizer step (``async`` stages into fresh memory, freed after the write;
-``async_with_pinned_mem`` reuses one stager's buffers, page-locked on CUDA). At most one save is in flight, and
-background writes use their own gloo process group so their collectives never interleave with the training ones.
-The staging and writing threads are DCP's own rather than titanlite's: the library keeps them in step with its
-storage layer, at the cost of a little more time blocked per save while ``async_save`` starts them
-(``titanlite bench checkpoint``; figures in docs/benchmarks.md, "Checkpoint saves").
-
-Every save goes to ``step-N.partial-<token>``, renamed to ``step-N`` by rank 0 once DCP has written its
-``.metadata`` (:mod:`~titanlite.checkpoint.layout`). What to load is decided in the constructor by
-:class:`~titanlite.checkpoint.resume.ResumePlanner`; :meth:`load` does it (a candidate unreadable on any rank falls
-back on all). An enabled manager holds ``<folder>/.titanlite.lock`` (:class:`~titanlite.utils.run_lock.RunLock`) until
-:meth:`close`. A save that fails for lack of space raises :class:`CheckpointWriteError` (one line).
+Asynchronous saves are ``dcp.async_save`` with a ``DefaultStager`` copying the state on its own thread during the
+next forward and backward; the loop waits for the copy, if at all, in :meth:`wait_for_staging` before the
+optimizer step. At most one save is in flight, its collectives on a gloo group of their own. Saves are published
+by rename (:mod:`~titanlite.checkpoint.layout`); :class:`~titanlite.checkpoint.resume.ResumePlanner` decides what
+to load. An enabled manager holds ``<folder>/.titanlite.lock`` until :meth:`close`.
 """
 
 from __future__ import annotations
@@ -166,10 +154,9 @@ class CheckpointManager:
         return step
 
     def commit_resume(self) -> None:
-        """Once the resume is known to be good (the caller has also checked the data position, e.g. by
-        ``iter(loader)``), move the newer step folders of the abandoned lineage aside (see
-        :meth:`ResumePlanner.set_aside_newer`). Collective; also done by the first :meth:`save`. A resume that fails
-        before this leaves the folder as it was."""
+        """Once the resume is known to be good (the caller has checked the data position too, e.g. by ``iter(loader)``),
+        move the abandoned lineage's newer step folders aside (:meth:`ResumePlanner.set_aside_newer`). Collective; also
+        done by the first :meth:`save`, so a resume that fails before leaves the folder as it was."""
         step, self._resumed_step = self._resumed_step, None
         if step is not None:
             self._on_rank0(lambda: self.resume.set_aside_newer(step))

@@ -1,23 +1,10 @@
-"""Reading DCP checkpoint folders without running code that a checkpoint file carries.
+"""Reading DCP checkpoint folders without running code that a checkpoint file carries (docs/checkpoints.md,
+"Trusting checkpoints").
 
-A DCP folder holds pickles in two places, and torch unpickles both without restriction:
-
-- ``.metadata``: ``FileSystemReader.read_metadata`` calls ``pickle.load`` on it;
-- every non-tensor (``BYTE_IO``) item: ``DefaultLoadPlanner.load_bytes`` calls
-  ``torch.load(value, weights_only=False)`` on it.
-
-A pickle can call any importable function while it is read (``__reduce__``), so a checkpoint
-downloaded from elsewhere, or a folder someone else can write to, could run arbitrary code in the
-training job or a converter the moment it is opened. Tensors themselves are safe: DCP reads them
-with ``weights_only=True``. This module closes the other two doors:
-
-- :class:`SafeFileSystemReader` reads ``.metadata`` with an unpickler that only rebuilds DCP's own
-  metadata records (dataclasses and enums of ``torch.distributed.checkpoint``), ``torch.Size``,
-  dtypes, layouts and paths; anything else is refused;
-- :class:`SafeLoadPlanner` reads ``BYTE_IO`` items with ``torch.load(..., weights_only=True)``
-  (plain data: numbers, strings, bytes, byte buffers, lists, dicts, tensors);
-- :func:`load` is ``dcp.load`` with both, turning DCP's multi-line ``CheckpointException`` into a
-  one-line ``ValueError``; :func:`read_metadata` reads a folder's metadata the same way.
+torch unpickles ``.metadata`` and every non-tensor ``BYTE_IO`` item without restriction, and a pickle can call any
+importable function. :class:`SafeFileSystemReader` rebuilds only DCP's own metadata records (and ``torch.Size``,
+dtypes, layouts, paths); :class:`SafeLoadPlanner` reads ``BYTE_IO`` items with ``weights_only=True``, as DCP reads
+tensors; :func:`load` / :func:`read_metadata` use both, with DCP's multi-line exception as one line.
 """
 
 from __future__ import annotations
@@ -128,14 +115,9 @@ def read_metadata(path: str | os.PathLike) -> Metadata:
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """``DefaultLoadPlanner`` reading non-tensor items with ``weights_only=True``.
-
-    The parent's ``load_bytes`` unpickles them with ``weights_only=False``, which executes whatever
-    the pickle asks for; here a pickle naming anything but plain data raises
-    :class:`UnsafeCheckpointError` (naming the item) before any of it runs. ``io.BytesIO`` counts
-    as plain data (a buffer of bytes, rebuilt without running anything): torchtitan's older
-    ``TrainState`` saved its loss histories that way.
-    """
+    """``DefaultLoadPlanner`` reading non-tensor items with ``weights_only=True``: a pickle naming anything but
+    plain data raises :class:`UnsafeCheckpointError` (naming the item) before any of it runs. ``io.BytesIO`` counts
+    as plain data (torchtitan's older ``TrainState`` saved its loss histories that way)."""
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
@@ -158,9 +140,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 def load(state_dict: dict[str, Any], path: str | os.PathLike, **kwargs: Any) -> None:
     """``dcp.load(state_dict)`` from the folder ``path`` with :class:`SafeFileSystemReader` and
-    :class:`SafeLoadPlanner` (``kwargs``: ``process_group``, ``no_dist``, or a ``storage_reader``
-    of that class to reuse). A failure on any rank is a one-line ``ValueError`` naming ``path``
-    (:class:`UnsafeCheckpointError` for a refused pickle) instead of DCP's multi-line exception."""
+    :class:`SafeLoadPlanner` (``kwargs``: ``process_group``, ``no_dist``, or a ``storage_reader`` of that class);
+    a failure on any rank is one line naming ``path`` (:class:`UnsafeCheckpointError` for a refused pickle)."""
     kwargs.setdefault("storage_reader", SafeFileSystemReader(str(path)))
     if not isinstance(kwargs["storage_reader"], SafeFileSystemReader):
         raise TypeError("safe_load.load needs a SafeFileSystemReader")

@@ -23,11 +23,9 @@ logger = logging.getLogger(__name__)
 def model_args_from_seed(
     spec, args: Any, explicit: Collection[str], seed: str | os.PathLike, what: str = "checkpoint.initial_load_path"
 ) -> Any:
-    """``args`` with the model args of the seed checkpoint ``seed`` (``[checkpoint]
-    initial_load_path``) taken by the rule of :func:`~titanlite.models.registry.adopt_seed_args`;
-    ``explicit``: the ``[model]`` keys the config sets (``model.overrides``). Each value taken is
-    logged. A folder without ``checkpoint.json`` (DCP written elsewhere), or no folder at all (the
-    checkpoint manager reports that, or ignores it when resuming), leaves ``args`` as they are."""
+    """``args`` with the model args of the seed checkpoint ``seed`` taken (and logged) by the rule of
+    :func:`~titanlite.models.registry.adopt_seed_args`; ``explicit``: the ``[model]`` keys the config sets. A folder
+    without ``checkpoint.json``, or none at all (the checkpoint manager reports that), leaves ``args`` as they are."""
     seed = Path(seed)
     what = f"{what}={seed}"
     if not (seed / layout.INFO_FILE).is_file() and (found := hf_seed(seed)) is not None:  # an HF model folder

@@ -1,19 +1,13 @@
-"""Chat data: the Llama 3 chat template, the assistant-only loss mask, and chat datasets.
+"""Chat data: the Llama 3 chat template, the assistant-only loss mask, and chat datasets (docs/recipes.md).
 
-A conversation is a list of ``{"role", "content"}`` messages. :func:`render_conversation` turns it into
-token ids through the tokenizer's own special tokens (never by tokenizing template text, so user text
-that *looks* like ``<|eot_id|>`` stays ordinary bytes)::
+:func:`render_conversation` turns ``{"role", "content"}`` messages into ids through the tokenizer's own special
+tokens (never by tokenizing template text, so user text that looks like ``<|eot_id|>`` stays ordinary bytes)::
 
     <|begin_of_text|> ( <|start_header_id|> role <|end_header_id|> "\\n\\n" content.strip() <|eot_id|> )*
 
-and a mask that is 1 on what supervised fine-tuning trains on: each assistant message's content and
-its ``<|eot_id|>`` (so the model learns to stop), 0 on everything else (headers, system and user text).
-
-Files hold one conversation per JSON line, ``{"messages": [...]}``; a folder is read file by file in
-:func:`titanlite.data.sources.list_files` order. :func:`encode_conversations` concatenates every
-conversation's rendering + EOS (mask 0) into one token stream, one document per conversation:
-the in-memory ``"chat"`` dataset kind. :func:`load_chat_data` gives the same triple for prepared chat
-shards (``titanlite prepare --format chat``).
+with a mask of 1 on each assistant message's content and its ``<|eot_id|>`` (so the model learns to stop).
+:func:`encode_conversations` makes one token stream of every conversation's rendering + EOS (the in-memory
+``"chat"`` dataset); :func:`load_chat_data` gives the same for prepared chat shards.
 """
 
 from __future__ import annotations

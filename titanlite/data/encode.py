@@ -28,10 +28,8 @@ def encode_documents(tokenizer: Tokenizer, texts: Sequence[str], dtype=np.int64)
 
 
 def default_start_method() -> str:
-    """Worker start: "fork" on Linux (instant, nothing re-imported, as torch's DataLoader does), else "spawn".
-
-    ``TITANLITE_MP_START`` overrides it (e.g. "spawn" or "forkserver").
-    """
+    """Worker start: "fork" on Linux (instant, as torch's DataLoader does), else "spawn"; ``TITANLITE_MP_START``
+    overrides it."""
     return os.environ.get("TITANLITE_MP_START") or ("fork" if sys.platform.startswith("linux") else "spawn")
 
 
@@ -48,16 +46,9 @@ def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
 
 
 class ParallelEncoder(contextlib.AbstractContextManager):
-    """:func:`encode_documents` on batches of documents, in ``workers`` processes (``<= 1``: in this one).
-
-    Each worker gets the tokenizer once: a forked worker inherits the parent's (the initializer's
-    arguments are not pickled under "fork"), other start methods rebuild it from ``tokenizer.path``;
-    see :func:`default_start_method`. ``submit`` returns a ``concurrent.futures.Future``; results are
-    exactly what the in-process path produces, so the worker count never changes the output.
-
-    Processes, not tiktoken's ``encode_ordinary_batch(num_threads=...)``: on prepare's chunks the threads encoded
-    fewer tokens/s than as many worker processes (``titanlite bench encode``; docs/benchmarks.md, "Tokenizing").
-    """
+    """:func:`encode_documents` on batches of documents, in ``workers`` processes (``<= 1``: in this one), with
+    exactly the in-process results. A forked worker inherits the tokenizer, others rebuild it from its path.
+    Processes, not tiktoken's threads: those encoded fewer tokens/s (docs/benchmarks.md, "Tokenizing")."""
 
     def __init__(self, tokenizer: Tokenizer, dtype: np.dtype, workers: int = 1, start_method: str | None = None):
         self.tokenizer, self.dtype, self._pool = tokenizer, np.dtype(dtype), None

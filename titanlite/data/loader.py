@@ -18,16 +18,9 @@ from titanlite.tokenizer import Tokenizer
 
 
 def load_token_store(dataset: str, path: str, split: str, tokenizer: Tokenizer) -> Any:
-    """The token stream of a dataset kind and split, as BOS + document + EOS runs.
-
-    - ``embedded``: the built-in standard-library corpus (train/val split by document);
-    - ``shards``: a folder written by ``titanlite prepare`` (memory-mapped, any size); refused
-      when it was made with another tokenizer, and each shard is checked against its recorded
-      checksum on first read (see :mod:`titanlite.data.shards`);
-    - ``text``: raw text / JSON Lines / Parquet files or folders, tokenized in memory at start (small
-      data only: the same document order and BOS/EOS layout as prepared shards). The whole of
-      ``path`` is used for the requested split, so give validation its own path.
-    """
+    """The token stream of a dataset kind and split, as BOS + document + EOS runs: ``embedded`` (the built-in
+    corpus), ``shards`` (a prepared folder, :mod:`titanlite.data.shards`) or ``text`` (files tokenized in memory at
+    start, small data only; the whole ``path`` is the requested split, so give validation its own path)."""
     if dataset == "embedded":
         return embedded_token_stream(tokenizer, split)
     if dataset == "shards":
@@ -67,12 +60,9 @@ def build_dataloader(
     num_workers: int = 0,
     name: str = "train",
 ) -> ResumableDataLoader:
-    """A :class:`ResumableDataLoader` over shuffled (train) or sequential (validation) windows of ``store``.
-
-    Batches are dicts of ``[batch_size, seq_len]`` int64 tensors: ``input_ids``, ``labels`` and, when
-    ``eos_id`` is given, ``document_ids``. ``state_dict()``/``load_state_dict()`` resume exactly.
-    ``dataset`` (e.g. a :class:`~titanlite.data.mixture.MixtureWindows`) replaces the windows of ``store``.
-    """
+    """A :class:`ResumableDataLoader` over shuffled (train) or sequential (validation) windows of ``store`` (or
+    ``dataset``, e.g. a :class:`~titanlite.data.mixture.MixtureWindows`): batches of ``input_ids``, ``labels`` and,
+    with ``eos_id``, ``document_ids``."""
     kwargs = dict(dp_rank=dp_rank, dp_world=dp_world, seed=seed, batch_size=batch_size, eos_id=eos_id, name=name)
     windows = dataset if dataset is not None else TokenWindows(store, seq_len, shuffle=train, infinite=train, **kwargs)
     with warnings.catch_warnings():  # torchdata 0.11 calls the deprecated torch.set_vital here; harmless

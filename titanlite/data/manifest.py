@@ -157,10 +157,8 @@ def tokenizer_info(tokenizer: Tokenizer) -> dict:
 
 
 def check_tokenizer(manifest: dict, manifest_path: PathLike, tokenizer: Tokenizer) -> None:
-    """Refuse shards made with another tokenizer (one-line ValueError naming the manifest and both).
-
-    The fingerprint is compared when the manifest has one; older manifests are matched by vocabulary
-    size only, with a warning: a different tokenizer of the same size would go unnoticed."""
+    """Refuse shards made with another tokenizer, by fingerprint; an older manifest without one is matched by
+    vocabulary size only, with a warning (another tokenizer of the same size would go unnoticed)."""
     recorded, ours = manifest["tokenizer"], tokenizer_info(tokenizer)
     fp = recorded.get("fingerprint")
     same = fp == ours["fingerprint"] if fp else int(recorded.get("vocab_size", -1)) == ours["vocab_size"]

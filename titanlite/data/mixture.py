@@ -1,23 +1,13 @@
-"""A weighted mixture of data sources, sampled window by window, resumable exactly.
+"""A weighted mixture of data sources, sampled window by window, resumable exactly (docs/recipes.md).
 
-``MixtureWindows`` draws each training window from one of several sources (each a
-:class:`~titanlite.data.windows.TokenWindows`) with probability proportional to its weight:
-
-- **Which source.** Global window ``g`` (counting the windows of every data-parallel rank together)
-  comes from the source that a uniform draw ``u_g`` falls into on the cumulative weights. The draws are
-  made in blocks of ``BLOCK`` from a generator seeded by ``(seed, block)``, so the sequence of sources
-  depends on the seed and the weights only: not on the number of ranks or DataLoader workers.
-- **Which window of that source.** Each source walks its own shuffled window order (the source's
-  permutation for its current epoch) with its own cursor; the ``k``-th time a source is picked it gives
-  the ``k``-th window of that order. A source read to its end wraps to its next epoch (a new
-  permutation, logged) with ``on_exhausted = "wrap"``, or raises :class:`DataExhausted` with ``"stop"``.
-- **Ranks.** As in ``TokenWindows``, a global cursor ``pos`` walks ``dp_world`` windows at a time and
-  rank ``r`` takes global window ``pos + r``. Every rank advances every source's cursor for all the
-  windows of the row (integer bookkeeping), so each knows the global count of windows per source (the
-  ``"source_counts"`` of its items: the step's tokens per source need no communication), and a resume
-  with another data-parallel degree continues exactly where the old run stopped.
-
-Items are the source's items plus ``"source"`` (its index) and ``"source_counts"``.
+Global window ``g`` (all data-parallel ranks' windows counted together) comes from the source a uniform draw
+``u_g`` falls into on the cumulative weights; draws come in blocks of ``BLOCK`` from a generator seeded by
+``(seed, block)``, so the sources depend on the seed and weights only, not on ranks or workers. The ``k``-th pick
+of a source gives the ``k``-th window of its own shuffled order; read to its end, it wraps to a new epoch
+(``on_exhausted = "wrap"``, logged) or raises :class:`DataExhausted` (``"stop"``). As in ``TokenWindows``, rank
+``r`` takes global window ``pos + r``; every rank advances every source's cursor for the whole row, so each knows
+the windows per source (``"source_counts"``, with no communication) and a resume with another data-parallel degree
+continues exactly. Items are the source's plus ``"source"`` (its index) and ``"source_counts"``.
 """
 
 from __future__ import annotations

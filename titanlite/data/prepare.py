@@ -1,27 +1,16 @@
 """Tokenize raw text into binary token shards for ``[training] dataset = "shards"``.
 
-    titanlite prepare --input data/ more.jsonl --tokenizer tokenizer.model \\
-        --output shards/ --val-fraction 0.01 --workers 8 --shard-tokens 100000000
+Every document (a file of :mod:`titanlite.data.sources`) becomes ``BOS + tokens + EOS``. Its split comes from a
+hash of its text (``blake2b(text) / 2**64 < val_fraction``), so it depends on neither the worker count nor the
+file order, and identical documents land in the same split. Each split's documents are cut, in input order, into
+shards ``<split>-NNNNN.bin`` closed once they hold ``--shard-tokens`` tokens (documents never split), so the
+numbering is a function of the inputs and settings only. Restarts and ``--overwrite``:
+:mod:`titanlite.data.prepare_folder`.
 
-Inputs are files or folders (see ``titanlite.data.sources``: .txt/.md/.jsonl/.json/.parquet).
-Every document becomes ``BOS + tokens + EOS``. The split is decided per document from a hash of
-its text (``blake2b(text) / 2**64 < val_fraction`` -> val), so it depends neither on the worker
-count nor on the order of files, and identical documents always land in the same split. Each
-split's documents are cut, in input order, into shards ``<split>-NNNNN.bin``: a shard is closed
-as soon as it holds >= ``--shard-tokens`` tokens (documents are never split across shards), so
-the shard numbering is a function of the inputs and settings only.
-
-Restarts and ``--overwrite``: see :mod:`titanlite.data.prepare_folder`.
-
-``--format chat`` reads JSONL conversations (``{"messages": [{"role", "content"}, ...]}``, see
-:mod:`titanlite.data.chat`): each conversation is one document, its Llama 3 chat rendering (which starts
-with BOS itself) + EOS, and every token shard gets a loss-mask shard ``<split>-NNNNN.mask.bin`` (uint8, 1 on
-the assistant tokens trained on), written before the token shard and recorded with its checksum in the
-token shard's journal and manifest entry; the manifest says ``"content": "chat"``. The split is decided
-by a hash of the conversation's JSON, resuming and ``--verify`` work as for text.
-
-``--verify FOLDER`` reads every shard of a prepared folder and checks it against the manifest
-(header, largest token id, checksum), e.g. after copying the data to another file system.
+``--format chat``: each JSONL conversation (:mod:`titanlite.data.chat`) is one document, its chat rendering + EOS
+(split by a hash of its JSON); each token shard gets a loss-mask shard, written first and recorded with its
+checksum in the token shard's journal and manifest entry (``"content": "chat"``). ``--verify FOLDER`` checks every
+shard of a prepared folder against its manifest, e.g. after a copy.
 """
 
 from __future__ import annotations
@@ -232,13 +221,9 @@ def prepare(
     log: TextIO | None = sys.stderr,
     progress_interval: float = 2.0,
 ) -> dict:
-    """Tokenize ``inputs`` into shards under ``output``; returns the manifest (also written to disk).
-
-    Three steps: resume (:func:`~titanlite.data.prepare_folder.resume`: what an earlier run left), encoding
-    (:func:`_add_texts` through the worker pool, or :func:`_add_conversations`, into one
-    :class:`~titanlite.data.prepare_folder.SplitWriter` per split), manifest.
-    Raises a one-line :class:`~titanlite.errors.UserError`: bad input or settings, a missing optional package.
-    """
+    """Tokenize ``inputs`` into shards under ``output``; returns the manifest (also written to disk). Resumes
+    what an earlier run left (:func:`~titanlite.data.prepare_folder.resume`), encodes into one
+    :class:`~titanlite.data.prepare_folder.SplitWriter` per split, then writes the manifest."""
     inputs = [inputs] if isinstance(inputs, (str, os.PathLike)) else inputs
     _check_settings(inputs, val_fraction, workers, shard_tokens, file_format, txt_split)
     say = _sayer(log)
@@ -318,12 +303,8 @@ def _add_conversations(files: list, tok, val_fraction: float, skip: dict, writer
 def verify(
     folder: str | os.PathLike, workers: int = 1, log: TextIO | None = sys.stderr, progress_interval: float = 2.0
 ) -> list[str]:
-    """Read every shard of a prepared folder and check it against the manifest: header, recorded
-    largest id against the vocabulary, checksum of every byte (``workers`` files at a time; hashing
-    releases the GIL). Returns one line per bad shard; an unusable manifest is a ValueError.
-
-    This is the whole check the loader does lazily, shard by shard, at once: worth running after
-    copying a dataset, before a long run starts (see :mod:`titanlite.data.shards`)."""
+    """The checks the loader does lazily (:mod:`titanlite.data.shards`), on every shard at once (``workers`` files
+    at a time): one line per bad shard; an unusable manifest is a ValueError."""
     folder = Path(folder).expanduser()
     manifest, mpath = read_manifest(folder), folder / MANIFEST
     vocab, entries = int(manifest["tokenizer"]["vocab_size"]), manifest["shards"]

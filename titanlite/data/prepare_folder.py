@@ -1,15 +1,11 @@
 """``titanlite prepare``'s output folder: shard names, the journal of written shards, the settings state, the
-resume step (what a re-run keeps, what ``--overwrite`` deletes) and the writers that add each split's shards.
+resume step and the writers that add each split's shards.
 
-Restarts: shards are written to ``.tmp`` and renamed, so an existing ``<split>-NNNNN.bin`` is
-complete; just before the rename, the shard (with its largest token id and checksum) is appended
-to ``prepare_journal.jsonl``, so every shard file this tool wrote is listed there or in the
-manifest. A re-run with the same settings (recorded in ``prepare_state.json``) keeps the existing
-leading shards of each split that the journal lists, skips their documents without tokenizing
-them, and overwrites any leftover ``.tmp``. ``manifest.json`` is written last; a folder without it
-is unfinished. Changed settings or inputs are refused unless ``--overwrite`` is given, which
-deletes only the files the manifest or the journal lists. A file named like a shard that neither
-lists is never deleted or overwritten: the run is refused until it is moved away.
+Shards are written to ``.tmp`` and renamed, and appended to ``prepare_journal.jsonl`` (with largest id and
+checksum) just before the rename, so every shard file this tool wrote is listed there or in the manifest. A re-run
+with the same settings (``prepare_state.json``) keeps each split's leading journaled shards and skips their
+documents; ``manifest.json`` is written last. Changed settings or inputs need ``--overwrite``, which deletes only
+files the manifest or journal lists; an unlisted file named like a shard is never touched (the run is refused).
 """
 
 from __future__ import annotations

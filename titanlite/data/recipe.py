@@ -1,18 +1,10 @@
-"""From the ``[training]`` / ``[validation]`` data keys to datasets: one source or a weighted mixture.
+"""From the ``[training]`` / ``[validation]`` data keys to datasets: one source or a weighted mixture
+(docs/recipes.md).
 
-A *source* is one corpus: the built-in text (``embedded``), a prepared shard folder (``shards``), raw
-text files (``text``) or raw chat JSONL (``chat``). :func:`source_kind` settles ``dataset = "auto"`` (a
-mixture entry's default) from the path: a folder with ``manifest.json`` is shards, a ``.jsonl`` file
-whose first record has ``"messages"`` is chat, anything else is text.
-
-Chat data (raw chat JSONL, or shards prepared with ``--format chat``) is read with its loss-mask
-stream and packed as whole conversations (:class:`~titanlite.data.windows.TokenWindows` with
-``doc_offsets``), so no conversation is cut in two or attends to another under block-causal
-attention; with ``loss_mask = "assistant"`` only the assistant's tokens are trained on. Other data
-is cut into windows from the token stream, as always.
-
-Every function takes explicit arguments (a section's values), not the whole job config, so a foreign
-loop can build the same datasets.
+A *source* is one corpus: ``embedded``, ``shards``, ``text`` or ``chat``; :func:`source_kind` settles ``"auto"``
+from the path. Chat data is read with its loss mask and packed as whole conversations
+(:class:`~titanlite.data.windows.TokenWindows` with ``doc_offsets``); other data is cut from the token stream.
+Every function takes a section's values, not the whole job config, so a foreign loop can build the same datasets.
 """
 
 from __future__ import annotations

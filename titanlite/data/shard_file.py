@@ -12,15 +12,10 @@ Format (version 1, all integers little-endian)::
                         off[0] = 0, off[D] = T, non-decreasing
     32+8*(D+1)  T*itemsize   tokens
 
-The index comes before the tokens so the token array starts on an 8-byte boundary, and the exact
-file size is ``32 + 8*(D+1) + itemsize*T``: a truncated, padded or foreign file is detected from
-the header alone, without reading the tokens. Tokens use uint16 when the vocabulary has at most
-65536 entries, else uint32. Each document is stored as ``BOS + tokens + EOS``.
-
-:func:`write_shard` writes ``<path>.tmp``, fsyncs it and renames it over ``<path>`` (atomic), so a
-file with the final name is always complete; an interrupted write leaves at most a ``.tmp`` file.
-The manifest that lists shards is :mod:`titanlite.data.manifest`; a split's shards as one token array,
-:class:`titanlite.data.shards.ShardedTokens`.
+The index comes first so the tokens start on an 8-byte boundary, and the exact file size follows from the header:
+a truncated, padded or foreign file is detected without reading the tokens. uint16 tokens for vocabularies of at
+most 65536 entries, else uint32. :func:`write_shard` writes ``<path>.tmp``, fsyncs and renames it, so a file with
+the final name is always complete.
 """
 
 from __future__ import annotations
@@ -81,10 +76,8 @@ def write_shard_flat(
     fsync: bool = True,
     before_rename: Callable[[dict], None] | None = None,
 ) -> dict:
-    """Write one shard from concatenated ``tokens`` and per-document ``lengths`` (atomic rename).
-
-    Returns its manifest entry: name, tokens, docs, ``max_id`` (-1 when empty) and the file's
-    ``checksum``; ``before_rename(entry)`` is called once the data is on disk, before the rename."""
+    """Write one shard from concatenated ``tokens`` and per-document ``lengths``; returns its manifest entry
+    (``max_id`` -1 when empty). ``before_rename(entry)`` runs once the data is on disk, before the rename."""
     path, code = Path(path), _dtype_code(dtype)
     tokens = np.asarray(tokens)
     lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
@@ -122,14 +115,8 @@ def write_shard(path: PathLike, docs_token_lists: Iterable[Sequence[int]], dtype
 
 
 class ShardReader:
-    """One shard file, validated and memory-mapped.
-
-    ``num_tokens``, ``num_docs``, ``dtype`` (numpy), ``doc_offsets`` (uint64 numpy array, num_docs+1),
-    ``len(reader)``, ``reader[a:b]`` -> 1-D int64 tensor, ``reader[i]`` -> int, ``reader.doc(i)``;
-    ``checksum()`` and ``max_id()`` read the whole file (the manifest's integrity fields).
-    Errors are one-line ``ValueError``\\ s naming the file. Pickles as its path (reopened on unpickling,
-    e.g. in DataLoader workers).
-    """
+    """One shard file, validated and memory-mapped: ``reader[a:b]`` -> 1-D int64 tensor, ``reader.doc(i)``;
+    ``checksum()`` and ``max_id()`` read the whole file. Pickles as its path (reopened in DataLoader workers)."""
 
     def __init__(self, path: PathLike):
         self.path = Path(path)

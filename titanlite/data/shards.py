@@ -1,37 +1,22 @@
-"""A prepared shard folder as token arrays, and the integrity checks of its shards.
+"""A prepared shard folder as token arrays, and the integrity checks of its shards (every name of
+:mod:`titanlite.data.shard_file` and :mod:`titanlite.data.manifest` is importable from here too).
 
-The folder holds token shards (:mod:`titanlite.data.shard_file`: format, writing, reading one) and
-``manifest.json`` (:mod:`titanlite.data.manifest`); this module is their public face: every name of
-the two is importable from here too.
+:class:`ShardedTokens` presents the shards of one split, in manifest order, as ONE memory-mapped token array.
+Where each check sits, and why (figures: docs/scale.md):
 
-:class:`ShardedTokens` presents all shards of one split, in manifest order, as ONE token array:
-``len(store)`` tokens and ``store[a:b]`` -> 1-D int64 tensor (crossing shard boundaries as needed).
-Reads are memory-mapped (lazy, nothing is loaded up front) and cost one numpy copy per slice.
-
-Integrity checks, and what they cost (figures from ``titanlite bench data`` in the README):
-
-* at start, free: the tokenizer fingerprint (:func:`titanlite.tokenizer.tokenizer_fingerprint`,
-  a hash of what every id means) against the model's tokenizer, each shard's header against the
-  manifest, and each shard's recorded ``max_id`` against the vocabulary. Nothing is read beyond
-  the headers, so start-up stays O(number of shards) however large the data.
-* lazily, once per shard and process: the first read of a shard first checks the CRC-32 of its
-  whole file against the manifest, so a shard altered after preparation (a token overwritten with
-  65535, a bad copy) is refused, naming the file, before any of its tokens reach the model. It is
-  done in the process that reads (a DataLoader worker verifies in the worker) and on the same
-  memory mapping the tokens are then read from, so the bytes checked are the bytes used. Checking
-  every shard at start instead would read the whole dataset before the first step (minutes per TB);
-  lazily, the cost is spread over the first reads of each shard and paid only for shards read.
-  ``titanlite prepare --verify FOLDER`` checks every shard at once (e.g. after a copy).
-  CRC-32 (zlib) is used because it is several times faster than a cryptographic hash and detects
-  every accidental change of up to 32 consecutive bits; it is no defence against deliberate edits.
-* chat data (``titanlite prepare --format chat``, manifest ``"content": "chat"``) has a loss-mask stream:
-  next to each token shard ``<split>-NNNNN.bin`` a shard ``<split>-NNNNN.mask.bin`` in the same format with
-  dtype code 1 (uint8, 1 = the token is trained on), the same tokens and documents count, recorded in the
-  shard's entry as ``"mask": {"name", "checksum"}`` and checked the same way (header at start, CRC lazily).
-  ``ShardedTokens.masks()`` opens it; :func:`is_chat_folder` tells such a folder apart.
-* manifests written before these fields existed still load, with a warning: the tokenizer is then
-  matched by vocabulary size only, and a shard without a checksum is scanned for its largest id
-  on first read instead.
+* At start, headers only (start-up stays O(shards) however large the data): the tokenizer fingerprint (a hash of
+  what every id means) against the model's tokenizer, each shard's header against the manifest, and its recorded
+  ``max_id`` against the vocabulary.
+* Lazily, once per shard and process: the CRC-32 of the whole file against the manifest, on the first read and
+  on the same memory mapping the tokens are then read from (the bytes checked are the bytes used; a DataLoader
+  worker checks in the worker). At start it would read the whole dataset before the first step; lazily the cost
+  is spread and paid only for shards read. CRC-32 detects accidental damage several times faster than a
+  cryptographic hash; it is no defence against deliberate edits.
+* Chat data has a loss-mask shard ``<split>-NNNNN.mask.bin`` beside each token shard (dtype code 1, 1 = trained
+  on), recorded in its entry as ``"mask": {"name", "checksum"}`` and checked the same way
+  (:meth:`ShardedTokens.masks`, :func:`is_chat_folder`).
+* Manifests from before these fields still load, with a warning: the tokenizer matched by vocabulary size only,
+  a shard without a checksum scanned for its largest id on first read.
 """
 
 from __future__ import annotations
@@ -86,16 +71,11 @@ VAL_HINT = "; prepared with --val-fraction 0? a folder of validation data only: 
 
 
 class ShardedTokens:
-    """All shards of one split of a prepared folder as ONE virtual 1-D token array (see the module docstring).
-
-    Also ``store.gather(starts, length)`` (``[len(starts), length]`` windows in one preallocated array),
-    ``eos_id``, ``bos_id``, ``vocab_size``, ``dtype`` (name), ``num_docs``, ``manifest``, ``shards``
-    (:class:`ShardReader` list), ``shard_starts`` (first global token of each shard, then the total)
-    and ``doc_offsets()``. Each shard's header is checked against the manifest (tokens, docs, dtype);
-    a mismatch, a recorded ``max_id`` outside the vocabulary or a split with no tokens is a one-line
-    ``ValueError`` naming the file; with ``tokenizer``, so is a manifest made with another tokenizer
-    (:func:`check_tokenizer`). Each shard's checksum is verified on its first read in this process
-    (:meth:`verify_shard`). Pickles as (folder, split): a DataLoader worker verifies for itself.
+    """All shards of one split of a prepared folder as ONE virtual 1-D token array: ``len(store)``, ``store[a:b]``
+    (crossing shards as needed, one numpy copy per slice) and ``store.gather(starts, length)`` (windows in one
+    array). Checked at construction as the module docstring says (with ``tokenizer``: :func:`check_tokenizer`),
+    each shard's checksum on its first read (:meth:`verify_shard`). Pickles as (folder, split): a DataLoader
+    worker verifies for itself.
     """
 
     def __init__(
@@ -144,11 +124,8 @@ class ShardedTokens:
             )
 
     def verify_shard(self, i: int) -> None:
-        """Check shard ``i`` against the manifest once per process, before any of its tokens are used.
-
-        The checksum of the whole file (or, for a manifest without one, the largest token id) is
-        computed on the memory mapping the tokens are read from; a one-line ValueError names the file.
-        """
+        """Check shard ``i`` against the manifest once per process, before any of its tokens are used: its checksum
+        (or, without one, its largest id) on the memory mapping the tokens are read from."""
         if not self._verified[i]:
             verify_shard_bytes(self.shards[i], self.entries[i], self.vocab_size, self.manifest_path)
             self._verified[i] = True

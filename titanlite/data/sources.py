@@ -1,26 +1,12 @@
 """Raw-text document sources: plain text, Markdown, JSON Lines, JSON and Parquet files or folders.
 
-:func:`iter_documents` yields documents (``str``) in a deterministic order:
-
-* A **folder** is walked recursively; files are taken in sorted order of their relative POSIX path.
-  Only files ending in ``.txt``, ``.md``, ``.jsonl``, ``.json``, ``.parquet`` (or ``.txt.gz``,
-  ``.md.gz``, ``.jsonl.gz``, ``.json.gz``) are read; names starting with ``.`` are skipped.
-* A **plain-text / Markdown file** (``.txt``, ``.md``, or any other suffix when a file is named
-  directly) is ONE document by default (``txt_split="file"``): the whole file. With
-  ``txt_split="paragraphs"`` it is split into paragraphs: runs of lines separated by one or more
-  blank (empty or whitespace-only) lines; each paragraph is one document, its lines joined with
-  ``"\\n"`` plus a final ``"\\n"``. One document per file suits books and code; paragraphs suit
-  corpora such as tinyshakespeare where a held-out split needs many documents.
-* A **JSON Lines file** (``.jsonl``; also a ``.json`` file that does not start with ``[``) has one
-  JSON object per line; the document is the string in ``text_field``. Blank lines are skipped. A
-  line that is not JSON, not an object, or lacks the field (or whose field is not a string) is a
-  ``ValueError("<file>:<line>: ...")``.
-* A **JSON file** starting with ``[`` is an array of such objects (or of plain strings).
-* A **Parquet file** needs the ``pyarrow`` package; the document is column ``text_field``.
-
-Files must be UTF-8 (``.gz`` files are decompressed on the fly). Empty documents (``""``) are
-skipped. Errors are one-line ``ValueError``\\ s naming the file (and line where there is one); a
-missing ``pyarrow`` is a :class:`~titanlite.errors.MissingPackageError` naming the package.
+:func:`iter_documents` yields documents (``str``) in a deterministic order. A folder is walked recursively in
+sorted order of the relative POSIX paths, reading ``.txt``, ``.md``, ``.jsonl``, ``.json``, ``.parquet`` (and
+their ``.gz``) files not named ``.*``. A text file (or a directly named file of any other suffix) is one document,
+or with ``txt_split="paragraphs"`` one per run of lines between blank lines (a held-out split of a single file
+needs many documents). JSON Lines (also a ``.json`` not starting with ``[``) hold one object per line, the
+document in ``text_field``; a ``.json`` array holds such objects or strings; Parquet (needs ``pyarrow``) the
+column ``text_field``. UTF-8 only; empty documents are skipped; errors are one line naming the file and line.
 """
 
 from __future__ import annotations
@@ -198,11 +184,8 @@ def iter_file_documents(
 def iter_documents(
     path: PathLike | Sequence[PathLike], text_field: str = "text", file_format: str = "auto", txt_split: str = "file"
 ) -> Iterator[str]:
-    """Documents of a file, a folder or a list of them (see the module docstring).
-
-    ``file_format``: "auto" (from each file's suffix; an explicitly named file with an unknown
-    suffix is plain text), or one of "text", "jsonl", "json", "parquet" for every file.
-    """
+    """Documents of a file, a folder or a list of them; ``file_format``: "auto" (from each file's suffix), or
+    one of "text", "jsonl", "json", "parquet" for every file."""
     for f in list_files(path):
         for text, _ in iter_file_documents(f, text_field, file_format, txt_split):
             yield text

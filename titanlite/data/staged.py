@@ -1,12 +1,8 @@
 """The training batches of a run with sequence-length stages (``[training] seq_len_schedule``).
 
-:class:`StagedLoader` holds the current stage's loader, built by ``build(stage_index)`` (a
-StatefulDataLoader at that stage's seq_len and local batch, its data order seeded from the training
-seed and the stage). Iterating it yields the current stage's batches; :meth:`set_stage` switches to
-a fresh loader for another stage, which starts at that stage's beginning (a new shuffle of the data:
-the windows of another length are other windows). Its state, saved per data-parallel rank like a
-plain loader's, is the stage index plus that stage's loader state, so a resume on either side of a
-switch continues exactly.
+:class:`StagedLoader` holds the current stage's loader (``build(stage_index)``); :meth:`set_stage` switches to a
+fresh one that starts at that stage's beginning (windows of another length are other windows). Its state, saved per
+data-parallel rank, is the stage index plus that loader's state, so a resume on either side of a switch is exact.
 """
 
 from __future__ import annotations

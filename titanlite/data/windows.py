@@ -1,35 +1,18 @@
 """Training windows cut from one long token stream, shuffled, split per data-parallel rank, resumable.
 
-The stream is any object with ``len(store)`` (tokens) and ``store[a:b]`` returning a 1-D integer
-tensor: an in-memory tensor, or memory-mapped shards (:class:`titanlite.data.shards.ShardedTokens`).
-It is cut into ``num_windows = len // (seq_len + 1)`` non-overlapping windows; window ``w`` gives
-``input = tokens[w*(L+1) : w*(L+1)+L]`` and ``labels`` shifted by one.
+The stream is anything with ``len(store)`` and ``store[a:b]`` -> 1-D integer tensor (a tensor, or
+:class:`titanlite.data.shards.ShardedTokens`), cut into ``len // (seq_len + 1)`` non-overlapping windows (inputs,
+and labels shifted by one). Each epoch permutes the windows from ``(seed, epoch)``; a global cursor walks the
+permutation ``dp_world`` windows at a time and rank ``r`` takes ``perm[pos + r]``, so the ranks read disjoint
+windows, and a resume with another data-parallel degree continues exactly where the old run stopped. DataLoader
+worker ``w`` of ``n`` makes the batches ``b % n == w``, the order the loader hands them out, so the sequence is the
+one without workers. A finite dataset (validation) restarts from its first window on every ``iter()``.
 
-Order: each epoch draws a permutation of the windows from ``(seed, epoch)``. A global cursor ``pos``
-walks that permutation ``dp_world`` windows at a time and rank ``r`` takes ``perm[pos + r]``, so the
-ranks read disjoint windows that together cover the epoch (up to ``dp_world - 1`` left-over windows,
-different ones each epoch). Because the cursor is global, a resume with another data-parallel degree
-continues exactly where the old run stopped: nothing is repeated or skipped.
-
-With DataLoader worker processes, worker ``w`` of ``n`` produces the batches ``b`` with ``b % n == w``
-of the rank's stream, which is the order in which the (Stateful)DataLoader hands batches out, so the
-sequence is the same as with no workers.
-
-A finite dataset (``infinite=False``, used for validation) restarts from its first window on every
-``iter()``, so each evaluation sees the same windows however far the previous one read.
-
-**Packing whole documents** (``doc_offsets``, for chat data): instead of cutting the stream every
-``seq_len + 1`` tokens, windows are filled with whole consecutive documents, next-fit (the next document
-that does not fit starts a new window), and the rest of each window is padding: ``pad_id`` inputs whose
-labels are -100 (no loss) and, with ``eos_id`` given, each pad its own document. A packed window's
-document ids come from the document offsets, not from EOS tokens: a chat tokenizer whose EOS is
-``<|eot_id|>`` ends every message with it, and an EOS scan would cut each conversation into messages
-that cannot see each other. A document longer
-than a window is truncated to ``seq_len + 1`` tokens (counted in ``num_truncated``, logged once). So no
-conversation is split between windows, and under block-causal attention none attends to another.
-
-**Loss masks** (``mask``, a store as long as the tokens with 1 = train on this token): labels whose
-target token has mask 0 become -100, so the loss covers, e.g., only the assistant's replies.
+**Packing whole documents** (``doc_offsets``, chat data): windows are filled next-fit with whole consecutive
+documents and padded (``pad_id`` inputs, labels -100, each pad its own document with ``eos_id``). Document ids come
+from the offsets, not from EOS tokens: a chat EOS (``<|eot_id|>``) ends every message, and a scan would cut
+conversations into messages. A document longer than a window is truncated (``num_truncated``, logged once).
+**Loss masks** (``mask``, 1 = train on this token): labels whose target has mask 0 become -100.
 """
 
 from __future__ import annotations

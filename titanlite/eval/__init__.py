@@ -1,9 +1,6 @@
-"""Downstream benchmarks (HellaSwag, ARC, PIQA, LAMBADA) scored by log-likelihood, as lm-eval defines them.
-
-``evaluate(model, tokenizer, ["hellaswag", "lambada_openai"], data_dir)`` scores a model (plain, FSDP or
-TP sharded) and returns per-task metrics and per-item records (:mod:`titanlite.eval.scoring`);
-the tasks and how to add one are in :mod:`titanlite.eval.tasks`; the command line
-``python -m titanlite.eval --checkpoint DIR --tasks ...`` is :mod:`titanlite.eval.cli`.
+"""Downstream benchmarks (HellaSwag, ARC, PIQA, LAMBADA) scored by log-likelihood, as lm-eval defines them:
+:func:`evaluate` (:mod:`titanlite.eval.scoring`) scores a plain or sharded model; tasks and adding one:
+:mod:`titanlite.eval.tasks`; the command line: :mod:`titanlite.eval.cli`.
 """
 
 from titanlite.eval.scoring import evaluate

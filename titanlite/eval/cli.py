@@ -1,15 +1,9 @@
-"""``python -m titanlite.eval --checkpoint DIR --tasks hellaswag,arc_easy,arc_challenge,piqa,lambada_openai``,
-and ``python -m titanlite.eval --watch DUMP_FOLDER`` (the checkpoint watcher, :mod:`titanlite.eval.watch`).
+"""``python -m titanlite.eval --checkpoint DIR --tasks hellaswag,...`` and ``python -m titanlite.eval --watch
+DUMP_FOLDER`` (:mod:`titanlite.eval.watch`); docs/evaluation.md, "Downstream evaluation".
 
-Loads the model of ``DIR`` (a titanlite checkpoint step folder or a Hugging Face folder, see
-:func:`titanlite.checkpoint.load_model.load_model`), scores the tasks (:func:`titanlite.eval.evaluate`),
-prints one line per task and, with ``--output``, writes the results (per task: metrics and per-item
-records, plus ``"step"`` and ``"checkpoint"``) as JSON, atomically (a temporary file renamed into place).
-
-Wrong input (an unknown task, a missing data folder or file, a checkpoint that cannot be loaded)
-prints one ``error: ...`` line on stderr and exits with status 2; an existing ``--output`` file is
-only ever replaced by a complete one. ``--output`` is checked before any scoring: it must be writable and must
-not be a run's own file (``metrics.jsonl``, a file in a run or checkpoint folder that is no eval output).
+Bad input (an unknown task, a missing data file, a checkpoint that cannot be loaded) is one ``error: ...`` line
+and exit status 2. ``--output`` is checked before any scoring (writable, and not a run's own file) and written
+atomically, so an existing file is only ever replaced by a complete one.
 """
 
 from __future__ import annotations
@@ -22,7 +16,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
@@ -34,6 +28,7 @@ from titanlite.eval.scoring import evaluate
 from titanlite.eval.tasks import get_task, task_names
 from titanlite.eval.watch import watch
 from titanlite.extensions import load_extensions
+from titanlite.utils.argtypes import UsageErrorParser
 from titanlite.utils.dtypes import DTYPES
 from titanlite.utils.fsio import one_line
 from titanlite.utils.run_lock import LOCK_FILE
@@ -43,15 +38,8 @@ METRICS_FILE = "metrics.jsonl"
 RUN_FILES = (METRICS_FILE, "summary.json", layout.CONFIG_FILE, layout.INFO_FILE, LOCK_FILE)  # a run's own files
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse with its errors as one line (no usage block), so every user error looks the same."""
-
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = UsageErrorParser(
         prog="python -m titanlite.eval",
         description="Score a checkpoint on downstream benchmarks by log-likelihood (see titanlite.eval).",
     )

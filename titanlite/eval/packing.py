@@ -1,18 +1,11 @@
-"""What a scoring batch runs: requests grouped by shared context, groups cut into batches, and each
-batch's padded tensors built once and sent to the device in one copy.
+"""What a scoring batch runs: requests grouped by shared context, groups cut into batches, and each batch's padded
+tensors built once and sent to the device in one copy.
 
-With a model that speaks the cache protocol (:mod:`titanlite.models.kv_cache`), the requests of one item
-that share their context tokens form one group (when that runs at most ``1 / MIN_SAVING`` of their
-tokens), scored in two forward passes per batch
-(:func:`cached_batch`): the contexts, left-padded so they all end in the same slot, fill a KV cache
-(the last context token's logits score every choice's first token); the cache's rows are then copied
-once per choice (:meth:`~titanlite.models.kv_cache.KVCache.select`) and each choice's tokens but the
-last run on top of its context (right-padded). Each token is predicted from exactly what precedes it in
-its own request, while a context shared by k choices is computed once instead of k times (what HellaSwag and
-ARC gain: docs/benchmarks.md, "Downstream evaluation scoring"), and attention costs what it did per request.
-Otherwise a group is one request, whose tokens but the last run as one right-padded row of a plain
-causal forward pass (:func:`plain_batch`); a batch holds groups of one kind. Truncated requests (their
-contexts cut differently) form groups of their own.
+With the cache protocol, an item's requests that share their context form one group when that saves enough
+(``MIN_SAVING``): :func:`cached_batch` fills a KV cache with the left-padded contexts, copies its rows once per
+choice (:meth:`~titanlite.models.kv_cache.KVCache.select`) and runs each choice on top, so every token is still
+predicted from exactly what precedes it in its own request. Otherwise a group is one request, a right-padded row
+of a plain causal forward (:func:`plain_batch`). A batch holds groups of one kind; truncated requests form their own.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""The metrics record of downstream scores, and their log line.
-
-The in-loop evaluation and the watcher (:mod:`titanlite.eval.watch`) write the same keys,
-``eval/<task>/<metric>`` (``eval/hellaswag/acc_norm``, ``eval/lambada_openai/perplexity`` ...), under the
-step of the weights they scored, so a curve drawn from ``metrics.jsonl`` or TensorBoard does not care
-which of the two computed a point.
+"""The metrics record of downstream scores, and their log line: the in-loop evaluation and the watcher write the
+same keys, ``eval/<task>/<metric>``, under the step of the weights they scored, so a curve does not care which of
+the two computed a point.
 """
 
 from __future__ import annotations

@@ -1,37 +1,13 @@
-"""Log-likelihood scoring of benchmark tasks, batched and spread over data-parallel ranks.
+"""Log-likelihood scoring of benchmark tasks, batched and spread over data-parallel ranks (what it computes, and how
+a request longer than ``max_seq_len + 1`` is cut: docs/evaluation.md, "Downstream evaluation").
 
-Every (context, choice) pair of every item is one *request*: the context's tokens with BOS first
-(``tokenizer.encode(context, bos=True)``; nothing in front for a tokenizer without BOS, as lm-eval's HF
-backend does) followed by the choice's (``tokenizer.encode(choice)``),
-encoded separately, which are the ids a Hugging Face model gets in the tests. A forward pass gives the
-log-probability of each choice token given everything before it; the request's score is their sum
-(``loglik``), plus whether each one was the argmax (``greedy``, LAMBADA's accuracy).
-
-Groups and batches (:mod:`titanlite.eval.packing`): when the model speaks the cache protocol
-(:mod:`titanlite.models.kv_cache`) and it saves enough, the choices of an item form one group, its
-context computed once: a batch runs the contexts through a KV cache, then every choice on top of its
-own context's keys and values. Otherwise a group is one request, run as one plain causal row. The
-groups of all tasks are sorted (single requests, then shared contexts; longest first, ties in order)
-and cut into fixed batches of at most ``batch_size`` requests, right-padded to a multiple of
-``PAD_MULTIPLE`` (causal attention never lets a real position see the padding). This order does not
-depend on the number of ranks, and the batches of each kind go round-robin to the ranks, so every
-request is computed in exactly the same batch, hence with bitwise the same result, on any number of
-ranks. Tensor-parallel ranks of one data-parallel rank pass the same ``dp_rank`` and compute the same
-batches. A sharded model (FSDP, TP) needs every rank in every forward pass, so a rank with fewer
-batches of a kind than the others runs dummy ones. The results are
-gathered to every rank (``all_gather_object`` over ``dp_group``).
-
-Keeping the device busy: a batch's tensors go to the device in one copy, the log-probabilities and
-greedy checks of all its requests are gathered and summed there, and their results come back in one
-copy, read only after the next batch has been queued. ``compile=True`` runs the forward pass through
-``torch.compile`` with dynamic shapes (one graph for every padded length; not for a sharded model).
-
-Requests longer than ``max_seq_len + 1`` tokens (the model reads all but the last) are cut from the left as
-lm-evaluation-harness's ``_loglikelihood_tokens`` cuts them: of context + choice, the last ``max_seq_len + 1``
-tokens stay, and the choice's tokens among them are scored, each from the tokens before it in that window. A choice
-of more than ``max_seq_len`` tokens (where lm-eval stops on an assertion) keeps the tokens the window holds: all
-but its first one scored, ``max_seq_len`` of them (its ``num_tokens``). Truncated items are logged and reported
-per task as ``num_truncated`` (items with at least one truncated choice).
+A *request* is one (context, choice) pair: its score is the summed log-probability of the choice's tokens after the
+context's (``loglik``), and whether each was the argmax (``greedy``). Batches (:mod:`titanlite.eval.packing`) come in
+an order that does not depend on the number of ranks and go round-robin to the ranks, so a request's result is
+bitwise the same on any number of ranks; a rank with fewer batches of a kind runs dummy ones (a sharded model needs
+every rank in every forward), and the results are gathered to every rank of ``dp_group``. A batch goes to the
+device in one copy and its results come back in one, read after the next batch is queued. ``compile=True``: dynamic
+shapes, one graph for every padded length.
 """
 
 from __future__ import annotations

@@ -1,31 +1,10 @@
 """Downstream benchmarks as log-likelihood tasks: what to score and how to turn the scores into metrics.
 
-A task reads its data files (in their original formats, under one data folder laid out like
-``../shared/data/eval``) and returns :class:`Item` s: a context, one or more continuations
-("choices") and the index of the right one. :mod:`titanlite.eval.scoring` computes, for every
-(context, choice) pair, the summed log-probability of the choice's tokens given the context, and
-the task turns those numbers into per-item records and metrics.
-
-The built-in tasks are lm-evaluation-harness's zero-shot definitions (``hellaswag``, ``arc_easy``,
-``arc_challenge``, ``piqa``, ``lambada_openai``: the same prompt strings, the same ``" "`` between
-context and choice, ``acc_norm`` by the choice's length in characters, the same metric names), so
-their scores stand beside published lm-eval numbers; ``hellaswag_llmc`` is llm.c's rendering of
-HellaSwag (``acc_norm`` per token). ``tests/eval/test_eval_definitions.py`` pins them against lm-eval's.
-
-Adding a task is one small class: subclass :class:`MultipleChoiceTask` (or :class:`ClozeTask`),
-set ``name`` and ``files`` and write ``item(row)`` for one parsed JSON line, then register it::
-
-    @register_task
-    class BoolQ(MultipleChoiceTask):
-        name = "boolq"
-        files = ("boolq/dev.jsonl",)
-
-        def item(self, row):
-            context = f"{row['passage']}\\nQuestion: {row['question']}?\\nAnswer:"
-            return Item(context, (" no", " yes"), int(row["answer"]))
-
-An extension module (``--extensions``) registers its tasks the same way when it is imported.
-Tasks whose files are not one JSON object a line override :meth:`Task.items` (see :class:`PIQA`).
+A task reads its data files (original formats, under one data folder) and returns :class:`Item` s: a context, its
+continuations ("choices") and the index of the right one; :mod:`titanlite.eval.scoring` computes each choice's
+summed log-probability and the task turns those into records and metrics. The built-in tasks are
+lm-evaluation-harness's zero-shot definitions, and llm.c's HellaSwag (docs/evaluation.md, "Downstream evaluation",
+with "Adding a task"). A task whose files are not one JSON object a line overrides :meth:`Task.items` (:class:`PIQA`).
 """
 
 from __future__ import annotations
@@ -50,12 +29,9 @@ RESERVED_NAMES = ("step", "checkpoint")
 
 @dataclasses.dataclass(frozen=True)
 class Item:
-    """One benchmark question: ``context`` followed by each of ``choices`` (the continuations as scored,
-    with the space that joins them to the context); ``label`` indexes the right one.
-
-    ``norm_lengths``: what ``acc_norm`` divides each choice's log-likelihood by. None: each choice's
-    length in characters without one leading space, lm-evaluation-harness's rule (it scores
-    ``" " + choice`` and divides by ``len(choice)``)."""
+    """One benchmark question: ``context`` followed by each of ``choices`` (as scored, with the joining space);
+    ``label`` indexes the right one. ``norm_lengths``: what ``acc_norm`` divides each choice's log-likelihood by
+    (None: its characters without one leading space, lm-evaluation-harness's rule)."""
 
     context: str
     choices: tuple[str, ...]
@@ -106,15 +82,10 @@ class Task:
 
 
 class MultipleChoiceTask(Task):
-    """Pick the choice the model finds most likely.
-
-    ``pred``: the argmax of the summed log-probability of each choice's tokens (``acc``);
-    ``pred_norm``: the argmax of that sum divided by the choice's length (``acc_norm``). The length is
-    :meth:`Item.lengths` (characters, lm-evaluation-harness's normalization) or, with
-    ``normalize = "tokens"``, the number of the choice's tokens (llm.c's mean per-token
-    log-probability). Ties go to the first choice, as ``numpy.argmax``'s do. Metrics: ``acc``,
-    ``acc_norm`` and their standard errors ``acc_stderr``, ``acc_norm_stderr`` (lm-eval's names and
-    formula: the sample standard deviation over the square root of the item count)."""
+    """Pick the choice the model finds most likely: ``pred`` is the argmax of each choice's summed
+    log-probability (``acc``), ``pred_norm`` of that sum over :meth:`Item.lengths`, or over its token count with
+    ``normalize = "tokens"`` (``acc_norm``); ties go to the first choice, as ``numpy.argmax``'s do. Standard
+    errors are lm-eval's (sample standard deviation / sqrt(items))."""
 
     min_choices = 2
     normalize: ClassVar[str] = "chars"
@@ -143,11 +114,8 @@ class MultipleChoiceTask(Task):
 
 
 class ClozeTask(Task):
-    """One continuation per item (LAMBADA): ``pred`` (and ``pred_norm``) is 1 when every continuation
-    token is the greedy argmax given what precedes it, else 0; ``label`` is 1. Metrics: ``acc`` (the
-    fraction of 1s), ``acc_stderr`` and ``perplexity = exp(-mean over items of the continuation's summed
-    log-probability)``, lm-evaluation-harness's definition for LAMBADA (a per-item, not a per-token,
-    perplexity)."""
+    """One continuation per item (LAMBADA): ``pred`` is 1 when every continuation token is the greedy argmax, else
+    0 (``acc``); ``perplexity`` is lm-eval's per-item ``exp(-mean summed log-probability)``."""
 
     def record(self, index: int, item: Item, loglik: list[float], num_tokens: list[int], greedy: list[bool]) -> dict:
         pred = int(greedy[0])
@@ -308,10 +276,7 @@ def hellaswag_label(row: dict, endings: list[str]) -> int:
 
 @register_task
 class HellaSwag(MultipleChoiceTask):
-    """HellaSwag validation as lm-evaluation-harness renders it: the context is ``activity_label + ": "
-    + ctx_a + " " + ctx_b.capitalize()``, each choice an ending, both cleaned by
-    :func:`hellaswag_clean`; a choice is scored as ``" " + ending`` and ``acc_norm`` divides by the
-    cleaned ending's characters."""
+    """HellaSwag validation as lm-evaluation-harness renders it (docs/evaluation.md has the table)."""
 
     name = "hellaswag"
     files = ("hellaswag/hellaswag_val.jsonl",)
@@ -326,9 +291,7 @@ class HellaSwag(MultipleChoiceTask):
 
 @register_task
 class HellaSwagLLMC(MultipleChoiceTask):
-    """HellaSwag validation, completion style as llm.c's ``dev/data/hellaswag.py`` renders it: the
-    context is ``ctx`` as given, each choice ``" " + ending``; ``acc_norm`` is the argmax of the mean
-    per-token log-probability (its published GPT-2 numbers are in ``../shared/data/eval/README.md``)."""
+    """HellaSwag validation as llm.c's ``dev/data/hellaswag.py`` renders it (``acc_norm`` per token)."""
 
     name = "hellaswag_llmc"
     files = ("hellaswag/hellaswag_val.jsonl",)

@@ -1,29 +1,11 @@
-"""Evaluate a run's checkpoints as they land, beside the run: ``python -m titanlite.eval --watch DUMP_FOLDER``.
+"""Evaluate a run's checkpoints as they land, beside the run: ``python -m titanlite.eval --watch DUMP_FOLDER``
+(docs/evaluation.md, "Evaluating beside the run").
 
-The watcher is a separate process (on another GPU, or on CPU cores the training leaves free): the
-training process never waits for it and does not know it exists. It reads the run's ``config.toml``
-(written when the run starts) for the checkpoint folder, the ``[eval]`` tasks and the precision, then
-polls the checkpoint folder. Each published step folder it has not scored yet is loaded
-(:func:`titanlite.checkpoint.load_model.load_model`), scored (:func:`titanlite.eval.evaluate`) and
-its scores are appended to the run's ``metrics.jsonl`` under the checkpoint's step, with the keys the
-in-loop ``[eval]`` writes (:func:`titanlite.eval.records.eval_record`) plus ``"eval_source": "watcher"``,
-and to TensorBoard (an event file of its own in the run's folder) when the run writes TensorBoard.
-
-- **Sharing the log with the run.** Each record is one ``write`` of one whole line to a file opened
-  for appending at that moment: the kernel appends it after whatever the run has written.
-- **Restarts and rewinds.** The scores in ``metrics.jsonl`` are the watcher's memory: before each pass
-  over the checkpoints it skips every step that already has a watcher record there, so a restarted
-  watcher goes on where it stopped. A run that resumes or rolls back to step K drops the log's records of
-  steps after K (:func:`titanlite.trainer.metrics_log.rewind_metrics_log`), the watcher's with them; the next pass
-  scores those checkpoints again.
-- **Checkpoints that go away.** ``keep_latest_k`` may delete a step folder while it is read: the
-  failed read is logged and the watcher moves on. A step folder that is damaged is logged and skipped
-  (tried again after a restart).
-- **What it imports.** Only the modules of its own ``extensions`` (``--extensions``), never the ``[job]
-  extensions`` the watched ``config.toml`` names (importing runs code; ``python -m`` run from inside the watched
-  folder would import a module file placed there): a run whose family comes from an extension needs it named.
-- **When it stops.** After scoring the run's final step (``training.steps``), or with ``once`` after
-  one pass over what exists; otherwise it polls every ``poll_seconds``.
+The run's ``config.toml`` gives the checkpoint folder, tasks and precision; each new step's scores are appended
+to ``metrics.jsonl`` as the in-loop keys plus ``"eval_source": "watcher"``, one ``write`` of one whole line in
+append mode (the kernel appends it after the run's lines). Those records are the watcher's memory: a restarted
+watcher skips the steps they cover, and a run that rewinds its log gets those steps scored again. It imports only
+its own ``extensions``, never those the watched file names (importing runs code).
 """
 
 from __future__ import annotations
@@ -115,12 +97,9 @@ def watch(
     once: bool = False,
     evaluate_fn: Callable[..., dict[str, dict[str, Any]]] | None = None,
 ) -> list[int]:
-    """Score the run's checkpoints as they appear (see the module docstring); returns the steps scored.
-
-    ``tasks``, ``data_dir``, ``limit``, ``batch_size``: the run's ``[eval]`` values unless given
-    (``data_dir`` also from ``$TITANLITE_EVAL_DATA``). ``compile``, ``max_seq_len``: passed to
-    :func:`titanlite.eval.evaluate` (the latter defaults to the checkpoint's model args). ``evaluate_fn``:
-    :func:`titanlite.eval.evaluate` unless given (tests)."""
+    """Score the run's checkpoints as they appear; returns the steps scored. ``tasks``, ``data_dir``, ``limit``,
+    ``batch_size``: the run's ``[eval]`` values unless given (``data_dir`` also from ``$TITANLITE_EVAL_DATA``);
+    ``compile``, ``max_seq_len``: passed to ``evaluate_fn`` (:func:`titanlite.eval.evaluate` unless given)."""
     dump = Path(dump_folder)
     if not dump.is_dir():
         raise NotFoundError(f"{dump}: no such folder")

@@ -1,32 +1,10 @@
-"""Text generation from a titanlite decoder: greedy or sampled, with a KV cache, on one process or on
-every rank of a sharded model (what it does for a user: docs/evaluation.md, "Generation").
+"""Text generation from a titanlite decoder: greedy or sampled, with a KV cache, on one process or on every rank of
+a sharded model (docs/evaluation.md, "Generation"; the command line's arguments: :mod:`titanlite.generate.cli`).
 
-Library: :func:`generate` continues a batch of token-id prompts and returns each one's completion ids;
-:func:`titanlite.generate.sampling.sample_next` picks next tokens from logits (temperature, top-k, top-p). The
-training loop's in-loop samples, the evaluation watcher and the command line below all call these.
-
-- ``use_cache=False`` runs the plain training forward over each whole prefix at every step (prompts of one length
-  together): the reference the static KV cache is tested against, and the benchmark's baseline.
-- ``compile=True`` compiles the one-token decode step only (its shapes are fixed for a request: captured once,
-  replayed for every token); the prefill stays eager. A sharded model, or one without a cache, decodes eagerly
-  (:func:`compile_refusal`, logged).
-- No host read per token: finished rows keep running with the batch until the host's next read of the stop
-  state (every ``STOP_CHECK_EVERY`` tokens); their extra tokens are dropped, so the result is the same as
-  stopping at once.
-- Sampling draws only from the ``generator`` given; one on the model's device saves a copy per token.
-- Distributed (FSDP and/or tensor parallel): every rank of ``sync_group`` runs every forward (they hold shards);
-  the group's first rank picks the next tokens and broadcasts them (one broadcast per step), so all ranks
-  continue and stop together. Under tensor parallelism every forward is padded on the right with filler up to a
-  multiple of the TP degree (titanlite's plan shards the sequence evenly over the TP ranks); causal attention
-  keeps the real tokens blind to it.
-- Eager steps run under ``torch.no_grad`` and ``torch.compiler.set_stance("force_eager")``: per-block compiled
-  models run eagerly, instead of recompiling for every new sequence length.
-- ``context_window=N`` (a sliding window, as nanoGPT's ``sample.py``) and ``trained_seq_len`` (one warning past
-  the trained context): docs/evaluation.md, "Past the trained context".
-
-Command line: ``python -m titanlite.generate --help`` (one ``error: ...`` line on stderr and exit status 2 for
-bad input); ``--checkpoint`` is a titanlite checkpoint step folder or a Hugging Face folder
-(:func:`titanlite.checkpoint.load_model.load_model`).
+No host read per token: finished rows run on with the batch until the host reads the stop state every
+``STOP_CHECK_EVERY`` tokens. On a sharded model every rank of ``sync_group`` runs every forward and the first rank
+broadcasts the next tokens; under tensor parallelism each forward is right-padded with filler to a multiple of the
+TP degree. Eager steps run under ``force_eager``: per-block compiled models do not recompile per sequence length.
 """
 
 from __future__ import annotations
@@ -38,7 +16,6 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
-from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -48,9 +25,9 @@ from torch.distributed.tensor import DTensor
 from titanlite.checkpoint.load_model import load_model
 from titanlite.data.chat import chat_prompt_ids, special_id
 from titanlite.errors import UsageError, UserError
+from titanlite.generate.cli import parse_args
 from titanlite.generate.sampling import check_sampling, sample_next
 from titanlite.models.kv_cache import KVCache, supports_cache
-from titanlite.utils.argtypes import number
 from titanlite.utils.dtypes import DTYPES
 from titanlite.utils.fsio import one_line
 
@@ -81,12 +58,9 @@ def generate(
     context_window: int | None = None,
     trained_seq_len: int | None = None,
 ) -> list[list[int]]:
-    """Each prompt's completion ids (at most ``max_new_tokens``; ending with the EOS id that stopped it,
-    if one did). See the module docstring; ``device`` defaults to the model's, ``sync_group`` to the
-    world when torch.distributed is initialized. Sampling without a ``generator`` uses a fresh one
-    seeded by the operating system (still not the global RNG). ``compile``: run the one-token decode
-    step through ``torch.compile`` (see :func:`compile_refusal` for when it falls back to eager);
-    ``context_window``, ``trained_seq_len``: see the module docstring."""
+    """Each prompt's completion ids (at most ``max_new_tokens``; ending with the EOS id that stopped it, if one did).
+    ``device`` defaults to the model's, ``sync_group`` to the world when torch.distributed is initialized; sampling
+    without a ``generator`` uses a fresh one seeded by the operating system (never the global RNG)."""
     check_sampling(temperature, top_k, top_p)
     check_request(model, prompts, max_new_tokens, sequence_multiple(model), context_window)
     if not prompts or max_new_tokens == 0:
@@ -393,72 +367,7 @@ class _RecomputedSteps:
 # ----------------------------------------------------------------------------- command line
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line instead of the usage text
-        raise UsageError(message)
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m titanlite.generate", description="Continue prompts with a trained model.")
-    p.add_argument("--checkpoint", required=True, help="a titanlite checkpoint step folder or a Hugging Face folder")
-    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
-    p.add_argument("--prompt-file", help="a UTF-8 file with one prompt per line (empty lines skipped)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="0: off (default)")
-    p.add_argument("--top-p", type=float, default=1.0, help="1: off (default)")
-    seed = number(int, at_least=-(2**63), at_most=2**64 - 1)  # what torch.Generator.manual_seed takes
-    p.add_argument("--seed", type=seed, default=0, help="the sampling generator's seed")
-    p.add_argument("--json", action="store_true", help="one JSON object per prompt and line")
-    p.add_argument("--tokenizer", help="tokenizer path, or bytes for the built-in byte-level tokenizer")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--extensions", default="", metavar="MODULES", help="comma-separated modules registering a family")
-    p.add_argument("--no-bos", action="store_true", help="do not start the prompts with BOS")
-    p.add_argument("--no-cache", action="store_true", help="recompute the whole prefix each step")
-    p.add_argument("--compile", action="store_true", help="compile the one-token decode step (CUDA graphs on CUDA)")
-    p.add_argument(
-        "--context-window",
-        type=int,
-        metavar="N",
-        help="predict from the last N tokens only (a sliding window; e.g. the trained training.seq_len)",
-    )
-    p.add_argument(
-        "--chat", action="store_true", help="prompts are user turns of the Llama 3 chat template; stop at <|eot_id|>"
-    )
-    return p
-
-
-def _read_prompts(a: argparse.Namespace) -> list[str]:
-    prompts = list(a.prompt)
-    if a.prompt_file is not None:
-        try:
-            with open(a.prompt_file, encoding="utf-8") as f:
-                prompts += [line for line in f.read().splitlines() if line]
-        except (OSError, UnicodeDecodeError) as e:
-            raise UsageError(f"--prompt-file {a.prompt_file}: cannot be read ({type(e).__name__}: {e})") from None
-    if not prompts:
-        raise UsageError("no prompt: pass --prompt TEXT or --prompt-file FILE")
-    return prompts
-
-
-def _check_numbers(a: argparse.Namespace) -> None:
-    for flag, value in (("--max-new-tokens", a.max_new_tokens), ("--top-k", a.top_k)):
-        if value < 0:
-            raise UsageError(f"{flag} must be >= 0, got {value}")
-    if a.context_window is not None and a.context_window < 1:
-        raise UsageError(f"--context-window must be >= 1, got {a.context_window}")
-    if not a.temperature >= 0:
-        raise UsageError(f"--temperature must be >= 0 (0: greedy), got {a.temperature}")
-    if not 0 < a.top_p <= 1:
-        raise UsageError(f"--top-p must be in (0, 1], got {a.top_p}")
-    if a.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: CUDA is not available")
-
-
-def _run(a: argparse.Namespace) -> list[dict]:
-    prompts = _read_prompts(a)
-    _check_numbers(a)
+def _run(a: argparse.Namespace, prompts: list[str]) -> list[dict]:
     extensions = [m.strip() for m in a.extensions.split(",") if m.strip()]
     loaded = load_model(
         a.checkpoint, device=a.device, dtype=DTYPES[a.dtype], tokenizer_path=a.tokenizer, extensions=extensions
@@ -492,10 +401,10 @@ def _run(a: argparse.Namespace) -> list[dict]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The command line; returns the exit status (2: bad input, with one ``error:`` line on stderr)."""
+    """``python -m titanlite.generate``; returns the exit status (2: bad input, with one ``error:`` line on stderr)."""
     try:
-        a = _parser().parse_args(argv)
-        records = _run(a)
+        a, prompts = parse_args(argv)
+        records = _run(a, prompts)
     except UserError as e:
         print(f"error: {one_line(e)}", file=sys.stderr)
         return e.exit_code

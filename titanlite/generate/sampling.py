@@ -24,12 +24,9 @@ def sample_next(
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Next token ids ``[B]`` from ``logits [B, V]``.
-
-    ``temperature == 0``: the argmax (greedy, as transformers' ``do_sample=False``). Otherwise a draw from
-    ``softmax(logits / temperature)`` restricted to the ``top_k`` largest logits (ties with the k-th kept;
-    0: all) and then to the smallest set of most likely tokens whose probability reaches ``top_p`` (1: all),
-    renormalized. The draw uses ``generator`` only, which sampling therefore needs."""
+    """Next token ids ``[B]`` from ``logits [B, V]``: the argmax when ``temperature == 0`` (greedy), else a draw
+    from ``generator`` of ``softmax(logits / temperature)`` restricted to the ``top_k`` largest logits (ties with
+    the k-th kept; 0: all), then to the smallest most likely set reaching ``top_p`` (1: all), renormalized."""
     check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return logits.argmax(dim=-1)

@@ -1,20 +1,11 @@
 """What every Llama-style decoder's Hugging Face adapter shares: names, shapes, config.json basics.
 
-Decoder families share one layout: a few top-level tensors (embedding, final norm, output) and
-``layers.<i>.<suffix>`` blocks, which Hugging Face stores as ``model.layers.<i>.<hf suffix>``, and
-a ``config.json`` whose core keys (``hidden_size``, ``num_attention_heads``, ...) mean the same in
-every family. A family's adapter subclasses :class:`HFDecoderAdapter`, fills the two name tables
-(``TOP``: whole names, ``BLOCK``: suffixes inside a block) and adds only what differs: tensor
-layouts (``tensor_to_hf`` / ``tensor_from_hf``), extra block parameters (``extra_block_shapes``),
-its own ``config.json`` keys (``extra_hf_config``) and ``args_from_hf_config`` (after
-:meth:`~HFDecoderAdapter.check_hf_config`). A native tensor may stand for several HF tensors, or for none
-(a MoE layer's stacked experts, its routing bias): :meth:`~HFDecoderAdapter.hf_layout`,
-:meth:`~HFDecoderAdapter.to_hf_tensors` and :meth:`~HFDecoderAdapter.from_hf_parts` say how; by default
-each native tensor is one HF tensor.
-
-The model args are expected to have ``dim, n_layers, n_heads, kv_heads, head_dim, ffn_hidden_dim,
-vocab_size, max_seq_len, norm_eps, tie_word_embeddings``. Every conversion works on one tensor at a
-time, so converters can stream a checkpoint.
+A family's adapter subclasses :class:`HFDecoderAdapter`, fills the two name tables (``TOP``: whole names,
+``BLOCK``: suffixes inside ``layers.<i>``, which HF stores as ``model.layers.<i>``) and adds only what differs:
+tensor layouts (``tensor_to_hf`` / ``tensor_from_hf``), extra block parameters, its own ``config.json`` keys and
+``args_from_hf_config``. A native tensor may stand for several HF tensors or none (a MoE layer's stacked experts,
+its routing bias: :meth:`~HFDecoderAdapter.hf_layout`). Conversions work one tensor at a time, so converters can
+stream a checkpoint.
 """
 
 from __future__ import annotations

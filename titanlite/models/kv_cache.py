@@ -1,69 +1,39 @@
-"""A key/value cache for incremental decoding: prefill a batch of prompts once, then a few tokens per
-step (generation: one; eval scoring: each choice after its shared context).
+"""A key/value cache for incremental decoding: prefill a batch of prompts once, then a few tokens per step
+(generation: one; eval scoring: each choice after its shared context), each layer keeping the keys and values it
+computed. The protocol a family implements to take ``model(tokens, cache=cache)``: docs/extensions.md, "The
+KV-cache protocol". The objects are plain ones, not dataclasses or containers, so FSDP's input hooks pass them
+through.
 
-Without a cache every generated token recomputes attention keys and values for the whole prefix;
-with one, each layer keeps the keys and values it has computed and a step only runs the new tokens.
-
-Protocol (what a model family implements to accept ``model(tokens, cache=cache)``):
-
-1. The model's ``forward(tokens, ..., cache=None)`` declares a parameter named ``cache`` (that name is
-   how :func:`supports_cache` tells a family that implements the protocol). With a cache, it calls
-   ``rope, mask = cache.step(rope_table, tokens.shape[1])`` once, instead of using its rotary table and
-   causal mask directly. ``rope`` holds each token's own rotary rows ``[B, S, head_dim]`` (from its
-   position, which is not its index: a left-padded row's positions start after its padding) and
-   ``mask`` is a boolean ``[B, 1, S, T]`` attention mask (True: may attend) over the ``T`` key slots
-   that :meth:`LayerKV.update` returns. Each block gets ``cache=cache.layer(name)`` as a keyword
-   argument (a keyword, so tensor-parallel input hooks, which see positional arguments only, leave it
-   alone).
-2. The attention: after rotating q and k with ``rope`` and BEFORE repeating the key/value heads for
-   grouped-query attention, ``k, v = cache.update(k, v)`` takes the new ``[B, S, kv_heads, head_dim]``
-   keys/values and returns the keys/values to attend over, ``[B, T, kv_heads, head_dim]``. Attention
-   then runs with ``mask``: :func:`titanlite.models.attention.grouped_query_attention` (q ``[B, S, H, D]``
-   against the few kv heads, nothing repeated), or ``repeat_kv`` + SDPA with ``attn_mask=mask``.
-3. Nothing else: the model never reads or advances the cache's position (the caller does, with
-   :meth:`KVCache.advance`), so a compiled one-token step has the same shapes and guards every time.
-
-The training path (``cache=None``) is untouched. Not for pipeline stages. The objects are plain ones,
-not dataclasses or containers, so FSDP's input hooks pass them through.
-
-:class:`KVCache` is static: its buffers ``[B, max_len, kv_heads, head_dim]`` are allocated on the first
-update (from that ``k``: its dtype, device and (local) head count, so a tensor-parallel rank caches only
-its own heads) at the request's final length and never grow; the slot of the next token is a device
-tensor (:attr:`KVCache.pos`), and the rotary rows and the mask are built on the device from it, so a
-decode step has fixed shapes and makes no host read. Compiled, attention spans the whole buffer (slots
-after the current step are masked); eager steps attend over the slots filled so far. Left padding: row
-``b`` of a batch starts with ``pad[b]`` filler tokens so that all prompts end in the same slot; its
-positions are ``slot - pad[b]`` and its slots ``< pad[b]`` are never attended to. A filler query attends
-to itself only (keeping its output finite, so it cannot turn a masked key into NaN).
+:class:`KVCache` is static: its buffers ``[B, max_len, kv_heads, head_dim]`` are allocated on the first update
+(from that ``k``'s dtype, device and local head count: a tensor-parallel rank caches its own heads) and never
+grow; the next token's slot is a device tensor (:attr:`KVCache.pos`) and the rotary rows and the mask are built
+from it on the device, so a decode step has fixed shapes and no host read. Compiled, attention spans the whole
+buffer (later slots masked); eager steps attend over the slots filled so far. Left padding: row ``b`` starts
+with ``pad[b]`` filler slots, never attended to (its positions are ``slot - pad[b]``); a filler query attends to
+itself only, which keeps its output finite.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
+from titanlite.models.protocol import missing_parameter
 from titanlite.utils import torch_compat
 
 
 def supports_cache(model: nn.Module) -> bool:
-    """Whether ``model.forward`` declares a ``cache`` parameter (the protocol above, optional in a family's
-    contract, :mod:`titanlite.models.protocol`); ``**kwargs`` alone does not count: such a forward would take a
-    cache and silently ignore it."""
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-    return "cache" in params and params["cache"].kind != inspect.Parameter.VAR_KEYWORD
+    """Whether ``model.forward`` declares a ``cache`` parameter (``**kwargs`` alone does not count: such a forward
+    would take a cache and silently ignore it)."""
+    return missing_parameter(model.forward, ("cache",)) is None
 
 
 class KVCache:
-    """Per-layer key/value buffers for ``batch_size`` rows of ``max_len`` slots each (see the module
-    docstring). ``static_addresses``: mark the buffers and the position as static inputs for
-    ``torch.compile`` with CUDA graphs (mode ``reduce-overhead``), which then writes them in place
-    instead of copying them at every replay."""
+    """Per-layer key/value buffers for ``len(pad)`` rows of ``max_len`` slots each. ``static_addresses``: mark
+    the buffers and the position as static inputs for CUDA graphs (``reduce-overhead``), written in place instead
+    of copied at every replay."""
 
     def __init__(
         self,

@@ -1,16 +1,8 @@
 """The contract of a model family: what core code reads of a family's args and model, stated once.
-
-:func:`titanlite.models.register_model` checks a family against it (:func:`contract_breach`), so a family that
-lacks a member is refused when it registers, by name, instead of failing deep inside a parallelize plan, the
-chunked loss or a checkpoint conversion. The model class states its module members as class annotations (as
-:class:`ModelFamily` does), so they are checked without building a model.
-
-What stays optional, and is probed where it is used:
-
-- ``forward(..., cache=)``: the KV-cache protocol of :mod:`titanlite.models.kv_cache`; without it generation and
-  scoring recompute the whole sequence at each token;
-- ``args.attn_mask_type``: a family without one only masks causally (``"causal"``);
-- everything a parallelize plan or a ``pipeline_fn`` of the family's own needs beyond this.
+:func:`titanlite.models.register_model` checks it (:func:`contract_breach`), so a family lacking a member is refused
+by name when it registers, not deep inside a parallelize plan or a conversion; module members are class
+annotations, checked without building a model. Optional, and probed where used: ``forward(..., cache=)`` (the
+KV-cache protocol, docs/extensions.md), ``args.attn_mask_type`` (without it: causal only).
 """
 
 from __future__ import annotations
@@ -68,7 +60,7 @@ def declared(cls: type, name: str) -> bool:
     return hasattr(cls, name) or any(name in vars(k).get("__annotations__", {}) for k in cls.__mro__)
 
 
-def _missing_parameter(fn: Any, names: tuple[str, ...]) -> str | None:
+def missing_parameter(fn: Any, names: tuple[str, ...]) -> str | None:
     """The first of ``names`` that ``fn`` does not take by that name (``**kwargs`` does not count)."""
     try:
         params = inspect.signature(fn).parameters
@@ -86,7 +78,7 @@ def contract_breach(model_cls: type, args_cls: type) -> str | None:
         fn = getattr(model_cls, method, None)
         if not callable(fn):
             return f"{model_cls.__name__} has no {method}()"
-        if (param := _missing_parameter(fn, params)) is not None:
+        if (param := missing_parameter(fn, params)) is not None:
             return f"{model_cls.__name__}.{method}() takes no {param!r} parameter"
     for name in ARGS_MEMBERS:
         if not declared(args_cls, name):

@@ -1,11 +1,6 @@
-"""Model-family registry.
-
-A family registers one :class:`ModelSpec`; core's own (llama3, llama3_moe) are declared here
-(:data:`BUILTIN_FAMILIES`) and imported on their first lookup, others (``torchtitan_ext``, a user's extension)
-call :func:`register_model` when imported. Core code looks families up by name and never imports a family
-module directly, so a new family plugs in without touching core. Every family is checked against the contract
-of :mod:`titanlite.models.protocol` when it registers.
-"""
+"""Model-family registry: a family registers one :class:`ModelSpec` (core's own, :data:`BUILTIN_FAMILIES`, on
+their first lookup; an extension when imported) and core looks it up by name, never importing a family module, so
+a new family plugs in without touching core (docs/extensions.md)."""
 
 from __future__ import annotations
 
@@ -38,30 +33,15 @@ MAX_ARG_INT = 2**31 - 1  # no size of a model comes near it: a larger integer ar
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Everything core needs to know about one model family.
+    """Everything core needs to know about one model family (docs/extensions.md walks through one).
 
-    - ``args_cls``: dataclass of architecture hyper-parameters (``dim``, ``n_layers``, ``vocab_size`` ...).
-    - ``flavors``: preset name -> args instance.
-    - ``model_cls``: ``model_cls(args)`` builds the module, a :class:`titanlite.models.protocol.ModelFamily`
-      (``forward(tokens, document_ids=None, return_hidden=False) -> logits [batch, seq, vocab]``,
-      ``init_weights(buffer_device=None)``, ``layers``, the ends ...); ``args_cls`` has the fields of its ``args``.
-    - ``parallelize_fn``: ``parallelize_fn(model, parallel_dims, policies) -> model`` (on meta; see
-      :mod:`titanlite.parallel.policies`); None: the family trains on one process only.
-    - ``pipeline_fn``: ``pipeline_fn(model, plan, stage_ids) -> [stage module, ...]``: the meta model cut
-      into this rank's pipeline stages (see :mod:`titanlite.parallel.pipeline`, whose
-      ``pipeline_decoder`` serves decoders with the usual module names); None: no pipeline parallelism.
-    - ``hf_adapter``: class converting to and from Hugging Face (or None), with the interface of
-      :class:`titanlite.models.hf_decoder.HFDecoderAdapter` plus ``args_from_hf_config(config) -> args``;
-      used by ``titanlite convert``.
-    - ``tokenizer_builder``: ``tokenizer_builder(path) -> tokenizer`` ("" = built-in default).
-    - ``num_params(args) -> int`` (tied tensors once) and ``flops_per_token(args, seq_len) -> int``
-      (training FLOPs): the family's exact counts for MFU, the planner and the dry run; when None,
-      :func:`model_counts` counts on a meta-built model (exact, a few seconds for the largest models).
-    - ``active_params(args) -> int``: parameters used per token (a mixture-of-experts model's routed top-k
-      and shared experts, not all of them); None: all of ``num_params`` (dense). MFU counts the FLOPs of
-      ``flops_per_token``, which for MoE families are the active parameters'.
-    - ``run_args``: args fields that describe the run rather than the weights (default :data:`RUN_ARGS`;
-      names the family lacks are ignored): never taken from a seed checkpoint (:func:`adopt_seed_args`).
+    ``model_cls(args)`` builds a :class:`titanlite.models.protocol.ModelFamily` from an ``args_cls`` instance;
+    ``flavors`` maps preset names to args. ``parallelize_fn(model, parallel_dims, policies)`` and
+    ``pipeline_fn(model, plan, stage_ids) -> stages`` run on the meta model (None: one process only / no pipeline
+    parallelism). ``hf_adapter``: an :class:`titanlite.models.hf_decoder.HFDecoderAdapter` subclass (``titanlite
+    convert``). ``num_params`` / ``flops_per_token`` / ``active_params`` (a mixture of experts' parameters used per
+    token): the family's exact counts; None: counted on a meta-built model (:func:`model_counts`), all parameters
+    active. ``run_args``: fields never taken from a seed checkpoint (:data:`RUN_ARGS`).
     """
 
     name: str
@@ -142,10 +122,8 @@ def check_arg_types(args_cls: type, values: Mapping[str, Any]) -> None:
 
 
 def check_model_args(args: Any) -> Any:
-    """``args`` (any family's args dataclass) after the checks every family needs whatever its own
-    ``validate()`` does: each field of its annotated type (int, float, bool, str), each float finite (a NaN passes
-    ``x <= 0`` tests: ``rope_theta = NaN`` generated token 0 forever) and each integer within ``MAX_ARG_INT``.
-    ValueError naming the field otherwise."""
+    """``args`` after the checks every family needs whatever its ``validate()`` does: each field of its annotated
+    type, each float finite (a NaN passes ``x <= 0`` tests) and each integer within ``MAX_ARG_INT``."""
     check_arg_types(type(args), {f.name: getattr(args, f.name) for f in dataclasses.fields(args)})
     for f in dataclasses.fields(args):
         v = getattr(args, f.name)
@@ -218,20 +196,12 @@ def adopt_seed_args(
     same_model: Callable[[Any, Any], bool] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """The model args to train a seed checkpoint (``[checkpoint] initial_load_path``) with, and
-    ``{field: value}`` of those taken from it.
+    ``{field: value}`` of those taken from it (docs/checkpoints.md, "Checkpoints").
 
-    A checkpoint is loaded by tensor shape, but its RoPE theta and scaling, norm eps ... change
-    what the same weights compute, silently (a Llama 3.1 seed under a config without RoPE scaling
-    trains with the wrong positions). So every field ``seed_args`` (its ``checkpoint.json``) records
-    is taken, except ``run_args`` (how this run computes) and fields the config sets ``explicit``-ly
-    (``[model]`` keys, ``--model.*`` options). An explicit value that differs from the seed's is an error, not a
-    silent choice, unless ``same_model(config's, seed's)`` says the two args describe the same model (for an HF
-    seed: the same ``config.json``, e.g. ``multiple_of`` and ``ffn_dim_multiplier`` that give the seed's
-    ``intermediate_size``, which the seed records as a ``multiple_of`` of its own); the error's advice for a
-    field that sets a tensor shape is the seed's values of every such field, never to drop it (the flavor's
-    value then stays, with its shapes). Fields that set tensor shapes (``dim``, ``n_layers``, ``multiple_of`` ...)
-    are taken like the others, so a seed's recorded shapes need no ``[model]`` keys and ``[model] flavor`` is only
-    the default of the fields the seed does not record. ``seed`` names the checkpoint in messages.
+    Weights load by shape, but RoPE theta, norm eps ... change what they compute, silently; so every field
+    ``seed_args`` records is taken but ``run_args`` and those set ``explicit``-ly. An explicit value unlike the
+    seed's is an error unless ``same_model(config's, seed's)`` (an HF seed's ``multiple_of`` and
+    ``ffn_dim_multiplier`` that give its ``intermediate_size``). ``seed`` names the checkpoint in messages.
     """
     fields = {f.name for f in dataclasses.fields(args)}
     if unknown := sorted(set(seed_args) - fields):
@@ -277,12 +247,8 @@ def _toml(v: Any) -> str:
 
 
 def build_model(name: str, flavor: str, device: str | torch.device = "meta", **overrides: Any) -> nn.Module:
-    """Build a model of a registered family.
-
-    On ``device="meta"`` (the default) no memory is allocated: materialize it with
-    ``model.to_empty(device=...)`` and then call ``model.init_weights()``. On any other device the
-    weights are allocated there and initialized.
-    """
+    """Build a model of a registered family: on ``"meta"`` (the default) without memory (then ``to_empty`` and
+    ``init_weights()``), on any other device allocated and initialized."""
     spec = get_model_spec(name)
     args = make_model_args(name, flavor, **overrides)
     with torch.device(device):
@@ -293,13 +259,8 @@ def build_model(name: str, flavor: str, device: str | torch.device = "meta", **o
 
 
 def model_counts(spec: ModelSpec, args: Any, seq_len: int) -> tuple[int, int]:
-    """``(parameters, training FLOPs per token at seq_len)`` of ``spec``'s model with ``args``.
-
-    The family's own functions when it has them; otherwise counted on a model built on the meta
-    device: parameters once each, and PaLM's ``6 x matmul parameters + attention`` where matmul
-    parameters are all but the embedding tables that are only looked up (a table tied to an output
-    projection is a matmul), and the attention term uses ``n_layers``, ``n_heads`` and ``head_dim``
-    (default ``dim // n_heads``) of ``args``."""
+    """``(parameters, training FLOPs per token at seq_len)`` of ``spec``'s model with ``args``: the family's own
+    counts, else counted on a meta-built model (PaLM's formula; an embedding table only looked up is no matmul)."""
     if spec.num_params is not None and spec.flops_per_token is not None:
         return spec.num_params(args), spec.flops_per_token(args, seq_len)
     with torch.device("meta"):
@@ -321,11 +282,8 @@ def active_params(spec: ModelSpec, args: Any, total: int) -> int:
 
 
 def model_schema(cfg: JobConfig) -> type:
-    """The args dataclass of ``cfg.model.name`` (a :data:`titanlite.config.ModelSchema`).
-
-    Imports ``cfg.job.extensions`` first (they may register the family), then checks the family and the
-    flavor against the registry; ConfigError (with the closest registered name) when either is unknown.
-    """
+    """The args dataclass of ``cfg.model.name`` (a :data:`titanlite.config.ModelSchema`), after importing
+    ``cfg.job.extensions`` (they may register the family); ConfigError for an unknown family or flavor."""
     try:
         load_extensions(cfg.job.extensions)
     except ValueError as e:

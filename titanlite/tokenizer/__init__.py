@@ -1,22 +1,11 @@
-"""Tokenizers (tiktoken based).
+"""Tokenizers (tiktoken based); which files load, and what is refused: docs/extensions.md, "Tokenizers".
 
-The zero-download default is :func:`build_byte_tokenizer`: 256 byte tokens plus Llama 3's special
-tokens, built in code, so the debug model trains on a fresh machine with no files at all.
-
-:func:`build_tokenizer` also loads tiktoken BPE files: Meta's Llama 3 ``tokenizer.model`` or any file
-in the same format (``cl100k_base.tiktoken``, ...), one ``<base64 token> <rank>`` pair per line with
-ranks ``0, 1, 2, ...`` in line order. Llama 3's 256 special tokens are appended after the base
-vocabulary (so the real Llama 3 file gives BOS 128000 / EOS 128001, cl100k gives 100256 / 100257)
-and Llama 3's pre-tokenization regex is used. A bad file raises a one-line ``ValueError`` naming
-the file and, where there is one, the line.
-
-It also loads Hugging Face byte-level BPE ``tokenizer.json`` files (see :mod:`titanlite.tokenizer.hf`):
-the file's own vocabulary, regex and added tokens, BOS/EOS from ``tokenizer_config.json``. A path may
-also be an HF model folder (its ``tokenizer.json``, else ``original/tokenizer.model``).
-
-This module imports only :mod:`titanlite.tokenizer.hf` (and its :mod:`titanlite.tokenizer.hf_regex`, leaves too):
-model families register :func:`build_tokenizer` as their ``tokenizer_builder``, and model code must not
-depend on ``titanlite.data``.
+:func:`build_byte_tokenizer` (256 byte tokens plus Llama 3's special tokens, built in code) is the zero-download
+default. :func:`build_tokenizer` also loads tiktoken BPE files (Meta's Llama 3 ``tokenizer.model``,
+``cl100k_base.tiktoken``: Llama 3's 256 special tokens appended after the base vocabulary, Llama 3's regex),
+Hugging Face byte-level BPE ``tokenizer.json`` files (:mod:`titanlite.tokenizer.hf`) and HF model folders. A bad
+file is a one-line error naming the file and line. Imports only leaves: families register :func:`build_tokenizer`
+as their ``tokenizer_builder``, and model code must not depend on ``titanlite.data``.
 """
 
 from __future__ import annotations
@@ -64,16 +53,11 @@ def llama3_special_tokens() -> list[str]:
 
 
 class HFEncoding(tiktoken.Encoding):
-    """A tiktoken encoding that runs the steps of an HF tokenizer.json pipeline that come before its
-    pre-tokenizer, as HF does: the non-special added tokens (``matched``: content -> ``normalized``) are cut
-    out of the text as their own ids (leftmost-longest; those with ``normalized`` false in the raw text
-    first), the normalizer (``nfc``: Unicode NFC) runs on the rest, then the normalized ones are cut out.
-    Decoding gives an added token's text as HF's ByteLevel decoder does: each character of it that is in
-    the byte-level alphabet stands for its byte (``"Ġ"`` is a space, ``"é"`` the lone byte 0xE9).
-
-    A subclass (not a wrapper in :class:`Tokenizer`) so that callers that use ``tokenizer.encoding``
-    directly, like the data pipeline, get the same ids; tiktoken's batch methods call these per text. It
-    pickles with its extra state."""
+    """A tiktoken encoding that runs, as HF does, the steps before an HF pipeline's pre-tokenizer: non-special
+    added tokens (``matched``: content -> ``normalized``) cut out as their own ids (leftmost-longest, raw ones
+    first), the NFC normalizer (``nfc``) on the rest, then the normalized ones cut out; added tokens decode as
+    HF's ByteLevel decoder does. A subclass, not a wrapper, so callers of ``tokenizer.encoding`` (the data
+    pipeline) get the same ids."""
 
     def __init__(self, name: str, *, nfc: bool = False, matched: dict[str, bool] | None = None, **kwargs):
         super().__init__(name, **kwargs)
@@ -175,11 +159,8 @@ def build_byte_tokenizer() -> Tokenizer:
 
 
 def load_tiktoken_ranks(path: str) -> dict[bytes, int]:
-    """Read a tiktoken BPE file with tiktoken's own reader, then check what tiktoken does not.
-
-    tiktoken accepts repeated tokens and ranks, gaps, and files without every byte; we refuse them.
-    When the file is refused, :func:`_first_bad_line` walks it to name the offending line.
-    """
+    """Read a tiktoken BPE file with tiktoken's own reader, refusing what it accepts (repeated tokens or ranks,
+    gaps, a missing byte); :func:`_first_bad_line` names the offending line."""
     try:
         with open(path, "rb") as f:
             data = f.read()  # for the line count below and the error messages
@@ -249,14 +230,9 @@ def _first_bad_line(path: str, data: bytes) -> str:
 
 
 def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
-    """``"sha256:<hex>"`` of what every id means: for each id in order, its bytes or its special-token name.
-
-    Shards store ids, so two tokenizers that give some id different bytes make each other's shards
-    garbage even at the same vocabulary size; this tells them apart. The pre-tokenization regex is
-    left out: it changes how text is cut, not what a stored id means. Computed from tiktoken's
-    public API only (one pass over the vocabulary), so the same ranks give the same hash
-    whichever file or tiktoken version they were loaded from.
-    """
+    """``"sha256:<hex>"`` of what every id means (its bytes or its special-token name): tells apart tokenizers of
+    one vocabulary size whose shards would be each other's garbage. Not the regex: it changes how text is cut, not
+    what a stored id means. From tiktoken's public API, so the same ranks give the same hash from any file."""
     enc = tokenizer.encoding
     specials = {enc.encode_single_token(s): s.encode() for s in enc.special_tokens_set}
     h = hashlib.sha256(b"titanlite-tokenizer-fingerprint-v1\0")
@@ -273,11 +249,8 @@ def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
 
 
 def build_hf_tokenizer(path: str, file: str) -> Tokenizer:
-    """Tokenizer from a byte-level BPE tokenizer.json ``file`` (``path`` is what the user gave).
-
-    With no BOS token (Qwen3 has none) documents start with the EOS token instead, so every document
-    is still framed on both sides and the data pipeline's ``BOS + tokens + EOS`` layout holds.
-    """
+    """Tokenizer from a byte-level BPE tokenizer.json ``file`` (``path``: what the user gave). Without a BOS token
+    (Qwen3) documents start with EOS, so ``BOS + tokens + EOS`` still frames each one."""
     spec = load_hf_tokenizer(file)
     name = os.path.basename(os.path.normpath(path)) or "tokenizer.json"
     kwargs = dict(pat_str=spec.pat_str, mergeable_ranks=spec.ranks, special_tokens=spec.special_tokens)

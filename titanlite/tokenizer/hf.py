@@ -1,20 +1,10 @@
-"""Hugging Face ``tokenizer.json`` files (byte-level BPE) read into tiktoken's terms, exactly or not at all.
+"""Hugging Face ``tokenizer.json`` files (byte-level BPE) read into tiktoken's terms, exactly or not at all
+(docs/extensions.md, "Tokenizers"), without the ``tokenizers`` library.
 
-Llama 3 and Qwen models on the Hub ship a ``tokenizer.json`` (Qwen3 ships nothing else). A byte-level
-BPE file holds everything tiktoken needs: the vocabulary (strings in GPT-2's byte-to-character
-alphabet, mapped back to bytes here to give the ranks), the pre-tokenization regex, and the added
-(special) tokens. Nothing from the ``tokenizers`` library is needed at run time.
-
-tiktoken's BPE is not HF's: tiktoken merges the adjacent pair whose *concatenation* has the lowest
-rank (id), HF merges the pair that comes first in the *merge list*. :func:`_check_merges` refuses
-merge lists that are out of id order (the two would then pick different pairs) and tokens only
-tiktoken could output; what it cannot decide from the file alone is said there. Anything else
-tiktoken cannot represent exactly (Unigram/WordPiece models, a lowercasing normalizer, a prefix
-space, missing byte tokens, ...) is refused with a one-line ``ValueError`` naming the file: never
-an approximation.
-
-This module imports only :mod:`titanlite.tokenizer.hf_regex` and the JSON nesting guard
-:mod:`titanlite.utils.nesting` (leaves); :mod:`titanlite.tokenizer` builds the encoding from :class:`HFTokenizerSpec`.
+The vocabulary's strings (GPT-2's byte-to-character alphabet) map back to bytes for the ranks. tiktoken merges
+the adjacent pair whose concatenation has the lowest id, HF the pair first in its merge list: :func:`_check_merges`
+refuses lists on which the two would differ. Anything else tiktoken cannot represent exactly (Unigram, a
+lowercasing normalizer, a prefix space, missing byte tokens, ...) is a one-line error naming the file.
 """
 
 from __future__ import annotations
@@ -52,10 +42,8 @@ class HFTokenizerSpec:
 
 
 def byte_level_alphabet() -> dict[int, str]:
-    """GPT-2's byte -> character map: printable bytes stand for themselves, the rest for U+0100 onwards.
-
-    Byte-level BPE vocabularies store each token's bytes as a string of these characters.
-    """
+    """GPT-2's byte -> character map (printable bytes stand for themselves, the rest for U+0100 onwards), in which
+    byte-level BPE vocabularies store each token's bytes."""
     kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     shifted = [b for b in range(256) if b not in kept]
     return {**{b: chr(b) for b in kept}, **{b: chr(256 + i) for i, b in enumerate(shifted)}}
@@ -88,11 +76,8 @@ def resolve_tokenizer_file(path: str) -> str:
 
 
 def is_hf_tokenizer_file(path: str) -> bool:
-    """A ``*.json`` file is read as a tokenizer.json, anything else as a tiktoken file.
-
-    By name, not by content: a JSON Lines corpus passed as the tokenizer by mistake then gets the
-    tiktoken reader's error naming its first line, not a confusing JSON one.
-    """
+    """A ``*.json`` file is read as a tokenizer.json, anything else as a tiktoken file: by name, so a JSON Lines
+    corpus passed by mistake gets the tiktoken reader's error naming its first line."""
     return path.endswith(".json")
 
 
@@ -277,20 +262,12 @@ def _merge_pairs(path: str, merges) -> list[tuple[str, str]]:
 
 
 def _check_merges(path: str, model: dict, ranks: dict[bytes, int]) -> None:
-    """Refuse a merge list that tiktoken's rank-order BPE cannot follow.
-
-    Checked: (1) every merge makes a vocab token from two vocab tokens, and the ids it makes never
-    decrease along the list, so "lowest merge first" and "lowest id first" pick the same pair;
-    (2) without ``ignore_merges`` every multi-byte token is made by some merge (tiktoken takes a
-    whole piece that is a token at once; HF then would not). Not checked, because it depends on which
-    pieces can meet rather than on the lists alone: that tiktoken never merges two adjacent tokens
-    whose concatenation is a token through a split the list does not have; that HF's merges turn a
-    whole piece that is a token into that token; that two merges making the same token never compete
-    on overlapping pieces (``.... .. ....``: tiktoken merges the left pair, HF the one listed first).
-    Requiring every such split to be listed would refuse every HF-trained BPE (a tiny one trained in
-    the tests has ~1,500 unlisted splits in 3,000 tokens) although its ids match: BPE applies merges
-    in the order it learned them, so those pairs never end up side by side. The
-    parity tests check converted and trained files against HF on real text.
+    """Refuse a merge list that tiktoken's rank-order BPE cannot follow: (1) every merge makes a vocab token from
+    two, with ids never decreasing along the list ("lowest merge first" = "lowest id first"); (2) without
+    ``ignore_merges`` every multi-byte token is made by some merge. Not checked, as it depends on which pieces can
+    meet: splits the list lacks, whole-piece tokens, merges competing on overlapping pieces. Requiring those would
+    refuse every HF-trained BPE (~1,500 unlisted splits in a tiny one's 3,000 tokens) although its ids match; the
+    parity tests compare converted and trained files with HF on real text.
     """
     decode = _alphabet_inverse()
     made: set[bytes] = set()
@@ -344,12 +321,9 @@ def _bos_eos(path: str, specials: dict[str, int]) -> tuple[str | None, str | Non
 
 
 def tokenizer_files(path: str) -> dict[str, str]:
-    """The files that make up the tokenizer at ``path``, as ``{name in an HF model folder: source file}``.
-
-    For an HF export: a tokenizer.json goes with the tokenizer_config.json beside it, a tiktoken
-    file becomes ``original/tokenizer.model`` (where :func:`resolve_tokenizer_file` looks for it).
-    Empty for the built-in tokenizer ("" / "bytes") or a path that no longer exists.
-    """
+    """The files that make up the tokenizer at ``path``, as ``{name in an HF model folder: source file}``: a
+    tokenizer.json with its tokenizer_config.json, a tiktoken file as ``original/tokenizer.model``; empty for the
+    built-in tokenizer or a path that no longer exists."""
     if path in ("", "bytes") or not os.path.exists(path):
         return {}
     try:

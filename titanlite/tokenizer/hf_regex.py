@@ -1,8 +1,5 @@
-"""Hugging Face pre-tokenizer regexes (Oniguruma, Ruby syntax) rewritten for tiktoken's engine (fancy-regex).
-
-:func:`oniguruma_to_tiktoken` is used by :mod:`titanlite.tokenizer.hf` on a tokenizer.json's Split regex.
-This module imports nothing from titanlite.
-"""
+"""Hugging Face pre-tokenizer regexes (Oniguruma, Ruby syntax) rewritten for tiktoken's engine (fancy-regex), for
+:mod:`titanlite.tokenizer.hf`."""
 
 from __future__ import annotations
 
@@ -13,9 +10,8 @@ from titanlite.errors import TokenizerError
 
 
 def oniguruma_to_tiktoken(path: str, regex: str) -> str:
-    """A Split regex as HF's engine (Oniguruma, Ruby syntax) reads it, rewritten for tiktoken's (fancy-regex).
-
-    The two read some constructs differently (each checked against ``tokenizers``):
+    """A Split regex as HF's engine (Oniguruma, Ruby syntax) reads it, rewritten for tiktoken's (fancy-regex),
+    where the two differ (each checked against ``tokenizers``):
 
     - ``X{n,m}+`` (also ``{n}+``, ``{n,}+``, ``{,m}+``): possessive for fancy-regex, but for Oniguruma the
       interval repeated one or more times, so OpenAI's cl100k ``\\p{N}{1,3}+`` keeps ``"1234"`` in one

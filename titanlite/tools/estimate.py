@@ -1,12 +1,8 @@
 """Plan a training run before paying for it: parameters, FLOPs, steps, wall time, cost, memory.
 
-    titanlite estimate [--config FILE] [--section.key value ...] --gpu H100 --num-gpus 8 \\
-        --mfu 0.4 --price-per-gpu-hour 2.5 (--tokens 20e9 | --chinchilla) [--json]
-
-The model (flavor and [model] overrides), parallelism, batch, seq_len, activation checkpointing,
-dtypes and float8 come from the same config and overrides as ``python -m titanlite.train``. The
-vocabulary is the flavor's (the trainer uses the tokenizer's unless ``model.vocab_size`` is set).
-The memory model and its assumptions are documented in ``titanlite/planner.py``.
+The model, parallelism, batch, seq_len, activation checkpointing, dtypes and float8 come from the same config and
+overrides as ``python -m titanlite.train`` (the vocabulary is the flavor's unless ``model.vocab_size`` is set).
+The memory model and its assumptions: docs/memory_model.md.
 """
 
 from __future__ import annotations

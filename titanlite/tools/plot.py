@@ -1,13 +1,9 @@
 """Plot training curves from one or more runs' ``metrics.jsonl``, overlaid.
 
-    titanlite plot outputs/run_a [outputs/run_b ...] -o curves.png [--smooth 0.9]
-
-Panels against the optimizer step, each drawn only when some run logged its metric: training loss
-(validation loss as markers, NaN-guard events as dotted lines), learning rate, gradient norm, tokens/s per
-device and MFU; and validation bits per byte and the downstream scores (``eval/<task>/<metric>``, from the
-in-loop ``[eval]`` or the ``--watch`` watcher): accuracies in one panel, perplexities in another. A folder or
-a ``metrics.jsonl`` path may be given; runs are labelled by folder name. Needs matplotlib, which
-titanlite itself does not depend on (``pip install matplotlib``).
+Panels against the optimizer step, each drawn when some run logged its metric: training loss (validation loss as
+markers, NaN-guard events as dotted lines), learning rate, gradient norm, tokens/s per device, MFU, validation bits
+per byte and the downstream scores (accuracies in one panel, perplexities in another). Runs are labelled by folder
+name. Needs matplotlib, which titanlite itself does not depend on.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""Command-line values checked as they are parsed (a leaf: imports nothing from titanlite).
-
-- :func:`number`: an argparse ``type`` reading an int or a finite float within given bounds, so a flag such as
-  ``--price-per-gpu-hour -3`` or ``--tokens inf`` is refused before any work, naming the flag and the range.
-- :class:`OneLineParser`: an ``ArgumentParser`` whose errors are one ``error: ...`` line (no usage block) with exit
-  status 2, as every other bad input of the command line.
-"""
+"""Command-line values checked as they are parsed (:func:`number`: ``--tokens inf`` is refused before any work,
+naming the flag and the range), and argparse parsers whose errors are one line, as every other bad input."""
 
 from __future__ import annotations
 
@@ -13,12 +8,21 @@ import math
 from collections.abc import Callable
 from typing import NoReturn
 
+from titanlite.errors import UsageError
+
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse with each error as one ``error: <prog>: ...`` line on stderr and exit status 2."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"error: {self.prog}: {' '.join(message.split())}\n")
+
+
+class UsageErrorParser(argparse.ArgumentParser):
+    """argparse with each error raised as a :class:`~titanlite.errors.UsageError` (the command reports it)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
 
 
 def _range_text(kind: type, bounds: dict[str, float | None]) -> str:

@@ -82,12 +82,10 @@ def atomic_write(
 
 @contextlib.contextmanager
 def atomic_dir(out_dir: PathLike) -> Iterator[Path]:
-    """Yields ``<out_dir>.partial-<token>`` to fill; renamed to ``out_dir`` when the block ends. On any error,
-    the rename included, the partial folder is removed with the parent folders this call created (the file system
-    is left as found). ``out_dir`` must not exist or be an empty folder; a symbolic link to an empty folder stands
-    for that folder (the partial folder is made beside it and renamed onto it, so the link shows the result); a
-    link to nothing is refused. A refusal is a UsageError (a ValueError too), with nothing touched; a
-    folder that cannot be created, or a full disk, is a one-line UserError too."""
+    """Yields ``<out_dir>.partial-<token>`` to fill, renamed to ``out_dir`` when the block ends; on any error the
+    partial folder and the parents this call created are removed. ``out_dir`` must not exist or be empty; a link to
+    an empty folder stands for it (the link then shows the result), a dangling one is refused. Refusals, a folder
+    that cannot be created and a full disk are one-line user errors, with nothing touched."""
     out_dir = _output_folder(Path(out_dir))
     created = [p for p in reversed(out_dir.parents) if not p.exists()]
     partial = out_dir.with_name(f"{out_dir.name}.partial-{secrets.token_hex(4)}")

@@ -1,11 +1,6 @@
-"""The records of a run's ``metrics.jsonl`` as every reader of the file sees them: the trainer rewinding it on
-resume, the evaluation watcher finding the steps it scored, ``titanlite plot`` (a leaf: imports nothing from
-titanlite, so the plot command starts without torch).
-
-A record is a line holding a JSON object with an integer ``step``. Any other line (torn by a crash, not JSON,
-not UTF-8, JSON that is no object such as ``[1, 2]``, ``"s"`` or ``null``, an object without an integer step)
-holds none: readers skip it (the trainer also sets it aside, see ``rewind_metrics_log``).
-"""
+"""The records of a run's ``metrics.jsonl`` as every reader sees them (the trainer rewinding it, the evaluation
+watcher, ``titanlite plot``; a leaf, so plotting starts without torch): a line holding a JSON object with an integer
+``step``. Any other line (torn by a crash, not JSON or UTF-8, no object, no integer step) holds none."""
 
 from __future__ import annotations
 

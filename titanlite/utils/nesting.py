@@ -1,13 +1,10 @@
 """JSON and TOML parsing with a bound on nesting: the one guard every reader of those files goes through.
 
-Python's parsers recurse once per ``[`` or ``{``: a file nested ~100,000 deep (a few hundred KB of brackets)
-raises ``RecursionError``, which no reader caught, and a document that parses just below the interpreter's
-limit can still exhaust it later in code that walks it (a deep copy, a type check). So :func:`loads_json` and
-:func:`loads_toml` turn the parser's ``RecursionError`` into its own format's decode error, and refuse any
-document nested deeper than :data:`MAX_DEPTH` (no config, tokenizer, chat record or eval item comes near it).
-The errors are ``json.JSONDecodeError`` / ``tomllib.TOMLDecodeError`` subclasses, so each reader's existing
-handler names the file (and line) in its one-line message. This module imports nothing from titanlite (the
-config parser and the tokenizer use it, and import no other titanlite module).
+Python's parsers recurse once per ``[`` or ``{``: a file nested ~100,000 deep raises ``RecursionError``, and one
+just below the interpreter's limit can exhaust it later in code that walks it. :func:`loads_json` and
+:func:`loads_toml` refuse documents nested deeper than :data:`MAX_DEPTH` with their format's own decode error
+(a subclass), so each reader's existing handler names the file in its one-line message. A leaf: imports nothing
+from titanlite.
 """
 
 from __future__ import annotations

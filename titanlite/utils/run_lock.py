@@ -1,21 +1,12 @@
 """One run per folder: an exclusive lock on ``<folder>/.titanlite.lock`` (the dump folder, and the checkpoint
-folder wherever it lives).
+folder wherever it lives; docs/checkpoints.md, "One run per folder").
 
-A second run started in the same folder would clean up the first one's in-progress checkpoint saves
-(the ``.partial`` folders it removes at start), interleave its metrics and overwrite ``config.toml``; one whose
-``checkpoint.folder`` points into a running run's checkpoints (``../other/checkpoint``, an absolute path) would
-resume from them and purge or move them aside while that run trains. So the trainer locks its dump folder and
-:class:`~titanlite.checkpoint.CheckpointManager` locks its checkpoint folder (also when used as a library).
-:class:`RunLock` takes a POSIX record lock (``fcntl.lockf``, non-blocking; also honoured over NFS)
-on the lock file and writes who holds it. The kernel releases it when the process ends however it
-ends (SIGKILL included), so a killed run never leaves a stale lock behind. On a file system without locks
-the run goes on with a warning. Under torchrun rank 0 holds it for the job.
-
-POSIX locks belong to the process, not to the descriptor, and closing *any* descriptor of the file releases
-the process's lock. So each lock file is opened once per process (:data:`_HELD`, keyed by the file's device
-and inode: any spelling of the path, links included): a second :class:`RunLock` of this process on the same
-file (a trainer built again in a notebook, a checkpoint folder that is the dump folder) shares it, and the
-lock is released when the last one is released or garbage-collected.
+A second run in the folder would remove the first one's in-progress saves, interleave its metrics and purge or
+move aside its checkpoints. :class:`RunLock` takes a non-blocking POSIX record lock (``fcntl.lockf``, also over
+NFS) and writes who holds it; the kernel releases it when the process ends, however (SIGKILL included). Without
+locks on the file system the run goes on with a warning; under torchrun rank 0 holds it. Closing *any* descriptor
+of a file releases the process's POSIX lock, so each lock file is opened once per process (:data:`_HELD`, keyed by
+device and inode): a second :class:`RunLock` on it shares the lock, released with the last one.
 """
 
 from __future__ import annotations
