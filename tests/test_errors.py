@@ -98,7 +98,7 @@ def test_estimate_keeps_the_traceback_of_a_bug(tmp_path):
 # the module attribute each command calls first with the user's input, and a command line that reaches it
 PATCHED = {
     "convert": ("titanlite.checkpoint.convert_cli", "dcp_to_hf", ["convert", "dcp-to-hf", "step", "hf_out"]),
-    "generate": ("titanlite.generate", "load_model", ["generate", "--checkpoint", "step", "--prompt", "hi"]),
+    "generate": ("titanlite.generate.cli", "load_model", ["generate", "--checkpoint", "step", "--prompt", "hi"]),
     "eval": ("titanlite.eval.cli", "check_args", ["eval", "--checkpoint", "step", "--data-dir", "."]),
     "prepare": ("titanlite.data.prepare", "prepare", ["prepare", "--input", "in.txt", "--output", "shards"]),
 }

@@ -103,7 +103,7 @@ def test_hf_config_json_in_the_converter_and_generate(tmp_path, capsys, hf_folde
     import shutil
 
     from titanlite.checkpoint.convert_cli import main_hf_to_dcp
-    from titanlite.generate import main as generate
+    from titanlite.generate.cli import main as generate
 
     folder = tmp_path / "hf"
     shutil.copytree(hf_folder, folder)

@@ -41,7 +41,7 @@ CONVERT = {
 }
 COMMANDS: dict[str, Tool | dict[str, Tool]] = {
     "train": Tool("titanlite.train", "main", "train with a TOML config and --section.key overrides", True),
-    "generate": Tool("titanlite.generate", "main", "continue prompts with a trained model"),
+    "generate": Tool("titanlite.generate.cli", "main", "continue prompts with a trained model"),
     "eval": Tool("titanlite.eval.cli", "main", "downstream benchmarks (HellaSwag, ARC, ...) of a checkpoint"),
     "convert": CONVERT,
     "prepare": Tool("titanlite.data.prepare", "main", "tokenize text into binary shards (or --verify them)"),

@@ -31,7 +31,7 @@ from titanlite.checkpoint import layout
 from titanlite.data.chat import chat_prompt_ids, encode_conversations, load_chat_data, render_conversation
 from titanlite.data.prepare import main as prepare_main
 from titanlite.data.shards import ShardedTokens, ShardIntegrityError, is_chat_folder
-from titanlite.generate import main
+from titanlite.generate.cli import main
 from titanlite.models.llama3 import Llama3ModelArgs, Transformer
 from titanlite.tokenizer import Tokenizer, build_byte_tokenizer, build_tokenizer
 

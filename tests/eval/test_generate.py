@@ -40,7 +40,8 @@ from tests.helpers.qwen3 import tiny_args as qwen3_args
 from tests.helpers.tiny import TINY_MODEL
 from titanlite.checkpoint.hf_export import dcp_to_hf
 from titanlite.checkpoint.load_model import load_model
-from titanlite.generate import STOP_CHECK_EVERY, generate, main, sample_next
+from titanlite.generate import STOP_CHECK_EVERY, generate, sample_next
+from titanlite.generate.cli import main
 from titanlite.models.attention import grouped_query_attention
 from titanlite.models.kv_cache import KVCache
 from titanlite.models.llama3.model import repeat_kv

@@ -9,12 +9,9 @@ TP degree. Eager steps run under ``force_eager``: per-block compiled models do n
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
-import json
 import logging
-import sys
 from collections.abc import Callable, Sequence
 
 import torch
@@ -22,14 +19,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titanlite.checkpoint.load_model import load_model
-from titanlite.data.chat import chat_prompt_ids, special_id
-from titanlite.errors import UsageError, UserError
-from titanlite.generate.cli import parse_args
+from titanlite.errors import UsageError
 from titanlite.generate.sampling import check_sampling, sample_next
 from titanlite.models.kv_cache import KVCache, supports_cache
-from titanlite.utils.dtypes import DTYPES
-from titanlite.utils.fsio import one_line
 
 logger = logging.getLogger(__name__)
 
@@ -362,55 +354,3 @@ class _RecomputedSteps:
             logits = last.new_empty(len(self.rows), last.shape[-1]) if logits is None else logits
             logits.index_copy_(0, rows, last)
         return logits
-
-
-# ----------------------------------------------------------------------------- command line
-
-
-def _run(a: argparse.Namespace, prompts: list[str]) -> list[dict]:
-    extensions = [m.strip() for m in a.extensions.split(",") if m.strip()]
-    loaded = load_model(
-        a.checkpoint, device=a.device, dtype=DTYPES[a.dtype], tokenizer_path=a.tokenizer, extensions=extensions
-    )
-    tok = loaded.tokenizer
-    eos_ids = tuple(loaded.eos_ids)
-    if a.chat:  # the rendering starts with <|begin_of_text|> itself; a reply ends with <|eot_id|>
-        prompt_ids = [chat_prompt_ids(tok, p) for p in prompts]
-        eos_ids += (special_id(tok, "<|eot_id|>"),)
-    else:
-        prompt_ids = [tok.encode(p, bos=not a.no_bos) for p in prompts]
-    completions = generate(
-        loaded.model,
-        prompt_ids,
-        max_new_tokens=a.max_new_tokens,
-        temperature=a.temperature,
-        top_k=a.top_k,
-        top_p=a.top_p,
-        eos_ids=eos_ids,
-        generator=torch.Generator(device=a.device).manual_seed(a.seed),
-        use_cache=not a.no_cache,
-        compile=a.compile,
-        context_window=a.context_window,
-        trained_seq_len=loaded.trained_seq_len,
-    )
-    records = []
-    for text, ids, out in zip(prompts, prompt_ids, completions):
-        body = out[:-1] if out and out[-1] in eos_ids else out
-        records.append({"prompt": text, "completion": tok.decode(body), "prompt_ids": ids, "completion_ids": out})
-    return records
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m titanlite.generate``; returns the exit status (2: bad input, with one ``error:`` line on stderr)."""
-    try:
-        a, prompts = parse_args(argv)
-        records = _run(a, prompts)
-    except UserError as e:
-        print(f"error: {one_line(e)}", file=sys.stderr)
-        return e.exit_code
-    for i, r in enumerate(records):
-        if a.json:
-            print(json.dumps(r))
-        else:
-            print(("\n" if i else "") + r["prompt"] + r["completion"])
-    return 0

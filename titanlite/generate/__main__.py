@@ -1,5 +1,5 @@
 """``python -m titanlite.generate``."""
 
-from titanlite.generate import main
+from titanlite.generate.cli import main
 
 raise SystemExit(main())
