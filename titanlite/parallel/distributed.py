@@ -112,14 +112,10 @@ def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
 def exit_skipping_finalization(code: int = 0) -> NoReturn:
     """End the process now with ``code``: flush logging and the standard streams, then ``os._exit``.
 
-    For a process that has used a gloo group, once everything it writes is closed. Python's own exit
-    finalizes the interpreter while gloo's worker threads may still hold the last finished collective's
-    work object; a thread that drops it then must take the GIL to free the work's tensors, cannot, and
-    the rank aborts after a complete run ("terminate called without an active exception", or "malloc():
-    unaligned tcache chunk detected"), turning a good run's status into a failure. ``barrier`` +
-    ``destroy_process_group`` do not prevent it: the group's C++ object lives on in the device meshes
-    and DTensors until finalization. Seen here in about 1 two-rank run in 8 to 1 in 40 (torch 2.13,
-    gloo). pytorch/pytorch#179291 tried to fix it in ``torch.distributed`` and was abandoned.
+    For a process that has used a gloo group, once everything it writes is closed: Python's own finalization
+    can abort a complete run ("terminate called without an active exception") when a gloo worker thread drops
+    the last collective's work object and cannot take the GIL to free its tensors. ``barrier`` +
+    ``destroy_process_group`` do not prevent it: the group lives on in the device meshes and DTensors.
     """
     logging.shutdown()
     sys.stdout.flush()

@@ -1,16 +1,14 @@
-"""The pipeline runner: this rank's stages run by their schedule, in the training step and in evaluation.
+"""The pipeline runner: this rank's stages run by their schedule, in the training step and in evaluation (the
+split and the stage modules: :mod:`titanlite.parallel.pipeline`).
 
 The loss exists on the last stage only, as the token *sum* divided by the step's global token count (the
-schedule's ``scale_grads`` is off: it must not divide by the microbatch count again), so gradient accumulation,
-data and pipeline parallelism all give the single-process update. The raw sums are kept so that the step can
-share the true loss with every stage. With a chunked loss (:class:`~titanlite.trainer.output_loss.ChunkedLoss`)
-the last stage returns hidden states and the loss applies the stage's output layer to them.
-
-Torch infers the shapes a stage exchanges by running its forward once on one microbatch (with placeholder inputs
-on later stages) at the first step and at each switch between training and evaluation. Modules that keep running
-statistics of their training forwards (MoE layers' expert loads) would count it: :class:`_Stage` turns
-``track_stats`` off on them for that forward. The split and the stage modules are
-:mod:`titanlite.parallel.pipeline`'s."""
+schedule's ``scale_grads`` is off: it must not divide by the microbatch count again), so accumulation, data and
+pipeline parallelism all give the single-process update; the raw sums are kept for the step to share the true
+loss with every stage. With a chunked loss the last stage returns hidden states and the loss applies its output
+layer. Torch infers the stages' shapes with one forward at the first step and at each switch between training
+and evaluation, which modules keeping running statistics (MoE loads) must not count: :class:`_Stage` turns
+``track_stats`` off then.
+"""
 
 from __future__ import annotations
 
