@@ -1,9 +1,7 @@
-"""Process-group set-up from torchrun's environment (gloo on CPU, NCCL on CUDA), and timeouts.
-
-Two timeouts (``[comm]``): ``init_timeout_seconds`` covers the start-up and the first step, which
-may include minutes of compilation on some ranks while others already wait in a collective;
-``train_timeout_seconds`` then applies to every collective, so a rank that dies or hangs makes the
-others fail with a timeout error (gloo raises, the NCCL watchdog aborts) instead of waiting forever.
+"""Process-group set-up from torchrun's environment (gloo on CPU, NCCL on CUDA), and timeouts (``[comm]``):
+``init_timeout_seconds`` covers the start-up and the first step, which may include minutes of compilation on some
+ranks while others already wait in a collective; ``train_timeout_seconds`` then bounds every collective, so that a
+rank that dies or hangs makes the others fail (gloo raises, the NCCL watchdog aborts) instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -47,11 +45,8 @@ def world_from_env() -> WorldInfo:
 
 
 def init_distributed(world: WorldInfo, timeout_seconds: float = 300.0) -> None:
-    """Join the process group when there is more than one process (no-op otherwise or when joined).
-
-    ``timeout_seconds`` bounds the rendezvous and every collective until :func:`set_collective_timeout`
-    changes it.
-    """
+    """Join the process group when there is more than one process (no-op otherwise or when joined);
+    ``timeout_seconds`` bounds the rendezvous and every collective until :func:`set_collective_timeout`."""
     if world.world_size == 1 or dist.is_initialized():
         return
     cuda = world.device.type == "cuda"
@@ -65,10 +60,8 @@ def init_distributed(world: WorldInfo, timeout_seconds: float = 300.0) -> None:
 
 
 def set_collective_timeout(timeout_seconds: float, groups: Iterable[dist.ProcessGroup | None] = ()) -> None:
-    """Set the timeout of the default group and of ``groups`` (e.g. the device mesh's groups).
-
-    A barrier first, so that no rank is still inside a collective started under the old timeout.
-    """
+    """Set the timeout of the default group and of ``groups`` (e.g. the device mesh's groups), after a barrier so
+    that no rank is still inside a collective started under the old timeout."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     dist.barrier()

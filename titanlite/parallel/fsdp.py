@@ -93,10 +93,8 @@ def sum_gradients(model: nn.Module) -> int:
 
 @contextlib.contextmanager
 def quiet_view_warning():
-    """Silence FSDP2's warning that a wrapped module returned a view, for the code inside.
-
-    The tensor-parallel embedding returns one (``DTensor.to_local`` is a view); titanlite's models
-    only use it out of place, which is what the warning asks for."""
+    """Silence FSDP2's warning that a wrapped module returned a view, inside: the tensor-parallel embedding returns
+    one (``DTensor.to_local``), which titanlite's models only use out of place, as the warning asks."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
         yield
