@@ -190,12 +190,10 @@ def format_summary(s: dict[str, Any]) -> str:
 
 
 class MetricsHook(Hook):
-    """``[metrics]`` in the loop: a step record at the first and last step and every ``log_freq`` steps (loss,
-    grad norm, lr, tokens/s, MFU from ``flops_per_token`` and ``matmul_dtype``, memory, data wait, update
-    ratio, ETA, and whatever ``result.extra`` holds, e.g. the guard's counters), rank 0's progress line, the
-    summary (rank 0 writes it to ``summary_path``). It owns the metrics log: at the start it becomes
-    ``state.sink`` and is rewound to ``state.step`` (a fresh start logs from scratch). ``on_train_start`` comes
-    after the resume has loaded its checkpoint, so a resume that fails leaves the log untouched."""
+    """``[metrics]`` in the loop: a step record (docs/monitoring.md, "What a run reports"; plus ``result.extra``)
+    at the first and last step and every ``log_freq`` steps, rank 0's progress line and summary (to
+    ``summary_path``). It owns the metrics log: at the start, after the resume has loaded its checkpoint (a failed
+    resume leaves the log untouched), the log becomes ``state.sink``, rewound to ``state.step``."""
 
     def __init__(
         self,

@@ -36,11 +36,9 @@ _FORWARD = _ComputationType.FORWARD
 class Pipeline:
     """This rank's stages and their schedule: :meth:`step` (forward + backward of one local batch) and
     :meth:`evaluate` (forward only). Both return the token-sum loss of the microbatches whose last stage
-    runs here, or 0 on a rank without the last stage; the caller sums it over the pipeline group.
-
-    Evaluation runs the same schedule in its forward-only mode (torch re-infers the stages' shapes, with one
-    microbatch's forward and backward, at each switch), except for the V schedules, whose evaluation mode
-    fails in torch 2.13: they get a second schedule with a forward-only order (see ``_schedule``)."""
+    runs here, or 0 on a rank without the last stage; the caller sums it over the pipeline group. Evaluation
+    runs the schedule's forward-only mode, except for the V schedules, whose evaluation mode fails in torch 2.13:
+    they get a second schedule with a forward-only order (``_schedule``)."""
 
     def __init__(self, parts: ModelParts, plan: PipelinePlan, runtime: Any):
         """``runtime`` (a :class:`~titanlite.trainer.runtime.Runtime`, its pipeline unset): the device, the pipeline
