@@ -212,12 +212,9 @@ class Float8Report:
 def convert_to_float8(
     model: nn.Module, filter_fqns: Sequence[str] = ("output",), shard_degree: int = 1, recipe: str = "tensorwise"
 ) -> Float8Report:
-    """Swap every eligible ``nn.Linear`` of ``model`` (in place) for a :class:`Float8Linear` scaling by ``recipe``.
-
-    A linear is skipped, and the skip logged with its reason, when its name contains one of
-    ``filter_fqns``, or when its in or out features are not multiples of ``16 * shard_degree``
-    (``shard_degree`` = the tensor-parallel degree, so every shard stays a multiple of 16).
-    """
+    """Swap every eligible ``nn.Linear`` of ``model`` (in place) for a :class:`Float8Linear` scaling by ``recipe``;
+    a linear whose name contains one of ``filter_fqns``, or whose features are not multiples of ``16 *
+    shard_degree`` (the TP degree: every shard a multiple of 16), is skipped and the reason logged."""
     report = Float8Report()
     multiple = 16 * shard_degree
     for fqn, module in list(model.named_modules()):
