@@ -1,9 +1,7 @@
-"""Process-group set-up from torchrun's environment (gloo on CPU, NCCL on CUDA), and timeouts.
-
-Two timeouts (``[comm]``): ``init_timeout_seconds`` covers the start-up and the first step, which
-may include minutes of compilation on some ranks while others already wait in a collective;
-``train_timeout_seconds`` then applies to every collective, so a rank that dies or hangs makes the
-others fail with a timeout error (gloo raises, the NCCL watchdog aborts) instead of waiting forever.
+"""Process-group set-up from torchrun's environment (gloo on CPU, NCCL on CUDA), and timeouts (``[comm]``):
+``init_timeout_seconds`` covers the start-up and the first step, which may include minutes of compilation on some
+ranks while others already wait in a collective; ``train_timeout_seconds`` then bounds every collective, so that a
+rank that dies or hangs makes the others fail (gloo raises, the NCCL watchdog aborts) instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -47,11 +45,8 @@ def world_from_env() -> WorldInfo:
 
 
 def init_distributed(world: WorldInfo, timeout_seconds: float = 300.0) -> None:
-    """Join the process group when there is more than one process (no-op otherwise or when joined).
-
-    ``timeout_seconds`` bounds the rendezvous and every collective until :func:`set_collective_timeout`
-    changes it.
-    """
+    """Join the process group when there is more than one process (no-op otherwise or when joined);
+    ``timeout_seconds`` bounds the rendezvous and every collective until :func:`set_collective_timeout`."""
     if world.world_size == 1 or dist.is_initialized():
         return
     cuda = world.device.type == "cuda"
@@ -65,10 +60,8 @@ def init_distributed(world: WorldInfo, timeout_seconds: float = 300.0) -> None:
 
 
 def set_collective_timeout(timeout_seconds: float, groups: Iterable[dist.ProcessGroup | None] = ()) -> None:
-    """Set the timeout of the default group and of ``groups`` (e.g. the device mesh's groups).
-
-    A barrier first, so that no rank is still inside a collective started under the old timeout.
-    """
+    """Set the timeout of the default group and of ``groups`` (e.g. the device mesh's groups), after a barrier so
+    that no rank is still inside a collective started under the old timeout."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     dist.barrier()
@@ -112,14 +105,10 @@ def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
 def exit_skipping_finalization(code: int = 0) -> NoReturn:
     """End the process now with ``code``: flush logging and the standard streams, then ``os._exit``.
 
-    For a process that has used a gloo group, once everything it writes is closed. Python's own exit
-    finalizes the interpreter while gloo's worker threads may still hold the last finished collective's
-    work object; a thread that drops it then must take the GIL to free the work's tensors, cannot, and
-    the rank aborts after a complete run ("terminate called without an active exception", or "malloc():
-    unaligned tcache chunk detected"), turning a good run's status into a failure. ``barrier`` +
-    ``destroy_process_group`` do not prevent it: the group's C++ object lives on in the device meshes
-    and DTensors until finalization. Seen here in about 1 two-rank run in 8 to 1 in 40 (torch 2.13,
-    gloo). pytorch/pytorch#179291 tried to fix it in ``torch.distributed`` and was abandoned.
+    For a process that has used a gloo group, once everything it writes is closed: Python's own finalization
+    can abort a complete run ("terminate called without an active exception") when a gloo worker thread drops
+    the last collective's work object and cannot take the GIL to free its tensors. ``barrier`` +
+    ``destroy_process_group`` do not prevent it: the group lives on in the device meshes and DTensors.
     """
     logging.shutdown()
     sys.stdout.flush()

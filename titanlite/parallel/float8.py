@@ -1,41 +1,13 @@
-"""Float8 training for ``nn.Linear``: a native ``Float8Linear`` built on ``torch._scaled_mm``.
+"""Float8 training for ``nn.Linear``: a native ``Float8Linear`` built on ``torch._scaled_mm``, no dependency beyond
+PyTorch. On H100-class GPUs a float8 matmul runs at twice the bf16 rate; scaling each matmul input into the float8
+range just before the matmul keeps training stable while everything else stays in high precision.
 
-On H100-class GPUs a float8 matmul runs at twice the bf16 rate; scaling each matmul input into the
-float8 range just before the matmul keeps training stable while everything else stays in high precision.
-One recipe needs one ``autograd.Function`` and a module swap, with no dependency beyond PyTorch.
-
-The recipe ("dynamic tensorwise" scaling, the default)
-------------------------------------------------------
-For each matmul operand ``t`` (a whole tensor, hence *tensorwise*) we compute, every step
-(*dynamic*), ``scale = fp8_max / amax(|t|)``, cast ``t * scale`` to float8 (clamped, rounded to
-nearest) and pass ``1 / scale`` to ``_scaled_mm``, which multiplies it back into the fp32
-accumulator. Formats (OCP FP8):
-
-- activations and weights: ``float8_e4m3fn`` (4 exponent bits, 3 mantissa bits, max 448): more
-  precision, enough range for values that a norm keeps well-conditioned;
-- gradients: ``float8_e5m2`` (5 exponent, 2 mantissa bits, max 57344): gradients span more orders
-  of magnitude, so range matters more than precision.
-
-Forward ``y = x W^T`` uses e4m3 x e4m3; backward computes ``dx = dy W`` (e5m2 x e4m3) and
-``dW = dy^T x`` (e5m2 x e4m3), reusing the float8 copies of ``x`` and ``W`` saved by the forward
-(they are also what is kept for backward, at a quarter of the fp32 memory). Relative rounding
-error per element is at most 2^-4 for e4m3 and 2^-3 for e5m2 (half a unit in the last place),
-plus a tiny absolute error for values that fall into the subnormal range: that is the error the
-tests check against.
-
-Rowwise scaling (``recipe_name = "rowwise"``, :class:`_Float8MatmulRowwise`) gives each row or column
-of an operand its own scale, along the dimension its matmul contracts, all in e4m3 (see there).
-
-``_scaled_mm`` wants its first operand row-major and its second column-major, which is why some
-operands are transposed with ``.t().contiguous().t()``; on CUDA both inner dimensions must be
-multiples of 16, so linears whose in/out features are not (after tensor-parallel sharding) are
-left in high precision, and the number of tokens per micro-batch (``local_batch_size x seq_len``,
-the inner dimension of the weight-gradient matmul) must be a multiple of 16 too: the config loader
-refuses it otherwise.
-
-How it composes with FSDP2 (plain or float8 all-gather, :mod:`titanlite.parallel.float8_fsdp`), tensor
-parallelism (DTensor shards, global scales; refused when :func:`dtensor_supports_scaled_mm` is false),
-``torch.compile`` and evaluation (``float8_disabled``): docs/configuration.md.
+Default recipe, dynamic tensorwise (:class:`_Float8Matmul`): every step each operand ``t`` is cast as
+``t * scale`` with ``scale = fp8_max / amax(|t|)``, and ``_scaled_mm`` multiplies ``1 / scale`` back into its fp32
+accumulator. Activations and weights are ``float8_e4m3fn`` (precision), gradients ``float8_e5m2`` (range); the
+relative rounding error per element is at most 2^-4 for e4m3 and 2^-3 for e5m2, plus a tiny absolute error in the
+subnormal range. Rowwise: :class:`_Float8MatmulRowwise`. Formats, operand layouts and the multiple-of-16 rule:
+docs/library.md, "Float8 linears"; with FSDP: :mod:`titanlite.parallel.float8_fsdp`.
 """
 
 from __future__ import annotations
@@ -110,12 +82,10 @@ def _scaled_mm_rowwise(a8, b8, a_inv, b_inv, out_dtype: torch.dtype) -> torch.Te
 
 
 class _Float8MatmulRowwise(torch.autograd.Function):
-    """``x [M, K] @ weight[N, K]^T`` with *rowwise* scales: each operand of each matmul gets one scale per row
-    (or column) along the dimension the matmul does *not* contract, so one outlier costs its own row precision,
-    not the whole tensor's. All operands are ``float8_e4m3fn`` (CUDA's rowwise kernels take e4m3 only; a
-    gradient's range is kept by its per-row scales). The scales of an operand depend on which dimension is
-    contracted, so backward casts ``x`` and ``weight`` again along the other dimension from their
-    high-precision values, which forward saves instead of float8 copies (as a bf16 linear would):
+    """``x [M, K] @ weight[N, K]^T`` with a scale per row (or column) of each operand along the dimension the
+    matmul does *not* contract, so one outlier costs its own row's precision only. All e4m3 (CUDA's rowwise
+    kernels take no other; per-row scales keep a gradient's range). As the scales depend on the contracted
+    dimension, forward saves the high-precision ``x`` and ``weight`` and backward casts them again:
 
     - forward ``y = x W^T``: ``x`` per token (amax over K), ``W`` per output feature (amax over K);
     - ``dx = dy W``: ``dy`` per token (over N), ``W`` per input feature (over N);
@@ -242,12 +212,9 @@ class Float8Report:
 def convert_to_float8(
     model: nn.Module, filter_fqns: Sequence[str] = ("output",), shard_degree: int = 1, recipe: str = "tensorwise"
 ) -> Float8Report:
-    """Swap every eligible ``nn.Linear`` of ``model`` (in place) for a :class:`Float8Linear` scaling by ``recipe``.
-
-    A linear is skipped, and the skip logged with its reason, when its name contains one of
-    ``filter_fqns``, or when its in or out features are not multiples of ``16 * shard_degree``
-    (``shard_degree`` = the tensor-parallel degree, so every shard stays a multiple of 16).
-    """
+    """Swap every eligible ``nn.Linear`` of ``model`` (in place) for a :class:`Float8Linear` scaling by ``recipe``;
+    a linear whose name contains one of ``filter_fqns``, or whose features are not multiples of ``16 *
+    shard_degree`` (the TP degree: every shard a multiple of 16), is skipped and the reason logged."""
     report = Float8Report()
     multiple = 16 * shard_degree
     for fqn, module in list(model.named_modules()):

@@ -1,30 +1,12 @@
-"""Float8 all-gather for FSDP2 (``[quantize.linear.float8] enable_fsdp_float8_all_gather``, tensorwise only).
+"""Float8 all-gather for FSDP2 (``[quantize.linear.float8] enable_fsdp_float8_all_gather``, tensorwise only):
+each rank casts its *shard* of a :class:`~titanlite.parallel.float8.Float8Linear` weight to float8 before FSDP's
+all-gather, which then moves one byte per element instead of two, and the gathered weight takes half the memory.
+The cast uses the *global* tensorwise scale, so the matmuls see bit for bit the operands of the plain float8 path.
 
-Without it FSDP all-gathers each :class:`~titanlite.parallel.float8.Float8Linear` weight in the parameter dtype
-(bf16) and the matmul casts the gathered weight to float8. With it each rank casts its *shard* to float8 first,
-so the all-gather moves one byte per element instead of two, the gathered weights take half the memory, and the
-cast itself runs on 1/N of the weight. Same numbers: the cast is element-wise with the *global* tensorwise
-scale (amax over every shard), so gathering float8 shards gives bit for bit the float8 weight that casting the
-gathered bf16 weight gives, and the matmuls see the same operands (tested against the plain float8 path).
-
-How: FSDP2 calls ``fsdp_pre_all_gather`` on a sharded parameter's local tensor when it has one, all-gathers the
-tensors it returns, and builds the unsharded parameter with ``fsdp_post_all_gather``. Two tensor subclasses:
-
-- :class:`Float8ShardedWeight` wraps a Float8Linear's sharded high-precision weight (what the optimizer updates
-  and checkpoints hold; the model's state dict shows the plain tensor). Every op runs on the wrapped tensor;
-  views, copies and FSDP's padding keep the wrapper. Its pre-all-gather casts the shard with the scale
-  :func:`precompute_float8_scales` computed for every weight after the optimizer step (one multi-tensor amax and
-  one all-reduce for all of them, :func:`register_float8_scale_precompute`). Any in-place change of the weight
-  (the optimizer, a checkpoint load, initialization) drops that scale, and a weight without one computes it in
-  its pre-all-gather with one all-reduce of its own, so a stale scale can never be used.
-- :class:`Float8GatheredWeight` is the unsharded parameter: float8 data and its inverse scale, presenting the
-  high-precision dtype and shape. Float8Linear's matmul takes the data and scale as they are (forward, and the
-  backward's input gradient); any other op sees the weight dequantized (``float8_disabled`` evaluation then runs
-  in high precision on the float8-rounded weights, as no high-precision unsharded weight exists).
-
-Not supported: rowwise scaling (backward casts the weight again along its other dimension, from the
-high-precision weight, which is then never gathered) and tensor parallelism (the gathered weight would be a TP
-DTensor holding this subclass; DTensor's ``_scaled_mm`` rule takes plain float8 operands): the config refuses both.
+:class:`Float8ShardedWeight` wraps the sharded high-precision weight (its ``fsdp_pre_all_gather`` casts the shard
+with the scale :func:`precompute_float8_scales` computed after the optimizer step, or computes one itself when an
+in-place change dropped it); :class:`~titanlite.parallel.float8.Float8GatheredWeight` is the unsharded parameter.
+Design notes: docs/library.md, "Float8 linears". Rowwise scaling and tensor parallelism are refused by the config.
 """
 
 from __future__ import annotations

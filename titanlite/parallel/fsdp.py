@@ -1,17 +1,14 @@
 """FSDP2 (``fully_shard``) policy: mixed precision, resharding, and *summed* gradients.
 
-- Mixed precision: ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` from ``[training]
-  mixed_precision_param/reduce``. Sharded parameters (what the optimizer sees) stay fp32; the
-  all-gathered copies used by forward/backward are in ``param_dtype``, and gradients are
-  reduce-scattered in ``reduce_dtype``. This replaces autocast whenever FSDP is applied.
-- ``fsdp_reshard_after_forward``: ``default`` frees every group's gathered parameters after its
-  forward except the last group's (backward needs it at once); ``always``/``never`` apply to all.
-- Gradient reduction is a SUM, not FSDP2's default mean: our loss is already a token *sum* divided
-  by the global token count of the optimizer step (see ``titanlite.trainer.loss``), so each rank's gradient
-  is its share of the global-mean gradient and the shares must be added. ``gradient_divide_factor
-  = 1`` with ``force_sum_reduction_for_comms`` makes FSDP use plain ``ReduceOp.SUM`` for the
-  reduce-scatter (and the HSDP all-reduce) with no pre/post division: exact on NCCL, and also on
-  gloo, which has no ``PREMUL_SUM`` (what a divide factor alone would use).
+- Mixed precision (``[training] mixed_precision_param/reduce``, replacing autocast): sharded parameters, what the
+  optimizer sees, stay fp32; the gathered copies are in ``param_dtype``, gradients reduce-scattered in
+  ``reduce_dtype``.
+- ``fsdp_reshard_after_forward``: ``default`` frees every group's gathered parameters after its forward except
+  the last group's (backward needs it at once); ``always``/``never`` apply to all.
+- Gradient reduction is a SUM, not FSDP2's mean: the loss is already a token *sum* divided by the step's global
+  token count (``titanlite.trainer.loss``), so the ranks' gradients must be added. ``gradient_divide_factor = 1``
+  with ``force_sum_reduction_for_comms`` gives plain ``ReduceOp.SUM`` with no division: exact on NCCL and on gloo,
+  which has no ``PREMUL_SUM``.
 """
 
 from __future__ import annotations
@@ -96,10 +93,8 @@ def sum_gradients(model: nn.Module) -> int:
 
 @contextlib.contextmanager
 def quiet_view_warning():
-    """Silence FSDP2's warning that a wrapped module returned a view, for the code inside.
-
-    The tensor-parallel embedding returns one (``DTensor.to_local`` is a view); titanlite's models
-    only use it out of place, which is what the warning asks for."""
+    """Silence FSDP2's warning that a wrapped module returned a view, inside: the tensor-parallel embedding returns
+    one (``DTensor.to_local``), which titanlite's models only use out of place, as the warning asks."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
         yield

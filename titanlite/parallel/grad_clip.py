@@ -1,23 +1,17 @@
-"""Gradient-norm clipping that is exact for sharded (DTensor) gradients.
+"""Gradient-norm clipping that is exact for sharded (DTensor) gradients: FSDP gives each rank a slice of every
+gradient, TP a slice of some and a replica of others (the sequence-parallel norm weights). Two ways to the total
+norm, both the single-process norm (up to summation order) on every rank:
 
-With FSDP each rank holds a slice of every gradient, with TP a slice of some and a replica of
-others (the sequence-parallel norm weights). Two ways to the total norm live here:
+- :func:`clip_grad_norm_` (any ``norm_type``, no knowledge of the mesh): per group of gradients sharing a mesh and
+  placements, a ``DTensor`` norm (reduced over the sharded dimensions only), made plain and combined, and with
+  ``pp_group`` combined over the pipeline stages too.
+- :func:`grad_square_sum` + :class:`WorldLayout` (the 2-norm, what the training step uses): each rank sums the
+  squares of the gradient pieces it *owns*, so that one SUM all-reduce over the world, which can carry the
+  step's other scalars (the loss, the guard's flags), gives the total.
 
-- :func:`clip_grad_norm_` (any ``norm_type``, no knowledge of the mesh): the norm of each group of
-  gradients that share a mesh and placements (``DTensor`` norms reduce over the sharded dimensions
-  only, so replicated gradients are not counted twice), made plain with ``full_tensor()`` and
-  combined; with pipeline parallelism the stages' norms are gathered and combined too (``pp_group``).
-- :func:`grad_square_sum` + :class:`WorldLayout` (the 2-norm, what the training step uses): each rank
-  sums the squares of the gradient pieces it *owns*, so that one SUM all-reduce over the whole world,
-  which can carry other scalars of the step (the loss, the guard's flags), gives the total. A piece
-  replicated over some ranks (a TP-replicated norm weight, a plain tensor, HSDP's replicas) is owned by
-  the first of them only (coordinate 0 on every mesh dimension it is not spread over); pipeline stages
-  always own their own parameters.
-
-Both equal the norm of the full gradients in one process (up to summation order), on every rank.
-:func:`clip_coefficient` and :func:`scale_grads_` clip with torch's rule (``max_norm / (norm + 1e-6)``,
-at most 1); the training step instead folds that coefficient into a fused optimizer's ``grad_scale``
-(see :class:`titanlite.trainer.step.TrainStep`), which saves a read and a write of every gradient.
+:func:`clip_coefficient` and :func:`scale_grads_` clip with torch's rule; the training step instead folds the
+coefficient into a fused optimizer's ``grad_scale`` (:class:`titanlite.trainer.step.TrainStep`), which saves a read
+and a write of every gradient.
 """
 
 from __future__ import annotations
@@ -78,8 +72,8 @@ class WorldLayout:
     """Which ranks' copies of a value count in a SUM over the world ``mesh`` (every rank, named dimensions).
 
     A value *differs* along some world dimensions (a pipeline stage's parameters, a gradient's shards) and is
-    replicated along the others; :meth:`counts` says whether this rank holds the one copy that counts: the one
-    at coordinate 0 of every dimension it is replicated along. ``mesh`` None: one process, everything counts.
+    replicated along the others (a TP-replicated norm weight, a plain tensor, HSDP's replicas); the copy that
+    counts is the one at coordinate 0 of every dimension it is replicated along. ``mesh`` None: everything counts.
     """
 
     def __init__(self, mesh: DeviceMesh | None, always_distinct: Iterable[str] = ("pp",)):

@@ -1,26 +1,17 @@
-"""Pipeline parallelism on ``torch.distributed.pipelining``: the split, the stages and the schedules.
+"""Pipeline parallelism on ``torch.distributed.pipelining``, which provides the stages and the schedules; titanlite
+adds what they leave to the caller:
 
-PyTorch provides the stages (point-to-point sends of activations and gradients) and the schedules
-(GPipe, 1F1B, interleaved and zero-bubble variants); titanlite adds what they leave to the caller:
+1. **The split** (:class:`PipelinePlan`): the blocks cut into stages (evenly, by
+   ``pipeline_parallel_layers_per_stage`` or at ``pipeline_parallel_split_points``), the embedding on the first,
+   the final norm and output on the last; stages go to ranks in a loop, or in a V for ZBV and DualPipeV.
+2. **The stage modules** (:func:`pipeline_decoder`, a family's ``pipeline_fn``): pruned copies of the meta model,
+   to which the family's parallelize function then applies float8, TP, AC, compile and FSDP.
+3. **One module per rank** (:class:`ModelParts`): so that the optimizer, clipping, metrics and DCP see one module
+   whose state dict is a slice of the single-process one, and checkpoints reshard between layouts.
+4. **The step**: :class:`titanlite.trainer.pipeline_runner.Pipeline` runs the schedule.
 
-1. **The split** (:class:`PipelinePlan`, a pure function of the config and the layer count): the
-   blocks are cut into stages, evenly by default, by ``pipeline_parallel_layers_per_stage``, or at
-   ``pipeline_parallel_split_points`` (``"layers.4"`` starts a new stage). The first stage keeps the
-   embedding, the last the final norm and output. Stages go to ranks in a loop (stage ``s`` on pp
-   rank ``s % pp``) or, for the V schedules (ZBV, DualPipeV), in a V (rank ``r`` holds ``r`` and
-   ``2pp - 1 - r``). Each problem is a one-line ``ValueError`` naming the key, raised before any
-   communication.
-2. **The stage modules** (:func:`pipeline_decoder`, a family's ``pipeline_fn``): pruned copies of
-   the meta model, each keeping only its modules under their full-model names. The family's
-   parallelize function then applies float8, TP, AC, compile and FSDP to each stage.
-3. **One module per rank** (:class:`ModelParts`): the rank's stages merged under the full model's
-   names (``tok_embeddings``, ``layers.<i>``, ``norm``, ``output``), so the optimizer, gradient
-   clipping, metrics and DCP checkpoints see one module whose state dict is a slice of the
-   single-process one: checkpoints reshard freely between pipelined and plain layouts.
-4. **The step**: the runner, :class:`titanlite.trainer.pipeline_runner.Pipeline`, runs the schedule.
-
-Tied parameters whose copies would fall in different stages (a tied embedding and output) are
-refused: the stages would train two separate copies, and torch's stages do not synchronize them.
+Tied parameters whose copies would fall in different stages (a tied embedding and output) are refused: torch's
+stages would train two unsynchronized copies.
 """
 
 from __future__ import annotations
@@ -87,7 +78,9 @@ def _sizes_from_split_points(points: Sequence[str], n_layers: int) -> list[int]:
 
 @dataclasses.dataclass(frozen=True)
 class PipelinePlan:
-    """How the model and the batch are cut (see the module docstring); build it with :meth:`from_config`."""
+    """How the model and the batch are cut, a pure function of the config and the layer count; build it with
+    :meth:`from_config`. Stage ``s`` runs on pp rank ``s % pp``, or, for the V schedules, rank ``r`` holds stages
+    ``r`` and ``2pp - 1 - r``."""
 
     degree: int
     schedule: str
@@ -231,11 +224,10 @@ def _top_module(param_name: str) -> str:
 
 
 class ModelParts(nn.Module):
-    """This rank's pipeline stages as one module under the full model's names (module docstring, step 3).
-
-    Parameters live in the stage modules (``stages``, which the schedule runs); this module only
-    *references* them, so its ``state_dict`` keys, ``named_parameters`` and ``parameters`` are the
-    full model's for the blocks this rank holds. It is never called itself."""
+    """This rank's pipeline stages as one module under the full model's names (``tok_embeddings``,
+    ``layers.<i>``, ``norm``, ``output``). Parameters live in the stage modules (``stages``, which the schedule
+    runs); this module only *references* them, so its ``state_dict`` keys, ``named_parameters`` and
+    ``parameters`` are the full model's for the blocks this rank holds. It is never called itself."""
 
     def __init__(self, stage_ids: Sequence[int], stages: Sequence[nn.Module]):
         super().__init__()

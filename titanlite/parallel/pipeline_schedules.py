@@ -40,8 +40,6 @@ def pipeline_bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float
       into an input-gradient and a weight-gradient half (each as long as the forward): the weight halves fill
       the backward ramp, leaving ``(p - 1) / (3 v m + p - 1)``. Exact for ``m >= p`` (InterleavedZeroBubble)
       and ``m >= 2p`` (ZBV, DualPipeV); with fewer microbatches the schedules idle more than this.
-
-    tests/plan/test_planner.py replays torch's own action orders in the unit model and finds these values.
     """
     if schedule not in PIPELINE_SCHEDULES:
         raise ConfigError(f"pipeline schedule {schedule!r} must be one of {', '.join(PIPELINE_SCHEDULES)}")

@@ -1,10 +1,8 @@
-"""Tensor-parallel helpers shared by the model families (the per-family plans live in
-``models/<family>/parallelize.py``).
+"""Tensor-parallel helpers shared by the model families (their plans: ``models/<family>/parallelize.py``).
 
-Loss parallel: with a vocabulary-sharded ``output`` (``Shard(-1)`` DTensor logits),
-``torch.distributed.tensor.parallel.loss_parallel`` computes the cross-entropy from the shards (a
-max and a sum-exp all-reduced across the TP group, plus the target logit from the rank that owns it),
-so the ``[tokens, vocab]`` logits are never gathered on one rank. Forward *and* backward must run
+Loss parallel: with a vocabulary-sharded ``output`` (``Shard(-1)`` DTensor logits), torch's ``loss_parallel``
+computes the cross-entropy from the shards (a max and a sum-exp all-reduced over the TP group, the target logit
+from the rank that owns it), never gathering the ``[tokens, vocab]`` logits. Forward *and* backward must run
 inside :func:`loss_parallel_context`.
 """
 
@@ -44,14 +42,10 @@ def to_local_value(t: torch.Tensor) -> torch.Tensor:
 
 
 class SyncRowwiseParallel(RowwiseParallel):
-    """``RowwiseParallel`` with a synchronous output redistribution.
-
-    The stock style reduces the partial output with ``async_op=True``, handing the next module a
-    tensor whose collective is still in flight. When that next module is a ``torch.compile``d
-    transformer block, this torch version's compiled backward then returns a plain-tensor
-    gradient to the redistribution's backward, which expects a DTensor, and fails. The embedding
-    is followed at once by the first block's norm, so waiting here costs nothing measurable.
-    """
+    """``RowwiseParallel`` with a synchronous output redistribution: the stock style's ``async_op=True`` hands the
+    next module a tensor whose collective is in flight, and when that module is a compiled block, this torch's
+    compiled backward returns a plain-tensor gradient where the redistribution's backward expects a DTensor, and
+    fails. The embedding is followed at once by the first block's norm, so waiting costs nothing measurable."""
 
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):

@@ -1,12 +1,10 @@
 """Loss-spike and NaN guard: detect a bad optimizer step and raise, skip it or roll back (``[guard]``; the
 detection, policies and cost for a user: docs/monitoring.md, "Loss-spike and NaN guard").
 
-- Only accepted losses enter the rolling mean, so a spike does not raise the bar for the next one.
-- Every rank must take the same branch (a rank that disagreed would hang the next collective). In the stock loop
-  the loss, the gradient norm and the preemption request come out of the training step's one all-reduce
-  (:meth:`titanlite.trainer.step.TrainStep.reduce_step`), so every rank takes the same verdict with no collective
-  of its own (``agreed=True``); values that were not agreed that way (a foreign loop) have their flags
-  all-reduced (MAX) over the default process group first.
+Only accepted losses enter the rolling mean, so a spike does not raise the bar for the next one. Every rank must
+take the same branch (one that disagreed would hang the next collective): the stock loop's values come out of the
+training step's one all-reduce (:meth:`titanlite.trainer.step.TrainStep.reduce_step`, ``agreed=True``); values not
+agreed that way (a foreign loop) have their flags all-reduced (MAX) first.
 """
 
 from __future__ import annotations
@@ -226,13 +224,10 @@ class StepGuard:
         stop_requested: bool | torch.Tensor = False,
         agreed: bool = False,
     ) -> StepCheck:
-        """Verdict for optimizer step ``step`` from the global loss and gradient norm (device tensors).
-
-        One device->host transfer. ``agreed``: the loss, the norm and ``stop_requested`` (then a device
-        tensor, > 0 to stop) are the same on every rank (the output of one all-reduce), so the verdict is taken
-        on the host with no collective; else the flags are all-reduced (MAX) when distributed. Returns the
-        action to take (``update``, ``skip`` or ``rollback``); raises :class:`TrainingDivergedError` under ``raise``.
-        """
+        """The action for optimizer step ``step`` (``update``, ``skip`` or ``rollback``) from the global loss and
+        gradient norm (device tensors), in one device->host transfer; :class:`TrainingDivergedError` under ``raise``.
+        ``agreed``: the loss, the norm and ``stop_requested`` (then a device tensor, > 0 to stop) are the same on
+        every rank, so no collective is needed; else the flags are all-reduced (MAX) when distributed."""
         loss = loss.detach().reshape(()).float()
         grad_norm = grad_norm.detach().reshape(()).float().to(loss.device)
         threshold = self.spikes.threshold()
@@ -286,12 +281,9 @@ class StepGuard:
 
 
 def rollback(guard: StepGuard, event: GuardEvent, checkpointer, loader, accum: int) -> tuple[int, Iterator]:
-    """Carry out ``policy = rollback`` for ``event``: reload, re-open the data, skip the bad batches.
-
-    Returns the step resumed from and a fresh iterator over ``loader`` (whose position the checkpoint
-    restored). With ``rollback_skip_data`` the micro-batches of the steps after the checkpoint up to
-    and including the offending one are read and dropped, so training does not see them again.
-    """
+    """``policy = rollback`` for ``event``: reload, and return the step resumed from and a fresh iterator over
+    ``loader`` (positioned by the checkpoint); with ``rollback_skip_data`` the micro-batches of the steps after the
+    checkpoint up to the offending one are read and dropped, so training does not see them again."""
     kept = guard.state_dict()  # the reload must not reset the guard's own counters (the rollback budget)
     step = checkpointer.load_latest() if checkpointer is not None else None
     guard.load_state_dict(kept)
@@ -317,11 +309,10 @@ def rollback(guard: StepGuard, event: GuardEvent, checkpointer, loader, accum: i
 
 
 class GuardHook(Hook):
-    """The guard in the loop: the verdict on each step before its update, in the step's single
-    device-to-host transfer, which also agrees on a stop request across ranks (the step's
-    ``result.stop_flag`` when the training step reduced it, else ``stop_requested()``: the
-    preemption handler's flag); the rollback itself (``checkpointer``, ``loader`` and
-    ``grad_accum_steps`` needed for ``policy = rollback``); the events in the metrics records."""
+    """The guard in the loop: the verdict on each step before its update, in the step's single device-to-host
+    transfer, which also agrees on a stop request across ranks (``result.stop_flag``, else the preemption
+    handler's ``stop_requested()``); the rollback (``policy = rollback`` needs ``checkpointer``, ``loader`` and
+    ``grad_accum_steps``); the events in the metrics records."""
 
     def __init__(
         self,

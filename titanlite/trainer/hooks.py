@@ -1,20 +1,9 @@
 """The training loop's hook points and the state it shares with them (OLMo-core's callbacks, in small).
 
-:meth:`titanlite.trainer.Trainer.train` calls every hook's methods in list order (``on_train_end`` in
-reverse order, like nested context managers closing):
-
-- ``on_train_start(state)``: before the first step, after a resume set ``state.step``;
-- ``before_update(state, result)``: after backward and clipping, before the optimizer step of step
-  ``result.step``; a hook may set ``result.action`` (``"update"``, ``"skip"``, ``"rollback"``),
-  ``result.lr_scale`` or ``result.stop_requested``, or fill in ``result.values``;
-- ``on_step_end(state, result)``: after step ``state.step`` (skipped steps count as steps);
-- ``on_resume(state, result)``: after a checkpoint reload during step ``result.step`` moved
-  ``state.step`` back (a rollback);
-- ``on_train_end(state)``: after the last step, also after an early stop.
-
-Validation, metrics, the NaN/spike guard, preemption, the profiler and checkpointing are hooks; a
-foreign loop can drive them the same way with its own :class:`LoopState` (:func:`run_steps` does it for a step
-function).
+:meth:`titanlite.trainer.Trainer.train` calls every hook's methods (:class:`Hook`) in list order, ``on_train_end``
+in reverse, like nested context managers closing. Validation, metrics, the NaN/spike guard, preemption, the
+profiler and checkpointing are hooks; a foreign loop can drive them with its own :class:`LoopState`
+(:func:`run_steps` does it for a step function).
 """
 
 from __future__ import annotations
@@ -33,12 +22,10 @@ logger = logging.getLogger("titanlite")
 class LoopState:
     """Where the loop is: ``step`` optimizer steps done, ``tokens_seen``, the logged ``records``.
 
-    ``state_dict``/``load_state_dict`` carry ``step``, ``tokens_seen`` and a mixture's tokens per
-    source, ``source_tokens`` (the checkpoint's ``train_state``). ``data_iter`` is the training batches'
-    iterator (a rollback replaces it); ``stop`` ends the loop after the current step; ``sink`` receives
-    every logged record;
-    ``side_seconds`` counts the time hooks spent evaluating the model (validation, samples, downstream
-    scores: see :meth:`side_work`), which training throughput leaves out.
+    ``state_dict``/``load_state_dict`` carry ``step``, ``tokens_seen`` and ``source_tokens`` (the checkpoint's
+    ``train_state``). ``data_iter``: the training batches (a rollback replaces it); ``stop`` ends the loop after
+    the current step; ``sink`` receives every logged record; ``side_seconds``: the time hooks spent evaluating the
+    model (:meth:`side_work`), which training throughput leaves out.
     """
 
     total_steps: int
@@ -88,19 +75,20 @@ class Hook:
     """Base class: every hook point is a no-op; override the ones you need."""
 
     def on_train_start(self, state: LoopState) -> None:
-        pass
+        """Before the first step, after a resume set ``state.step``."""
 
     def before_update(self, state: LoopState, result: Any) -> None:
-        pass
+        """After backward and clipping, before the optimizer step of step ``result.step``: may set ``result.action``
+        (``"update"``, ``"skip"``, ``"rollback"``), ``.lr_scale`` or ``.stop_requested``, or fill ``.values``."""
 
     def on_step_end(self, state: LoopState, result: Any) -> None:
-        pass
+        """After step ``state.step`` (skipped steps count as steps)."""
 
     def on_resume(self, state: LoopState, result: Any) -> None:
-        pass
+        """After a checkpoint reload during step ``result.step`` moved ``state.step`` back (a rollback)."""
 
     def on_train_end(self, state: LoopState) -> None:
-        pass
+        """After the last step, also after an early stop."""
 
 
 def call_hooks(hooks: list[Hook], point: str, *args: Any) -> None:

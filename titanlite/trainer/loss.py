@@ -1,10 +1,6 @@
-"""Loss: summed token cross-entropy, divided by the global token count by the caller.
-
-Summing per micro-batch and dividing once by the number of tokens in the whole optimizer step (all
-micro-batches, all data-parallel ranks) makes gradient accumulation and data parallelism give
-exactly the gradient of one big batch: no mean-of-means when micro-batches differ in size
-(:mod:`titanlite.trainer.step`). The built-in ``[training] loss`` named ``cross_entropy``
-(:data:`titanlite.components.BUILTINS`).
+"""Loss: summed token cross-entropy (the built-in ``[training] loss`` ``cross_entropy``), which the caller divides
+once by the number of tokens in the whole optimizer step (all micro-batches and data-parallel ranks), so that
+accumulation and data parallelism give exactly one big batch's gradient (:mod:`titanlite.trainer.step`).
 """
 
 from __future__ import annotations
@@ -21,9 +17,8 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
 def cross_entropy_sum_and_grad(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cross_entropy_sum(logits, labels), its gradient with respect to logits)``, computed together without
     autograd: the fp32 log-softmax, then its exponential in place as the softmax, minus one at each target and
-    zero at masked labels (-100), returned in the logits' dtype (as autograd's would be). Two passes over the
-    logits where autograd's forward and backward make four, at the same values (the same log-softmax kernel).
-    The chunked output loss uses it (:mod:`titanlite.trainer.output_loss`)."""
+    zero at masked labels (-100), in the logits' dtype (as autograd's). Two passes over the logits where autograd
+    makes four, at the same values; for the chunked output loss (:mod:`titanlite.trainer.output_loss`)."""
     log_probs = torch.log_softmax(logits.flatten(0, -2).float(), dim=-1)
     flat = labels.flatten()
     valid, targets = flat != -100, flat.clamp(min=0)[:, None]

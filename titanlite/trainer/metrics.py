@@ -63,10 +63,8 @@ class UpdateRatio:
     """``||update|| / ||parameters||`` of one optimizer step, overall and optionally per layer.
 
     :meth:`before_step` copies the (local shards of the FSDP/TP) parameters, :meth:`after_step` measures the
-    difference: on logging steps only, as the copy costs a parameter-sized buffer. Multi-tensor ops throughout
-    (one copy, one subtraction, two norms per sharding group, one host transfer per group): ``titanlite bench train``
-    reports the cost per log step (``update_ratio_cost``). Healthy AdamW training shows ratios around 1e-3; a
-    jump by orders of magnitude marks an unstable step."""
+    difference: on logging steps only, as the copy costs a parameter-sized buffer (multi-tensor ops throughout).
+    Healthy AdamW training shows ratios around 1e-3; a jump by orders of magnitude marks an unstable step."""
 
     def __init__(self, model: nn.Module, per_layer: bool = False, pp_group: Any = None):
         self.named = list({id(p): (n, p) for n, p in model.named_parameters() if p.requires_grad}.values())
@@ -123,12 +121,9 @@ def format_duration(seconds: float | None) -> str:
 
 
 class RunProgress:
-    """Wall time, ETA to the configured steps and the end-of-run summary (rank 0 logs them).
-
-    The ETA uses the mean wall time per step since the first step of this process finished (that
-    step includes start-up and compilation), so validation and checkpoint time are part of it.
-    Means in the summary (tokens/s, MFU) are over the steps after the first, when there are any.
-    """
+    """Wall time, ETA to the configured steps and the end-of-run summary (rank 0 logs them). The ETA and the
+    summary's means (tokens/s, MFU) leave out this process's first step (start-up and compilation); the ETA
+    includes validation and checkpoint time."""
 
     def __init__(self, total_steps: int, start_step: int = 0):
         self.total_steps, self.start_step, self.t_start = total_steps, start_step, time.perf_counter()
@@ -195,12 +190,10 @@ def format_summary(s: dict[str, Any]) -> str:
 
 
 class MetricsHook(Hook):
-    """``[metrics]`` in the loop: a step record at the first and last step and every ``log_freq`` steps (loss,
-    grad norm, lr, tokens/s, MFU from ``flops_per_token`` and ``matmul_dtype``, memory, data wait, update
-    ratio, ETA, and whatever ``result.extra`` holds, e.g. the guard's counters), rank 0's progress line, the
-    summary (rank 0 writes it to ``summary_path``). It owns the metrics log: at the start it becomes
-    ``state.sink`` and is rewound to ``state.step`` (a fresh start logs from scratch). ``on_train_start`` comes
-    after the resume has loaded its checkpoint, so a resume that fails leaves the log untouched."""
+    """``[metrics]`` in the loop: a step record (docs/monitoring.md, "What a run reports"; plus ``result.extra``)
+    at the first and last step and every ``log_freq`` steps, rank 0's progress line and summary (to
+    ``summary_path``). It owns the metrics log: at the start, after the resume has loaded its checkpoint (a failed
+    resume leaves the log untouched), the log becomes ``state.sink``, rewound to ``state.step``."""
 
     def __init__(
         self,
@@ -240,9 +233,8 @@ class MetricsHook(Hook):
 
     def plausible_mfu(self, achieved_flops: float) -> float | None:
         """``achieved_flops / peak``; None when the peak is unknown. On CPU the peak is a measurement, which a busy
-        moment lowers: a utilization above 100% (111-163% were logged on a shared CPU) re-measures it once and keeps
-        the higher; a peak still below what training achieves is implausible, said once in a warning, and MFU is
-        reported as unknown from then on."""
+        moment lowers: a utilization above 100% re-measures it once and keeps the higher; a peak still below what
+        training achieves is implausible, said once in a warning, and MFU is unknown from then on."""
         peak = self.peak_flops
         if peak is None or achieved_flops <= peak or self.device.type != "cpu":
             return None if peak is None else achieved_flops / peak

@@ -149,12 +149,11 @@ def strict_json_line(record: dict[str, Any]) -> bytes:
 
 def rewind_metrics_log(path: str | os.PathLike, step: int) -> int:
     """Keep every record of ``metrics.jsonl`` whose step is <= ``step``, in order, and drop the records after
-    ``step`` (the resumed run logs them again). A line that is no record (unparsable, torn by a crash, without an
-    integer step) is never dropped silently: it is appended to ``<path>.quarantine`` as it was, and a warning names
-    its line numbers. When the kept records are the file's first lines, the file is cut with ``truncate`` in place
-    (a logger holding it open in append mode keeps appending at the new end); otherwise it is rewritten through a
-    temporary file renamed over it (a crash leaves the old or the new file, never a mix), and a holder must reopen
-    it (:meth:`MetricsLogger.rewind` does). Returns how many lines were removed from the file."""
+    ``step``; returns how many lines were removed. A line that is no record (unparsable, torn by a crash, without
+    an integer step) goes to ``<path>.quarantine`` as it was, with a warning naming its line numbers. When the kept
+    records are the file's first lines the file is truncated in place (an append-mode holder keeps appending);
+    otherwise it is rewritten through a temporary file renamed over it, and a holder must reopen it
+    (:meth:`MetricsLogger.rewind` does)."""
     path = Path(path)
     if not path.is_file():
         return 0

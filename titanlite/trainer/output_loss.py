@@ -1,45 +1,13 @@
 """How a model's outputs become the loss: from its logits, or from its hidden states through the output layer, a
-few tokens at a time (``[training] loss_chunks``).
+few tokens at a time (``[training] loss_chunks``), so that the ``[tokens, vocab]`` logits, the step's memory peak
+at a large vocabulary, exist for one piece of the tokens at a time (:class:`ChunkedLoss`; how, and how it meets
+TP, FSDP and pipelines: docs/library.md, "The chunked output loss").
 
-At a large vocabulary the output layer is the step's memory peak: ``[tokens, vocab]`` logits in the compute
-dtype, their fp32 copy for the loss, the log-softmax autograd keeps and the logits' gradient (Llama 3's 128,256
-entries at 4 x 2048 tokens: about 10 GB). :class:`ChunkedLoss` never holds more than one chunk of them:
-
-1. the model returns the final norm's output instead of the logits (``forward(..., return_hidden=True)``);
-2. the tokens are cut into ``chunks`` pieces; for each, the logits ``hidden_piece @ output.weight.T`` are
-   computed, reduced to the piece's token-sum loss by the loss function (any registered ``[training] loss``),
-   and differentiated at once (the gradients with respect to the piece's hidden states and to the weight);
-   then the piece's logits are freed. The loss's gradient with respect to the logits comes from autograd, or,
-   for the built-in cross-entropy, from its closed form computed with the loss (:data:`LOSS_GRADIENTS`: two
-   passes over the logits instead of four, which pays for the pieces' extra passes over the weight). The closed
-   form is found by the loss's registered name (:func:`registered_loss`, which compiles it with the loss where
-   ``[compile]`` compiles the loss), so a compiled loss keeps it; :attr:`ChunkedLoss.closed_form` says which;
-3. backward multiplies the stored gradients by the incoming one: nothing is recomputed, so the step does the
-   same three matmuls as without chunks (the idea of Liger's fused linear cross-entropy; torchtitan runs each
-   chunk's backward from inside its loss instead). The weight's gradient is accumulated over the pieces in fp32
-   and rounded to the weight's dtype once.
-
-The loss is the unchunked token sum up to fp32 summation order (tested: within 1e-6 for the loss and 1e-5 for
-the gradients, with masked labels, under FSDP, TP with and without loss parallel, and on a pipeline's last
-stage). Calls run under the autocast of the model's forward (the output matmul in the compute dtype, as
-unchunked); the loss function itself runs with autocast off, as after an unchunked forward.
-
-**The family's side** (part of every family's contract, :class:`titanlite.models.protocol.ModelFamily`):
-``forward(tokens, ..., return_hidden=False)``, where ``return_hidden=True`` returns the final norm's output
-``[batch, seq, dim]``, and the output layer as ``model.output``, a bias-free ``nn.Linear`` (its weight may be tied
-to the embedding). A model handed to :class:`~titanlite.trainer.step.TrainStep` directly, outside the registry,
-is checked when the loss is built (:meth:`ChunkedLoss.check`).
-
-**Parallelism.** Tensor parallel: the hidden states (sequence-sharded DTensor) are gathered, as the output
-layer's own input is, then cut; the vocabulary-sharded weight gives vocabulary-sharded logits, which the loss
-takes as they are under loss parallel and gathered otherwise. FSDP: when the output layer is its own FSDP group,
-the chunked computation runs as that group's forward (``register_fsdp_forward_method``): all-gathered before,
-its gradient reduce-scattered as soon as backward has passed it; when its weight belongs to the root group (a
-tied embedding), that group is all-gathered (``unshard``) and reduced at the end of backward as usual. Pipeline
-parallel: the last stage returns hidden states and the pipeline's loss applies the output layer
-(:class:`titanlite.trainer.pipeline_runner.Pipeline`). Memory: each micro-batch holds its weight gradient (fp32,
-``[vocab, dim]`` over the TP ranks) from its loss to its backward, so a pipeline schedule holds one per
-microbatch in flight on the last stage (GPipe: all of them), instead of their logits.
+Calls run under the autocast of the model's forward; the loss function itself runs with autocast off, as after
+an unchunked forward. **The family's side** (part of :class:`titanlite.models.protocol.ModelFamily`):
+``forward(tokens, ..., return_hidden=True)`` returns the final norm's output ``[batch, seq, dim]``, and
+``model.output`` is a bias-free ``nn.Linear`` (its weight may be tied to the embedding); :meth:`ChunkedLoss.check`
+checks a model handed to :class:`~titanlite.trainer.step.TrainStep` outside the registry.
 """
 
 from __future__ import annotations
@@ -68,10 +36,8 @@ LOSS_GRADIENTS: dict[str, Callable] = {"cross_entropy": cross_entropy_sum_and_gr
 
 
 class ClosedFormLoss:
-    """A token-sum loss ``fn(logits, labels)`` (what calling this returns) together with its closed-form
-    ``value_and_grad(logits, labels) -> (loss, gradient w.r.t. the logits)``, each as the compile policy made it:
-    what :func:`registered_loss` returns, so that the chunked loss's pieces run the closed form whether or not the
-    loss is compiled."""
+    """A token-sum loss ``fn(logits, labels)`` with its closed-form ``value_and_grad(logits, labels) -> (loss,
+    dloss/dlogits)``, each as the compile policy made it, so that a compiled loss's pieces keep the closed form."""
 
     def __init__(self, name: str, fn: LossFn, value_and_grad: Callable):
         self.name, self.fn, self.value_and_grad = name, fn, value_and_grad
@@ -128,12 +94,10 @@ class LogitsLoss:
 
 
 class ChunkedLoss:
-    """``loss_fn`` over the logits of ``model.output`` applied to the hidden states in ``chunks`` pieces of tokens
-    (the module docstring); ``loss_parallel``: keep tensor-parallel logits vocabulary-sharded (else gathered).
-
-    ``loss_fn`` must return a token sum: the pieces' values are added. With gradients it must be a scalar; without
-    (validation) any tensor of sums works. :attr:`closed_form`: what differentiates the pieces, the loss's closed
-    form (:func:`closed_form_of`), or None for autograd. Usage (``model.output`` applies it)::
+    """``loss_fn`` over the logits of ``model.output`` applied to the hidden states in ``chunks`` pieces of tokens;
+    ``loss_parallel``: keep tensor-parallel logits vocabulary-sharded (else gathered). ``loss_fn`` returns a token
+    sum (a scalar when training; any tensor of sums for validation). :attr:`closed_form`: the loss's closed-form
+    gradient (:func:`closed_form_of`), or None for autograd. Usage::
 
         loss = ChunkedLoss(cross_entropy_sum, chunks=8)
         total = loss(model, model(tokens, return_hidden=True), labels)
@@ -212,13 +176,8 @@ def chunk_sizes(tokens: int, chunks: int) -> list[int]:
 
 
 class _LinearLossChunks(torch.autograd.Function):
-    """``sum_i loss(hidden_i @ weight.T, labels_i)``, whose forward also computes the gradients (step 2 of the
-    module docstring) and whose backward scales them (step 3).
-
-    Per piece: the logits in the compute dtype (``F.linear`` under the caller's autocast), the loss and its
-    gradient with respect to them (``value_and_grad``), then the two gradient matmuls in that dtype, as the
-    unchunked backward does them: ``dlogits @ weight`` for the hidden states, ``dlogits.T @ hidden`` added to the
-    weight's fp32 gradient (in place, ``addmm_``, when everything is fp32: no temporary)."""
+    """``sum_i loss(hidden_i @ weight.T, labels_i)``, whose forward also computes the gradients, per piece in the
+    compute dtype as the unchunked backward would (the weight's summed in fp32), and whose backward scales them."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, value_and_grad, sizes):

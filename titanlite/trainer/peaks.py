@@ -100,12 +100,10 @@ def matmul_dtype(compute_dtype: str, float8: bool = False, device: torch.device 
 def measure_cpu_matmul_peak(dtype: str = "float32", max_n: int = 2048, trials: int = 5, threads: int = 0) -> float:
     """Matmul FLOP/s of this CPU in ``dtype``, cached per process and ``threads`` (intra-op threads, 0: current).
 
-    Square matmuls from 256 up, the size doubled while one takes under 20 ms (at most ``max_n``): large
-    enough to reach the kernel's rate, small enough that a dtype without a native kernel costs a second,
-    not minutes (bf16 on a CPU without bf16 instructions is orders of magnitude slower than fp32: docs/benchmarks.md,
-    "CPU matmul peak"). Then the
-    best of ``trials`` ~0.1 s timings, so a busy moment does not lower the peak and inflate MFU (a loaded
-    CPU still does: CPU MFU is indicative). A private generator leaves torch's global RNG alone."""
+    Square matmuls from 256 up, the size doubled while one takes under 20 ms (at most ``max_n``): large enough to
+    reach the kernel's rate, small enough that a dtype without a native kernel costs a second, not minutes
+    (docs/benchmarks.md, "CPU matmul peak"). Then the best of ``trials`` ~0.1 s timings, so a busy moment does not
+    lower the peak and inflate MFU (a loaded CPU still does). A private generator leaves torch's RNG alone."""
     dt = DTYPES.get(dtype, torch.float32)
     g = torch.Generator().manual_seed(0)
     n = 256

@@ -1,16 +1,14 @@
-"""The pipeline runner: this rank's stages run by their schedule, in the training step and in evaluation.
+"""The pipeline runner: this rank's stages run by their schedule, in the training step and in evaluation (the
+split and the stage modules: :mod:`titanlite.parallel.pipeline`).
 
 The loss exists on the last stage only, as the token *sum* divided by the step's global token count (the
-schedule's ``scale_grads`` is off: it must not divide by the microbatch count again), so gradient accumulation,
-data and pipeline parallelism all give the single-process update. The raw sums are kept so that the step can
-share the true loss with every stage. With a chunked loss (:class:`~titanlite.trainer.output_loss.ChunkedLoss`)
-the last stage returns hidden states and the loss applies the stage's output layer to them.
-
-Torch infers the shapes a stage exchanges by running its forward once on one microbatch (with placeholder inputs
-on later stages) at the first step and at each switch between training and evaluation. Modules that keep running
-statistics of their training forwards (MoE layers' expert loads) would count it: :class:`_Stage` turns
-``track_stats`` off on them for that forward. The split and the stage modules are
-:mod:`titanlite.parallel.pipeline`'s."""
+schedule's ``scale_grads`` is off: it must not divide by the microbatch count again), so accumulation, data and
+pipeline parallelism all give the single-process update; the raw sums are kept for the step to share the true
+loss with every stage. With a chunked loss the last stage returns hidden states and the loss applies its output
+layer. Torch infers the stages' shapes with one forward at the first step and at each switch between training
+and evaluation, which modules keeping running statistics (MoE loads) must not count: :class:`_Stage` turns
+``track_stats`` off then.
+"""
 
 from __future__ import annotations
 
@@ -38,11 +36,9 @@ _FORWARD = _ComputationType.FORWARD
 class Pipeline:
     """This rank's stages and their schedule: :meth:`step` (forward + backward of one local batch) and
     :meth:`evaluate` (forward only). Both return the token-sum loss of the microbatches whose last stage
-    runs here, or 0 on a rank without the last stage; the caller sums it over the pipeline group.
-
-    Evaluation runs the same schedule in its forward-only mode (torch re-infers the stages' shapes, with one
-    microbatch's forward and backward, at each switch), except for the V schedules, whose evaluation mode
-    fails in torch 2.13: they get a second schedule with a forward-only order (see ``_schedule``)."""
+    runs here, or 0 on a rank without the last stage; the caller sums it over the pipeline group. Evaluation
+    runs the schedule's forward-only mode, except for the V schedules, whose evaluation mode fails in torch 2.13:
+    they get a second schedule with a forward-only order (``_schedule``)."""
 
     def __init__(self, parts: ModelParts, plan: PipelinePlan, runtime: Any):
         """``runtime`` (a :class:`~titanlite.trainer.runtime.Runtime`, its pipeline unset): the device, the pipeline

@@ -1,20 +1,16 @@
-"""Graceful shutdown on SIGTERM / SIGINT (preemption, ``scancel``, Ctrl-C): what a user sees, the exit status and
-torchrun's part are docs/monitoring.md's ("Preemption").
+"""Graceful shutdown on SIGTERM / SIGINT (preemption, ``scancel``, Ctrl-C); what a user sees, the exit status and
+torchrun's part: docs/monitoring.md, "Preemption".
 
-First signal: the handler only records the request. The request is all-reduced with the step's loss and gradient
-norm (:meth:`titanlite.trainer.step.TrainStep.reduce_step`; the NaN guard's flags in a loop without that
-reduction), so every rank stops after the same step, even when the ranks got the signal at slightly different
-moments or only one got it; :class:`PreemptionHook` then saves and ends the loop. A rank that stopped on another
-rank's request counts it as SIGTERM in its exit status.
+First signal: the handler only records the request, which is all-reduced with the step's loss
+(:meth:`titanlite.trainer.step.TrainStep.reduce_step`, or with the NaN guard's flags), so every rank stops after the
+same step even when only one got the signal (the others count it as SIGTERM in their exit status);
+:class:`PreemptionHook` then saves and ends the loop. Second signal: exit at once (an interrupted save leaves a
+``step-N.partial-*`` folder, removed at the next start), unless it is the same signal within
+:data:`REPEAT_WINDOW_S`: a scheduler that signals every process of a job makes a worker under torchrun get its
+SIGTERM twice, milliseconds apart.
 
-Second signal: exit at once; an interrupted checkpoint write leaves only a ``step-N.partial-*`` folder, removed at
-the next start. The same signal again within :data:`REPEAT_WINDOW_S` of the first is a copy of the first: when a
-scheduler signals every process of a job (Slurm at its time limit or on ``scancel``), a worker under torchrun gets
-the scheduler's SIGTERM and, milliseconds later, the one torchrun forwards to it.
-
-Handlers can only be installed from the main thread (elsewhere a message says they are not);
-``python -m titanlite.train`` installs them around ``Trainer.train()`` (``with trainer.preemption:``), as a
-library user may too; the previous handlers are restored on exit.
+Handlers install from the main thread only, around ``Trainer.train()`` (``with trainer.preemption:``), and the
+previous ones are restored on exit.
 """
 
 from __future__ import annotations
@@ -117,8 +113,7 @@ class PreemptionHandler:
 class PreemptionHook(Hook):
     """Stop after a step on which a stop was requested (``result.stop_requested``, agreed across ranks by the
     step's reduction, read by the guard): a full checkpoint of that step unless one was just saved, then
-    ``state.stop``. Whether a resumable checkpoint of that step exists afterwards goes to
-    the handler (:meth:`PreemptionHandler.record_stop`, the exit status)."""
+    ``state.stop``; whether it is on disk goes to the handler (:meth:`PreemptionHandler.record_stop`)."""
 
     def __init__(self, handler: PreemptionHandler, checkpointer=None):
         self.handler, self.checkpointer = handler, checkpointer

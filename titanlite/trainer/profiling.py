@@ -1,6 +1,5 @@
-"""``[profiling]``: torch.profiler traces and CUDA memory snapshots of chosen steps (where they are written and how
-to view them: docs/monitoring.md, "Profiling"). When both are off, :func:`build_profiler` returns None and the
-training loop does nothing extra.
+"""``[profiling]``: torch.profiler traces and CUDA memory snapshots of chosen steps (where they go and how to view
+them: docs/monitoring.md, "Profiling"); with both off :func:`build_profiler` returns None: nothing extra runs.
 """
 
 from __future__ import annotations

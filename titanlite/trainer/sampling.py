@@ -1,10 +1,9 @@
 """In-loop samples (``[sampling]``): the model completes fixed prompts every ``freq`` steps (docs/evaluation.md).
 
-Sampling leaves training exactly as it was (the losses are bitwise the same with it on or off): the tokens are
-drawn from a generator of its own, reseeded from ``[sampling] seed`` each time (so successive samples differ only
-by what the model learned), float8 linears run in high precision and the model goes back to training mode. With
-``enable = false`` the hook is not even built. A sharded model, or a family whose ``forward`` takes no ``cache``,
-is said at the start (it samples eagerly, or by recomputing the prefix).
+Sampling leaves training bitwise as it was: its tokens come from a generator of its own, reseeded from ``[sampling]
+seed`` each time (so successive samples differ only by what the model learned), float8 linears run in high
+precision and the model goes back to training mode. A sharded model, or a family whose ``forward`` takes no
+``cache``, is said at the start (it samples eagerly, or by recomputing the prefix).
 """
 
 from __future__ import annotations

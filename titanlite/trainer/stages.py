@@ -1,6 +1,4 @@
-"""``[training] seq_len_schedule`` in the loop: a hook that puts the loader, the gradient accumulation and the
-FLOPs per token (MFU) on the stage of the next step (:mod:`titanlite.plan.run_plan` plans the stages), each
-through the method of the object that owns it."""
+"""``[training] seq_len_schedule`` in the loop (:mod:`titanlite.plan.run_plan` plans the stages)."""
 
 from __future__ import annotations
 
@@ -14,9 +12,9 @@ logger = logging.getLogger(__name__)
 
 
 class StageHook(Hook):
-    """Before each step (at the start, after each step, after a rollback): the stage of the step. The last hook of
-    the list, so a step is checkpointed and logged on its own stage. ``metrics``: a hook whose
-    ``flops_per_token`` follows the stage (``stage_flops``, one per stage), or None."""
+    """Before each step (at the start, after each step, after a rollback), puts the loader, the gradient
+    accumulation and ``metrics.flops_per_token`` (``stage_flops``, one per stage; ``metrics`` may be None) on the
+    step's stage, each through its owner's method. The last hook, so a step is saved and logged on its stage."""
 
     def __init__(self, plan: RunPlan, loader: Any, train_step: Any, metrics: Any = None, stage_flops=()):
         self.plan, self.loader, self.train_step = plan, loader, train_step

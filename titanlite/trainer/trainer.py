@@ -1,12 +1,10 @@
 """The training job: ``python -m titanlite.train --config FILE`` or ``torchrun ... -m titanlite.train``.
 
 :class:`Trainer` builds every piece from its own config section and runs the loop: one
-:class:`~titanlite.trainer.step.TrainStep` call per optimizer step, and hooks
-(:mod:`titanlite.trainer.hooks`) for metrics, the guard, the profiler, validation, checkpoints, preemption
-and collective timeouts. To swap a piece, override its ``build_*`` method in a subclass, register it
-(``titanlite.components.register("trainer", "mine", MyTrainer)`` in an extension module) and name
-it in ``[job] trainer``; losses, optimizers and LR schedules are chosen by name the same way.
-Every piece is also usable from a foreign loop (README, "Use titanlite as a library").
+:class:`~titanlite.trainer.step.TrainStep` call per optimizer step, and hooks (:mod:`titanlite.trainer.hooks`) for
+metrics, the guard, the profiler, validation, checkpoints, preemption and collective timeouts. To swap a piece,
+override its ``build_*`` method in a subclass registered as a ``"trainer"`` component and named in ``[job]
+trainer`` (docs/library.md, "Swapping one piece of the stock job"); every piece also works in a foreign loop.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""Weights & Biases as a second sink of the metrics log (``[metrics] enable_wandb``; docs/monitoring.md).
-
-``wandb`` is an optional extra, imported only when enabled. Every value is logged against the training step as
-W&B's x-axis (``define_metric``), never through ``wandb.log(step=)``: W&B drops a record whose ``step=`` is not
-above the last one, so the records a resumed or rolled-back run logs again for steps it already passed would be
-lost. This module imports nothing from titanlite but ``fsio``.
+"""Weights & Biases as a second sink of the metrics log (``[metrics] enable_wandb``, an optional extra imported
+only when enabled; docs/monitoring.md). Every value is logged against the training step as W&B's x-axis
+(``define_metric``), never through ``wandb.log(step=)``, which drops a record whose step is not above the last:
+a resumed or rolled-back run logs records again for steps it already passed. Imports nothing of titanlite but
+``fsio``.
 """
 
 from __future__ import annotations

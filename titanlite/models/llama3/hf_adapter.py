@@ -1,17 +1,10 @@
-"""Llama 3 <-> Hugging Face ``LlamaForCausalLM``: parameter names, rotary layout and config.json.
+"""Llama 3 <-> Hugging Face ``LlamaForCausalLM``: parameter names (the shared tables of
+:mod:`titanlite.models.hf_decoder`), rotary layout and config.json; one tensor at a time, so converters can stream.
 
-Names: titanlite keeps Meta's names (``layers.<i>.attention.wq.weight``); Hugging Face uses
-``model.layers.<i>.self_attn.q_proj.weight`` and so on (the shared tables of
-:mod:`titanlite.models.hf_decoder`).
-
-Rotary layout: titanlite rotates feature pairs ``(2j, 2j+1)`` of each head (Meta's interleaved
-layout); Hugging Face rotates ``(j, j + head_dim/2)`` ("rotate half"). The two models are the same
-function once the output rows of ``wq`` and ``wk`` are reordered inside each head: HF row ``j`` of a
-head is native row ``2j`` and HF row ``j + head_dim/2`` is native row ``2j + 1``. Only ``wq`` (per
-query head) and ``wk`` (per key/value head) are permuted; ``wv``/``wo`` are unaffected because the
-rotation is applied to q and k only.
-
-Every conversion works on one tensor at a time, so converters can stream a checkpoint.
+Rotary layout: titanlite rotates feature pairs ``(2j, 2j+1)`` of each head (Meta's interleaved layout), Hugging
+Face ``(j, j + head_dim/2)`` ("rotate half"). The models are the same function once the output rows of ``wq`` (per
+query head) and ``wk`` (per key/value head) are reordered: HF row ``j`` of a head is native row ``2j``, HF row
+``j + head_dim/2`` native row ``2j + 1``; ``wv`` and ``wo`` are unaffected, as only q and k are rotated.
 """
 
 from __future__ import annotations

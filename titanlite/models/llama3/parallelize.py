@@ -1,50 +1,18 @@
-"""Applying parallelism and training wrappers to a Llama 3 model: ``parallelize_llama``.
+"""Parallelism and training wrappers for a Llama 3 model (``parallelize_llama``), applied by
+:func:`titanlite.parallel.build.build_parallel_model` on the *meta* device, before each rank allocates and
+initializes its shards, so the full parameters never exist on one device. The order matters:
 
-Called by :func:`titanlite.parallel.build.build_parallel_model` on the model built on the *meta*
-device (no memory), before it is materialized; each rank's shards are then allocated (``to_empty``)
-and initialized, so the full parameters never exist on one device. ``policies`` (a
-:class:`~titanlite.parallel.policies.Policies`) carries the float8, AC, compile and FSDP settings.
-The steps run in this order, and the order matters:
-
-1. **Float8** (``[quantize.linear.float8]``): eligible ``nn.Linear`` modules are swapped for
-   :class:`~titanlite.parallel.float8.Float8Linear` first, while the model is a plain module tree:
-   module swaps are simple on meta, and every later step must see the final modules (TP shards
-   the Float8Linear's weight like any linear; compile traces the float8 casts; FSDP groups its
-   parameters). Float8Linear subclasses ``nn.Linear``, so the TP plan below applies unchanged.
-2. **Tensor parallel** (``[parallelism] tensor_parallel_degree``): turns parameters into DTensors on
-   the ``tp`` mesh and adds the input/output redistribution hooks. It must come before AC and
-   compile, so that the recomputed and the compiled code include the DTensor collectives, and
-   before FSDP, which shards the TP shards again along the data-parallel mesh (2-D parameters).
-   Plan (Megatron-style, with sequence parallelism):
-
-   - ``tok_embeddings``: row-wise (vocabulary-sharded table), output sharded along the sequence
-     (reduce-scattered synchronously, see ``SyncRowwiseParallel``);
-   - ``attention_norm`` / ``ffn_norm`` / ``norm``: sequence parallel (each rank normalizes its part
-     of the sequence, so activations between blocks are never replicated);
-   - ``attention`` / ``feed_forward`` inputs: all-gathered along the sequence; ``wq, wk, wv, w1,
-     w3`` column-wise (each rank computes a subset of heads / hidden units), ``wo, w2`` row-wise
-     with a reduce-scatter back to sequence shards;
-   - ``output``: column-wise; with ``enable_loss_parallel`` the logits stay sharded over the
-     vocabulary (the loss is computed from the shards, see ``titanlite.parallel.tensor_parallel``),
-     otherwise they are all-gathered.
-
-   The attention code infers the local head count from the projections, so it needs no change.
-   A tied output shares the embedding's DTensor (both are ``Shard(0)`` over the vocabulary).
-3. **Activation checkpointing** (``[activation_checkpoint]``): per block, after TP so recomputation
-   includes the TP communication, before compile so the checkpoint is traced into the graph, and
-   before FSDP so FSDP's all-gather/free hooks stay outside the checkpointed region.
-4. **torch.compile** (``[compile]``): per block (and the embedding and final norm), on the final
-   block code (float8 + TP + AC), and before FSDP, whose hooks must stay outside the compiled graph.
-5. **FSDP2** (``data_parallel_shard_degree`` / ``_replicate_degree``): ``fully_shard`` bottom-up,
-   one group per block, ``tok_embeddings`` alone, ``output`` alone (the last group, not resharded
-   after forward by default since backward needs it first; alone so that the chunked loss can run as
-   its forward, see ``titanlite.trainer.output_loss``), then the root with the final norm. A tied
-   embedding/output is one tensor, so then embedding, norm and output form the root's group. HSDP
-   when the replicate degree is above 1. Gradients are *summed* over data-parallel ranks
-   (see ``titanlite.parallel.fsdp``). Last, because it wraps everything above.
-
-With a single data-parallel rank FSDP is not applied and the Trainer uses bf16 autocast when
-``mixed_precision_param = "bfloat16"`` (see ``Trainer.autocast`` for the measurement behind this).
+1. **Float8** swaps eligible linears first, on the plain module tree: every later step must see the final modules
+   (a Float8Linear is an ``nn.Linear``, so the TP plan applies unchanged).
+2. **Tensor parallel** (Megatron-style with sequence parallelism: :func:`block_tp_plan`,
+   :func:`~titanlite.parallel.tensor_parallel.parallelize_decoder`) comes before AC and compile, so that the
+   recomputed and compiled code include its collectives, and before FSDP, which shards the TP shards again.
+3. **Activation checkpointing**, per block, before compile so the checkpoint is traced into the graph, and before
+   FSDP so FSDP's all-gather/free hooks stay outside the checkpointed region.
+4. **torch.compile**, per block (and the embedding and final norm), on the final block code, before FSDP, whose
+   hooks must stay outside the compiled graph.
+5. **FSDP2** last, as it wraps everything (:func:`apply_fsdp`): gradients are *summed* over data-parallel ranks;
+   with one data-parallel rank it is not applied and the Trainer uses bf16 autocast (``Trainer.autocast``).
 """
 
 from __future__ import annotations
@@ -103,7 +71,9 @@ def check_llama_parallelism(args, parallel_dims) -> None:
 
 
 def block_tp_plan() -> dict:
-    """The TP + sequence-parallel plan of one Llama block (module docstring, step 2), by submodule name."""
+    """The TP + sequence-parallel plan of one Llama block, by submodule name: the norms sequence-parallel, the
+    attention and feed-forward inputs gathered along the sequence, ``wq wk wv w1 w3`` column-wise (each rank a
+    subset of heads / hidden units), ``wo w2`` row-wise with a reduce-scatter back to sequence shards."""
     return {
         "attention_norm": SequenceParallel(),
         # (x, rope_cache, attn_mask): gather x along the sequence; the rope table and mask are plain tensors
@@ -123,7 +93,8 @@ def block_tp_plan() -> dict:
 
 
 def apply_fsdp(model: nn.Module, policy: FSDPPolicy) -> None:
-    """FSDP groups bottom-up (module docstring, step 5)."""
+    """FSDP groups bottom-up: one per block, ``tok_embeddings`` alone, ``output`` alone (the last group, so the
+    chunked loss can run as its forward), the root with the final norm; a tied embedding/output is the root's."""
     tied = model.args.tie_word_embeddings
     if not tied and model.tok_embeddings is not None:  # None: a later pipeline stage
         policy.shard(model.tok_embeddings)

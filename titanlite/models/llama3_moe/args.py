@@ -1,25 +1,13 @@
-"""Hyper-parameters of ``llama3_moe``: a Llama 3 decoder whose feed-forward layers are MoE layers.
+"""Hyper-parameters of ``llama3_moe``: a Llama 3 decoder whose feed-forward layers are MoE layers (the ``moe_*``
+fields, :class:`~titanlite.models.moe.MoEArgs`) after the first ``n_dense_layers`` (DeepSeek-V3's
+``first_k_dense_replace``); the Llama 3 fields mean what they mean in
+:class:`~titanlite.models.llama3.args.Llama3ModelArgs`.
 
-The Llama 3 fields (``dim``, ``n_heads``, RoPE, norms ...) mean what they mean in
-:class:`~titanlite.models.llama3.args.Llama3ModelArgs`, plus:
-
-- ``attn_head_dim``: the per-head width when it is not ``dim // n_heads`` (0: ``dim // n_heads``);
-- ``ffn_hidden_dim``: the SwiGLU hidden size of the dense blocks, a plain number;
-- ``n_dense_layers``: the first blocks keep a dense SwiGLU (DeepSeek-V3's ``first_k_dense_replace``),
-  every later block is a MoE layer (the ``moe_*`` fields, :class:`~titanlite.models.moe.MoEArgs`).
-
-Flavors:
-
-- ``debugmodel``: the Llama debug model's attention (dim 256, 6 blocks, 8 heads / 4 kv), the first block
-  dense and the others 8 experts of hidden 256, top-2, plus one shared expert: per token each MoE block
-  computes three 256-wide SwiGLUs, as many FLOPs as the dense debug model's 768-wide one, so the two are
-  the side-by-side pair of ``titanlite bench train``;
-- ``671B``: DeepSeek-V3's MoE shape (61 blocks of width 7168, the first 3 dense with hidden 18432;
-  256 routed experts of hidden 2048, top-8 among the 4 best of 8 groups, one shared expert, sigmoid
-  scores renormalized and scaled by 2.5, the aux-loss-free bias and a small sequence-level aux loss;
-  vocabulary 129,280). Its attention is GQA, not DeepSeek's multi-head latent attention (MLA is not
-  built): 128 query heads of width 96 and 8 key/value heads give 187 M parameters per block, close to
-  MLA's 187 M, so totals stay DeepSeek-V3's: ~671 B parameters, ~37 B active per token.
+Flavors: ``debugmodel`` has the Llama debug model's attention and, per token, three 256-wide SwiGLUs per MoE
+block (top-2 plus a shared expert), as many FLOPs as the dense debug model's 768-wide one, so the two are the
+side-by-side pair of ``titanlite bench train``. ``671B`` is DeepSeek-V3's MoE shape; its attention is GQA, not
+DeepSeek's multi-head latent attention (not built), with 128 query heads of width 96 and 8 key/value heads, which
+give MLA's parameters per block, so the totals stay DeepSeek-V3's (~671 B, ~37 B active per token).
 """
 
 from __future__ import annotations

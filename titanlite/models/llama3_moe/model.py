@@ -1,11 +1,7 @@
-"""``llama3_moe``: titanlite's Llama 3 decoder with mixture-of-experts feed-forward layers.
-
-Every block is a Llama 3 block (:class:`~titanlite.models.llama3.model.TransformerBlock`: grouped-query
-attention with interleaved RoPE, RMSNorm, residuals); in blocks ``n_dense_layers`` and later the
-``feed_forward`` is a :class:`~titanlite.models.moe.MoE` (router, stacked routed experts, optional shared
-experts, Llama's SwiGLU) instead of a dense SwiGLU. Names therefore stay Llama's, with the MoE's inside:
-``layers.<i>.feed_forward.router.gate.weight``, ``.router.expert_bias`` (the aux-loss-free bias, a
-buffer), ``.experts.w1`` ``[E, hidden, dim]``, ``.shared_experts.w1.weight`` ...
+"""``llama3_moe``: Llama 3 blocks (:class:`~titanlite.models.llama3.model.TransformerBlock`) whose
+``feed_forward``, from block ``n_dense_layers`` on, is a :class:`~titanlite.models.moe.MoE`; names stay Llama's,
+with the MoE's inside (``layers.<i>.feed_forward.router.gate.weight``, ``.router.expert_bias``, ``.experts.w1``,
+``.shared_experts.w1.weight`` ...).
 """
 
 from __future__ import annotations

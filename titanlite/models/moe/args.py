@@ -1,11 +1,9 @@
 """Hyper-parameters of the mixture-of-experts feed-forward layer.
 
-A family's model args inherit :class:`MoEArgs`, whose fields are flat and prefixed ``moe_`` so that
-each one is a ``[model]`` key (``moe_num_experts = 8``) or an option (``--model.moe_top_k 2``) like
-any other model arg; :meth:`MoEArgs.moe_config` gathers them into the :class:`MoEConfig` the layer
-takes. Fields that say how a run trains rather than what the weights mean (the balancing
-coefficients, the grouped GEMM switch) are in :data:`MOE_RUN_ARGS`, which a family adds to its
-``ModelSpec.run_args``: a seed checkpoint never imposes them.
+A family's model args inherit :class:`MoEArgs`, whose flat ``moe_*`` fields are ``[model]`` keys and options like
+any other model arg; :meth:`MoEArgs.moe_config` gathers them into the layer's :class:`MoEConfig`. Fields that say
+how a run trains rather than what the weights mean (balancing coefficients, the grouped GEMM switch) are in
+:data:`MOE_RUN_ARGS`, which a family adds to its ``ModelSpec.run_args``: a seed checkpoint never imposes them.
 """
 
 from __future__ import annotations
@@ -31,10 +29,9 @@ class MoEConfig:
     expert groups (node-limited routing; a group's score is the sum of its two best scores); the weights are
     the chosen scores, renormalized to sum to 1 when ``norm_topk_prob``, times ``route_scale``.
 
-    Balancing: ``aux_loss_coef`` weighs the Switch/GShard loss ``E sum_i f_i P_i`` over each sequence
-    (``aux_loss_level = "seq"``) or each micro-batch of every data-parallel rank together (``"batch"``);
-    ``z_loss_coef`` the router z-loss (mean squared log-sum-exp of the logits); ``bias_update_rate`` the
-    step of the aux-loss-free bias update after each optimizer step (0: off)."""
+    Balancing (:mod:`titanlite.models.moe.balance`): ``aux_loss_coef`` (the Switch/GShard loss per ``aux_loss_level``,
+    ``"seq"`` or ``"batch"``), ``z_loss_coef`` (the router z-loss), ``bias_update_rate`` (the aux-loss-free bias
+    step after each optimizer step; 0: off)."""
 
     num_experts: int = 8
     top_k: int = 2

@@ -1,33 +1,22 @@
 """Load balancing of MoE layers: the auxiliary losses and the aux-loss-free bias.
 
-**Auxiliary losses, in the loss contract.** The training loss is a token *sum* divided once by the
-number of tokens in the whole optimizer step (:mod:`titanlite.trainer.step`), so that accumulation and
-data parallelism equal one big batch. The MoE losses follow it: each layer computes its term as a sum
-over its tokens and divides it by the step's token count (``MoE.aux_divisor``, which
-:class:`~titanlite.models.moe.step.MoEStep` sets before each step; 0, as in a foreign loop that never
-sets it, means this micro-batch's own tokens). The term reaches the gradients through
-:class:`AddAuxLoss` on the layer's output: its backward hands the term a gradient of 1, as if it had
-been added to the loss, which works in every pipeline stage, under activation checkpointing and
-compile alike. The logged ``loss`` stays the cross-entropy; the terms are logged as ``moe/aux_loss``
-and ``moe/z_loss``.
+**Auxiliary losses** follow the loss contract (:mod:`titanlite.trainer.step`): each layer's term is a token sum
+divided by the step's token count (``MoE.aux_divisor``, set by :class:`~titanlite.models.moe.step.MoEStep`; 0, as
+in a foreign loop, means this micro-batch's own tokens), so accumulation and data parallelism equal one big batch.
+:class:`AddAuxLoss` on the layer's output gives the term a gradient of 1 in backward, as if added to the loss,
+which works in every pipeline stage, under activation checkpointing and compile alike.
 
-- Switch/GShard loss, ``coef x E x sum_i f_i P_i`` with ``f_i`` the fraction of routed slots that chose
-  expert ``i`` and ``P_i`` the mean (normalized) score of ``i``: per **sequence** (DeepSeek-V3's
-  sequence-wise loss, a sum of per-sequence terms: exact under any split of the batch) or per
-  **batch**, where ``f`` counts one forward pass (a micro-batch; under pipeline parallelism, a pipeline
-  microbatch) of every data-parallel rank together (one all-reduce of E counts over ``MoE.load_group``),
-  so DP ranks train exactly as one process with their union. As a token sum a batch's term is
-  ``coef x sum_i f_i x sum_t p_ti``.
+- Switch/GShard loss, ``coef x E x sum_i f_i P_i`` (``f_i`` the fraction of routed slots choosing expert ``i``,
+  ``P_i`` its mean normalized score): per **sequence** (DeepSeek-V3's, exact under any split of the batch) or per
+  **batch**, where ``f`` counts one forward pass of every data-parallel rank together (an all-reduce of E counts
+  over ``MoE.load_group``); as a token sum, ``coef x sum_i f_i x sum_t p_ti``.
 - Router z-loss (ST-MoE): ``coef x logsumexp(logits_t)^2`` per token.
 
-**Aux-loss-free bias** (DeepSeek-V3): after each optimizer step every layer's ``expert_bias`` moves by
-``rate x sign(mean load - load_i)``, the load being the step's routed slots per expert summed over
-every data-parallel rank, so the bias is identical on every rank (``MoEStep.end_step``).
+**Aux-loss-free bias** (DeepSeek-V3): after each optimizer step ``expert_bias`` moves by ``rate x sign(mean load -
+load_i)``, the load summed over every data-parallel rank, so the bias is the same on every rank.
 
-**Statistics.** Each layer accumulates, in training mode, its routed slots per expert and the sums of
-its tokens, router entropy and loss terms (non-persistent buffers, no gradient). Activation
-checkpointing recomputes a block's forward and counts it twice; every logged figure is a ratio of
-two such sums and the bias update uses only the sign of a difference, so neither changes.
+**Statistics**: sums per layer in training mode (non-persistent buffers). Activation checkpointing counts a block
+twice; every logged figure is a ratio of two such sums and the bias update uses only a sign, so neither changes.
 """
 
 from __future__ import annotations

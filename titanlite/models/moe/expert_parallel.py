@@ -1,21 +1,13 @@
 """Expert parallelism: each rank of the ``ep`` mesh holds ``E / ep`` experts, tokens travel to them and back.
 
-Dispatch (:func:`expert_parallel_swiglu`), for tokens already sorted by global expert id:
+:func:`expert_parallel_swiglu`, for tokens sorted by global expert id, exchanges the counts per expert first
+(``all_to_all_single`` of ``E`` integers), then the tokens (one host sync for the split sizes), regroups what
+arrived by local expert for the grouped GEMM, and sends the outputs back with the inverse exchange. Both token
+exchanges are differentiable (:class:`AllToAll`: the backward swaps the splits), so each expert's weight gradient
+sums every peer's tokens. The region runs eagerly under ``torch.compile`` (the split sizes are host data).
 
-1. the counts per global expert are exchanged first (``all_to_all_single`` of ``E`` integers), so each
-   rank knows how many tokens every peer sends to each of its local experts;
-2. the tokens are exchanged with ``all_to_all_single`` and those splits (one host sync: the split sizes);
-3. what arrived, grouped by source rank and then by local expert, is regrouped by local expert, and the
-   local experts run (grouped GEMM);
-4. the outputs are put back in arrival order and returned with the inverse ``all_to_all_single``.
-
-Both token exchanges are differentiable (:class:`AllToAll`: the backward is the same exchange with the
-splits swapped), so the gradients of the routed tokens flow back to the ranks that sent them, and each
-expert's weight gradient sums the contributions of every token routed to it by any peer. The region
-runs eagerly under ``torch.compile`` (the split sizes are data on the host).
-
-:func:`shard_experts` turns the stacked expert weights into DTensors sharded on dimension 0 over the
-``ep`` mesh (each rank keeps its slice of the meta tensor), so checkpoints hold global shapes.
+:func:`shard_experts` makes the stacked expert weights ``Shard(0)`` DTensors over the ``ep`` mesh, so checkpoints
+hold global shapes.
 """
 
 from __future__ import annotations

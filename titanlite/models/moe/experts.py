@@ -1,21 +1,16 @@
 """The routed experts: SwiGLU MLPs whose weights are stacked ``[E, ...]`` tensors.
 
-``w1`` and ``w3`` are ``[E, hidden, dim]`` and ``w2`` is ``[E, dim, hidden]``: expert ``e``'s slices have
-the layout of an ``nn.Linear`` weight (Hugging Face's per-expert ``gate_proj``, ``up_proj`` and
-``down_proj``), so a checkpoint converts by stacking and unstacking. Under expert parallelism the three
-are DTensors sharded on dimension 0 over the ``ep`` mesh: a checkpoint holds them with their global
-shape, and each rank computes with its local experts (``to_local``).
+``w1`` and ``w3`` are ``[E, hidden, dim]``, ``w2`` is ``[E, dim, hidden]``: expert ``e``'s slices are laid out as
+``nn.Linear`` weights (Hugging Face's per-expert projections), so a checkpoint converts by (un)stacking. Under
+expert parallelism they are DTensors sharded on dimension 0 (global shapes in checkpoints; each rank computes
+with its local experts). Input: the tokens sorted by expert and the count per local expert; two implementations
+give the same result:
 
-Input: the tokens sorted by expert, and how many go to each local expert. Two implementations give
-the same result:
+- ``grouped_mm``: one ``torch._grouped_mm`` per weight over the whole sorted batch (no host sync, one compiled
+  graph; outside bf16, whose tracing kernel torch lacks, through the custom op :func:`grouped_mm`);
+- the loop: one matmul per expert (the reference, and the fallback where ``_grouped_mm`` is missing).
 
-- ``grouped_mm``: one ``torch._grouped_mm`` per weight over the whole sorted batch, the groups given
-  by the cumulative counts (no host sync, compiles in one graph; outside bf16, whose tracing kernel
-  torch lacks, through the custom op :func:`grouped_mm` around the same kernel);
-- the loop: one plain matmul per expert (the reference, and the fallback where ``_grouped_mm`` is missing).
-
-Under autocast both compute in the autocast dtype, like ``nn.Linear``. On CUDA the grouped GEMM runs in bf16
-(FSDP's mixed precision or autocast); an fp32 model there takes the loop.
+Under autocast both compute in the autocast dtype, like ``nn.Linear``; on CUDA an fp32 model takes the loop.
 """
 
 from __future__ import annotations

@@ -1,24 +1,19 @@
-"""The parallelize plan of a decoder whose blocks' ``feed_forward`` may be an :class:`~titanlite.models.moe.MoE`.
+"""The parallelize plan of a decoder whose blocks' ``feed_forward`` may be an :class:`~titanlite.models.moe.MoE`:
+:func:`parallelize_moe_decoder` is the Llama plan (:mod:`titanlite.models.llama3.parallelize`, same order, same
+reasons) with what MoE blocks need:
 
-:func:`parallelize_moe_decoder` is the Llama plan (``titanlite/models/llama3/parallelize.py``: float8 ->
-TP -> AC -> compile -> FSDP, same order, same reasons) with what MoE blocks need:
-
-- **float8**: routers stay in high precision (filtered like the output), and the stacked experts are no
-  ``nn.Linear``: they run their grouped GEMMs in the compute dtype (bf16 under FSDP's mixed precision).
-  The log says so.
-- **TP** (attention): the family's block plan for the attention and the norms. A MoE ``feed_forward``
-  takes the whole sequence (all-gathered, as a dense one) and runs replicated on the TP ranks: its input
-  becomes a local tensor, its output a sequence shard again (backward: the matching all-gather). Router
-  and expert weights are then plain (data-parallel) tensors whose gradients are already complete on every
-  TP rank: expert tensor parallelism is not built (``expert_tensor_parallel_degree`` must be 1).
-- **EP** (``ep > 1``): the stacked expert weights become ``Shard(0)`` DTensors over the ``ep`` mesh and
-  the layer dispatches tokens with all-to-all (:mod:`~titanlite.models.moe.expert_parallel`).
+- **float8**: routers stay in high precision, and the stacked experts (no ``nn.Linear``) run their grouped GEMMs
+  in the compute dtype.
+- **TP** (attention and norms only): a MoE ``feed_forward`` takes the whole sequence and runs replicated on the TP
+  ranks, so router and expert gradients are complete on every TP rank (``expert_tensor_parallel_degree`` = 1).
+- **EP** (``ep > 1``): the stacked expert weights become ``Shard(0)`` DTensors over the ``ep`` mesh and tokens
+  travel by all-to-all (:mod:`~titanlite.models.moe.expert_parallel`).
 - **load group**: a batch-level aux loss counts the micro-batch of every data-parallel rank together.
-- **compile**: per block; fullgraph unless a block must leave the graph (the expert-parallel exchange,
-  whose split sizes come from the host, or the per-expert loop).
-- **FSDP**: each MoE layer's experts form their own group first, over ``expert_fsdp_mesh`` under EP (the
-  data-parallel ranks that hold the same experts; dimension 1 is sharded when there are fewer local
-  experts than ranks), then the usual groups: embedding, each block, norm + output, root.
+- **compile**: per block; fullgraph unless the block has the expert-parallel exchange (host split sizes) or the
+  per-expert loop.
+- **FSDP**: each MoE layer's experts form their own group first, over ``expert_fsdp_mesh`` under EP (the ranks
+  that hold the same experts; dimension 1 sharded when there are fewer local experts than ranks), then the usual
+  groups.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """The token router of an MoE layer: scores, top-k choice (optionally group-limited), weights.
 
-``TopKRouter(x [N, dim])`` returns a :class:`Routing`. The choice uses the scores plus
-``expert_bias``, DeepSeek-V3's aux-loss-free balancing term, which only moves the choice: the
-weights come from the scores alone. The bias is a persistent buffer (it is in checkpoints); the
-loop updates it after each optimizer step (:mod:`titanlite.models.moe.balance`). It is zero in a
-router whose run does not update it, so routing is then the plain top-k.
+``TopKRouter(x [N, dim])`` returns a :class:`Routing`. The choice uses the scores plus ``expert_bias``
+(DeepSeek-V3's aux-loss-free balancing, a persistent buffer the loop updates after each optimizer step:
+:mod:`titanlite.models.moe.balance`; zero when not updated), which only moves the choice: the weights come from
+the scores alone.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Each optimizer step's bookkeeping of a model's MoE layers (:class:`MoEStep`, used by ``TrainStep``).
-
-Before the first micro-batch, every layer learns the step's token count (the divisor of its aux / z loss
-terms, :mod:`titanlite.models.moe.balance`). After the optimizer step, one all-reduce of a ``[n_blocks,
-E + 4]`` table over the loss group (data-parallel ranks and pipeline stages) gives every rank the same
-global loads, from which each layer's aux-loss-free bias moves (identically on every rank) and the step's
-``moe/*`` metrics come; then the statistics restart.
+"""Each optimizer step's bookkeeping of a model's MoE layers (:class:`MoEStep`, used by ``TrainStep``): before the
+first micro-batch every layer learns the step's token count (its aux / z loss divisor); after the optimizer step
+the loads summed over the loss group (data-parallel ranks and pipeline stages) move each layer's aux-loss-free
+bias, identically on every rank, and give the step's ``moe/*`` metrics.
 """
 
 from __future__ import annotations
