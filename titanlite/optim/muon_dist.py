@@ -38,7 +38,12 @@ def holds_whole(p: torch.Tensor) -> bool:
         return True
     if all(pl.is_replicate() for pl in p.placements):
         return True
-    return p.ndim == 3 and all(pl.is_replicate() or pl.is_shard(0) for pl in p.placements)
+    return p.ndim == 3 and all(pl.is_replicate() or _shard_dim(pl) == 0 for pl in p.placements)
+
+
+def _shard_dim(placement) -> int | None:
+    """The tensor dim a placement splits (``Shard`` and the strided shard FSDP puts over TP or EP), else None."""
+    return getattr(placement, "dim", None)
 
 
 @dataclasses.dataclass
@@ -68,7 +73,7 @@ def _senders(p: DTensor, owner: int) -> list[int]:
     for dim, pl in enumerate(p.placements):
         if pl.is_replicate():
             keep &= (torch.arange(mesh.size(dim)) == coord[dim]).view([-1 if d == dim else 1 for d in range(mesh.ndim)])
-        elif not pl.is_shard():
+        elif _shard_dim(pl) is None:
             raise ValueError(f"Muon cannot gather a parameter placed as {p.placements}")
     return sorted(mesh[keep].tolist())
 

@@ -3,7 +3,9 @@
 Muon orthogonalizes the update of a hidden weight matrix, so it takes the attention and MLP projections and the
 routed experts (a batch of matrices, one per expert), as nanochat and Moonshot do. AdamW keeps what is not a hidden
 matrix: the token embedding (a lookup table, not a linear map), the output layer (its rows are per-token scores),
-norms and biases. ``muon_params`` / ``adamw_params`` (fnmatch patterns on the parameter names, wrappers' name parts
+a MoE layer's router (its rows are per-expert scores; its small gradient's weak directions, which orthogonalization
+would raise to full size, made data-parallel runs drift 1e-5 from one process where AdamW's stay at 1e-6), norms and
+biases. ``muon_params`` / ``adamw_params`` (fnmatch patterns on the parameter names, wrappers' name parts
 removed) move parameters from one side to the other; ``adamw_params`` wins where both match. Only matrices and
 stacks of matrices can go to Muon.
 """
@@ -18,6 +20,7 @@ from torch import nn
 from titanlite.errors import ConfigError
 
 OUTPUT_NAMES = ("output.weight", "lm_head.weight")  # the output layer of titanlite's families and HF's
+ROUTER_PATTERN = "*.router.*"  # a MoE layer's gate: per-expert scores, like the output layer's per-token ones
 _WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
 
@@ -29,8 +32,9 @@ def clean_name(name: str) -> str:
 
 
 def default_is_muon(name: str, p: torch.Tensor, embeddings: set[int]) -> bool:
-    """The default split: a matrix or a stack of them, not an embedding and not the output layer."""
-    return p.ndim in (2, 3) and id(p) not in embeddings and name not in OUTPUT_NAMES
+    """The default split: a matrix or a stack of them, not an embedding, the output layer or a MoE router."""
+    hidden = name not in OUTPUT_NAMES and not fnmatchcase(name, ROUTER_PATTERN)
+    return p.ndim in (2, 3) and id(p) not in embeddings and hidden
 
 
 def split_params(
