@@ -10,6 +10,8 @@ the AdamW groups, then Muon's (:mod:`titanlite.optim.muon_math`, with sharded ma
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -43,6 +45,13 @@ class MuonAdamW(torch.optim.AdamW):
         super().__init__([*adamw_groups, {**muon_group, "muon": True}], **adamw)
         self._step_supports_amp_scaling = False  # a fused kernel's grad_scale would not reach Muon's parameters
         self._exchange: Exchange | None = None
+
+    def __setstate__(self, state: dict) -> None:
+        """AdamW's (which reads each state's ``step``) on AdamW's states, Muon's momentum states kept as loaded."""
+        muon = {p: s for p, s in state["state"].items() if "momentum_buffer" in s}
+        rest = defaultdict(dict, {p: s for p, s in state["state"].items() if p not in muon})
+        super().__setstate__({**state, "state": rest})
+        self.state.update(muon)
 
     @torch.no_grad()
     def step(self, closure=None):
