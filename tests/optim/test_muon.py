@@ -161,3 +161,16 @@ def test_owner_assignment_is_balanced_at_the_1b_shape():
 def test_config_rejects_bad_coefficients():
     with pytest.raises(ConfigError, match="3 numbers"):
         Optimizer(ns_coefficients=[1.0, 2.0]).validate()
+
+
+def test_planner_counts_one_buffer_for_muon_matrices():
+    """The memory model's optimizer state: AdamW's 8 bytes per parameter, less 4 for each Muon matrix element."""
+    from titanlite.models.flops import ModelShape, block_matmul_params
+    from titanlite.plan.memory import RunSetup, memory_breakdown
+
+    s = ModelShape(dim=2048, n_layers=16, n_heads=32, kv_heads=8, ffn_hidden_dim=8192, vocab_size=128256)
+    adamw = memory_breakdown(s, RunSetup(num_gpus=8))
+    muon = memory_breakdown(s, RunSetup(num_gpus=8, optimizer="muon"))
+    matrices = s.n_layers * block_matmul_params(s) / 8
+    assert muon["optimizer"] == pytest.approx(adamw["optimizer"] - 4 * matrices)
+    assert muon["optimizer_scratch"] == pytest.approx(adamw["optimizer_scratch"] + 4 * 2 * matrices)  # bf16
