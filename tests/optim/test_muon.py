@@ -174,3 +174,19 @@ def test_planner_counts_one_buffer_for_muon_matrices():
     matrices = s.n_layers * block_matmul_params(s) / 8
     assert muon["optimizer"] == pytest.approx(adamw["optimizer"] - 4 * matrices)
     assert muon["optimizer_scratch"] == pytest.approx(adamw["optimizer_scratch"] + 4 * 2 * matrices)  # bf16
+
+
+def test_lr_schedule_moves_both_optimizers():
+    from titanlite.config.sections import LRScheduler
+    from titanlite.optim.lr_scheduler import build_lr_scheduler, lr_factor
+
+    model = build_model("llama3", "debugmodel", **TINY)
+    optimizer = build_muon(model, section())
+    scheduler = build_lr_scheduler(optimizer, LRScheduler(warmup_steps=2), total_steps=6)
+    for step in range(1, 6):
+        factor = lr_factor(step, total_steps=6, warmup_steps=2)
+        assert [g["lr"] for g in optimizer.param_groups] == pytest.approx(
+            [g["initial_lr"] * factor for g in optimizer.param_groups]
+        )
+        scheduler.step()
+    assert sorted({g["initial_lr"] for g in optimizer.param_groups}) == [LR, MUON_LR]
