@@ -188,5 +188,6 @@ def test_lr_schedule_moves_both_optimizers():
         assert [g["lr"] for g in optimizer.param_groups] == pytest.approx(
             [g["initial_lr"] * factor for g in optimizer.param_groups]
         )
+        optimizer.step()  # no gradients: nothing moves, but the schedule sees a step before its own
         scheduler.step()
     assert sorted({g["initial_lr"] for g in optimizer.param_groups}) == [LR, MUON_LR]
