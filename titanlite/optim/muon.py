@@ -100,17 +100,18 @@ class MuonAdamW(torch.optim.AdamW):
         out = [None] * len(params)
         single = not dist.is_initialized() or dist.get_world_size() == 1
         sharded = [i for i, p in enumerate(params) if not (single or holds_whole(p))]
+        started, whole_skip = None, set(sharded)
+        if not single:  # the sharded matrices travel to their owners while this rank works on the whole ones
+            if self._exchange is None:
+                self._exchange = Exchange([params[i] for i in sharded], steps, _local(params[0]).device)
+            flat = [updates[i] if updates[i] is not None else torch.zeros_like(_local(params[i])) for i in sharded]
+            started = self._exchange.start([u.to(dtype).reshape(-1) for u in flat], dtype)
         for i, u in enumerate(updates):
-            if u is not None and i not in sharded:
+            if u is not None and i not in whole_skip:
                 out[i] = ns(u)
-        if single:
-            return out
-        if self._exchange is None:
-            self._exchange = Exchange([params[i] for i in sharded], steps, _local(params[0]).device)
-        flat = [(updates[i] if updates[i] is not None else torch.zeros_like(_local(params[i]))) for i in sharded]
-        pieces = self._exchange.orthogonalize([u.to(dtype).reshape(-1) for u in flat], ns, dtype)
-        for i, piece in zip(sharded, pieces):
-            out[i] = piece if updates[i] is not None else None
+        if not single:
+            for i, piece in zip(sharded, self._exchange.finish(started, ns, dtype)):
+                out[i] = piece if updates[i] is not None else None
         return out
 
 

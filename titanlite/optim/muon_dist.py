@@ -13,7 +13,8 @@ only along the expert dim, as expert parallelism and expert FSDP leave them) is 
   contiguous one as a slice (the FSDP case: no index tensor);
 - per step, two ``all_to_all_single`` over the world carry every matrix at once: the shards of the momentum-updated
   gradient to their owners (from the owner's replica only, under HSDP), then the orthogonalized pieces back to every
-  rank holding a shard. Both travel in the Newton-Schulz dtype (bf16 halves the bytes).
+  rank holding a shard. Both travel in the Newton-Schulz dtype (bf16 halves the bytes). The first runs while the
+  rank orthogonalizes the matrices it holds whole (:meth:`Exchange.start`, then :meth:`Exchange.finish`).
 """
 
 from __future__ import annotations
@@ -93,15 +94,24 @@ def plan_matrices(params: list[DTensor], steps: int) -> list[Matrix]:
     ]
 
 
-def all_to_all(sends: list[list[torch.Tensor]], recv_sizes: list[list[int]], like: torch.Tensor) -> list[list]:
-    """Every rank's ``sends[dst]`` (flat tensors) to ``dst`` in one ``all_to_all_single`` over the world; returns
-    ``received[src]``, split by ``recv_sizes[src]``. ``like`` gives the dtype and device of empty buffers."""
+def all_to_all(
+    sends: list[list[torch.Tensor]], recv_sizes: list[list[int]], like: torch.Tensor, async_op: bool = False
+) -> Callable[[], list[list[torch.Tensor]]]:
+    """Every rank's ``sends[dst]`` (flat tensors) to ``dst`` in one ``all_to_all_single`` over the world, started
+    now (``async_op``: without waiting); the returned function waits and gives ``received[src]``, split by
+    ``recv_sizes[src]``. ``like`` gives the dtype and device of the buffers."""
     flat = [torch.cat(chunks) if chunks else like.new_empty(0) for chunks in sends]
     send = torch.cat(flat)
     recv = like.new_empty(sum(sum(s) for s in recv_sizes))
     totals = [sum(s) for s in recv_sizes]
-    dist.all_to_all_single(recv, send, totals, [t.numel() for t in flat])
-    return [list(part.split(sizes)) for part, sizes in zip(recv.split(totals), recv_sizes)]
+    work = dist.all_to_all_single(recv, send, totals, [t.numel() for t in flat], async_op=async_op)
+
+    def received() -> list[list[torch.Tensor]]:
+        if work is not None:
+            work.wait()
+        return [list(part.split(sizes)) for part, sizes in zip(recv.split(totals), recv_sizes)]
+
+    return received
 
 
 def _compact(index: torch.Tensor) -> Index:
@@ -139,24 +149,31 @@ class Exchange:
             [i for i, m in enumerate(mats) if m.owner == dst and self.rank in m.ranks] for dst in range(self.world)
         ]
         sizes = [[like.new_tensor([mats[i].local_index.numel()]) for i in mine] for mine in to_owner]
-        got = all_to_all(sizes, [[1] * len(self._from(src, "ranks")) for src in range(self.world)], like)
+        got = all_to_all(sizes, [[1] * len(self._from(src, "ranks")) for src in range(self.world)], like)()
         counts = [[int(t) for t in part] for part in got]
-        indices = all_to_all([[mats[i].local_index for i in mine] for mine in to_owner], counts, like)
+        indices = all_to_all([[mats[i].local_index for i in mine] for mine in to_owner], counts, like)()
         for src in range(self.world):
             for i, index in zip(self._from(src, "ranks"), indices[src]):
                 self.index[(i, src)] = _compact(index)
 
-    def orthogonalize(self, updates: list[torch.Tensor], ns: Callable, dtype: torch.dtype) -> list[torch.Tensor]:
-        """The local pieces (flat) of ``ns(full matrix)`` for each matrix, from this rank's local ``updates`` (flat,
-        in the Newton-Schulz ``dtype``). Collective: every rank calls it once per step."""
+    def start(self, updates: list[torch.Tensor], dtype: torch.dtype) -> Callable[[], list] | None:
+        """Send this rank's local ``updates`` (flat, in the Newton-Schulz ``dtype``) to their owners without waiting;
+        :meth:`finish` completes the step. Collective: every rank calls it once per step."""
         if not self.active:
-            return []
+            return None
         mats, like = self.matrices, torch.zeros(0, dtype=dtype, device=self.device)
         sends = [
             [u for u, m in zip(updates, mats) if m.owner == dst and self.rank in m.senders] for dst in range(self.world)
         ]
         sizes = [[self._size(i, src) for i in self._from(src, "senders")] for src in range(self.world)]
-        pieces = all_to_all(sends, sizes, like)
+        return all_to_all(sends, sizes, like, async_op=True)
+
+    def finish(self, started: Callable[[], list] | None, ns: Callable, dtype: torch.dtype) -> list[torch.Tensor]:
+        """The local pieces (flat) of ``ns(full matrix)`` for each matrix: the owners assemble and orthogonalize
+        theirs, and one more all-to-all brings the pieces back."""
+        if started is None:
+            return []
+        mats, like, pieces = self.matrices, torch.zeros(0, dtype=dtype, device=self.device), started()
         results = {}
         for i in self.owned:
             full = like.new_empty(mats[i].shape).view(-1)
@@ -168,8 +185,7 @@ class Exchange:
             [m.local_index.numel() for m in mats if m.owner == src and self.rank in m.ranks]
             for src in range(self.world)
         ]
-        got = all_to_all(back, sizes, like)
-        order = [iter(part) for part in got]
+        order = [iter(part) for part in all_to_all(back, sizes, like)()]
         return [next(order[m.owner]) for m in mats]
 
     def _size(self, i: int, src: int) -> int:
