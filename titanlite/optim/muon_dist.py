@@ -50,13 +50,18 @@ def _shard_dim(placement) -> int | None:
 @dataclasses.dataclass
 class Matrix:
     """One sharded Muon parameter in the exchange: its full ``shape``, the global ranks of its mesh, its ``owner``,
-    the ranks that send their shard to the owner (one replica), and this rank's flat indices in the full matrix."""
+    the ranks that send their shard to the owner (one replica), this rank's flat indices in the full matrix (until
+    the owner has learned them: then None, as an index costs twice the shard's fp32 bytes) and their count."""
 
     shape: tuple[int, ...]
     ranks: list[int]
     owner: int
     senders: list[int]
-    local_index: torch.Tensor
+    local_index: torch.Tensor | None
+    local_numel: int = 0
+
+    def __post_init__(self) -> None:
+        self.local_numel = self.local_index.numel()
 
 
 def _local_index(p: DTensor) -> torch.Tensor:
@@ -136,6 +141,8 @@ class Exchange:
         self.active = bool(count.item())  # no rank holds a sharded matrix: no exchange at all
         if self.active:
             self._learn_layout()
+        for m in self.matrices:
+            m.local_index = None
 
     def _from(self, src: int, role: str) -> list[int]:
         """The owned matrices that ``src`` sends (``role`` senders) or holds a shard of (``role`` ranks)."""
@@ -148,7 +155,7 @@ class Exchange:
         to_owner = [
             [i for i, m in enumerate(mats) if m.owner == dst and self.rank in m.ranks] for dst in range(self.world)
         ]
-        sizes = [[like.new_tensor([mats[i].local_index.numel()]) for i in mine] for mine in to_owner]
+        sizes = [[like.new_tensor([mats[i].local_numel]) for i in mine] for mine in to_owner]
         got = all_to_all(sizes, [[1] * len(self._from(src, "ranks")) for src in range(self.world)], like)()
         counts = [[int(t) for t in part] for part in got]
         indices = all_to_all([[mats[i].local_index for i in mine] for mine in to_owner], counts, like)()
@@ -181,10 +188,7 @@ class Exchange:
                 full[self.index[(i, src)]] = pieces[src][self._from(src, "senders").index(i)]
             results[i] = ns(full.view(mats[i].shape)).reshape(-1)
         back = [[results[i][self.index[(i, dst)]] for i in self._from(dst, "ranks")] for dst in range(self.world)]
-        sizes = [
-            [m.local_index.numel() for m in mats if m.owner == src and self.rank in m.ranks]
-            for src in range(self.world)
-        ]
+        sizes = [[m.local_numel for m in mats if m.owner == src and self.rank in m.ranks] for src in range(self.world)]
         order = [iter(part) for part in all_to_all(back, sizes, like)()]
         return [next(order[m.owner]) for m in mats]
 
