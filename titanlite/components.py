@@ -25,6 +25,7 @@ BUILTINS: dict[str, dict[str, str]] = {
     "optimizer": {
         "AdamW": "titanlite.optim.optimizer:build_optimizer",
         "Adam": "titanlite.optim.optimizer:build_optimizer",
+        "muon": "titanlite.optim.muon:build_muon",
     },
     "lr_scheduler": {"warmup_stable_decay": "titanlite.optim.lr_scheduler:build_lr_scheduler"},
 }

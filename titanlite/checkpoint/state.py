@@ -90,6 +90,29 @@ class RNGState:
             torch.cuda.set_rng_state(state["cuda"], self.device)
 
 
+def missing_optimizer_entry(key: str, template: dict[str, Any], entries: dict[str, Any]) -> str | None:
+    """The first state entry of the optimizer's ``template`` that the checkpoint's ``entries`` lack (the folder
+    was written by another optimizer: AdamW's moments against Muon's momentum buffer), else None."""
+    for fqn, values in template["state"].items():
+        for name in values:
+            if f"{key}.state.{fqn}.{name}" not in entries:
+                return f"{key}.state.{fqn}.{name}"
+    return None
+
+
+def rebase_schedule(scheduler: Any) -> None:
+    """A ``LambdaLR`` loaded from a run with another optimizer's param groups: its step kept, its base learning rates
+    and the groups' current ones recomputed from this optimizer's groups."""
+    groups = scheduler.optimizer.param_groups
+    scheduler.base_lrs = [g["initial_lr"] for g in groups]
+    fns = scheduler.lr_lambdas
+    fns = fns if len(fns) == len(groups) else [fns[0]] * len(groups)  # one schedule function for every group
+    scheduler.lr_lambdas = fns
+    for g, base, fn in zip(groups, scheduler.base_lrs, fns):
+        g["lr"] = base * fn(scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in groups]
+
+
 class CheckpointStates:
     """The objects to save by name, sorted: the one ``nn.Module`` (``model_key``), the ``optimizers``, ``per_rank``
     (``{name: (object, key)}``: a data loader, or an object with ``per_rank_state``, under ``dp_rank_<r>``; the RNG
@@ -144,8 +167,18 @@ class CheckpointStates:
         state: dict[str, Any] = {self.model_key: get_model_state_dict(self.model)}
         if model_only:
             return state
+        self.switched = set()
         for k, opt in self.optimizers.items():
-            state[k] = {**get_optimizer_state_dict(self.model, opt), "param_groups": stored(f"{k}.param_groups.")}
+            template = get_optimizer_state_dict(self.model, opt)
+            if (missing := missing_optimizer_entry(k, template, entries)) is not None:
+                logger.warning(
+                    f"checkpoint {path}: its {k} state was written by another optimizer (it has no {missing}): the "
+                    f"{k} ({type(opt).__name__}) starts with an empty state; the LR schedule keeps its position"
+                )
+                opt.state.clear()  # drop what building the template created
+                self.switched.add(k)
+                continue
+            state[k] = {**template, "param_groups": stored(f"{k}.param_groups.")}
         for k in self.shared:
             state[k] = stored(f"{k}.")
             if not state[k]:
@@ -179,5 +212,7 @@ class CheckpointStates:
         for k, obj in objects.items():
             if k in state:
                 obj.load_state_dict(state[k])
+                if any(getattr(obj, "optimizer", None) is self.optimizers[o] for o in getattr(self, "switched", ())):
+                    rebase_schedule(obj)
             elif k in self.per_rank and len(state) > 1:
                 logger.warning(f"checkpoint {path} has no {k} state for this rank (saved with fewer ranks); kept as is")

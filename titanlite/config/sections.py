@@ -108,13 +108,32 @@ class Model:
 
 @dataclass
 class Optimizer:
-    name: str = opt("AdamW", "Optimizer by registered name: AdamW and Adam built in, extensions may add more.")
+    name: str = opt("AdamW", "Optimizer by registered name: AdamW, Adam and muon built in, extensions may add more.")
     lr: float = opt(8e-4, "Peak learning rate.", gt=0.0)
     eps: float = opt(1e-8, "Adam epsilon.", gt=0.0)
     beta1: float = opt(0.9, "Adam beta1.", min=0.0, max=1.0)
     beta2: float = opt(0.95, "Adam beta2.", min=0.0, max=1.0)
     weight_decay: float = opt(0.1, "Decoupled weight decay of matrices (not embeddings, norms, biases).", min=0.0)
     implementation: str = opt("auto", "Kernel (auto: fused on CUDA).", choices=["auto", "fused", "foreach", "for-loop"])
+    # name = "muon": Muon for the hidden matrices, AdamW (the keys above) for the rest (docs/muon.md)
+    muon_lr: float = opt(-1.0, "Muon's peak learning rate; -1 = lr (with adjust_lr_fn match_rms_adamw).")
+    momentum: float = opt(0.95, "Muon momentum.", min=0.0, max=1.0)
+    nesterov: bool = opt(True, "Muon: Nesterov momentum.")
+    ns_steps: int = opt(5, "Muon: Newton-Schulz iterations.", min=1, max=99)
+    ns_coefficients: list[float] = opt([3.4445, -4.775, 2.0315], "Muon: the quintic's (a, b, c).")
+    ns_dtype: str = opt(
+        "auto", "Muon: Newton-Schulz dtype (auto: bf16 on GPU).", choices=["auto", "bfloat16", "float32"]
+    )
+    adjust_lr_fn: str = opt(
+        "match_rms_adamw", "Muon update scale: 0.2*sqrt(max(m,n)) or sqrt(max(1,m/n)).",
+        choices=["match_rms_adamw", "original"],
+    )  # fmt: skip
+    muon_params: list[str] = opt([], "Muon: name patterns (fnmatch) of matrices moved to Muon.")
+    adamw_params: list[str] = opt([], "Muon: name patterns (fnmatch) of parameters moved to AdamW.")
+
+    def validate(self) -> None:
+        if len(self.ns_coefficients) != 3:
+            raise ConfigError(f"optimizer.ns_coefficients must be 3 numbers (a, b, c), got {self.ns_coefficients}")
 
 
 @dataclass

@@ -16,10 +16,11 @@ import torch
 from torch import nn
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(model: nn.Module, weight_decay: float, only: list[nn.Parameter] | None = None) -> list[dict]:
+    """The weight-decay groups of ``model``'s parameters (see the module docstring), or of ``only`` those."""
     decay, no_decay = [], []
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    for p in model.parameters():  # a shared (tied) tensor comes once
+    for p in model.parameters() if only is None else only:  # a shared (tied) tensor comes once
         if p.requires_grad:
             (decay if p.ndim >= 2 and id(p) not in embeddings else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -37,12 +38,17 @@ def _split_plain_from_dtensors(group: dict) -> list[dict]:
     return [{**group, "params": params} for params in kinds]
 
 
-def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
-    """The optimizer of the ``[optimizer]`` section for ``model``'s parameters (after parallelize)."""
-    impl = cfg.implementation
+def kernel_kwargs(model: nn.Module, implementation: str) -> dict:
+    """AdamW's ``fused`` / ``foreach`` flags for ``[optimizer] implementation`` (auto: fused on CUDA)."""
+    impl = implementation
     if impl == "auto":
         impl = "fused" if any(p.device.type == "cuda" for p in model.parameters()) else "foreach"
-    kwargs = {"fused": impl == "fused", "foreach": impl == "foreach"}
+    return {"fused": impl == "fused", "foreach": impl == "foreach"}
+
+
+def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
+    """The optimizer of the ``[optimizer]`` section for ``model``'s parameters (after parallelize)."""
+    kwargs = kernel_kwargs(model, cfg.implementation)
     cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[cfg.name]
     wd = cfg.weight_decay if cfg.name == "AdamW" else 0.0
     return cls(param_groups(model, wd), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kwargs)

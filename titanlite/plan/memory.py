@@ -43,6 +43,7 @@ class RunSetup:
     fsdp_reshard_after_forward: str = "default"  # default | always | never
     ep: int = 1  # expert-parallel degree (MoE): a factor of dp_shard
     loss_chunks: int = 0  # [training] loss_chunks: the output layer + loss over pieces of the tokens (0: at once)
+    optimizer: str = "AdamW"  # [optimizer] name; "muon": one state buffer for the blocks' matrices, not two
 
     @classmethod
     def from_config(cls, cfg: Any, num_gpus: int, pp_stage_sizes: tuple[int, ...] = ()) -> RunSetup:
@@ -69,6 +70,7 @@ class RunSetup:
             fsdp_reshard_after_forward=par.fsdp_reshard_after_forward,
             ep=getattr(par, "expert_parallel_degree", 1),
             loss_chunks=t.loss_chunks,
+            optimizer=cfg.optimizer.name,
         )
 
     def __post_init__(self) -> None:
@@ -285,6 +287,11 @@ def stage_memory_breakdown(s: ModelShape, setup: RunSetup, share: StageShare) ->
     elif setup.autocast:  # autocast caches a bf16 copy of every matmul weight for backward
         params += c * matmul / setup.tp
     grads, optimizer = 4 * local, 8 * local  # fp32 gradients; AdamW's two fp32 moments
+    muon_scratch = 0.0
+    if setup.optimizer == "muon":  # Muon: one fp32 momentum buffer for the blocks' matrices
+        muon_local = share.n_layers * block_matmul_params(s) / (setup.tp * shards)
+        optimizer -= 4 * muon_local
+        muon_scratch = 4 * c * muon_local  # step: send + receive buffers, an owner's gathered matrices + results
     sequences = setup.pp_microbatch_size if p > 1 else setup.local_batch_size
     tokens = sequences * setup.seq_len / setup.tp
     kept, recomputed_per_token = _activation_per_token(s, setup, share.n_layers / v)
@@ -294,7 +301,7 @@ def stage_memory_breakdown(s: ModelShape, setup: RunSetup, share: StageShare) ->
         kept_blocks, recomputed_blocks = _float8_saved_blocks(setup, share.n_layers / v)
         activations += (share.in_flight * kept_blocks + recomputed_blocks) * block_matmul_params(s) / setup.tp
     logits = _logits_bytes(s, setup, share, sequences * setup.seq_len, c)
-    scratch = 4 * local if setup.optimizer_impl == "foreach" else 0.0
+    scratch = (4 * local if setup.optimizer_impl == "foreach" else 0.0) + muon_scratch
     recomputed = 0.0 if setup.ac_mode == "none" else tokens * activation_bytes_per_token_layer(s, setup)
     steady = p > 1 and setup.pp_schedule != "GPipe" and setup.n_microbatches * v > share.in_flight
     unsharded_params = unsharded_grads = 0.0
