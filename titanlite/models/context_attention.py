@@ -37,10 +37,10 @@ class ContextMask:
     document_ids: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, cp: ContextParallel, local_len: int, document_ids: torch.Tensor | None) -> ContextMask:
-        """For a rank's ``local_len`` tokens; ``document_ids``: this rank's share ``[B, local_len]``, or None."""
+    def build(cls, cp: ContextParallel, document_ids: torch.Tensor | None) -> ContextMask:
+        """For ``cp``'s forward; ``document_ids``: this rank's share ``[B, S / cp]``, or None (causal)."""
         full = None if document_ids is None else cp.gather_ids(document_ids)
-        return cls(cp, local_len // 2, full)
+        return cls(cp, cp.local_len // 2, full)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """The whole sequence of ``x [B, S / cp, heads, D]`` (keys or values, before GQA's repeat)."""

@@ -57,14 +57,24 @@ class ContextParallel:
     group: Any
     degree: int
     rank: int
+    seq_len: int = 0  # the whole sequences' length in this forward (set by the step as it shards the batch)
 
     def shard(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's share of ``t`` (a full-sequence batch tensor) along ``dim``."""
         return shard_sequence(t, self.degree, self.rank, dim)
 
-    def positions(self, local_len: int, device: torch.device | None = None) -> torch.Tensor:
-        """Global positions of this rank's ``local_len`` tokens (of a sequence ``local_len x degree`` long)."""
-        return chunk_positions(local_len * self.degree, self.degree, self.rank).to(device)
+    def for_length(self, seq_len: int) -> ContextParallel:
+        """This group, for a forward over sequences of ``seq_len`` tokens."""
+        return dataclasses.replace(self, seq_len=seq_len)
+
+    @property
+    def local_len(self) -> int:
+        return self.seq_len // self.degree
+
+    def positions(self, device: torch.device | None = None) -> torch.Tensor:
+        """Global positions of this rank's tokens (the model's inputs may be sharded further under TP: these are
+        the positions of the whole local share, which attention sees)."""
+        return chunk_positions(self.seq_len, self.degree, self.rank).to(device)
 
     def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """The whole sequence of ``x`` along ``dim``, in true order, from every rank's share (differentiable)."""

@@ -94,7 +94,7 @@ class Runtime:
             return batch
         inputs, labels, extra = batch
         extra = {k: cp.shard(v) if isinstance(v, torch.Tensor) else v for k, v in extra.items()}
-        return cp.shard(inputs), cp.shard(labels), {**extra, "context_parallel": cp}
+        return cp.shard(inputs), cp.shard(labels), {**extra, "context_parallel": cp.for_length(inputs.shape[1])}
 
     def autocast_dtype(self, model: nn.Module) -> torch.dtype | None:
         """The dtype to autocast ``model``'s forward to: None in fp32 and for an FSDP model (its policy casts)."""

@@ -243,13 +243,13 @@ class Transformer(nn.Module):
         A pipeline stage (see :func:`titanlite.parallel.pipeline.pipeline_decoder`) lacks the modules other
         stages hold: without ``tok_embeddings`` it takes hidden states, without ``output`` it returns them."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        seqlen = h.shape[1] * (1 if context_parallel is None else context_parallel.degree)
+        seqlen = h.shape[1] if context_parallel is None else context_parallel.seq_len
         if seqlen > self.rope_cache.shape[0]:
             raise ValueError(f"sequence length {seqlen} exceeds max_seq_len {self.rope_cache.shape[0]}")
         if context_parallel is not None:  # this rank's rotary rows, the whole sequences' document ids
-            rope = self.rope_cache[context_parallel.positions(h.shape[1], h.device)][None]
+            rope = self.rope_cache[context_parallel.positions(self.rope_cache.device)][None]
             ids = document_ids if self.args.attn_mask_type == "block_causal" else None
-            attn_mask = ContextMask.build(context_parallel, h.shape[1], ids)
+            attn_mask = ContextMask.build(context_parallel, ids)
         elif cache is None:
             attn_mask = build_attention_mask(self.args.attn_mask_type, document_ids, self.args.attn_backend)
             rope = self.rope_cache
