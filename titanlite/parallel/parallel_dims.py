@@ -67,6 +67,7 @@ class ParallelDims:
     _dp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
     _pp_dp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
     _loss_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
+    _shard_cp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in MESH_DIMS:
@@ -186,7 +187,7 @@ class ParallelDims:
         dp = mesh["dp_replicate", "dp_shard"]
         self._dp_mesh = torch_compat.flatten_mesh(dp, "dp")  # kept: slicing it back is deprecated
         if self.cp > 1:  # FSDP shards over dp_shard x cp; the loss sums over dp x cp
-            torch_compat.flatten_mesh(mesh["dp_shard", "cp"], "dp_shard_cp")
+            self._shard_cp_mesh = torch_compat.flatten_mesh(mesh["dp_shard", "cp"], "dp_shard_cp")
             self._loss_mesh = torch_compat.flatten_mesh(mesh["dp_replicate", "dp_shard", "cp"], "dp_cp")
         if self.pp > 1:  # the training loss (on the last stage only) is summed over stages and DP ranks at once
             self._pp_dp_mesh = torch_compat.flatten_mesh(mesh["pp", "dp_replicate", "dp_shard", "cp"], "pp_dp")
@@ -242,8 +243,9 @@ class ParallelDims:
     @property
     def fsdp_mesh(self) -> DeviceMesh | None:
         """The mesh FSDP shards over: ``dp_shard`` (``dp_shard_cp``), or ``(dp_replicate, dp_shard)`` for HSDP."""
-        shard = "dp_shard_cp" if self.cp_enabled else "dp_shard"
-        return self._sub("dp_replicate", shard) if self.hsdp_enabled else self._sub(shard)
+        if not self.cp_enabled:
+            return self._sub("dp_replicate", "dp_shard") if self.hsdp_enabled else self._sub("dp_shard")
+        return self._sub("dp_replicate", "dp_shard_cp") if self.hsdp_enabled else self._shard_cp_mesh
 
     @property
     def ep_mesh(self) -> DeviceMesh | None:
