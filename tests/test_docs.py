@@ -265,6 +265,8 @@ HOW: dict[str, How] = {
     ),
     "docs/scale.md#multi-node-launch-1": How("sized", setup=SETUP_LLAMA3),
     "docs/scale.md#pipeline-parallelism-1": How("sized"),
+    "docs/scale.md#context-parallelism-1": How("sized"),
+    "docs/scale.md#context-parallelism-2": How("output", OUTPUT),
     "docs/scale.md#mixture-of-experts-and-expert-parallelism-1": How("sized", slow=True),
     "docs/scale.md#when-the-first-collective-hangs-1": How("sized", setup=SETUP_LLAMA3),
     "docs/scale.md#dry-run-without-gpus-1": How(
