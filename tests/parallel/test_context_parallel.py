@@ -52,17 +52,20 @@ def train(dump: str, dp: int, extra: list[str], seed_state: dict | None) -> dict
     trainer = Trainer(make_config(dump, dp, extra))
     if seed_state is not None:
         load_full_state_dict(trainer.model, seed_state)
-    records = trainer.train()
-    weights = {
-        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-        for k, v in trainer.model.state_dict().items()
-    }
+    return summary(trainer, trainer.train())
+
+
+def summary(trainer, records: list[dict]) -> dict:
+    """What the comparisons read from a finished run."""
+    state = trainer.model.state_dict()
     return {
         "loss": [r["loss"] for r in records if "loss" in r],
         "grad_norm": [r["grad_norm"] for r in records if "grad_norm" in r],
         "val_loss": [r["val_loss"] for r in records if "val_loss" in r],
         "tokens_seen": [r["tokens_seen"] for r in records if "loss" in r],
-        "weights": weights,
+        "weights": {
+            k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in state.items()
+        },
     }
 
 
@@ -100,7 +103,7 @@ def reference(tmp_path_factory):
     for kind, extra in (("causal", []), ("documents", documents_options(docs) + NO_VAL)):
         trainer = Trainer(make_config(str(root / f"ref_{kind}"), 1, extra))
         out["seeds"][kind] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-        out[kind] = train(str(root / f"ref2_{kind}"), 1, extra, out["seeds"][kind])
+        out[kind] = summary(trainer, trainer.train())
     return out
 
 

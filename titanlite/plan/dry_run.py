@@ -60,17 +60,16 @@ def _placement_text(p) -> str:
 _FLATTENED = {"dp_shard_cp": ("dp_shard", "cp")}  # the flattened mesh dims a parameter may be placed on
 
 
-def _coordinate(name: str, coord: tuple[int, ...], sizes: dict[str, int]) -> int | None:
-    """A global rank's coordinate (``coord`` on the world mesh's dims, ``sizes``: their sizes by name, in order)
+def _coordinate(name: str, coord: tuple[int, ...], sizes: dict[str, int], where: dict[str, int]) -> int | None:
+    """A global rank's coordinate (``coord`` on the world mesh's dims: ``sizes`` by name, ``where`` their index)
     along mesh dim ``name``, a flattened one too (row-major over its dims); None for a dim it does not know."""
-    names = list(sizes)
-    if name in sizes:
-        return coord[names.index(name)]
-    if name not in _FLATTENED or not set(_FLATTENED[name]) <= set(names):
+    if name in where:
+        return coord[where[name]]
+    if name not in _FLATTENED or not set(_FLATTENED[name]) <= set(where):
         return None
     index = 0
     for part in _FLATTENED[name]:
-        index = index * sizes[part] + coord[names.index(part)]
+        index = index * sizes[part] + coord[where[part]]
     return index
 
 
@@ -80,14 +79,14 @@ def _local_numel_fn(sizes: dict[str, int]) -> Callable:
     from torch.distributed.tensor import DTensor
 
     local_shape = torch_compat.local_shape_fn()
-
+    where = {name: i for i, name in enumerate(sizes)}
     cache: dict = {}
 
     def fn(p: torch.Tensor, coord: tuple[int, ...]) -> int:
         if not isinstance(p, DTensor):
             return p.numel()
         mesh, names = p.device_mesh, p.device_mesh.mesh_dim_names or ()
-        sub = tuple(_coordinate(n, coord, sizes) for n in names)
+        sub = tuple(_coordinate(n, coord, sizes, where) for n in names)
         sub = None if None in sub else sub
         key = (tuple(p.shape), tuple(mesh.shape), tuple(map(str, p.placements)), sub)
         if key not in cache:
