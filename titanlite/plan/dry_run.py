@@ -304,19 +304,26 @@ def _rank_runs(per: list[int], limit: int = 8) -> str:
     return f"min {per[lo]:,} (rank {lo}), max {per[hi]:,} (rank {hi})"
 
 
+def _sharding_layout(d: dict[str, int]) -> list[str]:
+    """The layout line's FSDP and CP parts (FSDP spans dp_shard x cp)."""
+    cp = d.get("cp", 1)
+    parts = (
+        [f"FSDP over {d['dp_shard']}" + (f" x cp {cp}" if cp > 1 else "")]
+        if d["dp_replicate"] * d["dp_shard"] * cp > 1
+        else []
+    )
+    return parts + ([f"CP {cp} (each sequence over {cp} ranks, K/V all-gathered)"] if cp > 1 else [])
+
+
 def format_report(r: dict[str, Any], cfg) -> list[str]:
     d, t, ac, w = r["degrees"], cfg.training, cfg.activation_checkpoint, r["world_size"]
     per, lo, hi, m = r["per_rank"], r["min_rank"], r["max_rank"], r["memory"]
     pl = r.get("pipeline")
     layout = [f"PP {pl['degree']} ({pl['schedule']}, {pl['num_stages']} stages)"] if pl else []
     layout += [f"HSDP replicas {d['dp_replicate']}"] if d["dp_replicate"] > 1 else []
-    pp_dim = f"pp {pl['degree']} x " if pl else ""
+    pp_dim, cp_dim = f"pp {pl['degree']} x " if pl else "", f"cp {d['cp']} x " if "cp" in d else ""
     worst = f", worst stage (pp rank {m['pp_rank']})" if pl else ""
-    cp = d.get("cp", 1)
-    if d["dp_replicate"] * d["dp_shard"] * cp > 1:
-        layout.append(f"FSDP over {d['dp_shard']}" + (f" x cp {cp}" if cp > 1 else ""))
-    if cp > 1:
-        layout.append(f"CP {cp} (each sequence over {cp} ranks, K/V all-gathered)")
+    layout += _sharding_layout(d)
     if d.get("ep", 1) > 1:
         layout.append(
             f"EP {d['ep']} (experts over dp_shard {d['dp_shard']} = {d['dp_shard'] // d['ep']} x ep {d['ep']})"
@@ -329,7 +336,7 @@ def format_report(r: dict[str, Any], cfg) -> list[str]:
         f"dry run: {r['model']} on {w} rank{'s' if w != 1 else ''} ({r['world_size_source']}); "
         f"{'fake process group, ' if w > 1 else ''}meta device, nothing allocated",
         f"mesh       {pp_dim}dp_replicate {d['dp_replicate']} x dp_shard {d['dp_shard']} x "
-        f"{f'cp {cp} x ' if cp > 1 else ''}tp {d['tp']} = {w}"
+        f"{cp_dim}tp {d['tp']} = {w}"
         f" | {', '.join(layout) or 'single process, no sharding'}",
         f"training   AC {ac.mode}{' (' + ac.selective_ac_option + ')' if ac.mode == 'selective' else ''}"
         f", compile {'on' if cfg.compile.enable else 'off'}, float8 "
