@@ -5,10 +5,10 @@ norms, and end with the same weights, within ``RTOL`` (1e-5 relative, all fp32: 
 Weights compare by each tensor's norm: Adam divides each gradient element by its own magnitude, so an element
 whose gradient is near 0 moves by up to the learning rate on a summation-order difference (the largest
 element's difference, printed too, reaches ~2e-5 of the tensor's largest weight).
-Two launches: 2 processes run CP 2 causal (with validation under CP, and a
-checkpoint at step 5) and CP 2 with documents; 4 processes run CP 4 with documents, CP 2 x FSDP 2, CP 2 x TP 2
-(a checkpoint at step 5), CP 2 x PP 2, and resume CP 2 x TP 2's checkpoint under CP 4: causal CP 4 runs steps
-6-10 there (a separate 10-step causal CP 4 run would cost ~6 s of the suite for what the documents run and
+Two launches: 2 processes run CP 2 causal (with validation under CP, and a checkpoint at step 5) and CP 2 with
+documents (full AC); 4 processes run CP 4 with documents, CP 2 x FSDP 2 (per-op AC), CP 2 x TP 2 (a checkpoint at
+step 5), CP 2 x PP 2, and resume CP 2 x TP 2's checkpoint under CP 4: causal CP 4 runs steps 6-10 there (a
+separate 10-step causal CP 4 run would cost ~6 s of the suite for what the documents run and
 test_context_parallel_units.py's causal CP 4 attention already cover). The pytest process resumes the CP 2
 checkpoint under CP 1.
 
@@ -30,6 +30,8 @@ from tests.helpers.parity import STEPS, make_config
 RTOL = 1e-5
 CP = "--parallelism.context_parallel_degree"
 NO_VAL = ["--validation.enable", "false"]
+AC_FULL = ["--activation_checkpoint.mode", "full"]  # the recomputed forward all-gathers K/V again, on every rank
+AC_OP = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
 CHECKPOINT = ["--checkpoint.enable", "true", "--checkpoint.interval", "5", "--checkpoint.last_save_model_only", "false"]
 
 
@@ -143,7 +145,10 @@ def test_context_parallel_two_processes(reference):
     """CP 2 (causal, validation under CP, a checkpoint at step 5; documents) equals one process; the CP 2
     checkpoint resumes under CP 1 with the uninterrupted run's next losses."""
     docs = documents_options(reference["docs"]) + NO_VAL
-    specs = {"cp2": (1, [CP, "2", *CHECKPOINT], "causal"), "cp2_documents": (1, [CP, "2", *docs], "documents")}
+    specs = {
+        "cp2": (1, [CP, "2", *CHECKPOINT], "causal"),
+        "cp2_documents": (1, [CP, "2", *docs, *AC_FULL], "documents"),
+    }
     results = run_workers(worker, 2, {"runs": runs_for(reference, specs), "seeds": reference["seeds"]}, timeout=240)
     report = []
     for name, (_, _, kind) in specs.items():
@@ -164,7 +169,7 @@ def test_context_parallel_four_processes(reference):
     pp = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "4"]
     specs = {
         "cp4_documents": (1, [CP, "4", *docs], "documents"),
-        "cp2_fsdp2": (2, [CP, "2", "--parallelism.data_parallel_shard_degree", "2", *NO_VAL], "causal"),
+        "cp2_fsdp2": (2, [CP, "2", "--parallelism.data_parallel_shard_degree", "2", *NO_VAL, *AC_OP], "causal"),
         "cp2_tp2": (1, [CP, "2", "--parallelism.tensor_parallel_degree", "2", *NO_VAL, *CHECKPOINT], "causal"),
         "cp2_pp2": (1, [CP, "2", *pp, *NO_VAL], "causal"),
     }
