@@ -147,6 +147,9 @@ HOW: dict[str, How] = {
         "help", BENCH
     ),
     "docs/benchmarks.md#pipeline-parallelism-on-cpu-pp-2-against-fsdp-2-and-the-bubble-1": How("help", BENCH),
+    "docs/benchmarks.md#context-parallelism-one-attention-layer-s-peak-memory-at-16k-tokens-cp-2-and-4-against-one-process-1": How(  # noqa: E501
+        "help", BENCH
+    ),
     "docs/benchmarks.md#generation-the-static-kv-cache-eager-and-compiled-against-recomputing-and-against-5c7a1f4-1": How(  # noqa: E501
         "help", BENCH
     ),
@@ -265,6 +268,8 @@ HOW: dict[str, How] = {
     ),
     "docs/scale.md#multi-node-launch-1": How("sized", setup=SETUP_LLAMA3),
     "docs/scale.md#pipeline-parallelism-1": How("sized"),
+    "docs/scale.md#context-parallelism-1": How("sized"),
+    "docs/scale.md#context-parallelism-2": How("output", OUTPUT),
     "docs/scale.md#mixture-of-experts-and-expert-parallelism-1": How("sized", slow=True),
     "docs/scale.md#when-the-first-collective-hangs-1": How("sized", setup=SETUP_LLAMA3),
     "docs/scale.md#dry-run-without-gpus-1": How(

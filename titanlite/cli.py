@@ -26,6 +26,9 @@ BENCH = {
     "eval": Tool("titanlite.bench.eval", "main", "scoring throughput of the downstream tasks"),
     "optimizer": Tool("titanlite.bench.optimizer", "main", "the optimizer step against its bandwidth floor"),
     "loss-chunks": Tool("titanlite.bench.loss_chunks", "main", "memory and time of [training] loss_chunks settings"),
+    "context-parallel": Tool(
+        "titanlite.bench.context_parallel", "main", "one attention layer's peak memory, cp 1 vs cp N"
+    ),
     "moe": Tool("titanlite.bench.moe", "main", "the MoE layer's time split (grouped GEMM, all-to-all)", True),
     "encode": Tool("titanlite.bench.encode", "main", "prepare's process pool vs tiktoken threads, same chunks"),
     "data": Tool("titanlite.bench.data", "main", "tokenization, shard reading and integrity-check costs"),

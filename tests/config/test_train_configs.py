@@ -31,6 +31,7 @@ EXPECTED = {
     "train_configs/llama1b.toml": ((1, 8, 1), 1_235_814_400, 512 * 2048),
     "train_configs/llama3b.toml": ((1, 8, 1), 3_212_749_824, 512 * 2048),
     "train_configs/llama8b.toml": ((4, 8, 1), 8_030_261_248, 512 * 8192),
+    "train_configs/llama8b_128k.toml": ((4, 1, 1), 8_030_261_248, 32 * 131072),  # and context parallelism 8
     "train_configs/llama70b.toml": ((1, 8, 8), 70_553_706_496, 512 * 8192),
     "train_configs/llama405b.toml": ((1, 8, 8), 405_853_388_800, 1024 * 8192),
     "torchtitan_ext/configs/qwen3_debug.toml": ((1, 1, 1), 4_066_048, 16 * 256),
@@ -125,7 +126,7 @@ def test_config_dry_runs_at_its_stated_world_size(path, dry_runs):
     # each model replica (one dp_replicate group: in every pp rank, the ranks of replica 0) holds every
     # parameter exactly once, except the parameters TP replicates (the RMSNorm gains), held once per TP rank
     replicated_by_tp = sum(g["numel"] for g in r["groups"] if g["placements"].endswith("tp:Replicate"))
-    block = shard * tp  # ranks of one replica within one pp rank (pp outermost, then dp_replicate)
+    block = shard * r["degrees"].get("cp", 1) * tp  # ranks of one replica within one pp rank (pp, dp_replicate out)
     per_replica = sum(sum(r["per_rank"][k * rep * block : k * rep * block + block]) for k in range(pp))
     assert per_replica == params + (tp - 1) * replicated_by_tp
     assert sum(r["per_rank"]) == rep * per_replica

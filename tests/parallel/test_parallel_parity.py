@@ -262,7 +262,7 @@ def test_parity_four_processes(backend, reference):
     print("\n".join(report))
     for rank, res in enumerate(results):
         mesh = res["mesh"]
-        assert mesh["names"] == ("pp", "dp_replicate", "dp_shard", "tp") and mesh["shape"] == (1, 1, 2, 2)
+        assert mesh["names"] == ("pp", "dp_replicate", "dp_shard", "cp", "tp") and mesh["shape"] == (1, 1, 2, 1, 2)
         assert (mesh["dp_rank"], mesh["tp_rank"], mesh["dp_size"]) == (rank // 2, rank % 2, 2)
     # weight_init = auto -> rank0 on CPU: the sharded model starts from the one-process weights
     if backend == "gloo":

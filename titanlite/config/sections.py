@@ -295,6 +295,7 @@ class Parallelism:
     data_parallel_replicate_degree: int = opt(1, "HSDP replica groups (gradients all-reduced).", min=1)
     data_parallel_shard_degree: int = opt(-1, "FSDP degree; -1 = the ranks left by the other degrees.", min=-1)
     tensor_parallel_degree: int = opt(1, "Tensor (+ sequence) parallel degree.", min=1)
+    context_parallel_degree: int = opt(1, "Ranks splitting each sequence (K/V all-gathered); FSDP spans them.", min=1)
     enable_loss_parallel: bool = opt(True, "With TP: cross-entropy on vocabulary-sharded logits.")
     fsdp_reshard_after_forward: str = opt(
         "default",
@@ -414,6 +415,8 @@ class JobConfig:
             )
         if t.seq_len_schedule:
             self.validate_seq_len_schedule()
+        if p.context_parallel_degree > 1:
+            self.validate_context_parallel()
         for key in ("sampling", "eval"):
             if getattr(self, key).enable and p.pipeline_parallel_degree > 1:
                 raise ConfigError(
@@ -429,6 +432,29 @@ class JobConfig:
                 f"quantize.linear.float8.enable needs {name} x training.seq_len "
                 f"({batch} x {t.seq_len} = {tokens} tokens per micro-batch) to be a multiple of 16: "
                 "float8 matmuls (torch._scaled_mm) need every matrix dimension divisible by 16"
+            )
+
+    def validate_context_parallel(self) -> None:
+        """``[parallelism] context_parallel_degree`` against the other sections: each sequence is cut into
+        ``2 x cp`` equal chunks (titanlite.parallel.context_parallel), and a rank's share, under TP, into ``tp``."""
+        p, t = self.parallelism, self.training
+        cp, tp = p.context_parallel_degree, p.tensor_parallel_degree
+        lengths = [("training.seq_len", t.seq_len)] + [
+            (f"training.seq_len_schedule[{i}].seq_len", s["seq_len"])
+            for i, s in enumerate(t.seq_len_schedule)
+            if isinstance(s, dict) and isinstance(s.get("seq_len"), int)
+        ]
+        for key, n in lengths:
+            if n % (2 * cp * tp):
+                raise ConfigError(
+                    f"{key} ({n}) must be a multiple of 2 x parallelism.context_parallel_degree ({cp})"
+                    + (f" x tensor_parallel_degree ({tp})" if tp > 1 else "")
+                    + ": each sequence is cut into 2 x cp load-balanced chunks"
+                )
+        if self.compile.enable and "model" in self.compile.components:
+            raise ConfigError(
+                f"parallelism.context_parallel_degree={cp} does not run under compile.enable with 'model' in "
+                "compile.components yet: its attention's collectives break the compiled blocks' graphs"
             )
 
     def validate_seq_len_schedule(self) -> None:

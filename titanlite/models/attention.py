@@ -25,8 +25,9 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from titanlite.errors import ConfigError
+from titanlite.models.context_attention import ContextMask, context_attention
 
-AttentionMask = None | torch.Tensor | BlockMask
+AttentionMask = None | torch.Tensor | BlockMask | ContextMask
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -83,7 +84,10 @@ def _compiled_flex():
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask = None) -> torch.Tensor:
-    """Attention over ``[B, H, S, D]`` q/k/v (k/v already repeated to H heads)."""
+    """Attention over ``[B, H, S, D]`` q/k/v (k/v already repeated to H heads; under context parallelism ``q``
+    holds this rank's share of the sequence, ``k`` and ``v`` all of it)."""
+    if isinstance(mask, ContextMask):
+        return context_attention(q, k, v, mask)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if isinstance(mask, BlockMask):

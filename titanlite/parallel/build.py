@@ -21,6 +21,7 @@ and returns them as one :class:`~titanlite.parallel.pipeline.ModelParts` under t
 
 from __future__ import annotations
 
+import inspect
 import logging
 import warnings
 from typing import Any
@@ -41,11 +42,16 @@ logger = logging.getLogger(__name__)
 
 def check_parallelizable(spec: Any, dims: ParallelDims) -> None:
     """A family without a parallelize function trains on one process only; without a pipelining one, unpipelined."""
-    if spec.parallelize_fn is None and (dims.dp_degree > 1 or dims.tp > 1 or dims.pp > 1):
+    if spec.parallelize_fn is None and (dims.fsdp_degree > 1 or dims.tp > 1 or dims.pp > 1):
         raise ConfigError(
             f"model family {spec.name!r} has no parallelize function, so it trains on one process only "
             f"(asked: data-parallel degree {dims.dp_degree}, tensor-parallel degree {dims.tp}, "
-            f"pipeline-parallel degree {dims.pp})"
+            f"pipeline-parallel degree {dims.pp}, context-parallel degree {dims.cp})"
+        )
+    if dims.cp > 1 and "context_parallel" not in inspect.signature(spec.model_cls.forward).parameters:
+        raise ConfigError(
+            f"model family {spec.name!r} does not take the context_parallel forward argument, so "
+            f"parallelism.context_parallel_degree must be 1 (asked: {dims.cp})"
         )
     if dims.pp > 1 and getattr(spec, "pipeline_fn", None) is None:
         raise ConfigError(

@@ -1,28 +1,34 @@
 """Parallel degrees of a run and the named device mesh they define.
 
-``WORLD_SIZE = pp x dp_replicate x dp_shard x tp``. The mesh is laid out ``(pp, dp_replicate,
-dp_shard, tp)`` with ``tp`` innermost, so the ranks of one tensor-parallel group are adjacent (on one
+``WORLD_SIZE = pp x dp_replicate x dp_shard x cp x tp``. The mesh is laid out ``(pp, dp_replicate,
+dp_shard, cp, tp)`` with ``tp`` innermost, so the ranks of one tensor-parallel group are adjacent (on one
 node, where their many small collectives use the fast intra-node links), and ``pp`` outermost, so
 pipeline stages talk across nodes with point-to-point sends only (the least traffic of any axis):
-rank ``r = ((pp_rank * dp_replicate + replicate) * dp_shard + shard) * tp + tp_rank``.
+rank ``r = (((pp_rank * dp_replicate + replicate) * dp_shard + shard) * cp + cp_rank) * tp + tp_rank``.
 
 Named views of the mesh:
 
-- ``"pp"``, ``"dp_replicate"``, ``"dp_shard"``, ``"tp"``: the four dimensions (size-1 dimensions included,
-  so every name always exists once the mesh is built);
-- ``"dp"``: ``dp_replicate x dp_shard`` flattened. It is both the *data* view (each of its ranks
-  reads its own slice of the data; the TP ranks of one DP rank read the same batch) and the *loss*
-  view (the logged loss is summed over it). With context parallelism these two would differ. The
-  ranks of one DP rank in different pipeline stages read the same batch too.
-- ``"dp_shard_tp"`` (FSDP x TP only): ``dp_shard x tp`` flattened, which DTensor uses to reduce
-  values sharded over both (the gradient norm) in one collective.
-- :attr:`ParallelDims.fsdp_mesh`: ``dp_shard``, or the 2-D ``(dp_replicate, dp_shard)`` for HSDP.
+- ``"pp"``, ``"dp_replicate"``, ``"dp_shard"``, ``"cp"``, ``"tp"``: the five dimensions (size-1 dimensions
+  included, so every name always exists once the mesh is built);
+- ``"dp"``: ``dp_replicate x dp_shard`` flattened, the *data* view: each of its ranks reads its own slice of
+  the data; the CP and TP ranks of one DP rank read the same batch (the training step cuts it along the
+  sequence for the CP ranks, :mod:`titanlite.parallel.context_parallel`), and so do the ranks of one DP rank in
+  different pipeline stages.
+- the *loss* view (:attr:`ParallelDims.loss_group`): the ranks holding different loss sums, ``"dp"``, or
+  ``"dp_cp"`` (``dp_replicate x dp_shard x cp``) with context parallelism, with ``pp`` too under a pipeline.
+- ``"dp_shard_cp"`` (context parallelism): ``dp_shard x cp``, what FSDP shards over, so that parameters are
+  not replicated over the CP ranks (which compute gradients of different tokens, summed by FSDP).
+- ``"dp_shard_tp"`` (FSDP x TP only; ``"dp_shard_cp_tp"`` with CP): ``dp_shard (x cp) x tp`` flattened, which
+  DTensor uses to reduce values sharded over both (the gradient norm) in one collective.
+- :attr:`ParallelDims.fsdp_mesh`: ``dp_shard`` (``dp_shard_cp``), or the 2-D ``(dp_replicate, dp_shard)``
+  (``(dp_replicate, dp_shard_cp)``) for HSDP.
 - expert parallelism (``ep > 1``, MoE models): ``dp_shard`` is split into ``dp_shard_mod_ep x ep`` (``ep``
   inner: adjacent ranks), a view of the same mesh (:attr:`ParallelDims.ep_mesh` holds a rank's expert
   group, :attr:`ParallelDims.expert_fsdp_mesh` the ranks that FSDP-shard the same experts). Everything
-  but the experts keeps the usual meshes; EP takes no ranks of its own.
+  but the experts keeps the usual meshes; EP takes no ranks of its own. It is refused with context parallelism
+  (the experts' FSDP mesh would have to span the CP ranks too).
 
-Every degree problem raises ``ValueError`` with a one-line message naming the config keys.
+Every degree problem raises :class:`~titanlite.errors.ConfigError` with a one-line message naming the config keys.
 """
 
 from __future__ import annotations
@@ -35,12 +41,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from titanlite.errors import ConfigError
 from titanlite.utils import torch_compat
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 _KEYS = {
     "pp": "parallelism.pipeline_parallel_degree",
     "dp_replicate": "parallelism.data_parallel_replicate_degree",
     "dp_shard": "parallelism.data_parallel_shard_degree",
     "tp": "parallelism.tensor_parallel_degree",
+    "cp": "parallelism.context_parallel_degree",
     "ep": "parallelism.expert_parallel_degree",
 }
 
@@ -54,10 +61,13 @@ class ParallelDims:
     pp: int = 1
     enable_loss_parallel: bool = True
     ep: int = 1  # expert-parallel degree: a factor of dp_shard (MoE models)
+    cp: int = 1  # context-parallel degree: ranks that split each sequence (titanlite.parallel.context_parallel)
     mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
     _expert_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
     _dp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
     _pp_dp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
+    _loss_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
+    _shard_cp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in MESH_DIMS:
@@ -70,21 +80,28 @@ class ParallelDims:
         if self.world_size < 1:
             raise ConfigError(f"WORLD_SIZE={self.world_size} must be >= 1")
         if self.dp_shard == -1:
-            other = self.pp * self.dp_replicate * self.tp
+            other = self.pp * self.dp_replicate * self.cp * self.tp
             if self.world_size % other:
                 pp = f"{_KEYS['pp']} ({self.pp}) x " if self.pp > 1 else ""
+                cp = f"{_KEYS['cp']} ({self.cp}) x " if self.cp > 1 else ""
                 raise ConfigError(
-                    f"{pp}{_KEYS['dp_replicate']} ({self.dp_replicate}) x {_KEYS['tp']} ({self.tp}) = {other} "
+                    f"{pp}{_KEYS['dp_replicate']} ({self.dp_replicate}) x {cp}{_KEYS['tp']} ({self.tp}) = {other} "
                     f"does not divide the number of processes (WORLD_SIZE={self.world_size})"
                 )
             self.dp_shard = self.world_size // other
-        product = self.pp * self.dp_replicate * self.dp_shard * self.tp
+        product = self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
         if product != self.world_size:
             pp = f"pipeline_parallel_degree ({self.pp}) x " if self.pp > 1 else ""
+            cp = f" x context_parallel_degree ({self.cp})" if self.cp > 1 else ""
             raise ConfigError(
                 f"parallelism degrees must multiply to the number of processes: {pp}data_parallel_replicate_degree "
-                f"({self.dp_replicate}) x data_parallel_shard_degree ({self.dp_shard}) x tensor_parallel_degree "
+                f"({self.dp_replicate}) x data_parallel_shard_degree ({self.dp_shard}){cp} x tensor_parallel_degree "
                 f"({self.tp}) = {product}, but WORLD_SIZE={self.world_size}"
+            )
+        if self.ep > 1 and self.cp > 1:
+            raise ConfigError(
+                f"{_KEYS['ep']}={self.ep} with {_KEYS['cp']}={self.cp} is not supported: the experts' FSDP mesh "
+                "does not span the context-parallel ranks (use one of them)"
             )
         if self.ep < 1 or self.dp_shard % self.ep:
             raise ConfigError(
@@ -103,6 +120,7 @@ class ParallelDims:
             pp=pcfg.pipeline_parallel_degree,
             enable_loss_parallel=pcfg.enable_loss_parallel,
             ep=getattr(pcfg, "expert_parallel_degree", 1),
+            cp=getattr(pcfg, "context_parallel_degree", 1),
         )
 
     # ---- degrees
@@ -112,9 +130,18 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def fsdp_degree(self) -> int:
+        """Ranks FSDP (HSDP) spans: the data-parallel ranks and, with context parallelism, their CP ranks."""
+        return self.dp_degree * self.cp
+
+    @property
     def fsdp_enabled(self) -> bool:
-        """FSDP (or HSDP) wraps the model: there is more than one data-parallel rank."""
-        return self.dp_degree > 1
+        """FSDP (or HSDP) wraps the model: there is more than one data-parallel or context-parallel rank."""
+        return self.fsdp_degree > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
 
     @property
     def hsdp_enabled(self) -> bool:
@@ -155,16 +182,20 @@ class ParallelDims:
             return self.mesh
         if not dist.is_initialized():
             raise RuntimeError("build_mesh needs the process group (init_distributed) first")
-        shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
         dp = mesh["dp_replicate", "dp_shard"]
         self._dp_mesh = torch_compat.flatten_mesh(dp, "dp")  # kept: slicing it back is deprecated
+        if self.cp > 1:  # FSDP shards over dp_shard x cp; the loss sums over dp x cp
+            self._shard_cp_mesh = torch_compat.flatten_mesh(mesh["dp_shard", "cp"], "dp_shard_cp")
+            self._loss_mesh = torch_compat.flatten_mesh(mesh["dp_replicate", "dp_shard", "cp"], "dp_cp")
         if self.pp > 1:  # the training loss (on the last stage only) is summed over stages and DP ranks at once
-            self._pp_dp_mesh = torch_compat.flatten_mesh(mesh["pp", "dp_replicate", "dp_shard"], "pp_dp")
-        if self.dp_shard > 1 and self.tp > 1:
+            self._pp_dp_mesh = torch_compat.flatten_mesh(mesh["pp", "dp_replicate", "dp_shard", "cp"], "pp_dp")
+        if self.dp_shard * self.cp > 1 and self.tp > 1:
             # FSDP x TP gradients are sharded over both; with this flattened view DTensor reduces
             # their norms (gradient clipping) in one all-reduce instead of one per dimension
-            torch_compat.flatten_mesh(mesh["dp_shard", "tp"], "dp_shard_tp")
+            dims = ("dp_shard", "cp", "tp") if self.cp > 1 else ("dp_shard", "tp")
+            torch_compat.flatten_mesh(mesh[dims], "_".join(dims))
         if self.ep > 1:  # dp_shard seen as (dp_shard_mod_ep, ep): same ranks, same root mesh
             sizes, names = (self.dp_shard // self.ep, self.ep), ("dp_shard_mod_ep", "ep")
             self._expert_mesh = torch_compat.unflatten_mesh(mesh, "dp_shard", sizes, names)
@@ -177,6 +208,19 @@ class ParallelDims:
     @property
     def tp_mesh(self) -> DeviceMesh | None:
         return self._sub("tp")
+
+    @property
+    def cp_mesh(self) -> DeviceMesh | None:
+        return self._sub("cp")
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup | None:
+        """Process group of the ranks that split this rank's sequences, or None without context parallelism."""
+        return self.cp_mesh.get_group() if self.cp_enabled and self.mesh is not None else None
+
+    @property
+    def cp_rank(self) -> int:
+        return self.cp_mesh.get_local_rank() if self.cp_enabled and self.mesh is not None else 0
 
     @property
     def pp_mesh(self) -> DeviceMesh | None:
@@ -198,8 +242,10 @@ class ParallelDims:
 
     @property
     def fsdp_mesh(self) -> DeviceMesh | None:
-        """The mesh FSDP shards over: ``dp_shard``, or ``(dp_replicate, dp_shard)`` for HSDP."""
-        return self._sub("dp_replicate", "dp_shard") if self.hsdp_enabled else self._sub("dp_shard")
+        """The mesh FSDP shards over: ``dp_shard`` (``dp_shard_cp``), or ``(dp_replicate, dp_shard)`` for HSDP."""
+        if not self.cp_enabled:
+            return self._sub("dp_replicate", "dp_shard") if self.hsdp_enabled else self._sub("dp_shard")
+        return self._sub("dp_replicate", "dp_shard_cp") if self.hsdp_enabled else self._shard_cp_mesh
 
     @property
     def ep_mesh(self) -> DeviceMesh | None:
@@ -224,21 +270,28 @@ class ParallelDims:
 
     @property
     def loss_group(self) -> dist.ProcessGroup | None:
-        """Process group over which a step's loss sum is reduced: the data-parallel ranks, and with pipeline
-        parallelism the stages too (``"pp_dp"``: only the last stage holds a nonzero sum); None when alone."""
+        """Process group over which a step's loss sum is reduced: the data-parallel ranks, their CP ranks
+        (``"dp_cp"``), and with pipeline parallelism the stages too (``"pp_dp"``: only the last stage holds a
+        nonzero sum); None when alone."""
         if self._pp_dp_mesh is not None:
             return self._pp_dp_mesh.get_group()
+        if self._loss_mesh is not None:
+            return self._loss_mesh.get_group()
         return self.dp_group
 
     def dp_rank(self, global_rank: int) -> int:
-        """This rank's index among the data-parallel ranks (``tp`` is the innermost dimension, ``pp`` the outermost)."""
-        return (global_rank // self.tp) % self.dp_degree if self.mesh is None else self.dp_mesh.get_local_rank()
+        """This rank's index among the data-parallel ranks (``tp``, then ``cp`` innermost, ``pp`` the outermost)."""
+        return (
+            (global_rank // (self.tp * self.cp)) % self.dp_degree
+            if self.mesh is None
+            else self.dp_mesh.get_local_rank()
+        )
 
     def all_groups(self) -> list[dist.ProcessGroup]:
         """Every process group of the mesh (for timeouts)."""
         if self.mesh is None:
             return []
-        flat = [m.get_group() for m in (self._dp_mesh, self._pp_dp_mesh) if m is not None]
+        flat = [m.get_group() for m in (self._dp_mesh, self._pp_dp_mesh, self._loss_mesh) if m is not None]
         if self._expert_mesh is not None:
             flat += [self._expert_mesh.get_group(name) for name in ("dp_shard_mod_ep", "ep")]
         return [self.mesh.get_group(name) for name in MESH_DIMS] + flat

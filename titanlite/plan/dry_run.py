@@ -57,19 +57,37 @@ def _placement_text(p) -> str:
     return str(p)
 
 
-def _local_numel_fn(global_mesh_names: tuple[str, ...]) -> Callable:
-    """``fn(param, global_coord) -> local numel`` for a (DTensor or plain) parameter."""
+_FLATTENED = {"dp_shard_cp": ("dp_shard", "cp")}  # the flattened mesh dims a parameter may be placed on
+
+
+def _coordinate(name: str, coord: tuple[int, ...], sizes: dict[str, int], where: dict[str, int]) -> int | None:
+    """A global rank's coordinate (``coord`` on the world mesh's dims: ``sizes`` by name, ``where`` their index)
+    along mesh dim ``name``, a flattened one too (row-major over its dims); None for a dim it does not know."""
+    if name in where:
+        return coord[where[name]]
+    if name not in _FLATTENED or not set(_FLATTENED[name]) <= set(where):
+        return None
+    index = 0
+    for part in _FLATTENED[name]:
+        index = index * sizes[part] + coord[where[part]]
+    return index
+
+
+def _local_numel_fn(sizes: dict[str, int]) -> Callable:
+    """``fn(param, global_coord) -> local numel`` for a (DTensor or plain) parameter (``sizes``: the world mesh's
+    dims and their sizes)."""
     from torch.distributed.tensor import DTensor
 
     local_shape = torch_compat.local_shape_fn()
-
+    where = {name: i for i, name in enumerate(sizes)}
     cache: dict = {}
 
     def fn(p: torch.Tensor, coord: tuple[int, ...]) -> int:
         if not isinstance(p, DTensor):
             return p.numel()
         mesh, names = p.device_mesh, p.device_mesh.mesh_dim_names or ()
-        sub = tuple(coord[global_mesh_names.index(n)] for n in names) if set(names) <= set(global_mesh_names) else None
+        sub = tuple(_coordinate(n, coord, sizes, where) for n in names)
+        sub = None if None in sub else sub
         key = (tuple(p.shape), tuple(mesh.shape), tuple(map(str, p.placements)), sub)
         if key not in cache:
             if sub is None or local_shape is None:
@@ -155,6 +173,7 @@ def dry_run(cfg, world_size: int | None = None, out: Callable[[str], None] = pri
         "world_size": world_size,
         "world_size_source": source,
         "degrees": {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp}
+        | ({"cp": dims.cp} if dims.cp > 1 else {})
         | ({"ep": dims.ep} if dims.ep > 1 else {}),  # expert parallelism: a factor of dp_shard, no ranks of its own
         "grad_accum": accum,
         "global_batch": t.local_batch_size * dims.dp_degree * accum,
@@ -241,9 +260,9 @@ def _inspect(models: list[torch.nn.Module], dims, world: int, mesh_names: tuple[
     and the parameter groups; ``models[k]`` is what pp rank ``k`` holds (one model without pipelining)."""
     from torch.distributed.tensor import DTensor
 
-    mesh_shape = (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp)
+    mesh_shape = (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
     coords = list(itertools.product(*map(range, mesh_shape)))  # of every global rank (row-major)
-    numel = _local_numel_fn(mesh_names)
+    numel = _local_numel_fn(dict(zip(mesh_names, mesh_shape)))
     per_rank = [0] * world
     groups: dict[tuple, dict] = {}
     stage_params = []
@@ -285,16 +304,26 @@ def _rank_runs(per: list[int], limit: int = 8) -> str:
     return f"min {per[lo]:,} (rank {lo}), max {per[hi]:,} (rank {hi})"
 
 
+def _sharding_layout(d: dict[str, int]) -> list[str]:
+    """The layout line's FSDP and CP parts (FSDP spans dp_shard x cp)."""
+    cp = d.get("cp", 1)
+    parts = (
+        [f"FSDP over {d['dp_shard']}" + (f" x cp {cp}" if cp > 1 else "")]
+        if d["dp_replicate"] * d["dp_shard"] * cp > 1
+        else []
+    )
+    return parts + ([f"CP {cp} (each sequence over {cp} ranks, K/V all-gathered)"] if cp > 1 else [])
+
+
 def format_report(r: dict[str, Any], cfg) -> list[str]:
     d, t, ac, w = r["degrees"], cfg.training, cfg.activation_checkpoint, r["world_size"]
     per, lo, hi, m = r["per_rank"], r["min_rank"], r["max_rank"], r["memory"]
     pl = r.get("pipeline")
     layout = [f"PP {pl['degree']} ({pl['schedule']}, {pl['num_stages']} stages)"] if pl else []
     layout += [f"HSDP replicas {d['dp_replicate']}"] if d["dp_replicate"] > 1 else []
-    pp_dim = f"pp {pl['degree']} x " if pl else ""
+    pp_dim, cp_dim = f"pp {pl['degree']} x " if pl else "", f"cp {d['cp']} x " if "cp" in d else ""
     worst = f", worst stage (pp rank {m['pp_rank']})" if pl else ""
-    if d["dp_replicate"] * d["dp_shard"] > 1:
-        layout.append(f"FSDP over {d['dp_shard']}")
+    layout += _sharding_layout(d)
     if d.get("ep", 1) > 1:
         layout.append(
             f"EP {d['ep']} (experts over dp_shard {d['dp_shard']} = {d['dp_shard'] // d['ep']} x ep {d['ep']})"
@@ -306,7 +335,8 @@ def format_report(r: dict[str, Any], cfg) -> list[str]:
     lines = [
         f"dry run: {r['model']} on {w} rank{'s' if w != 1 else ''} ({r['world_size_source']}); "
         f"{'fake process group, ' if w > 1 else ''}meta device, nothing allocated",
-        f"mesh       {pp_dim}dp_replicate {d['dp_replicate']} x dp_shard {d['dp_shard']} x tp {d['tp']} = {w}"
+        f"mesh       {pp_dim}dp_replicate {d['dp_replicate']} x dp_shard {d['dp_shard']} x "
+        f"{cp_dim}tp {d['tp']} = {w}"
         f" | {', '.join(layout) or 'single process, no sharding'}",
         f"training   AC {ac.mode}{' (' + ac.selective_ac_option + ')' if ac.mode == 'selective' else ''}"
         f", compile {'on' if cfg.compile.enable else 'off'}, float8 "

@@ -44,6 +44,7 @@ class RunSetup:
     ep: int = 1  # expert-parallel degree (MoE): a factor of dp_shard
     loss_chunks: int = 0  # [training] loss_chunks: the output layer + loss over pieces of the tokens (0: at once)
     optimizer: str = "AdamW"  # [optimizer] name; "muon": one state buffer for the blocks' matrices, not two
+    cp: int = 1  # context-parallel degree: each sequence split over cp ranks (FSDP shards over dp_shard x cp)
 
     @classmethod
     def from_config(cls, cfg: Any, num_gpus: int, pp_stage_sizes: tuple[int, ...] = ()) -> RunSetup:
@@ -71,13 +72,15 @@ class RunSetup:
             ep=getattr(par, "expert_parallel_degree", 1),
             loss_chunks=t.loss_chunks,
             optimizer=cfg.optimizer.name,
+            cp=getattr(par, "context_parallel_degree", 1),
         )
 
     def __post_init__(self) -> None:
-        if self.num_gpus < 1 or self.num_gpus % (self.tp * self.dp_replicate * self.pp):
+        if self.num_gpus < 1 or self.num_gpus % (self.tp * self.dp_replicate * self.pp * self.cp):
             raise ConfigError(
                 f"{self.num_gpus} GPUs are not divisible by tensor_parallel_degree ({self.tp}) x "
                 f"data_parallel_replicate_degree ({self.dp_replicate}) x pipeline_parallel_degree ({self.pp})"
+                + (f" x context_parallel_degree ({self.cp})" if self.cp > 1 else "")
             )
         if self.pp > 1:
             check_pipeline(self.pp_schedule, self.local_batch_size, self.pp_microbatch_size, self.pp_stage_sizes)
@@ -97,7 +100,7 @@ class RunSetup:
 
     @property
     def dp_degree(self) -> int:
-        return self.num_gpus // (self.tp * self.pp)
+        return self.num_gpus // (self.tp * self.pp * self.cp)
 
     @property
     def dp_shard(self) -> int:
@@ -105,8 +108,18 @@ class RunSetup:
 
     @property
     def fsdp(self) -> bool:
-        """titanlite applies FSDP whenever there is more than one data-parallel rank."""
-        return self.dp_degree > 1
+        """titanlite applies FSDP whenever there is more than one data- or context-parallel rank."""
+        return self.dp_degree * self.cp > 1
+
+    @property
+    def fsdp_shards(self) -> int:
+        """Ranks each parameter is sharded over by FSDP: ``dp_shard x cp`` (1 without FSDP)."""
+        return self.dp_shard * self.cp if self.fsdp else 1
+
+    @property
+    def rank_seq_len(self) -> int:
+        """Tokens of each sequence on one rank's activations: ``seq_len / cp`` (before sequence parallelism)."""
+        return self.seq_len // self.cp
 
     @property
     def autocast(self) -> bool:
@@ -180,6 +193,23 @@ def _activation_per_token(s: ModelShape, setup: RunSetup, n_layers: float) -> tu
         return n_layers * kept, layer - kept
     n_ac = int(n_layers) // int(setup.ac_option)  # full AC on every N-th block
     return n_ac * keep_input + (n_layers - n_ac) * layer, (layer if n_ac else 0.0)
+
+
+def gathered_kv_bytes(s: ModelShape, setup: RunSetup, n_layers: float) -> tuple[float, float]:
+    """``(kept, recomputed)`` bytes per sequence of the whole sequence's keys and values that context parallelism
+    gathers in each block (``2 x seq_len x kv_dim / tp``, and their copies repeated to the query heads under
+    grouped-query attention): saved for backward by every block that keeps its attention inputs, or held while
+    one block is recomputed under full activation checkpointing. 0 without context parallelism."""
+    if setup.cp == 1:
+        return 0.0, 0.0
+    width = s.kv_dim + (s.q_dim if s.kv_heads != s.n_heads else 0)
+    layer = 2 * _bytes(setup)[0] * setup.seq_len / setup.tp * width
+    if setup.ac_mode == "full":
+        return 0.0, layer
+    if setup.ac_mode == "none" or setup.ac_option.strip() == "op":
+        return n_layers * layer, 0.0
+    n_ac = int(n_layers) // int(setup.ac_option)
+    return (n_layers - n_ac) * layer, (layer if n_ac else 0.0)
 
 
 def _float8_saved_blocks(setup: RunSetup, n_layers: float) -> tuple[float, float]:
@@ -272,7 +302,7 @@ def stage_memory_breakdown(s: ModelShape, setup: RunSetup, share: StageShare) ->
     ``local_batch_size`` sequences in flight)."""
     p = setup.pp
     v = len(setup.stage_sizes(s.n_layers)) // p
-    shards = setup.dp_shard if setup.fsdp else 1
+    shards = setup.fsdp_shards
     local = stage_params(s, share) / (setup.tp * shards)
     experts = share.n_layers * s.moe_fraction * s.moe.expert_params(s.dim) if s.moe else 0.0
     local += experts / shards * (1 - 1 / setup.tp)  # experts are replicated over the TP ranks
@@ -293,14 +323,16 @@ def stage_memory_breakdown(s: ModelShape, setup: RunSetup, share: StageShare) ->
         optimizer -= 4 * muon_local
         muon_scratch = 4 * c * muon_local  # step: send + receive buffers, an owner's gathered matrices + results
     sequences = setup.pp_microbatch_size if p > 1 else setup.local_batch_size
-    tokens = sequences * setup.seq_len / setup.tp
+    tokens = sequences * setup.rank_seq_len / setup.tp
     kept, recomputed_per_token = _activation_per_token(s, setup, share.n_layers / v)
     final_norm = share.last_in_flight * _final_norm_per_token(setup, s)
     activations = tokens * (share.in_flight * kept + recomputed_per_token + final_norm)
+    kv_kept, kv_recomputed = gathered_kv_bytes(s, setup, share.n_layers / v)
+    activations += sequences * (share.in_flight * kv_kept + kv_recomputed)
     if setup.float8:  # float8 copies of the block weights, saved for backward by every forward outside AC
         kept_blocks, recomputed_blocks = _float8_saved_blocks(setup, share.n_layers / v)
         activations += (share.in_flight * kept_blocks + recomputed_blocks) * block_matmul_params(s) / setup.tp
-    logits = _logits_bytes(s, setup, share, sequences * setup.seq_len, c)
+    logits = _logits_bytes(s, setup, share, sequences * setup.rank_seq_len, c)
     scratch = (4 * local if setup.optimizer_impl == "foreach" else 0.0) + muon_scratch
     recomputed = 0.0 if setup.ac_mode == "none" else tokens * activation_bytes_per_token_layer(s, setup)
     steady = p > 1 and setup.pp_schedule != "GPipe" and setup.n_microbatches * v > share.in_flight
@@ -361,7 +393,7 @@ def pipeline_receive_buffers(s: ModelShape, setup: RunSetup, share: StageShare) 
     if setup.pp == 1:
         return 0.0
     num_stages = len(setup.stage_sizes(s.n_layers))
-    hidden = setup.pp_microbatch_size * setup.seq_len / setup.tp * s.dim * (_bytes(setup)[0] if setup.fsdp else 4)
+    hidden = setup.pp_microbatch_size * setup.rank_seq_len / setup.tp * s.dim * (_bytes(setup)[0] if setup.fsdp else 4)
     buffers = sum((stage > 0) + (stage < num_stages - 1) for stage in share.stages)
     return buffers * setup.n_microbatches * hidden
 

@@ -132,6 +132,7 @@ def report(args, cfg, shape: ModelShape, setup: RunSetup, plan) -> str:
         f"vocab {shape.vocab_size:,}{', tied embeddings' if shape.tie_word_embeddings else ''}",
         f"layout     {setup.num_gpus} x {args.gpu}: dp {setup.dp_degree} (shard {setup.dp_shard} x replicate "
         f"{setup.dp_replicate}{', FSDP' if setup.fsdp else ''}), tp {setup.tp}"
+        f"{f', cp {setup.cp} (FSDP over dp_shard x cp, activations / cp)' if setup.cp > 1 else ''}"
         f"{f', ep {setup.ep} (experts over dp_shard)' if setup.ep > 1 else ''}"
         f"{f', pp {setup.pp} ({setup.pp_schedule}, {setup.n_microbatches} microbatches)' if setup.pp > 1 else ''}; "
         f"{setup.compute_dtype}"

@@ -3,12 +3,15 @@ outputs become a loss, and the pipeline that runs it when it is cut into stages.
 
 One :class:`Runtime` is built with the training parts (:func:`titanlite.trainer.assemble.build_training`) and
 handed to whatever runs the model: the train step, validation, in-loop evaluation and sampling. A new fact
-(context parallelism, say) is added here once instead of to each of their parameter lists.
+is added here once instead of to each of their parameter lists: context parallelism is one
+(:attr:`Runtime.context_parallel`).
 
 :func:`forward_loss` is the one place that runs the model to a loss: it applies loss parallelism, autocast (not
 on an FSDP model, whose mixed-precision policy casts instead), the chunked or logits loss and the pipeline
-schedule, for the train step (with a backward) and for evaluation (without). :func:`forward_logits` is its
-loss-free sibling for benchmark scoring, under the same autocast.
+schedule, for the train step (with a backward) and for evaluation (without). Under context parallelism it
+cuts each batch along the sequence into this rank's load-balanced share first
+(:mod:`titanlite.parallel.context_parallel`): the loader's batches stay whole. :func:`forward_logits` is its
+loss-free sibling for benchmark scoring, under the same autocast (never under context parallelism).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from titanlite.parallel.context_parallel import ContextParallel
 from titanlite.parallel.fsdp import is_fsdp
 from titanlite.parallel.tensor_parallel import loss_parallel_context, to_local_value
 from titanlite.trainer.loss import cross_entropy_sum
@@ -75,6 +79,24 @@ class Runtime:
     def pp_group(self) -> Any:
         return getattr(self.parallel_dims, "pp_group", None)
 
+    @property
+    def context_parallel(self) -> ContextParallel | None:
+        """This rank's context-parallel group, or None without context parallelism (or without a mesh)."""
+        group = getattr(self.parallel_dims, "cp_group", None)
+        if group is None:
+            return None
+        return ContextParallel(group, self.parallel_dims.cp, self.parallel_dims.cp_rank)
+
+    def shard(self, batch: tuple[Any, Any, dict]) -> tuple[Any, Any, dict]:
+        """``batch`` (inputs, labels, extra arguments) as this rank's share of the sequences under context
+        parallelism (every ``[B, S]`` tensor cut, and the model told): the batch itself without."""
+        cp = self.context_parallel
+        if cp is None:
+            return batch
+        inputs, labels, extra = batch
+        extra = {k: cp.shard(v) if isinstance(v, torch.Tensor) else v for k, v in extra.items()}
+        return cp.shard(inputs), cp.shard(labels), {**extra, "context_parallel": cp.for_length(inputs.shape[1])}
+
     def autocast_dtype(self, model: nn.Module) -> torch.dtype | None:
         """The dtype to autocast ``model``'s forward to: None in fp32 and for an FSDP model (its policy casts)."""
         if self.compute_dtype in (None, torch.float32) or is_fsdp(model):
@@ -102,8 +124,9 @@ def forward_loss(
     With ``divisor`` (the step's global token count) the backward of ``loss / divisor`` runs too, under loss
     parallelism but outside autocast. Under a pipeline the schedule runs every stage (its own autocast and
     ``runtime.loss``'s chunking) and only the last stage's ranks get a non-zero sum: the caller sums over the
-    pipeline group."""
-    inputs, labels, extra = batch
+    pipeline group. Under context parallelism the batch is cut first (:meth:`Runtime.shard`) and the sum is
+    this rank's share of the sequences': the caller sums over the context-parallel group too."""
+    inputs, labels, extra = runtime.shard(batch)
     with loss_parallel_context(runtime.loss_parallel):  # vocabulary-sharded logits under TP
         if runtime.pipeline is not None:
             if divisor is not None:

@@ -45,7 +45,7 @@ from titanlite.trainer.runtime import Runtime, eval_loss, forward_loss
 
 logger = logging.getLogger(__name__)
 
-LOSS_DIMS = ("dp_replicate", "dp_shard")  # world dims along which ranks hold different loss sums (and the stages)
+LOSS_DIMS = ("dp_replicate", "dp_shard", "cp")  # world dims along which ranks hold different loss sums (and the stages)
 
 
 def grad_accum_steps(global_batch_size: int, local_batch_size: int, dp_degree: int) -> int:
@@ -151,9 +151,10 @@ class TrainStep:
     def _sum_fsdp_gradients(self) -> None:
         """Each rank's gradient is its share of the global token mean, so data-parallel FSDP groups must SUM the
         shares: a model sharded by ``fully_shard`` itself averages them (half the norm on 2 ranks), set to SUM here."""
-        if self.dp_degree > 1 and (changed := sum_gradients(self.model)):
+        ranks = getattr(self.parallel_dims, "fsdp_degree", self.dp_degree)  # the context-parallel ranks too
+        if ranks > 1 and (changed := sum_gradients(self.model)):
             logger.info(
-                f"TrainStep: {changed} FSDP groups averaged their gradients over the {self.dp_degree} data-parallel "
+                f"TrainStep: {changed} FSDP groups averaged their gradients over {ranks} data- and context-parallel "
                 "ranks; set to sum them (each rank's gradient is its share of the global token mean)"
             )
 
@@ -189,7 +190,7 @@ class TrainStep:
         mesh = getattr(self.parallel_dims, "mesh", None)
         if mesh is None and dist.is_initialized() and dist.get_world_size() > 1:
             return None
-        if mesh is not None and not set(LOSS_DIMS) <= set(mesh.mesh_dim_names or ()):
+        if mesh is not None and not {"dp_replicate", "dp_shard"} <= set(mesh.mesh_dim_names or ()):
             return None  # not ParallelDims' named mesh: which ranks hold the same loss is unknown
         return WorldLayout(mesh)
 

@@ -74,6 +74,8 @@ def validation_result(
     figures (``text_bytes`` None: no bits per byte)."""
     if runtime.pipeline is not None and runtime.pp_group is not None:
         loss_sums = all_reduce_sum(loss_sums, runtime.pp_group)
+    if (cp := runtime.context_parallel) is not None:  # each CP rank scored its share of the (whole) batch's tokens
+        loss_sums = all_reduce_sum(loss_sums, cp.group)
     if (dp_group := runtime.dp_group) is not None:
         loss_sums, tokens = all_reduce_sum(loss_sums, dp_group), all_reduce_sum(tokens, dp_group)
         text_bytes = None if text_bytes is None else all_reduce_sum(text_bytes, dp_group)

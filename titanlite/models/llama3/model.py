@@ -32,8 +32,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from titanlite.models.attention import AttentionMask, attention, build_attention_mask, grouped_query_attention
+from titanlite.models.context_attention import ContextMask
 from titanlite.models.kv_cache import KVCache, LayerKV
 from titanlite.models.llama3.args import Llama3ModelArgs
+from titanlite.parallel.context_parallel import ContextParallel
 
 # ----------------------------------------------------------------------------- rotary embeddings
 
@@ -125,9 +127,11 @@ class Attention(nn.Module):
         if cache is not None:  # generation / packed scoring: the cached keys/values, GQA's few heads unrepeated
             k, v = cache.update(k, v)  # (models/kv_cache.py)
             return self.wo(grouped_query_attention(q, k, v, attn_mask).reshape(bsz, seqlen, -1))
+        if isinstance(attn_mask, ContextMask):  # context parallelism: the whole sequence's keys, GQA's few heads
+            k, v = attn_mask.gather(k), attn_mask.gather(v)  # (models/context_attention.py)
         k, v = repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
-        out = attention(q, k, v, attn_mask)  # causal, or the document mask (models/attention.py)
+        out = attention(q, k, v, attn_mask)  # causal, the document mask, or context-parallel (models/attention.py)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -227,18 +231,26 @@ class Transformer(nn.Module):
         document_ids: torch.Tensor | None = None,
         cache: KVCache | None = None,
         return_hidden: bool = False,
+        context_parallel: ContextParallel | None = None,
     ) -> torch.Tensor:
         """Logits ``[B, S, vocab]``; ``document_ids [B, S]`` is needed for ``block_causal`` masking.
         With a ``cache`` (generation, :mod:`titanlite.models.kv_cache`) ``tokens`` continue the cached ones.
         ``return_hidden``: the final norm's output ``[B, S, dim]`` instead, for a caller that applies ``output``
-        itself (the chunked loss, :mod:`titanlite.trainer.output_loss`).
+        itself (the chunked loss, :mod:`titanlite.trainer.output_loss`). ``context_parallel``: ``tokens`` (and
+        ``document_ids``) are this rank's load-balanced share of the sequences
+        (:mod:`titanlite.parallel.context_parallel`): global rotary positions, attention over gathered keys.
 
         A pipeline stage (see :func:`titanlite.parallel.pipeline.pipeline_decoder`) lacks the modules other
         stages hold: without ``tok_embeddings`` it takes hidden states, without ``output`` it returns them."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        if h.shape[1] > self.rope_cache.shape[0]:
-            raise ValueError(f"sequence length {h.shape[1]} exceeds max_seq_len {self.rope_cache.shape[0]}")
-        if cache is None:
+        seqlen = h.shape[1] if context_parallel is None else context_parallel.seq_len
+        if seqlen > self.rope_cache.shape[0]:
+            raise ValueError(f"sequence length {seqlen} exceeds max_seq_len {self.rope_cache.shape[0]}")
+        if context_parallel is not None:  # this rank's rotary rows, the whole sequences' document ids
+            rope = self.rope_cache[context_parallel.positions(self.rope_cache.device)][None]
+            ids = document_ids if self.args.attn_mask_type == "block_causal" else None
+            attn_mask = ContextMask.build(context_parallel, ids)
+        elif cache is None:
             attn_mask = build_attention_mask(self.args.attn_mask_type, document_ids, self.args.attn_backend)
             rope = self.rope_cache
         else:  # generation: each row's rotary rows, a mask over the cached slots (models/kv_cache.py)
