@@ -16,12 +16,12 @@ Every launch has a hard timeout (``tests.helpers.dist.run_workers``), so a hang 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers.checkpoint_runs import resume_copy
 from tests.helpers.dist import cache_token_stores, run_workers
 from tests.helpers.tiny import TINY_MODEL
 from titanlite.models import load_config
@@ -88,14 +88,6 @@ def metrics(dump: Path) -> list[dict]:
     return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
 
 
-def resume_copy(source: Path, dest: Path) -> Path:
-    (dest / "checkpoint").mkdir(parents=True)
-    shutil.copytree(source / "checkpoint" / "step-10", dest / "checkpoint" / "step-10")
-    lines = (source / "metrics.jsonl").read_text().splitlines(keepends=True)
-    (dest / "metrics.jsonl").write_text("".join(lines[:10]))
-    return dest
-
-
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
     dump = tmp_path_factory.mktemp("fsdp2")
@@ -118,7 +110,7 @@ def fsdp_run(tmp_path_factory):
 
 def test_fsdp2_resume_is_bitwise_identical(fsdp_run, tmp_path):
     source, reference = fsdp_run
-    dump = resume_copy(source, tmp_path / "resumed")
+    dump = resume_copy(source, tmp_path / "resumed", step=10)
     run_workers(
         train_worker,
         2,
@@ -153,7 +145,7 @@ def test_fsdp2_checkpoint_resumes_on_one_process(fsdp_run, tmp_path, caplog):
     from titanlite.trainer import Trainer
 
     source, reference = fsdp_run
-    dump = resume_copy(source, tmp_path / "one")
+    dump = resume_copy(source, tmp_path / "one", step=10)
     cache_token_stores()
     with caplog.at_level("INFO", logger="titanlite"):
         Trainer(load_config(TINY + ["--job.dump_folder", str(dump)])).train()
@@ -163,7 +155,7 @@ def test_fsdp2_checkpoint_resumes_on_one_process(fsdp_run, tmp_path, caplog):
 
 def test_fsdp2_checkpoint_resumes_under_tp2(fsdp_run, tmp_path):
     source, reference = fsdp_run
-    dump = resume_copy(source, tmp_path / "tp2")
+    dump = resume_copy(source, tmp_path / "tp2", step=10)
     run_workers(
         train_worker,
         2,
@@ -177,7 +169,7 @@ def test_fsdp2_checkpoint_resumes_under_fsdp2_x_tp2(fsdp_run, tmp_path):
     """A 1-D FSDP checkpoint loads into a 2-D (dp_shard x tp) layout: every parameter and AdamW
     moment is re-sliced along both mesh dimensions by DCP."""
     source, reference = fsdp_run
-    dump = resume_copy(source, tmp_path / "fsdp2_tp2")
+    dump = resume_copy(source, tmp_path / "fsdp2_tp2", step=10)
     run_workers(
         train_worker,
         4,

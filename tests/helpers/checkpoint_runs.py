@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from tests.helpers.dist import cache_token_stores
@@ -49,3 +50,12 @@ def metrics(dump: Path) -> list[dict]:
 
 def steps_in(dump: Path) -> list[int]:
     return [f.step for f in layout.list_step_folders(dump / "checkpoint")]
+
+
+def resume_copy(source: Path, dest: Path, step: int = 5) -> Path:
+    """A new run folder ``dest`` holding ``source``'s step-``step`` checkpoint and its metrics up to that step."""
+    (dest / "checkpoint").mkdir(parents=True)
+    shutil.copytree(source / "checkpoint" / f"step-{step}", dest / "checkpoint" / f"step-{step}")
+    lines = (source / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (dest / "metrics.jsonl").write_text("".join(lines[:step]))
+    return dest

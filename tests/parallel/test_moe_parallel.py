@@ -25,13 +25,13 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shutil
 import signal
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers.checkpoint_runs import resume_copy
 from tests.helpers.dist import cache_token_stores, run_workers
 from tests.helpers.parity import RTOL, STEPS, TINY, RecordingTrainer, check, check_data
 from titanlite.models import load_config
@@ -145,13 +145,6 @@ def worker(args: dict) -> dict:
         torch.distributed.barrier()
         out[name] = run(moe_config(str(dump), dp, extra), args["seeds"]["fp32"])
     return out
-
-
-def resume_copy(source: Path, dest: Path, step: int = 5) -> None:
-    (dest / "checkpoint").mkdir(parents=True)
-    shutil.copytree(source / "checkpoint" / f"step-{step}", dest / "checkpoint" / f"step-{step}")
-    lines = (source / "metrics.jsonl").read_text().splitlines(keepends=True)
-    (dest / "metrics.jsonl").write_text("".join(lines[:step]))
 
 
 @pytest.fixture(scope="module")

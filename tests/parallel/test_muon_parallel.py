@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.checkpoint_runs import resume_copy
 from tests.helpers.dist import cache_token_stores, run_workers
 from tests.helpers.parity import STEPS, TINY, RecordingTrainer, check, check_data
 
@@ -76,16 +77,6 @@ def run(cfg, seed=None, trainer=None) -> dict:
     out["inputs"] = torch.cat(trainer.first_step_inputs) if trainer.first_step_inputs else None
     out["dp_rank"], out["weights"] = trainer.dp_rank, full_weights(trainer.model)
     return out
-
-
-def resume_copy(source: Path, dest: Path, step: int = 5) -> None:
-    """A new run folder holding ``source``'s step-``step`` checkpoint and its metrics up to that step."""
-    import shutil
-
-    (dest / "checkpoint").mkdir(parents=True)
-    shutil.copytree(source / "checkpoint" / f"step-{step}", dest / "checkpoint" / f"step-{step}")
-    lines = (source / "metrics.jsonl").read_text().splitlines(keepends=True)
-    (dest / "metrics.jsonl").write_text("".join(lines[:step]))
 
 
 def worker(args: dict) -> dict:
