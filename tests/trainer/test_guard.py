@@ -164,14 +164,22 @@ def test_raise_policy_stops_with_step_loss_and_grad_norm(tmp_path):
         assert torch.isfinite(p).all()
 
 
-@pytest.mark.parametrize("implementation", ["foreach", "fused"])
-def test_skip_step_leaves_parameters_unchanged(tmp_path, implementation):
+# AdamW in both implementations, and Muon (its momentum buffers and the AdamW half it holds)
+OPTIMIZERS = {
+    "foreach": ["--optimizer.implementation", "foreach"],
+    "fused": ["--optimizer.implementation", "fused"],
+    "muon": ["--optimizer.name", "muon"],
+}
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_skip_step_leaves_parameters_unchanged(tmp_path, optimizer):
     """With 2 accumulated micro-batches per step, the whole step 2 is dropped: no optimizer or LR step (also
-    with the fused AdamW, which takes the clipping factor as grad_scale)."""
+    with the fused AdamW, which takes the clipping factor as grad_scale, and with Muon, whose momentum does not
+    take the skipped step's gradient)."""
     t = trainer(
         tmp_path,
-        "--optimizer.implementation",
-        implementation,
+        *OPTIMIZERS[optimizer],
         "--training.steps",
         "4",
         "--training.global_batch_size",
@@ -188,8 +196,11 @@ def test_skip_step_leaves_parameters_unchanged(tmp_path, implementation):
         assert torch.equal(s1[name], s2[name]), name  # step 2 skipped: bit-identical parameters
     assert any(not torch.equal(s2[n], s3[n]) for n in s2)  # step 3 trained again
     assert all(torch.isfinite(p).all() for p in t.model.parameters())
-    adam_steps = {float(s["step"]) for s in t.optimizer.state.values()}
+    adam_steps = {float(s["step"]) for s in t.optimizer.state.values() if "step" in s}
     assert adam_steps == {3.0}  # 4 steps, one of them skipped
+    if optimizer == "muon":  # the skipped step's NaN gradient never reached the momentum (it would stay in it)
+        buffers = [s["momentum_buffer"] for s in t.optimizer.state.values() if "momentum_buffer" in s]
+        assert buffers and all(torch.isfinite(b).all() for b in buffers)
     event = next(r for r in records if "guard_event" in r)
     assert (event["step"], event["guard_event"], event["guard_action"]) == (2, "nonfinite", "skip")
     losses = {r["step"]: r for r in records if "loss" in r}
@@ -197,9 +208,9 @@ def test_skip_step_leaves_parameters_unchanged(tmp_path, implementation):
     assert losses[3]["lr"] == losses[2]["lr"]  # the LR schedule did not advance on the skipped step
 
 
-@pytest.mark.parametrize("implementation", ["foreach", "fused"])
-def test_rollback_resumes_from_checkpoint_and_continues(tmp_path, implementation):
-    common = ["--training.steps", "6", "--checkpoint.interval", "2", "--optimizer.implementation", implementation]
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_rollback_resumes_from_checkpoint_and_continues(tmp_path, optimizer):
+    common = ["--training.steps", "6", "--checkpoint.interval", "2", *OPTIMIZERS[optimizer]]
     ref = trainer(tmp_path / "ref", *common)
     ref_records = ref.train()
     t = trainer(
