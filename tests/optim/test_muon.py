@@ -158,9 +158,15 @@ def test_owner_assignment_is_balanced_at_the_1b_shape():
     assert math.isclose(sum(loads), sum(costs))
 
 
-def test_config_rejects_bad_coefficients():
+def test_config_rejects_bad_coefficients_and_pipeline_parallelism():
     with pytest.raises(ConfigError, match="3 numbers"):
         Optimizer(ns_coefficients=[1.0, 2.0]).validate()
+    from titanlite.config import parse_config
+
+    pipelined = ["--optimizer.name", "muon", "--parallelism.pipeline_parallel_degree", "2"]
+    with pytest.raises(ConfigError, match="^optimizer.name = 'muon' does not run with parallelism.pipeline_parallel"):
+        parse_config(pipelined)
+    assert parse_config(pipelined[:2]).optimizer.name == "muon"
 
 
 def test_planner_counts_one_buffer_for_muon_matrices():

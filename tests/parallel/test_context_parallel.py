@@ -4,13 +4,12 @@ Each configuration trains 10 steps from the one-process run's seed weights and m
 norms, and end with the same weights, within ``RTOL`` (1e-5 relative, all fp32: only summation orders differ).
 Weights compare by each tensor's norm: Adam divides each gradient element by its own magnitude, so an element
 whose gradient is near 0 moves by up to the learning rate on a summation-order difference (the largest
-element's difference, printed too, reaches ~2e-5 of the tensor's largest weight).
+element's difference is printed too).
 Two launches: 2 processes run CP 2 causal (with validation under CP, and a checkpoint at step 5) and CP 2 with
 documents (full AC); 4 processes run CP 4 with documents, CP 2 x FSDP 2 (per-op AC), CP 2 x TP 2 (a checkpoint at
-step 5), CP 2 x PP 2, and resume CP 2 x TP 2's checkpoint under CP 4: causal CP 4 runs steps 6-10 there (a
-separate 10-step causal CP 4 run would cost ~6 s of the suite for what the documents run and
-test_context_parallel_units.py's causal CP 4 attention already cover). The pytest process resumes the CP 2
-checkpoint under CP 1.
+step 5), CP 2 x PP 2, and resume CP 2 x TP 2's checkpoint under CP 4: causal CP 4 runs steps 6-10 there (with
+the documents run and test_context_parallel_units.py's causal CP 4 attention, in place of a separate 10-step causal
+CP 4 run). The pytest process resumes the CP 2 checkpoint under CP 1.
 
 Documents: a text corpus of short documents (3 to 12 bytes), so that at ``seq_len`` 32 and 8 chunks (CP 4) the
 documents cross the chunk boundaries (block-causal attention, the true document ids).

@@ -130,3 +130,20 @@ def test_planner_divides_activations_by_cp():
     gathered = 2 * 2 * 65536 * (1024 + 4096)  # bf16 K and V of the whole sequence, and their GQA copies
     assert two["activations"] == pytest.approx(one["activations"] / 2 + gathered)
     assert RunSetup(num_gpus=8, cp=2).dp_degree == 4 and RunSetup(num_gpus=8, cp=2).fsdp_shards == 8
+
+
+def test_block_causal_without_document_ids_is_refused_under_cp_as_without():
+    """A block-causal model given no document ids: the same ValueError with context parallelism as without (never a
+    silent fall back to causal attention)."""
+    from titanlite.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("llama3", "debugmodel", device="cpu", n_layers=1, attn_mask_type="block_causal")
+    model.init_weights()
+    tokens = torch.randint(0, 256, (1, 8))
+    message = "block_causal' needs document_ids"
+    with pytest.raises(ValueError, match=message):
+        model(tokens)
+    cp = ContextParallel(group=None, degree=2, rank=0).for_length(16)  # this rank's 8 of 16 tokens
+    with pytest.raises(ValueError, match=message):
+        model(tokens, context_parallel=cp)

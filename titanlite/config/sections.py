@@ -417,6 +417,12 @@ class JobConfig:
             self.validate_seq_len_schedule()
         if p.context_parallel_degree > 1:
             self.validate_context_parallel()
+        if self.optimizer.name == "muon" and p.pipeline_parallel_degree > 1:
+            raise ConfigError(
+                f"optimizer.name = 'muon' does not run with parallelism.pipeline_parallel_degree = "
+                f"{p.pipeline_parallel_degree}: its exchange of sharded matrices spans every rank, and each stage "
+                "holds other matrices (use AdamW, or Muon without pipeline parallelism)"
+            )
         for key in ("sampling", "eval"):
             if getattr(self, key).enable and p.pipeline_parallel_degree > 1:
                 raise ConfigError(

@@ -51,7 +51,7 @@ def _shard_dim(placement) -> int | None:
 class Matrix:
     """One sharded Muon parameter in the exchange: its full ``shape``, the global ranks of its mesh, its ``owner``,
     the ranks that send their shard to the owner (one replica), this rank's flat indices in the full matrix (until
-    the owner has learned them: then None, as an index costs twice the shard's fp32 bytes) and their count."""
+    the owner has learned them: then None, freeing an index as large as the shard) and their count."""
 
     shape: tuple[int, ...]
     ranks: list[int]

@@ -4,7 +4,7 @@ assignment without communicating.
 Matrices go out largest first, each to the rank with the least work so far (the lowest such rank on a tie): a
 round-robin over the ranks that follows the load instead of the turn. Largest-first greedy keeps the largest rank
 within 4/3 of the optimum; on a transformer's few distinct shapes it is close to the mean
-(tests/optim/test_muon_owners.py measures the Llama 1B shape on 8 ranks).
+(tests/optim/test_muon.py checks the Llama 1B shape on 8 ranks).
 """
 
 from __future__ import annotations

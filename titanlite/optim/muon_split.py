@@ -3,11 +3,11 @@
 Muon orthogonalizes the update of a hidden weight matrix, so it takes the attention and MLP projections and the
 routed experts (a batch of matrices, one per expert), as nanochat and Moonshot do. AdamW keeps what is not a hidden
 matrix: the token embedding (a lookup table, not a linear map), the output layer (its rows are per-token scores),
-a MoE layer's router (its rows are per-expert scores; its small gradient's weak directions, which orthogonalization
-would raise to full size, made data-parallel runs drift 1e-5 from one process where AdamW's stay at 1e-6), norms and
-biases. ``muon_params`` / ``adamw_params`` (fnmatch patterns on the parameter names, wrappers' name parts
-removed) move parameters from one side to the other; ``adamw_params`` wins where both match. Only matrices and
-stacks of matrices can go to Muon.
+a MoE layer's router (its rows are per-expert scores; orthogonalization would raise its small gradient's weak
+directions to full size, where summation-order noise between layouts lives), norms and biases.
+``muon_params`` / ``adamw_params`` (fnmatch patterns on the parameter names, wrappers' name parts removed) move
+parameters from one side to the other; ``adamw_params`` wins where both match. Only matrices and stacks of matrices
+can go to Muon.
 """
 
 from __future__ import annotations

@@ -291,7 +291,8 @@ class ParallelDims:
         """Every process group of the mesh (for timeouts)."""
         if self.mesh is None:
             return []
-        flat = [m.get_group() for m in (self._dp_mesh, self._pp_dp_mesh, self._loss_mesh) if m is not None]
+        meshes = (self._dp_mesh, self._pp_dp_mesh, self._loss_mesh, self._shard_cp_mesh)  # FSDP's group under CP too
+        flat = [m.get_group() for m in meshes if m is not None]
         if self._expert_mesh is not None:
             flat += [self._expert_mesh.get_group(name) for name in ("dp_shard_mod_ep", "ep")]
         return [self.mesh.get_group(name) for name in MESH_DIMS] + flat

@@ -249,6 +249,8 @@ class Transformer(nn.Module):
         if context_parallel is not None:  # this rank's rotary rows, the whole sequences' document ids
             rope = self.rope_cache[context_parallel.positions(self.rope_cache.device)][None]
             ids = document_ids if self.args.attn_mask_type == "block_causal" else None
+            if ids is None and self.args.attn_mask_type == "block_causal":
+                raise ValueError("attn_mask_type 'block_causal' needs document_ids (from the data loader)")
             attn_mask = ContextMask.build(context_parallel, ids)
         elif cache is None:
             attn_mask = build_attention_mask(self.args.attn_mask_type, document_ids, self.args.attn_backend)
