@@ -18,7 +18,9 @@ entry, or an entry without a block, fails ``test_every_block_has_an_entry``. Mod
   ``output``: program output shown as an example, not code; ``skip``: not executed, for the reason given.
 
 Blocks run in a scratch copy of the checkout (symlinks; ``../shared`` beside it), so their ``outputs/`` and
-``data/`` never land in the repository; ``needs`` runs the blocks whose files a block reads first, once per
+``data/`` never land in the repository; its ``python`` and ``titanlite`` run titanlite's command lines forked from
+the pytest process's fork server (tests/helpers/warm_python.py: a block's commands run as written, without importing
+torch again for each); ``needs`` runs the blocks whose files a block reads first, once per
 session (command 1's tiny debug run serves every block that reads ``outputs/debug_model``).
 """
 
@@ -39,6 +41,7 @@ import pytest
 
 from tests.helpers import library_blocks
 from tests.helpers.shared_data import SHARED_DATA
+from tests.helpers.warm_python import WarmPython
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -376,17 +379,22 @@ class Workspace:
         venv = self.root / ".venv"  # the repository's environment, marked installed (no pip from a scratch copy)
         venv.mkdir()
         for entry in (REPO / ".venv").iterdir():
-            if not entry.name.startswith(".titanlite-installed"):
+            if not entry.name.startswith(".titanlite-installed") and entry.name != "bin":
                 (venv / entry.name).symlink_to(entry)
         for extras in ("base", "test"):
             (venv / f".titanlite-installed-{extras}").touch()
+        self.warm = WarmPython(str(REPO / ".venv" / "bin" / "python"))
+        (venv / "bin").mkdir()  # its python and titanlite fork titanlite's command lines (tests/helpers/warm_python.py)
+        for entry in (REPO / ".venv" / "bin").iterdir():
+            warm = "titanlite" if entry.name == "titanlite" else "python" if entry.name.startswith("python") else None
+            (venv / "bin" / entry.name).symlink_to(self.warm.bin / warm if warm else entry)
         self.done: dict[str, float] = {}
 
     def bash(self, script: str, what: str) -> None:
         threads = os.environ.get("OMP_NUM_THREADS", "2")  # scripts/test.sh: 1 (its workers share the cores)
         env = dict(os.environ, OMP_NUM_THREADS=threads, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(self.root))
         out = subprocess.run(
-            ["bash", "-c", "set -eo pipefail\nsource .venv/bin/activate\n" + script],
+            ["bash", "-c", f"set -eo pipefail\nsource .venv/bin/activate\nexport PATH={self.warm.bin}:$PATH\n{script}"],
             cwd=self.root,
             env=env,
             capture_output=True,
@@ -443,7 +451,9 @@ def workspace(tmp_path_factory):
         pytest.skip("no .venv in the repository (bash scripts/setup_env.sh test)")
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared test data not found at {SHARED_DATA}")
-    return Workspace(tmp_path_factory.mktemp("docs"))
+    workspace = Workspace(tmp_path_factory.mktemp("docs"))
+    yield workspace
+    workspace.warm.close()
 
 
 def test_every_block_has_an_entry():

@@ -63,6 +63,12 @@ def _child(args: list[str], cwd: str, env: dict, out: str, err: str) -> None:
         handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(handle, fd)
         os.close(handle)
+    _prepare_child(cwd, env)
+    os._exit(_status(args))
+
+
+def _prepare_child(cwd: str, env: dict) -> None:
+    """The forked child's environment, working folder, threads and ``sys.path``, as ``python`` would have them."""
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
@@ -72,7 +78,6 @@ def _child(args: list[str], cwd: str, env: dict, out: str, err: str) -> None:
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or 1))
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:0] = [*extra, str(REPO)]
-    os._exit(_status(args))
 
 
 def _status(args: list[str]) -> int:
