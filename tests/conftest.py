@@ -61,3 +61,13 @@ def pytest_collection_modifyitems(session, config, items):
         return item.get_closest_marker("memory_measurement") is None, rank.get(item.path, len(rank))
 
     items.sort(key=key)  # stable: the tests of a file keep their order
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Stop this process's fork server (tests/helpers/dist.py) and wait for it, so that the CPU time of the processes
+    it forked is counted in this process's children (``/usr/bin/time``, ``resource.getrusage``)."""
+    import multiprocessing.forkserver
+
+    server = multiprocessing.forkserver._forkserver
+    if getattr(server, "_forkserver_pid", None) is not None:
+        server._stop()
