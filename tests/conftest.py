@@ -1,5 +1,6 @@
 """Fixtures shared by several test files, and the order the tests run in."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,32 @@ def pytest_sessionfinish(session, exitstatus):
     server = multiprocessing.forkserver._forkserver
     if getattr(server, "_forkserver_pid", None) is not None:
         server._stop()
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds used so far by this process, its reaped children and the fork server's (tests/helpers/dist.py)."""
+    import multiprocessing.forkserver
+    import resource
+
+    total = sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime for who in (0, -1))
+    pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+    if pid is not None:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return total
+        total += sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime stime cutime cstime
+    return total
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With ``TITANLITE_TEST_CPU_LOG=<file>``, append each test's CPU seconds (this process, the processes it
+    started and the ranks it forked) and its id to the file: the suite is CPU-bound on 2 cores, and wall time under
+    load says little about what a test costs."""
+    log = os.environ.get("TITANLITE_TEST_CPU_LOG")
+    start = _cpu_seconds() if log else 0.0
+    yield
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{_cpu_seconds() - start:.2f} {item.nodeid}\n")
