@@ -8,11 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from titanlite.config.data_tables import STAGE_KEYS, check_dataset, check_mixture, check_tables
 from titanlite.errors import ConfigError
 
-DATASETS = ("embedded", "shards", "text", "chat")
-MIXTURE_KEYS = {"path": str, "weight": (int, float), "name": str, "dataset": str}
-STAGE_KEYS = {"seq_len": int, "fraction": (int, float), "steps": int, "global_batch_size": int}
 # torch.distributed.pipelining schedules by their torchtitan names (titanlite.parallel.pipeline)
 PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
@@ -29,58 +27,6 @@ def opt(default: Any, help: str, **checks: Any) -> Any:
 def section(cls: type, toml_name: str | None = None) -> Any:
     """A ``JobConfig`` section read from ``[toml_name]`` (default: the attribute name; dotted = nested tables)."""
     return field(default_factory=cls, metadata={"toml": toml_name} if toml_name else {})
-
-
-def _check_dataset(section: str, dataset: str, path: str) -> None:
-    if dataset not in DATASETS:
-        raise ConfigError(f"invalid value {dataset!r} for '{section}.dataset': must be one of {', '.join(DATASETS)}")
-    if dataset != "embedded" and not path:
-        raise ConfigError(f"{section}.dataset_path must be set when {section}.dataset = {dataset!r}")
-    if dataset == "embedded" and path:  # the built-in text would be used and the path silently ignored
-        raise ConfigError(
-            f"{section}.dataset_path = {path!r} is ignored by {section}.dataset = 'embedded' (the built-in text): "
-            f"set {section}.dataset = 'shards' or 'text' to use it, or leave {section}.dataset_path empty"
-        )
-
-
-def _check_tables(key: str, tables: list, allowed: dict[str, Any], required: tuple[str, ...]) -> None:
-    """Each entry of a list-of-tables key: a table with only ``allowed`` keys of their types, ``required`` present."""
-    for i, entry in enumerate(tables):
-        where = f"{key}[{i}]"
-        if not isinstance(entry, dict):
-            raise ConfigError(f"{where} must be a table such as {{{', '.join(f'{k} = ...' for k in required)}}}")
-        for k, v in entry.items():
-            if k not in allowed:
-                raise ConfigError(f"unknown key {k!r} in {where}: expected {', '.join(allowed)}")
-            if not isinstance(v, allowed[k]) or isinstance(v, bool):
-                kind = allowed[k] if isinstance(allowed[k], type) else allowed[k][-1]
-                raise ConfigError(f"{where}.{k} = {v!r} must be {'a string' if kind is str else 'a number'}")
-        if missing := [k for k in required if k not in entry]:
-            raise ConfigError(f"{where} has no {missing[0]!r} key")
-
-
-def check_mixture(key: str, mixture: list) -> None:
-    """``[{path, weight[, name, dataset]}, ...]``: positive weights, distinct names (default: the path's base name);
-    ``{dataset = "embedded", weight}`` is the built-in corpus."""
-    _check_tables(key, mixture, MIXTURE_KEYS, ("weight",))
-    names = []
-    for i, entry in enumerate(mixture):
-        if entry.get("dataset") != "embedded" and not entry.get("path"):
-            raise ConfigError(f"{key}[{i}] has no 'path' key (only dataset = 'embedded' needs none)")
-        if not 0 < entry["weight"] < float("inf"):  # NaN fails too
-            raise ConfigError(f"{key}[{i}].weight = {entry['weight']} must be > 0 and finite")
-        if entry.get("dataset", "auto") not in ("auto", *DATASETS):
-            raise ConfigError(f"{key}[{i}].dataset = {entry['dataset']!r} must be auto or one of {', '.join(DATASETS)}")
-        names.append(mixture_source_name(entry))
-    if repeated := sorted({n for n in names if names.count(n) > 1}):
-        raise ConfigError(f"{key} has two sources named {repeated[0]!r}: give them distinct 'name' keys")
-
-
-def mixture_source_name(entry: dict) -> str:
-    """A source's name in metrics (``tokens_seen/<name>``, ``val_loss/<name>``): ``name``, else the path's base name."""
-    if "name" in entry or "path" not in entry:
-        return entry.get("name") or "embedded"
-    return entry["path"].rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1].split(".")[0]
 
 
 @dataclass
@@ -185,8 +131,8 @@ class Training:
             if self.dataset != "embedded" or self.dataset_path:
                 raise ConfigError("set training.mixture or training.dataset/dataset_path, not both")
         else:
-            _check_dataset("training", self.dataset, self.dataset_path)
-        _check_tables("training.seq_len_schedule", self.seq_len_schedule, STAGE_KEYS, ("seq_len",))
+            check_dataset("training", self.dataset, self.dataset_path)
+        check_tables("training.seq_len_schedule", self.seq_len_schedule, STAGE_KEYS, ("seq_len",))
 
 
 @dataclass
@@ -250,7 +196,7 @@ class Validation:
                 "validation.dataset_path empty"
             )
         elif self.dataset:  # empty: the training data's held-out split
-            _check_dataset("validation", self.dataset, self.dataset_path)
+            check_dataset("validation", self.dataset, self.dataset_path)
 
 
 @dataclass

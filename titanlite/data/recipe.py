@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from titanlite.config.sections import mixture_source_name
+from titanlite.config.data_tables import mixture_source_name
 from titanlite.data.chat import load_chat_data
 from titanlite.data.loader import load_token_store
 from titanlite.data.mixture import MixtureWindows
