@@ -8,7 +8,8 @@ reasons) with what MoE blocks need:
   ranks, so router and expert gradients are complete on every TP rank (``expert_tensor_parallel_degree`` = 1).
 - **EP** (``ep > 1``): the stacked expert weights become ``Shard(0)`` DTensors over the ``ep`` mesh and tokens
   travel by all-to-all (:mod:`~titanlite.models.moe.expert_parallel`).
-- **load group**: a batch-level aux loss counts the micro-batch of every data-parallel rank together.
+- **load groups**: a batch-level aux loss counts the micro-batch of every data-parallel rank (and CP rank) together;
+  a sequence-level one counts each sequence's tokens over its CP ranks.
 - **compile**: per block; fullgraph unless the block has the expert-parallel exchange (host split sizes) or the
   per-expert loop.
 - **FSDP**: each MoE layer's experts form their own group first, over ``expert_fsdp_mesh`` under EP (the ranks
@@ -87,9 +88,8 @@ def parallelize_moe_decoder(
         plan, lp = (lambda block: moe_block_plan(block, block_tp_plan())), parallel_dims.loss_parallel_enabled
         parallelize_decoder(model, parallel_dims.tp_mesh, lp, plan)
         logger.info("tensor parallel over %d ranks (MoE layers replicated over them)", parallel_dims.tp)
-    dp_group = parallel_dims.dp_group if parallel_dims.dp_degree > 1 else None
-    for moe in moes:
-        moe.load_group = dp_group
+    for moe in moes:  # a batch is cut over the data-parallel ranks and, along the sequence, their CP ranks
+        moe.load_group, moe.seq_group = parallel_dims.batch_group, parallel_dims.cp_group
         if parallel_dims.ep_enabled:
             shard_experts(moe.experts, parallel_dims.ep_mesh)
             moe.ep_group = parallel_dims.ep_mesh.get_group()
@@ -107,7 +107,7 @@ def parallelize_moe_decoder(
             fsdp.shard(moe.experts, mesh=mesh, dim=dim)
         apply_fsdp(model, fsdp)
         kind = "HSDP" if parallel_dims.hsdp_enabled else "FSDP"
-        logger.info("%s over %d ranks (experts: their own groups), gradients summed", kind, parallel_dims.dp_degree)
+        logger.info("%s over %d ranks (experts: their own groups), gradients summed", kind, parallel_dims.fsdp_degree)
     return model
 
 
