@@ -96,7 +96,6 @@ def test_attention_function_fp32_and_bf16():
             ["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "40"],
             "must be a multiple of 2 x parallelism.context_parallel_degree (4) x tensor_parallel_degree (2)",
         ),
-        (["--compile.enable", "true"], "does not run under compile.enable"),
     ],
 )
 def test_config_refuses_what_cannot_split(options, message):
