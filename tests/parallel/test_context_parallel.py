@@ -71,6 +71,7 @@ def summary(trainer, records: list[dict]) -> dict:
     """What the comparisons read from a finished run."""
     state = trainer.model.state_dict()
     return {
+        "flops_per_token": trainer.flops_per_token,  # what MFU counts
         "loss": [r["loss"] for r in records if "loss" in r],
         "grad_norm": [r["grad_norm"] for r in records if "grad_norm" in r],
         "val_loss": [r["val_loss"] for r in records if "val_loss" in r],
@@ -150,7 +151,8 @@ def runs_for(reference, specs: dict) -> dict:
 @pytest.mark.multiprocess
 def test_context_parallel_two_processes(reference):
     """CP 2 (causal, validation under CP, a checkpoint at step 5; documents) equals one process; compiled CP 2
-    equals eager CP 2; the CP 2 checkpoint resumes under CP 1 with the uninterrupted run's next losses."""
+    equals eager CP 2; the CP 2 checkpoint resumes under CP 1 with the uninterrupted run's next losses; MFU counts
+    attention at the whole sequence; the final CP 2 checkpoint loads for scoring and generation."""
     docs = documents_options(reference["docs"]) + NO_VAL
     specs = {
         "cp2": (1, [CP, "2", *CHECKPOINT], "causal"),
@@ -174,7 +176,40 @@ def test_context_parallel_two_processes(reference):
     copy_checkpoint(root / "cp2", root / "resume_cp1")
     resumed = train(str(root / "resume_cp1"), 1, CHECKPOINT, None)
     compare("resume cp2->cp1", resumed, reference["causal"], report, first=5)
+    check_flops(results[0]["cp2"], reference["causal"])
+    check_generation(root / "cp2" / "checkpoint" / f"step-{STEPS}", results[0]["cp2"], reference["causal"], report)
     print("\n".join(report))
+
+
+def check_flops(got: dict, ref: dict) -> None:
+    """MFU's FLOPs per token under CP count attention at the whole sequence length (32), as one process does:
+    PaLM's ``6 N + 12 L H D S`` (``N``: the matmul parameters, the embedding table only looked up)."""
+    n = sum(w.numel() for k, w in ref["weights"].items() if k != "tok_embeddings.weight")
+    layers, heads, head_dim, seq_len = 2, 4, 16, 32
+    assert got["flops_per_token"] == ref["flops_per_token"] == 6 * n + 12 * layers * heads * head_dim * seq_len
+
+
+def check_generation(step_folder, got: dict, ref: dict, report: list) -> None:
+    """A checkpoint trained under CP loads on one process for scoring and generation: the logits of the CP run's
+    final weights exactly, close to the one-process run's; greedy generation as from those weights."""
+    import copy
+
+    from titanlite.checkpoint.load_model import load_model
+    from titanlite.generate import generate
+
+    loaded = load_model(step_folder)
+    twin, single = copy.deepcopy(loaded.model), copy.deepcopy(loaded.model)
+    twin.load_state_dict(got["weights"])
+    single.load_state_dict(ref["weights"])
+    tokens = torch.randint(0, loaded.args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits, want, one = (m(tokens) for m in (loaded.model, twin, single))
+    assert torch.equal(logits, want), "the loaded checkpoint's logits are not the CP run's"
+    rel = ((logits - one).norm() / one.norm()).item()
+    report.append(f"{'cp2 -> generate':16s} logits    rel diff {rel:.1e} from the one-process model")
+    assert rel <= RTOL
+    prompts = [tokens[0, :8].tolist()]
+    assert generate(loaded.model, prompts, max_new_tokens=6) == generate(twin, prompts, max_new_tokens=6)
 
 
 @pytest.mark.multiprocess

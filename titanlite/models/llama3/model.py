@@ -250,9 +250,9 @@ class Transformer(nn.Module):
         """Logits ``[B, S, vocab]``; ``document_ids [B, S]`` is needed for ``block_causal`` masking.
         With a ``cache`` (generation, :mod:`titanlite.models.kv_cache`) ``tokens`` continue the cached ones.
         ``return_hidden``: the final norm's output ``[B, S, dim]`` instead, for a caller that applies ``output``
-        itself (the chunked loss, :mod:`titanlite.trainer.output_loss`). ``context_parallel``: ``tokens`` (and
-        ``document_ids``) are this rank's load-balanced share of the sequences
-        (:mod:`titanlite.parallel.context_parallel`): global rotary positions, attention over gathered keys.
+        itself (the chunked loss, :mod:`titanlite.trainer.output_loss`). ``context_parallel``: ``tokens`` are this
+        rank's load-balanced share of the sequences (:mod:`titanlite.parallel.context_parallel`), ``document_ids``
+        the whole sequences' ids: global rotary positions, attention over gathered keys.
 
         A pipeline stage (see :func:`titanlite.parallel.pipeline.pipeline_decoder`) lacks the modules other
         stages hold: without ``tok_embeddings`` it takes hidden states, without ``output`` it returns them."""
