@@ -5,8 +5,9 @@ norms, and end with the same weights, within ``RTOL`` (1e-5 relative, all fp32: 
 Weights compare by each tensor's norm: Adam divides each gradient element by its own magnitude, so an element
 whose gradient is near 0 moves by up to the learning rate on a summation-order difference (the largest
 element's difference is printed too).
-Two launches: 2 processes run CP 2 causal (with validation under CP, and a checkpoint at step 5) and CP 2 with
-documents (full AC); 4 processes run CP 4 with documents, CP 2 x FSDP 2 (per-op AC), CP 2 x TP 2 (a checkpoint at
+Two launches: 2 processes run CP 2 causal (with validation under CP, and a checkpoint at step 5), CP 2 with
+documents (full AC), and a 1-block, 3-step CP 2 with documents eager and then compiled (equal within
+``RTOL_COMPILE``); 4 processes run CP 4 with documents, CP 2 x FSDP 2 (per-op AC), CP 2 x TP 2 (a checkpoint at
 step 5), CP 2 x PP 2, and resume CP 2 x TP 2's checkpoint under CP 4: causal CP 4 runs steps 6-10 there (with
 the documents run and test_context_parallel_units.py's causal CP 4 attention, in place of a separate 10-step causal
 CP 4 run). The pytest process resumes the CP 2 checkpoint under CP 1.
@@ -31,6 +32,9 @@ CP = "--parallelism.context_parallel_degree"
 NO_VAL = ["--validation.enable", "false"]
 AC_FULL = ["--activation_checkpoint.mode", "full"]  # the recomputed forward all-gathers K/V again, on every rank
 AC_OP = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
+SHORT = ["--model.n_layers", "1", "--training.steps", "3"]
+COMPILE = ["--compile.enable", "true", "--compile.components", "model"]
+RTOL_COMPILE = 2e-4  # inductor fuses and reorders (tests/parallel/test_parallel_parity.py)
 CHECKPOINT = ["--checkpoint.enable", "true", "--checkpoint.interval", "5", "--checkpoint.last_save_model_only", "false"]
 
 
@@ -49,20 +53,25 @@ def write_documents(folder) -> str:
 
 
 def train(dump: str, dp: int, extra: list[str], seed_state: dict | None) -> dict:
-    """Train from ``seed_state`` (None: resume from ``dump``'s checkpoint); losses, grad norms, final weights."""
+    """Train from ``seed_state`` (None: resume from ``dump``'s checkpoint, or start from the seed's initialization
+    without one); losses, grad norms, final weights, the graphs torch.compile made."""
+    from torch._dynamo.utils import counters
+
     from titanlite.parallel.state_dict import load_full_state_dict
     from titanlite.trainer import Trainer
 
+    graphs = counters["stats"]["unique_graphs"]
     trainer = Trainer(make_config(dump, dp, extra))
     if seed_state is not None:
         load_full_state_dict(trainer.model, seed_state)
-    return summary(trainer, trainer.train())
+    return summary(trainer, trainer.train()) | {"compiled_graphs": counters["stats"]["unique_graphs"] - graphs}
 
 
 def summary(trainer, records: list[dict]) -> dict:
     """What the comparisons read from a finished run."""
     state = trainer.model.state_dict()
     return {
+        "flops_per_token": trainer.flops_per_token,  # what MFU counts
         "loss": [r["loss"] for r in records if "loss" in r],
         "grad_norm": [r["grad_norm"] for r in records if "grad_norm" in r],
         "val_loss": [r["val_loss"] for r in records if "val_loss" in r],
@@ -111,8 +120,8 @@ def reference(tmp_path_factory):
     return out
 
 
-def compare(name: str, got: dict, ref: dict, report: list, first: int = 0) -> None:
-    """Losses, grad norms, validation losses (from step ``first + 1``) and final weights within ``RTOL``; the
+def compare(name: str, got: dict, ref: dict, report: list, first: int = 0, rtol: float = RTOL) -> None:
+    """Losses, grad norms, validation losses (from step ``first + 1``) and final weights within ``rtol``; the
     tokens counted (each once: tokens/s and MFU divide them by the world) exactly."""
     for key in ("loss", "grad_norm", "val_loss"):
         a, b = torch.tensor(got[key], dtype=torch.float64), torch.tensor(ref[key][first:], dtype=torch.float64)
@@ -121,7 +130,7 @@ def compare(name: str, got: dict, ref: dict, report: list, first: int = 0) -> No
         assert len(a) == len(b), (name, key, got[key], ref[key])
         rel = ((a - b).abs() / b.abs()).max().item()
         report.append(f"{name:16s} {key:9s} max rel diff {rel:.1e}")
-        assert rel <= RTOL, f"{name}: {key} differs from one process by {rel:.2e}\n{a}\n{b}"
+        assert rel <= rtol, f"{name}: {key} differs from one process by {rel:.2e}\n{a}\n{b}"
     assert got["tokens_seen"] == ref["tokens_seen"][first:], f"{name}: tokens counted {got['tokens_seen']}"
     worst = elementwise = 0.0
     for k, w in got["weights"].items():  # a pipeline rank holds its stage's only
@@ -131,7 +140,7 @@ def compare(name: str, got: dict, ref: dict, report: list, first: int = 0) -> No
     report.append(
         f"{name:16s} weights   max rel diff {worst:.1e} (of a tensor's norm; largest element {elementwise:.1e})"
     )
-    assert worst <= RTOL, f"{name}: final weights differ by {worst:.2e}"
+    assert worst <= rtol, f"{name}: final weights differ by {worst:.2e}"
 
 
 def runs_for(reference, specs: dict) -> dict:
@@ -141,23 +150,66 @@ def runs_for(reference, specs: dict) -> dict:
 
 @pytest.mark.multiprocess
 def test_context_parallel_two_processes(reference):
-    """CP 2 (causal, validation under CP, a checkpoint at step 5; documents) equals one process; the CP 2
-    checkpoint resumes under CP 1 with the uninterrupted run's next losses."""
+    """CP 2 (causal, validation under CP, a checkpoint at step 5; documents) equals one process; compiled CP 2
+    equals eager CP 2; the CP 2 checkpoint resumes under CP 1 with the uninterrupted run's next losses; MFU counts
+    attention at the whole sequence; the final CP 2 checkpoint loads for scoring and generation."""
     docs = documents_options(reference["docs"]) + NO_VAL
     specs = {
         "cp2": (1, [CP, "2", *CHECKPOINT], "causal"),
         "cp2_documents": (1, [CP, "2", *docs, *AC_FULL], "documents"),
     }
-    results = run_workers(worker, 2, {"runs": runs_for(reference, specs), "seeds": reference["seeds"]}, timeout=240)
+    short = {  # 1 block, 3 steps, from the seed's initialization: eager, then compiled (documents)
+        name: (1, [CP, "2", *docs, *SHORT, *extra], "init")
+        for name, extra in (("cp2_eager", []), ("cp2_compiled", COMPILE))
+    }
+    runs = runs_for(reference, specs | short)
+    results = run_workers(worker, 2, {"runs": runs, "seeds": reference["seeds"]}, timeout=300)
     report = []
-    for name, (_, _, kind) in specs.items():
+    for name, (_, _, kind) in (specs | short).items():
         assert results[0][name]["loss"] == results[1][name]["loss"], f"{name}: ranks disagree"
-        compare(name, results[0][name], reference[kind], report)
+        if kind != "init":
+            compare(name, results[0][name], reference[kind], report)
+    compiled, eager = results[0]["cp2_compiled"], results[0]["cp2_eager"]
+    assert compiled["compiled_graphs"] > 0 and eager["compiled_graphs"] == 0
+    compare("cp2 compiled", compiled, eager, report, rtol=RTOL_COMPILE)
     root = reference["root"]
     copy_checkpoint(root / "cp2", root / "resume_cp1")
     resumed = train(str(root / "resume_cp1"), 1, CHECKPOINT, None)
     compare("resume cp2->cp1", resumed, reference["causal"], report, first=5)
+    check_flops(results[0]["cp2"], reference["causal"])
+    check_generation(root / "cp2" / "checkpoint" / f"step-{STEPS}", results[0]["cp2"], reference["causal"], report)
     print("\n".join(report))
+
+
+def check_flops(got: dict, ref: dict) -> None:
+    """MFU's FLOPs per token under CP count attention at the whole sequence length (32), as one process does:
+    PaLM's ``6 N + 12 L H D S`` (``N``: the matmul parameters, the embedding table only looked up)."""
+    n = sum(w.numel() for k, w in ref["weights"].items() if k != "tok_embeddings.weight")
+    layers, heads, head_dim, seq_len = 2, 4, 16, 32
+    assert got["flops_per_token"] == ref["flops_per_token"] == 6 * n + 12 * layers * heads * head_dim * seq_len
+
+
+def check_generation(step_folder, got: dict, ref: dict, report: list) -> None:
+    """A checkpoint trained under CP loads on one process for scoring and generation: the logits of the CP run's
+    final weights exactly, close to the one-process run's; greedy generation as from those weights."""
+    import copy
+
+    from titanlite.checkpoint.load_model import load_model
+    from titanlite.generate import generate
+
+    loaded = load_model(step_folder)
+    twin, single = copy.deepcopy(loaded.model), copy.deepcopy(loaded.model)
+    twin.load_state_dict(got["weights"])
+    single.load_state_dict(ref["weights"])
+    tokens = torch.randint(0, loaded.args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits, want, one = (m(tokens) for m in (loaded.model, twin, single))
+    assert torch.equal(logits, want), "the loaded checkpoint's logits are not the CP run's"
+    rel = ((logits - one).norm() / one.norm()).item()
+    report.append(f"{'cp2 -> generate':16s} logits    rel diff {rel:.1e} from the one-process model")
+    assert rel <= RTOL
+    prompts = [tokens[0, :8].tolist()]
+    assert generate(loaded.model, prompts, max_new_tokens=6) == generate(twin, prompts, max_new_tokens=6)
 
 
 @pytest.mark.multiprocess

@@ -96,7 +96,6 @@ def test_attention_function_fp32_and_bf16():
             ["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "40"],
             "must be a multiple of 2 x parallelism.context_parallel_degree (4) x tensor_parallel_degree (2)",
         ),
-        (["--compile.enable", "true"], "does not run under compile.enable"),
     ],
 )
 def test_config_refuses_what_cannot_split(options, message):
@@ -112,8 +111,59 @@ def test_degrees_with_context_parallelism():
     assert ParallelDims(cp=2, world_size=2).fsdp_enabled  # FSDP shards over the CP ranks
     with pytest.raises(ConfigError, match="context_parallel_degree \\(2\\) x tensor_parallel_degree \\(1\\) = 8"):
         ParallelDims(dp_shard=4, cp=2, world_size=4)
-    with pytest.raises(ConfigError, match="expert_parallel_degree=2 with parallelism.context_parallel_degree=2"):
-        ParallelDims(cp=2, ep=2, world_size=4)
+    assert ParallelDims(cp=2, ep=4, world_size=4).dp_shard == 2  # expert parallelism borrows the CP ranks
+    with pytest.raises(ConfigError, match=r"expert_parallel_degree=3 must divide .* \(2\) x .*context_parallel_degree"):
+        ParallelDims(cp=2, ep=3, world_size=4)
+
+
+@pytest.mark.parametrize(
+    "degrees, rank, ep_ranks, expert_fsdp_ranks",
+    [
+        (dict(dp_replicate=2, cp=2, ep=2, world_size=8), 5, [4, 5], [[1, 3], [5, 7]]),  # EP = CP peers; HSDP
+        (dict(cp=2, ep=4, world_size=4), 1, [0, 1, 2, 3], [1]),  # EP over dp_shard x cp
+        (dict(cp=2, ep=2, tp=2, world_size=8), 6, [4, 6], [2, 6]),  # TP innermost, outside the expert groups
+    ],
+)
+def test_expert_groups_under_context_parallelism(degrees, rank, ep_ranks, expert_fsdp_ranks):
+    """The expert-parallel group takes the innermost ranks of dp_shard x cp, the experts' FSDP mesh the others
+    (one rank of a fake process group of the world's size)."""
+    import torch.distributed as dist
+
+    from titanlite.utils import torch_compat
+
+    dist.init_process_group("fake", rank=rank, world_size=degrees["world_size"], store=torch_compat.fake_store())
+    try:
+        dims = ParallelDims(**degrees)
+        dims.build_mesh("cpu")
+        assert dims.ep_mesh.mesh.tolist() == ep_ranks and dims.expert_fsdp_mesh.mesh.tolist() == expert_fsdp_ranks
+        sizes = sorted(dist.get_world_size(g) for g in dims.all_groups())
+        if dims.tp > 1:  # the flattened dp_shard x cp x tp group of the gradient norm: every rank
+            assert sizes[-1] == degrees["world_size"]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sequence_level_aux_loss_adds_up_over_cp_ranks(monkeypatch):
+    """Each CP rank's sequence-level MoE aux loss, its counts summed over the ranks (a stubbed all-reduce), adds up
+    to the whole sequences' loss."""
+    from titanlite.models.moe import balance
+    from titanlite.models.moe.args import MoEConfig
+    from titanlite.models.moe.router import TopKRouter, one_hot_counts
+
+    cfg = MoEConfig(num_experts=4, top_k=2, aux_loss_coef=0.01, aux_loss_level="seq")
+    torch.manual_seed(0)
+    router = TopKRouter(8, cfg)
+    router.init_weights(0.5)
+    x = torch.randn(3, 16, 8)
+    whole = balance.aux_loss_sum(router(x.view(-1, 8)), cfg, (3, 16))
+    routings = [router(shard_sequence(x, 2, r).reshape(-1, 8)) for r in range(2)]
+    counts = sum(one_hot_counts(r.experts.view(3, 16), 4).float() for r in routings)  # 8 tokens x top 2 each
+    monkeypatch.setattr(balance, "all_reduce_counts", lambda c, group: counts if group == "cp" else c)
+    monkeypatch.setattr(balance.dist, "get_world_size", lambda group: 2)
+    parts = [balance.aux_loss_sum(r, cfg, (3, 8), seq_group="cp") for r in routings]
+    torch.testing.assert_close(sum(parts), whole)
+    own = sum(balance.aux_loss_sum(r, cfg, (3, 8)) for r in routings)  # each rank's counts alone: another loss
+    assert not torch.allclose(own, whole)
 
 
 def test_planner_divides_activations_by_cp():

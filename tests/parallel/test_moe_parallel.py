@@ -9,7 +9,8 @@ tolerance are reused: loss, grad norm and validation loss within ``RTOL = 2e-5``
 
 Launches (each bounded by a timeout): 2 processes (EP 2, then TP 2 with the MoE layers replicated over
 the TP ranks, then FSDP 2 resuming a copy of EP 2's step-5 checkpoint); 4 processes (EP 2 x FSDP 2,
-dp_shard 4 split 2 x 2, with full AC; PP 2 x EP 2; EP 2 x TP 2; Qwen3-MoE under EP 2 x TP 2); 2 processes
+dp_shard 4 split 2 x 2, with full AC; PP 2 x EP 2; EP 2 x TP 2; Qwen3-MoE under EP 2 x TP 2; CP 2 x EP 2, whose
+final weights are compared too); 2 processes
 killed by SIGKILL at step 7 under EP 2 and 2 more resuming them. In this process: the single-process
 references (llama3_moe with a batch-level and with a sequence-level aux loss, Qwen3-MoE) and the resume of
 the EP 2 checkpoint on one process.
@@ -79,6 +80,8 @@ FOUR_PROC = {
     "pp2_ep2_seq": (2, ["--parallelism.pipeline_parallel_degree", "2", *EP2, *SEQ]),
     "ep2_tp2": (2, [*EP2, *TP2]),
     "qwen3_moe_ep2_tp2": (2, [*EP2, *TP2]),
+    # CP 2 x EP 2: dp_shard 2 is the expert group, the experts FSDP-sharded over the two CP ranks
+    "cp2_ep2": (2, [*EP2, "--parallelism.context_parallel_degree", "2"]),
 }
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -117,6 +120,14 @@ def run(cfg, seed_state=None, kill_at: int | None = None, trainer=None) -> dict:
         "inputs": torch.cat(trainer.first_step_inputs) if trainer.first_step_inputs else None,
         "dp_rank": trainer.dp_rank,
         "biases": biases(trainer.model),
+        "weights": full_weights(trainer.model),
+    }
+
+
+def full_weights(model) -> dict[str, torch.Tensor]:
+    """Every tensor of ``model``'s state as a whole tensor (a DTensor gathered: every rank calls this)."""
+    return {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()
     }
 
 
@@ -258,12 +269,23 @@ def metrics(dump: Path) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_expert_parallel_four_processes(reference, tmp_path):
-    """EP 2 x FSDP 2 (dp_shard 4 = 2 x 2: experts sharded over ep, and FSDP-sharded over the other 2) and
-    PP 2 x EP 2 (each stage's MoE block expert-parallel over its 2 data-parallel ranks) = one process."""
+    """EP 2 x FSDP 2 (dp_shard 4 = 2 x 2: experts sharded over ep, and FSDP-sharded over the other 2),
+    PP 2 x EP 2 (each stage's MoE block expert-parallel over its 2 data-parallel ranks), EP 2 x TP 2 and CP 2 x
+    EP 2 (experts FSDP-sharded over the CP ranks; final weights too) = one process."""
     args = {"configs": FOUR_PROC, "seeds": reference["seeds"], "dump": str(tmp_path)}
     results = run_workers(worker, 4, args, timeout=360)
     report = []
     for name, (dp, _) in FOUR_PROC.items():
         ref = reference["seq" if name.endswith("_seq") else "qwen3_moe" if name.startswith("qwen3") else "fp32"]
         compare(name, results, ref, 4 // dp, report)
+    check_weights("cp2_ep2", results[-1]["cp2_ep2"]["weights"], reference["fp32"]["weights"], report)
     print("\n".join(report))
+
+
+def check_weights(name: str, got: dict, ref: dict, report: list) -> None:
+    """Final weights within ``RTOL`` of one process's, by each tensor's norm (Adam moves an element whose gradient
+    is near 0 by up to the learning rate on a summation-order difference)."""
+    assert got.keys() == ref.keys(), name
+    worst = max(((got[k] - ref[k]).norm() / ref[k].norm().clamp_min(1e-12)).item() for k in ref)
+    report.append(f"{name:22s} weights   max rel diff {worst:.2e} (of a tensor's norm)")
+    assert worst <= RTOL, f"{name}: final weights differ from one process by {worst:.2e}"

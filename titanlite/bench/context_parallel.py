@@ -62,7 +62,7 @@ def _measure(rank: int, cp: int, port: int, args: argparse.Namespace, documents:
         group = ContextParallel(dist.group.WORLD, cp, rank, args.seq_len)
         x = group.shard(x).requires_grad_()
         table = rope[group.positions()][None]
-        mask = ContextMask.build(group, None if ids is None else group.shard(ids))
+        mask = ContextMask.build(group, ids)  # the whole sequence's document ids
     else:
         x, table = x.requires_grad_(), rope
         mask = None if ids is None else block_causal_bool_mask(ids)

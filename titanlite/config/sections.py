@@ -403,11 +403,6 @@ class JobConfig:
                     + (f" x tensor_parallel_degree ({tp})" if tp > 1 else "")
                     + ": each sequence is cut into 2 x cp load-balanced chunks"
                 )
-        if self.compile.enable and "model" in self.compile.components:
-            raise ConfigError(
-                f"parallelism.context_parallel_degree={cp} does not run under compile.enable with 'model' in "
-                "compile.components yet: its attention's collectives break the compiled blocks' graphs"
-            )
 
     def validate_seq_len_schedule(self) -> None:
         """``[training] seq_len_schedule`` against the other sections (its own entries: titanlite.plan.run_plan)."""

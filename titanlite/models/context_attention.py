@@ -13,7 +13,11 @@ and none of it otherwise (a per-row flag, never a mask over keys). Only the diag
 ``c x c`` per sequence, built from the true (gathered) document ids.
 
 The backward of each part is its kernel's backward given the *merged* output and log-sum-exp (the gradient of a
-softmax over all keys, restricted to the part's keys); rows a part does not see get a zero gradient there.
+softmax over all keys, restricted to the part's keys); rows a part does not see get a zero gradient there. One
+autograd function covers all of a rank's query blocks: every part's key/value gradients add into one ``dK, dV``
+(slicing the keys under autograd would make a full-size zero gradient per part). The blocks, their key ranges and
+document masks are planned once per forward (:attr:`ContextMask.blocks`, one host sync for the document starts)
+and shared by every layer.
 Memory: the kernels never hold the scores, so a rank's peak grows with ``S x c``'s keys read, not with
 ``S^2`` (``titanlite bench attention``).
 """
@@ -21,6 +25,7 @@ Memory: the kernels never hold the scores, so a rank's peak grows with ``S x c``
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -38,9 +43,9 @@ class ContextMask:
 
     @classmethod
     def build(cls, cp: ContextParallel, document_ids: torch.Tensor | None) -> ContextMask:
-        """For ``cp``'s forward; ``document_ids``: this rank's share ``[B, S / cp]``, or None (causal)."""
-        full = None if document_ids is None else cp.gather_ids(document_ids)
-        return cls(cp, cp.local_len // 2, full)
+        """For ``cp``'s forward; ``document_ids``: the whole sequences' ids ``[B, S]`` (the step leaves them whole,
+        :meth:`titanlite.trainer.runtime.Runtime.shard`), or None (causal)."""
+        return cls(cp, cp.local_len // 2, document_ids)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """The whole sequence of ``x [B, S / cp, heads, D]`` (keys or values, before GQA's repeat)."""
@@ -50,97 +55,130 @@ class ContextMask:
         """The global chunk index of this rank's first and second local chunk."""
         return self.cp.rank, 2 * self.cp.degree - 1 - self.cp.rank
 
-
-def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: ContextMask) -> torch.Tensor:
-    """Attention of this rank's queries ``q [B, H, 2c, D]`` over the whole sequence ``k, v [B, H, S, D]``."""
-    c = mask.chunk
-    outs = []
-    for half, j in enumerate(mask.chunk_indices()):
-        q_j = q[:, :, half * c : (half + 1) * c]
-        if mask.document_ids is None:
-            outs.append(_causal_chunk(q_j, k, v, j, c))
-        else:
-            ids = mask.document_ids
-            rows = [_document_chunk(q_j[b : b + 1], k[b : b + 1], v[b : b + 1], ids[b], j, c) for b in range(len(ids))]
-            outs.append(torch.cat(rows, 0))
-    return torch.cat(outs, 2)
-
-
-def _causal_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, j: int, c: int) -> torch.Tensor:
-    """Chunk ``j``'s queries: the prefix ``[0, j c)`` unmasked and the diagonal block causal, merged."""
-    diag = Part(k[:, :, j * c : (j + 1) * c], v[:, :, j * c : (j + 1) * c], causal=True)
-    parts = [Part(k[:, :, : j * c], v[:, :, : j * c])] if j > 0 else []
-    return merged_attention(q, [*parts, diag])
-
-
-def _document_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor, j: int, c: int):
-    """Chunk ``j``'s queries of one sequence (``ids [S]``: its document ids): the first query's document's part
-    of the prefix for the queries in that document, and the diagonal block under the document mask."""
-    lo, hi = j * c, (j + 1) * c
-    q_ids, k_ids = ids[lo:hi], ids[lo:hi]
-    same = q_ids[:, None] == k_ids[None, :]
-    allowed = same & torch.ones(c, c, dtype=torch.bool, device=ids.device).tril()
-    bias = torch.zeros(c, c, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
-    parts = [Part(k[:, :, lo:hi], v[:, :, lo:hi], bias=bias[None, None])]
-    start = int(torch.searchsorted(ids[:lo], ids[lo : lo + 1])) if lo > 0 else lo  # that document's first token
-    if start < lo:
-        parts.insert(0, Part(k[:, :, start:lo], v[:, :, start:lo], rows=(q_ids == ids[lo])[None]))
-    return merged_attention(q, parts)
+    @functools.cached_property
+    def blocks(self) -> tuple[Block, ...]:
+        """This rank's query blocks and the key parts each attends, planned on the first layer's call and reused by
+        the others (module docstring): per local chunk, all rows at once (causal) or one block per row
+        (documents)."""
+        c, blocks = self.chunk, []
+        for half, j in enumerate(self.chunk_indices()):
+            queries = (half * c, (half + 1) * c)
+            if self.document_ids is None:
+                blocks.append(Block(slice(None), queries, _causal_parts(j, c)))
+            else:
+                rows = enumerate(self.document_ids)
+                blocks += [Block(slice(b, b + 1), queries, _document_parts(ids, j, c)) for b, ids in rows]
+        return tuple(blocks)
 
 
 @dataclasses.dataclass(frozen=True)
 class Part:
-    """A block of keys/values ``[B, H, T, D]`` some queries attend: ``causal`` (square, top-left aligned), an
-    additive ``bias`` (0 / -inf), and ``rows`` ``[B, S_q]``: the queries that see it at all (None: every one)."""
+    """Keys ``[lo, hi)`` of the whole sequence that a block's queries attend: ``causal`` (square, top-left
+    aligned), an additive fp32 ``bias`` (0 / -inf, ``[1, 1, S_q, hi - lo]``), and ``rows`` ``[1, S_q]``: the
+    queries that see it at all (None: every one)."""
 
-    k: torch.Tensor
-    v: torch.Tensor
+    keys: tuple[int, int]
     causal: bool = False
     bias: torch.Tensor | None = None
     rows: torch.Tensor | None = None
 
 
-def merged_attention(q: torch.Tensor, parts: list[Part]) -> torch.Tensor:
-    """Softmax attention of ``q [B, H, S_q, D]`` over the union of ``parts``' keys (module docstring)."""
-    tensors = [t for p in parts for t in (p.k, p.v)]
-    specs = [dataclasses.replace(p, k=None, v=None) for p in parts]
-    return _MergedAttention.apply(q, specs, *tensors)
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """Local queries ``[q0, q1)`` of the batch rows ``rows`` and the parts of the keys they attend."""
+
+    rows: slice
+    queries: tuple[int, int]
+    parts: tuple[Part, ...]
 
 
-class _MergedAttention(torch.autograd.Function):
-    """Forward: each part's fused kernel with its log-sum-exp, merged; backward: each part's kernel backward at
-    the merged output and log-sum-exp (module docstring)."""
+def _causal_parts(j: int, c: int) -> tuple[Part, ...]:
+    """Chunk ``j``'s queries: the prefix ``[0, j c)`` unmasked and the diagonal block causal."""
+    diag = Part((j * c, (j + 1) * c), causal=True)
+    return (Part((0, j * c)), diag) if j > 0 else (diag,)
+
+
+def _document_parts(ids: torch.Tensor, j: int, c: int) -> tuple[Part, ...]:
+    """Chunk ``j``'s queries of one sequence (``ids [S]``: its document ids): the first query's document's part
+    of the prefix for the queries in that document, and the diagonal block under the document mask."""
+    lo, hi = j * c, (j + 1) * c
+    q_ids = ids[lo:hi]
+    allowed = (q_ids[:, None] == q_ids[None, :]) & torch.ones(c, c, dtype=torch.bool, device=ids.device).tril()
+    bias = torch.zeros(c, c, device=ids.device).masked_fill(~allowed, float("-inf"))
+    parts = (Part((lo, hi), bias=bias[None, None]),)
+    start = int(torch.searchsorted(ids[:lo], ids[lo : lo + 1])) if lo > 0 else lo  # that document's first token
+    if start < lo:
+        parts = (Part((start, lo), rows=(q_ids == ids[lo])[None]), *parts)
+    return parts
+
+
+def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: ContextMask) -> torch.Tensor:
+    """Attention of this rank's queries ``q [B, H, 2c, D]`` over the whole sequence ``k, v [B, H, S, D]``."""
+    return _ContextAttention.apply(q, k, v, mask.blocks)
+
+
+class _ContextAttention(torch.autograd.Function):
+    """Forward: each block's parts through the fused kernel with its log-sum-exp, merged; backward: each part's
+    kernel backward at the merged output and log-sum-exp, into one ``dQ, dK, dV`` (module docstring)."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, specs: list[Part], *kv: torch.Tensor) -> torch.Tensor:
-        outs, lses = [], []
-        for i, spec in enumerate(specs):
-            out, lse = kernels(q.device).forward(q, kv[2 * i], kv[2 * i + 1], spec.causal, spec.bias)
-            if spec.rows is not None:
-                lse = lse.masked_fill(~spec.rows[:, None, :], float("-inf"))
-            outs.append(out)
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: tuple[Block, ...]) -> torch.Tensor:
+        out, outs, lses = torch.empty_like(q), [], []
+        for b in blocks:
+            (q0, q1), rows = b.queries, b.rows
+            o, lse = _block_forward(q[rows, :, q0:q1], k[rows], v[rows], b.parts)
+            out[rows, :, q0:q1] = o
+            outs.append(o)
             lses.append(lse)
-        lse = torch.logsumexp(torch.stack(lses), 0)  # the kernels' dtype: fp32 (fp64 for fp64 inputs)
-        out = sum((part - lse).exp()[..., None] * o.to(lse.dtype) for part, o in zip(lses, outs)).to(q.dtype)
-        ctx.specs = specs
-        ctx.save_for_backward(q, out, lse, *kv)
+        ctx.blocks = blocks
+        ctx.save_for_backward(q, k, v, *outs, *lses)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        q, out, lse, *kv = ctx.saved_tensors
-        grad = grad.contiguous()
-        dq, dkv = torch.zeros_like(q, dtype=lse.dtype), []
-        for i, spec in enumerate(ctx.specs):
-            g, part_lse = grad, lse
-            if spec.rows is not None:  # queries that do not see the part: no gradient through it
-                g = grad * spec.rows[:, None, :, None].to(grad.dtype)
-                part_lse = lse.masked_fill(~spec.rows[:, None, :], float("inf"))
-            k, v = kv[2 * i], kv[2 * i + 1]
-            dq_i, dk, dv = kernels(q.device).backward(g, q, k, v, out, part_lse, spec.causal, spec.bias)
-            dq += dq_i.to(dq.dtype)
-            dkv += [dk, dv]
-        return dq.to(q.dtype), None, *dkv
+        q, k, v, *saved = ctx.saved_tensors
+        n = len(ctx.blocks)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for b, o, lse in zip(ctx.blocks, saved[:n], saved[n:]):
+            (q0, q1), rows = b.queries, b.rows
+            g = grad[rows, :, q0:q1].contiguous()
+            dq[rows, :, q0:q1] = _block_backward(
+                g, q[rows, :, q0:q1], k[rows], v[rows], o, lse, b.parts, dk[rows], dv[rows]
+            )
+        return dq, dk, dv, None
+
+
+def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parts: tuple[Part, ...]):
+    """One block's merged output and log-sum-exp: ``out = sum_i exp(lse_i - lse) out_i``."""
+    outs, lses = [], []
+    for p in parts:
+        (lo, hi), bias = p.keys, None if p.bias is None else p.bias.to(q.dtype)
+        out, lse = kernels(q.device).forward(q, k[:, :, lo:hi], v[:, :, lo:hi], p.causal, bias)
+        if p.rows is not None:
+            lse = lse.masked_fill(~p.rows[:, None, :], float("-inf"))
+        outs.append(out)
+        lses.append(lse)
+    lse = torch.logsumexp(torch.stack(lses), 0)  # the kernels' dtype: fp32 (fp64 for fp64 inputs)
+    out = sum((part - lse).exp()[..., None] * o.to(lse.dtype) for part, o in zip(lses, outs)).to(q.dtype)
+    return out, lse
+
+
+def _block_backward(g, q, k, v, out, lse, parts: tuple[Part, ...], dk: torch.Tensor, dv: torch.Tensor):
+    """One block's query gradient; its parts' key and value gradients are added into ``dk``, ``dv`` (views)."""
+    dq = torch.zeros_like(q, dtype=lse.dtype)
+    for p in parts:
+        gp, part_lse = g, lse
+        if p.rows is not None:  # queries that do not see the part: no gradient through it
+            gp = g * p.rows[:, None, :, None].to(g.dtype)
+            part_lse = lse.masked_fill(~p.rows[:, None, :], float("inf"))
+        (lo, hi), bias = p.keys, None if p.bias is None else p.bias.to(q.dtype)
+        dq_i, dk_i, dv_i = kernels(q.device).backward(
+            gp, q, k[:, :, lo:hi], v[:, :, lo:hi], out, part_lse, p.causal, bias
+        )
+        dq += dq_i.to(dq.dtype)
+        dk[:, :, lo:hi] += dk_i
+        dv[:, :, lo:hi] += dv_i
+    return dq.to(q.dtype)
 
 
 @dataclasses.dataclass(frozen=True)

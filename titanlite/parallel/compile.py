@@ -11,7 +11,9 @@
   model, or its pipeline stage, has them; not a tensor-parallel embedding, whose sharded lookup this
   torch fails to compile) are compiled the same way, so the step's forward and
   backward run compiled code except for the output matmul (a plain GEMM) and the loop itself; no
-  compiled region has a graph break (``TORCH_LOGS=graph_breaks`` prints none; tested).
+  compiled region has a graph break (``TORCH_LOGS=graph_breaks`` prints none; tested), except under context
+  parallelism: there each block breaks once, around its attention, which gathers the keys and values over the
+  CP ranks in autograd functions and runs eagerly (:func:`titanlite.models.llama3.model.context_parallel_attention`).
 - ``"loss"``: the loss function is compiled (the cross-entropy's log-softmax, gather and sum fuse
   and the fp32 upcast of the logits is not materialized); not fullgraph, so a registered loss that
   breaks still runs. With ``[training] loss_chunks`` it is the loss of each piece
@@ -45,16 +47,20 @@ END_MODULES = ("tok_embeddings", "norm")
 
 
 class CompilePolicy:
-    def __init__(self, enable: bool = False, components: Sequence[str] = ("model", "loss")):
+    """``fullgraph``: a graph break inside a block is an error; off under context parallelism, whose attention (the
+    K/V all-gather and its autograd function) runs eagerly between the compiled parts of each block."""
+
+    def __init__(self, enable: bool = False, components: Sequence[str] = ("model", "loss"), fullgraph: bool = True):
         unknown = sorted(set(components) - {"model", "loss"})
         if unknown:
             raise ConfigError(f"compile.components: unknown component(s) {', '.join(unknown)}; use model, loss")
         self.model = enable and "model" in components
         self.loss = enable and "loss" in components
+        self.fullgraph = fullgraph
 
     @classmethod
-    def from_config(cls, section) -> CompilePolicy:
-        return cls(section.enable, section.components)
+    def from_config(cls, section, context_parallel: bool = False) -> CompilePolicy:
+        return cls(section.enable, section.components, fullgraph=not context_parallel)
 
     def apply(self, model: nn.Module) -> int:
         """Compile every block of ``model.layers``, and the :data:`END_MODULES` it has, in place; returns how many
@@ -68,7 +74,7 @@ class CompilePolicy:
                 # the vocabulary-sharded lookup fails to compile in this torch ("Mixing fake modes"); a lookup
                 # gains nothing from compiling anyway
                 continue
-            module.forward = compile_fn(module.forward, on_dtensors, fullgraph=True)
+            module.forward = compile_fn(module.forward, on_dtensors, fullgraph=self.fullgraph)
         return len(model.layers)
 
     def compile_loss(self, fn: Callable, tensor_parallel: bool = False) -> Callable:

@@ -8,7 +8,8 @@ The data loader knows nothing of this: every CP rank of one data-parallel rank r
 training step cuts it (:meth:`ContextParallel.shard`), so a checkpoint resumes exactly under any CP degree.
 The model computes its rotary angles at the true global positions (:meth:`ContextParallel.positions`) and its
 attention all-gathers the keys and values of the whole sequence (:func:`gather_sequence`, whose backward
-reduce-scatters their gradients); the kernel is :mod:`titanlite.models.context_attention`'s.
+reduce-scatters their gradients); the kernel is :mod:`titanlite.models.context_attention`'s. Document ids are
+not cut: attention needs every position's, and a rank's own are a slice of them.
 
 The index functions are pure (no process group) and unit-tested: :func:`chunk_positions`, :func:`rank_major_order`.
 """
@@ -16,6 +17,7 @@ The index functions are pure (no process group) and unit-tested: :func:`chunk_po
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -80,12 +82,13 @@ class ContextParallel:
         """The whole sequence of ``x`` along ``dim``, in true order, from every rank's share (differentiable)."""
         return gather_sequence(x, self, dim)
 
-    def gather_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        """The whole ``[B, S]`` integer tensor (document ids) from each rank's ``[B, S / cp]`` share, no gradient."""
-        parts = [torch.empty_like(ids) for _ in range(self.degree)]
-        dist.all_gather(parts, ids.contiguous(), group=self.group)
-        order = rank_major_order(ids.shape[1] * self.degree, self.degree).to(ids.device)
-        return torch.cat(parts, 1).index_select(1, order)
+
+@functools.lru_cache(maxsize=16)
+def _orders(seq_len: int, cp: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ranks' shards' global positions concatenated in rank order, and :func:`rank_major_order`, on ``device``:
+    computed once per sequence length, not on every gather of every layer."""
+    concatenated = torch.cat([chunk_positions(seq_len, cp, r) for r in range(cp)])
+    return concatenated.to(device), rank_major_order(seq_len, cp).to(device)
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -97,13 +100,13 @@ class _GatherSequence(torch.autograd.Function):
         ctx.cp, ctx.dim = cp, dim
         parts = [torch.empty_like(x) for _ in range(cp.degree)]
         dist.all_gather(parts, x.contiguous(), group=cp.group)
-        order = rank_major_order(x.shape[dim] * cp.degree, cp.degree).to(x.device)
+        order = _orders(x.shape[dim] * cp.degree, cp.degree, x.device)[1]
         return torch.cat(parts, dim).index_select(dim, order)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         cp, dim = ctx.cp, ctx.dim
-        rank_major = torch.cat([shard_sequence(grad, cp.degree, r, dim) for r in range(cp.degree)], dim)
+        rank_major = grad.index_select(dim, _orders(grad.shape[dim], cp.degree, grad.device)[0])
         return _reduce_scatter(rank_major, cp, dim), None, None
 
 

@@ -22,11 +22,14 @@ Named views of the mesh:
   DTensor uses to reduce values sharded over both (the gradient norm) in one collective.
 - :attr:`ParallelDims.fsdp_mesh`: ``dp_shard`` (``dp_shard_cp``), or the 2-D ``(dp_replicate, dp_shard)``
   (``(dp_replicate, dp_shard_cp)``) for HSDP.
-- expert parallelism (``ep > 1``, MoE models): ``dp_shard`` is split into ``dp_shard_mod_ep x ep`` (``ep``
-  inner: adjacent ranks), a view of the same mesh (:attr:`ParallelDims.ep_mesh` holds a rank's expert
-  group, :attr:`ParallelDims.expert_fsdp_mesh` the ranks that FSDP-shard the same experts). Everything
-  but the experts keeps the usual meshes; EP takes no ranks of its own. It is refused with context parallelism
-  (the experts' FSDP mesh would have to span the CP ranks too).
+- expert parallelism (``ep > 1``, MoE models): the ranks FSDP shards over are split into ``dp_shard_mod_ep x
+  ep`` (``ep`` inner: adjacent ranks), a view of the same mesh (:attr:`ParallelDims.ep_mesh` holds a rank's
+  expert group, :attr:`ParallelDims.expert_fsdp_mesh` the ranks that FSDP-shard the same experts). Everything
+  but the experts keeps the usual meshes; EP takes no ranks of its own. Those ranks are ``dp_shard``, or
+  ``dp_shard x cp`` with context parallelism (as in torchtitan, EP borrows the CP ranks first): ``ep`` divides
+  ``dp_shard x cp``, an expert group of ``ep <= cp`` is CP ranks of one sequence (each routes its share of the
+  tokens), and FSDP sums the expert gradients over the other groups. A MoE layer's tokens are independent, so
+  any split of the batch's tokens over the expert groups gives the same sums.
 
 Every degree problem raises :class:`~titanlite.errors.ConfigError` with a one-line message naming the config keys.
 """
@@ -68,6 +71,7 @@ class ParallelDims:
     _pp_dp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
     _loss_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
     _shard_cp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
+    _shard_tp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in MESH_DIMS:
@@ -98,15 +102,11 @@ class ParallelDims:
                 f"({self.dp_replicate}) x data_parallel_shard_degree ({self.dp_shard}){cp} x tensor_parallel_degree "
                 f"({self.tp}) = {product}, but WORLD_SIZE={self.world_size}"
             )
-        if self.ep > 1 and self.cp > 1:
+        if self.ep < 1 or (self.dp_shard * self.cp) % self.ep:
+            cp = f" x {_KEYS['cp']} ({self.cp})" if self.cp > 1 else ""
             raise ConfigError(
-                f"{_KEYS['ep']}={self.ep} with {_KEYS['cp']}={self.cp} is not supported: the experts' FSDP mesh "
-                "does not span the context-parallel ranks (use one of them)"
-            )
-        if self.ep < 1 or self.dp_shard % self.ep:
-            raise ConfigError(
-                f"{_KEYS['ep']}={self.ep} must divide {_KEYS['dp_shard']} ({self.dp_shard}): the experts are "
-                "sharded over a part of the data-parallel shard dimension"
+                f"{_KEYS['ep']}={self.ep} must divide {_KEYS['dp_shard']} ({self.dp_shard}){cp}: the experts are "
+                "sharded over a part of the ranks FSDP shards over"
             )
 
     @classmethod
@@ -195,12 +195,22 @@ class ParallelDims:
             # FSDP x TP gradients are sharded over both; with this flattened view DTensor reduces
             # their norms (gradient clipping) in one all-reduce instead of one per dimension
             dims = ("dp_shard", "cp", "tp") if self.cp > 1 else ("dp_shard", "tp")
-            torch_compat.flatten_mesh(mesh[dims], "_".join(dims))
-        if self.ep > 1:  # dp_shard seen as (dp_shard_mod_ep, ep): same ranks, same root mesh
-            sizes, names = (self.dp_shard // self.ep, self.ep), ("dp_shard_mod_ep", "ep")
-            self._expert_mesh = torch_compat.unflatten_mesh(mesh, "dp_shard", sizes, names)
+            self._shard_tp_mesh = torch_compat.flatten_mesh(mesh[dims], "_".join(dims))
+        if self.ep > 1:
+            self._build_expert_meshes(mesh)
         self.mesh = mesh
         return mesh
+
+    def _build_expert_meshes(self, mesh: DeviceMesh) -> None:
+        """The ranks FSDP shards over, ``dp_shard`` (``dp_shard x cp`` under context parallelism), seen as
+        ``(dp_shard_mod_ep, ep)`` with ``ep`` inner: same ranks, same root mesh (module docstring)."""
+        names = ("dp_shard_mod_ep", "ep")
+        if self.cp == 1:
+            sizes = (self.dp_shard // self.ep, self.ep)
+            self._expert_mesh = torch_compat.unflatten_mesh(mesh, "dp_shard", sizes, names)
+        else:  # "dp_cp" (dp_replicate x dp_shard x cp flattened) split again, dp_replicate outermost as before
+            sizes = (self.dp_replicate, self.dp_shard * self.cp // self.ep, self.ep)
+            self._expert_mesh = torch_compat.unflatten_mesh(self._loss_mesh, "dp_cp", sizes, ("dp_replicate", *names))
 
     def _sub(self, *names: str) -> DeviceMesh | None:
         return None if self.mesh is None else self.mesh[names if len(names) > 1 else names[0]]
@@ -254,19 +264,23 @@ class ParallelDims:
 
     @property
     def expert_fsdp_mesh(self) -> DeviceMesh | None:
-        """The mesh FSDP shards the experts over under EP: ``dp_shard_mod_ep`` (with ``dp_replicate`` for HSDP)."""
+        """The mesh FSDP shards the experts over under EP, the ranks holding the same experts: ``dp_shard_mod_ep``
+        (with ``dp_replicate`` for HSDP)."""
         if self._expert_mesh is None:
             return None
-        return (
-            self._expert_mesh["dp_replicate", "dp_shard_mod_ep"]
-            if self.hsdp_enabled
-            else self._expert_mesh["dp_shard_mod_ep"]
-        )
+        em = self._expert_mesh
+        return em["dp_replicate", "dp_shard_mod_ep"] if self.hsdp_enabled else em["dp_shard_mod_ep"]
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
         """Process group of the data-parallel ranks, or None when there is only one."""
         return self.dp_mesh.get_group() if self.dp_degree > 1 and self.mesh is not None else None
+
+    @property
+    def batch_group(self) -> dist.ProcessGroup | None:
+        """Process group of the ranks whose tokens together make one micro-step's batch in one pipeline stage: the
+        data-parallel ranks and their CP ranks (``"dp_cp"``); None when alone."""
+        return self._loss_mesh.get_group() if self._loss_mesh is not None else self.dp_group
 
     @property
     def loss_group(self) -> dist.ProcessGroup | None:
@@ -291,8 +305,8 @@ class ParallelDims:
         """Every process group of the mesh (for timeouts)."""
         if self.mesh is None:
             return []
-        meshes = (self._dp_mesh, self._pp_dp_mesh, self._loss_mesh, self._shard_cp_mesh)  # FSDP's group under CP too
-        flat = [m.get_group() for m in meshes if m is not None]
+        meshes = (self._dp_mesh, self._pp_dp_mesh, self._loss_mesh, self._shard_cp_mesh, self._shard_tp_mesh)
+        flat = [m.get_group() for m in meshes if m is not None]  # FSDP's under CP, the gradient norm's under TP
         if self._expert_mesh is not None:
             flat += [self._expert_mesh.get_group(name) for name in ("dp_shard_mod_ep", "ep")]
         return [self.mesh.get_group(name) for name in MESH_DIMS] + flat

@@ -174,7 +174,7 @@ def dry_run(cfg, world_size: int | None = None, out: Callable[[str], None] = pri
         "world_size_source": source,
         "degrees": {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp}
         | ({"cp": dims.cp} if dims.cp > 1 else {})
-        | ({"ep": dims.ep} if dims.ep > 1 else {}),  # expert parallelism: a factor of dp_shard, no ranks of its own
+        | ({"ep": dims.ep} if dims.ep > 1 else {}),  # EP: a factor of dp_shard (x cp), no ranks of its own
         "grad_accum": accum,
         "global_batch": t.local_batch_size * dims.dp_degree * accum,
         "tokens_per_step": t.local_batch_size * dims.dp_degree * accum * t.seq_len,

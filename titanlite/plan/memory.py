@@ -89,9 +89,10 @@ class RunSetup:
                 f"global_batch_size {self.global_batch_size} is not a multiple of local_batch_size "
                 f"({self.local_batch_size}) x data-parallel degree ({self.dp_degree})"
             )
-        if self.ep < 1 or self.dp_shard % self.ep:
+        if self.ep < 1 or (self.dp_shard * self.cp) % self.ep:
             raise ConfigError(
                 f"expert_parallel_degree ({self.ep}) must divide the data-parallel shard degree ({self.dp_shard})"
+                + (f" x context_parallel_degree ({self.cp})" if self.cp > 1 else "")
             )
         if self.ac_mode not in ("none", "full", "selective"):
             raise ConfigError(f"unknown activation checkpointing mode {self.ac_mode!r}")

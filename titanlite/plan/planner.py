@@ -24,12 +24,12 @@ CHINCHILLA_TOKENS_PER_PARAM = 20
 
 def all_to_all_volume(s: ModelShape, setup: RunSetup) -> float:
     """Bytes each GPU sends by all-to-all per optimizer step under expert parallelism (0 without EP or MoE):
-    every micro-batch's tokens (``local_batch_size x seq_len``, all of them on every TP rank) through the MoE
-    blocks of the busiest pipeline rank (:func:`titanlite.plan.planner_moe.all_to_all_bytes`)."""
+    every micro-batch's tokens (``local_batch_size x seq_len / cp``: a CP rank's share, all of it on every TP rank)
+    through the MoE blocks of the busiest pipeline rank (:func:`titanlite.plan.planner_moe.all_to_all_bytes`)."""
     if s.moe is None or setup.ep <= 1:
         return 0.0
     blocks = max(share.n_layers for share in stage_shares(s, setup)) * s.moe_fraction
-    tokens = setup.micro_batch_tokens * setup.grad_accum
+    tokens = setup.local_batch_size * setup.rank_seq_len * setup.grad_accum
     c = DTYPES[setup.compute_dtype].itemsize
     return all_to_all_bytes(s.moe, s.dim, tokens, setup.ep, blocks, c, recompute=setup.ac_mode == "full")
 

@@ -31,6 +31,8 @@ from titanlite.trainer.loss import cross_entropy_sum
 from titanlite.trainer.output_loss import ChunkedLoss, LogitsLoss
 from titanlite.utils import dtypes
 
+WHOLE = ("document_ids",)  # forward arguments a CP rank gets for the whole sequences (block-causal attention)
+
 
 @dataclasses.dataclass(frozen=True)
 class Runtime:
@@ -89,12 +91,13 @@ class Runtime:
 
     def shard(self, batch: tuple[Any, Any, dict]) -> tuple[Any, Any, dict]:
         """``batch`` (inputs, labels, extra arguments) as this rank's share of the sequences under context
-        parallelism (every ``[B, S]`` tensor cut, and the model told): the batch itself without."""
+        parallelism (every ``[B, S]`` tensor cut but the document ids, which attention needs whole, and the model
+        told): the batch itself without."""
         cp = self.context_parallel
         if cp is None:
             return batch
         inputs, labels, extra = batch
-        extra = {k: cp.shard(v) if isinstance(v, torch.Tensor) else v for k, v in extra.items()}
+        extra = {k: cp.shard(v) if isinstance(v, torch.Tensor) and k not in WHOLE else v for k, v in extra.items()}
         return cp.shard(inputs), cp.shard(labels), {**extra, "context_parallel": cp.for_length(inputs.shape[1])}
 
     def autocast_dtype(self, model: nn.Module) -> torch.dtype | None:

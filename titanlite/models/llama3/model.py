@@ -91,6 +91,19 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x.unsqueeze(3).expand(bsz, seqlen, n_kv, n_rep, head_dim).reshape(bsz, seqlen, n_kv * n_rep, head_dim)
 
 
+@torch.compiler.disable
+def context_parallel_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: ContextMask, n_rep: int
+) -> torch.Tensor:
+    """Attention of this rank's queries ``q [B, S / cp, H, D]`` over the whole sequence's keys and values, gathered
+    from every CP rank's ``k, v [B, S / cp, KV, D]`` (GQA's few heads, repeated after the gather):
+    ``[B, S / cp, H, D]`` (:mod:`titanlite.models.context_attention`). Under ``torch.compile`` it runs eagerly, a
+    graph break: its collectives and autograd functions (with process groups) stay out of the compiled blocks."""
+    k, v = repeat_kv(mask.gather(k), n_rep), repeat_kv(mask.gather(v), n_rep)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
+    return attention(q, k, v, mask).transpose(1, 2)
+
+
 # ----------------------------------------------------------------------------- modules
 
 
@@ -127,8 +140,9 @@ class Attention(nn.Module):
         if cache is not None:  # generation / packed scoring: the cached keys/values, GQA's few heads unrepeated
             k, v = cache.update(k, v)  # (models/kv_cache.py)
             return self.wo(grouped_query_attention(q, k, v, attn_mask).reshape(bsz, seqlen, -1))
-        if isinstance(attn_mask, ContextMask):  # context parallelism: the whole sequence's keys, GQA's few heads
-            k, v = attn_mask.gather(k), attn_mask.gather(v)  # (models/context_attention.py)
+        if isinstance(attn_mask, ContextMask):  # context parallelism: the whole sequence's keys, eagerly
+            out = context_parallel_attention(q, k, v, attn_mask, self.n_rep)
+            return self.wo(out.reshape(bsz, seqlen, -1))
         k, v = repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
         out = attention(q, k, v, attn_mask)  # causal, the document mask, or context-parallel (models/attention.py)
@@ -236,9 +250,9 @@ class Transformer(nn.Module):
         """Logits ``[B, S, vocab]``; ``document_ids [B, S]`` is needed for ``block_causal`` masking.
         With a ``cache`` (generation, :mod:`titanlite.models.kv_cache`) ``tokens`` continue the cached ones.
         ``return_hidden``: the final norm's output ``[B, S, dim]`` instead, for a caller that applies ``output``
-        itself (the chunked loss, :mod:`titanlite.trainer.output_loss`). ``context_parallel``: ``tokens`` (and
-        ``document_ids``) are this rank's load-balanced share of the sequences
-        (:mod:`titanlite.parallel.context_parallel`): global rotary positions, attention over gathered keys.
+        itself (the chunked loss, :mod:`titanlite.trainer.output_loss`). ``context_parallel``: ``tokens`` are this
+        rank's load-balanced share of the sequences (:mod:`titanlite.parallel.context_parallel`), ``document_ids``
+        the whole sequences' ids: global rotary positions, attention over gathered keys.
 
         A pipeline stage (see :func:`titanlite.parallel.pipeline.pipeline_decoder`) lacks the modules other
         stages hold: without ``tok_embeddings`` it takes hidden states, without ``output`` it returns them."""

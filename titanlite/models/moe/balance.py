@@ -7,9 +7,10 @@ in a foreign loop, means this micro-batch's own tokens), so accumulation and dat
 which works in every pipeline stage, under activation checkpointing and compile alike.
 
 - Switch/GShard loss, ``coef x E x sum_i f_i P_i`` (``f_i`` the fraction of routed slots choosing expert ``i``,
-  ``P_i`` its mean normalized score): per **sequence** (DeepSeek-V3's, exact under any split of the batch) or per
-  **batch**, where ``f`` counts one forward pass of every data-parallel rank together (an all-reduce of E counts
-  over ``MoE.load_group``); as a token sum, ``coef x sum_i f_i x sum_t p_ti``.
+  ``P_i`` its mean normalized score): per **sequence** (DeepSeek-V3's, exact under any split of the batch; under
+  context parallelism ``f`` sums each sequence's counts over ``MoE.seq_group``) or per **batch**, where ``f``
+  counts one forward pass of every data-parallel (and CP) rank together (an all-reduce of E counts over
+  ``MoE.load_group``); as a token sum, ``coef x sum_i f_i x sum_t p_ti``.
 - Router z-loss (ST-MoE): ``coef x logsumexp(logits_t)^2`` per token.
 
 **Aux-loss-free bias** (DeepSeek-V3): after each optimizer step ``expert_bias`` moves by ``rate x sign(mean load -
@@ -22,6 +23,7 @@ twice; every logged figure is a ratio of two such sums and the bias update uses 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from titanlite.models.moe.router import Routing, expert_counts, one_hot_counts
 
@@ -49,14 +51,17 @@ def all_reduce_counts(counts: torch.Tensor, group) -> torch.Tensor:
     return funcol.wait_tensor(funcol.all_reduce(counts, "sum", group))
 
 
-def aux_loss_sum(routing: Routing, cfg, batch_shape: tuple[int, int], load_group=None) -> torch.Tensor:
-    """The Switch/GShard balance loss of one micro-batch as a token sum (module docstring), x ``aux_loss_coef``."""
+def aux_loss_sum(routing: Routing, cfg, batch_shape: tuple[int, int], load_group=None, seq_group=None) -> torch.Tensor:
+    """The Switch/GShard balance loss of one micro-batch as a token sum (module docstring), x ``aux_loss_coef``.
+    ``seq_group``: the context-parallel ranks holding the other parts of these sequences, whose counts ``f``
+    takes too (each rank's share of the sum then adds up to the whole sequences' loss)."""
     e, k = cfg.num_experts, cfg.top_k
     probs = routing.scores / routing.scores.sum(-1, keepdim=True)  # softmax scores already sum to 1
     if cfg.aux_loss_level == "seq":
         bsz, seq = batch_shape
-        counts = one_hot_counts(routing.experts.view(bsz, seq * k), e).float()  # [B, E]
-        f = counts * (e / (k * seq))
+        counts = all_reduce_counts(one_hot_counts(routing.experts.view(bsz, seq * k), e).float(), seq_group)  # [B, E]
+        whole = seq if seq_group is None else seq * dist.get_world_size(seq_group)  # the whole sequences' length
+        f = counts * (e / (k * whole))
         return cfg.aux_loss_coef * (f * probs.view(bsz, seq, e).sum(1)).sum()
     counts = expert_counts(routing.experts, e).float()
     tokens = torch.tensor([float(routing.experts.shape[0])], device=counts.device)

@@ -11,8 +11,9 @@
 
 Dropless: every (token, slot) pair is computed, whatever the imbalance (no capacity factor).
 The layer holds no process group until a parallelize plan sets ``ep_group`` (expert parallelism:
-the experts' weights are then sharded over it) and ``load_group`` (the data-parallel ranks whose
-batches a batch-level aux loss counts together).
+the experts' weights are then sharded over it), ``load_group`` (the data-parallel ranks whose
+batches a batch-level aux loss counts together) and ``seq_group`` (context-parallel ranks, which hold parts of
+the same sequences, counted together by a sequence-level aux loss).
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ class MoE(nn.Module):
                 raise ValueError("model.moe_num_shared_experts > 0 needs the family's SwiGLU class (shared_cls)")
             self.shared_experts = shared_cls(dim, cfg.shared_hidden_dim)
         self.ep_group = None  # expert-parallel ranks (parallelize sets them)
-        self.load_group = None  # data-parallel ranks counted together by the batch-level aux loss
+        self.load_group = None  # data-parallel (and CP) ranks counted together by the batch-level aux loss
+        self.seq_group = None  # CP ranks holding parts of the same sequences (the sequence-level aux loss)
         self.track_stats = True  # off: a forward that is not training (a pipeline's shape inference)
         # statistics of the current step (balance.MoEStep), and the step's token count for the loss terms
         self.register_buffer("tokens_per_expert", torch.zeros(cfg.num_experts), persistent=False)
@@ -83,7 +85,9 @@ class MoE(nn.Module):
     def _balance(self, out: torch.Tensor, routing, counts: torch.Tensor, batch_shape: tuple[int, int]) -> torch.Tensor:
         """Record the statistics and add the aux / z loss terms (token sums / the step's tokens) to the gradients."""
         cfg, n = self.cfg, routing.experts.shape[0]
-        aux = aux_loss_sum(routing, cfg, batch_shape, self.load_group) if cfg.aux_loss_coef > 0 else None
+        aux = (
+            aux_loss_sum(routing, cfg, batch_shape, self.load_group, self.seq_group) if cfg.aux_loss_coef > 0 else None
+        )
         z = cfg.z_loss_coef * z_loss_sum(routing.logits) if cfg.z_loss_coef > 0 else None
         with torch.no_grad():
             self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))

@@ -8,7 +8,8 @@ reasons) with what MoE blocks need:
   ranks, so router and expert gradients are complete on every TP rank (``expert_tensor_parallel_degree`` = 1).
 - **EP** (``ep > 1``): the stacked expert weights become ``Shard(0)`` DTensors over the ``ep`` mesh and tokens
   travel by all-to-all (:mod:`~titanlite.models.moe.expert_parallel`).
-- **load group**: a batch-level aux loss counts the micro-batch of every data-parallel rank together.
+- **load groups**: a batch-level aux loss counts the micro-batch of every data-parallel rank (and CP rank) together;
+  a sequence-level one counts each sequence's tokens over its CP ranks.
 - **compile**: per block; fullgraph unless the block has the expert-parallel exchange (host split sizes) or the
   per-expert loop.
 - **FSDP**: each MoE layer's experts form their own group first, over ``expert_fsdp_mesh`` under EP (the ranks
@@ -87,9 +88,8 @@ def parallelize_moe_decoder(
         plan, lp = (lambda block: moe_block_plan(block, block_tp_plan())), parallel_dims.loss_parallel_enabled
         parallelize_decoder(model, parallel_dims.tp_mesh, lp, plan)
         logger.info("tensor parallel over %d ranks (MoE layers replicated over them)", parallel_dims.tp)
-    dp_group = parallel_dims.dp_group if parallel_dims.dp_degree > 1 else None
-    for moe in moes:
-        moe.load_group = dp_group
+    for moe in moes:  # a batch is cut over the data-parallel ranks and, along the sequence, their CP ranks
+        moe.load_group, moe.seq_group = parallel_dims.batch_group, parallel_dims.cp_group
         if parallel_dims.ep_enabled:
             shard_experts(moe.experts, parallel_dims.ep_mesh)
             moe.ep_group = parallel_dims.ep_mesh.get_group()
@@ -99,7 +99,7 @@ def parallelize_moe_decoder(
     if checkpointed := policies.activation_checkpoint.apply(model):
         logger.info("activation checkpointing %s on blocks %s", policies.activation_checkpoint, ",".join(checkpointed))
     if policies.compile.model:
-        apply_compile(model, parallel_dims.tp_enabled)
+        apply_compile(model, parallel_dims.tp_enabled, policies.compile.fullgraph)
     if (fsdp := policies.fsdp(parallel_dims)) is not None:
         mesh = parallel_dims.expert_fsdp_mesh if parallel_dims.ep_enabled else fsdp.mesh
         for moe in moes:  # fewer local experts than ranks: shard the experts' rows instead
@@ -107,7 +107,7 @@ def parallelize_moe_decoder(
             fsdp.shard(moe.experts, mesh=mesh, dim=dim)
         apply_fsdp(model, fsdp)
         kind = "HSDP" if parallel_dims.hsdp_enabled else "FSDP"
-        logger.info("%s over %d ranks (experts: their own groups), gradients summed", kind, parallel_dims.dp_degree)
+        logger.info("%s over %d ranks (experts: their own groups), gradients summed", kind, parallel_dims.fsdp_degree)
     return model
 
 
@@ -118,11 +118,11 @@ def moe_block_plan(block: nn.Module, dense_plan: dict) -> dict:
     return {**{k: v for k, v in dense_plan.items() if not k.startswith("feed_forward")}, "feed_forward": MOE_TP_PLAN}
 
 
-def apply_compile(model: nn.Module, on_dtensors: bool) -> None:
+def apply_compile(model: nn.Module, on_dtensors: bool, fullgraph: bool = True) -> None:
     """Each block compiled separately; fullgraph unless its MoE layer leaves the graph (expert parallel
-    exchange, per-expert loop)."""
+    exchange, per-expert loop) or ``fullgraph`` is off (context parallelism's attention)."""
     for block in model.layers.values():
         ff = block.feed_forward
         breaks = isinstance(ff, MoE) and (ff.ep_group is not None or not ff.experts.grouped_mm)
-        block.forward = compile_fn(block.forward, on_dtensors, fullgraph=not breaks)
+        block.forward = compile_fn(block.forward, on_dtensors, fullgraph=fullgraph and not breaks)
     logger.info("compiled each transformer block")
