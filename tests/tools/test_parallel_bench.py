@@ -234,3 +234,16 @@ def test_compare_pp_bad_config_is_one_line_error(tmp_path, capsys, args, message
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.startswith(message), err
     assert err.count("\n") == 1 and not list(tmp_path.iterdir())  # nothing ran
+
+
+def test_context_parallel_bench_refuses_an_unknown_mask(capsys):
+    """``--masks`` names causal and/or documents: any other name is one usage line and exit status 2, before any
+    process starts (``both`` once ran as causal)."""
+    from titanlite.bench import context_parallel
+
+    with pytest.raises(SystemExit) as exit_info:
+        context_parallel.main(["--masks", "causal,both"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.strip().splitlines()[-1].endswith(
+        "--masks: unknown mask 'both' (expected causal and/or documents, comma-separated)"
+    ), err

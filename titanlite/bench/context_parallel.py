@@ -90,9 +90,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--masks", default="causal,documents", help="causal, documents or both")
+    p.add_argument("--masks", default="causal,documents", help="comma-separated: causal, documents (block-causal)")
     p.add_argument("--json-out", default="")
     args = p.parse_args(argv)
+    if unknown := set(args.masks.split(",")) - {"causal", "documents"}:
+        p.error(f"--masks: unknown mask {sorted(unknown)[0]!r} (expected causal and/or documents, comma-separated)")
     rows = []
     for mask in args.masks.split(","):
         base = None
