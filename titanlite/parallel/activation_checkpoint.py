@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from titanlite.errors import ConfigError
 
@@ -55,12 +55,15 @@ def _save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def checkpoint_module(module: nn.Module, context_fn: Callable = noop_context_fn) -> None:
-    """Make ``module``'s forward recompute its activations in backward (see the module docstring)."""
+def checkpoint_module(module: nn.Module, context_fn: Callable | None = None) -> None:
+    """Make ``module``'s forward recompute its activations in backward (see the module docstring); ``context_fn``:
+    the per-op policy (None: recompute everything). Without one, ``checkpoint`` is called without the argument:
+    torch.compile does not trace a ``context_fn`` that is a plain function (``noop_context_fn``)."""
     inner = module.forward
+    options = {} if context_fn is None else {"context_fn": context_fn}
 
     def forward(*args, **kw):
-        return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=False, context_fn=context_fn, **kw)
+        return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=False, **options, **kw)
 
     module.forward = forward
 
@@ -101,5 +104,5 @@ class ActivationCheckpoint:
         context_fn = functools.partial(create_selective_checkpoint_contexts, _save_matmuls_policy)
         done = [name for i, name in enumerate(model.layers) if self.every is None or (i + 1) % self.every == 0]
         for name in done:
-            checkpoint_module(model.layers[name], context_fn if self.per_op else noop_context_fn)
+            checkpoint_module(model.layers[name], context_fn if self.per_op else None)
         return done
