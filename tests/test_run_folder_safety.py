@@ -21,6 +21,7 @@ import pytest
 
 from tests.helpers.checkpoint_runs import TINY, run_trainer
 from tests.helpers.cli import one_line_error
+from tests.helpers.launch import run_python
 from tests.helpers.shared_data import shared_file
 from tests.helpers.tiny import TINY_MODEL
 from titanlite.config import config_to_toml
@@ -51,7 +52,7 @@ def test_watcher_never_imports_the_extensions_the_watched_config_names(tmp_path)
     (dump / "planted_ext_27.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, "-m", "titanlite.eval", "--watch", str(dump), "--once", "--tasks", "piqa"]
-    done = subprocess.run([*argv, "--data-dir", str(eval_data)], cwd=dump, env=env, capture_output=True, text=True)
+    done = run_python([*argv, "--data-dir", str(eval_data)], cwd=dump, env=env)  # python -m: dump first on sys.path
     assert not marker.exists(), "the watcher imported a module named by the watched config.toml"
     assert done.returncode == 0, done.stderr  # a core family: the run's extensions are not needed to watch it
 

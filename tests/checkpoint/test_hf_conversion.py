@@ -19,7 +19,6 @@ import os
 import pickle
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -367,36 +366,6 @@ class RunsCode:
         return (open, (self.marker, "w"))
 
 
-def run_clis(*calls: tuple[str, ...], pythonpath: str = "") -> list[subprocess.CompletedProcess]:
-    """Each ``(script, *args)`` in its own interpreter, all started at once (the interpreter start
-    dominates; two cores halve the wall time); each bounded by a timeout."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if pythonpath:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH", "")) if p)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "titanlite", "convert", script, "--quiet", *args],
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for script, *args in calls
-    ]
-    try:
-        done = []
-        for p in procs:
-            out, err = p.communicate(timeout=180)
-            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-        return done
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
-
 def one_line_error(proc: subprocess.CompletedProcess) -> str:
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
@@ -455,8 +424,8 @@ def in_process(capsys, script: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess([script, *args], code, out, err)
 
 
-# damages also run through the script in a subprocess (the others run its main in-process: each
-# interpreter start costs seconds of import on a 2-core machine, and the commands are main() alone)
+# damages also run through the command line in a process of its own (the others run its main in-process: the
+# commands are main() alone)
 IN_SUBPROCESS = {"distcp_random", "safetensors_truncated"}
 
 
@@ -485,7 +454,8 @@ def test_damaged_inputs_are_one_line_errors_and_write_nothing(tmp_path, capsys):
     (crafted / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
     crafted_call = ("dcp-to-hf", str(crafted), str(tmp_path / "crafted_out"))
 
-    *spawned, refused = run_clis(*[call for case, _, _, call in cases if case in IN_SUBPROCESS], crafted_call)
+    calls = [call for case, _, _, call in cases if case in IN_SUBPROCESS] + [crafted_call]
+    *spawned, refused = [run_cli(script, "--quiet", *args) for script, *args in calls]
     spawned = iter(spawned)
     for case, file, out, call in cases:
         proc = next(spawned) if case in IN_SUBPROCESS else in_process(capsys, *call)

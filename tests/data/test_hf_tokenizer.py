@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.hf_tokenizers import NFC_TEXT, SPECIAL_TEXT, convert, corpora
+from tests.helpers.hf_tokenizers import NFC_TEXT, convert, corpora, edited, parity_texts, sprinkle, with_added_tokens
 from tests.helpers.launch import run_python
 from tests.helpers.shared_data import shared_file
 from titanlite.tokenizer import build_tokenizer, tokenizer_fingerprint
@@ -26,16 +26,18 @@ QWEN_PAT = (
 )
 
 
-def assert_same_ids(file: Path, texts: list[str]) -> None:
-    """titanlite's ids == HF's: documents (added-token text as plain text) and with added tokens split out."""
+def assert_same_ids(file: Path, texts: list[str]):
+    """titanlite's ids == HF's: documents (added-token text as plain text) and with added tokens split out.
+    Returns titanlite's tokenizer."""
     ours = build_tokenizer(str(file))
-    plain = tokenizers.Tokenizer.from_file(str(file))
-    plain.encode_special_tokens = True  # HF then reads special-token text as plain text, as titanlite does
-    split = tokenizers.Tokenizer.from_file(str(file))
+    hf = tokenizers.Tokenizer.from_file(str(file))
     for i, text in enumerate(texts):
-        assert ours.encode(text) == plain.encode(text, add_special_tokens=False).ids, f"text {i}"
-        want = split.encode(text, add_special_tokens=False).ids
+        hf.encode_special_tokens = True  # HF then reads special-token text as plain text, as titanlite does
+        assert ours.encode(text) == hf.encode(text, add_special_tokens=False).ids, f"text {i}"
+        hf.encode_special_tokens = False
+        want = hf.encode(text, add_special_tokens=False).ids
         assert ours.encoding.encode(text, allowed_special="all") == want, f"text {i} (added tokens split out)"
+    return ours
 
 
 def train_bpe(out: Path, qwen_style: bool, vocab_size: int = 1500) -> Path:
@@ -92,10 +94,14 @@ def test_converted_test_tiktoken_model_matches_hf_and_the_tiktoken_file(test_mod
     assert tokenizer_fingerprint(ours) == tokenizer_fingerprint(ref)
 
 
-def test_converted_cl100k_matches_hf(tmp_path):
-    file = convert(shared_file("tokenizers/cl100k_base.tiktoken"), tmp_path)
-    assert_same_ids(file, corpora()[:4] + corpora()[-3:])
-    assert build_tokenizer(str(file)).encode("hello world") == [15339, 1917]
+@pytest.fixture(scope="module")
+def cl100k_json(tmp_path_factory) -> Path:
+    return convert(shared_file("tokenizers/cl100k_base.tiktoken"), tmp_path_factory.mktemp("cl100k"))
+
+
+def test_converted_cl100k_matches_hf(cl100k_json):
+    ours = assert_same_ids(cl100k_json, corpora()[:4] + corpora()[-3:])
+    assert ours.encode("hello world") == [15339, 1917]
 
 
 @pytest.mark.parametrize("qwen_style", [False, True], ids=["gpt2_bytelevel", "qwen_split_nfc"])
@@ -153,13 +159,6 @@ def test_shared_hf_test_asset_is_refused_because_hf_drops_bytes():
     assert "not in the byte-level alphabet" in str(e.value) and "\n" not in str(e.value)
     hf = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
     assert hf.decode(hf.encode("a b\n", add_special_tokens=False).ids) == "ab"  # the space and newline are gone
-
-
-def edited(src: Path, dst: Path, edit) -> Path:
-    data = json.loads(src.read_text())
-    edit(data)
-    dst.write_text(json.dumps(data))
-    return dst
 
 
 def swap_first_merges(d):
@@ -323,25 +322,9 @@ CL100K_PAT = (
 )
 
 
-def parity_texts() -> list[str]:
-    """1,038 texts: the 1,000 C4 documents, WikiText-2 valid and test in 16 slices each, 3 slices of
-    Shakespeare and 3 hand-made texts (added-token and special-token text, NFC cases, digit runs)."""
-    c4 = [json.loads(line)["text"] for line in shared_file("text/c4_sample.jsonl").read_text("utf-8").splitlines()]
-    slices = []
-    for rel, parts in (
-        ("text/wikitext2/valid.txt", 16),
-        ("text/wikitext2/test.txt", 16),
-        ("text/tinyshakespeare.txt", 3),
-    ):
-        lines = shared_file(rel).read_text(encoding="utf-8")[:400_000].split("\n")
-        step = -(-len(lines) // parts)
-        slices += ["\n".join(lines[i : i + step]) for i in range(0, len(lines), step)]
-    return [*c4, *slices, SPECIAL_TEXT, NFC_TEXT, "digits 1 12 123 1234 12345 2024-01-31 3.14159 1,000,000\n\n  x"]
-
-
-def assert_hf_parity(file: Path, texts: list[str]) -> None:
+def assert_hf_parity(file: Path, texts: list[str]):
     """titanlite's ids (special-token text as text) == HF's with encode_special_tokens, batch-encoded; and
-    titanlite's decode == HF's (special tokens kept)."""
+    titanlite's decode == HF's (special tokens kept). Returns titanlite's tokenizer."""
     ours = build_tokenizer(str(file))
     hf = tokenizers.Tokenizer.from_file(str(file))
     hf.encode_special_tokens = True
@@ -351,12 +334,18 @@ def assert_hf_parity(file: Path, texts: list[str]) -> None:
     assert not bad, f"{len(bad)} of {len(texts)} texts differ, first: text {bad[0]} {texts[bad[0]][:80]!r}"
     for ids in want[-3:] + want[:3]:
         assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=False)
+    return ours
 
 
 @pytest.fixture(scope="module")
-def cl100k_openai_json(tmp_path_factory) -> Path:
-    tiktoken_file = shared_file("tokenizers/cl100k_base.tiktoken")
-    return convert(tiktoken_file, tmp_path_factory.mktemp("cl100k"), pattern=CL100K_PAT)
+def cl100k_openai_json(tmp_path_factory, cl100k_json) -> Path:
+    """What ``convert(..., pattern=CL100K_PAT)`` writes (the converter's pattern is only the Split regex), made
+    from the converted cl100k file without converting the 100k-token vocabulary again."""
+
+    def edit(d):
+        d["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = CL100K_PAT
+
+    return edited(cl100k_json, tmp_path_factory.mktemp("cl100k_openai") / "tokenizer.json", edit)
 
 
 def test_cl100k_with_openais_possessive_regex_matches_hf_on_1038_texts(cl100k_openai_json):
@@ -364,31 +353,10 @@ def test_cl100k_with_openais_possessive_regex_matches_hf_on_1038_texts(cl100k_op
     1-3: "1234" is one piece for HF ("12" "34"), two for tiktoken run on the regex as written ("123" "4")."""
     texts = parity_texts()
     assert len(texts) == 1038
-    assert build_tokenizer(str(cl100k_openai_json)).encode("1234") == [717, 1958]
-    assert_hf_parity(cl100k_openai_json, texts)
+    assert assert_hf_parity(cl100k_openai_json, texts).encode("1234") == [717, 1958]
 
 
 ADDED = [("<think>", False), ("</think>", False), ("<tool_call>", False), ("<tool", False), (" ab", False)]
-
-
-def with_added_tokens(src: Path, dst: Path, added: list[tuple[str, bool]]) -> Path:
-    """``src`` + non-special added tokens (content, normalized), saved by HF ``tokenizers`` itself."""
-    hf = tokenizers.Tokenizer.from_file(str(src))
-    hf.decoder = hf.decoder or tokenizers.decoders.ByteLevel()  # a trained file has none: ids back to bytes
-    hf.add_tokens([tokenizers.AddedToken(t, special=False, normalized=norm) for t, norm in added])
-    dst.mkdir(parents=True, exist_ok=True)
-    hf.save(str(dst / "tokenizer.json"))
-    return dst / "tokenizer.json"
-
-
-def sprinkle(texts: list[str], tokens: list[str]) -> list[str]:
-    """Each text with added-token text put in at a few places (glued to words, after spaces, repeated)."""
-    out = []
-    for i, text in enumerate(texts):
-        a, b = tokens[i % len(tokens)], tokens[(i + 1) % len(tokens)]
-        cut1, cut2 = len(text) // 3, 2 * len(text) // 3
-        out.append(f"{a}{text[:cut1]}{b}{a} {text[cut1:cut2]} {b}{b}{text[cut2:]}call <tool_call>")
-    return out
 
 
 def test_non_special_added_tokens_are_matched_in_text_like_hf(tmp_path, test_model_json):
@@ -414,6 +382,11 @@ def test_normalized_added_tokens_match_after_nfc_like_hf(tmp_path, qwen_json):
     assert_hf_parity(file, texts)
 
 
+@pytest.fixture(scope="module")
+def qwen_400_json(tmp_path_factory) -> Path:
+    return train_bpe(tmp_path_factory.mktemp("qwen_400"), qwen_style=True, vocab_size=400)
+
+
 @pytest.mark.parametrize(
     "regex, text",
     [
@@ -428,11 +401,11 @@ def test_normalized_added_tokens_match_after_nfc_like_hf(tmp_path, qwen_json):
         (r"[\[\]{}]{1,2}+|[^\[\]{}]+", "a[[{}]]{{b"),  # braces in classes are no quantifiers
     ],
 )
-def test_oniguruma_constructs_split_like_hf(tmp_path, regex, text):
-    file = train_bpe(tmp_path, qwen_style=True, vocab_size=400)
-    data = json.loads(file.read_text())
-    data["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = regex
-    file.write_text(json.dumps(data))
+def test_oniguruma_constructs_split_like_hf(tmp_path, qwen_400_json, regex, text):
+    def edit(d):
+        d["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = regex
+
+    file = edited(qwen_400_json, tmp_path / "tokenizer.json", edit)
     hf = tokenizers.Tokenizer.from_file(str(file))
     assert build_tokenizer(str(file)).encode(text) == hf.encode(text, add_special_tokens=False).ids
 

@@ -3,7 +3,7 @@ command-line exit under torchrun: the exit status kept, the interpreter's finali
 
 from __future__ import annotations
 
-import os
+import json
 import subprocess
 import sys
 import textwrap
@@ -74,21 +74,66 @@ def entry():
 main_then_exit(entry)
 """
 
+# One fresh interpreter pays for the imports once, then forks a child per case that runs EXIT_SCRIPT as
+# ``python entry.py <folder> <outcome>`` would: its own stdout/stderr files and WORLD_SIZE, and the script's end
+# (or its uncaught exception) ends the child through the interpreter's own exit and finalization.
+FORKING_LAUNCHER = """
+import json, os, runpy, sys
+import titanlite.parallel.distributed  # noqa: F401 - the import every case makes, paid once before the forks
 
-@pytest.mark.parametrize("outcome,code", [("ok", 0), ("3", 3), ("error", 1)])
-@pytest.mark.parametrize("world_size", ["1", "2"])
-def test_main_then_exit_keeps_the_status_and_skips_finalization_under_torchrun(tmp_path, outcome, code, world_size):
+script, cases = sys.argv[1], json.loads(sys.argv[2])
+for folder, outcome, world_size in cases:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.environ["WORLD_SIZE"] = world_size
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            handle = os.open(os.path.join(folder, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(handle, fd)
+            os.close(handle)
+        sys.argv = [script, folder, outcome]
+        runpy.run_path(script, run_name="__main__")
+        raise SystemExit(0)  # the script ran to its end: python's own exit
+    status = os.waitpid(pid, 0)[1]
+    with open(os.path.join(folder, "status"), "w") as f:
+        f.write(str(os.waitstatus_to_exitcode(status)))
+"""
+
+CASES = [
+    (outcome, code, world_size) for world_size in ("1", "2") for outcome, code in (("ok", 0), ("3", 3), ("error", 1))
+]
+
+
+@pytest.fixture(scope="module")
+def exits(tmp_path_factory) -> dict:
+    """Each case's folder after EXIT_SCRIPT ran in it (status, stdout, stderr, log.txt, finalized?)."""
+    root = tmp_path_factory.mktemp("exits")
+    script = root / "entry.py"
+    script.write_text(textwrap.dedent(EXIT_SCRIPT))
+    folders = {(outcome, world_size): root / f"{outcome}-{world_size}" for outcome, _, world_size in CASES}
+    for folder in folders.values():
+        folder.mkdir()
+    cases = [[str(folders[o, w]), o, w] for o, _, w in CASES]
+    launcher = subprocess.run(
+        [sys.executable, "-c", FORKING_LAUNCHER, str(script), json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert launcher.returncode == 0, launcher.stderr[-3000:]
+    return folders
+
+
+@pytest.mark.parametrize("outcome,code,world_size", CASES)
+def test_main_then_exit_keeps_the_status_and_skips_finalization_under_torchrun(exits, outcome, code, world_size):
     """Under torchrun (WORLD_SIZE > 1) a finished rank leaves with os._exit, after logging and stdout are
     flushed, so no gloo thread meets a finalizing interpreter (atexit handlers do not run); one process
     exits as Python does. Either way the status is the entry's."""
-    script = tmp_path / "entry.py"
-    script.write_text(textwrap.dedent(EXIT_SCRIPT))
-    env = dict(os.environ, WORLD_SIZE=world_size)
-    out = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), outcome], env=env, capture_output=True, text=True, timeout=60
-    )
-    assert out.returncode == code, out.stderr
-    assert out.stdout == "partial line without a newline"
-    assert "INFO:t:trained" in (tmp_path / "log.txt").read_text()
-    assert (tmp_path / "finalized").exists() == (world_size == "1")
-    assert ("RuntimeError: a bug" in out.stderr) == (outcome == "error")
+    folder = exits[outcome, world_size]
+    stderr = (folder / "stderr").read_text()
+    assert int((folder / "status").read_text()) == code, stderr
+    assert (folder / "stdout").read_text() == "partial line without a newline"
+    assert "INFO:t:trained" in (folder / "log.txt").read_text()
+    assert (folder / "finalized").exists() == (world_size == "1")
+    assert ("RuntimeError: a bug" in stderr) == (outcome == "error")

@@ -4,10 +4,11 @@
   and exit status 2; each command's ``--help`` is its module's own parser (the usage line names the command);
   the old ``scripts/*.py`` shims forward to the same ``main``.
 - Installed (slow): ``pip install`` of a copy of the sources into a fresh venv (no network: the venv reaches this
-  one's dependencies through a path file, never this checkout), then from a folder outside the checkout the
-  ``titanlite`` console script lists the shipped recipes, prepares a small text, trains the tiny model 2 steps
-  (``--config debug_model``: the recipe the wheel carries) with a checkpoint, converts it
-  to Hugging Face, estimates a run and plots the metrics; every command's ``--help`` runs in that environment.
+  one's dependencies through a path file, never this checkout); then one interpreter of that venv, in a folder
+  outside the checkout, runs the commands through ``titanlite.cli.main`` (what the console script calls): every
+  command's ``--help``, the listing of the shipped recipes, preparing a small text, training the tiny model 2 steps
+  (``--config debug_model``: the recipe the wheel carries) with a checkpoint, converting it to Hugging Face,
+  estimating a run and plotting the metrics; the ``titanlite`` console script itself lists and refuses commands.
 """
 
 from __future__ import annotations
@@ -116,31 +117,79 @@ def run(installed: dict, *argv: str, timeout: float = 180) -> subprocess.Complet
     )
 
 
-@pytest.mark.slow
-def test_installed_package_comes_from_the_venv_and_every_command_has_help(installed):
-    """One interpreter of the venv: titanlite is the installed copy, the checkout is not on sys.path, and each
-    command's --help (its module imported from the install) exits 0 with its usage line."""
-    script = f"""
-import contextlib, io, json, sys
+# The commands the installed package runs, in order, each through ``titanlite.cli.main`` in one interpreter of
+# the venv (the console script is ``sys.exit(main())``; two real launches of it are checked below).
+COMMANDS_RUN = [
+    ("prepare", ["prepare", "--input", "corpus.txt", "--tokenizer", "bytes", "--output", "shards"]),
+    ("list", ["train", "--list-configs"]),  # the recipes the wheel carries
+    (
+        "train",
+        [
+            *("train", "--config", "debug_model"),  # the shipped recipe: no such file here
+            *TINY_MODEL,
+            *("--training.steps", "2", "--training.seq_len", "32", "--lr_scheduler.warmup_steps", "0"),
+            *("--validation.enable", "false", "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "1"),
+            *("--checkpoint.enable", "true", "--checkpoint.interval", "2", "--job.dump_folder", "run"),
+        ],
+    ),
+    ("convert", ["convert", "dcp-to-hf", "-q", "run/checkpoint/step-2", "hf"]),
+    # the shipped recipe again, by its file name; without --num-gpus: argparse's own error
+    ("estimate_error", ["estimate", "--config", "debug_model.toml", *TINY_MODEL, "--gpu", "H100"]),
+    (
+        "estimate",
+        ["estimate", "--config", "debug_model.toml", *TINY_MODEL, "--gpu", "H100", "--num-gpus", "1"]
+        + ["--tokens", "1e6", "--json"],
+    ),
+    ("plot", ["plot", "run", "-o", "curves.png"]),  # skipped where the venv has no matplotlib
+]
+
+SESSION_SCRIPT = """
+import contextlib, importlib.util, io, json, sys
 import titanlite, titanlite.cli as cli
-found = {{"file": titanlite.__file__, "path": sys.path, "help": {{}}}}
-for argv in {all_commands()!r}:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+
+def call(argv):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            cli.main([*argv, "--help"])
-            code = 0
+            code = cli.main(argv)
         except SystemExit as e:
-            code = e.code
-    found["help"][" ".join(argv)] = [code, out.getvalue().splitlines()[0] if out.getvalue() else ""]
-print(json.dumps(found))
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return {"code": code, "out": out.getvalue(), "err": err.getvalue()}
+
+found = {"file": titanlite.__file__, "path": sys.path, "help": {}, "runs": {}}
+for argv in json.loads(sys.argv[1]):
+    r = call([*argv, "--help"])
+    found["help"][" ".join(argv)] = [r["code"], r["out"].splitlines()[0] if r["out"] else ""]
+for name, argv in json.loads(sys.argv[2]):
+    if name != "plot" or importlib.util.find_spec("matplotlib"):
+        found["runs"][name] = call(argv)
+with open("session.json", "w") as f:
+    json.dump(found, f)
 """
-    r = run(installed, "python", "-c", script)
-    assert r.returncode == 0, r.stderr[-3000:]
-    found = json.loads(r.stdout.splitlines()[-1])
-    assert Path(found["file"]).resolve().is_relative_to(installed["venv"].resolve()), found["file"]
-    assert not any(p and Path(p).resolve() == REPO for p in found["path"]), found["path"]
-    for name, (code, usage) in found["help"].items():
+
+
+@pytest.fixture(scope="module")
+def session(installed) -> dict:
+    """What one interpreter of the venv found: titanlite's file, sys.path, each command's --help exit status and
+    usage line, and the exit status and output of each of ``COMMANDS_RUN``, after a small text was written."""
+    work = installed["work"]
+    text = work / "corpus.txt"
+    text.write_text("".join(f"Line {i}: the quick brown fox jumps over the lazy dog.\n\n" for i in range(300)))
+    assert not (work / "debug_model.toml").exists()
+    args = [json.dumps(all_commands()), json.dumps(COMMANDS_RUN)]
+    r = run(installed, "python", "-c", SESSION_SCRIPT, *args, timeout=400)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return json.loads((work / "session.json").read_text())
+
+
+@pytest.mark.slow
+def test_installed_package_comes_from_the_venv_and_every_command_has_help(installed, session):
+    """titanlite is the installed copy, the checkout is not on sys.path, and each command's --help (its module
+    imported from the install) exits 0 with its usage line; the console script itself lists and refuses."""
+    assert Path(session["file"]).resolve().is_relative_to(installed["venv"].resolve()), session["file"]
+    assert not any(p and Path(p).resolve() == REPO for p in session["path"]), session["path"]
+    assert set(session["help"]) == {" ".join(argv) for argv in all_commands()}
+    for name, (code, usage) in session["help"].items():
         assert code == 0 and usage.startswith("usage: "), (name, code, usage)
     listing = run(installed, "titanlite", "--help")
     assert listing.returncode == 0 and "\n  bench " in listing.stdout
@@ -152,54 +201,35 @@ print(json.dumps(found))
 
 
 @pytest.mark.slow
-def test_installed_command_prepares_trains_converts_estimates_and_plots(installed):
-    work = installed["work"]
-    text = work / "corpus.txt"
-    text.write_text("".join(f"Line {i}: the quick brown fox jumps over the lazy dog.\n\n" for i in range(300)))
-    prep = run(installed, "titanlite", "prepare", "--input", str(text), "--tokenizer", "bytes", "--output", "shards")
-    assert prep.returncode == 0, prep.stderr[-3000:]
+def test_installed_command_prepares_trains_converts_estimates_and_plots(installed, session):
+    work, runs = installed["work"], session["runs"]
+    prep = runs["prepare"]
+    assert prep["code"] == 0, prep["err"][-3000:]
     totals = json.loads((work / "shards" / "manifest.json").read_text())["totals"]["train"]
-    assert totals["tokens"] == len(text.read_bytes()) + 2  # one document: BOS, its bytes, EOS
+    assert totals["tokens"] == len((work / "corpus.txt").read_bytes()) + 2  # one document: BOS, its bytes, EOS
 
-    listed = run(installed, "titanlite", "train", "--list-configs")  # the recipes the wheel carries
-    assert listed.returncode == 0 and [line.split()[0] for line in listed.stdout.splitlines()] == sorted(
+    listed = runs["list"]
+    assert listed["code"] == 0 and [line.split()[0] for line in listed["out"].splitlines()] == sorted(
         p.stem for p in (REPO / "train_configs").glob("*.toml")
     )
-    assert not (work / "debug_model.toml").exists()
-    train = run(
-        installed,
-        "titanlite",
-        "train",
-        "--config",
-        "debug_model",  # the shipped recipe: no such file here
-        *TINY_MODEL,
-        *("--training.steps", "2", "--training.seq_len", "32", "--lr_scheduler.warmup_steps", "0"),
-        *("--validation.enable", "false", "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "1"),
-        *("--checkpoint.enable", "true", "--checkpoint.interval", "2", "--job.dump_folder", "run"),
-    )
-    assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-3000:]
+    train = runs["train"]
+    assert train["code"] == 0, train["out"][-2000:] + train["err"][-3000:]
     records = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2]
 
-    convert = run(installed, "titanlite", "convert", "dcp-to-hf", "-q", "run/checkpoint/step-2", "hf")
-    assert convert.returncode == 0, convert.stderr[-3000:]
+    convert = runs["convert"]
+    assert convert["code"] == 0, convert["err"][-3000:]
     assert json.loads((work / "hf" / "config.json").read_text())["num_hidden_layers"] == 2
     assert (work / "hf" / "model.safetensors").stat().st_size > 0
 
-    config = "debug_model.toml"  # the shipped recipe again, by its file name
-    estimate = run(installed, "titanlite", "estimate", "--config", config, *TINY_MODEL, "--gpu", "H100")
-    assert estimate.returncode == 2 and "--num-gpus" in estimate.stderr  # argparse's own error, as before
-    estimate = run(
-        installed,
-        "titanlite",
-        "estimate",
-        *("--config", config, *TINY_MODEL, "--gpu", "H100", "--num-gpus", "1", "--tokens", "1e6", "--json"),
-    )
-    assert estimate.returncode == 0, estimate.stderr[-3000:]
+    estimate = runs["estimate_error"]
+    assert estimate["code"] == 2 and "--num-gpus" in estimate["err"]  # argparse's own error, as before
+    estimate = runs["estimate"]
+    assert estimate["code"] == 0, estimate["err"][-3000:]
     with safe_open(str(work / "hf" / "model.safetensors"), "pt") as f:  # the trained model's exact size
-        assert json.loads(estimate.stdout)["params"] == sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+        assert json.loads(estimate["out"])["params"] == sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
 
     pytest.importorskip("matplotlib")
-    plot = run(installed, "titanlite", "plot", "run", "-o", "curves.png")
-    assert plot.returncode == 0, plot.stderr[-3000:]
+    plot = runs["plot"]
+    assert plot["code"] == 0, plot["err"][-3000:]
     assert (work / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -64,10 +64,18 @@ def test_dump_folder_that_is_a_file_is_a_one_line_error(where, tmp_path, capsys)
     assert blocker.read_text() == "not a folder"
 
 
-@pytest.mark.parametrize("key, value, says", [("seq_len", "16", "seq_len=32, this run has 16"), ("seed", "7", "seed=")])
-def test_resume_with_changed_data_is_one_line_and_loses_nothing(key, value, says, tmp_path, capsys):
-    dump = tmp_path / "run"
+@pytest.fixture(scope="module")
+def ten_step_run(tmp_path_factory) -> Path:
+    """A finished 10-step run (checkpoints at steps 5 and 10, config.toml); the tests that resume it and must fail
+    each get a copy of its folder (they also check that the failure changed nothing)."""
+    dump = tmp_path_factory.mktemp("ten_steps") / "run"
     run_trainer(dump, "--training.steps", "10")
+    return dump
+
+
+@pytest.mark.parametrize("key, value, says", [("seq_len", "16", "seq_len=32, this run has 16"), ("seed", "7", "seed=")])
+def test_resume_with_changed_data_is_one_line_and_loses_nothing(key, value, says, tmp_path, capsys, ten_step_run):
+    dump = shutil.copytree(ten_step_run, tmp_path / "run")
     before = (dump / "metrics.jsonl").read_bytes()
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
@@ -79,11 +87,10 @@ def test_resume_with_changed_data_is_one_line_and_loses_nothing(key, value, says
     assert steps_in(dump) == [5, 10]
 
 
-def test_failed_resume_from_an_older_step_moves_nothing_aside(tmp_path, capsys):
+def test_failed_resume_from_an_older_step_moves_nothing_aside(tmp_path, capsys, ten_step_run):
     """load_step 5 with a changed seq_len fails to resume: the newer step-10 stays where it was (the
     abandoned lineage moves aside only once a resume succeeded), and config.toml is not rewritten."""
-    dump = tmp_path / "run"
-    main(TINY + ["--job.dump_folder", str(dump), "--training.steps", "10"])
+    dump = shutil.copytree(ten_step_run, tmp_path / "run")
     config = (dump / "config.toml").read_bytes()
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
