@@ -7,10 +7,9 @@ whose gradient is near 0 moves by up to the learning rate on a summation-order d
 element's difference is printed too).
 Two launches: 2 processes run CP 2 causal (with validation under CP, and a checkpoint at step 5), CP 2 with
 documents (full AC), and a 1-block, 3-step CP 2 with documents eager and then compiled (equal within
-``RTOL_COMPILE``); 4 processes run CP 4 with documents, CP 2 x FSDP 2 (per-op AC), CP 2 x TP 2 (a checkpoint at
-step 5), CP 2 x PP 2, and resume CP 2 x TP 2's checkpoint under CP 4: causal CP 4 runs steps 6-10 there (with
-the documents run and test_context_parallel_units.py's causal CP 4 attention, in place of a separate 10-step causal
-CP 4 run). The pytest process resumes the CP 2 checkpoint under CP 1.
+``RTOL_COMPILE``); 4 processes run CP 4 causal and with documents, CP 2 x FSDP 2 (per-op AC), CP 2 x TP 2 (a
+checkpoint at step 5), CP 2 x PP 2, and resume CP 2 x TP 2's checkpoint under CP 4. The pytest process resumes
+the CP 2 checkpoint under CP 1.
 
 Documents: a text corpus of short documents (3 to 12 bytes), so that at ``seq_len`` 32 and 8 chunks (CP 4) the
 documents cross the chunk boundaries (block-causal attention, the true document ids).
@@ -214,11 +213,12 @@ def check_generation(step_folder, got: dict, ref: dict, report: list) -> None:
 
 @pytest.mark.multiprocess
 def test_context_parallel_four_processes(reference):
-    """CP 4 with documents, CP 2 x FSDP 2, CP 2 x TP 2 and CP 2 x PP 2 equal one process; CP 2 x TP 2's
+    """CP 4 (causal and with documents), CP 2 x FSDP 2, CP 2 x TP 2 and CP 2 x PP 2 equal one process; CP 2 x TP 2's
     checkpoint of step 5 resumes under CP 4 (causal) with the uninterrupted run's next losses and weights."""
     docs = documents_options(reference["docs"]) + NO_VAL
     pp = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "4"]
     specs = {
+        "cp4": (1, [CP, "4", *NO_VAL], "causal"),
         "cp4_documents": (1, [CP, "4", *docs], "documents"),
         "cp2_fsdp2": (2, [CP, "2", "--parallelism.data_parallel_shard_degree", "2", *NO_VAL, *AC_OP], "causal"),
         "cp2_tp2": (1, [CP, "2", "--parallelism.tensor_parallel_degree", "2", *NO_VAL, *CHECKPOINT], "causal"),
