@@ -152,8 +152,11 @@ def dry_run(cfg, world_size: int | None = None, out: Callable[[str], None] = pri
         if plan is None:
             models = [parallelize_on_meta(spec, args, dims, policies)[0]]
         else:  # every pp rank's stages, each rank's as one ModelParts under the full model's names
+            with torch.device("meta"):
+                whole = spec.model_cls(args)  # copied into each rank's stages, itself unchanged
             models = [
-                parallelize_on_meta(spec, args, dims, policies, pipeline=plan, pp_rank=k)[0] for k in range(dims.pp)
+                parallelize_on_meta(spec, args, dims, policies, pipeline=plan, pp_rank=k, model=whole)[0]
+                for k in range(dims.pp)
             ]
         report = _inspect(models, dims, world_size, MESH_DIMS)
     finally:
