@@ -1,10 +1,14 @@
 """Fixtures shared by several test files, and the order the tests run in."""
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers.dist import TOKEN_CACHE
 
 
 @pytest.fixture(scope="module")
@@ -101,3 +105,17 @@ def pytest_runtest_protocol(item, nextitem):
     if log:
         with open(log, "a") as f:
             f.write(f"{_cpu_seconds() - start:.2f} {item.nodeid}\n")
+
+
+def pytest_configure(config):
+    """The session's token cache (``tests.helpers.dist.cache_token_stores``): made by the main pytest process,
+    before its workers and their ranks start (they inherit the variable), removed when the session ends."""
+    if not hasattr(config, "workerinput") and TOKEN_CACHE not in os.environ:
+        os.environ[TOKEN_CACHE] = config._titanlite_token_cache = tempfile.mkdtemp(prefix="titanlite_tokens_")
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "_titanlite_token_cache", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop(TOKEN_CACHE, None)

@@ -10,14 +10,11 @@ memory estimate that fits the stated GPU.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
 from tests.helpers.dist import REPO
 from titanlite.models import load_config
+from titanlite.plan.dry_run import dry_run
 
 CONFIGS = sorted(
     str(p.relative_to(REPO))
@@ -43,18 +40,6 @@ PIPELINED = {
     "train_configs/llama405b.toml": 8,
     "train_configs/deepseek_v3_671b.toml": 16,
 }  # config -> pipeline_parallel_degree (1 when not listed)
-
-DRY_RUN_ALL = """
-import json, sys
-from titanlite.models import load_config
-from titanlite.plan.dry_run import dry_run
-out = {}
-for path in sys.argv[1:]:
-    r = dry_run(load_config(["--config", path]), out=lambda line: None)  # imports [job] extensions
-    out[path] = {k: r[k] for k in ("world_size", "world_size_source", "degrees", "params", "per_rank", "fits",
-                                   "tokens_per_step", "groups", "pipeline")}
-print("REPORT" + json.dumps(out))
-"""
 
 
 def test_every_shipped_config_is_listed():
@@ -84,30 +69,9 @@ def test_config_validates_and_says_what_it_is_tuned_for(path):
 
 @pytest.fixture(scope="module")
 def dry_runs():
-    """Every config's dry run, in two processes at once (each is one busy Python thread: the second core
-    would idle otherwise); alternate configs of the sorted list, which splits the big ones about evenly."""
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", DRY_RUN_ALL, *CONFIGS[half::2]],
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for half in (0, 1)
-    ]
-    reports = {}
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=300)
-            assert proc.returncode == 0, out[-3000:] + err[-3000:]
-            reports.update(json.loads(out.split("REPORT", 1)[1]))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return reports
+    """Every config's dry run, in this process, one after the other (each creates and destroys its own fake
+    process group; loading a config imports its [job] extensions)."""
+    return {path: dry_run(load(path), out=lambda line: None) for path in CONFIGS}
 
 
 @pytest.mark.parametrize("path", CONFIGS)

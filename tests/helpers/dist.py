@@ -235,8 +235,13 @@ def run_workers(
     return results
 
 
+TOKEN_CACHE = "TITANLITE_TEST_TOKEN_CACHE"  # a folder that lives as long as the pytest session (tests/conftest.py)
+
+
 def cache_token_stores() -> None:
-    """Tokenize each (dataset, split) once per process: tests build many Trainers on the same data."""
+    """Tokenize each (dataset, split) once per process: tests build many Trainers on the same data. The embedded
+    corpus (~1.3 CPU s to tokenize) once per pytest session: its tensor is saved in the session's ``TOKEN_CACHE``
+    folder, which the ranks a test starts read."""
     import titanlite.data.recipe as recipe
 
     if getattr(recipe.load_token_store, "_cached", False):
@@ -246,11 +251,29 @@ def cache_token_stores() -> None:
     def cached(dataset, path, split, tokenizer):
         key = (dataset, path, split, getattr(tokenizer, "vocab_size", None), getattr(tokenizer, "path", None))
         if key not in cache:
-            cache[key] = original(dataset, path, split, tokenizer)
+            folder = os.environ.get(TOKEN_CACHE)
+            if dataset != "embedded" or not folder or not os.path.isdir(folder):
+                cache[key] = original(dataset, path, split, tokenizer)
+            else:
+                cache[key] = _session_cached(Path(folder), key, lambda: original(dataset, path, split, tokenizer))
         return cache[key]
 
     cached._cached = True
     recipe.load_token_store = cached
+
+
+def _session_cached(folder: Path, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``make()``, saved in ``folder`` under a name of ``key`` the first time (written whole, then renamed)."""
+    import hashlib
+
+    file = folder / (hashlib.sha256(repr(key).encode()).hexdigest()[:24] + ".pt")
+    if file.exists():
+        return torch.load(file, weights_only=True)
+    tensor = make()
+    part = file.with_suffix(f".{os.getpid()}.part")
+    torch.save(tensor, part)
+    os.replace(part, file)
+    return tensor
 
 
 def _worker_main(module_file: str, fn_name: str, work: str, module_name: str) -> None:

@@ -50,6 +50,23 @@ def run_python(
         return subprocess.CompletedProcess(cmd, code, out.read_text(), err.read_text())
 
 
+def start_python(cmd: list[str], *, cwd: str | os.PathLike | None = None, env: dict | None = None):
+    """``cmd`` as :func:`run_python` runs it, output discarded, not waited for: the returned process's
+    ``exitcode`` is None while it runs; :func:`kill_python` ends it."""
+    assert cmd[0] == sys.executable, f"start_python runs this interpreter's command lines, not {cmd[0]!r}"
+    env = dict(os.environ if env is None else env)
+    args = [str(a) for a in cmd[1:]]
+    process = fork_server().Process(target=_child, args=(args, str(cwd or os.getcwd()), env, os.devnull, os.devnull))
+    process.start()
+    return process
+
+
+def kill_python(process) -> None:
+    """SIGKILL a :func:`start_python` process (its whole session) and reap it."""
+    _kill_session(process.pid)
+    process.join(30)
+
+
 def _kill_session(pid: int) -> None:
     try:
         os.killpg(pid, signal.SIGKILL)

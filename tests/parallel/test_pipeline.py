@@ -16,7 +16,6 @@ import copy
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -252,15 +251,23 @@ def test_bad_split_points(points, message):
     assert message in str(e.value)
 
 
-def run_cli(*args: str, nprocs: int = 2, timeout: int = 120) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nprocs), "-m", "titanlite.train"]
-    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO)
+def cli_worker(args: dict) -> dict:
+    """``titanlite.train``'s main on this rank: its exit status and what it wrote on stderr."""
+    import contextlib
+    import io
+
+    from titanlite.train import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+        main(args["argv"])
+    return {"code": e.value.code, "stderr": err.getvalue()}
 
 
 def test_config_errors_are_one_line_and_stop_the_run(tmp_path):
     """A microbatch size that does not divide the local batch: one line, exit status 2, when the config is read.
     A tied embedding and output under PP (refused like torchtitan): one line naming both parameters, and the
-    run stops (each rank exits 2 while building the model; torchrun itself reports 1)."""
+    run stops (each of the 2 ranks exits 2 while building the model)."""
     base = [
         "--config",
         str(REPO / "train_configs/debug_model.toml"),
@@ -275,10 +282,10 @@ def test_config_errors_are_one_line_and_stop_the_run(tmp_path):
         cwd=REPO,
     )
     assert r.returncode == 2 and "pipeline_parallel_microbatch_size (3)" in r.stderr, r.stderr
-    r = run_cli(*base, "--model.tie_word_embeddings", "true")
-    assert r.returncode != 0
-    line = [x for x in (r.stdout + r.stderr).splitlines() if "tied parameter" in x]
-    assert line and "tok_embeddings.weight and output.weight" in line[0], r.stderr[-2000:]
+    for rank, r in enumerate(run_workers(cli_worker, 2, {"argv": [*base, "--model.tie_word_embeddings", "true"]})):
+        line = [x for x in r["stderr"].splitlines() if "tied parameter" in x]
+        assert r["code"] == 2 and line and "tok_embeddings.weight and output.weight" in line[0], (rank, r)
+        assert line[0].startswith(f"error: rank {rank}: ") and len(r["stderr"].strip().splitlines()) == 1, r
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
@@ -343,7 +350,8 @@ def test_pipelined_checkpoints_reshard_and_resume_exactly(tmp_path, reference):
     # (the resumed layouts keep the data-parallel ranks' batch of 4 and accumulate: a data loader re-partitions
     # only at a multiple of its batch)
     half = ["--training.local_batch_size", "4"]
-    single = steps_of(run(resume(tmp_path, "one", tmp_path / "pp", 5), 1, 1, [*PP_MODEL, *half])[0])
+    one = {"dump": str(resume(tmp_path, "one", tmp_path / "pp", 5)), "dp": 1, "extra": [*PP_MODEL, *half]}
+    single = steps_of(ckpt_worker(one))  # in this process
     assert sorted(single) == list(range(6, STEPS + 1))
     for s, (loss, gn) in single.items():
         assert loss == pytest.approx(ref[s][0], rel=RTOL) and gn == pytest.approx(ref[s][1], rel=RTOL), s

@@ -30,6 +30,7 @@ import sys
 import pytest
 
 from tests.helpers.dist import REPO
+from tests.helpers.launch import run_python
 from titanlite.models import load_config
 from titanlite.plan.dry_run import dry_run, resolve_world_size
 
@@ -44,9 +45,8 @@ finally:
 
 
 def run(code: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
-    )
+    """``python -c code args`` in a process of its own (its peak RSS is its own), forked with the imports done."""
+    return run_python([sys.executable, "-c", code, *args], cwd=REPO, timeout=timeout)
 
 
 def test_70b_config_dry_runs_on_64_ranks_without_allocating():

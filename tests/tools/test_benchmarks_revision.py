@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import setuptools
 
+from tests.helpers.launch import run_python
 from titanlite import cli
 
 try:
@@ -39,7 +40,7 @@ def _revision(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     tiny = ["--flavors", "debugmodel", "--batch-sizes", "1", "--prompt-len", "8", "--new-tokens", "3"]
     cmd = [sys.executable, "-m", "benchmarks.revision", "generate", *tiny, "--repeats", "1", "--modes", "eager"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.run([*cmd, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return run_python([*cmd, *args], cwd=REPO, env=env, timeout=300)  # the baseline side starts its own interpreter
 
 
 @pytest.mark.slow

@@ -2,15 +2,11 @@
 
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 
+from tests.helpers.dist import run_workers
 from tests.helpers.tiny import TINY_MODEL
 from titanlite.config.sections import Guard
 from titanlite.models import load_config
@@ -103,51 +99,21 @@ def test_step_guard_flags_nonfinite_and_spikes(agreed):
         g.check(8, t(float("nan")), t(1.0), no, agreed=agreed)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def agree_worker(args: dict) -> dict:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    g = StepGuard(Guard(policy="skip_step"), torch.device("cpu"))
+    loss = torch.tensor(float("nan") if rank == 1 else 2.0)
+    c = g.check(1, loss, torch.tensor(1.0), stop_requested=rank == 0)
+    return {"rank": rank, "action": c.action, "stop": c.stop_requested}
 
 
-def test_verdict_is_agreed_across_ranks(tmp_path):
+def test_verdict_is_agreed_across_ranks():
     """Two gloo processes, only rank 1 sees a NaN (and only rank 0 a stop request): both decide alike."""
-    script = tmp_path / "agree.py"
-    script.write_text(
-        textwrap.dedent("""
-        import json, os, sys, torch, torch.distributed as dist
-        from titanlite.config.sections import Guard
-        from titanlite.trainer.guard import StepGuard
-        dist.init_process_group("gloo")
-        rank = dist.get_rank()
-        g = StepGuard(Guard(policy="skip_step"), torch.device("cpu"))
-        loss = torch.tensor(float("nan") if rank == 1 else 2.0)
-        c = g.check(1, loss, torch.tensor(1.0), stop_requested=rank == 0)
-        print(json.dumps({"rank": rank, "action": c.action, "stop": c.stop_requested}))
-        dist.destroy_process_group()
-    """)
-    )
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-            )
-        )
-    outs = []
-    for p in procs:
-        out, err = p.communicate(timeout=90)
-        assert p.returncode == 0, err[-2000:]
-        outs.append(json.loads(out.strip().splitlines()[-1]))
-    assert [(o["action"], o["stop"]) for o in outs] == [("skip", True), ("skip", True)]
+    outs = run_workers(agree_worker, 2, timeout=90)
+    assert [(o["rank"], o["action"], o["stop"]) for o in outs] == [(0, "skip", True), (1, "skip", True)]
 
 
 # ----------------------------------------------------------------------------- policies on an injected NaN

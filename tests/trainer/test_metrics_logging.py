@@ -159,28 +159,23 @@ def test_restart_before_first_checkpoint_logs_each_step_once(tmp_path):
     """Killed (SIGKILL) before any checkpoint, then the same command again (here in-process): the new run
     starts at step 0, so the log is rewound to step 0 and holds each step once, with the rerun's values (equal
     to the first run's: same seed)."""
-    import signal
-    import subprocess
     import sys
     import time
 
+    from tests.helpers.launch import kill_python, start_python
     from titanlite.train import main
 
     args = [*LOGGED, "--training.steps", "8", "--job.dump_folder", str(tmp_path)]
     args += ["--checkpoint.enable", "true", "--checkpoint.interval", "1000"]
     metrics_file = tmp_path / "metrics.jsonl"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    first = subprocess.Popen([sys.executable, "-m", "titanlite.train", *args], env=env, stdout=subprocess.DEVNULL)
+    first = start_python([sys.executable, "-m", "titanlite.train", *args], env=dict(os.environ, OMP_NUM_THREADS="1"))
     try:
         deadline = time.monotonic() + 120
         while not (metrics_file.exists() and len(_steps(metrics_file)) >= 3):
-            assert first.poll() is None and time.monotonic() < deadline, "the first run did not reach step 3"
+            assert first.exitcode is None and time.monotonic() < deadline, "the first run did not reach step 3"
             time.sleep(0.02)
-        first.send_signal(signal.SIGKILL)
-        first.wait(timeout=30)
     finally:
-        if first.poll() is None:
-            first.kill()
+        kill_python(first)
     killed = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.endswith("}")]
     assert not list((tmp_path / "checkpoint").glob("step-*"))
     main(args)

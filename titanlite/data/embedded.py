@@ -7,6 +7,8 @@ given Python install); every ``VAL_EVERY``-th document is held out for validatio
 
 from __future__ import annotations
 
+import functools
+import os
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,9 +23,20 @@ DEFAULT_MAX_BYTES = 6_000_000  # enough for debug runs; reading and tokenizing t
 
 
 def stdlib_source_files() -> list[Path]:
+    return list(_stdlib_source_files())
+
+
+@functools.cache
+def _stdlib_source_files() -> tuple[Path, ...]:
+    """The ``*.py`` files under the standard library, ``site-packages`` left out (not entered: ``Path.rglob``
+    walking it cost ~1 s per call, and the train and validation splits each list the files)."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file()]
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+    found = []
+    for folder, dirs, names in os.walk(root):  # as rglob: symlinked folders are not entered
+        dirs[:] = [d for d in dirs if d != "site-packages"]
+        found += [Path(folder, name) for name in names if name.endswith(".py")]
+    files = [p for p in found if p.is_file()]
+    return tuple(sorted(files, key=lambda p: p.relative_to(root).as_posix()))
 
 
 def iter_embedded_documents(split: str, max_bytes: int = DEFAULT_MAX_BYTES) -> Iterator[str]:

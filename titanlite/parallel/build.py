@@ -67,13 +67,17 @@ def parallelize_on_meta(
     policies: Policies,
     pipeline: PipelinePlan | None = None,
     pp_rank: int | None = None,
+    model: nn.Module | None = None,
 ) -> tuple[nn.Module, list]:
     """Step 2 of the module docstring: ``(the model on the meta device with the family's plan applied, the
     groups of tied parameters it had before)``; no memory is allocated. The dry run inspects this model.
-    With ``pipeline``, the model is the stages of ``pp_rank`` (default: this rank's) as one :class:`ModelParts`."""
+    With ``pipeline``, the model is the stages of ``pp_rank`` (default: this rank's) as one :class:`ModelParts`,
+    copied from ``model`` when given (the unparallelized meta model, which the stages leave as it was: the dry run
+    builds it once for every pp rank)."""
     check_parallelizable(spec, dims)
-    with torch.device("meta"):
-        model = spec.model_cls(model_args)
+    if model is None or pipeline is None or dims.pp == 1:
+        with torch.device("meta"):
+            model = spec.model_cls(model_args)
     tied = tied_parameters(model)
     if pipeline is not None and dims.pp > 1:
         stage_ids = pipeline.stage_ids(dims.pp_rank if pp_rank is None else pp_rank)

@@ -118,7 +118,6 @@ def dry_run(cfg, world_size: int | None = None, out: Callable[[str], None] = pri
     from titanlite.models import get_model_spec
     from titanlite.models.flops import ModelShape, active_param_count, param_count
     from titanlite.models.registry import model_args_for, model_counts
-    from titanlite.parallel.build import parallelize_on_meta
     from titanlite.parallel.parallel_dims import MESH_DIMS, ParallelDims
     from titanlite.parallel.pipeline import PipelinePlan
     from titanlite.parallel.policies import Policies
@@ -149,13 +148,7 @@ def dry_run(cfg, world_size: int | None = None, out: Callable[[str], None] = pri
         for i, st in enumerate(stages):
             dims.check_tp_divides(**{f"training.seq_len_schedule[{i}].seq_len": st.seq_len})
         policies = Policies.from_config(par, t, ac, cfg.compile, f8)
-        if plan is None:
-            models = [parallelize_on_meta(spec, args, dims, policies)[0]]
-        else:  # every pp rank's stages, each rank's as one ModelParts under the full model's names
-            models = [
-                parallelize_on_meta(spec, args, dims, policies, pipeline=plan, pp_rank=k)[0] for k in range(dims.pp)
-            ]
-        report = _inspect(models, dims, world_size, MESH_DIMS)
+        report = _inspect(_models_on_meta(spec, args, dims, policies, plan), dims, world_size, MESH_DIMS)
     finally:
         if world_size > 1:  # the fake process group created above
             dist.destroy_process_group()
@@ -191,6 +184,21 @@ def dry_run(cfg, world_size: int | None = None, out: Callable[[str], None] = pri
     for line in format_report(report, cfg):
         out(line)
     return report
+
+
+def _models_on_meta(spec, args, dims, policies, plan) -> list[torch.nn.Module]:
+    """The parallelized meta model; with a pipeline, every pp rank's stages (each rank's as one ModelParts under
+    the full model's names), copied from one meta model."""
+    from titanlite.parallel.build import parallelize_on_meta
+
+    if plan is None:
+        return [parallelize_on_meta(spec, args, dims, policies)[0]]
+    with torch.device("meta"):
+        whole = spec.model_cls(args)  # copied into each rank's stages, itself unchanged
+    return [
+        parallelize_on_meta(spec, args, dims, policies, pipeline=plan, pp_rank=k, model=whole)[0]
+        for k in range(dims.pp)
+    ]
 
 
 def _layer_ranges(names: list[str]) -> list[str]:
