@@ -22,35 +22,38 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-# The files that take longest, longest first (per-file sums of a -n 2 run of scripts/test.sh on the 2-core machine
-# under load, 2026-11-29, with the files added since placed by their own measurements). scripts/test.sh gives each
+# The files that take longest, longest first (per-file sums of each test's CPU seconds, TITANLITE_TEST_CPU_LOG, in a
+# -n 2 run on the 2-core machine, 2026-11-29; test_docs.py, which mostly waits on its shell, by its wall time).
+# scripts/test.sh gives each
 # pytest worker whole files in collection order (--dist loadfile); starting the long ones first keeps the run from
 # ending with one worker busy and the other idle. Only the order depends on this list.
 LONGEST_FILES = [
-    "test_docs.py",
-    "tools/test_cli.py",
-    "data/test_hf_tokenizer.py",
-    "parallel/test_pipeline.py",
-    "parallel/test_float8.py",
-    "parallel/test_context_parallel.py",
-    "parallel/test_parallel_comm.py",
-    "config/test_train_configs.py",
-    "plan/test_dry_run.py",
-    "eval/test_generate.py",
     "parallel/test_parallel_parity.py",
-    "checkpoint/test_checkpoint.py",
-    "eval/test_eval.py",
-    "parallel/test_muon_parallel.py",
-    "checkpoint/test_hf_conversion.py",
+    "test_docs.py",
+    "parallel/test_pipeline.py",
     "parallel/test_moe_parallel.py",
-    "trainer/test_failure_modes.py",
-    "plan/test_planner.py",
-    "trainer/test_preemption.py",
-    "tools/test_benchmarks_revision.py",
-    "trainer/test_guard.py",
-    "ext/test_compat_030.py",
+    "eval/test_eval.py",
     "test_library_examples.py",
-    "data/test_recipes.py",  # the files not named take less
+    "trainer/test_preemption.py",
+    "parallel/test_context_parallel.py",
+    "plan/test_planner.py",
+    "parallel/test_muon_parallel.py",
+    "eval/test_eval_loop.py",
+    "checkpoint/test_checkpoint_dist.py",
+    "ext/test_qwen3.py",
+    "tools/test_parallel_bench.py",
+    "data/test_hf_tokenizer.py",
+    "eval/test_generate.py",
+    "parallel/test_parallel_dims.py",
+    "trainer/test_output_loss.py",
+    "parallel/test_float8.py",
+    "trainer/test_failure_modes.py",
+    "parallel/test_float8_fsdp.py",
+    "data/test_recipes.py",
+    "optim/test_optimizer_step.py",
+    "checkpoint/test_checkpoint.py",
+    "tools/test_cli.py",
+    "config/test_train_configs.py",  # the files not named take less
 ]
 
 
