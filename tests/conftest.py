@@ -24,9 +24,8 @@ def one_thread():
 
 # The files that take longest, longest first (per-file sums of each test's CPU seconds, TITANLITE_TEST_CPU_LOG, in a
 # -n 2 run on the 2-core machine, 2026-11-29; test_docs.py, which mostly waits on its shell, by its wall time).
-# scripts/test.sh gives each
-# pytest worker whole files in collection order (--dist loadfile); starting the long ones first keeps the run from
-# ending with one worker busy and the other idle. Only the order depends on this list.
+# scripts/test.sh gives each pytest worker whole files in collection order (--dist loadfile); starting the long ones
+# first keeps the run from ending with one worker busy and the other idle. Only the order depends on this list.
 LONGEST_FILES = [
     "parallel/test_parallel_parity.py",
     "test_docs.py",
