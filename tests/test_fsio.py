@@ -9,6 +9,7 @@ import os
 
 import pytest
 
+from titanlite.errors import one_line
 from titanlite.utils import fsio
 
 
@@ -168,7 +169,7 @@ def test_atomic_dir_a_failing_rename_removes_the_partial_folder(tmp_path):
     ],
 )
 def test_one_line(value, want):
-    assert fsio.one_line(value) == want
+    assert one_line(value) == want
 
 
 def test_append_line_ends_a_torn_last_line_first(tmp_path):

@@ -11,6 +11,12 @@ code catching ``ValueError`` around a parse or a check keeps working.
 from __future__ import annotations
 
 
+def one_line(e: object) -> str:
+    """``str(e)`` on one line: newlines, tabs and runs of spaces collapsed to single spaces (an error message as
+    the command lines print it)."""
+    return " ".join(str(e).split())
+
+
 class UserError(Exception):
     """Input the user can fix; :attr:`exit_code` is the command line's exit status."""
 

@@ -8,8 +8,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterable
 
-from titanlite.errors import ConfigError
-from titanlite.utils.fsio import one_line
+from titanlite.errors import ConfigError, one_line
 
 
 def load_extensions(names: Iterable[str]) -> list[str]:

@@ -31,12 +31,12 @@ from titanlite.bench.common import (
     write_json,
 )
 from titanlite.checkpoint.load_model import load_model
+from titanlite.errors import one_line
 from titanlite.eval import evaluate, get_task, task_names
 from titanlite.eval.scoring import build_requests
 from titanlite.models import build_model
 from titanlite.tokenizer import build_byte_tokenizer
 from titanlite.utils.dtypes import DTYPES
-from titanlite.utils.fsio import one_line
 
 MODES = ("eager", "compiled")
 

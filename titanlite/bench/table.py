@@ -11,8 +11,8 @@ import json
 import sys
 from pathlib import Path
 
+from titanlite.errors import one_line
 from titanlite.utils.argtypes import OneLineParser
-from titanlite.utils.fsio import one_line
 
 HEADER = (
     "| run | tokens/s | MFU (bf16 peak) | peak memory | fwd+bwd / optimizer / other | optimizer / floor "

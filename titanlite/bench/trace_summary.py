@@ -18,7 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from titanlite.bench.common import busy_seconds
-from titanlite.utils.fsio import one_line
+from titanlite.errors import one_line
 
 KINDS = [  # (kind, pattern on the kernel name): the first match wins
     ("matmul, float8", r"e4m3|e5m2|f8f8|fp8|_f8_"),

@@ -15,9 +15,8 @@ import torch
 
 from titanlite.checkpoint.hf_export import dcp_to_hf
 from titanlite.checkpoint.hf_import import hf_to_dcp
-from titanlite.errors import UsageError, UserError
+from titanlite.errors import UsageError, UserError, one_line
 from titanlite.utils.dtypes import DTYPES, dtype_name
-from titanlite.utils.fsio import one_line
 
 
 class _Printer:

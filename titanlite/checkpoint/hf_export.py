@@ -24,12 +24,12 @@ from safetensors.torch import save_file
 from titanlite.checkpoint import layout, safe_load
 from titanlite.checkpoint.hf_import import INDEX_FILE, SINGLE_FILE, Progress, no_progress
 from titanlite.checkpoint.hf_tokenizer_files import check_tokenizer, verified_tokenizer_path, write_tokenizer_files
-from titanlite.errors import CheckpointError, NotFoundError, TokenizerError
+from titanlite.errors import CheckpointError, NotFoundError, TokenizerError, one_line
 from titanlite.extensions import load_extensions
 from titanlite.models import get_model_spec, model_names
 from titanlite.models.registry import check_model_args
 from titanlite.tokenizer.hf import tokenizer_files
-from titanlite.utils.fsio import atomic_dir, fsync_dir, one_line
+from titanlite.utils.fsio import atomic_dir, fsync_dir
 
 logger = logging.getLogger(__name__)
 

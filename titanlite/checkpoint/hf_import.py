@@ -30,12 +30,12 @@ from torch.distributed.tensor import DTensor
 
 from titanlite.checkpoint import layout, safe_load
 from titanlite.checkpoint.hf_tokenizer_files import check_tokenizer, folder_tokenizer_path, tokenizer_record
-from titanlite.errors import CheckpointError, NotFoundError, UserError
+from titanlite.errors import CheckpointError, NotFoundError, UserError, one_line
 from titanlite.extensions import load_extensions
 from titanlite.models import get_model_spec, model_names
 from titanlite.models.registry import check_model_args, matching_flavor
 from titanlite.utils.dtypes import dtype_name
-from titanlite.utils.fsio import atomic_dir, one_line
+from titanlite.utils.fsio import atomic_dir
 from titanlite.utils.nesting import loads_json
 
 logger = logging.getLogger(__name__)

@@ -22,11 +22,10 @@ from titanlite.checkpoint.hf_tokenizer_files import check_tokenizer, verified_to
 from titanlite.config import ConfigError
 from titanlite.config.sections import Training
 from titanlite.config.toml_io import read_toml
-from titanlite.errors import CheckpointError, NotFoundError
+from titanlite.errors import CheckpointError, NotFoundError, one_line
 from titanlite.extensions import load_extensions
 from titanlite.models.registry import state_shapes
 from titanlite.tokenizer.hf import tokenizer_files
-from titanlite.utils.fsio import one_line
 
 
 @dataclasses.dataclass

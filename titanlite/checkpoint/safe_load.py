@@ -27,7 +27,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from titanlite.errors import CheckpointError
-from titanlite.utils import fsio, torch_compat
+from titanlite.errors import one_line as plain_one_line
+from titanlite.utils import torch_compat
 
 METADATA_FILE = ".metadata"
 _DCP_MODULES = ("torch.distributed.checkpoint.", "torch.distributed._shard.")  # older torch kept records here
@@ -77,7 +78,7 @@ def _why(e: pickle.UnpicklingError) -> str:
 def one_line(e: BaseException) -> str:
     """``Type: message`` on one line; torch's weights-only refusal shortened to what it found (its
     advice to retry with ``weights_only=False`` is exactly what must not be done with such a file)."""
-    text = fsio.one_line(e)
+    text = plain_one_line(e)
     if isinstance(e, pickle.UnpicklingError) and "weights_only" in text:
         found = re.search(r"WeightsUnpickler error: (.*?)(?: Check the documentation|$)", text)
         text = f"not a plain-data pickle: {found.group(1) if found else 'refused by the weights-only unpickler'}"

@@ -13,9 +13,8 @@ import torch
 
 from titanlite.checkpoint import layout
 from titanlite.checkpoint.hf_import import hf_seed
-from titanlite.errors import CheckpointError
+from titanlite.errors import CheckpointError, one_line
 from titanlite.models.registry import adopt_seed_args, state_shapes
-from titanlite.utils.fsio import one_line
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
 from titanlite.config.sections import ConfigError, JobConfig
 from titanlite.config.shipped import list_configs, resolve_config
 from titanlite.config.toml_io import read_toml, toml_key, toml_value
-from titanlite.utils.fsio import one_line
+from titanlite.errors import one_line
 from titanlite.utils.nesting import loads_toml
 
 ModelSchema = Callable[[JobConfig], type]  # cfg -> the args dataclass of cfg.model.name, or ConfigError

@@ -47,9 +47,8 @@ from titanlite.data.manifest import (
 from titanlite.data.prepare_folder import SplitWriter, resume
 from titanlite.data.shard_file import dtype_for_vocab
 from titanlite.data.sources import FORMATS, TXT_SPLITS, iter_file_documents, list_files
-from titanlite.errors import DataError, UsageError, UserError
+from titanlite.errors import DataError, UsageError, UserError, one_line
 from titanlite.tokenizer import build_tokenizer
-from titanlite.utils.fsio import one_line
 
 DEFAULT_SHARD_TOKENS = 100_000_000
 CHUNK_CHARS = 1 << 18  # characters of text per task sent to a worker

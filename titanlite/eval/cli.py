@@ -23,14 +23,13 @@ import torch
 from titanlite.checkpoint import layout
 from titanlite.checkpoint.load_model import load_model
 from titanlite.data.shards import write_json_atomic
-from titanlite.errors import UsageError, UserError
+from titanlite.errors import UsageError, UserError, one_line
 from titanlite.eval.scoring import evaluate
 from titanlite.eval.tasks import get_task, task_names
 from titanlite.eval.watch import watch
 from titanlite.extensions import load_extensions
 from titanlite.utils.argtypes import UsageErrorParser
 from titanlite.utils.dtypes import DTYPES
-from titanlite.utils.fsio import one_line
 from titanlite.utils.run_lock import LOCK_FILE
 
 DATA_ENV = "TITANLITE_EVAL_DATA"

@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from titanlite.config import did_you_mean
-from titanlite.errors import ConfigError, DataError
-from titanlite.utils.fsio import one_line
+from titanlite.errors import ConfigError, DataError, one_line
 from titanlite.utils.nesting import loads_json
 
 # Keys of the results dict next to the task names (see titanlite.eval.scoring.evaluate and the CLI).

@@ -22,12 +22,11 @@ import torch
 
 from titanlite.checkpoint import layout
 from titanlite.checkpoint.load_model import load_model
-from titanlite.errors import ConfigError, NotFoundError
+from titanlite.errors import ConfigError, NotFoundError, one_line
 from titanlite.eval.records import eval_record, scores_line
 from titanlite.extensions import load_extensions
 from titanlite.trainer.metrics_log import strict_json_line
 from titanlite.trainer.runtime import Runtime
-from titanlite.utils.fsio import one_line
 from titanlite.utils.metrics_records import parse_record
 
 logger = logging.getLogger("titanlite")

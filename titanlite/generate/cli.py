@@ -12,11 +12,10 @@ import torch
 
 from titanlite.checkpoint.load_model import load_model
 from titanlite.data.chat import chat_prompt_ids, special_id
-from titanlite.errors import UsageError, UserError
+from titanlite.errors import UsageError, UserError, one_line
 from titanlite.generate import generate
 from titanlite.utils.argtypes import UsageErrorParser, number
 from titanlite.utils.dtypes import DTYPES
-from titanlite.utils.fsio import one_line
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, list[str]]:

@@ -19,11 +19,10 @@ from torch import nn
 import titanlite.config
 from titanlite.components import resolve
 from titanlite.config import ConfigError, JobConfig, did_you_mean
-from titanlite.errors import UnknownNameError
+from titanlite.errors import UnknownNameError, one_line
 from titanlite.extensions import load_extensions
 from titanlite.models.flops import palm_flops_per_token
 from titanlite.models.protocol import contract_breach
-from titanlite.utils.fsio import one_line
 
 # Args that say how a run computes, not what trained weights mean: the rotary table's length, the
 # attention kernel and mask, the initialization. A seed checkpoint's values of these are not taken.

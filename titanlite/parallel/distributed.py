@@ -18,8 +18,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from titanlite.errors import one_line
 from titanlite.utils import torch_compat
-from titanlite.utils.fsio import one_line
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,6 @@
 - :func:`atomic_dir`: a folder built under a temporary name and renamed into place when complete.
 - :func:`fsync_dir`: make a rename in a folder durable (best effort).
 - :func:`append_line`: a line appended to a log file and fsynced.
-- :func:`one_line`: an exception's (or any object's) text with every run of whitespace made one space.
 """
 
 from __future__ import annotations
@@ -20,11 +19,6 @@ from pathlib import Path
 from titanlite.errors import UsageError, UserError
 
 PathLike = str | os.PathLike
-
-
-def one_line(e: object) -> str:
-    """``str(e)`` on one line: newlines, tabs and runs of spaces collapsed to single spaces."""
-    return " ".join(str(e).split())
 
 
 def fsync_dir(path: PathLike) -> None:
@@ -125,4 +119,4 @@ def _output_folder(out_dir: Path) -> Path:
     return out_dir
 
 
-__all__ = ["append_line", "atomic_dir", "atomic_write", "fsync_dir", "one_line"]
+__all__ = ["append_line", "atomic_dir", "atomic_write", "fsync_dir"]

@@ -10,10 +10,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from titanlite.errors import CheckpointError
+from titanlite.errors import CheckpointError, one_line
 from titanlite.models import get_model_spec
 from titanlite.models.registry import check_arg_types, check_model_args
-from titanlite.utils.fsio import one_line
 
 logger = logging.getLogger(__name__)
 
