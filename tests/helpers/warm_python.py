@@ -5,7 +5,7 @@ fresh interpreter that imports torch and titanlite again (several CPU-seconds, m
 :class:`WarmPython` writes a folder of executables to put first on ``PATH`` (and in place of a virtual
 environment's ``bin/python``):
 
-- ``python``: a command line that runs titanlite (``-m titanlite...``, ``-m torch.distributed.run`` excepted) or a
+- ``python``: a command line that runs titanlite (``-m titanlite...``) or a
   ``.py`` script is sent, with the working folder, the environment and the script's stdin/stdout/stderr file
   descriptors, over a Unix socket to a thread of the pytest process, which runs it as
   :func:`tests.helpers.launch.run_python` does (a process forked from the fork server: its own session, the
@@ -39,8 +39,7 @@ args = sys.argv[1:]
 if {console}:
     args = ["-m", "titanlite.cli", *args]
 module = args[1] if len(args) > 1 and args[0] == "-m" else ""
-warm = (module.startswith("titanlite") or (args and args[0].endswith(".py"))) and "WARM_PYTHON_OFF" not in os.environ
-if not warm:
+if not (module.startswith("titanlite") or (args and args[0].endswith(".py"))):
     os.execv({python!r}, [{python!r}, *args])
 s = socket.socket(socket.AF_UNIX)
 s.connect({socket!r})
