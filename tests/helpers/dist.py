@@ -94,6 +94,7 @@ _PRELOAD = [
     "torch.distributed.tensor.parallel",
     "torch.distributed.pipelining",
     "titanlite.train",
+    "tests.helpers.rank_warmup",
 ]
 
 

@@ -39,6 +39,8 @@ TINY = [
     str(STEPS // 2),
     "--validation.steps",
     "2",
+    "--training.loss_chunks",  # chunked, and a quarter of the default's chunk calls (each a DTensor op under TP)
+    "2",
 ]
 
 
