@@ -13,7 +13,7 @@ hidden from the workers so they build CPU meshes) everywhere, plus ``nccl`` wher
 GPUs. Workers run with ``OMP_NUM_THREADS=1``: several processes share the cores.
 
 Launch: each rank is forked from a fork server (``multiprocessing``'s ``forkserver``, one per pytest
-process) that has imported torch, titanlite and pytest once and measured the CPU matmul peak (with one thread;
+process) that has imported torch and titanlite once and measured the CPU matmul peak (with one thread;
 it never made a thread), so a rank starts as a fresh process would, without paying ~3 s of CPU for the imports
 and the measurement (the suite starts a few hundred ranks). NCCL ranks, ``spawn=True`` (what a process reads
 only as it starts matters, e.g. ``MALLOC_*`` variables) and ``TITANLITE_TEST_LAUNCH=spawn`` start each rank as a
@@ -94,8 +94,6 @@ _PRELOAD = [
     "torch.distributed.tensor.parallel",
     "torch.distributed.pipelining",
     "titanlite.train",
-    "pytest",  # every rank imports its test module
-    "tests.helpers.parity",
     "tests.helpers.rank_warmup",
 ]
 
