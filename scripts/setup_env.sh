@@ -11,10 +11,8 @@ spec="."
 [ -n "$extras" ] && spec=".[$extras]"
 stamp=".venv/.titanlite-installed-${extras:-base}"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ]; then
-  # torch first, from the pinned version, so no resolver ever picks a CUDA build. --no-compile: Python writes the
-  # bytecode of the modules a process imports as it first imports them, instead of pip compiling every file of torch
-  # and the test extras up front (torch's install: 39 s -> 16 s on the 2-core machine).
-  .venv/bin/python -m pip install -q --no-compile -c constraints.txt "torch==2.13.0"
-  .venv/bin/python -m pip install -q --no-compile -c constraints.txt -e "$spec"
+  # torch first, from the pinned version, so no resolver ever picks a CUDA build.
+  .venv/bin/python -m pip install -q -c constraints.txt "torch==2.13.0"
+  .venv/bin/python -m pip install -q -c constraints.txt -e "$spec"
   touch "$stamp"
 fi
