@@ -14,8 +14,8 @@ GPUs. Workers run with ``OMP_NUM_THREADS=1``: several processes share the cores.
 
 Launch: each rank is forked from a fork server (``multiprocessing``'s ``forkserver``, one per pytest
 process) that has imported torch and titanlite once and measured the CPU matmul peak (with one thread;
-it never made a thread), so a rank starts as a fresh process would, without paying ~3 s of CPU for the imports
-and the measurement (the suite starts a few hundred ranks). NCCL ranks, ``spawn=True`` (what a process reads
+it never made a thread), so a rank starts as a fresh process would, without paying ~2 s of CPU for the imports
+and ~0.6 s for the measurement. NCCL ranks, ``spawn=True`` (what a process reads
 only as it starts matters, e.g. ``MALLOC_*`` variables) and ``TITANLITE_TEST_LAUNCH=spawn`` start each rank as a
 fresh interpreter instead. Either way a rank runs in its own session with ``faulthandler`` on, so a crash leaves its
 stack in the log.
