@@ -1,8 +1,8 @@
 """Checkpointing across processes (gloo on CPU): exact resume under FSDP 2 (async save) and
 resharding a FSDP 2 checkpoint to one process, to TP 2 and to FSDP 2 x TP 2 (4 processes).
 
-One FSDP 2 run of 20 steps saves step-10 and step-20 asynchronously (``fsdp_run``). Every resume
-starts from a copy of its step-10 folder and trains steps 11-20 again:
+One FSDP 2 run of 8 steps saves step-4 and step-8 asynchronously (``fsdp_run``). Every resume
+starts from a copy of its step-4 folder and trains steps 5-8 again:
 
 - FSDP 2 again: the same layout, so the losses must be bitwise those of the uninterrupted run;
 - one process, TP 2 and FSDP 2 x TP 2: DCP re-partitions model and AdamW state, the data loader
@@ -26,7 +26,8 @@ from tests.helpers.dist import cache_token_stores, run_workers
 from tests.helpers.tiny import TINY_MODEL
 from titanlite.models import load_config
 
-STEPS = 20
+STEPS = 8
+HALF = STEPS // 2  # the checkpoint every resume starts from
 RTOL = 2e-5
 TINY = [
     *TINY_MODEL,
@@ -46,7 +47,7 @@ TINY = [
     "1",
     "--checkpoint.enable",
     "--checkpoint.interval",
-    "10",
+    str(HALF),
     "--checkpoint.keep_latest_k",
     "0",
     "--checkpoint.last_save_model_only",
@@ -100,17 +101,17 @@ def fsdp_run(tmp_path_factory):
         },
         timeout=240,
     )
-    assert [s[0] for s in results[0]["stats"]] == [10, 20]
-    step10 = dump / "checkpoint" / "step-10"
-    assert sorted(p.name for p in step10.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
-    info = json.loads((step10 / "checkpoint.json").read_text())
+    assert [s[0] for s in results[0]["stats"]] == [HALF, STEPS]
+    half = dump / "checkpoint" / f"step-{HALF}"
+    assert sorted(p.name for p in half.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    info = json.loads((half / "checkpoint.json").read_text())
     assert info["world_size"] == 2 and not info["model_only"]
     return dump, metrics(dump)
 
 
 def test_fsdp2_resume_is_bitwise_identical(fsdp_run, tmp_path):
     source, reference = fsdp_run
-    dump = resume_copy(source, tmp_path / "resumed", step=10)
+    dump = resume_copy(source, tmp_path / "resumed", step=HALF)
     run_workers(
         train_worker,
         2,
@@ -134,8 +135,8 @@ def test_fsdp2_resume_is_bitwise_identical(fsdp_run, tmp_path):
 def _assert_close_run(dump: Path, reference: list[dict]) -> None:
     got = metrics(dump)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
-    assert got[:10] == reference[:10]
-    for a, b in zip(got[10:], reference[10:]):
+    assert got[:HALF] == reference[:HALF]
+    for a, b in zip(got[HALF:], reference[HALF:]):
         assert a["lr"] == b["lr"] and a["tokens_seen"] == b["tokens_seen"]
         assert a["loss"] == pytest.approx(b["loss"], rel=RTOL), (a["step"], a["loss"], b["loss"])
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=10 * RTOL)
@@ -145,7 +146,7 @@ def test_fsdp2_checkpoint_resumes_on_one_process(fsdp_run, tmp_path, caplog):
     from titanlite.trainer import Trainer
 
     source, reference = fsdp_run
-    dump = resume_copy(source, tmp_path / "one", step=10)
+    dump = resume_copy(source, tmp_path / "one", step=HALF)
     cache_token_stores()
     with caplog.at_level("INFO", logger="titanlite"):
         Trainer(load_config(TINY + ["--job.dump_folder", str(dump)])).train()
@@ -155,7 +156,7 @@ def test_fsdp2_checkpoint_resumes_on_one_process(fsdp_run, tmp_path, caplog):
 
 def test_fsdp2_checkpoint_resumes_under_tp2(fsdp_run, tmp_path):
     source, reference = fsdp_run
-    dump = resume_copy(source, tmp_path / "tp2", step=10)
+    dump = resume_copy(source, tmp_path / "tp2", step=HALF)
     run_workers(
         train_worker,
         2,
@@ -169,7 +170,7 @@ def test_fsdp2_checkpoint_resumes_under_fsdp2_x_tp2(fsdp_run, tmp_path):
     """A 1-D FSDP checkpoint loads into a 2-D (dp_shard x tp) layout: every parameter and AdamW
     moment is re-sliced along both mesh dimensions by DCP."""
     source, reference = fsdp_run
-    dump = resume_copy(source, tmp_path / "fsdp2_tp2", step=10)
+    dump = resume_copy(source, tmp_path / "fsdp2_tp2", step=HALF)
     run_workers(
         train_worker,
         4,

@@ -167,13 +167,13 @@ def families(trained, qwen3_folders):
 LONG = 65  # one prompt, 64 decode steps after the prefill's token
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3"])
-def test_compiled_greedy_equals_transformers_and_compiles_once(families, family):
+def test_compiled_greedy_equals_transformers_and_compiles_once(families):
     """compile=True: the left-padded batch and one prompt (65 new tokens: 64 compiled decode steps, one
-    compiled graph for them, none for a second request of that shape) give transformers' tokens."""
+    compiled graph for them, none for a second request of that shape) give transformers' tokens. Llama only: the
+    compiled decode loop is the families' common code, and Qwen3's forward is checked eagerly above."""
     from torch._dynamo.utils import counters
 
-    loaded, hf = families[family]
+    loaded, hf = families["llama3"]
     prompts = [loaded.tokenizer.encode(t, bos=True) for t in TEXTS]
     expected = hf_greedy(hf, prompts, NEW, loaded.eos_ids)
     assert generate(loaded.model, prompts, max_new_tokens=NEW, eos_ids=loaded.eos_ids, compile=True) == expected

@@ -35,6 +35,7 @@ import torch.distributed.checkpoint as dcp
 
 import torchtitan_ext.qwen3  # noqa: F401  (registers "qwen3")
 from tests.helpers.dist import REPO, cache_token_stores, run_workers
+from tests.helpers.launch import run_python
 from tests.helpers.parity import RTOL, RecordingTrainer, check, check_data, make_config
 from tests.helpers.peaks import skip_peak_measurement
 from tests.helpers.qwen3 import qwen3_model, save_step_folder, tiny_args
@@ -45,7 +46,7 @@ from titanlite.models import build_model, get_model_spec
 from torchtitan_ext.qwen3 import QWEN3_FLAVORS, Qwen3HFAdapter, Qwen3Model, Qwen3ModelArgs, num_params_from_args
 
 ATOL = 1e-4
-# Final weights after the 10 parity steps (lr 3e-3): AdamW divides each update by sqrt(v), which turns
+# Final weights after the parity steps (lr 3e-3): AdamW divides each update by sqrt(v), which turns
 # fp32 summation-order noise in near-zero gradient coordinates into ~1e-5 absolute differences
 # (measured: 1.3e-5 worst, in a w2 under TP; QK-norm gains < 1e-6). A QK-norm gain whose gradient
 # were not summed over the TP ranks would get a different update from step 1 on: ~lr = 3e-3.
@@ -304,9 +305,9 @@ def test_load_config_imports_the_extensions_from_the_file_and_the_command_line(t
 
 
 def test_estimate_script_sees_the_extension_family():
-    """``titanlite estimate`` on the qwen3 debug config in a fresh interpreter: nothing imported
-    beforehand, and the planner's parameter count is the model's exact one."""
-    out = subprocess.run(
+    """``titanlite estimate`` on the qwen3 debug config in a process that has not imported the extension (forked
+    from the fork server, tests/helpers/launch.py), and the planner's parameter count is the model's exact one."""
+    out = run_python(
         [
             sys.executable,
             "-m",
@@ -321,8 +322,6 @@ def test_estimate_script_sees_the_extension_family():
             "--tokens",
             "1e9",
         ],
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     assert out.returncode == 0, out.stderr
@@ -367,16 +366,11 @@ def test_debug_config_trains_through_the_trainer_entry_point(tmp_path, capsys, m
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2]
 
-    # the converters, each in a fresh interpreter: both need --extensions (a checkpoint's recorded
-    # extensions are never imported on its word alone); HF -> DCP records it for the way back
+    # the converters, each in a process that has not imported the extension (tests/helpers/launch.py): both need
+    # --extensions (a checkpoint's recorded extensions are never imported on its word alone); HF -> DCP records it
+    # for the way back
     def convert(script: str, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "titanlite", "convert", script, "--quiet", *args],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            cwd=tmp_path,
-        )
+        return run_python([sys.executable, "-m", "titanlite", "convert", script, "--quiet", *args], cwd=tmp_path)
 
     step = tmp_path / "out" / "checkpoint" / "step-2"
     assert layout.read_info(step)["extensions"] == ["torchtitan_ext.qwen3"]

@@ -12,7 +12,8 @@ from tests.helpers.tiny import TINY_MODEL
 from titanlite.models import load_config
 from titanlite.trainer import Trainer
 
-STEPS = 10
+STEPS = 6
+HALF = STEPS // 2  # the checkpoint that resumes start from
 GLOBAL_BATCH = 8
 RTOL = 2e-5  # see tests/parallel/test_parallel_parity.py
 TINY = [
@@ -36,7 +37,7 @@ TINY = [
     "--validation.enable",
     "true",
     "--validation.freq",
-    str(STEPS // 2),
+    str(HALF),
     "--validation.steps",
     "2",
     "--training.loss_chunks",  # chunked, and a quarter of the default's chunk calls (each a DTensor op under TP)
@@ -66,13 +67,14 @@ class RecordingTrainer(Trainer):
         return step
 
 
-def check(name: str, got: dict, ref: dict, rtols: dict, report: list) -> None:
+def check(name: str, got: dict, ref: dict, rtols: dict, report: list, steps: int = STEPS) -> None:
     for key, rtol in rtols.items():
         a, b = torch.tensor(got[key], dtype=torch.float64), torch.tensor(ref[key], dtype=torch.float64)
-        assert len(a) == len(b) == (2 if key.startswith("val_") else STEPS), (name, key, len(a))
+        assert len(a) == len(b) == (2 if key.startswith("val_") else steps), (name, key, len(a))
         rel = ((a - b).abs() / b.abs()).max().item()
         report.append(f"{name:22s} {key:9s} max rel diff {rel:.2e} (tolerance {rtol:.0e})")
         assert rel <= rtol, f"{name}: {key} differs from one process by {rel:.2e} > {rtol:.0e}\n{a}\n{b}"
+    # trained, as the references do (in 6 steps the loss of the dense Llama falls by 0.7)
     assert got["loss"][-1] < got["loss"][0] - 0.5, f"{name}: did not train {got['loss']}"
 
 

@@ -1,14 +1,14 @@
 """Context parallelism against one process (CPU, gloo): the tiny parity run of tests/helpers/parity.py.
 
-Each configuration trains 10 steps from the one-process run's seed weights and must log the same losses and grad
+Each configuration trains 6 steps from the one-process run's seed weights and must log the same losses and grad
 norms, and end with the same weights, within ``RTOL`` (1e-5 relative, all fp32: only summation orders differ).
 Weights compare by each tensor's norm: Adam divides each gradient element by its own magnitude, so an element
 whose gradient is near 0 moves by up to the learning rate on a summation-order difference (the largest
 element's difference is printed too).
-Two launches: 2 processes run CP 2 causal (with validation under CP, and a checkpoint at step 5), CP 2 with
+Two launches: 2 processes run CP 2 causal (with validation under CP, and a checkpoint at step 3), CP 2 with
 documents (full AC), and a 1-block, 3-step CP 2 with documents eager and then compiled (equal within
 ``RTOL_COMPILE``); 4 processes run CP 4 causal and with documents, CP 2 x FSDP 2 (per-op AC), CP 2 x TP 2 (a
-checkpoint at step 5), CP 2 x PP 2, and resume CP 2 x TP 2's checkpoint under CP 4. The pytest process resumes
+checkpoint at step 3), CP 2 x PP 2, and resume CP 2 x TP 2's checkpoint under CP 4. The pytest process resumes
 the CP 2 checkpoint under CP 1.
 
 Documents: a text corpus of short documents (3 to 12 bytes), so that at ``seq_len`` 32 and 8 chunks (CP 4) the
@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tests.helpers.dist import cache_token_stores, run_workers
-from tests.helpers.parity import STEPS, make_config
+from tests.helpers.parity import HALF, STEPS, make_config
 
 RTOL = 1e-5
 CP = "--parallelism.context_parallel_degree"
@@ -34,7 +34,14 @@ AC_OP = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.s
 SHORT = ["--model.n_layers", "1", "--training.steps", "3"]
 COMPILE = ["--compile.enable", "true", "--compile.components", "model"]
 RTOL_COMPILE = 2e-4  # inductor fuses and reorders (tests/parallel/test_parallel_parity.py)
-CHECKPOINT = ["--checkpoint.enable", "true", "--checkpoint.interval", "5", "--checkpoint.last_save_model_only", "false"]
+CHECKPOINT = [
+    "--checkpoint.enable",
+    "true",
+    "--checkpoint.interval",
+    str(HALF),
+    "--checkpoint.last_save_model_only",
+    "false",
+]
 
 
 def documents_options(folder: str) -> list[str]:
@@ -82,7 +89,7 @@ def summary(trainer, records: list[dict]) -> dict:
 
 
 def copy_checkpoint(src, dst) -> None:
-    """``src``'s run folder as ``dst``, its checkpoint of step 5 the newest."""
+    """``src``'s run folder as ``dst``, its checkpoint of step ``HALF`` the newest."""
     shutil.copytree(src, dst)
     shutil.rmtree(f"{dst}/checkpoint/step-{STEPS}")
 
@@ -149,7 +156,7 @@ def runs_for(reference, specs: dict) -> dict:
 
 @pytest.mark.multiprocess
 def test_context_parallel_two_processes(reference):
-    """CP 2 (causal, validation under CP, a checkpoint at step 5; documents) equals one process; compiled CP 2
+    """CP 2 (causal, validation under CP, a checkpoint at step HALF; documents) equals one process; compiled CP 2
     equals eager CP 2; the CP 2 checkpoint resumes under CP 1 with the uninterrupted run's next losses; MFU counts
     attention at the whole sequence; the final CP 2 checkpoint loads for scoring and generation."""
     docs = documents_options(reference["docs"]) + NO_VAL
@@ -174,7 +181,7 @@ def test_context_parallel_two_processes(reference):
     root = reference["root"]
     copy_checkpoint(root / "cp2", root / "resume_cp1")
     resumed = train(str(root / "resume_cp1"), 1, CHECKPOINT, None)
-    compare("resume cp2->cp1", resumed, reference["causal"], report, first=5)
+    compare("resume cp2->cp1", resumed, reference["causal"], report, first=HALF)
     check_flops(results[0]["cp2"], reference["causal"])
     check_generation(root / "cp2" / "checkpoint" / f"step-{STEPS}", results[0]["cp2"], reference["causal"], report)
     print("\n".join(report))
@@ -214,7 +221,7 @@ def check_generation(step_folder, got: dict, ref: dict, report: list) -> None:
 @pytest.mark.multiprocess
 def test_context_parallel_four_processes(reference):
     """CP 4 (causal and with documents), CP 2 x FSDP 2, CP 2 x TP 2 and CP 2 x PP 2 equal one process; CP 2 x TP 2's
-    checkpoint of step 5 resumes under CP 4 (causal) with the uninterrupted run's next losses and weights."""
+    checkpoint of step HALF resumes under CP 4 (causal) with the uninterrupted run's next losses and weights."""
     docs = documents_options(reference["docs"]) + NO_VAL
     pp = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "4"]
     specs = {
@@ -231,5 +238,5 @@ def test_context_parallel_four_processes(reference):
     report = []
     for name, (_, _, kind) in specs.items():
         compare(name, results[-1][name], reference[kind], report)
-    compare("resume cp2->cp4", results[0]["resume cp2->cp4"], reference["causal"], report, first=5)
+    compare("resume cp2->cp4", results[0]["resume cp2->cp4"], reference["causal"], report, first=HALF)
     print("\n".join(report))

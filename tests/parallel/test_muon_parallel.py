@@ -1,14 +1,14 @@
 """Muon under every data and model parallelism equals Muon in one process (tests/helpers/parity.py's tiny run).
 
-Each run starts from the one-process run's seed weights and trains 10 steps with ``[optimizer] name = "muon"`` and
+Each run starts from the one-process run's seed weights and trains 6 steps with ``[optimizer] name = "muon"`` and
 an fp32 Newton-Schulz (``ns_dtype = "float32"``: a bf16 one rounds the layouts' fp32 differences, a few ulps, to bf16
 ulps). Compared with one process: every step's loss and grad norm, the validation losses, and the final weights
 (each tensor's difference in norm relative to its norm), within ``RTOL = 1e-5``. Measured on CPU/gloo:
 see the report each test prints.
 
-Launches (each bounded by a timeout): 2 processes (FSDP 2 with a checkpoint at step 5, TP 2, then EP 2 on the debug
-MoE), 4 processes (FSDP 4, HSDP 2 x 2, FSDP 2 x TP 2, then FSDP 4 resuming a copy of FSDP 2's step-5 checkpoint);
-in this process: the one-process references and one process resuming that checkpoint. A resumed run's steps 6-10
+Launches (each bounded by a timeout): 2 processes (FSDP 2 with a checkpoint at step 3, TP 2, then EP 2 on the debug
+MoE), 4 processes (FSDP 4, HSDP 2 x 2, FSDP 2 x TP 2, then FSDP 4 resuming a copy of FSDP 2's step-3 checkpoint);
+in this process: the one-process references and one process resuming that checkpoint. A resumed run's steps 4-6
 equal the uninterrupted one-process run's.
 """
 
@@ -23,7 +23,7 @@ import torch
 
 from tests.helpers.checkpoint_runs import resume_copy
 from tests.helpers.dist import cache_token_stores, run_workers
-from tests.helpers.parity import STEPS, TINY, RecordingTrainer, check, check_data
+from tests.helpers.parity import HALF, STEPS, TINY, RecordingTrainer, check, check_data
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -31,7 +31,7 @@ RTOL = 1e-5
 MUON = ["--optimizer.name", "muon", "--optimizer.ns_dtype", "float32", "--optimizer.lr", "1e-2"]
 MOE = ["--model.name", "llama3_moe", "--model.flavor", "debugmodel", "--model.n_dense_layers", "0"]
 MOE += ["--model.moe_num_experts", "4", "--model.moe_hidden_dim", "32"]
-CKPT = ["--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "0"]
+CKPT = ["--checkpoint.enable", "--checkpoint.interval", str(HALF), "--checkpoint.keep_latest_k", "0"]
 CKPT += ["--checkpoint.last_save_model_only", "false"]
 
 
@@ -89,7 +89,7 @@ def worker(args: dict) -> dict:
     for name, (dp, extra, source) in args.get("resume", {}).items():
         dump = Path(args["dump"]) / name
         if rank == 0:
-            resume_copy(Path(source), dump)
+            resume_copy(Path(source), dump, step=HALF)
         torch.distributed.barrier()
         out[name] = run(muon_config(str(dump), dp, extra))
     if rank:  # every rank logs the same values; the weights come back from rank 0 only
@@ -128,12 +128,12 @@ def compare_weights(name: str, got: dict, want: dict, report: list) -> None:
 
 
 def check_continues(name: str, got: dict, ref: dict, report: list) -> None:
-    """Steps 6-10 of a run resumed from a step-5 checkpoint continue the uninterrupted curve."""
+    """Steps HALF + 1 to STEPS of a run resumed from a step-HALF checkpoint continue the uninterrupted curve."""
     for key in ("loss", "grad_norm"):
-        a, b = torch.tensor(got[key], dtype=torch.float64), torch.tensor(ref[key][5:], dtype=torch.float64)
-        assert len(a) == STEPS - 5, (name, key, a)
+        a, b = torch.tensor(got[key], dtype=torch.float64), torch.tensor(ref[key][HALF:], dtype=torch.float64)
+        assert len(a) == STEPS - HALF, (name, key, a)
         rel = ((a - b).abs() / b.abs()).max().item()
-        report.append(f"{name:22s} {key:9s} max rel diff {rel:.2e} (steps 6-10)")
+        report.append(f"{name:22s} {key:9s} max rel diff {rel:.2e} (steps {HALF + 1}-{STEPS})")
         assert rel <= RTOL, (name, key, a, b)
     compare_weights(name, got["weights"], ref["weights"], report)
 
@@ -158,7 +158,7 @@ def test_muon_two_processes_equal_one_process(reference, two_proc):
 
 @pytest.mark.multiprocess
 def test_muon_four_processes_equal_one_process_and_resume(reference, two_proc):
-    """FSDP 4, HSDP 2 x 2, FSDP 2 x TP 2; FSDP 2's step-5 checkpoint resumed under FSDP 4 continues the curve."""
+    """FSDP 4, HSDP 2 x 2, FSDP 2 x TP 2; FSDP 2's step-HALF checkpoint resumed under FSDP 4 continues the curve."""
     dump = two_proc[1]
     args = {"configs": FOUR_PROC, "seeds": reference["seeds"], "dump": str(dump)}
     args["resume"] = {"fsdp4_from_fsdp2": (4, [*shard(4), *CKPT], str(dump / "fsdp2"))}
@@ -171,9 +171,9 @@ def test_muon_four_processes_equal_one_process_and_resume(reference, two_proc):
 
 
 def test_muon_fsdp2_checkpoint_resumes_on_one_process(reference, two_proc, tmp_path):
-    """FSDP 2's step-5 checkpoint (its momentum buffers resharded to whole tensors) continues the curve here."""
+    """FSDP 2's step-HALF checkpoint (its momentum buffers resharded to whole tensors) continues the curve here."""
     cache_token_stores()
-    resume_copy(two_proc[1] / "fsdp2", tmp_path / "one")
+    resume_copy(two_proc[1] / "fsdp2", tmp_path / "one", step=HALF)
     report = []
     got = run(muon_config(str(tmp_path / "one"), 2, CKPT))  # local batch 4 accumulated twice: the saved data split
     check_continues("one from fsdp2", got, reference["dense"], report)

@@ -1,7 +1,7 @@
 """Pipeline parallelism: the split and its errors, parity with one process for every schedule and with
 FSDP and TP, resumes across layouts, and the HF export of a pipelined checkpoint.
 
-Parity runs reuse ``test_parallel_parity``'s harness (same seed weights, data and 10 steps) on a 4-block
+Parity runs reuse ``test_parallel_parity``'s harness (same seed weights, data and 6 steps) on a 4-block
 tiny Llama, so that the interleaved and V schedules get one block per stage. Tolerance: ``RTOL = 2e-5``
 relative on the loss, gradient norm and validation loss, as for the other layouts: the stages compute
 each microbatch exactly as one process computes its rows, and only the summation order of the
@@ -24,7 +24,7 @@ import torch
 
 from tests.helpers.dist import REPO, backends, cache_token_stores, run_workers
 from tests.helpers.launch import run_python
-from tests.helpers.parity import RTOL, STEPS, RecordingTrainer, check, check_data, make_config
+from tests.helpers.parity import HALF, RTOL, STEPS, RecordingTrainer, check, check_data, make_config
 from titanlite.models import load_config as parse_args
 from titanlite.parallel.pipeline import PipelinePlan
 from titanlite.parallel.pipeline_schedules import split_evenly
@@ -294,7 +294,7 @@ CKPT = [
     "--checkpoint.enable",
     "true",
     "--checkpoint.interval",
-    "5",
+    str(HALF),
     "--checkpoint.keep_latest_k",
     "0",
 ]
@@ -329,10 +329,10 @@ def resume(tmp_path, name: str, src: Path, step: int) -> Path:
 
 @pytest.mark.multiprocess
 def test_pipelined_checkpoints_reshard_and_resume_exactly(tmp_path, reference):
-    """PP 2 x FSDP 2 (4 processes) saves at steps 5 and 10. Its step 5 resumes
+    """PP 2 x FSDP 2 (4 processes) saves at steps HALF and STEPS. Its step HALF resumes
     - under PP 2 x FSDP 2 bitwise (each data-parallel rank's data position included),
     - in one process, with the single process's losses (RTOL);
-    a plain FSDP 2 checkpoint resumes under PP 2. The HF export of the pipelined step 10 equals the
+    a plain FSDP 2 checkpoint resumes under PP 2. The HF export of the pipelined last step equals the
     export of the weights the stages held, bit for bit, and loads in ``transformers`` when installed."""
     seed, layout = reference["seed"], pp("1F1B", "--parallelism.data_parallel_shard_degree", "2")
     ref = {i + 1: (loss, gn) for i, (loss, gn) in enumerate(zip(reference["loss"], reference["grad_norm"]))}
@@ -344,21 +344,21 @@ def test_pipelined_checkpoints_reshard_and_resume_exactly(tmp_path, reference):
     full = run(tmp_path / "pp", 4, 2, layout, seed)
     whole = steps_of(full[0])
     assert sorted(whole) == list(range(1, STEPS + 1))
-    again = steps_of(run(resume(tmp_path, "pp_again", tmp_path / "pp", 5), 4, 2, layout)[0])
-    assert again == {s: v for s, v in whole.items() if s > 5}  # bitwise: PP -> PP
+    again = steps_of(run(resume(tmp_path, "pp_again", tmp_path / "pp", HALF), 4, 2, layout)[0])
+    assert again == {s: v for s, v in whole.items() if s > HALF}  # bitwise: PP -> PP
 
     # (the resumed layouts keep the data-parallel ranks' batch of 4 and accumulate: a data loader re-partitions
     # only at a multiple of its batch)
     half = ["--training.local_batch_size", "4"]
-    one = {"dump": str(resume(tmp_path, "one", tmp_path / "pp", 5)), "dp": 1, "extra": [*PP_MODEL, *half]}
+    one = {"dump": str(resume(tmp_path, "one", tmp_path / "pp", HALF)), "dp": 1, "extra": [*PP_MODEL, *half]}
     single = steps_of(ckpt_worker(one))  # in this process
-    assert sorted(single) == list(range(6, STEPS + 1))
+    assert sorted(single) == list(range(HALF + 1, STEPS + 1))
     for s, (loss, gn) in single.items():
         assert loss == pytest.approx(ref[s][0], rel=RTOL) and gn == pytest.approx(ref[s][1], rel=RTOL), s
 
     fsdp = ["--parallelism.data_parallel_shard_degree", "2", *PP_MODEL]
     run(tmp_path / "fsdp", 2, 2, fsdp, seed)
-    into_pp = steps_of(run(resume(tmp_path, "fsdp_to_pp", tmp_path / "fsdp", 5), 2, 1, pp("1F1B", *half))[0])
+    into_pp = steps_of(run(resume(tmp_path, "fsdp_to_pp", tmp_path / "fsdp", HALF), 2, 1, pp("1F1B", *half))[0])
     for s, (loss, gn) in into_pp.items():
         assert loss == pytest.approx(ref[s][0], rel=RTOL) and gn == pytest.approx(ref[s][1], rel=RTOL), s
 
@@ -371,7 +371,15 @@ def test_pipelined_checkpoints_reshard_and_resume_exactly(tmp_path, reference):
     assert set(held) == set(seed)
     out = tmp_path / "hf"
     r = run_python(
-        [sys.executable, "-m", "titanlite", "convert", "dcp-to-hf", str(tmp_path / "pp/checkpoint/step-10"), str(out)],
+        [
+            sys.executable,
+            "-m",
+            "titanlite",
+            "convert",
+            "dcp-to-hf",
+            str(tmp_path / f"pp/checkpoint/step-{STEPS}"),
+            str(out),
+        ],
         timeout=120,
         cwd=REPO,
     )
