@@ -99,31 +99,34 @@ def test_own_loop_on_two_processes_matches_one(tp, single_process_losses):
 
 
 def _run_script(path: Path, *, kill_after: str | None = None) -> list[str]:
-    """Run ``path`` from the repository root; with ``kill_after``, SIGKILL it once that line appears."""
+    """Run ``path`` from the repository root; with ``kill_after``, SIGKILL it once that line appears (a fresh
+    interpreter, read line by line; without, forked from the fork server: tests/helpers/launch.py)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if kill_after is None:
+        done = run_python([sys.executable, str(path)], cwd=REPO, env=env)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return [x for x in done.stdout.splitlines() if x.startswith("step ")]
     proc = subprocess.Popen(
         [sys.executable, str(path)],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        env=env,
         start_new_session=True,
     )
     lines = []
     try:
         for line in proc.stdout:
             lines.append(line.rstrip("\n"))
-            if kill_after and line.startswith(kill_after):
+            if line.startswith(kill_after):
                 os.killpg(proc.pid, signal.SIGKILL)
                 break
         proc.wait(timeout=240)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    if kill_after:
-        assert proc.returncode == -signal.SIGKILL, "\n".join(lines[-20:])
-    else:
-        assert proc.returncode == 0, "\n".join(lines[-20:])
+    assert proc.returncode == -signal.SIGKILL, "\n".join(lines[-20:])
     return [x for x in lines if x.startswith("step ")]
 
 
@@ -174,7 +177,12 @@ def _family_run(tmp_path: Path, name: str, launcher: list[str]) -> list[float]:
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""
     )
-    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240, start_new_session=True)
+    if launcher == [sys.executable]:  # one process: forked from the fork server (tests/helpers/launch.py)
+        out = run_python(cmd, cwd=REPO, env=env, timeout=240)
+    else:
+        out = subprocess.run(
+            cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240, start_new_session=True
+        )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return [json.loads(x)["loss"] for x in (dump / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
 

@@ -39,7 +39,7 @@ TINY = [
     "--validation.freq",
     str(HALF),
     "--validation.steps",
-    "2",
+    "1",
     "--training.loss_chunks",  # chunked, and a quarter of the default's chunk calls (each a DTensor op under TP)
     "2",
 ]

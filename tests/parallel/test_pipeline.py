@@ -43,15 +43,16 @@ def pp(schedule: str, *extra: str) -> list[str]:
     ]
 
 
-# name -> (data-parallel degree, options); local batch = 8 / dp sequences, microbatches of 1 unless set
+MB2 = ["--parallelism.pipeline_parallel_microbatch_size", "2"]  # fewer, larger microbatches: less per-op overhead
+# name -> (data-parallel degree, options); local batch = 8 / dp sequences, microbatches of 2 unless set
 TWO_PROC = {
-    "pp2_gpipe": (1, pp("GPipe")),
-    "pp2_1f1b": (1, pp("1F1B", "--parallelism.pipeline_parallel_microbatch_size", "2")),
-    "pp2_interleaved_1f1b": (1, pp("Interleaved1F1B")),
-    "pp2_interleaved_zb": (1, pp("InterleavedZeroBubble")),
-    "pp2_zbv": (1, pp("ZBVZeroBubble")),
-    "pp2_dualpipev": (1, pp("DualPipeV")),
-    "pp2_1f1b_ac_full": (1, pp("1F1B", "--activation_checkpoint.mode", "full")),
+    "pp2_gpipe": (1, pp("GPipe", *MB2)),
+    "pp2_1f1b_mb1": (1, pp("1F1B")),  # 8 microbatches of 1
+    "pp2_interleaved_1f1b": (1, pp("Interleaved1F1B", *MB2)),
+    "pp2_interleaved_zb": (1, pp("InterleavedZeroBubble", *MB2)),
+    "pp2_zbv": (1, pp("ZBVZeroBubble", *MB2)),
+    "pp2_dualpipev": (1, pp("DualPipeV", *MB2)),
+    "pp2_1f1b_ac_full": (1, pp("1F1B", "--activation_checkpoint.mode", "full", *MB2)),
     # gradient accumulation x PP: 2 schedule runs of 4 sequences (2 microbatches of 2) per optimizer step
     "pp2_1f1b_accum2": (
         1,
@@ -59,9 +60,9 @@ TWO_PROC = {
     ),
 }
 FOUR_PROC = {
-    "pp2_fsdp2": (2, pp("1F1B", "--parallelism.data_parallel_shard_degree", "2")),
-    "pp2_hsdp2": (2, pp("GPipe", "--parallelism.data_parallel_replicate_degree", "2")),
-    "pp2_tp2": (1, pp("1F1B", "--parallelism.tensor_parallel_degree", "2")),
+    "pp2_fsdp2": (2, pp("1F1B", "--parallelism.data_parallel_shard_degree", "2", *MB2)),
+    "pp2_hsdp2": (2, pp("GPipe", "--parallelism.data_parallel_replicate_degree", "2", *MB2)),
+    "pp2_tp2": (1, pp("1F1B", "--parallelism.tensor_parallel_degree", "2", *MB2)),
 }
 
 
@@ -334,7 +335,7 @@ def test_pipelined_checkpoints_reshard_and_resume_exactly(tmp_path, reference):
     - in one process, with the single process's losses (RTOL);
     a plain FSDP 2 checkpoint resumes under PP 2. The HF export of the pipelined last step equals the
     export of the weights the stages held, bit for bit, and loads in ``transformers`` when installed."""
-    seed, layout = reference["seed"], pp("1F1B", "--parallelism.data_parallel_shard_degree", "2")
+    seed, layout = reference["seed"], pp("1F1B", "--parallelism.data_parallel_shard_degree", "2", *MB2)
     ref = {i + 1: (loss, gn) for i, (loss, gn) in enumerate(zip(reference["loss"], reference["grad_norm"]))}
 
     def run(dump: Path, nprocs: int, dp: int, extra: list[str], seed=None) -> list[dict]:
