@@ -79,9 +79,13 @@ FOUR_PROC = {
             "full",
         ],
     ),
-    # a batch-level aux loss counts each forward pass (here: each pipeline microbatch of one sequence): the
+    # a batch-level aux loss counts each forward pass (here: each pipeline microbatch of two sequences): the
     # sequence-level one is the same whatever the pipeline cuts, so PP is compared under it
-    "pp2_ep2_seq": (2, ["--parallelism.pipeline_parallel_degree", "2", *EP2, *SEQ]),
+    "pp2_ep2_seq": (
+        2,
+        ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"]
+        + [*EP2, *SEQ],
+    ),
     "ep2_tp2": (2, [*EP2, *TP2]),
     "qwen3_moe_ep2_tp2": (2, [*EP2, *TP2]),
     # CP 2 x EP 2: dp_shard 2 is the expert group, the experts FSDP-sharded over the two CP ranks
