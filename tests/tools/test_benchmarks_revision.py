@@ -37,7 +37,9 @@ def test_the_package_ships_no_git_comparison(capsys):
 def _revision(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     if subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True).returncode:
         pytest.skip("not a git checkout")
-    tiny = ["--flavors", "debugmodel", "--batch-sizes", "1", "--prompt-len", "8", "--new-tokens", "3"]
+    # 16 new tokens: the decode time is t(16) - t(1), two separate timings; with 3, a loaded machine once made it
+    # negative
+    tiny = ["--flavors", "debugmodel", "--batch-sizes", "1", "--prompt-len", "8", "--new-tokens", "16"]
     cmd = [sys.executable, "-m", "benchmarks.revision", "generate", *tiny, "--repeats", "1", "--modes", "eager"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     return run_python([*cmd, *args], cwd=REPO, env=env, timeout=300)  # the baseline side starts its own interpreter
