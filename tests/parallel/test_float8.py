@@ -11,6 +11,7 @@ element of the forward and of both backward matmuls must satisfy (plus fp32 accu
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -256,35 +257,6 @@ def test_float8_model_meets_cuda_scaled_mm_layout_rules_on_meta():
         )
 
 
-def test_compiled_float8_blocks_match_eager(one_thread):
-    """The GPU benchmark's combination (float8 linears + per-block ``torch.compile``, fullgraph): the
-    autograd.Function traces into each block's graph, and loss and gradients match eager float8.
-    Tolerance 1e-4 relative: inductor may fuse the amax/scale/cast differently, which can move a
-    value across a float8 rounding boundary (measured: loss 1e-7, gradients 6e-6)."""
-    import copy
-
-    from titanlite.models import build_model
-    from titanlite.parallel.compile import CompilePolicy
-    from titanlite.trainer.loss import cross_entropy_sum
-
-    torch.manual_seed(0)
-    eager = build_model("llama3", "debugmodel", device="cpu", n_layers=2)
-    eager.init_weights()
-    convert_to_float8(eager)
-    compiled = copy.deepcopy(eager)
-    assert CompilePolicy(enable=True, components=["model"]).apply(compiled) == 2
-    tokens = torch.randint(0, 512, (2, 64))
-    losses = []
-    for model in (eager, compiled):
-        loss = cross_entropy_sum(model(tokens), tokens)
-        loss.backward()
-        losses.append(loss.item())
-    assert losses[1] == pytest.approx(losses[0], rel=1e-4)
-    g_eager = torch.cat([p.grad.flatten() for p in eager.parameters()])
-    g_compiled = torch.cat([p.grad.flatten() for p in compiled.parameters()])
-    assert ((g_compiled - g_eager).norm() / g_eager.norm()).item() < 1e-4
-
-
 def test_rowwise_float8_model_meets_cuda_scaled_mm_rules_on_meta():
     """Rowwise on the meta device, which checks ``_scaled_mm``'s rowwise rules as CUDA does (scales of shape
     [M, 1] and [1, N], operands divisible by 16): forward and both backward matmuls of the debug model."""
@@ -303,18 +275,24 @@ def test_rowwise_float8_model_meets_cuda_scaled_mm_rules_on_meta():
 def test_per_block_compile_captures_the_float8_casts(recipe, one_thread):
     """Per-block compile (fullgraph, no graph break) holds the float8 linears whole: the forward graph that
     AOTAutograd hands the compiler has the block's 7 ``_scaled_mm`` and the casts of activations and weights to
-    float8 (so inductor fuses each amax-scale-cast), the backward graph the 14 gradient matmuls and their casts."""
+    float8 (so inductor fuses each amax-scale-cast), the backward graph the 14 gradient matmuls and their casts;
+    run as traced, the graphs give eager float8's loss and gradients bitwise. Inductor's code for these graphs is
+    not generated: on the CPU it would be C++, not a GPU's kernels, and costs ~40 CPU-s cold (scripts/gpu_check.sh
+    runs compiled float8 on the GPU; tests/trainer/test_output_loss.py and the compiled parity runs check
+    inductor's code for titanlite's blocks)."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.utils import counters
     from torch._functorch.aot_autograd import make_boxed_func
 
     from titanlite.models import build_model
+    from titanlite.trainer.loss import cross_entropy_sum
 
     torch._dynamo.reset()
     counters.clear()
     model = build_model("llama3", "debugmodel", device="cpu", n_layers=1)
     model.init_weights()
     convert_to_float8(model, recipe=recipe)
+    eager = copy.deepcopy(model)
     graphs = {}
 
     def keep(name):
@@ -327,7 +305,12 @@ def test_per_block_compile_captures_the_float8_casts(recipe, one_thread):
     block = model.layers["0"]
     backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
     block.forward = torch.compile(block.forward, backend=backend, fullgraph=True)
-    model(torch.randint(0, 512, (2, 64))).float().sum().backward()
+    tokens = torch.randint(0, 512, (2, 64))
+    losses = [cross_entropy_sum(m(tokens), tokens) for m in (model, eager)]
+    for loss in losses:
+        loss.backward()
+    assert torch.equal(losses[0], losses[1])  # the traced graphs run the eager ops in the eager order
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), eager.parameters()))
 
     def count(name, what):
         nodes = [n for n in graphs[name].graph.nodes if n.op == "call_function"]
