@@ -266,7 +266,7 @@ def test_scores_eager_and_compiled_equal_the_per_request_logliks(data_dir, monke
     assert len(reads) == batches, reads
     monkeypatch.undo()
     # compiled: traced by dynamo (dynamic shapes, the KV cache's arguments) and AOTAutograd, and run as traced
-    # ("aot_eager"): inductor's code for these graphs would be C++ on this CPU, not a GPU's kernels, at ~35 CPU-s
+    # ("aot_eager"): inductor's code for these graphs would be C++ on this CPU, not a GPU's kernels
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     compiled_forward.cache_clear()
     graphs = counters["stats"]["unique_graphs"]

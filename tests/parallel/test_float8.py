@@ -277,9 +277,9 @@ def test_per_block_compile_captures_the_float8_casts(recipe, one_thread):
     AOTAutograd hands the compiler has the block's 7 ``_scaled_mm`` and the casts of activations and weights to
     float8 (so inductor fuses each amax-scale-cast), the backward graph the 14 gradient matmuls and their casts;
     run as traced, the graphs give eager float8's loss and gradients bitwise. Inductor's code for these graphs is
-    not generated: on the CPU it would be C++, not a GPU's kernels, and costs ~40 CPU-s cold (scripts/gpu_check.sh
-    runs compiled float8 on the GPU; tests/trainer/test_output_loss.py and the compiled parity runs check
-    inductor's code for titanlite's blocks)."""
+    not generated: on the CPU it would be C++, not a GPU's kernels (scripts/gpu_check.sh runs compiled float8 on the
+    GPU; tests/trainer/test_output_loss.py and the compiled parity runs check inductor's code for titanlite's
+    blocks)."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.utils import counters
     from torch._functorch.aot_autograd import make_boxed_func

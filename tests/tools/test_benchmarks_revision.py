@@ -37,8 +37,7 @@ def test_the_package_ships_no_git_comparison(capsys):
 def _revision(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     if subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True).returncode:
         pytest.skip("not a git checkout")
-    # 16 new tokens: the decode time is t(16) - t(1), two separate timings; with 3, a loaded machine once made it
-    # negative
+    # 16 new tokens: the decode time is t(16) - t(1), two separate timings, which noise can invert over few tokens
     tiny = ["--flavors", "debugmodel", "--batch-sizes", "1", "--prompt-len", "8", "--new-tokens", "16"]
     cmd = [sys.executable, "-m", "benchmarks.revision", "generate", *tiny, "--repeats", "1", "--modes", "eager"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
