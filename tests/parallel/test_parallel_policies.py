@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from titanlite.config import ConfigError, JobConfig
 from titanlite.models import build_model
 from titanlite.parallel.activation_checkpoint import ActivationCheckpoint
 from titanlite.parallel.compile import CompilePolicy
@@ -87,6 +88,45 @@ def test_compile_policy_keeps_parameter_names_and_components():
     assert CompilePolicy(True, ["model"]).compile_loss(cross_entropy_sum) is cross_entropy_sum
     with pytest.raises(ValueError, match="unknown component"):
         CompilePolicy(True, ["optimizer"])
+
+
+def test_compile_backend_and_mode_reach_torch_compile(monkeypatch):
+    """``[compile] backend`` and ``mode`` reach every ``torch.compile`` call (blocks, ends, loss); ``default`` mode
+    is torch's own (not passed); a mode needs inductor, in one line naming both keys."""
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append(kw) or fn)
+    section = JobConfig().compile
+    section.enable, section.backend, section.mode = True, "inductor", "reduce-overhead"
+    policy = CompilePolicy.from_config(section)
+    policy.apply(tiny())
+    policy.compile_loss(cross_entropy_sum)
+    assert len(calls) == 4 + 2 + 1  # the blocks, the embedding and final norm, the loss
+    assert all(kw["backend"] == "inductor" and kw["mode"] == "reduce-overhead" for kw in calls), calls
+    calls.clear()
+    section.backend, section.mode = "aot_eager", "default"
+    CompilePolicy.from_config(section).compile_loss(cross_entropy_sum)
+    assert calls == [{"fullgraph": False, "backend": "aot_eager"}]
+    section.mode = "max-autotune"
+    with pytest.raises(ConfigError, match=r"^compile.mode = 'max-autotune' needs compile.backend = 'inductor' \(got"):
+        section.validate()
+
+
+def test_the_eager_backend_runs_the_blocks_traced_and_bitwise_equal():
+    """``backend = "eager"``: Dynamo traces each block (a graph per distinct block code, no break) and hands the
+    graph back to run as is, so the forward and every gradient are bitwise the uncompiled model's."""
+    from torch._dynamo.utils import counters
+
+    tokens = torch.randint(0, TINY["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
+    ref, model = tiny(), tiny()
+    CompilePolicy(True, ["model"], backend="eager").apply(model)
+    counters.clear()
+    torch._dynamo.reset()
+    grads = []
+    for m in (ref, model):
+        m(tokens).float().square().mean().backward()
+        grads.append([p.grad for p in m.parameters()])
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 def test_fsdp_reshard_choices():

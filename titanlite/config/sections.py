@@ -287,6 +287,23 @@ class ActivationCheckpoint:
 class Compile:
     enable: bool = opt(False, "torch.compile the components below (each block separately).")
     components: list[str] = opt(["model", "loss"], "What to compile.", choices=["model", "loss"])
+    backend: str = opt(
+        "inductor",
+        "torch.compile backend: inductor (generated kernels), aot_eager (traced graphs, eager kernels), eager.",
+        choices=["inductor", "aot_eager", "eager"],
+    )
+    mode: str = opt(
+        "default",
+        "Inductor's mode; reduce-overhead replays each compiled region as a CUDA graph (on CUDA only).",
+        choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
+    )
+
+    def validate(self) -> None:
+        if self.mode != "default" and self.backend != "inductor":
+            raise ConfigError(
+                f"compile.mode = {self.mode!r} needs compile.backend = 'inductor' (got {self.backend!r}): "
+                "the modes are inductor's"
+            )
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""``torch.compile`` policy (``[compile] enable, components``).
+"""``torch.compile`` policy (``[compile] enable, components, backend, mode``).
 
 - ``"model"``: each transformer block's forward is compiled separately with ``fullgraph=True``
   (a graph break inside a block is then an error, not a silent slowdown). Blocks share one code
@@ -48,19 +48,31 @@ END_MODULES = ("tok_embeddings", "norm")
 
 class CompilePolicy:
     """``fullgraph``: a graph break inside a block is an error; off under context parallelism, whose attention (the
-    K/V all-gather and its autograd function) runs eagerly between the compiled parts of each block."""
+    K/V all-gather and its autograd function) runs eagerly between the compiled parts of each block.
 
-    def __init__(self, enable: bool = False, components: Sequence[str] = ("model", "loss"), fullgraph: bool = True):
+    ``backend`` and ``mode`` go to every ``torch.compile`` call: ``aot_eager`` traces exactly what inductor would be
+    given (Dynamo and AOTAutograd, graph breaks and all) but runs the graphs with eager kernels, so no kernel is
+    generated; ``mode = "reduce-overhead"`` makes inductor replay each compiled region as a CUDA graph."""
+
+    def __init__(
+        self,
+        enable: bool = False,
+        components: Sequence[str] = ("model", "loss"),
+        fullgraph: bool = True,
+        backend: str = "inductor",
+        mode: str = "default",
+    ):
         unknown = sorted(set(components) - {"model", "loss"})
         if unknown:
             raise ConfigError(f"compile.components: unknown component(s) {', '.join(unknown)}; use model, loss")
         self.model = enable and "model" in components
         self.loss = enable and "loss" in components
         self.fullgraph = fullgraph
+        self.options = {"backend": backend} | ({"mode": mode} if mode != "default" else {})
 
     @classmethod
     def from_config(cls, section, context_parallel: bool = False) -> CompilePolicy:
-        return cls(section.enable, section.components, fullgraph=not context_parallel)
+        return cls(section.enable, section.components, not context_parallel, backend=section.backend, mode=section.mode)
 
     def apply(self, model: nn.Module) -> int:
         """Compile every block of ``model.layers``, and the :data:`END_MODULES` it has, in place; returns how many
@@ -74,11 +86,15 @@ class CompilePolicy:
                 # the vocabulary-sharded lookup fails to compile in this torch ("Mixing fake modes"); a lookup
                 # gains nothing from compiling anyway
                 continue
-            module.forward = compile_fn(module.forward, on_dtensors, fullgraph=self.fullgraph)
+            module.forward = self.compile(module.forward, on_dtensors, fullgraph=self.fullgraph)
         return len(model.layers)
 
+    def compile(self, fn: Callable, on_dtensors: bool = False, fullgraph: bool = False) -> Callable:
+        """``fn`` compiled with this policy's backend and mode."""
+        return compile_fn(fn, on_dtensors, fullgraph=fullgraph, **self.options)
+
     def compile_loss(self, fn: Callable, tensor_parallel: bool = False) -> Callable:
-        return compile_fn(fn, tensor_parallel) if self.loss else fn
+        return self.compile(fn, tensor_parallel) if self.loss else fn
 
 
 def compile_fn(fn: Callable, on_dtensors: bool = False, **options) -> Callable:

@@ -31,7 +31,7 @@ from titanlite.errors import ConfigError
 from titanlite.models.llama3.parallelize import apply_fsdp
 from titanlite.models.moe.expert_parallel import shard_experts
 from titanlite.models.moe.layer import MoE
-from titanlite.parallel.compile import compile_fn
+from titanlite.parallel.compile import CompilePolicy
 from titanlite.parallel.tensor_parallel import parallelize_decoder
 
 logger = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ def parallelize_moe_decoder(
     if checkpointed := policies.activation_checkpoint.apply(model):
         logger.info("activation checkpointing %s on blocks %s", policies.activation_checkpoint, ",".join(checkpointed))
     if policies.compile.model:
-        apply_compile(model, parallel_dims.tp_enabled, policies.compile.fullgraph)
+        apply_compile(model, parallel_dims.tp_enabled, policies.compile)
     if (fsdp := policies.fsdp(parallel_dims)) is not None:
         mesh = parallel_dims.expert_fsdp_mesh if parallel_dims.ep_enabled else fsdp.mesh
         for moe in moes:  # fewer local experts than ranks: shard the experts' rows instead
@@ -118,11 +118,11 @@ def moe_block_plan(block: nn.Module, dense_plan: dict) -> dict:
     return {**{k: v for k, v in dense_plan.items() if not k.startswith("feed_forward")}, "feed_forward": MOE_TP_PLAN}
 
 
-def apply_compile(model: nn.Module, on_dtensors: bool, fullgraph: bool = True) -> None:
-    """Each block compiled separately; fullgraph unless its MoE layer leaves the graph (expert parallel
-    exchange, per-expert loop) or ``fullgraph`` is off (context parallelism's attention)."""
+def apply_compile(model: nn.Module, on_dtensors: bool, policy: CompilePolicy) -> None:
+    """Each block compiled separately by ``policy``; fullgraph unless its MoE layer leaves the graph (expert parallel
+    exchange, per-expert loop) or the policy's ``fullgraph`` is off (context parallelism's attention)."""
     for block in model.layers.values():
         ff = block.feed_forward
         breaks = isinstance(ff, MoE) and (ff.ep_group is not None or not ff.experts.grouped_mm)
-        block.forward = compile_fn(block.forward, on_dtensors, fullgraph=fullgraph and not breaks)
+        block.forward = policy.compile(block.forward, on_dtensors, fullgraph=policy.fullgraph and not breaks)
     logger.info("compiled each transformer block")
