@@ -92,6 +92,35 @@ def test_two_runs_are_bitwise_identical(tmp_path):
     assert [r["grad_norm"] for r in a] == [r["grad_norm"] for r in b]
 
 
+def test_sdpa_kernel_comes_first_in_every_forward_and_backward_and_is_restored(tmp_path):
+    """``[training] sdpa_kernel = "cudnn"``: SDPA's priority order has cuDNN first while each training forward and
+    backward and the validation forward run (what CUDA's dispatch reads), torch's order otherwise; on this CPU,
+    whose dispatch ignores the order, the losses are bitwise the default run's."""
+    from torch.nn.attention import SDPBackend
+
+    default = torch._C._get_sdp_priority_order()
+    args = [
+        "--training.steps",
+        "2",
+        "--training.local_batch_size",
+        "2",
+        "--validation.enable",
+        "--validation.freq",
+        "2",
+    ]
+    seen = []
+    trainer = make_trainer(tmp_path / "cudnn", *args, "--training.sdpa_kernel", "cudnn")
+    block = trainer.model.layers["0"]
+    block.register_forward_pre_hook(lambda *_: seen.append(("forward", torch._C._get_sdp_priority_order()[0])))
+    block.register_full_backward_pre_hook(lambda *_: seen.append(("backward", torch._C._get_sdp_priority_order()[0])))
+    got = trainer.train()
+    cudnn = int(SDPBackend.CUDNN_ATTENTION)
+    assert seen == [("forward", cudnn), ("backward", cudnn)] * 2 + [("forward", cudnn)] * len(seen[4:]) and seen[4:]
+    assert torch._C._get_sdp_priority_order() == default and default[0] != cudnn
+    want = make_trainer(tmp_path / "auto", *args).train()
+    assert [(r.get("loss"), r.get("val_loss")) for r in got] == [(r.get("loss"), r.get("val_loss")) for r in want]
+
+
 def test_dumped_config_reproduces_run(tmp_path):
     cfg = load_config(TINY + ["--job.dump_folder", str(tmp_path / "a"), "--training.steps", "2"])
     from titanlite.config import dump_config

@@ -118,6 +118,11 @@ class Training:
     seed: int = opt(0, "Seed for weight init and data order.", min=0, max=2**32 - 1)
     deterministic: bool = opt(False, "Use deterministic algorithms (slower on GPU).")
     mixed_precision_param: str = opt("float32", "Compute dtype (autocast / FSDP).", choices=["float32", "bfloat16"])
+    sdpa_kernel: str = opt(
+        "auto",
+        "SDPA kernel tried first on CUDA (auto: torch's order); the others follow in torch's order. CPU: torch's pick.",
+        choices=["auto", "cudnn", "flash", "efficient", "math"],
+    )
     mixed_precision_reduce: str = opt("float32", "Gradient-reduction dtype.", choices=["float32", "bfloat16"])
 
     def validate(self) -> None:

@@ -14,14 +14,21 @@ inside the packed window (documents are told apart by ``document_ids``, see
 
 ``backend = "auto"`` picks flex on CUDA and sdpa elsewhere. The mask is built once per forward by
 :func:`build_attention_mask` and handed to every layer.
+
+Which of SDPA's kernels runs (cuDNN, flash, memory-efficient, math) is torch's choice, in its priority order among
+those that support the inputs; :func:`sdpa_priority` puts one first for a region (``[training] sdpa_kernel``), so
+that the faster one on a given GPU can be chosen by measurement (``titanlite bench train``), with no model code
+changed. The choice is made when an SDPA call is dispatched, or traced by ``torch.compile``: the region covers both.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from titanlite.errors import ConfigError
@@ -36,6 +43,28 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend not in ("sdpa", "flex"):
         raise ConfigError(f"attention backend must be auto, sdpa or flex, got {backend!r}")
     return backend
+
+
+SDPA_KERNELS = {
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+
+
+def sdpa_priority(first: str = "auto") -> contextlib.AbstractContextManager:
+    """A context in which SDPA tries the kernel ``first`` (a key of :data:`SDPA_KERNELS`) before the others, which
+    keep torch's order, so inputs the kernel does not support still run; ``auto``: torch's order unchanged. CUDA
+    follows the order; torch's CPU dispatch has its own rule (flash where it applies, else math) and ignores it."""
+    if first == "auto":
+        return contextlib.nullcontext()
+    if first not in SDPA_KERNELS:
+        raise ConfigError(f"training.sdpa_kernel must be auto or one of {', '.join(SDPA_KERNELS)}, got {first!r}")
+    chosen = SDPA_KERNELS[first]
+    default = [SDPBackend(i) for i in torch._C._get_sdp_priority_order()]
+    order = [chosen] + [b for b in default if b != chosen and b in SDPA_KERNELS.values()]
+    return sdpa_kernel(order, set_priority=True)
 
 
 def block_causal_bool_mask(document_ids: torch.Tensor) -> torch.Tensor:

@@ -158,7 +158,7 @@ def build_training(
     args = facts.model_args if facts.model_args is not None else model_args_for(cfg.model, vocab_size)
     run_plan = facts.run_plan or config_run_plan(cfg, parallel_dims)
     pipeline_plan = facts.pipeline_plan or config_pipeline_plan(cfg, parallel_dims, args)
-    runtime = Runtime(torch.device(device), parallel_dims, DTYPES[t.mixed_precision_param])
+    runtime = Runtime(torch.device(device), parallel_dims, DTYPES[t.mixed_precision_param], sdpa_kernel=t.sdpa_kernel)
     model = builder.build_model(spec, args, runtime, pipeline_plan)
     optimizer = builder.build_optimizer(model)
     register_float8_scale_precompute(optimizer, model)  # float8 all-gather: all scales in one all-reduce

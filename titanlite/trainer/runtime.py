@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from titanlite.models.attention import sdpa_priority
 from titanlite.parallel.context_parallel import ContextParallel
 from titanlite.parallel.fsdp import is_fsdp
 from titanlite.parallel.tensor_parallel import loss_parallel_context, to_local_value
@@ -43,7 +44,9 @@ class Runtime:
     - ``compute_dtype``: the autocast dtype (``[training] mixed_precision_param``); None or fp32: no autocast;
     - ``loss``: model outputs -> token-sum loss (:class:`~titanlite.trainer.output_loss.LogitsLoss` or
       :class:`~titanlite.trainer.output_loss.ChunkedLoss`);
-    - ``pipeline``: the :class:`~titanlite.trainer.pipeline_runner.Pipeline` running this rank's stages, or None.
+    - ``pipeline``: the :class:`~titanlite.trainer.pipeline_runner.Pipeline` running this rank's stages, or None;
+    - ``sdpa_kernel``: the SDPA kernel tried first (``[training] sdpa_kernel``; :func:`~titanlite.models.attention.
+      sdpa_priority`), for every forward and its backward.
     """
 
     device: torch.device
@@ -51,6 +54,7 @@ class Runtime:
     compute_dtype: torch.dtype | None = None
     loss: LogitsLoss | ChunkedLoss = dataclasses.field(default_factory=lambda: LogitsLoss(cross_entropy_sum))
     pipeline: Any = None
+    sdpa_kernel: str = "auto"
 
     @classmethod
     def of(cls, model: nn.Module, **facts: Any) -> Runtime:
@@ -130,7 +134,8 @@ def forward_loss(
     pipeline group. Under context parallelism the batch is cut first (:meth:`Runtime.shard`) and the sum is
     this rank's share of the sequences': the caller sums over the context-parallel group too."""
     inputs, labels, extra = runtime.shard(batch)
-    with loss_parallel_context(runtime.loss_parallel):  # vocabulary-sharded logits under TP
+    # vocabulary-sharded logits under TP; SDPA's kernel is chosen as the forward runs (or is traced)
+    with loss_parallel_context(runtime.loss_parallel), sdpa_priority(runtime.sdpa_kernel):
         if runtime.pipeline is not None:
             if divisor is not None:
                 return runtime.pipeline.step(inputs, labels, extra, divisor)
@@ -148,7 +153,7 @@ def forward_logits(model: nn.Module, runtime: Runtime, inputs: torch.Tensor, for
     """``model``'s whole logits ``[B, S, V]`` for ``inputs`` (``kwargs``: extra forward arguments, e.g. a KV cache),
     under the runtime's autocast, gathered when tensor parallelism leaves them sharded over the vocabulary.
     ``forward(inputs, **kwargs)`` replaces ``model(...)``: a compiled call of it."""
-    with runtime.autocast(model):
+    with runtime.autocast(model), sdpa_priority(runtime.sdpa_kernel):
         logits = (forward or model)(inputs, **kwargs)
     return to_local_value(logits)
 
