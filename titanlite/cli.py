@@ -36,7 +36,9 @@ BENCH = {
     "hf-baseline": Tool("titanlite.bench.hf_baseline", "main", "the transformers training loop at the same shape"),
     "hf-storage": Tool("titanlite.bench.hf_storage", "main", "DCP's HF storage reader/writer vs titanlite's own path"),
     "table": Tool("titanlite.bench.table", "main", "the training benchmark's table from JSON lines"),
-    "trace-summary": Tool("titanlite.bench.trace_summary", "main", "GPU time by kernel kind from a profiler trace"),
+    "trace-summary": Tool(
+        "titanlite.bench.trace_summary", "main", "a profiled step by kernel kind and part, vs floors"
+    ),
 }
 CONVERT = {
     "dcp-to-hf": Tool("titanlite.checkpoint.convert_cli", "main_dcp_to_hf", "a DCP step folder to a Hugging Face one"),

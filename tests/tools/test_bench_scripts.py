@@ -38,6 +38,43 @@ def test_trace_summary_counts_gpu_time_by_kind_with_overlap_once():
     assert text.count("| `") == 3  # the top 3 kernels
 
 
+def test_trace_summary_sets_each_part_of_the_step_beside_its_floor(tmp_path, capsys):
+    """Matmuls, attention, element-wise (compile's kernels, copies, the rest), optimizer, communication, and idle:
+    the step's wall time no kernel covers; per step (2 profiled steps), against ``--floors``."""
+    summary = script("trace_summary")
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{i}", "ts": 10_000.0 * i, "dur": 10_000.0}
+        for i in (5, 6)
+    ]
+    for start in (50_000.0, 60_000.0):  # each step: 8 ms of kernels, 2 ms idle
+        events += [
+            kernel("nvjet_tst_128x256_64x4_bf16", start, 4_000.0),
+            kernel("flash_fwd_kernel", start + 4_000.0, 1_000.0),
+            kernel("triton_per_fused_add_mul_rsqrt_0", start + 5_000.0, 1_000.0),
+            kernel("elementwise_kernel<silu>", start + 6_000.0, 500.0),
+            kernel("ncclDevKernel_AllReduce_Sum_f32", start + 6_500.0, 500.0),
+            kernel("multi_tensor_apply_kernel<FusedAdamMathFunctor>", start + 7_000.0, 1_000.0),
+        ]
+    floors = {"matmul": 0.002, "attention": 0.0005, "elementwise / norm": 0.0003, "optimizer": 0.0008}
+    text = summary.summarize(events, floors={**floors, "communication": 0.0, "idle (host-bound)": 0.0})
+    assert "| matmul | 4.00 | 40.0% | 2.00 | 2.00x |" in text
+    assert "| attention | 1.00 | 10.0% | 0.50 | 2.00x |" in text
+    assert "| elementwise / norm | 1.50 | 15.0% | 0.30 | 5.00x |" in text
+    assert "| optimizer | 1.00 | 10.0% | 0.80 | 1.25x |" in text
+    assert "| communication | 0.50 | 5.0% | 0.00 | (floor 0) |" in text
+    assert "| idle (host-bound) | 2.00 | 20.0% | 0.00 | (floor 0) |" in text
+    assert "| **step** | 10.00 | 100% | 3.60 | 2.78x |" in text
+    trace, result = tmp_path / "t.json", tmp_path / "bench.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    result.write_text(json.dumps({"floors": {"step_s": floors}}))
+    summary.main([str(trace), "--floors", str(result)])
+    assert "| matmul | 4.00 | 40.0% | 2.00 | 2.00x |" in capsys.readouterr().out
+    result.write_text(json.dumps({"mfu": 0.5}))
+    with pytest.raises(SystemExit) as info:
+        summary.main([str(trace), "--floors", str(result)])
+    assert str(info.value).startswith(f"error: {result}: expected the JSON of `titanlite bench train` with floors")
+
+
 def test_bench_table_rows_ratios_and_failures(tmp_path):
     table = script("table")
     base = {"params": 10, "local_batch_size": 4, "seq_len": 2048, "device": "NVIDIA H100 80GB HBM3"}

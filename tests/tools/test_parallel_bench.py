@@ -64,6 +64,14 @@ def test_bench_prints_json_with_throughput_mfu_memory_and_split(tmp_path):
         split["optimizer"] / opt["floor_s"]
     )
     assert (opt["implementation"], opt["clip"]) == ("foreach", "one multi-tensor multiply")
+    floors = result["floors"]  # fp32 on CPU: the GEMM rate is the measured matmul peak of MFU
+    assert floors["gemm_dtype"] == "float32" and floors["gemm_tflops"] == pytest.approx(result["peak_tflops"])
+    assert floors["tokens_per_device"] == 128 and floors["step_s"]["optimizer"] == pytest.approx(opt["floor_s"])
+    gemm, per_step = floors["gemm_tflops"] * 1e12, floors["step_s"]
+    # PaLM's FLOPs per token (MFU's) = the matmuls + twice the causal attention the floor counts + 6 per norm weight
+    flops = (per_step["matmul"] + 2 * per_step["attention"]) * gemm / 128 + 6 * (2 * 2 * 64 + 64)
+    assert flops == pytest.approx(result["flops_per_token"], rel=1e-9)
+    assert per_step["elementwise / norm"] > 0 and per_step["communication"] == per_step["idle (host-bound)"] == 0
 
 
 def test_bench_bad_parallelism_is_one_line_error(tmp_path):

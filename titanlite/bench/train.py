@@ -15,9 +15,11 @@ import sys
 
 from titanlite.bench.bubble import StageActivity, pipeline_report
 from titanlite.bench.common import StepTimer, device_name, emit, peak_memory_gib
+from titanlite.bench.step_floors import measure_gemm_rate, step_floors
 from titanlite.config import exit_with_error, parse_args_or_exit
 from titanlite.errors import UserError
 from titanlite.models import model_schema
+from titanlite.models.flops import ModelShape
 from titanlite.optim.bandwidth import measure_copy_bandwidth, optimizer_floor
 from titanlite.parallel.distributed import main_then_exit, world_from_env
 from titanlite.train import setup_logging
@@ -106,7 +108,7 @@ def main(argv=None) -> dict:
         "--bandwidth",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="measure the copy bandwidth and report the optimizer step against its floor (default on)",
+        help="measure the copy bandwidth and the GEMM rate: the optimizer and each part of the step against its floor",
     )
     parser.add_argument(
         "--checkpoint-modes",
@@ -216,11 +218,27 @@ def summarize(trainer: BenchTrainer, cfg, args, elapsed: float) -> dict:
         optimizer_s = result.get("time_split_s", {}).get("optimizer")
         bandwidth = measure_copy_bandwidth(device)
         result["optimizer"] = optimizer_floor(trainer.optimizer, optimizer_s, bandwidth, elapsed / steps)
+        result["floors"] = floors(trainer, cfg, metrics.matmul_dtype, bandwidth, result["optimizer"]["update_bytes"])
     losses = trainer.train_step.losses
     result["loss_first"], result["loss_last"] = (losses[0], losses[-1]) if losses else (None, None)
     if trainer.pipeline_plan is not None:
         result["pipeline"] = pipeline_report(trainer, elapsed, steps, result["peak_memory_gib"])
     return result
+
+
+def floors(trainer: BenchTrainer, cfg, matmul_dtype: str, bandwidth: float, update_bytes: float) -> dict:
+    """The measured GEMM rate (in the matmuls' dtype) and each part's floor per step on one device
+    (:mod:`titanlite.bench.step_floors`; ``titanlite bench trace-summary --floors`` sets a profile beside them)."""
+    gemm = measure_gemm_rate(trainer.device, {"tfloat32": "float32"}.get(matmul_dtype, matmul_dtype))
+    tokens = trainer.global_batch * cfg.training.seq_len // trainer.world.world_size
+    shape = ModelShape.from_args(trainer.model_args)
+    act_bytes = 2 if cfg.training.mixed_precision_param == "bfloat16" else 4
+    full_ac = cfg.activation_checkpoint.mode == "full"
+    per_step = step_floors(
+        shape, tokens, cfg.training.seq_len, gemm_flops_per_s=gemm, bytes_per_s=bandwidth, update_bytes=update_bytes,
+        act_bytes=act_bytes, recompute_forward=full_ac,
+    )  # fmt: skip
+    return {"gemm_tflops": gemm / 1e12, "gemm_dtype": matmul_dtype, "tokens_per_device": tokens, "step_s": per_step}
 
 
 if __name__ == "__main__":
