@@ -35,6 +35,7 @@ BENCH = {
     "checkpoint": Tool("titanlite.bench.checkpoint", "main", "how long a save blocks the loop, per async_mode"),
     "hf-baseline": Tool("titanlite.bench.hf_baseline", "main", "the transformers training loop at the same shape"),
     "hf-storage": Tool("titanlite.bench.hf_storage", "main", "DCP's HF storage reader/writer vs titanlite's own path"),
+    "rows": Tool("titanlite.bench.rows", "main", "several bench train rows in one process, as JSON lines"),
     "table": Tool("titanlite.bench.table", "main", "the training benchmark's table from JSON lines"),
     "trace-summary": Tool(
         "titanlite.bench.trace_summary", "main", "a profiled step by kernel kind and part, vs floors"

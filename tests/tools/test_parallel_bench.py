@@ -255,3 +255,43 @@ def test_context_parallel_bench_refuses_an_unknown_mask(capsys):
     assert exit_info.value.code == 2 and err.strip().splitlines()[-1].endswith(
         "--masks: unknown mask 'both' (expected causal and/or documents, comma-separated)"
     ), err
+
+
+def test_rows_run_in_one_process_each_appended_and_a_failure_skips_only_its_row(tmp_path, capsys):
+    """``titanlite bench rows``: three rows (the second's config is bad) give three lines, in order; a row's losses
+    are those of the same config benched again afterwards in the same process (nothing leaks from row to row)."""
+    rows = importlib.import_module("titanlite.bench.rows")
+    common = ["--warmup", "1", "--steps", "2", "--no-bandwidth", *TINY_MODEL, "--training.seq_len", "32"]
+    common += ["--metrics.enable_tensorboard", "false", "--job.dump_folder", str(tmp_path / "run")]
+    jsonl = tmp_path / "train.jsonl"
+    argv = ["--jsonl", str(jsonl), "--common", *common, "--row", "b4", "--training.local_batch_size", "4"]
+    argv += ["--row", "bad", "--training.local_batch_size", "zero", "--row", "b2", "--training.local_batch_size", "2"]
+    results = rows.main(argv)
+    lines = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert lines == results and [r["row"] for r in lines] == ["b4", "bad", "b2"]
+    assert lines[1] == {"row": "bad", "error": "exit status 2"}
+    assert [r["local_batch_size"] for r in (lines[0], lines[2])] == [4, 2]
+    err = capsys.readouterr().err
+    assert "row 'bad': failed: exit status 2" in err and "row 'b2': done" in err
+    again = _bench_module().main([*common, "--training.local_batch_size", "4"])
+    assert (again["loss_first"], again["loss_last"]) == (lines[0]["loss_first"], lines[0]["loss_last"])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([], "expected --jsonl PATH first"),
+        (["--jsonl", "x.jsonl"], "expected at least one --row NAME ARGS..."),
+        (["--jsonl", "x.jsonl", "--common", "--steps", "2"], "expected at least one --row NAME ARGS..."),
+        (["--jsonl", "x.jsonl", "--steps", "2"], "expected --row NAME ARGS..., got '--steps 2'"),
+    ],
+)
+def test_rows_bad_command_line_is_one_line(argv, message, capsys):
+    rows = importlib.import_module("titanlite.bench.rows")
+    with pytest.raises(SystemExit) as info:
+        rows.main(argv)
+    assert info.value.code == 2 and capsys.readouterr().err == f"error: titanlite bench rows: {message}\n"
+    assert rows.split_rows(["--jsonl", "o", "--common", "-c", "--row", "a", "x", "--row", "b"]) == (
+        "o",
+        [("a", ["-c", "x"]), ("b", ["-c"])],
+    )

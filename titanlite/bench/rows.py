@@ -1,0 +1,94 @@
+"""Several ``titanlite bench train`` rows in one process, each appended to a JSON-lines file as it finishes.
+
+    titanlite bench rows --jsonl train.jsonl [--common ARGS...] --row NAME ARGS... [--row NAME ARGS...]
+
+Each row runs ``titanlite bench train`` with the common arguments and then its own, and its result is written as
+one line with its ``"row"`` name, or ``{"row": ..., "error": ...}`` when it fails (the next row still runs). On a
+GPU machine lent for minutes this is what makes the rows fit: the process starts, imports torch and initializes
+CUDA once, and a row whose graphs another row already compiled (the same shapes with profiling, say) loads them
+from inductor's caches. Between rows the compiled code is dropped (``torch._dynamo.reset``: every row compiles
+its own blocks, never falling back to eager past Dynamo's recompile limit), memory is freed and the peak-memory
+counter restarts, so each row measures what it would alone.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import sys
+import traceback
+
+import torch
+
+from titanlite.errors import one_line
+
+logger = logging.getLogger(__name__)
+
+
+def split_rows(argv: list[str]) -> tuple[str, list[tuple[str, list[str]]]]:
+    """``(jsonl path, [(row name, its bench-train arguments)])`` from the command line (see the module docstring);
+    ValueError for a line without ``--jsonl PATH`` or without a named row."""
+    if len(argv) < 2 or argv[0] != "--jsonl":
+        raise ValueError("expected --jsonl PATH first")
+    path, rest, common, rows = argv[1], argv[2:], [], []
+    if rest[:1] == ["--common"]:
+        end = rest.index("--row") if "--row" in rest else len(rest)
+        common, rest = rest[1:end], rest[end:]
+    while rest:
+        if rest[0] != "--row" or len(rest) < 2:
+            raise ValueError(f"expected --row NAME ARGS..., got {' '.join(rest[:3])!r}")
+        end = rest.index("--row", 2) if "--row" in rest[2:] else len(rest)
+        rows.append((rest[1], common + rest[2:end]))
+        rest = rest[end:]
+    if not rows:
+        raise ValueError("expected at least one --row NAME ARGS...")
+    return path, rows
+
+
+def run_row(argv: list[str]) -> dict:
+    """One row's result, or ``{"error": one line}`` (the traceback of a bug goes to the log)."""
+    from titanlite.bench import train
+
+    try:
+        return train.main(argv)
+    except SystemExit as e:  # bad arguments or config: the one line is on stderr already
+        return {"error": f"exit status {e.code}"}
+    except Exception as e:  # an out-of-memory or compile failure of this row: the next rows still run
+        logger.error("row failed:\n%s", traceback.format_exc())
+        return {"error": one_line(e)}
+    finally:
+        release()
+
+
+def release() -> None:
+    """Drop the row's compiled code and memory, and restart the peak-memory counter."""
+    torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__.strip())
+        return []
+    try:
+        path, rows = split_rows(argv)
+    except ValueError as e:
+        print(f"error: titanlite bench rows: {e}", file=sys.stderr)
+        sys.exit(2)
+    results = []
+    for name, row_argv in rows:
+        result = {"row": name, **run_row(row_argv)}
+        with open(path, "a") as f:
+            f.write(json.dumps(result) + "\n")
+        print(f"row {name!r}: {'failed: ' + result['error'] if 'error' in result else 'done'}", file=sys.stderr)
+        results.append(result)
+    return results
+
+
+if __name__ == "__main__":
+    main()
