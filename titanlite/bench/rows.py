@@ -1,7 +1,5 @@
 """Several ``titanlite bench train`` rows in one process, each appended to a JSON-lines file as it finishes.
 
-    titanlite bench rows --jsonl train.jsonl [--common ARGS...] --row NAME ARGS... [--row NAME ARGS...]
-
 Each row runs ``titanlite bench train`` with the common arguments and then its own, and its result is written as
 one line with its ``"row"`` name, or ``{"row": ..., "error": ...}`` when it fails (the next row still runs). On a
 GPU machine lent for minutes this is what makes the rows fit: the process starts, imports torch and initializes
@@ -24,6 +22,7 @@ import torch
 from titanlite.errors import one_line
 
 logger = logging.getLogger(__name__)
+USAGE = "titanlite bench rows --jsonl PATH [--common ARGS...] --row NAME ARGS... [--row NAME ARGS...]"
 
 
 def split_rows(argv: list[str]) -> tuple[str, list[tuple[str, list[str]]]]:
@@ -73,8 +72,8 @@ def release() -> None:
 def main(argv: list[str] | None = None) -> list[dict]:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["-h"], ["--help"]):
-        print(__doc__.strip())
-        return []
+        print(f"usage: {USAGE}\n\n{__doc__.strip()}")
+        sys.exit(0)
     try:
         path, rows = split_rows(argv)
     except ValueError as e:
