@@ -1,26 +1,28 @@
 #!/usr/bin/env bash
-# Every GPU figure docs/benchmarks.md reports, in ONE call of the device tool (at most ~9 minutes on one H100 /
-# H200; torch 2.11 image, no torchdata, no network: see docs/benchmarks.md "Running scripts/gpu_check.sh").
+# Every GPU figure docs/benchmarks.md reports, in ONE call of the device tool (at most 9 minutes on one H200 / H100;
+# the image's torch, no torchdata, no network: see docs/benchmarks.md "Running scripts/gpu_check.sh").
 #
 #   bash scripts/gpu_check.sh           # on the GPU machine; results under $OUT (default ./gpu_check_out)
 #   bash scripts/gpu_check.sh --cpu     # the same steps at the debug model's size on CPU: checks the script itself
 #
-# Steps run in priority order, each its own process under `timeout` (the smaller of its cap and what is left of
-# GPU_BUDGET_S, default 500 s; a step that no longer fits is recorded as skipped), so a slow compile or a failure
-# costs the steps after it nothing but time, and every result is appended as soon as it exists:
-#   1. training, Llama 3.2 1B at seq_len 2048, bf16: batch 4 compiled           (titanlite.bench.train)
-#   2. generation, 1B bf16, 128-token prompts, 256 new tokens, batch 1 and 8:    (titanlite.bench.generate)
-#      the compiled decode step; then the eager cache and recomputing the prefix
-#   3. the transformers loop at the same shape, compiled                         (titanlite.bench.hf_baseline)
-#   4. training 1B batch 8 compiled; 5. scoring the 1B model at batch 16         (titanlite.bench.eval)
-#   6. training, Llama 3.1 8B's layers (4 of them), bf16 then float8; the optimizer step alone (1B)
-#   7. a profiled 8B-shape float8 step; the MoE layer on CUDA and qwen3_moe 30B-A3B with 4 blocks (grouped GEMM
-#      against the per-expert loop); the eager and float8 1B rows and the transformers loop eager
-# Files under $OUT (at most 8): results.jsonl (generation, scoring, MoE rows), train.jsonl (training rows, each
+# Steps run in priority order, each under `timeout` (the smaller of its cap and what is left of GPU_BUDGET_S,
+# default 520 s; a step that no longer fits is recorded as skipped, in steps.jsonl and as a row), and every result
+# is appended as soon as it exists. To fit the budget: training rows of one kind share a process
+# (`titanlite bench rows`: one torch import and CUDA start; the profiled 1B step reuses row 1's compiled graphs),
+# every process shares one inductor cache folder, 2 warm-up and 8 timed steps per row. The steps:
+#   1. 1B bf16 compiled, seq 2048: batch 4; the same step profiled (its parts against their floors); batch 8;
+#      batch 4 with cuDNN attention first ([training] sdpa_kernel)                 (titanlite.bench.rows)
+#   2. the compiled transformers loop at batch 4                                    (titanlite.bench.hf_baseline)
+#   3. decode, 1B bf16, 128-token prompts, 256 new tokens, batch 1 and 8, compiled  (titanlite.bench.generate)
+#   4. the optimizer step alone (1B); 5. Llama 3.1 8B's layers (4 of them): bf16, float8 tensorwise, rowwise
+#   6. the MoE layer, and qwen3_moe 30B-A3B with 4 blocks: grouped GEMM against the per-expert loop
+#   7. scoring the 1B model at batch 16, compiled (titanlite.bench.eval); 8. 1B float8 tensorwise, batch 4 and 8
+#   9. 1B batch 4 with CUDA graphs ([compile] mode reduce-overhead); the transformers loop at batch 8; eager rows
+# Files under $OUT (at most 8): results.jsonl (generation, scoring, MoE layer), train.jsonl (training rows, each
 # with its "row" name), steps.jsonl (each step's exit status and seconds), log.txt (every step's output),
-# table.md (the summary, also printed), profile_8b_float8.md and trace_8b_float8.json.gz (the profiled step).
-# The carried torchdata wheel (.whl/torchdata-*.whl) is imported from the zip; the eval data comes from an
-# ignored folder of the checkout (outputs/gpu_eval, a copy of ../shared/data/eval/hellaswag) carried along.
+# table.md (the summary, also printed), profile_1b.md (the profiled step's parts against their floors) and
+# trace_1b.json.gz. The carried torchdata wheel (.whl/torchdata-*.whl) is imported from the zip; the eval data comes
+# from an ignored folder of the checkout (outputs/gpu_eval, a copy of ../shared/data/eval/hellaswag) carried along.
 set -u
 cd "$(dirname "$0")/.."
 
@@ -29,8 +31,9 @@ MODE=gpu
 OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
 RESULTS=$OUT/results.jsonl TRAIN=$OUT/train.jsonl STEPS=$OUT/steps.jsonl LOG=$OUT/log.txt TABLE=$OUT/table.md
-BUDGET_S=${GPU_BUDGET_S:-500}
-[ "$MODE" = cpu ] && BUDGET_S=${GPU_BUDGET_S:-3000}  # a CPU compiles slowly
+BUDGET_S=${GPU_BUDGET_S:-520}
+CAP_SCALE=1
+[ "$MODE" = cpu ] && BUDGET_S=${GPU_BUDGET_S:-3000} CAP_SCALE=2  # a CPU compiles slowly: twice each step's cap
 START=$(date +%s)
 WORK=$(mktemp -d /tmp/gpu_check.XXXXXX)  # dump folders, per-row JSON, the raw trace: not under $OUT
 EVAL_DATA=${EVAL_DATA:-$PWD/outputs/gpu_eval}
@@ -43,10 +46,11 @@ if ! "$PY" -c "import torchdata" 2>/dev/null; then
   for wheel in "$PWD"/.whl/torchdata-*.whl; do [ -f "$wheel" ] && export PYTHONPATH="$wheel:$PYTHONPATH"; done
 fi
 export PYTHONUNBUFFERED=1
+export TORCHINDUCTOR_CACHE_DIR=$WORK/inductor  # one compile cache for every step: a graph compiled once is loaded
 [ "$MODE" = cpu ] && export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 
 step() {  # step NAME CAP_S command...: returns the command's status, 3 when skipped
-  local name=$1 cap=$2 left limit t0 rc
+  local name=$1 cap=$(($2 * CAP_SCALE)) left limit t0 rc
   shift 2
   left=$((BUDGET_S - ($(date +%s) - START)))
   if ((left < 40)); then
@@ -64,6 +68,13 @@ step() {  # step NAME CAP_S command...: returns the command's status, 3 when ski
   return $rc
 }
 
+failed() {  # failed NAME RC: the train.jsonl line of a step that gave no result
+  local why="failed, exit status $2 (log.txt)"
+  (($2 == 3)) && why="skipped: time budget spent"
+  (($2 == 124 || $2 == 137)) && why="timed out"
+  echo "{\"row\": \"$1\", \"error\": \"$why\"}" >>"$TRAIN"
+}
+
 row() {  # row NAME CAP_S MODULE ARGS...: a training benchmark whose --json-out goes to train.jsonl with "row"
   local name=$1 cap=$2 module=$3 json rc
   shift 3
@@ -74,11 +85,17 @@ row() {  # row NAME CAP_S MODULE ARGS...: a training benchmark whose --json-out 
     "$PY" -c 'import json, sys; print(json.dumps({"row": sys.argv[1], **json.load(open(sys.argv[2]))}))' \
       "$name" "$json" >>"$TRAIN"
   else
-    local why="failed, exit status $rc (log.txt)"
-    ((rc == 3)) && why="skipped: time budget spent"
-    ((rc == 124 || rc == 137)) && why="timed out"
-    echo "{\"row\": \"$name\", \"error\": \"$why\"}" >>"$TRAIN"
+    failed "$name" $rc
   fi
+}
+
+rows() {  # rows NAME CAP_S [--common ARGS...] --row ROW ARGS...: bench train rows in one process (bench rows)
+  local name=$1 cap=$2 rc
+  shift 2
+  step "$name" "$cap" "$PY" -m titanlite.bench.rows --jsonl "$TRAIN" "$@"
+  rc=$?
+  ((rc != 0)) && failed "$name (the rows after the last written one)" $rc
+  return $rc
 }
 
 step env 60 "$PY" -c "
@@ -92,7 +109,7 @@ print(row, 'torchdata', torchdata.__file__, 'titanlite', titanlite.__file__)
 
 # ---- the shapes
 if [ "$MODE" = gpu ]; then
-  FLAVOR_1B=1B FLAVOR_8B=8B SEQ=2048 VOCAB=128256 WARMUP=4 STEPS_T=12 DTYPE=bfloat16
+  FLAVOR_1B=1B FLAVOR_8B=8B SEQ=2048 VOCAB=128256 WARMUP=2 STEPS_T=8 DTYPE=bfloat16
   GEN=(--flavors 1B --dtype bfloat16 --batch-sizes 1,8 --prompt-len 128 --new-tokens 256 --repeats 1)
   BIG_EVAL=(--tasks "" --big-flavor 1B --big-task hellaswag --big-limit 64 --batch-sizes 16 --dtype bfloat16)
 else
@@ -103,43 +120,43 @@ fi
 SHAPE=(--config train_configs/debug_model.toml --model.vocab_size "$VOCAB" --training.seq_len "$SEQ"
   --training.global_batch_size -1 --training.mixed_precision_param "$DTYPE" --metrics.enable_tensorboard false
   --metrics.log_freq 1000 --checkpoint.enable false --validation.enable false --warmup "$WARMUP" --steps "$STEPS_T")
-B1=(--model.flavor "$FLAVOR_1B")
-B8=(--model.flavor "$FLAVOR_8B" --model.n_layers 4 --training.local_batch_size 4 --compile.enable true)
+B1=(--common "${SHAPE[@]}" --model.flavor "$FLAVOR_1B" --compile.enable true)
+B8=(--common "${SHAPE[@]}" --model.flavor "$FLAVOR_8B" --model.n_layers 4 --training.local_batch_size 4
+  --compile.enable true)
 F8=(--quantize.linear.float8.enable true)
-bench() {  # bench NAME CAP_S ARGS...: titanlite.bench.train at the common shape, in a dump folder of its own
-  local name=$1 cap=$2
-  shift 2
-  row "$name" "$cap" titanlite.bench.train "${SHAPE[@]}" --job.dump_folder "$WORK/$(echo "$name" | tr -c 'A-Za-z0-9' _)" "$@"
-}
+dump() { echo "--job.dump_folder=$WORK/$1"; }  # each row's own run folder
 hf() {  # hf NAME CAP_S ARGS...: the transformers loop at the 1B shape
   local name=$1 cap=$2
   shift 2
   row "$name" "$cap" titanlite.bench.hf_baseline --flavor "$FLAVOR_1B" --vocab-size "$VOCAB" --seq-len "$SEQ" \
     --dtype "$DTYPE" --warmup "$WARMUP" --steps "$STEPS_T" "$@"
 }
+# the profiled 1B step (row 1's shape: its graphs come from the cache): profiler warm-up at step WARMUP + 1, trace at
+# step WARMUP + 2; no per-region syncs; its JSON (with the floors) is read by trace-summary below
+PROFILE=(--warmup "$WARMUP" --steps 2 --no-split --json-out "$WORK/profile_1b.json" --training.local_batch_size 4
+  --profiling.enable_profiling true --profiling.profile_freq $((WARMUP + 2)) --profiling.profiler_warmup 1
+  --profiling.profiler_active 1 "$(dump profile)")
 
 # ---- in priority order
-bench "1B, batch 4, compiled" 130 "${B1[@]}" --training.local_batch_size 4 --compile.enable true
-step generate_compiled 130 "$PY" -m titanlite.bench.generate "${GEN[@]}" --modes compiled --jsonl "$RESULTS"
-hf "transformers 1B, batch 4, compiled" 150 --batch 4 --compile
-step generate_eager 90 "$PY" -m titanlite.bench.generate "${GEN[@]}" --modes eager,recompute --jsonl "$RESULTS"
-bench "1B, batch 8, compiled" 100 "${B1[@]}" --training.local_batch_size 8 --compile.enable true
-step eval_big 120 "$PY" -m titanlite.bench.eval --data-dir "$EVAL_DATA" "${BIG_EVAL[@]}" --repeats 1 \
-  --modes eager,compiled --jsonl "$RESULTS"
-bench "8B shapes (4 layers), batch 4, compiled" 100 "${B8[@]}"
-bench "8B shapes (4 layers), batch 4, compiled, float8" 100 "${B8[@]}" "${F8[@]}"
-row "optimizer step alone, 1B" 45 titanlite.bench.optimizer --flavor "$FLAVOR_1B" --vocab-size "$VOCAB"
-
-PROFILE="$WORK/profile"  # where the 8B-shape float8 step's GPU time goes (the compile cache is warm by now)
-if step "profile: 8B shapes, float8" 90 "$PY" -m titanlite.bench.train "${SHAPE[@]}" "${B8[@]}" "${F8[@]}" --warmup 3 \
-  --steps 2 --no-bandwidth --no-split --profiling.enable_profiling true --profiling.profile_freq 5 \
-  --profiling.profiler_warmup 1 --profiling.profiler_active 1 --job.dump_folder "$PROFILE"; then
-  TRACE=$(ls "$PROFILE"/profile_traces/iteration_5/*.json 2>/dev/null | head -1)
-  if [ -n "$TRACE" ]; then
-    "$PY" -m titanlite.bench.trace_summary "$TRACE" >"$OUT/profile_8b_float8.md" 2>>"$LOG"
-    gzip -c "$TRACE" >"$OUT/trace_8b_float8.json.gz"
-  fi
+rows "1B bf16 compiled: batch 4, profiled, batch 8, cuDNN attention" 210 "${B1[@]}" \
+  --row "1B, batch 4, compiled" --training.local_batch_size 4 "$(dump b4)" \
+  --row "1B, batch 4, compiled (profiled step)" "${PROFILE[@]}" \
+  --row "1B, batch 8, compiled" --training.local_batch_size 8 "$(dump b8)" \
+  --row "1B, batch 4, compiled, cuDNN attention first" --training.local_batch_size 4 --training.sdpa_kernel cudnn \
+  "$(dump cudnn)"
+TRACE=$(ls "$WORK"/profile/profile_traces/iteration_$((WARMUP + 2))/*.json 2>/dev/null | head -1)
+if [ -n "$TRACE" ] && [ -s "$WORK/profile_1b.json" ]; then
+  "$PY" -m titanlite.bench.trace_summary "$TRACE" --floors "$WORK/profile_1b.json" >"$OUT/profile_1b.md" 2>>"$LOG"
+  gzip -c "$TRACE" >"$OUT/trace_1b.json.gz"
 fi
+hf "transformers 1B, batch 4, compiled" 150 --batch 4 --compile
+step generate_compiled 120 "$PY" -m titanlite.bench.generate "${GEN[@]}" --modes compiled --jsonl "$RESULTS"
+row "optimizer step alone, 1B" 45 titanlite.bench.optimizer --flavor "$FLAVOR_1B" --vocab-size "$VOCAB"
+rows "8B shapes (4 layers), batch 4, compiled: bf16, float8 tensorwise, float8 rowwise" 150 "${B8[@]}" \
+  --row "8B shapes (4 layers), batch 4, compiled" "$(dump b8_bf16)" \
+  --row "8B shapes (4 layers), batch 4, compiled, float8" "${F8[@]}" "$(dump b8_f8)" \
+  --row "8B shapes (4 layers), batch 4, compiled, float8 rowwise" "${F8[@]}" \
+  --quantize.linear.float8.recipe_name rowwise "$(dump b8_f8_row)"
 if [ "$MODE" = gpu ]; then  # the MoE layer (debug MoE's experts, 16k tokens, bf16): grouped GEMM against the loop
   step moe_layer 60 "$PY" -m titanlite.bench.moe --training.mixed_precision_param bfloat16 \
     --training.local_batch_size 8 --training.seq_len 2048 --steps 10 --json-out "$WORK/moe_layer.json" &&
@@ -147,18 +164,26 @@ if [ "$MODE" = gpu ]; then  # the MoE layer (debug MoE's experts, 16k tokens, bf
       "$WORK/moe_layer.json" >>"$RESULTS"
 fi
 # qwen3_moe 30B-A3B with 4 blocks (128 experts, top-8, the real vocabulary), full AC: MFU on active parameters
-MOE=(--config train_configs/qwen3_30b_a3b.toml --job.world_size 1 --parallelism.expert_parallel_degree 1
+MOE=(--common --config train_configs/qwen3_30b_a3b.toml --job.world_size 1 --parallelism.expert_parallel_degree 1
   --parallelism.data_parallel_shard_degree 1 --model.n_layers 4 --model.tokenizer_path "" --training.dataset embedded
   --training.dataset_path "" --validation.enable false --training.local_batch_size 2 --training.seq_len "$SEQ"
   --training.global_batch_size -1 --training.mixed_precision_param "$DTYPE" --checkpoint.enable false
-  --compile.enable false --activation_checkpoint.mode full --metrics.enable_tensorboard false --warmup 3 --steps 8)
+  --compile.enable false --activation_checkpoint.mode full --metrics.enable_tensorboard false --warmup 2 --steps 6)
 [ "$MODE" = gpu ] && MOE+=(--model.vocab_size 151936) || MOE+=(--model.flavor debugmodel)
-row "qwen3_moe 30B-A3B x4 blocks, grouped GEMM" 80 titanlite.bench.train "${MOE[@]}" --job.dump_folder "$WORK/moe_g"
-row "qwen3_moe 30B-A3B x4 blocks, expert loop" 80 titanlite.bench.train "${MOE[@]}" --model.moe_grouped_mm false \
-  --job.dump_folder "$WORK/moe_l"
-bench "1B, batch 4, eager" 80 "${B1[@]}" --training.local_batch_size 4 --compile.enable false
-bench "1B, batch 4, compiled, float8" 100 "${B1[@]}" --training.local_batch_size 4 --compile.enable true "${F8[@]}"
-hf "transformers 1B, batch 4, eager" 80 --batch 4
+rows "qwen3_moe 30B-A3B x4 blocks: grouped GEMM, expert loop" 120 "${MOE[@]}" \
+  --row "qwen3_moe 30B-A3B x4 blocks, grouped GEMM" "$(dump moe_g)" \
+  --row "qwen3_moe 30B-A3B x4 blocks, expert loop" --model.moe_grouped_mm false "$(dump moe_l)"
+step eval_big 120 "$PY" -m titanlite.bench.eval --data-dir "$EVAL_DATA" "${BIG_EVAL[@]}" --repeats 1 \
+  --modes compiled --jsonl "$RESULTS"
+rows "1B float8 compiled: batch 4, batch 8" 120 "${B1[@]}" "${F8[@]}" \
+  --row "1B, batch 4, compiled, float8" --training.local_batch_size 4 "$(dump f8_b4)" \
+  --row "1B, batch 8, compiled, float8" --training.local_batch_size 8 "$(dump f8_b8)"
+rows "1B, batch 4, CUDA graphs" 90 "${B1[@]}" --row "1B, batch 4, compiled, CUDA graphs (reduce-overhead)" \
+  --training.local_batch_size 4 --compile.mode reduce-overhead "$(dump cudagraphs)"
+hf "transformers 1B, batch 8, compiled" 120 --batch 8 --compile
+rows "1B, batch 4, eager" 60 --common "${SHAPE[@]}" --model.flavor "$FLAVOR_1B" \
+  --row "1B, batch 4, eager" --training.local_batch_size 4 "$(dump eager)"
+hf "transformers 1B, batch 4, eager" 60 --batch 4
 
 # ---- the table
 {
@@ -207,6 +232,7 @@ for r in rows:
     if r.get("bench") not in ("env", "generate", "eval"):
         print(json.dumps(r))
 EOF
+  [ -s "$OUT/profile_1b.md" ] && printf '\n## The profiled 1B step (batch 4, compiled)\n\n' && cat "$OUT/profile_1b.md"
 } >"$TABLE"
 echo "done after $(($(date +%s) - START)) s" >>"$LOG"
 cat "$TABLE"

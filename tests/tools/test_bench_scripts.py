@@ -55,6 +55,8 @@ def test_trace_summary_sets_each_part_of_the_step_beside_its_floor(tmp_path, cap
             kernel("ncclDevKernel_AllReduce_Sum_f32", start + 6_500.0, 500.0),
             kernel("multi_tensor_apply_kernel<FusedAdamMathFunctor>", start + 7_000.0, 1_000.0),
         ]
+    for name in ("fmha_cutlassB_bf16_aligned_64x64_k64_sm80", "cudnn_generated_fort_native_sdpa_sm90_knob_7"):
+        assert summary.kind_of(name) == "attention", name  # not a matmul, though cutlass and cuDNN build them
     floors = {"matmul": 0.002, "attention": 0.0005, "elementwise / norm": 0.0003, "optimizer": 0.0008}
     text = summary.summarize(events, floors={**floors, "communication": 0.0, "idle (host-bound)": 0.0})
     assert "| matmul | 4.00 | 40.0% | 2.00 | 2.00x |" in text
@@ -92,6 +94,7 @@ def test_bench_table_rows_ratios_and_failures(tmp_path):
         {
             "row": "1B, batch 4, compiled, float8",
             "compile": True,
+            "float8": True,
             "tokens_per_s_per_device": 66_000.0,
             "mfu": 0.3,
             "mfu_vs_bf16_peak": 0.6,
@@ -125,10 +128,10 @@ def test_bench_table_rows_ratios_and_failures(tmp_path):
     text = table.table([json.loads(x) for x in path.read_text().splitlines()])
     lines = text.splitlines()
     assert lines[0] == "Device: NVIDIA H100 80GB HBM3"
-    assert "| 1B, batch 4, compiled | 60,000 | 50.0% | 30.0 GiB | 85% / 10% / 5% | 1.20x | 1.25x |" in lines
-    assert "| 1B, batch 4, compiled, float8 | 66,000 | 60.0% | 25.0 GiB | - / - / - | - | 1.38x |" in lines
-    assert "| transformers 1B, batch 4, compiled | 48,000 | 40.0% | 34.6 GiB | - / - / - | - | - |" in lines
-    assert "| 1B, batch 4, eager | timed out | | | | | |" in lines
+    assert "| 1B, batch 4, compiled | 60,000 | 50.0% | 30.0 GiB | 85% / 10% / 5% | 1.20x | 1.25x | - |" in lines
+    assert "| 1B, batch 4, compiled, float8 | 66,000 | 60.0% | 25.0 GiB | - / - / - | - | 1.38x | 1.10x |" in lines
+    assert "| transformers 1B, batch 4, compiled | 48,000 | 40.0% | 34.6 GiB | - / - / - | - | - | - |" in lines
+    assert "| 1B, batch 4, eager | timed out | | | | | | |" in lines
     assert (
         lines[-1]
         == "| optimizer step alone, 1B | 1,240 M | 11.5 ms | 21.5 ms (1.87x) | 13.8 ms (1.20x) | 12.5 ms (1.09x) |"

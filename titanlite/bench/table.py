@@ -1,7 +1,8 @@
 """The training benchmark's table (docs/benchmarks.md's format) from JSON lines of ``bench train`` and
 ``bench hf-baseline``, each with a ``"row"`` name added (``scripts/gpu_check.sh`` writes them): ``titanlite bench
 table results.jsonl > table.md``. Columns: tokens/s, MFU, peak memory, the step split, the optimizer step against
-its bandwidth floor, and tokens/s against the ``transformers`` row of the same shape; a failed row is
+its bandwidth floor, tokens/s against the ``transformers`` row of the same shape and, for a float8 row, against the
+first bf16 row of the same shape; a failed row is
 ``{"row": ..., "error": ...}``; ``bench optimizer`` rows get a table of their own.
 """
 
@@ -16,7 +17,7 @@ from titanlite.utils.argtypes import OneLineParser
 
 HEADER = (
     "| run | tokens/s | MFU (bf16 peak) | peak memory | fwd+bwd / optimizer / other | optimizer / floor "
-    "| vs transformers |\n|---|---:|---:|---:|---|---:|---:|"
+    "| vs transformers | float8 vs bf16 |\n|---|---:|---:|---:|---|---:|---:|---:|"
 )
 
 WAYS = ("clip_then_step", "merged", "step_only")  # the ways a bench optimizer row times
@@ -36,9 +37,15 @@ def same_shape(a: dict, b: dict) -> bool:
     return all(a.get(k) == b.get(k) for k in keys)
 
 
-def row_line(r: dict, baselines: list[dict]) -> str:
+def ratio_to(r: dict, rows: list[dict]) -> str:
+    """``r``'s tokens/s over those of the first of ``rows`` of the same shape, or "-"."""
+    match = [b for b in rows if same_shape(r, b)]
+    return f"{r['tokens_per_s_per_device'] / match[0]['tokens_per_s_per_device']:.2f}x" if match else "-"
+
+
+def row_line(r: dict, baselines: list[dict], bf16: list[dict]) -> str:
     if "error" in r:
-        return f"| {r['row']} | {r['error']} | | | | | |"
+        return f"| {r['row']} | {r['error']} | | | | | | |"
     split = r.get("time_split_frac") or {}
     parts = [split.get("forward_backward"), split.get("optimizer")]
     other = None if None in parts else max(0.0, 1 - sum(parts))
@@ -46,15 +53,12 @@ def row_line(r: dict, baselines: list[dict]) -> str:
     opt = r.get("optimizer") if isinstance(r.get("optimizer"), dict) else {}
     floor = f"{opt['floor_ratio']:.2f}x" if opt.get("floor_ratio") else "-"
     mfu = mfu_bf16(r)
-    ratio = "-"
-    if not r["row"].startswith("transformers"):
-        match = [b for b in baselines if same_shape(r, b)]
-        if match:
-            ratio = f"{r['tokens_per_s_per_device'] / match[0]['tokens_per_s_per_device']:.2f}x"
+    ratio = "-" if r["row"].startswith("transformers") else ratio_to(r, baselines)
+    float8 = ratio_to(r, bf16) if r.get("float8") else "-"
     memory = r.get("peak_memory_gib")
     return (
         f"| {r['row']} | {r['tokens_per_s_per_device']:,.0f} | {'-' if mfu is None else f'{100 * mfu:.1f}%'} | "
-        f"{'-' if memory is None else f'{memory:.1f} GiB'} | {split_text} | {floor} | {ratio} |"
+        f"{'-' if memory is None else f'{memory:.1f} GiB'} | {split_text} | {floor} | {ratio} | {float8} |"
     )
 
 
@@ -75,7 +79,8 @@ def table(records: list[dict]) -> str:
     devices = sorted({r["device"] for r in records if "device" in r})
     steps = [r for r in records if "merged_s" in r]
     lines = [f"Device: {', '.join(devices) or 'unknown'}", "", HEADER]
-    lines += [row_line(r, baselines) for r in records if r not in steps]
+    bf16 = [r for r in records if r not in baselines and "tokens_per_s_per_device" in r and not r.get("float8")]
+    lines += [row_line(r, baselines, bf16) for r in records if r not in steps]
     if steps:
         lines += ["", OPTIMIZER_HEADER, *map(optimizer_line, steps)]
     return "\n".join(lines)

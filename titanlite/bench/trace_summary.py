@@ -24,8 +24,8 @@ from titanlite.errors import one_line
 
 KINDS = [  # (kind, pattern on the kernel name): the first match wins
     ("matmul, float8", r"e4m3|e5m2|f8f8|fp8|_f8_"),
+    ("attention", r"flash|fmha|attention|sdpa|cudnn"),  # before matmuls: fmha_cutlass*, cuDNN's xmma-based SDPA
     ("matmul, other", r"gemm|xmma|cutlass|nvjet|cublas|s16816|h16816|bf16_s1688"),
-    ("attention", r"flash|fmha|attention|sdpa|cudnn"),
     ("optimizer (multi-tensor)", r"multi_tensor_apply|fused_adam|adam"),
     ("fused by compile (triton)", r"^triton_"),
     ("collectives", r"nccl"),
@@ -125,7 +125,11 @@ def summarize(events: list[dict], top: int = 15, floors: dict[str, float] | None
                 continue
             ends.append(e["ts"] + e["dur"])
             by_name[str(e.get("name", ""))] += e["dur"]
-        lines += ["no GPU kernels (a CPU trace): top-level operators by time", "", "| operator | ms |", "|---|---:|"]
+        lines.append(
+            "no GPU kernels (a CPU trace): top-level operators by time"
+            + (" (the floors need kernels)" if floors else "")
+        )
+        lines += ["", "| operator | ms |", "|---|---:|"]
         for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
             lines.append(f"| `{name}` | {us / 1e3:.2f} |")
     return "\n".join(lines)
