@@ -214,10 +214,10 @@ if gen:
     print("|---|---|---:|---:|" + "---:|" * (len(modes) + 2))
     for r in gen:
         best = next((m for m in ("compiled", "eager") if f"{m}_tok_s" in r), None)
-        ratio = r[f"{best}_tok_s"] / r["recompute_tok_s"] if best and "recompute_tok_s" in r else float("nan")
+        ratio = f'{r[f"{best}_tok_s"] / r["recompute_tok_s"]:.1f}x' if best and "recompute_tok_s" in r else "-"
         floor = f"{100 * r[best + '_floor_fraction']:.1f}% ({best})" if best else "-"
         cells = " | ".join(f"{r[m + '_tok_s']:,.1f}" if m + "_tok_s" in r else "-" for m in modes)
-        print(f"| {r['flavor']} | {r['dtype']} | {r['batch']} | {r['new']} | {cells} | {ratio:.1f}x | {floor} |")
+        print(f"| {r['flavor']} | {r['dtype']} | {r['batch']} | {r['new']} | {cells} | {ratio} | {floor} |")
     print()
 ev = merged("eval", ("model", "task", "batch_size", "dtype"))
 if ev:
