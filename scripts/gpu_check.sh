@@ -10,8 +10,8 @@
 # is appended as soon as it exists. To fit the budget: training rows of one kind share a process
 # (`titanlite bench rows`: one torch import and CUDA start; the profiled 1B step reuses row 1's compiled graphs),
 # every process shares one inductor cache folder, 2 warm-up and 8 timed steps per row. The steps:
-#   1. 1B bf16 compiled, seq 2048: batch 4; the same step profiled (its parts against their floors); batch 8;
-#      batch 4 with cuDNN attention first ([training] sdpa_kernel)                 (titanlite.bench.rows)
+#   1. 1B bf16 compiled, seq 2048: batch 4; batch 8; batch 4 with cuDNN attention first ([training] sdpa_kernel);
+#      the batch-4 step profiled, its parts against their floors                   (titanlite.bench.rows)
 #   2. the compiled transformers loop at batch 4                                    (titanlite.bench.hf_baseline)
 #   3. decode, 1B bf16, 128-token prompts, 256 new tokens, batch 1 and 8, compiled  (titanlite.bench.generate)
 #   4. the optimizer step alone (1B); 5. Llama 3.1 8B's layers (4 of them): bf16, float8 tensorwise, rowwise
@@ -94,7 +94,7 @@ rows() {  # rows NAME CAP_S [--common ARGS...] --row ROW ARGS...: bench train ro
   shift 2
   step "$name" "$cap" "$PY" -m titanlite.bench.rows --jsonl "$TRAIN" "$@"
   rc=$?
-  ((rc != 0)) && failed "$name (the rows after the last written one)" $rc
+  ((rc != 0)) && failed "$name (its rows not in the table above)" $rc
   return $rc
 }
 
@@ -138,17 +138,16 @@ PROFILE=(--warmup "$WARMUP" --steps 2 --no-split --json-out "$WORK/profile_1b.js
   --profiling.profiler_active 1 "$(dump profile)")
 
 # ---- in priority order
-rows "1B bf16 compiled: batch 4, profiled, batch 8, cuDNN attention" 210 "${B1[@]}" \
+rows "1B bf16 compiled: batch 4, batch 8, cuDNN attention, profiled" 210 "${B1[@]}" \
   --row "1B, batch 4, compiled" --training.local_batch_size 4 "$(dump b4)" \
-  --row "1B, batch 4, compiled (profiled step)" "${PROFILE[@]}" \
   --row "1B, batch 8, compiled" --training.local_batch_size 8 "$(dump b8)" \
   --row "1B, batch 4, compiled, cuDNN attention first" --training.local_batch_size 4 --training.sdpa_kernel cudnn \
-  "$(dump cudnn)"
-TRACE=$(ls "$WORK"/profile/profile_traces/iteration_$((WARMUP + 2))/*.json 2>/dev/null | head -1)
-if [ -n "$TRACE" ] && [ -s "$WORK/profile_1b.json" ]; then
-  "$PY" -m titanlite.bench.trace_summary "$TRACE" --floors "$WORK/profile_1b.json" >"$OUT/profile_1b.md" 2>>"$LOG"
-  gzip -c "$TRACE" >"$OUT/trace_1b.json.gz"
-fi
+  "$(dump cudnn)" \
+  --row "1B, batch 4, compiled (profiled step)" "${PROFILE[@]}"
+# the profiled step's parts against their floors, and its trace (under the budget: a 1B trace is large)
+step "profile summary" 60 bash -c 't=$(ls "$1"/profile/profile_traces/iteration_"$2"/*.json 2>/dev/null | head -1)
+  [ -n "$t" ] && [ -s "$1/profile_1b.json" ] && "$3" -m titanlite.bench.trace_summary "$t" --floors \
+  "$1/profile_1b.json" >"$4/profile_1b.md" && gzip -c "$t" >"$4/trace_1b.json.gz"' _ "$WORK" $((WARMUP + 2)) "$PY" "$OUT"
 hf "transformers 1B, batch 4, compiled" 150 --batch 4 --compile
 step generate_compiled 120 "$PY" -m titanlite.bench.generate "${GEN[@]}" --modes compiled --jsonl "$RESULTS"
 row "optimizer step alone, 1B" 45 titanlite.bench.optimizer --flavor "$FLAVOR_1B" --vocab-size "$VOCAB"
@@ -168,7 +167,8 @@ MOE=(--common --config train_configs/qwen3_30b_a3b.toml --job.world_size 1 --par
   --parallelism.data_parallel_shard_degree 1 --model.n_layers 4 --model.tokenizer_path "" --training.dataset embedded
   --training.dataset_path "" --validation.enable false --training.local_batch_size 2 --training.seq_len "$SEQ"
   --training.global_batch_size -1 --training.mixed_precision_param "$DTYPE" --checkpoint.enable false
-  --compile.enable false --activation_checkpoint.mode full --metrics.enable_tensorboard false --warmup 2 --steps 6)
+  --compile.enable false --activation_checkpoint.mode full --metrics.enable_tensorboard false --warmup "$WARMUP"
+  --steps "$STEPS_T")
 [ "$MODE" = gpu ] && MOE+=(--model.vocab_size 151936) || MOE+=(--model.flavor debugmodel)
 rows "qwen3_moe 30B-A3B x4 blocks: grouped GEMM, expert loop" 120 "${MOE[@]}" \
   --row "qwen3_moe 30B-A3B x4 blocks, grouped GEMM" "$(dump moe_g)" \

@@ -161,8 +161,8 @@ HOW: dict[str, How] = {
     ),
     "docs/benchmarks.md#running-scripts-gpu-check-sh-on-the-gpu-machine-1": How(
         "skip",
-        "the GPU machine's set-up: downloads a wheel from PyPI and runs scripts/gpu_check.sh (~3 min on CPU); "
-        "tests/tools/test_bench_scripts.py checks the script",
+        "the GPU machine's set-up: downloads a wheel from PyPI and runs scripts/gpu_check.sh --cpu (~9 min of "
+        "compiles; its pieces are tested: tests/tools/test_bench_scripts.py, test_parallel_bench.py)",
     ),
     "docs/benchmarks.md#downstream-evaluation-scoring-1": How("help", BENCH),
     "docs/benchmarks.md#downstream-evaluation-scoring-2": How(

@@ -248,6 +248,15 @@ def test_lr_total_steps_sets_the_schedule_length():
     assert translate(str(FIXTURES / "debug_model.toml"), LOCAL).settings.lr_total_steps is None
 
 
+def test_compile_backend_carries_over_and_an_unknown_one_is_one_line():
+    path = str(FIXTURES / "debug_model.toml")
+    assert load_translated(translate(path, LOCAL)).compile.backend == "inductor"  # torchtitan's default
+    assert load_translated(translate(path, [*LOCAL, "--compile.backend", "aot_eager"])).compile.backend == "aot_eager"
+    with pytest.raises(Exception, match="compile.backend") as info:
+        load_translated(translate(path, [*LOCAL, "--compile.backend", "cudagraphs"]))
+    assert "\n" not in str(info.value)
+
+
 def test_memory_estimation_points_at_the_dry_run_and_fake_backend_is_one(caplog):
     path = str(FIXTURES / "debug_model.toml")
     with caplog.at_level(logging.WARNING, logger="torchtitan_ext.compat"):

@@ -92,8 +92,7 @@ TWO_PROC = {
     ),
     # compile (model + loss) with TP collectives and loss parallel inside the graphs, per-op AC traced as a
     # higher-order op. On two ranks, not FSDP 2 x TP 2's four: each rank compiles its own graphs, and FSDP's hooks
-    # stay outside the graphs either way. No validation, whose no-grad graphs would be compiled as well
-    # (tests/trainer/test_output_loss.py compiles those).
+    # stay outside the graphs either way. No validation, whose no-grad graphs would be compiled as well.
     "tp2_compile_ac_op": (
         1,
         [

@@ -111,6 +111,23 @@ def test_compile_backend_and_mode_reach_torch_compile(monkeypatch):
         section.validate()
 
 
+def test_a_chosen_sdpa_kernel_skips_the_autograd_cache_whose_key_does_not_hold_it(monkeypatch):
+    """AOTAutograd's cache key does not include SDPA's kernel priority: with ``[training] sdpa_kernel`` set, every
+    compiled call runs with that cache off (else an earlier run's graph, with torch's kernel, would be loaded);
+    with ``auto`` the cache is as the process has it."""
+    import torch._functorch.config as functorch_config
+
+    seen = []
+    record = lambda *args: seen.append(functorch_config.enable_autograd_cache)  # noqa: E731
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: record)
+    section = JobConfig().compile
+    section.enable = True
+    monkeypatch.setattr(functorch_config, "enable_autograd_cache", True)
+    for kernel in ("cudnn", "auto"):
+        CompilePolicy.from_config(section, sdpa_kernel=kernel).compile_loss(cross_entropy_sum)(None, None)
+    assert seen == [False, True] and functorch_config.enable_autograd_cache
+
+
 def test_the_eager_backend_runs_the_blocks_traced_and_bitwise_equal():
     """``backend = "eager"``: Dynamo traces each block (a graph per distinct block code, no break) and hands the
     graph back to run as is, so the forward and every gradient are bitwise the uncompiled model's."""

@@ -82,6 +82,13 @@ def test_bench_table_rows_ratios_and_failures(tmp_path):
     base = {"params": 10, "local_batch_size": 4, "seq_len": 2048, "device": "NVIDIA H100 80GB HBM3"}
     rows = [
         {
+            "row": "1B, batch 4, compiled, cuDNN attention first",
+            "compile": True,
+            "sdpa_kernel": "cudnn",
+            "tokens_per_s_per_device": 33_000.0,
+            **base,
+        },
+        {
             "row": "1B, batch 4, compiled",
             "compile": True,
             "tokens_per_s_per_device": 60_000.0,
@@ -110,6 +117,13 @@ def test_bench_table_rows_ratios_and_failures(tmp_path):
             **base,
         },
         {"row": "1B, batch 4, eager", "error": "timed out"},
+        {  # a profiled row and one with cuDNN attention first: no ratios, never a float8 row's baseline
+            "row": "1B, batch 4, compiled, profiled",
+            "compile": True,
+            "profiled": True,
+            "tokens_per_s_per_device": 30_000.0,
+            **base,
+        },
         {
             "row": "optimizer step alone, 1B",
             "params": 1.24e9,
@@ -132,6 +146,8 @@ def test_bench_table_rows_ratios_and_failures(tmp_path):
     assert "| 1B, batch 4, compiled, float8 | 66,000 | 60.0% | 25.0 GiB | - / - / - | - | 1.38x | 1.10x |" in lines
     assert "| transformers 1B, batch 4, compiled | 48,000 | 40.0% | 34.6 GiB | - / - / - | - | - | - |" in lines
     assert "| 1B, batch 4, eager | timed out | | | | | | |" in lines
+    assert "| 1B, batch 4, compiled, profiled | 30,000 | - | - | - / - / - | - | - | - |" in lines
+    assert "| 1B, batch 4, compiled, cuDNN attention first | 33,000 | - | - | - / - / - | - | 0.69x | - |" in lines
     assert (
         lines[-1]
         == "| optimizer step alone, 1B | 1,240 M | 11.5 ms | 21.5 ms (1.87x) | 13.8 ms (1.20x) | 12.5 ms (1.09x) |"

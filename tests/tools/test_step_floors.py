@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from titanlite.bench.step_floors import (
     attention_flops_per_token,
     elementwise_bytes_per_token,
     matmul_flops_per_token,
-    measure_gemm_rate,
     step_floors,
 )
 from titanlite.models.flops import ModelShape
@@ -54,8 +52,8 @@ def test_step_floors_divide_the_work_by_the_rates():
     )
 
 
-def test_cpu_gemm_rate_is_the_measured_matmul_peak():
-    from titanlite.trainer.peaks import measure_cpu_matmul_peak
-
-    rate = measure_gemm_rate(torch.device("cpu"), "float32")
-    assert rate > 0 and rate == measure_cpu_matmul_peak("float32", threads=torch.get_num_threads())
+def test_float8_linears_put_the_blocks_at_the_float8_rate_and_the_rest_at_bf16s():
+    """The blocks' matmuls at the float8 rate; the output layer (kept in bf16) and attention at the bf16 one."""
+    got = step_floors(SHAPE, 100, 10, gemm_flops_per_s=1e3, bytes_per_s=1e2, update_bytes=500.0, float8_flops_per_s=2e3)
+    assert got["matmul"] == pytest.approx(100 * (6 * 2 * BLOCK_MATMUL / 2e3 + 6 * OUTPUT / 1e3))
+    assert got["attention"] == pytest.approx(100 * 3 * 2 * 2 * 2 * 2 * 4 * 5 / 1e3)

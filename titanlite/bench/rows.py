@@ -5,13 +5,16 @@ one line with its ``"row"`` name, or ``{"row": ..., "error": ...}`` when it fail
 GPU machine lent for minutes this is what makes the rows fit: the process starts, imports torch and initializes
 CUDA once, and a row whose graphs another row already compiled (the same shapes with profiling, say) loads them
 from inductor's caches. Between rows the compiled code is dropped (``torch._dynamo.reset``: every row compiles
-its own blocks, never falling back to eager past Dynamo's recompile limit), memory is freed and the peak-memory
-counter restarts, so each row measures what it would alone.
+its own blocks, never falling back to eager past Dynamo's recompile limit), memory is freed, the peak-memory
+counter restarts and torch's deterministic-algorithms switch (``[training] deterministic``) is set back, so each
+row measures what it would alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import io
 import json
 import logging
 import sys
@@ -45,23 +48,42 @@ def split_rows(argv: list[str]) -> tuple[str, list[tuple[str, list[str]]]]:
     return path, rows
 
 
+class _Tee(io.TextIOBase):
+    """A text stream writing to ``stream`` and keeping what was written (a failed row's error line)."""
+
+    def __init__(self, stream):
+        self.stream, self.text = stream, []
+
+    def write(self, text: str) -> int:
+        self.text.append(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
 def run_row(argv: list[str]) -> dict:
     """One row's result, or ``{"error": one line}`` (the traceback of a bug goes to the log)."""
     from titanlite.bench import train
 
+    stderr, deterministic = _Tee(sys.stderr), torch.are_deterministic_algorithms_enabled()
     try:
-        return train.main(argv)
-    except SystemExit as e:  # bad arguments or config: the one line is on stderr already
-        return {"error": f"exit status {e.code}"}
+        with contextlib.redirect_stderr(stderr):
+            return train.main(argv)
+    except SystemExit as e:  # bad arguments or config: its one line is the last "error:" line on stderr
+        errors = [line for line in "".join(stderr.text).splitlines() if line.startswith("error:")]
+        return {"error": errors[-1] if errors else f"exit status {e.code}"}
     except Exception as e:  # an out-of-memory or compile failure of this row: the next rows still run
         logger.error("row failed:\n%s", traceback.format_exc())
         return {"error": one_line(e)}
     finally:
-        release()
+        release(deterministic)
 
 
-def release() -> None:
-    """Drop the row's compiled code and memory, and restart the peak-memory counter."""
+def release(deterministic: bool = False) -> None:
+    """Drop the row's compiled code and memory, restart the peak-memory counter and set torch's
+    deterministic-algorithms switch back to ``deterministic``."""
+    torch.use_deterministic_algorithms(deterministic)
     torch._dynamo.reset()
     gc.collect()
     if torch.cuda.is_available():

@@ -5,9 +5,10 @@ communication and idle time (:mod:`titanlite.bench.trace_summary`). Each part ha
 
 - **matmuls**: their FLOPs (6 per matmul parameter per token; a forward more per token under full activation
   checkpointing) at the **measured** GEMM rate of the device (:func:`measure_gemm_rate`), not the datasheet's, so the
-  gap left is the kernels' and the step's, not the clock's;
+  gap left is the kernels' and the step's, not the clock's; with float8 linears the blocks' matmuls at the float8
+  rate and the output layer, which stays in bf16, at the bf16 rate;
 - **attention**: the causal scores and weighted sums, half of PaLM's ``12 x layers x heads x head_dim x seq_len``
-  per token (a causal kernel skips the masked half), at the same rate;
+  per token (a causal kernel skips the masked half), at the bf16 (compute dtype) rate;
 - **element-wise and norms**: the bytes the non-matmul work must move if everything around the GEMMs were fused
   (:func:`elementwise_bytes_per_token`), at the measured copy bandwidth;
 - **optimizer**: its update traffic (:func:`titanlite.optim.bandwidth.update_bytes`) at that bandwidth;
@@ -70,11 +71,16 @@ def step_floors(
     update_bytes: float,
     act_bytes: int = 2,
     recompute_forward: bool = False,
+    float8_flops_per_s: float | None = None,
 ) -> dict[str, float]:
     """Seconds per step each part of a step cannot go below on one device (see the module docstring), for
-    ``tokens`` tokens per step (per device) of sequences of ``seq_len``."""
+    ``tokens`` tokens per step (per device) of sequences of ``seq_len``: ``gemm_flops_per_s`` in the compute dtype;
+    with float8 linears, ``float8_flops_per_s`` for the blocks' matmuls."""
+    output = 6 * shape.vocab_size * shape.dim  # the output layer's matmuls per token (never float8)
+    blocks = matmul_flops_per_token(shape, recompute_forward) - output
+    matmul_s = tokens * (blocks / (float8_flops_per_s or gemm_flops_per_s) + output / gemm_flops_per_s)
     return {
-        "matmul": tokens * matmul_flops_per_token(shape, recompute_forward) / gemm_flops_per_s,
+        "matmul": matmul_s,
         "attention": tokens * attention_flops_per_token(shape, seq_len, recompute_forward) / gemm_flops_per_s,
         "elementwise / norm": tokens * elementwise_bytes_per_token(shape, act_bytes, recompute_forward) / bytes_per_s,
         "optimizer": update_bytes / bytes_per_s,

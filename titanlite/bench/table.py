@@ -2,7 +2,8 @@
 ``bench hf-baseline``, each with a ``"row"`` name added (``scripts/gpu_check.sh`` writes them): ``titanlite bench
 table results.jsonl > table.md``. Columns: tokens/s, MFU, peak memory, the step split, the optimizer step against
 its bandwidth floor, tokens/s against the ``transformers`` row of the same shape and, for a float8 row, against the
-first bf16 row of the same shape; a failed row is
+first plain bf16 row of the same shape (torch's SDPA order, compile's default mode); a profiled row (the profiler's
+own work is in its time) has no ratios; a failed row is
 ``{"row": ..., "error": ...}``; ``bench optimizer`` rows get a table of their own.
 """
 
@@ -37,6 +38,12 @@ def same_shape(a: dict, b: dict) -> bool:
     return all(a.get(k) == b.get(k) for k in keys)
 
 
+def is_plain_bf16(r: dict) -> bool:
+    """A row without float8, profiling, a chosen SDPA kernel or a compile mode: the baseline of a float8 row."""
+    options = (r.get("sdpa_kernel", "auto"), r.get("compile_mode", "default"))
+    return not r.get("float8") and not r.get("profiled") and options == ("auto", "default")
+
+
 def ratio_to(r: dict, rows: list[dict]) -> str:
     """``r``'s tokens/s over those of the first of ``rows`` of the same shape, or "-"."""
     match = [b for b in rows if same_shape(r, b)]
@@ -53,8 +60,8 @@ def row_line(r: dict, baselines: list[dict], bf16: list[dict]) -> str:
     opt = r.get("optimizer") if isinstance(r.get("optimizer"), dict) else {}
     floor = f"{opt['floor_ratio']:.2f}x" if opt.get("floor_ratio") else "-"
     mfu = mfu_bf16(r)
-    ratio = "-" if r["row"].startswith("transformers") else ratio_to(r, baselines)
-    float8 = ratio_to(r, bf16) if r.get("float8") else "-"
+    ratio = "-" if r["row"].startswith("transformers") or r.get("profiled") else ratio_to(r, baselines)
+    float8 = ratio_to(r, bf16) if r.get("float8") and not r.get("profiled") else "-"
     memory = r.get("peak_memory_gib")
     return (
         f"| {r['row']} | {r['tokens_per_s_per_device']:,.0f} | {'-' if mfu is None else f'{100 * mfu:.1f}%'} | "
@@ -79,7 +86,7 @@ def table(records: list[dict]) -> str:
     devices = sorted({r["device"] for r in records if "device" in r})
     steps = [r for r in records if "merged_s" in r]
     lines = [f"Device: {', '.join(devices) or 'unknown'}", "", HEADER]
-    bf16 = [r for r in records if r not in baselines and "tokens_per_s_per_device" in r and not r.get("float8")]
+    bf16 = [r for r in records if r not in baselines and "tokens_per_s_per_device" in r and is_plain_bf16(r)]
     lines += [row_line(r, baselines, bf16) for r in records if r not in steps]
     if steps:
         lines += ["", OPTIMIZER_HEADER, *map(optimizer_line, steps)]

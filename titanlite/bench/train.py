@@ -186,6 +186,9 @@ def summarize(trainer: BenchTrainer, cfg, args, elapsed: float) -> dict:
         "mixed_precision_param": cfg.training.mixed_precision_param,
         "float8": float8,
         "compile": cfg.compile.enable,
+        "compile_mode": cfg.compile.mode,
+        "sdpa_kernel": cfg.training.sdpa_kernel,
+        "profiled": cfg.profiling.enable_profiling,
         "activation_checkpoint": cfg.activation_checkpoint.mode,
         "seq_len": cfg.training.seq_len,
         "local_batch_size": cfg.training.local_batch_size,
@@ -227,18 +230,21 @@ def summarize(trainer: BenchTrainer, cfg, args, elapsed: float) -> dict:
 
 
 def floors(trainer: BenchTrainer, cfg, matmul_dtype: str, bandwidth: float, update_bytes: float) -> dict:
-    """The measured GEMM rate (in the matmuls' dtype) and each part's floor per step on one device
-    (:mod:`titanlite.bench.step_floors`; ``titanlite bench trace-summary --floors`` sets a profile beside them)."""
-    gemm = measure_gemm_rate(trainer.device, {"tfloat32": "float32"}.get(matmul_dtype, matmul_dtype))
+    """The measured GEMM rates (the compute dtype's; float8's too with float8 linears) and each part's floor per step
+    on one device (:mod:`titanlite.bench.step_floors`; ``titanlite bench trace-summary --floors`` sets a profile
+    beside them)."""
+    compute = {"tfloat32": "float32", "float8": cfg.training.mixed_precision_param}.get(matmul_dtype, matmul_dtype)
+    gemm = measure_gemm_rate(trainer.device, compute)
+    float8 = measure_gemm_rate(trainer.device, "float8") if matmul_dtype == "float8" else None
     tokens = trainer.global_batch * cfg.training.seq_len // trainer.world.world_size
-    shape = ModelShape.from_args(trainer.model_args)
-    act_bytes = 2 if cfg.training.mixed_precision_param == "bfloat16" else 4
-    full_ac = cfg.activation_checkpoint.mode == "full"
     per_step = step_floors(
-        shape, tokens, cfg.training.seq_len, gemm_flops_per_s=gemm, bytes_per_s=bandwidth, update_bytes=update_bytes,
-        act_bytes=act_bytes, recompute_forward=full_ac,
+        ModelShape.from_args(trainer.model_args), tokens, cfg.training.seq_len, gemm_flops_per_s=gemm,
+        bytes_per_s=bandwidth, update_bytes=update_bytes, float8_flops_per_s=float8,
+        act_bytes=2 if cfg.training.mixed_precision_param == "bfloat16" else 4,
+        recompute_forward=cfg.activation_checkpoint.mode == "full",
     )  # fmt: skip
-    return {"gemm_tflops": gemm / 1e12, "gemm_dtype": matmul_dtype, "tokens_per_device": tokens, "step_s": per_step}
+    rates = {"gemm_tflops": gemm / 1e12, "gemm_dtype": compute, "float8_gemm_tflops": float8 and float8 / 1e12}
+    return {**rates, "tokens_per_device": tokens, "step_s": per_step}
 
 
 if __name__ == "__main__":

@@ -53,18 +53,24 @@ SDPA_KERNELS = {
 }
 
 
+# each backend's "enabled" flag in torch._C, as torch.backends.cuda's *_sdp_enabled() read them (OVERRIDEABLE too)
+_FLAG_NAMES = {**{b: n for n, b in SDPA_KERNELS.items()}, SDPBackend.EFFICIENT_ATTENTION: "mem_efficient"}
+_FLAG_NAMES[SDPBackend.OVERRIDEABLE] = "overrideable"
+
+
 def sdpa_priority(first: str = "auto") -> contextlib.AbstractContextManager:
     """A context in which SDPA tries the kernel ``first`` (a key of :data:`SDPA_KERNELS`) before the others, which
-    keep torch's order, so inputs the kernel does not support still run; ``auto``: torch's order unchanged. CUDA
-    follows the order; torch's CPU dispatch has its own rule (flash where it applies, else math) and ignores it."""
+    keep their order and their enabled/disabled state, so inputs the kernel does not support still run; ``auto``:
+    nothing changed. CUDA follows the order; torch's CPU dispatch has its own rule (flash where it applies, else
+    math) and ignores it. On exit the previous flags are back, and the order of the enabled kernels."""
     if first == "auto":
         return contextlib.nullcontext()
     if first not in SDPA_KERNELS:
         raise ConfigError(f"training.sdpa_kernel must be auto or one of {', '.join(SDPA_KERNELS)}, got {first!r}")
     chosen = SDPA_KERNELS[first]
-    default = [SDPBackend(i) for i in torch._C._get_sdp_priority_order()]
-    order = [chosen] + [b for b in default if b != chosen and b in SDPA_KERNELS.values()]
-    return sdpa_kernel(order, set_priority=True)
+    current = [SDPBackend(i) for i in torch._C._get_sdp_priority_order()]
+    enabled = [b for b in current if b != chosen and getattr(torch._C, f"_get_{_FLAG_NAMES[b]}_sdp_enabled")()]
+    return sdpa_kernel([chosen, *enabled], set_priority=True)
 
 
 def block_causal_bool_mask(document_ids: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,11 @@ process group"). Compiled functions that run on DTensors therefore run under a s
 only while AOTAutograd compiles a forward, so scoping the calls suffices and nothing is switched
 off for the rest of the process. Inductor's own FX graph cache, whose key includes the group names,
 still makes recompilation cheap.
+
+The same cache does not key on SDPA's kernel priority either (``[training] sdpa_kernel``), which decides the attention
+kernel when AOTAutograd traces a block: a run choosing a kernel would load the graph of an earlier run with torch's
+choice. With a chosen kernel the compiled calls therefore skip that cache the same way (the inductor cache keys on
+the traced graph, which names the kernel).
 """
 
 from __future__ import annotations
@@ -52,7 +57,9 @@ class CompilePolicy:
 
     ``backend`` and ``mode`` go to every ``torch.compile`` call: ``aot_eager`` traces exactly what inductor would be
     given (Dynamo and AOTAutograd, graph breaks and all) but runs the graphs with eager kernels, so no kernel is
-    generated; ``mode = "reduce-overhead"`` makes inductor replay each compiled region as a CUDA graph."""
+    generated; ``mode = "reduce-overhead"`` makes inductor replay each compiled region as a CUDA graph.
+    ``autograd_cache``: False for compiled calls that must not load AOTAutograd's cached graphs (see the module
+    docstring: a chosen SDPA kernel)."""
 
     def __init__(
         self,
@@ -61,6 +68,7 @@ class CompilePolicy:
         fullgraph: bool = True,
         backend: str = "inductor",
         mode: str = "default",
+        autograd_cache: bool = True,
     ):
         unknown = sorted(set(components) - {"model", "loss"})
         if unknown:
@@ -69,10 +77,13 @@ class CompilePolicy:
         self.loss = enable and "loss" in components
         self.fullgraph = fullgraph
         self.options = {"backend": backend} | ({"mode": mode} if mode != "default" else {})
+        self.autograd_cache = autograd_cache
 
     @classmethod
-    def from_config(cls, section, context_parallel: bool = False) -> CompilePolicy:
-        return cls(section.enable, section.components, not context_parallel, backend=section.backend, mode=section.mode)
+    def from_config(cls, section, context_parallel: bool = False, sdpa_kernel: str = "auto") -> CompilePolicy:
+        """From ``[compile]``, under context parallelism or not, with ``[training] sdpa_kernel``."""
+        options = {"backend": section.backend, "mode": section.mode, "autograd_cache": sdpa_kernel == "auto"}
+        return cls(section.enable, section.components, not context_parallel, **options)
 
     def apply(self, model: nn.Module) -> int:
         """Compile every block of ``model.layers``, and the :data:`END_MODULES` it has, in place; returns how many
@@ -90,17 +101,20 @@ class CompilePolicy:
         return len(model.layers)
 
     def compile(self, fn: Callable, on_dtensors: bool = False, fullgraph: bool = False) -> Callable:
-        """``fn`` compiled with this policy's backend and mode."""
-        return compile_fn(fn, on_dtensors, fullgraph=fullgraph, **self.options)
+        """``fn`` compiled with this policy's backend and mode (AOTAutograd's cache skipped on DTensors, or always
+        without ``autograd_cache``)."""
+        skip_cache = on_dtensors or not self.autograd_cache
+        return compile_fn(fn, skip_cache, fullgraph=fullgraph, **self.options)
 
     def compile_loss(self, fn: Callable, tensor_parallel: bool = False) -> Callable:
         return self.compile(fn, tensor_parallel) if self.loss else fn
 
 
-def compile_fn(fn: Callable, on_dtensors: bool = False, **options) -> Callable:
-    """``torch.compile(fn, **options)``; on DTensors, called without the AOTAutograd cache (see above)."""
+def compile_fn(fn: Callable, skip_autograd_cache: bool = False, **options) -> Callable:
+    """``torch.compile(fn, **options)``; with ``skip_autograd_cache``, called without the AOTAutograd cache (on
+    DTensors, or with a chosen SDPA kernel: see the module docstring)."""
     compiled = torch.compile(fn, **options)
-    if not on_dtensors:
+    if not skip_autograd_cache:
         return compiled
 
     @functools.wraps(fn)

@@ -36,7 +36,9 @@ class Policies:
         return cls(
             float8=Float8Policy.from_config(float8),
             activation_checkpoint=ActivationCheckpoint.from_config(activation_checkpoint),
-            compile=CompilePolicy.from_config(compile, getattr(parallelism, "context_parallel_degree", 1) > 1),
+            compile=CompilePolicy.from_config(
+                compile, getattr(parallelism, "context_parallel_degree", 1) > 1, training.sdpa_kernel
+            ),
             param_dtype=DTYPES[training.mixed_precision_param],
             reduce_dtype=DTYPES[training.mixed_precision_reduce],
             reshard_after_forward=parallelism.fsdp_reshard_after_forward,

@@ -331,7 +331,6 @@ IGNORED: dict[tuple[str, str], str] = {
     ("memory_estimation", "enable"): "torchtitan's estimation script reads it, its trainer does not: for a memory "
     "estimate run titanlite's dry run, --job.dry_run true (or titanlite estimate)",
     ("memory_estimation", "disable_fake_mode"): "use titanlite's dry run (--job.dry_run true)",
-    ("compile", "backend"): "titanlite compiles with inductor",
     ("validation", "local_batch_size"): "titanlite validates with training.local_batch_size (same per-token loss)",
     ("validation", "seq_len"): "titanlite validates with training.seq_len",
     # v0.2.0 - v0.2.2 keys
@@ -1003,7 +1002,7 @@ def _build(
             "train_timeout_seconds": int(comm["train_timeout_seconds"]),
         },
         "activation_checkpoint": {"mode": _ac_mode(ac, warn), "selective_ac_option": str(ac["selective_ac_option"])},
-        "compile": {"enable": bool(comp["enable"]), "components": list(comp["components"])},
+        "compile": {"enable": bool(comp["enable"]), "components": list(comp["components"]), "backend": comp["backend"]},
         "quantize.linear.float8": {"enable": float8, "filter_fqns": list(f8["filter_fqns"])},
     }
     kind, path = _dataset("training", t, lenient)
