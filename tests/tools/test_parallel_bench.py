@@ -286,6 +286,14 @@ def test_rows_run_in_one_process_each_appended_and_a_failure_skips_only_its_row(
     assert (again["loss_first"], again["loss_last"]) == (lines[0]["loss_first"], lines[0]["loss_last"])
 
 
+def test_floors_are_left_out_for_a_family_whose_args_are_not_a_llama_decoders():
+    """A registered family with other model args (e.g. GPT-2's ``n_embd``) still benches, without floors."""
+    from types import SimpleNamespace
+
+    trainer = SimpleNamespace(model_args=SimpleNamespace(n_embd=8, n_layer=2, vocab_size=32))
+    assert _bench_module().floors(trainer, None, "float32", 1e9, 1e6) is None
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

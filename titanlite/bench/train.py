@@ -229,10 +229,15 @@ def summarize(trainer: BenchTrainer, cfg, args, elapsed: float) -> dict:
     return result
 
 
-def floors(trainer: BenchTrainer, cfg, matmul_dtype: str, bandwidth: float, update_bytes: float) -> dict:
+LLAMA_SHAPE = ("dim", "n_layers", "n_heads", "ffn_hidden_dim", "vocab_size", "tie_word_embeddings")
+
+
+def floors(trainer: BenchTrainer, cfg, matmul_dtype: str, bandwidth: float, update_bytes: float) -> dict | None:
     """The measured GEMM rates (the compute dtype's; float8's too with float8 linears) and each part's floor per step
     on one device (:mod:`titanlite.bench.step_floors`; ``titanlite bench trace-summary --floors`` sets a profile
-    beside them)."""
+    beside them); None for a family whose model args are not a Llama-style decoder's (:data:`LLAMA_SHAPE`)."""
+    if not all(hasattr(trainer.model_args, name) for name in LLAMA_SHAPE):
+        return None
     compute = {"tfloat32": "float32", "float8": cfg.training.mixed_precision_param}.get(matmul_dtype, matmul_dtype)
     gemm = measure_gemm_rate(trainer.device, compute)
     float8 = measure_gemm_rate(trainer.device, "float8") if matmul_dtype == "float8" else None
