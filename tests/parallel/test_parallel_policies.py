@@ -122,10 +122,10 @@ def test_a_chosen_sdpa_kernel_skips_the_autograd_cache_whose_key_does_not_hold_i
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: record)
     section = JobConfig().compile
     section.enable = True
-    monkeypatch.setattr(functorch_config, "enable_autograd_cache", True)
-    for kernel in ("cudnn", "auto"):
-        CompilePolicy.from_config(section, sdpa_kernel=kernel).compile_loss(cross_entropy_sum)(None, None)
-    assert seen == [False, True] and functorch_config.enable_autograd_cache
+    with functorch_config.patch(enable_autograd_cache=True):  # torch's own scoped patch of its config
+        for kernel in ("cudnn", "auto"):
+            CompilePolicy.from_config(section, sdpa_kernel=kernel).compile_loss(cross_entropy_sum)(None, None)
+        assert seen == [False, True] and functorch_config.enable_autograd_cache
 
 
 def test_the_eager_backend_runs_the_blocks_traced_and_bitwise_equal():
