@@ -10,6 +10,9 @@ bash scripts/setup_env.sh test
 # 2 threads, 3.8 s with 1, beside two busy processes on this 2-core machine)
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"  # a process asking for more threads: they sleep, not spin
+# inductor compiles in this process: its default pool of compile workers (fresh interpreters importing torch) costs
+# more CPU than it saves when the two pytest workers keep both cores busy
+export TORCHINDUCTOR_COMPILE_THREADS="${TORCHINDUCTOR_COMPILE_THREADS:-1}"
 # the checkout's own sources compiled once: where PYTHONDONTWRITEBYTECODE is set, as on CI, every process of the
 # suite (pytest workers, ranks, torchrun, CLI runs) would otherwise compile each titanlite module it imports again
 .venv/bin/python -m compileall -q -j 2 titanlite torchtitan_ext tests
