@@ -17,11 +17,11 @@ communication and idle time (:mod:`titanlite.bench.trace_summary`). Each part ha
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 
+from titanlite.bench.common import seconds
 from titanlite.models.flops import ModelShape, active_param_count
 
 FLOAT8 = torch.float8_e4m3fn
@@ -35,8 +35,14 @@ def matmul_flops_per_token(shape: ModelShape, recompute_forward: bool = False) -
     embed = 0 if shape.tie_word_embeddings else shape.vocab_size * shape.dim
     norms = shape.n_layers * (2 * shape.dim + (2 * shape.head_dim if shape.qk_norm else 0)) + shape.dim
     matmul = active_param_count(shape) - embed - norms
-    output = shape.vocab_size * shape.dim
-    return 6 * matmul + (2 * (matmul - output) if recompute_forward else 0)
+    blocks = matmul - shape.vocab_size * shape.dim  # the output layer is not in a block: not recomputed
+    return 6 * matmul + (2 * blocks if recompute_forward else 0)
+
+
+def output_flops_per_token(shape: ModelShape) -> float:
+    """The output layer's forward and backward FLOPs per token (never recomputed by activation checkpointing, never
+    float8)."""
+    return 6 * shape.vocab_size * shape.dim
 
 
 def attention_flops_per_token(shape: ModelShape, seq_len: int, recompute_forward: bool = False) -> float:
@@ -76,7 +82,7 @@ def step_floors(
     """Seconds per step each part of a step cannot go below on one device (see the module docstring), for
     ``tokens`` tokens per step (per device) of sequences of ``seq_len``: ``gemm_flops_per_s`` in the compute dtype;
     with float8 linears, ``float8_flops_per_s`` for the blocks' matmuls."""
-    output = 6 * shape.vocab_size * shape.dim  # the output layer's matmuls per token (never float8)
+    output = output_flops_per_token(shape)
     blocks = matmul_flops_per_token(shape, recompute_forward) - output
     matmul_s = tokens * (blocks / (float8_flops_per_s or gemm_flops_per_s) + output / gemm_flops_per_s)
     return {
@@ -97,17 +103,10 @@ def measure_gemm_rate(device: torch.device, dtype: str = "bfloat16", n: int = 81
         from titanlite.trainer.peaks import measure_cpu_matmul_peak
 
         return measure_cpu_matmul_peak("float32" if dtype == "float8" else dtype, threads=torch.get_num_threads())
-    matmul = _gemm(device, dtype, n)
+    matmul, calls = _gemm(device, dtype, n), 10
     matmul()  # kernel selection, warm-up
-    torch.cuda.synchronize(device)
-    calls, best = 10, 0.0
-    for _ in range(trials):
-        start = time.perf_counter()
-        for _ in range(calls):
-            matmul()
-        torch.cuda.synchronize(device)
-        best = max(best, 2 * n**3 * calls / (time.perf_counter() - start))
-    return best
+    fastest = min(seconds(lambda: [matmul() for _ in range(calls)], device) for _ in range(trials))
+    return 2 * n**3 * calls / fastest
 
 
 def _gemm(device: torch.device, dtype: str, n: int) -> Any:
